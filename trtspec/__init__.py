@@ -1,0 +1,3 @@
+"""trtspec: ship speculative decoding safely (build, serve, verify, bench)."""
+
+__version__ = "0.1.0"

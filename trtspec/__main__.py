@@ -1,0 +1,3 @@
+from trtspec.cli.app import main
+
+main()

@@ -1,0 +1,39 @@
+"""The `trtspec` command: one small module per command, registered here."""
+
+from __future__ import annotations
+
+import typer
+
+from trtspec import __version__
+from trtspec.cli import build, check, verify
+
+app = typer.Typer(
+    name="trtspec",
+    help="Ship speculative decoding safely: build paired draft/target engines, serve them on "
+    "Triton, and prove greedy outputs are token-identical to the target alone.\n\n"
+    "Exit codes: 0 ok, 1 verify found a divergence, 2 bad input (spec, checkpoint, flag, "
+    "request), 3 runtime failure (server, engine load), 130 interrupted.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.command("check")(check.check)
+app.command("build")(build.build)
+app.command("verify")(verify.verify)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"trtspec {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    pass
+
+
+def main() -> None:
+    app()

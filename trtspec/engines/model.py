@@ -1,0 +1,232 @@
+"""A Llama-family decoder in plain PyTorch with a static, slot-indexed KV cache.
+
+Why not the transformers model: speculative decoding rewinds the cache after every rejected
+draft and batches sequences that each sit at their own length. With a static cache indexed by
+(slot, position), rewinding is setting an integer and batching ragged sequences is one masked
+attention call (the gpt-fast design). Weights load unchanged from a Hugging Face safetensors
+checkpoint (same parameter names), and RoPE variants come from transformers' own tables, so
+logits match the transformers implementation (tested).
+
+Supported ``model_type``: llama, mistral, qwen2 (biases are picked up from the checkpoint).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    sliding_window: int | None
+
+    @classmethod
+    def from_hf(cls, hf) -> DecoderConfig:
+        window = getattr(hf, "sliding_window", None)
+        if hf.model_type == "qwen2" and not getattr(hf, "use_sliding_window", False):
+            window = None
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        return cls(
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=hf.num_attention_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            sliding_window=window,
+        )
+
+
+def rope_tables(hf_config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_positions, head_dim] in float32, any RoPE type transformers knows."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(hf_config, "rope_parameters", None) or {"rope_type": "default"}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        init = _default_rope
+    else:
+        init = ROPE_INIT_FUNCTIONS[rope_type]
+    inv_freq, scaling = init(hf_config, torch.device("cpu"))
+    pos = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq.float())  # [max_positions, head_dim/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+def _default_rope(hf_config, device):
+    params = hf_config.rope_parameters
+    dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    base = params["rope_theta"]
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return inv, 1.0
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class KVCache:
+    """Static K/V buffers: per layer [slots, kv_heads, max_seq, head_dim].
+
+    A slot's valid length lives outside (in the engine); rewinding is forgetting positions.
+    """
+
+    def __init__(self, cfg: DecoderConfig, slots: int, max_seq: int, dtype: torch.dtype):
+        shape = (slots, cfg.num_kv_heads, max_seq, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.slots = slots
+        self.max_seq = max_seq
+
+
+@dataclass
+class StepInputs:
+    """One batched forward over ragged sequences (right-padded to the longest)."""
+
+    tokens: torch.Tensor  # [b, q] int64
+    positions: torch.Tensor  # [b, q] int64; padding rows point at position 0
+    valid: torch.Tensor  # [b, q] bool; False on padding
+    slots: torch.Tensor  # [b] int64
+    mask: torch.Tensor  # [b, 1, q, S] bool; True = may attend
+    write_slot: torch.Tensor  # [n_valid] slot of each real token
+    write_pos: torch.Tensor  # [n_valid] position of each real token
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, bias: bool, o_bias: bool):
+        super().__init__()
+        self.cfg = cfg
+        h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv * d, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=bias)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=o_bias)
+
+    def forward(self, x, cos, sin, step: StepInputs, k_cache, v_cache):
+        b, q, _ = x.shape
+        cfg = self.cfg
+        xq = self.q_proj(x).view(b, q, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        xk = self.k_proj(x).view(b, q, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        xv = self.v_proj(x).view(b, q, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        # cos/sin: [b, 1, q, head_dim]
+        xq = xq * cos + _rotate_half(xq) * sin
+        xk = xk * cos + _rotate_half(xk) * sin
+        # Only real tokens are written: padding must never clobber another position.
+        k_rows = xk.transpose(1, 2)[step.valid]  # [n_valid, kv_heads, head_dim]
+        v_rows = xv.transpose(1, 2)[step.valid]
+        k_cache[step.write_slot, :, step.write_pos] = k_rows
+        v_cache[step.write_slot, :, step.write_pos] = v_rows
+        span = step.mask.shape[-1]
+        keys = k_cache[step.slots, :, :span]  # [b, kv_heads, S, head_dim]
+        values = v_cache[step.slots, :, :span]
+        out = F.scaled_dot_product_attention(
+            xq, keys, values, attn_mask=step.mask, enable_gqa=cfg.num_heads != cfg.num_kv_heads
+        )  # [b, heads, q, head_dim]
+        return self.o_proj(out.transpose(1, 2).reshape(b, q, cfg.num_heads * cfg.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig, bias: bool):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool):
+        super().__init__()
+        self.self_attn = Attention(cfg, qkv_bias, o_bias)
+        self.mlp = MLP(cfg, mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, step, k_cache, v_cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, step, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Body(nn.Module):
+    def __init__(self, cfg: DecoderConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, qkv_bias, o_bias, mlp_bias) for _ in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DecoderLM(nn.Module):
+    """Parameter names mirror transformers' *ForCausalLM so checkpoints load as they are."""
+
+    def __init__(self, cfg: DecoderConfig, qkv_bias=False, o_bias=False, mlp_bias=False):
+        super().__init__()
+        self.cfg = cfg
+        self.model = _Body(cfg, qkv_bias, o_bias, mlp_bias)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @classmethod
+    def from_state_dict(cls, cfg: DecoderConfig, state: dict[str, torch.Tensor]) -> DecoderLM:
+        """Build without initialising weights, then adopt the checkpoint's tensors."""
+        qkv_bias = "model.layers.0.self_attn.q_proj.bias" in state
+        o_bias = "model.layers.0.self_attn.o_proj.bias" in state
+        mlp_bias = "model.layers.0.mlp.gate_proj.bias" in state
+        with torch.device("meta"):
+            model = cls(cfg, qkv_bias, o_bias, mlp_bias)
+        state = dict(state)
+        if "lm_head.weight" not in state:
+            if not cfg.tie_word_embeddings:
+                raise KeyError("lm_head.weight")
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        model.load_state_dict(state, strict=True, assign=True)
+        return model.eval()
+
+    @torch.inference_mode()
+    def hidden_states(self, step: StepInputs, cos_table, sin_table, cache: KVCache) -> torch.Tensor:
+        """Final-norm hidden states [b, q, hidden] for the step's tokens; fills the cache."""
+        x = self.model.embed_tokens(step.tokens)
+        dtype = x.dtype
+        cos = cos_table[step.positions].to(dtype).unsqueeze(1)  # [b, 1, q, head_dim]
+        sin = sin_table[step.positions].to(dtype).unsqueeze(1)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, step, cache.k[i], cache.v[i])
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,172 @@
+"""The torch reference engine: load a built engine folder and run batched forwards.
+
+Callers hand over whole token sequences (as TensorRT-LLM's Triton clients re-send them); the
+engine keeps a prefix KV cache per slot and computes only the part it has not seen, the way
+TensorRT-LLM's KV-cache block reuse does. A rejected draft is undone by the next call: its
+common prefix with the slot's tokens is what stays valid.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from trtspec.engines.manifest import Manifest, read_manifest
+from trtspec.engines.model import KVCache, DecoderConfig, DecoderLM, StepInputs, rope_tables
+from trtspec.errors import EngineError, RequestError
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+WEIGHTS = "model.safetensors"
+
+
+@dataclass
+class ForwardItem:
+    """A sequence to run and how many of its last positions need logits."""
+
+    tokens: list[int]
+    n_logits: int
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class SlotPool:
+    """Which tokens each KV slot holds, and which slot a new sequence should reuse."""
+
+    def __init__(self, slots: int):
+        self.tokens: list[list[int]] = [[] for _ in range(slots)]
+        self.last_used = [0.0] * slots
+
+    def assign(self, batch: list[list[int]]) -> list[tuple[int, int]]:
+        """(slot, reusable prefix length) per sequence, distinct slots within the batch."""
+        taken: set[int] = set()
+        out = []
+        for seq in batch:
+            best, best_len = -1, -1
+            for s, cached in enumerate(self.tokens):
+                if s in taken:
+                    continue
+                n = common_prefix_len(seq, cached)
+                # Longest shared prefix wins; among equals, the least recently used slot.
+                if n > best_len or (n == best_len and self.last_used[s] < self.last_used[best]):
+                    best, best_len = s, n
+            taken.add(best)
+            out.append((best, best_len))
+        return out
+
+    def commit(self, slot: int, tokens: list[int]) -> None:
+        self.tokens[slot] = list(tokens)
+        self.last_used[slot] = time.monotonic()
+
+
+class TorchEngine:
+    """One model, ``slots`` KV caches of ``max_seq_len`` positions; thread-safe run()."""
+
+    def __init__(self, folder: Path, manifest: Manifest, model: DecoderLM, hf_config, slots: int):
+        self.folder = folder
+        self.manifest = manifest
+        self.model = model
+        self.config = model.cfg
+        self.vocab_size = model.cfg.vocab_size
+        self.max_seq_len = manifest.limits["max_seq_len"]
+        self.max_batch_size = slots
+        dtype = DTYPES[manifest.dtype]
+        self.cache = KVCache(model.cfg, slots, self.max_seq_len, dtype)
+        self.cos, self.sin = rope_tables(hf_config, self.max_seq_len)
+        self.pool = SlotPool(slots)
+        self._lock = threading.Lock()
+        self.forwards = 0  # number of run() calls that computed something
+
+    @classmethod
+    def load(cls, folder: Path, slots: int | None = None) -> TorchEngine:
+        from transformers import AutoConfig
+
+        folder = Path(folder)
+        manifest = read_manifest(folder)
+        if manifest.backend != "torch":
+            raise EngineError(f"{folder} holds a {manifest.backend} engine, not a torch engine")
+        hf_config = AutoConfig.from_pretrained(folder)
+        cfg = DecoderConfig.from_hf(hf_config)
+        state = load_file(str(folder / WEIGHTS))
+        model = DecoderLM.from_state_dict(cfg, state)
+        n = slots if slots is not None else manifest.limits["max_batch_size"]
+        return cls(folder, manifest, model, hf_config, n)
+
+    def run(self, items: list[ForwardItem]) -> list[torch.Tensor]:
+        """Logits [n_logits, vocab] (float32) for the last n_logits positions of each item."""
+        if not items:
+            return []
+        if len(items) > self.max_batch_size:
+            raise RequestError(
+                f"batch of {len(items)} exceeds the engine's max_batch_size "
+                f"{self.max_batch_size}; send fewer sequences at once"
+            )
+        for it in items:
+            if not 1 <= it.n_logits <= len(it.tokens):
+                raise RequestError(f"n_logits {it.n_logits} not in 1..{len(it.tokens)}")
+            if len(it.tokens) > self.max_seq_len:
+                raise RequestError(
+                    f"sequence of {len(it.tokens)} tokens exceeds max_seq_len {self.max_seq_len}"
+                )
+            bad = [t for t in it.tokens if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        with self._lock:
+            return self._run_locked(items)
+
+    def _run_locked(self, items: list[ForwardItem]) -> list[torch.Tensor]:
+        assigned = self.pool.assign([it.tokens for it in items])
+        starts = []
+        for it, (_, reuse) in zip(items, assigned):
+            # Positions that need logits must be computed now, even if already cached.
+            starts.append(min(reuse, len(it.tokens) - it.n_logits))
+        step = self._step_inputs(items, assigned, starts)
+        hidden = self.model.hidden_states(step, self.cos, self.sin, self.cache)  # [b, q, hidden]
+        self.forwards += 1
+        out = []
+        for row, (it, start) in enumerate(zip(items, starts)):
+            n_new = len(it.tokens) - start
+            rows = hidden[row, n_new - it.n_logits : n_new]  # [n_logits, hidden]
+            out.append(self.model.logits(rows))  # [n_logits, vocab]
+        for it, (slot, _) in zip(items, assigned):
+            self.pool.commit(slot, it.tokens)
+        return out
+
+    def _step_inputs(self, items, assigned, starts) -> StepInputs:
+        b = len(items)
+        q = max(len(it.tokens) - s for it, s in zip(items, starts))
+        tokens = torch.zeros((b, q), dtype=torch.long)
+        positions = torch.zeros((b, q), dtype=torch.long)
+        valid = torch.zeros((b, q), dtype=torch.bool)
+        for row, (it, start) in enumerate(zip(items, starts)):
+            new = it.tokens[start:]
+            tokens[row, : len(new)] = torch.tensor(new, dtype=torch.long)
+            positions[row, : len(new)] = torch.arange(start, start + len(new))
+            valid[row, : len(new)] = True
+        span = int(positions.max()) + 1
+        keys = torch.arange(span)  # [S]
+        # Causal over each row's own positions; padding rows see key 0 only (no empty rows).
+        mask = keys.view(1, 1, span) <= positions.unsqueeze(-1)  # [b, q, S]
+        window = self.config.sliding_window
+        if window is not None:
+            mask &= keys.view(1, 1, span) > positions.unsqueeze(-1) - window
+        slots = torch.tensor([slot for slot, _ in assigned], dtype=torch.long)
+        return StepInputs(
+            tokens=tokens,
+            positions=positions,
+            valid=valid,
+            slots=slots,
+            mask=mask.unsqueeze(1),  # [b, 1, q, S]
+            write_slot=slots.unsqueeze(1).expand(b, q)[valid],
+            write_pos=positions[valid],
+        )

@@ -1,0 +1,346 @@
+"""Engine spec: one YAML file per deployment, validated by pydantic.
+
+A spec names the target and draft checkpoints, the speculative method, build limits, the
+backend, and the serve and verify settings. Unknown keys are rejected; every error is
+rendered as ``<file>: <field.path>: <problem> (<fix>)`` and raised as SpecError (exit 2).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from trtspec.errors import SpecError
+
+Dtype = Literal["float32", "float16", "bfloat16"]
+Backend = Literal["torch", "trtllm"]
+Method = Literal["draft_target", "ngram"]
+Quantization = Literal["none", "fp8", "int4_awq", "int8_wo"]
+
+MAX_DRAFT_LEN_LIMIT = 16
+_UNPINNED_REVISIONS = {"main", "master", "head", "latest"}
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BuildLimits(_Strict):
+    """Shapes the engines are built for; requests beyond them are refused."""
+
+    max_batch_size: Annotated[int, Field(ge=1, le=1024)] = 4
+    max_input_len: Annotated[int, Field(ge=1)] = 1024
+    max_seq_len: Annotated[int, Field(ge=2)] = 2048
+
+    @model_validator(mode="after")
+    def _input_fits(self) -> BuildLimits:
+        if self.max_input_len >= self.max_seq_len:
+            raise ValueError(
+                f"max_input_len ({self.max_input_len}) must be smaller than max_seq_len "
+                f"({self.max_seq_len}) so at least one token can be generated; "
+                "lower max_input_len or raise max_seq_len"
+            )
+        return self
+
+
+class ModelSpec(_Strict):
+    """One checkpoint: a Hub repo at a pinned revision, or a local folder; GGUF optional."""
+
+    repo: str | None = None
+    revision: str | None = None
+    path: str | None = None
+    gguf_file: str | None = None
+    dtype: Dtype = "float16"
+    trust_remote_code: bool = False
+    # TensorRT-LLM options (backend: trtllm); the torch backend requires the defaults.
+    tp_size: Annotated[int, Field(ge=1, le=64)] = 1
+    pp_size: Annotated[int, Field(ge=1, le=64)] = 1
+    quantization: Quantization = "none"
+    gpu_device_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    build: BuildLimits | None = None  # per-engine override of the spec-level limits
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSpec:
+        if (self.repo is None) == (self.path is None):
+            raise ValueError(
+                "give exactly one source: `repo` (a Hub repo id, with `revision`) "
+                "or `path` (a local folder)"
+            )
+        if self.repo is not None:
+            if not self.revision:
+                raise ValueError(
+                    f"`repo: {self.repo}` needs a pinned `revision` (a commit sha or tag) "
+                    "so builds are reproducible"
+                )
+            if self.revision.lower() in _UNPINNED_REVISIONS:
+                raise ValueError(
+                    f"revision '{self.revision}' is a moving branch; pin a commit sha or tag"
+                )
+        elif self.revision is not None:
+            raise ValueError("`revision` only applies to `repo`; remove it for a local `path`")
+        if self.gguf_file is not None and not self.gguf_file.endswith(".gguf"):
+            raise ValueError(f"gguf_file '{self.gguf_file}' must name a .gguf file")
+        if self.gpu_device_ids is not None:
+            world = self.tp_size * self.pp_size
+            if len(self.gpu_device_ids) != world:
+                raise ValueError(
+                    f"gpu_device_ids lists {len(self.gpu_device_ids)} GPU(s) but tp_size x "
+                    f"pp_size = {world}; list exactly {world} device id(s)"
+                )
+        return self
+
+    @property
+    def source_id(self) -> str:
+        """Human-readable origin: repo id or local path."""
+        return self.repo if self.repo is not None else str(self.path)
+
+
+class SpeculativeSpec(_Strict):
+    method: Method = "draft_target"
+    max_draft_len: Annotated[int, Field(ge=1, le=MAX_DRAFT_LEN_LIMIT)] = 4
+    # Draft length used when a request does not ask for one (<= max_draft_len).
+    num_draft_tokens: Annotated[int, Field(ge=0, le=MAX_DRAFT_LEN_LIMIT)] | None = None
+    # ngram (prompt lookup): longest suffix n-gram tried first, down to min_ngram.
+    max_ngram: Annotated[int, Field(ge=1, le=16)] = 3
+    min_ngram: Annotated[int, Field(ge=1, le=16)] = 1
+    # TensorRT-LLM only: accept drafts by comparing draft and target logits (not greedy
+    # token identity); needs --gather_generation_logits. Off: exact greedy acceptance.
+    use_draft_logits: bool = False
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SpeculativeSpec:
+        if self.num_draft_tokens is not None and self.num_draft_tokens > self.max_draft_len:
+            raise ValueError(
+                f"num_draft_tokens ({self.num_draft_tokens}) exceeds max_draft_len "
+                f"({self.max_draft_len}); lower it or raise max_draft_len"
+            )
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"min_ngram ({self.min_ngram}) exceeds max_ngram ({self.max_ngram})")
+        return self
+
+    @property
+    def default_draft_tokens(self) -> int:
+        return self.max_draft_len if self.num_draft_tokens is None else self.num_draft_tokens
+
+
+class ServeSpec(_Strict):
+    host: str = "127.0.0.1"
+    http_port: Annotated[int, Field(ge=1, le=65535)] = 8000
+    grpc_port: Annotated[int, Field(ge=1, le=65535)] = 8001
+    metrics_port: Annotated[int, Field(ge=1, le=65535)] = 8002
+    instance_count: Annotated[int, Field(ge=1, le=64)] = 1
+    streaming: bool = True
+    repo_dir: str | None = None  # default model_repo/<name>
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> ServeSpec:
+        ports = [self.http_port, self.grpc_port, self.metrics_port]
+        if len(set(ports)) != 3:
+            raise ValueError(f"http_port, grpc_port and metrics_port must differ (got {ports})")
+        return self
+
+
+class VerifySpec(_Strict):
+    prompts: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
+    prompts_file: str | None = None  # JSONL: {"prompt": "..."} per line
+    max_tokens: Annotated[int, Field(ge=1)] = 64
+    chat_template: bool = True
+
+
+class EngineSpec(_Strict):
+    name: str
+    backend: Backend = "torch"
+    target: ModelSpec
+    draft: ModelSpec | None = None
+    speculative: SpeculativeSpec = Field(default_factory=SpeculativeSpec)
+    build: BuildLimits = Field(default_factory=BuildLimits)
+    output_dir: str | None = None  # engines/<name> relative to the working directory
+    serve: ServeSpec = Field(default_factory=ServeSpec)
+    verify: VerifySpec = Field(default_factory=VerifySpec)
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_slug(cls, v: str) -> str:
+        if not _NAME_RE.match(v):
+            raise ValueError(
+                f"'{v}' is not a usable name; use lowercase letters, digits, '.', '_' or '-' "
+                "(it becomes folder and model names)"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> EngineSpec:
+        method = self.speculative.method
+        if method == "draft_target" and self.draft is None:
+            raise ValueError(
+                "method draft_target needs a `draft` model; add one or use method: ngram"
+            )
+        if method == "ngram" and self.draft is not None:
+            raise ValueError("method ngram uses no draft model; remove `draft`")
+        if self.verify.max_tokens >= self.build.max_seq_len:
+            raise ValueError(
+                f"verify.max_tokens ({self.verify.max_tokens}) must be below build.max_seq_len "
+                f"({self.build.max_seq_len})"
+            )
+        for role, model in self.models().items():
+            if self.backend == "torch":
+                if model.tp_size != 1 or model.pp_size != 1 or model.quantization != "none":
+                    raise ValueError(
+                        f"{role}: tp_size, pp_size and quantization are TensorRT-LLM options; "
+                        "the torch backend needs tp_size 1, pp_size 1, quantization none "
+                        "(or set backend: trtllm)"
+                    )
+                if model.gpu_device_ids is not None:
+                    raise ValueError(f"{role}: gpu_device_ids only applies to backend: trtllm")
+        if self.backend == "torch" and self.speculative.use_draft_logits:
+            raise ValueError(
+                "speculative.use_draft_logits only applies to backend: trtllm; the torch "
+                "backend accepts drafts by exact greedy token identity"
+            )
+        return self
+
+    def models(self) -> dict[str, ModelSpec]:
+        """The models to build, by role."""
+        roles = {"target": self.target}
+        if self.draft is not None:
+            roles["draft"] = self.draft
+        return roles
+
+    def limits(self, role: str) -> BuildLimits:
+        override = self.models()[role].build
+        return override if override is not None else self.build
+
+    def build_hash(self, role: str) -> str:
+        """Hash of everything that shapes the engine of ``role`` (not serve/verify)."""
+        payload = {
+            "format": 1,
+            "backend": self.backend,
+            "model": self.models()[role].model_dump(mode="json"),
+            "limits": self.limits(role).model_dump(mode="json"),
+            "max_draft_len": self.speculative.max_draft_len,
+            "use_draft_logits": self.speculative.use_draft_logits,
+        }
+        blob = json.dumps(payload, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+
+class LoadedSpec(BaseModel):
+    """A validated spec plus where it came from (relative paths resolve against it)."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+
+    spec: EngineSpec
+    path: Path
+
+    @property
+    def base_dir(self) -> Path:
+        return self.path.parent
+
+    def resolve(self, p: str) -> Path:
+        q = Path(p).expanduser()
+        return q if q.is_absolute() else (self.base_dir / q).resolve()
+
+    def output_dir(self, override: str | Path | None = None) -> Path:
+        if override is not None:
+            return Path(override).expanduser().resolve()
+        if self.spec.output_dir is not None:
+            return self.resolve(self.spec.output_dir)
+        return (Path.cwd() / "engines" / self.spec.name).resolve()
+
+    def repo_dir(self, override: str | Path | None = None) -> Path:
+        if override is not None:
+            return Path(override).expanduser().resolve()
+        if self.spec.serve.repo_dir is not None:
+            return self.resolve(self.spec.serve.repo_dir)
+        return (Path.cwd() / "model_repo" / self.spec.name).resolve()
+
+    def verify_prompts(self) -> list[str]:
+        """Inline prompts followed by those of prompts_file (JSONL, key "prompt")."""
+        prompts = list(self.spec.verify.prompts)
+        if self.spec.verify.prompts_file:
+            prompts += read_prompts_file(self.resolve(self.spec.verify.prompts_file))
+        return prompts
+
+
+def read_prompts_file(path: Path) -> list[str]:
+    if not path.is_file():
+        raise SpecError(f"verify.prompts_file: {path} does not exist; create it or fix the path")
+    prompts = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SpecError(f"{path}:{n}: not valid JSON ({e.msg}); one object per line") from e
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
+            raise SpecError(f'{path}:{n}: expected {{"prompt": "<non-empty text>"}}')
+        prompts.append(row["prompt"])
+    return prompts
+
+
+def load_spec(path: str | Path) -> LoadedSpec:
+    """Read, parse and validate an engine spec; raise SpecError with every problem."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise SpecError(f"spec file {p} not found; pass the path of an engine spec YAML")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise SpecError(f"{p}:{where}: invalid YAML ({problem}); fix the syntax") from e
+    if not isinstance(data, dict):
+        raise SpecError(f"{p}: the spec must be a YAML mapping with at least name and target")
+    try:
+        spec = EngineSpec.model_validate(data)
+    except ValidationError as e:
+        raise SpecError(render_validation_error(p, e)) from e
+    return LoadedSpec(spec=spec, path=p.resolve())
+
+
+def _allowed_keys(model: type[BaseModel]) -> str:
+    return ", ".join(model.model_fields)
+
+
+_MODELS_BY_PATH: dict[str, type[BaseModel]] = {
+    "": EngineSpec,
+    "target": ModelSpec,
+    "draft": ModelSpec,
+    "speculative": SpeculativeSpec,
+    "build": BuildLimits,
+    "target.build": BuildLimits,
+    "draft.build": BuildLimits,
+    "serve": ServeSpec,
+    "verify": VerifySpec,
+}
+
+
+def render_validation_error(path: Path, err: ValidationError) -> str:
+    """One line per problem: ``<file>: <field.path>: <reason>``."""
+    lines = []
+    for e in err.errors():
+        loc = [str(x) for x in e["loc"]]
+        field = ".".join(loc) or "(top level)"
+        kind = e["type"]
+        if kind == "extra_forbidden":
+            parent = ".".join(loc[:-1])
+            model = _MODELS_BY_PATH.get(parent)
+            allowed = f" (allowed: {_allowed_keys(model)})" if model else ""
+            reason = f"unknown key; remove or rename it{allowed}"
+        elif kind == "missing":
+            reason = "required key is missing; add it"
+        elif kind.startswith("value_error"):
+            reason = str(e["msg"]).removeprefix("Value error, ")
+        else:
+            reason = f"{e['msg']} (got {e.get('input')!r})"
+        lines.append(f"{path}: {field}: {reason}")
+    return "\n".join(lines)

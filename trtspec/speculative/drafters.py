@@ -1,0 +1,59 @@
+"""Drafters: who proposes the tokens the target verifies.
+
+ModelDrafter runs a draft engine greedily; NgramDrafter (prompt lookup) copies the
+continuation of an earlier occurrence of the context's suffix. Both only propose.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from trtspec.engines.torch_engine import ForwardItem
+
+# Runs a batch of sequences and returns logits [n_logits, vocab] per item (TorchEngine.run).
+RunFn = Callable[[list[ForwardItem]], list[torch.Tensor]]
+
+
+class ModelDrafter:
+    """Greedy draft model: k single-token steps, batched across sequences.
+
+    The engine's prefix cache makes each step compute only the newest token; tokens the
+    target rejected are forgotten on the next call (the cache keeps the common prefix).
+    """
+
+    def __init__(self, run: RunFn, vocab_limit: int | None = None):
+        self.run = run
+        # Draft rows beyond the target's vocabulary (embedding padding) are never proposed.
+        self.vocab_limit = vocab_limit
+
+    def propose(self, contexts: Sequence[list[int]], ks: Sequence[int]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in contexts]
+        for step in range(max(ks, default=0)):
+            live = [i for i, k in enumerate(ks) if k > step]
+            logits = self.run([ForwardItem(list(contexts[i]) + drafts[i], 1) for i in live])
+            for i, row in zip(live, logits):
+                drafts[i].append(int(torch.argmax(row[-1, : self.vocab_limit])))
+        return drafts
+
+
+class NgramDrafter:
+    """Prompt lookup: find the longest suffix n-gram (max_ngram down to min_ngram) that
+    occurred earlier in the context and propose what followed its latest occurrence."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def propose(self, contexts: Sequence[list[int]], ks: Sequence[int]) -> list[list[int]]:
+        return [self._lookup(list(ctx), k) for ctx, k in zip(contexts, ks)]
+
+    def _lookup(self, ctx: list[int], k: int) -> list[int]:
+        for n in range(min(self.max_ngram, len(ctx) - 1), self.min_ngram - 1, -1):
+            suffix = ctx[-n:]
+            # Latest earlier start j < len(ctx) - n whose n-gram equals the suffix.
+            for j in range(len(ctx) - n - 1, -1, -1):
+                if ctx[j : j + n] == suffix:
+                    return ctx[j + n : j + n + k]
+        return []

@@ -1,0 +1,108 @@
+"""Speculative-decoding metrics, defined once and used by verify, serve and bench.
+
+Definitions (one "step" = one target forward that verifies a draft, possibly empty):
+  drafted                 draft tokens proposed to the target
+  accepted                draft tokens the target agreed with (the longest agreeing prefix)
+  acceptance_rate         accepted / drafted                          (0 when nothing drafted)
+  target_forwards         target forwards (steps), prefill included
+  tokens                  tokens the steps yielded: accepted + one target token per step
+                          (the bonus or the correction), before stop/max_tokens truncation
+  mean_acceptance_length  tokens / target_forwards: tokens per target forward incl. the bonus
+  per_position_rate[i]    P(draft token at position i accepted | it was drafted)
+  histogram[n]            number of steps that accepted exactly n draft tokens
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecMetrics:
+    drafted: int = 0
+    accepted: int = 0
+    target_forwards: int = 0
+    tokens: int = 0
+    drafted_at: list[int] = field(default_factory=list)  # per draft position
+    accepted_at: list[int] = field(default_factory=list)
+    histogram: list[int] = field(default_factory=list)  # index = accepted drafts in a step
+
+    def record_step(self, n_drafted: int, n_accepted: int) -> None:
+        """One target forward that saw ``n_drafted`` drafts and accepted ``n_accepted``."""
+        if not 0 <= n_accepted <= n_drafted:
+            raise ValueError(f"accepted {n_accepted} of {n_drafted} drafted")
+        self.target_forwards += 1
+        self.drafted += n_drafted
+        self.accepted += n_accepted
+        self.tokens += n_accepted + 1
+        _grow(self.drafted_at, n_drafted)
+        _grow(self.accepted_at, n_drafted)
+        _grow(self.histogram, n_accepted + 1)
+        for i in range(n_drafted):
+            self.drafted_at[i] += 1
+            if i < n_accepted:
+                self.accepted_at[i] += 1
+        self.histogram[n_accepted] += 1
+
+    def merge(self, other: SpecMetrics) -> SpecMetrics:
+        """Sum of two sets of counts (a new object)."""
+        out = SpecMetrics(
+            drafted=self.drafted + other.drafted,
+            accepted=self.accepted + other.accepted,
+            target_forwards=self.target_forwards + other.target_forwards,
+            tokens=self.tokens + other.tokens,
+        )
+        out.drafted_at = _add(self.drafted_at, other.drafted_at)
+        out.accepted_at = _add(self.accepted_at, other.accepted_at)
+        out.histogram = _add(self.histogram, other.histogram)
+        return out
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return self.tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def per_position_rate(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    def to_dict(self) -> dict:
+        return {
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "target_forwards": self.target_forwards,
+            "tokens": self.tokens,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "per_position_rate": self.per_position_rate,
+            "histogram": list(self.histogram),
+        }
+
+
+def _grow(xs: list[int], n: int) -> None:
+    if len(xs) < n:
+        xs.extend([0] * (n - len(xs)))
+
+
+def _add(a: list[int], b: list[int]) -> list[int]:
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
+
+
+def expected_tokens_per_forward(acceptance: float, k: int) -> float:
+    """E[tokens per target forward] for i.i.d. acceptance a and draft length k."""
+    if acceptance >= 1.0:
+        return float(k + 1)
+    return (1 - acceptance ** (k + 1)) / (1 - acceptance)
+
+
+def speedup_bound(acceptance: float, k: int, cost_ratio: float, verify_cost: float = 1.0) -> float:
+    """Walltime speedup bound (Leviathan et al. 2023), refined with the verify cost.
+
+    cost_ratio c = draft step time / target step time; verify_cost = time of one target
+    forward over k+1 tokens / time of one target decode step (1.0 in the paper's model).
+    """
+    return expected_tokens_per_forward(acceptance, k) / (k * cost_ratio + verify_cost)

@@ -1,0 +1,37 @@
+"""Verifier over an engine that returns logits: one target forward per step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from trtspec.engines.torch_engine import ForwardItem
+from trtspec.speculative.drafters import RunFn
+from trtspec.speculative.loop import Verdict
+
+
+def greedy_with_margins(logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Argmax ids and top-1 minus top-2 logit margins for logits [n, vocab]."""
+    top = torch.topk(logits, k=2, dim=-1)  # values/indices [n, 2]
+    # torch.argmax picks the lowest index among exact ties; topk's order among ties is not
+    # specified, so the id comes from argmax to keep greedy deterministic.
+    ids = torch.argmax(logits, dim=-1).tolist()
+    margins = (top.values[:, 0] - top.values[:, 1]).tolist()
+    return ids, margins
+
+
+class LogitsVerifier:
+    """Scores context + draft in ONE forward and returns the target's greedy tokens at all
+    len(draft) + 1 positions, with their top-2 margins."""
+
+    def __init__(self, run: RunFn):
+        self.run = run
+
+    def verify(self, contexts: Sequence[list[int]], drafts: Sequence[list[int]]) -> list[Verdict]:
+        items = [ForwardItem(list(c) + list(d), len(d) + 1) for c, d in zip(contexts, drafts)]
+        out = []
+        for logits in self.run(items):  # each [len(draft) + 1, vocab]
+            ids, margins = greedy_with_margins(logits)
+            out.append(Verdict(ids, margins))
+        return out

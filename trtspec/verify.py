@@ -1,0 +1,280 @@
+"""`trtspec verify`: prove greedy speculative outputs are token-identical to target-only.
+
+Per prompt, both paths run greedily and are compared by token id. At the first divergence
+the report gives its index, both tokens (id and text) and the target's top-1 minus top-2
+logit margin there, so a numerical near-tie is told apart from a bug. Runs are interleaved
+(target-only then speculative, per prompt) after a warm-up, so noise hits both alike.
+"""
+
+from __future__ import annotations
+
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from trtspec.atomic import write_json_atomic, write_text_atomic
+from trtspec.speculative.metrics import SpecMetrics
+
+
+@dataclass
+class PathRun:
+    """One generation: tokens, optional per-token target margins, metrics, wall time."""
+
+    output_ids: list[int]
+    margins: list[float | None]
+    metrics: SpecMetrics | None
+    seconds: float
+
+
+class VerifyBackend(Protocol):
+    """Runs one prompt on one path; in process or over gRPC."""
+
+    def run(self, prompt: str, max_tokens: int, speculative: bool) -> PathRun: ...
+
+    def token_text(self, token_id: int) -> str: ...
+
+
+@dataclass
+class Divergence:
+    index: int
+    target_id: int | None  # None: the path had already ended
+    target_text: str
+    spec_id: int | None
+    spec_text: str
+    target_margin: float | None  # target-only run's top-1 minus top-2 logit at index
+    spec_margin: float | None
+
+    def describe(self) -> str:
+        margin = "n/a" if self.target_margin is None else f"{self.target_margin:.4g}"
+        return (
+            f"token {self.index}: target {self.target_id} {self.target_text!r} vs speculative "
+            f"{self.spec_id} {self.spec_text!r} (target top-2 margin {margin})"
+        )
+
+
+@dataclass
+class PromptResult:
+    index: int
+    prompt: str
+    identical: bool
+    target_tokens: int
+    spec_tokens: int
+    target_seconds: float
+    spec_seconds: float
+    divergence: Divergence | None
+    metrics: SpecMetrics | None
+    target_ids: list[int] = field(repr=False, default_factory=list)
+    spec_ids: list[int] = field(repr=False, default_factory=list)
+
+
+@dataclass
+class VerifyReport:
+    spec_name: str
+    mode: str  # "in-process" or "grpc://host:port"
+    max_tokens: int
+    results: list[PromptResult]
+
+    @property
+    def identical(self) -> bool:
+        return all(r.identical for r in self.results)
+
+    @property
+    def metrics(self) -> SpecMetrics:
+        total = SpecMetrics()
+        for r in self.results:
+            if r.metrics is not None:
+                total = total.merge(r.metrics)
+        return total
+
+    def tokens_per_second(self, path: str) -> float:
+        toks = sum(r.target_tokens if path == "target" else r.spec_tokens for r in self.results)
+        secs = sum(r.target_seconds if path == "target" else r.spec_seconds for r in self.results)
+        return toks / secs if secs > 0 else 0.0
+
+    @property
+    def speedup(self) -> float:
+        base = self.tokens_per_second("target")
+        return self.tokens_per_second("speculative") / base if base > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "spec": self.spec_name,
+            "mode": self.mode,
+            "max_tokens": self.max_tokens,
+            "identical": self.identical,
+            "prompts": len(self.results),
+            "diverged": sum(not r.identical for r in self.results),
+            "target_tokens_per_s": self.tokens_per_second("target"),
+            "speculative_tokens_per_s": self.tokens_per_second("speculative"),
+            "speedup": self.speedup,
+            "metrics": self.metrics.to_dict(),
+            "results": [
+                {
+                    "index": r.index,
+                    "prompt": r.prompt,
+                    "identical": r.identical,
+                    "target_tokens": r.target_tokens,
+                    "spec_tokens": r.spec_tokens,
+                    "target_seconds": r.target_seconds,
+                    "spec_seconds": r.spec_seconds,
+                    "divergence": asdict(r.divergence) if r.divergence else None,
+                    "metrics": r.metrics.to_dict() if r.metrics else None,
+                    "target_ids": r.target_ids,
+                    "spec_ids": r.spec_ids,
+                }
+                for r in self.results
+            ],
+        }
+
+
+def first_divergence(target: PathRun, spec: PathRun, text) -> Divergence | None:
+    a, b = target.output_ids, spec.output_ids
+    for i in range(max(len(a), len(b))):
+        ta = a[i] if i < len(a) else None
+        tb = b[i] if i < len(b) else None
+        if ta != tb:
+            return Divergence(
+                index=i,
+                target_id=ta,
+                target_text=text(ta) if ta is not None else "<end>",
+                spec_id=tb,
+                spec_text=text(tb) if tb is not None else "<end>",
+                target_margin=target.margins[i] if i < len(target.margins) else None,
+                spec_margin=spec.margins[i] if i < len(spec.margins) else None,
+            )
+    return None
+
+
+def run_verify(
+    backend: VerifyBackend,
+    prompts: list[str],
+    max_tokens: int,
+    spec_name: str,
+    mode: str = "in-process",
+    progress=None,
+) -> VerifyReport:
+    """Compare both paths on every prompt; ``progress(i, n)`` is called after each."""
+    # Warm-up (untimed): first calls pay allocation and lazy-initialisation costs.
+    backend.run(prompts[0], min(max_tokens, 4), speculative=False)
+    backend.run(prompts[0], min(max_tokens, 4), speculative=True)
+    results = []
+    for i, prompt in enumerate(prompts):
+        target = backend.run(prompt, max_tokens, speculative=False)
+        spec = backend.run(prompt, max_tokens, speculative=True)
+        div = first_divergence(target, spec, backend.token_text)
+        results.append(
+            PromptResult(
+                index=i,
+                prompt=prompt,
+                identical=div is None,
+                target_tokens=len(target.output_ids),
+                spec_tokens=len(spec.output_ids),
+                target_seconds=target.seconds,
+                spec_seconds=spec.seconds,
+                divergence=div,
+                metrics=spec.metrics,
+                target_ids=target.output_ids,
+                spec_ids=spec.output_ids,
+            )
+        )
+        if progress:
+            progress(i + 1, len(prompts))
+    return VerifyReport(spec_name, mode, max_tokens, results)
+
+
+class InProcessBackend:
+    """VerifyBackend over a loaded Deployment (torch engines in this process)."""
+
+    def __init__(self, deployment, chat_template: bool | None = None, num_draft_tokens: int | None = None):
+        self.dep = deployment
+        self.chat_template = chat_template
+        self.k = num_draft_tokens
+
+    def run(self, prompt: str, max_tokens: int, speculative: bool) -> PathRun:
+        ids = self.dep.encode(prompt, self.chat_template)
+        req = self.dep.request(ids, max_tokens, self.k)
+        start = time.perf_counter()
+        (res,) = self.dep.generate([req], speculative=speculative)
+        seconds = time.perf_counter() - start
+        return PathRun(res.output_ids, res.margins, res.metrics if speculative else None, seconds)
+
+    def token_text(self, token_id: int) -> str:
+        return self.dep.tokenizer.decode([token_id])
+
+
+# ----------------------------------------------------------------------- reports
+
+
+def render_table(report: VerifyReport, console) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"trtspec verify: {report.spec_name} ({report.mode}, max_tokens {report.max_tokens})")
+    for col in ("#", "prompt", "identical", "tokens", "accepted/drafted", "mean acc. len", "first divergence"):
+        table.add_column(col, overflow="fold")
+    for r in report.results:
+        m = r.metrics
+        table.add_row(
+            str(r.index),
+            _short(r.prompt, 40),
+            "yes" if r.identical else "[red]NO[/red]",
+            f"{r.target_tokens}/{r.spec_tokens}",
+            f"{m.accepted}/{m.drafted}" if m else "-",
+            f"{m.mean_acceptance_length:.2f}" if m else "-",
+            r.divergence.describe() if r.divergence else "",
+        )
+    console.print(table)
+    m = report.metrics
+    n_bad = sum(not r.identical for r in report.results)
+    verdict = "all identical" if report.identical else f"[red]{n_bad} of {len(report.results)} diverged[/red]"
+    console.print(
+        f"{len(report.results)} prompts: {verdict} | acceptance rate {m.acceptance_rate:.3f} "
+        f"({m.accepted}/{m.drafted}) | mean acceptance length {m.mean_acceptance_length:.2f} "
+        f"tokens/target forward | per-position "
+        f"[{', '.join(f'{x:.2f}' for x in m.per_position_rate)}]"
+    )
+    console.print(
+        f"target-only {report.tokens_per_second('target'):.1f} tok/s | speculative "
+        f"{report.tokens_per_second('speculative'):.1f} tok/s | speedup {report.speedup:.2f}x"
+    )
+
+
+def _short(text: str, n: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def write_json(report: VerifyReport, path: Path) -> None:
+    write_json_atomic(path, report.to_dict())
+
+
+def write_junit(report: VerifyReport, path: Path) -> None:
+    """One testcase per prompt; a divergence is a failure with its description."""
+    failures = sum(not r.identical for r in report.results)
+    suite = ET.Element(
+        "testsuite",
+        name=f"trtspec.verify.{report.spec_name}",
+        tests=str(len(report.results)),
+        failures=str(failures),
+        errors="0",
+        time=f"{sum(r.target_seconds + r.spec_seconds for r in report.results):.3f}",
+    )
+    for r in report.results:
+        case = ET.SubElement(
+            suite,
+            "testcase",
+            classname=f"trtspec.verify.{report.spec_name}",
+            name=f"prompt_{r.index}",
+            time=f"{r.target_seconds + r.spec_seconds:.3f}",
+        )
+        if r.divergence:
+            fail = ET.SubElement(case, "failure", message=r.divergence.describe(), type="divergence")
+            fail.text = f"prompt: {r.prompt}\n{r.divergence.describe()}"
+        out = ET.SubElement(case, "system-out")
+        out.text = f"prompt: {r.prompt}\ntokens: target {r.target_tokens}, speculative {r.spec_tokens}"
+    root = ET.Element("testsuites")
+    root.append(suite)
+    data = ET.tostring(root, encoding="unicode", xml_declaration=True)
+    write_text_atomic(path, data + "\n")
+
