@@ -14,6 +14,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from trtspec.cache import cache_root
 from trtspec.engines.manifest import FileRecord, file_record
 from trtspec.errors import CheckpointError
 from trtspec.spec import LoadedSpec, ModelSpec
@@ -21,12 +22,6 @@ from trtspec.spec import LoadedSpec, ModelSpec
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _META_PATTERNS = ["*.json", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-def cache_root() -> Path:
-    """Where converted checkpoints are cached (TRTSPEC_CACHE, else ~/.cache/trtspec)."""
-    env = os.environ.get("TRTSPEC_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "trtspec"
 
 
 @dataclass

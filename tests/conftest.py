@@ -1,0 +1,80 @@
+"""Shared fixtures: tiny seeded checkpoints, specs derived from the shipped tiny spec, and
+isolation from the user's real cache (TRTSPEC_CACHE points into a temp dir)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_SPEC = ROOT / "engine_specs" / "tiny-llama.yaml"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    """Never touch the user's cache or the network; set before any session fixture runs."""
+    saved = {k: os.environ.get(k) for k in ("TRTSPEC_CACHE", "HF_HUB_OFFLINE")}
+    os.environ["TRTSPEC_CACHE"] = str(tmp_path_factory.getbasetemp() / "trtspec-cache")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpts(tmp_path_factory) -> dict[str, Path]:
+    from trtspec.tiny import make_tiny_pair
+
+    return make_tiny_pair(tmp_path_factory.mktemp("tiny-ckpts"))
+
+
+def write_spec(folder: Path, ckpts: dict[str, Path], draft: str | None = "draft", **overrides) -> Path:
+    """The shipped tiny-llama spec with its paths pointed at ``ckpts`` and overrides merged
+    (dotted keys: {"speculative.method": "ngram"})."""
+    data = yaml.safe_load(TINY_SPEC.read_text())
+    data["target"]["path"] = str(ckpts["target"])
+    if draft is None:
+        data.pop("draft")
+    else:
+        data["draft"]["path"] = str(ckpts[draft])
+    data["output_dir"] = str(folder / "engines")
+    for dotted, value in overrides.items():
+        node = data
+        *parents, last = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        if value is None:
+            node.pop(last, None)
+        else:
+            node[last] = value
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "spec.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory, tiny_ckpts):
+    """Build a tiny deployment once per (draft, method) and load it in process."""
+    from trtspec.engines.build import build
+    from trtspec.runtime import Deployment
+    from trtspec.spec import load_spec
+
+    cache: dict[tuple, object] = {}
+
+    def get(draft: str | None = "draft", **overrides):
+        key = (draft, tuple(sorted(overrides.items())))
+        if key not in cache:
+            folder = tmp_path_factory.mktemp(f"deploy-{draft}")
+            loaded = load_spec(write_spec(folder, tiny_ckpts, draft, **overrides))
+            build(loaded, loaded.output_dir())
+            cache[key] = Deployment(loaded, loaded.output_dir())
+        return cache[key]
+
+    return get

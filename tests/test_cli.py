@@ -1,0 +1,142 @@
+"""The CLI through typer's CliRunner: exit codes, messages, reports."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import write_spec
+from trtspec.cli.app import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def spec_file(tmp_path_factory, tiny_ckpts):
+    folder = tmp_path_factory.mktemp("cli")
+    path = write_spec(folder, tiny_ckpts, **{"verify.max_tokens": 24})
+    assert runner.invoke(app, ["build", str(path)]).exit_code == 0
+    return path
+
+
+def test_help_lists_commands_and_exit_codes():
+    r = runner.invoke(app, ["--help"])
+    assert r.exit_code == 0
+    for word in ("check", "build", "verify", "Exit codes"):
+        assert word in r.output
+
+
+def test_check_ok(spec_file):
+    r = runner.invoke(app, ["check", str(spec_file), "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert [m["role"] for m in data["models"]] == ["target", "draft"]
+    assert data["models"][0]["vocab"] == 384 and data["models"][0]["embedding_rows"] == 400
+
+
+def test_check_incompatible_pair_exit_2(tmp_path, tiny_ckpts):
+    path = write_spec(tmp_path, tiny_ckpts, draft="other-vocab")
+    r = runner.invoke(app, ["check", str(path)])
+    assert r.exit_code == 2
+    assert "Error: draft and target tokenizers are incompatible" in r.stderr
+    assert "Traceback" not in r.output
+
+
+def test_bad_spec_exit_2_no_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ntarget: {path: /x, colour: blue}\n")
+    for cmd in ("check", "build", "verify"):
+        r = runner.invoke(app, [cmd, str(bad)])
+        assert r.exit_code == 2
+        assert "target.colour: unknown key; remove or rename it" in r.stderr
+        assert "Traceback" not in r.stderr
+
+
+def test_debug_env_shows_traceback(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRTSPEC_DEBUG", "1")
+    r = runner.invoke(app, ["check", str(tmp_path / "missing.yaml")])
+    assert r.exit_code == 2 and "Traceback" in r.stderr
+
+
+def test_build_dry_run_writes_nothing(tmp_path, tiny_ckpts):
+    path = write_spec(tmp_path, tiny_ckpts)
+    r = runner.invoke(app, ["build", str(path), "--dry-run"])
+    assert r.exit_code == 0
+    assert "target:" in r.stdout and "[build]" in r.stdout and "dry run: nothing written" in r.stdout
+    assert not (tmp_path / "engines").exists()
+
+
+def test_build_twice_says_nothing_to_do(spec_file):
+    r = runner.invoke(app, ["build", str(spec_file)])
+    assert r.exit_code == 0 and "nothing to do" in r.stdout
+
+
+def test_verify_identical_with_reports(spec_file, tmp_path):
+    j, x = tmp_path / "r.json", tmp_path / "r.xml"
+    r = runner.invoke(app, ["verify", str(spec_file), "--json", str(j), "--junit", str(x)])
+    assert r.exit_code == 0, r.output
+    assert "all identical" in r.stdout and "speedup" in r.stdout
+    data = json.loads(j.read_text())
+    assert data["identical"] is True and data["prompts"] == 5
+    assert all(p["target_ids"] == p["spec_ids"] for p in data["results"])
+    suite = ET.parse(x).getroot().find("testsuite")
+    assert suite.get("tests") == "5" and suite.get("failures") == "0"
+    assert len(suite.findall("testcase")) == 5
+
+
+def test_verify_reports_a_divergence_exit_1(spec_file, tmp_path, monkeypatch):
+    """A deliberately broken speculative path (drafts checked by the draft model instead of
+    the target) must be caught and explained."""
+    from trtspec.runtime import Deployment
+    from trtspec.speculative.loop import generate
+    from trtspec.speculative.verifier import LogitsVerifier
+
+    real = Deployment.generate
+
+    def broken(self, requests, speculative=True, on_step=None):
+        if speculative:
+            return generate(requests, self.drafter(), LogitsVerifier(self.draft.run), on_step)
+        return real(self, requests, speculative, on_step)
+
+    monkeypatch.setattr(Deployment, "generate", broken)
+    j, x = tmp_path / "r.json", tmp_path / "r.xml"
+    r = runner.invoke(app, ["verify", str(spec_file), "--json", str(j), "--junit", str(x)])
+    assert r.exit_code == 1
+    assert "diverged" in r.stdout
+    data = json.loads(j.read_text())
+    bad = [p for p in data["results"] if not p["identical"]]
+    assert bad
+    d = bad[0]["divergence"]
+    assert d["target_id"] == bad[0]["target_ids"][d["index"]]
+    assert d["spec_id"] != d["target_id"]
+    assert d["target_margin"] is not None and d["target_margin"] >= 0
+    assert bad[0]["target_ids"][: d["index"]] == bad[0]["spec_ids"][: d["index"]]
+    suite = ET.parse(x).getroot().find("testsuite")
+    assert int(suite.get("failures")) == len(bad)
+
+
+def test_verify_prompt_option_and_k(spec_file):
+    r = runner.invoke(app, ["verify", str(spec_file), "-p", "hello there", "-k", "2", "--max-tokens", "8"])
+    assert r.exit_code == 0, r.output
+    assert "1 prompts: all identical" in r.stdout
+
+
+def test_verify_prompt_too_long_exit_2(spec_file):
+    r = runner.invoke(app, ["verify", str(spec_file), "-p", "word " * 400])
+    assert r.exit_code == 2
+    assert "more than max_input_len 256; shorten it or rebuild with a larger build.max_input_len" in r.stderr
+
+
+def test_verify_unbuilt_engines_exit_2(tmp_path, tiny_ckpts):
+    path = write_spec(tmp_path, tiny_ckpts)
+    r = runner.invoke(app, ["verify", str(path)])
+    assert r.exit_code == 2
+    assert "does not exist; run `trtspec build SPEC`" in r.stderr
+
+
+def test_verify_k_beyond_max_draft_len_exit_2(spec_file):
+    r = runner.invoke(app, ["verify", str(spec_file), "-k", "9", "-p", "hi"])
+    assert r.exit_code == 2 and "num_draft_tokens must be in 0..8" in r.stderr

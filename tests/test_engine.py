@@ -1,0 +1,102 @@
+"""The torch engine against transformers, and its prefix cache and ragged batching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trtspec.engines.torch_engine import ForwardItem, SlotPool
+
+
+@pytest.fixture(scope="module")
+def dep(built):
+    return built("same")
+
+
+@pytest.fixture(scope="module")
+def hf_target(tiny_ckpts):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_ckpts["target"], dtype=torch.float32).eval()
+
+
+def _seq(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 384, (n,), generator=g).tolist()
+
+
+def test_logits_match_transformers(dep, hf_target):
+    seq = _seq(40, 0)
+    with torch.no_grad():
+        ref = hf_target(torch.tensor([seq])).logits[0]  # [40, vocab]
+    (ours,) = dep.target.run([ForwardItem(seq, 40)])
+    # Same weights, same math, a different kernel order: float32 rounding only.
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_matches_transformers_generate(dep, hf_target):
+    prompt = dep.encode("The quick brown fox", chat_template=False)
+    (res,) = dep.generate([dep.request(prompt, 24)], speculative=False)
+    with torch.no_grad():
+        out = hf_target.generate(
+            torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    assert res.output_ids == out[0, len(prompt):].tolist()
+
+
+def test_prefix_cache_gives_same_logits_as_fresh(dep):
+    eng = dep.target
+    seq = _seq(30, 1)
+    (fresh,) = eng.run([ForwardItem(seq, 5)])
+    eng.run([ForwardItem(_seq(12, 2), 1)])  # something else in between
+    eng.run([ForwardItem(seq[:20], 1)])  # cached prefix, then extend
+    (extended,) = eng.run([ForwardItem(seq, 5)])
+    torch.testing.assert_close(extended, fresh, rtol=1e-5, atol=1e-5)
+    # A rejected branch: same prefix, different tail; the cache must forget the old tail.
+    branch = seq[:25] + [7, 8, 9]
+    (b1,) = eng.run([ForwardItem(branch, 3)])
+    for s in range(eng.pool.tokens.__len__()):
+        eng.pool.tokens[s] = []  # forget everything: recompute from scratch
+    (b2,) = eng.run([ForwardItem(branch, 3)])
+    torch.testing.assert_close(b1, b2, rtol=1e-5, atol=1e-5)
+
+
+def test_ragged_batch_equals_one_by_one(dep):
+    eng = dep.target
+    seqs = [_seq(n, 10 + n) for n in (5, 17, 9, 30)]
+    alone = [eng.run([ForwardItem(s, 3)])[0] for s in seqs]
+    for s in range(len(eng.pool.tokens)):
+        eng.pool.tokens[s] = []
+    batched = eng.run([ForwardItem(s, 3) for s in seqs])
+    for a, b in zip(alone, batched):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_more_sequences_than_slots_evicts_correctly(dep):
+    eng = dep.target
+    seqs = [_seq(10, 100 + i) for i in range(eng.max_batch_size + 3)]
+    first = [eng.run([ForwardItem(s, 2)])[0] for s in seqs]
+    again = [eng.run([ForwardItem(s, 2)])[0] for s in seqs]
+    for a, b in zip(first, again):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_slot_pool_prefers_longest_prefix():
+    pool = SlotPool(3)
+    pool.commit(0, [1, 2, 3])
+    pool.commit(1, [1, 2, 3, 4, 5])
+    assert pool.assign([[1, 2, 3, 4, 9]]) == [(1, 4)]
+    assert pool.assign([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5]]) == [(1, 5), (0, 3)]
+
+
+def test_engine_rejects_bad_input(dep):
+    from trtspec.errors import RequestError
+
+    eng = dep.target
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        eng.run([ForwardItem([1, 2, 10_000], 1)])
+    with pytest.raises(RequestError, match="exceeds the engine's max_batch_size"):
+        eng.run([ForwardItem([1], 1)] * (eng.max_batch_size + 1))
+    with pytest.raises(RequestError, match="exceeds max_seq_len"):
+        eng.run([ForwardItem([1] * (eng.max_seq_len + 1), 1)])

@@ -1,0 +1,152 @@
+"""Engine spec validation: every error names the field path and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trtspec.errors import SpecError
+from trtspec.spec import load_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = {
+    "name": "t",
+    "target": {"path": "/tmp/x", "dtype": "float32"},
+    "draft": {"path": "/tmp/x", "dtype": "bfloat16"},
+}
+
+
+def _write(tmp_path, data) -> Path:
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
+    return p
+
+
+def _error(tmp_path, data) -> str:
+    with pytest.raises(SpecError) as e:
+        load_spec(_write(tmp_path, data))
+    assert e.value.exit_code == 2
+    return str(e.value)
+
+
+def _with(**changes):
+    data = yaml.safe_load(yaml.safe_dump(BASE))
+    for dotted, value in changes.items():
+        node = data
+        *parents, last = dotted.split("__")
+        for p in parents:
+            node = node.setdefault(p, {})
+        if value is None:
+            node.pop(last)
+        else:
+            node[last] = value
+    return data
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "engine_specs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_specs_are_valid(path):
+    loaded = load_spec(path)
+    assert loaded.spec.name == path.stem or loaded.spec.name
+
+
+def test_defaults_and_paths(tmp_path):
+    loaded = load_spec(_write(tmp_path, _with(target__path="rel/dir")))
+    spec = loaded.spec
+    assert spec.backend == "torch"
+    assert spec.speculative.method == "draft_target"
+    assert spec.speculative.default_draft_tokens == spec.speculative.max_draft_len
+    assert loaded.resolve("rel/dir") == (tmp_path / "rel/dir").resolve()
+    assert spec.build_hash("target") != spec.build_hash("draft")
+
+
+def test_unknown_key_names_path_and_allowed_keys(tmp_path):
+    msg = _error(tmp_path, _with(target__dtpye="float32"))
+    assert msg.endswith(
+        "target.dtpye: unknown key; remove or rename it (allowed: repo, revision, path, "
+        "gguf_file, dtype, trust_remote_code, tp_size, pp_size, quantization, gpu_device_ids, build)"
+    )
+
+
+def test_unknown_top_level_key(tmp_path):
+    assert "surprise: unknown key; remove or rename it (allowed: name, backend," in _error(tmp_path, _with(surprise=1))
+
+
+def test_missing_required_key(tmp_path):
+    assert _error(tmp_path, _with(name=None)).endswith("name: required key is missing; add it")
+
+
+def test_bad_dtype(tmp_path):
+    msg = _error(tmp_path, _with(draft__dtype="int8"))
+    assert "draft.dtype: Input should be 'float32', 'float16' or 'bfloat16' (got 'int8')" in msg
+
+
+def test_input_len_must_be_below_seq_len(tmp_path):
+    msg = _error(tmp_path, _with(build={"max_input_len": 512, "max_seq_len": 512}))
+    assert "build: max_input_len (512) must be smaller than max_seq_len (512)" in msg
+    assert "lower max_input_len or raise max_seq_len" in msg
+
+
+@pytest.mark.parametrize("k", [0, 17])
+def test_max_draft_len_range(tmp_path, k):
+    msg = _error(tmp_path, _with(speculative={"max_draft_len": k}))
+    assert "speculative.max_draft_len:" in msg
+
+
+def test_num_draft_tokens_within_max(tmp_path):
+    msg = _error(tmp_path, _with(speculative={"max_draft_len": 4, "num_draft_tokens": 6}))
+    assert "num_draft_tokens (6) exceeds max_draft_len (4)" in msg
+
+
+def test_draft_target_needs_draft(tmp_path):
+    msg = _error(tmp_path, _with(draft=None))
+    assert "method draft_target needs a `draft` model; add one or use method: ngram" in msg
+
+
+def test_ngram_forbids_draft(tmp_path):
+    assert "method ngram uses no draft model; remove `draft`" in _error(tmp_path, _with(speculative={"method": "ngram"}))
+
+
+def test_repo_needs_pinned_revision(tmp_path):
+    msg = _error(tmp_path, _with(target={"repo": "org/model"}))
+    assert "target: `repo: org/model` needs a pinned `revision`" in msg
+    msg = _error(tmp_path, _with(target={"repo": "org/model", "revision": "main"}))
+    assert "revision 'main' is a moving branch; pin a commit sha or tag" in msg
+
+
+def test_exactly_one_source(tmp_path):
+    msg = _error(tmp_path, _with(target={"repo": "org/m", "revision": "abc", "path": "/x"}))
+    assert "give exactly one source" in msg
+
+
+def test_torch_backend_rejects_trtllm_options(tmp_path):
+    msg = _error(tmp_path, _with(target__tp_size=2))
+    assert "target: tp_size, pp_size and quantization are TensorRT-LLM options" in msg
+
+
+def test_bad_name(tmp_path):
+    assert "name: 'My Spec' is not a usable name" in _error(tmp_path, _with(name="My Spec"))
+
+
+def test_yaml_syntax_error_names_line(tmp_path):
+    msg = _error(tmp_path, "name: x\ntarget: [unclosed\n")
+    assert "invalid YAML" in msg and "line" in msg
+
+
+def test_not_a_mapping(tmp_path):
+    assert "the spec must be a YAML mapping" in _error(tmp_path, "- a\n- b\n")
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(SpecError, match="spec file .* not found"):
+        load_spec(tmp_path / "nope.yaml")
+
+
+def test_prompts_file(tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"prompt": "one"}\n\n{"prompt": "two"}\n')
+    loaded = load_spec(_write(tmp_path, _with(verify={"prompts": ["zero"], "prompts_file": "p.jsonl"})))
+    assert loaded.verify_prompts() == ["zero", "one", "two"]
+    (tmp_path / "p.jsonl").write_text('{"text": "one"}\n')
+    with pytest.raises(SpecError, match=r'p.jsonl:1: expected \{"prompt": "<non-empty text>"\}'):
+        loaded.verify_prompts()
