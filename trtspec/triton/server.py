@@ -1,0 +1,704 @@
+"""Find, configure, start and stop a real ``tritonserver`` process.
+
+Three places provide a server, tried in this order: ``tritonserver`` on PATH, the NVIDIA
+container layout ``/opt/tritonserver``, and the server bundled in the ``nvidia-pytriton`` wheel.
+The wheel ships Python-backend stubs for several Python versions beside the backend; the one
+matching the serving venv is copied into a private backend directory under trtspec's cache
+(site-packages is never modified).
+
+Typical use::
+
+    server = TritonServer.for_repository("repo/")       # free ports on 127.0.0.1
+    with server:                                        # start + wait_ready; stop on exit
+        client = tritonclient.grpc.InferenceServerClient(server.grpc_endpoint)
+
+Process model: the server runs in its own session (process group == its pid). The Python
+backend's ``triton_python_backend_stub`` processes are its children in the same group, so
+stopping signals the whole group and then checks /proc until no member is left.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from trtspec.cache import cache_root
+from trtspec.errors import RuntimeFailure, TrtspecError
+
+STUB_NAME = "triton_python_backend_stub"
+_OPT_BINARY = Path("/opt/tritonserver/bin/tritonserver")
+_LOG_EXCERPT_LINES = 30
+# glog puts a whole Python traceback on one line ("...\n\nAt:\n ..."); its head says enough.
+_LOG_EXCERPT_WIDTH = 400
+# Lines worth showing when the server fails: glog error lines (E1130 ...), Python tracebacks
+# from a model's initialize(), loader failures, dynamic-linker errors.
+_RELEVANT = re.compile(
+    r"^E\d{4} |error|fail|traceback|exception|undefined symbol|cannot open shared object", re.I
+)
+# Noise every CPU-only start prints (no CUDA driver, no NVML/DCGM): never the cause.
+_HARMLESS = re.compile(r"CudaDriverHelper|NVML|DCGM|pinned system memory|CUDA driver version", re.I)
+_LOAD_FAILURE = re.compile(r"failed to load '([^']+)'")
+# Known failure signatures → the next step for the user.
+_HINTS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (
+        re.compile(r"undefined symbol|libpython", re.I),
+        "the Python-backend stub loaded a libpython that does not match the venv's interpreter: "
+        "LD_LIBRARY_PATH must start with that interpreter's LIBDIR (server_env() does this)",
+    ),
+    (
+        re.compile(r"No module named", re.I),
+        "the stub's Python does not see the package: PATH must start with the serving venv's "
+        "bin/ (server_env() does this) or set the model parameter EXECUTION_ENV_PATH",
+    ),
+    (
+        re.compile(r"address already in use", re.I),
+        "a port is taken: pick free ports (free_ports()) or stop the other server",
+    ),
+)
+
+
+class ServerError(RuntimeFailure):
+    """tritonserver could not be found, started or stopped (exit code 3)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Locating the server and preparing its environment
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    """Where a tritonserver and its companions live.
+
+    ``stubs_dir`` and ``libs_dir`` are set only for the nvidia-pytriton wheel layout, whose
+    backend directory lacks the stub and whose shared libraries sit in ``nvidia_pytriton.libs``.
+    """
+
+    binary: Path
+    backend_dir: Path | None
+    cache_dir: Path | None
+    stubs_dir: Path | None = None
+    libs_dir: Path | None = None
+
+
+@dataclass(frozen=True)
+class PythonEnv:
+    """The interpreter the Python-backend stub must embed: a venv and its base interpreter."""
+
+    prefix: Path  # the venv directory (sys.prefix)
+    version: str  # "3.11": selects the stub build
+    libdir: Path  # base interpreter's LIBDIR, holding the libpython the stub must load
+
+
+def find_tritonserver() -> TritonInstall:
+    """Return the first tritonserver found on PATH, in /opt/tritonserver, or in nvidia-pytriton."""
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return _install_at(Path(on_path).resolve())
+    if _OPT_BINARY.is_file():
+        return _install_at(_OPT_BINARY)
+    spec = importlib.util.find_spec("pytriton")  # locate only: importing pytriton is slow
+    if spec is not None and spec.submodule_search_locations:
+        binary = Path(spec.submodule_search_locations[0]) / "tritonserver" / "bin" / "tritonserver"
+        if binary.is_file():
+            return _install_at(binary)
+    raise ServerError(
+        "no tritonserver found: put one on PATH, run inside an NVIDIA Triton container "
+        "(/opt/tritonserver), or install the bundled server with `pip install nvidia-pytriton`"
+    )
+
+
+def _install_at(binary: Path) -> TritonInstall:
+    root = binary.parent.parent
+    stubs = root / "python_backend_stubs"
+    libs = root.parent.parent / "nvidia_pytriton.libs"  # site-packages/nvidia_pytriton.libs
+    return TritonInstall(
+        binary=binary,
+        backend_dir=_dir_or_none(root / "backends"),
+        cache_dir=_dir_or_none(root / "caches"),
+        stubs_dir=_dir_or_none(stubs),
+        libs_dir=_dir_or_none(libs) if stubs.is_dir() else None,
+    )
+
+
+def _dir_or_none(path: Path) -> Path | None:
+    return path if path.is_dir() else None
+
+
+def python_env(venv: str | os.PathLike[str] | None = None) -> PythonEnv:
+    """Describe ``venv`` (default: the running interpreter's environment)."""
+    if venv is None or Path(venv).resolve() == Path(sys.prefix).resolve():
+        return PythonEnv(
+            prefix=Path(sys.prefix),
+            version=f"{sys.version_info[0]}.{sys.version_info[1]}",
+            libdir=Path(str(sysconfig.get_config_var("LIBDIR"))),
+        )
+    python = Path(venv) / "bin" / "python"
+    if not os.access(python, os.X_OK):
+        raise ServerError(f"{venv} is not a Python environment (no executable bin/python)")
+    # Inside a venv, sysconfig's LIBDIR already names the *base* interpreter's lib directory.
+    probe = "import sys, sysconfig; print(sys.prefix); print('%d.%d' % sys.version_info[:2]); " \
+        "print(sysconfig.get_config_var('LIBDIR'))"
+    try:
+        out = subprocess.run(
+            [str(python), "-c", probe], capture_output=True, text=True, timeout=60, check=True
+        ).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError) as err:
+        raise ServerError(f"could not query the interpreter {python}: {err}") from err
+    return PythonEnv(prefix=Path(out[0]), version=out[1], libdir=Path(out[2]))
+
+
+def default_cache_dir() -> Path:
+    """trtspec's cache (see trtspec.cache)."""
+    return cache_root()
+
+
+def prepare_backend_dir(
+    install: TritonInstall, python_version: str, cache_root: Path | None = None
+) -> Path | None:
+    """Return a ``--backend-directory`` whose python/ backend holds the stub for ``python_version``.
+
+    Installs that already carry a stub (containers) are used as they are. For the pytriton
+    wheel the python backend is copied, with the right stub, into the cache: the backend looks
+    for the stub next to ``libtriton_python.so``, and site-packages is not ours to modify.
+    """
+    if install.stubs_dir is None or install.backend_dir is None:
+        return install.backend_dir
+    stub = install.stubs_dir / python_version / STUB_NAME
+    if not stub.is_file():
+        have = sorted(p.name for p in install.stubs_dir.iterdir() if (p / STUB_NAME).is_file())
+        raise ServerError(
+            f"the bundled tritonserver has no Python-backend stub for Python {python_version} "
+            f"(it has {', '.join(have)}); serve from a venv of one of those versions"
+        )
+    source = install.backend_dir / "python"
+    # Key by the source files' identity so a pytriton upgrade gets a fresh copy.
+    fingerprint = "|".join(
+        f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in (stub, source / "libtriton_python.so")
+    )
+    key = hashlib.sha256(fingerprint.encode()).hexdigest()[:12]
+    parent = (cache_root or default_cache_dir()) / "tritonserver-backends"
+    target = parent / f"py{python_version}-{key}"
+    if (target / "python" / STUB_NAME).is_file():
+        return target
+    parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent callers never see a half-copied backend.
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=parent))
+    try:
+        shutil.copytree(source, staging / "python", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy2(stub, staging / "python" / STUB_NAME)
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not (target / "python" / STUB_NAME).is_file():  # not a lost race: a real error
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def server_env(
+    venv: str | os.PathLike[str] | PythonEnv | None = None,
+    install: TritonInstall | None = None,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment for tritonserver so that its Python-backend stub runs in ``venv``.
+
+    The stub ignores PYTHONPATH; it finds the venv through the ``python`` first on PATH. It
+    links ``libpython3.X.so`` dynamically, and must get the base interpreter's copy, not a
+    system one of another patch level (undefined symbols), hence LIBDIR first on
+    LD_LIBRARY_PATH. A relocated stub/backend also needs the wheel's bundled libraries.
+    """
+    py = venv if isinstance(venv, PythonEnv) else python_env(venv)
+    install = install or find_tritonserver()
+    env = dict(os.environ if base is None else base)
+    env["PATH"] = _prepend([str(py.prefix / "bin")], env.get("PATH", ""))
+    libs = [str(py.libdir)] + ([str(install.libs_dir)] if install.libs_dir else [])
+    env["LD_LIBRARY_PATH"] = _prepend(libs, env.get("LD_LIBRARY_PATH", ""))
+    return env
+
+
+def _prepend(first: Sequence[str], existing: str) -> str:
+    rest = [p for p in existing.split(os.pathsep) if p and p not in first]
+    return os.pathsep.join([*first, *rest])
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now on ``host`` (another process may still take it later)."""
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct free ports; the sockets stay open until all are chosen."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            sockets.append(sock)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+# --------------------------------------------------------------------------------------------
+# The command line
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerCommand:
+    """Every tritonserver option trtspec sets, rendered by :meth:`argv`."""
+
+    binary: Path
+    model_repository: Path
+    backend_directory: Path | None = None
+    cache_directory: Path | None = None
+    address: str = "127.0.0.1"  # loopback unless the user asks: the server has no auth
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    allow_metrics: bool = True
+    log_verbose: int = 0
+    exit_on_error: bool = True  # a model that fails to load stops the server: fail loudly
+    strict_readiness: bool = True  # "ready" only when every model is ready
+    # trtspec writes complete configs; auto-complete would also start an extra stub per
+    # Python model just to call auto_complete_config().
+    disable_auto_complete_config: bool = True
+    model_control_mode: Literal["none", "poll", "explicit"] = "none"
+    load_models: Sequence[str] = ()  # explicit mode only; "*" loads all
+    exit_timeout_secs: int = 30
+    extra_args: Sequence[str] = ()
+
+    def __post_init__(self) -> None:
+        if self.load_models and self.model_control_mode != "explicit":
+            raise ServerError(
+                "load_models needs model_control_mode='explicit' (tritonserver refuses --load-model otherwise)"
+            )
+        ports = [self.http_port, self.grpc_port] + ([self.metrics_port] if self.allow_metrics else [])
+        if len(set(ports)) != len(ports) or not all(0 < p < 65536 for p in ports):
+            raise ServerError(f"ports must be distinct and in 1..65535, got {ports}")
+
+    def argv(self) -> list[str]:
+        args = [
+            str(self.binary),
+            f"--model-repository={self.model_repository}",
+            f"--http-address={self.address}",
+            f"--http-port={self.http_port}",
+            f"--grpc-address={self.address}",
+            f"--grpc-port={self.grpc_port}",
+            f"--allow-metrics={_bool(self.allow_metrics)}",
+            f"--log-verbose={self.log_verbose}",
+            f"--exit-on-error={_bool(self.exit_on_error)}",
+            f"--strict-readiness={_bool(self.strict_readiness)}",
+            f"--exit-timeout-secs={self.exit_timeout_secs}",
+            f"--model-control-mode={self.model_control_mode}",
+        ]
+        if self.allow_metrics:
+            args += [f"--metrics-address={self.address}", f"--metrics-port={self.metrics_port}"]
+        if self.backend_directory is not None:
+            args.append(f"--backend-directory={self.backend_directory}")
+        if self.cache_directory is not None:
+            args.append(f"--cache-directory={self.cache_directory}")
+        if self.disable_auto_complete_config:
+            args.append("--disable-auto-complete-config")
+        args += [f"--load-model={name}" for name in self.load_models]
+        args += list(self.extra_args)
+        return args
+
+
+def _bool(value: bool) -> str:
+    return "true" if value else "false"
+
+
+# --------------------------------------------------------------------------------------------
+# The running server
+# --------------------------------------------------------------------------------------------
+
+# Attached servers still running when the interpreter exits are stopped by atexit; a crash of
+# the parent is covered by PR_SET_PDEATHSIG (below).
+_ATTACHED: weakref.WeakSet[TritonServer] = weakref.WeakSet()
+_PR_SET_PDEATHSIG = 1
+# Resolved in the parent: the forked child must not dlopen (another thread may hold its lock).
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec: SIGTERM the server when its parent dies."""
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class TritonServer:
+    """One tritonserver subprocess: start, wait until ready, stop with all its stubs."""
+
+    def __init__(self, command: ServerCommand, env: Mapping[str, str] | None = None) -> None:
+        self.command = command
+        self.env = dict(env) if env is not None else None
+        self.log_path: Path | None = None
+        self.ready_seconds: float | None = None  # start → READY, measured by wait_ready
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._started_at = 0.0
+
+    @classmethod
+    def for_repository(
+        cls,
+        model_repository: str | os.PathLike[str],
+        *,
+        venv: str | os.PathLike[str] | None = None,
+        address: str = "127.0.0.1",
+        cache_root: Path | None = None,
+        **options: object,
+    ) -> TritonServer:
+        """A server for ``model_repository`` on free ports, its stub running in ``venv``.
+
+        ``options`` are further :class:`ServerCommand` fields (log_verbose, ports, ...).
+        """
+        install = find_tritonserver()
+        py = python_env(venv)
+        ports = free_ports(3, "127.0.0.1" if address in ("0.0.0.0", "") else address)
+        fields = {"http_port": ports[0], "grpc_port": ports[1], "metrics_port": ports[2]} | options
+        command = ServerCommand(
+            binary=install.binary,
+            model_repository=Path(model_repository).resolve(),
+            backend_directory=prepare_backend_dir(install, py.version, cache_root),
+            cache_directory=install.cache_dir,
+            address=address,
+            **fields,  # type: ignore[arg-type]
+        )
+        return cls(command, server_env(py, install))
+
+    # -- endpoints (tritonclient takes "host:port" without a scheme) --------------------------
+
+    @property
+    def host(self) -> str:
+        return "127.0.0.1" if self.command.address in ("0.0.0.0", "") else self.command.address
+
+    @property
+    def http_endpoint(self) -> str:
+        return f"{self.host}:{self.command.http_port}"
+
+    @property
+    def grpc_endpoint(self) -> str:
+        return f"{self.host}:{self.command.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.command.metrics_port}/metrics"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def is_running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(
+        self,
+        log_path: str | os.PathLike[str] | None = None,
+        *,
+        detach: bool = False,
+        pid_file: str | os.PathLike[str] | None = None,
+    ) -> None:
+        """Launch the server; returns at once (call :meth:`wait_ready`).
+
+        Output goes to ``log_path`` (default: a new temp file). A detached server outlives
+        this Python process; it needs ``pid_file`` so that :func:`stop_detached` can end it.
+        """
+        if self.is_running():
+            raise ServerError(f"this server is already running (pid {self.pid})")
+        if detach and pid_file is None:
+            raise ServerError("a detached server needs a pid_file to be stopped later")
+        if log_path is None:
+            fd, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
+            os.close(fd)
+            log_path = name
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:  # the child keeps its own copy of the fd
+            try:
+                self._proc = subprocess.Popen(
+                    self.command.argv(),
+                    env=self.env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    # Own session: the group can be signalled as a whole, and Ctrl-C in the
+                    # caller's terminal does not reach the server behind our back.
+                    start_new_session=True,
+                    # PDEATHSIG follows the *thread* that forks: start from a long-lived thread.
+                    preexec_fn=None if detach else _die_with_parent,
+                )
+            except OSError as err:
+                raise ServerError(f"could not run {self.command.binary}: {err}") from err
+        self._started_at = time.monotonic()
+        self.ready_seconds = None
+        if detach:
+            _write_pid_file(Path(pid_file), self)  # type: ignore[arg-type]
+        else:
+            _ATTACHED.add(self)
+
+    def wait_ready(self, timeout: float = 120.0) -> float:
+        """Block until ``/v2/health/ready`` answers 200; return seconds since start.
+
+        On failure (process exit, a model that failed to load, timeout) the server is stopped
+        and ServerError carries the relevant log lines.
+        """
+        if self._proc is None:
+            raise ServerError("wait_ready() before start()")
+        url = f"http://{self.http_endpoint}/v2/health/ready"
+        deadline = time.monotonic() + timeout
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                raise self._fail(f"tritonserver exited with code {code} before it was ready")
+            if _http_ok(url):
+                self.ready_seconds = time.monotonic() - self._started_at
+                return self.ready_seconds
+            # With exit_on_error the server exits by itself (handled above, with full logs);
+            # without it, it would stay up but never ready: fail as soon as the log says so.
+            if not self.command.exit_on_error:
+                failed = _LOAD_FAILURE.findall(self._read_log())
+                if failed:
+                    raise self._fail(f"model(s) {', '.join(sorted(set(failed)))} failed to load")
+            if time.monotonic() > deadline:
+                raise self._fail(f"tritonserver was not ready after {timeout:.0f} s")
+            time.sleep(0.1)
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """Stop the server and every process of its group; return its exit code.
+
+        SIGINT first, as Ctrl-C in a terminal would send to the whole group: Triton unloads
+        the models (running their finalize()) and exits. SIGKILL after ``timeout``.
+        """
+        proc = self._proc
+        if proc is None:
+            return None
+        _ATTACHED.discard(self)
+        if proc.poll() is None:
+            _signal_group(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                _signal_group(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        _end_group(proc.pid, grace=min(timeout, 10.0))
+        return proc.returncode
+
+    def __enter__(self) -> TritonServer:
+        if not self.is_running():
+            self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = f"pid {self.pid}" if self.is_running() else "stopped"
+        return f"TritonServer({self.command.model_repository}, http={self.http_endpoint}, {state})"
+
+    # -- diagnostics ---------------------------------------------------------------------------
+
+    def _read_log(self) -> str:
+        if self.log_path is None or not self.log_path.is_file():
+            return ""
+        return self.log_path.read_text(encoding="utf-8", errors="replace")
+
+    def _fail(self, headline: str) -> ServerError:
+        self.stop()
+        return ServerError(failure_message(headline, self._read_log(), self.log_path))
+
+
+def failure_message(headline: str, log: str, log_path: Path | None) -> str:
+    """``headline`` + the log lines that explain it + a hint for known causes."""
+    lines = log.splitlines()
+    relevant = [line for line in lines if _RELEVANT.search(line) and not _HARMLESS.search(line)]
+    relevant = relevant or lines
+    parts = [headline]
+    if relevant:
+        parts.append("server log (relevant lines):")
+        parts += ["  " + _shorten(line) for line in relevant[-_LOG_EXCERPT_LINES:]]
+    parts += ["hint: " + hint for pattern, hint in _HINTS if pattern.search(log)]
+    if log_path is not None:
+        parts.append(f"full log: {log_path}")
+    return "\n".join(parts)
+
+
+def _shorten(line: str) -> str:
+    return line if len(line) <= _LOG_EXCERPT_WIDTH else line[:_LOG_EXCERPT_WIDTH] + " [...]"
+
+
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never proxy loopback
+
+
+def _http_ok(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with _NO_PROXY.open(url, timeout=timeout) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):  # refused while starting, 400 while loading
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# Process groups, read from /proc (no psutil)
+# --------------------------------------------------------------------------------------------
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, process group) of ``pid``, or None when it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces and ')': split after the last ')'.
+    fields = raw[raw.rindex(")") + 2 :].split()
+    return fields[0], int(fields[2])
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in process group ``pgid``."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            stat = _stat(int(entry.name))
+            # Zombies are dead; orphans are reaped by init, which may lag (or never, in
+            # some containers), so they must not count as survivors.
+            if stat is not None and stat[1] == pgid and stat[0] != "Z":
+                members.append(int(entry.name))
+    return members
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _end_group(pgid: int, grace: float) -> None:
+    """Wait ``grace`` s for the group to empty, then SIGKILL it; raise if anything survives."""
+    deadline = time.monotonic() + grace
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not group_members(pgid):
+        return
+    _signal_group(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + 5.0
+    while (left := group_members(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if left:
+        raise ServerError(f"processes {left} of tritonserver group {pgid} survived SIGKILL")
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+# --------------------------------------------------------------------------------------------
+# Detached servers: a JSON pid file
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DetachedServer:
+    """What a pid file records about a detached server."""
+
+    pid: int
+    http_endpoint: str
+    grpc_endpoint: str
+    metrics_url: str
+    log_path: str
+    model_repository: str
+    argv: list[str] = field(default_factory=list)
+
+
+def _write_pid_file(path: Path, server: TritonServer) -> None:
+    info = DetachedServer(
+        pid=server.pid or 0,
+        http_endpoint=server.http_endpoint,
+        grpc_endpoint=server.grpc_endpoint,
+        metrics_url=server.metrics_url,
+        log_path=str(server.log_path),
+        model_repository=str(server.command.model_repository),
+        argv=server.command.argv(),
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(info.__dict__, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def read_pid_file(pid_file: str | os.PathLike[str]) -> DetachedServer:
+    try:
+        return DetachedServer(**json.loads(Path(pid_file).read_text()))
+    except FileNotFoundError:
+        raise ServerError(f"no pid file at {pid_file}: is a server running?") from None
+    except (ValueError, TypeError) as err:
+        raise ServerError(f"{pid_file} is not a trtspec server pid file ({err}); remove it") from err
+
+
+def stop_detached(pid_file: str | os.PathLike[str], timeout: float = 30.0) -> bool:
+    """Stop the server recorded in ``pid_file`` and remove the file.
+
+    Returns False when that server was already gone. The pid is only signalled while it still
+    runs a tritonserver, so a pid reused by an unrelated process is left alone.
+    """
+    info = read_pid_file(pid_file)
+    pid = info.pid
+    running = _stat(pid) is not None and Path(_cmdline(pid)[0] or "-").name == "tritonserver"
+    if running:
+        _signal_group(pid, signal.SIGINT)
+        deadline = time.monotonic() + timeout
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        _end_group(pid, grace=0.0 if _alive(pid) else 10.0)
+    Path(pid_file).unlink(missing_ok=True)
+    return running
+
+
+def _alive(pid: int) -> bool:
+    try:  # reap it if it is our own child (detached from this same process)
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    stat = _stat(pid)
+    return stat is not None and stat[0] != "Z"
+
+
+@atexit.register
+def _stop_attached() -> None:
+    for server in list(_ATTACHED):
+        try:
+            server.stop(timeout=10.0)
+        except TrtspecError:
+            pass  # exiting anyway; nothing better to do with it here
