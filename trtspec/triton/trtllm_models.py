@@ -1,0 +1,298 @@
+"""Triton models on NVIDIA's C++ ``tensorrtllm`` backend, and how to launch a server for them.
+
+For a trtllm spec the repository holds three engine models, all with the tensorrt_llm
+model's tensor contract (input_ids, input_lengths, request_output_len, draft_input_ids, ...
+-> output_ids, sequence_length, acceptance figures):
+
+- ``target``  the speculative target engine (draft_tokens_external); the orchestrator sends it
+  the whole sequence plus ``draft_input_ids`` and reads back the accepted tokens;
+- ``draft``   the draft engine, asked for k tokens per step;
+- ``control`` the target built without speculative flags, behind the target-only endpoint
+  that verify compares against (see trtspec.engines.trtllm.commands for why).
+
+Choices that the orchestrator relies on:
+
+- ``exclude_input_in_output`` is false: output_ids start with the tokens sent, as upstream's
+  BLS assumes, because each step re-sends the whole sequence and takes output_ids as the new one.
+- ``enable_kv_cache_reuse`` is true: the re-sent prefix is served from cached KV blocks.
+- The target and draft models are not decoupled (one response per step); the control model is
+  decoupled when the spec streams, so the control endpoint can stream tokens as they come.
+- ``max_beam_width`` 1 and ``inflight_fused_batching``; requests are batched by the backend
+  itself, so inputs are not declared ragged (Triton only groups requests of equal shape).
+
+Values are strings, as the backend parses them. Two keys the backend reads without a default
+must be present and EMPTY to keep guided decoding off (``guided_decoding_backend``,
+``xgrammar_tokenizer_info_path``); pbtxt.render refuses empty values, so use
+:func:`render_config` / :func:`write_config` for these models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from google.protobuf import text_format
+
+from trtspec.errors import TrtspecError
+from trtspec.spec import EngineSpec, ModelSpec
+from trtspec.triton import pbtxt
+from trtspec.triton.pbtxt import DynamicBatching, ModelConfig, TensorSpec
+from trtspec.triton.server import ServerCommand
+
+ENGINE_KINDS = ("target", "draft", "control")
+DEFAULT_NAMES: Mapping[str, str] = {
+    "target": "tensorrt_llm",
+    "draft": "tensorrt_llm_draft",
+    "control": "tensorrt_llm_control",
+}
+# Read unguarded by the backend; an empty value disables guided decoding.
+EMPTY_BY_DESIGN = ("guided_decoding_backend", "xgrammar_tokenizer_info_path")
+EXECUTOR_WORKER = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
+LOGITS_DTYPE = "TYPE_FP32"  # trtllm-build's default logits dtype, as upstream's docs fill it
+KV_CACHE_BUDGET = 0.9  # fraction of free GPU memory for KV caches, split among co-located engines
+_ACTIVATION_DTYPE = {"float16": "TYPE_FP16", "bfloat16": "TYPE_BF16", "float32": "TYPE_FP32"}
+
+
+def _scalar(name: str, dtype: str, optional: bool = True) -> TensorSpec:
+    return TensorSpec(name, dtype, [1], optional=optional, reshape=[])
+
+
+def engine_inputs(activation_dtype: str) -> list[TensorSpec]:
+    return [
+        TensorSpec("input_ids", "TYPE_INT32", [-1]),
+        _scalar("input_lengths", "TYPE_INT32", optional=False),
+        _scalar("request_output_len", "TYPE_INT32", optional=False),
+        TensorSpec("draft_input_ids", "TYPE_INT32", [-1], optional=True),
+        TensorSpec("draft_logits", LOGITS_DTYPE, [-1, -1], optional=True),
+        _scalar("draft_acceptance_threshold", "TYPE_FP32"),
+        _scalar("end_id", "TYPE_INT32"),
+        _scalar("pad_id", "TYPE_INT32"),
+        TensorSpec("stop_words_list", "TYPE_INT32", [2, -1], optional=True),
+        TensorSpec("bad_words_list", "TYPE_INT32", [2, -1], optional=True),
+        TensorSpec("embedding_bias", "TYPE_FP32", [-1], optional=True),
+        _scalar("beam_width", "TYPE_INT32"),
+        _scalar("temperature", "TYPE_FP32"),
+        _scalar("runtime_top_k", "TYPE_INT32"),
+        _scalar("runtime_top_p", "TYPE_FP32"),
+        _scalar("len_penalty", "TYPE_FP32"),
+        _scalar("repetition_penalty", "TYPE_FP32"),
+        _scalar("min_tokens", "TYPE_INT32"),
+        _scalar("presence_penalty", "TYPE_FP32"),
+        _scalar("frequency_penalty", "TYPE_FP32"),
+        _scalar("seed", "TYPE_UINT64"),
+        _scalar("return_log_probs", "TYPE_BOOL"),
+        _scalar("return_context_logits", "TYPE_BOOL"),
+        _scalar("return_generation_logits", "TYPE_BOOL"),
+        _scalar("return_perf_metrics", "TYPE_BOOL"),
+        _scalar("exclude_input_in_output", "TYPE_BOOL"),
+        _scalar("stop", "TYPE_BOOL"),
+        _scalar("streaming", "TYPE_BOOL"),
+        # Declared so their data types are set from the spec, as the upstream template requires.
+        TensorSpec("prompt_embedding_table", activation_dtype, [-1, -1], optional=True),
+        TensorSpec("encoder_input_features", activation_dtype, [-1, -1], optional=True),
+    ]
+
+
+ENGINE_OUTPUTS = [
+    TensorSpec("output_ids", "TYPE_INT32", [-1, -1]),  # [beams, tokens], prompt included
+    TensorSpec("sequence_length", "TYPE_INT32", [-1]),
+    TensorSpec("cum_log_probs", "TYPE_FP32", [-1]),
+    TensorSpec("output_log_probs", "TYPE_FP32", [-1, -1]),
+    TensorSpec("context_logits", LOGITS_DTYPE, [-1, -1]),
+    TensorSpec("generation_logits", LOGITS_DTYPE, [-1, -1, -1]),
+    TensorSpec("batch_index", "TYPE_INT32", [1]),
+    TensorSpec("sequence_index", "TYPE_INT32", [1]),
+    TensorSpec("kv_cache_alloc_new_blocks", "TYPE_INT32", [1]),
+    TensorSpec("kv_cache_reused_blocks", "TYPE_INT32", [1]),
+    TensorSpec("kv_cache_alloc_total_blocks", "TYPE_INT32", [1]),
+    TensorSpec("acceptance_rate", "TYPE_FP32", [1]),
+    TensorSpec("total_accepted_draft_tokens", "TYPE_INT32", [1]),
+    TensorSpec("total_draft_tokens", "TYPE_INT32", [1]),
+]
+
+
+def _model(spec: EngineSpec, kind: str) -> ModelSpec:
+    model = spec.draft if kind == "draft" else spec.target
+    if model is None:
+        raise TrtspecError("backend trtllm serves a draft/target pair; add `draft` to the spec")
+    return model
+
+
+def gpu_ids(spec: EngineSpec, kind: str) -> list[int]:
+    """The GPUs of an engine: the spec's list, else the first tp x pp devices."""
+    model = _model(spec, kind)
+    if model.gpu_device_ids is not None:
+        return list(model.gpu_device_ids)
+    return list(range(model.tp_size * model.pp_size))
+
+
+def kv_cache_fraction(spec: EngineSpec) -> float:
+    """Share the KV-cache budget among the engines on the most crowded GPU."""
+    load: dict[int, int] = {}
+    for kind in ENGINE_KINDS:
+        for gpu in gpu_ids(spec, kind):
+            load[gpu] = load.get(gpu, 0) + 1
+    return round(KV_CACHE_BUDGET / max(load.values()), 2)
+
+
+def participant_ids(spec: EngineSpec) -> dict[str, list[int]]:
+    """MPI ranks per engine when the orchestrator does not spawn workers (rank 0 orchestrates)."""
+    ranks, nxt = {}, 1
+    for kind in ENGINE_KINDS:
+        n = len(gpu_ids(spec, kind))
+        ranks[kind] = list(range(nxt, nxt + n))
+        nxt += n
+    return ranks
+
+
+def engine_model_configs(
+    spec: EngineSpec,
+    engines_dir: Path,
+    repo_names: Mapping[str, str] = DEFAULT_NAMES,
+    *,
+    spawn_processes: bool = True,
+) -> list[ModelConfig]:
+    """Configs of the target, draft and control models for the engines in ``engines_dir``."""
+    fraction = kv_cache_fraction(spec)
+    ranks = participant_ids(spec)
+    configs = []
+    for kind in ENGINE_KINDS:
+        role_model = _model(spec, kind)
+        limits = spec.limits("draft" if kind == "draft" else "target")
+        folder = Path(engines_dir) / kind
+        params = {
+            "gpt_model_type": "inflight_fused_batching",
+            "gpt_model_path": str(folder),
+            "max_beam_width": "1",
+            "batch_scheduler_policy": "guaranteed_no_evict",
+            "kv_cache_free_gpu_mem_fraction": f"{fraction}",
+            "enable_kv_cache_reuse": "true",
+            "exclude_input_in_output": "false",
+            "enable_chunked_context": "false",
+            "normalize_log_probs": "true",
+            "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
+            "executor_worker_path": EXECUTOR_WORKER,
+            "gpu_device_ids": ",".join(str(g) for g in gpu_ids(spec, kind)),
+            "tokenizer_dir": str(folder / "tokenizer"),
+        }
+        if not spawn_processes:
+            params["participant_ids"] = ",".join(str(r) for r in ranks[kind])
+        configs.append(ModelConfig(
+            name=repo_names[kind],
+            backend="tensorrtllm",
+            max_batch_size=limits.max_batch_size,
+            inputs=engine_inputs(_ACTIVATION_DTYPE[role_model.dtype]),
+            outputs=ENGINE_OUTPUTS,
+            parameters=params,
+            instance_count=1,
+            instance_kind="KIND_CPU",  # the backend places the engine on gpu_device_ids itself
+            decoupled=spec.serve.streaming and kind == "control",
+            dynamic_batching=DynamicBatching(0, (limits.max_batch_size,)),
+            extra_pbtxt="dynamic_batching { default_queue_policy { max_queue_size: 0 } }",
+        ))
+    return configs
+
+
+def render_config(cfg: ModelConfig) -> str:
+    """config.pbtxt text for a tensorrtllm model: pbtxt's checks plus the empty-by-design keys."""
+    pbtxt.render(cfg)  # every check pbtxt makes, on the config without the empty keys
+    msg = pbtxt.to_proto(cfg)
+    if cfg.backend == "tensorrtllm":
+        for key in EMPTY_BY_DESIGN:
+            msg.parameters[key].string_value = ""
+    text = text_format.MessageToString(msg)
+    if pbtxt.parse(text) != msg:
+        raise pbtxt.PbtxtError(f"model {cfg.name!r}: config.pbtxt does not parse back to the same config")
+    return text
+
+
+def write_config(cfg: ModelConfig, path: str | os.PathLike[str]) -> Path:
+    """Write :func:`render_config` output atomically (a polling server never sees half a file)."""
+    text = render_config(cfg)
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".config.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+# --------------------------------------------------------------------------------------------
+# launch
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Launch:
+    """The server command for a trtllm repository: argv plus the environment it needs.
+
+    ``env`` holds only the variables to add to the serving environment. ``server`` is the
+    rank-0 command, whose address and ports are where clients connect.
+    """
+
+    argv: list[str]
+    env: dict[str, str]
+    world_size: int
+    orchestrator: bool
+    server: ServerCommand
+
+
+def launch_command(
+    server: ServerCommand,
+    engine_models: Sequence[tuple[str, int]],
+    *,
+    gpus: Sequence[int] = (),
+    spawn_processes: bool = True,
+    mpirun: str = "mpirun",
+) -> Launch:
+    """tritonserver under mpirun, one rank per GPU, as upstream's launch_triton_server.py.
+
+    ``engine_models`` are ``(model name, tp x pp)`` of the tensorrtllm models; ``gpus`` are
+    all device ids they use. Several tensorrtllm models need orchestrator mode
+    (TRTLLM_ORCHESTRATOR=1): by default the backend spawns one worker per model on its
+    gpu_device_ids and the server is a single rank; with ``spawn_processes=False`` every
+    engine rank is an MPI rank (world = 1 + sum of tp x pp) and configs carry participant_ids.
+    One model alone runs in leader mode: world = its tp x pp.
+    """
+    names = [name for name, _ in engine_models]
+    orchestrator = len(engine_models) > 1
+    env: dict[str, str] = {}
+    rank0_extra: list[str] = []
+    if orchestrator:
+        env["TRTLLM_ORCHESTRATOR"] = "1"
+        env["TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES"] = "1" if spawn_processes else "0"
+        world = 1 if spawn_processes else 1 + sum(n for _, n in engine_models)
+        if spawn_processes:
+            # Workers own the GPUs; the orchestrator process must not reserve memory on them.
+            rank0_extra = ["--pinned-memory-pool-byte-size=0", "--enable-peer-access=false"]
+            rank0_extra += [f"--cuda-memory-pool-byte-size={g}:0" for g in sorted(set(gpus))]
+    else:
+        world = engine_models[0][1] if engine_models else 1
+    argv = [mpirun, "--allow-run-as-root"]
+    for rank in range(world):
+        extra = [f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"]
+        if rank == 0:
+            cmd = dataclasses.replace(server, extra_args=(*server.extra_args, *rank0_extra, *extra))
+        else:  # worker ranks load only the engine models; they never serve requests
+            cmd = dataclasses.replace(server, model_control_mode="explicit", load_models=tuple(names),
+                                      extra_args=(*server.extra_args, *extra))
+        argv += ["-n", "1", *cmd.argv(), ":"]
+    return Launch(argv=argv[:-1], env=env, world_size=world, orchestrator=orchestrator, server=server)
+
+
+def launch_for_spec(spec: EngineSpec, server: ServerCommand,
+                    repo_names: Mapping[str, str] = DEFAULT_NAMES, *,
+                    spawn_processes: bool = True) -> Launch:
+    """:func:`launch_command` for the three engine models of a trtllm spec."""
+    models = [(repo_names[k], len(gpu_ids(spec, k))) for k in ENGINE_KINDS]
+    gpus = sorted({g for k in ENGINE_KINDS for g in gpu_ids(spec, k)})
+    return launch_command(server, models, gpus=gpus, spawn_processes=spawn_processes)
