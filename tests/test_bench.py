@@ -1,0 +1,99 @@
+"""trtspec bench on the tiny pair: report contents, outputs, bad input, interruption."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import write_spec
+from trtspec import bench as b
+from trtspec.cli.app import app
+
+runner = CliRunner()
+PROMPTS = ["The quick brown fox", "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def spec_file(tmp_path_factory, tiny_ckpts):
+    path = write_spec(tmp_path_factory.mktemp("bench"), tiny_ckpts, **{"verify.max_tokens": 12})
+    assert runner.invoke(app, ["build", str(path)]).exit_code == 0
+    return path
+
+
+def test_run_bench_fills_every_section(built, tmp_path):
+    dep = built("same")  # draft == target: every draft accepted
+    report = b.BenchReport("tiny", "in-process", b.machine_description(), len(PROMPTS), 12, 3)
+    b.run_bench(b.InProcessBench(dep), report, PROMPTS, [1, 2], [1, 2],
+                lambda k: b.measure_engine_costs(dep, PROMPTS[0], k))
+    assert report.complete
+    assert report.target.tokens == report.speculative.tokens == 24
+    assert report.metrics.acceptance_rate == 1.0
+    assert report.metrics.per_position_rate == [1.0, 1.0, 1.0]
+    assert report.costs.target_step > 0 and report.costs.cost_ratio > 0
+    assert report.bound == pytest.approx(
+        4.0 / (3 * report.costs.cost_ratio + report.costs.verify_cost))
+    assert [p.k for p in report.sweep] == [1, 2] and report.recommended_k in (1, 2)
+    assert [p.concurrency for p in report.concurrency] == [1, 2]
+    assert report.concurrency[1].speculative.tokens == 24
+    files = b.write_outputs(report, tmp_path)
+    assert {f.name for f in files} == {"bench.json", "sweep.png", "per_position.png", "concurrency.png"}
+    for f in files[1:]:
+        assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["complete"] and data["metrics"]["acceptance_rate"] == 1.0 and data["efficiency"] > 0
+
+
+def test_latency_percentiles():
+    t = [b.RequestTiming(tokens=n, ttft=0.1 * n, latency=1.0 * n) for n in (1, 2, 3, 4, 5)]
+    s = b.PathStats.of(t, 10.0)
+    assert s.tokens == 15 and s.tokens_per_s == 1.5
+    assert s.latency_p50 == 3.0 and s.latency_p95 == 5.0
+    assert t[1].itl == pytest.approx((2.0 - 0.2) / 1)
+
+
+def test_cli_bench_writes_report(spec_file, tmp_path):
+    r = runner.invoke(app, ["bench", str(spec_file), "--sweep", "1-2", "-c", "1,2", "--out", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    assert "speedup" in r.stdout and "recommended k" in r.stdout and "efficiency" in r.stdout
+    assert json.loads((tmp_path / "bench.json").read_text())["complete"] is True
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["-k", "9"], "draft length 9 is out of range; use 1..8"),
+        (["--sweep", "0-3"], "draft length 0 is out of range"),
+        (["-c", "0"], "concurrency 0 is out of range; use 1..256"),
+        (["--sweep", "a-b"], "--sweep 'a-b' is not a list"),
+    ],
+)
+def test_cli_bench_bad_arguments_exit_2(spec_file, args, message):
+    r = runner.invoke(app, ["bench", str(spec_file), *args])
+    assert r.exit_code == 2 and message in r.stderr
+
+
+def test_cli_bench_unbuilt_exit_2(tmp_path, tiny_ckpts):
+    r = runner.invoke(app, ["bench", str(write_spec(tmp_path, tiny_ckpts))])
+    assert r.exit_code == 2 and "run `trtspec build SPEC`" in r.stderr
+
+
+def test_interrupted_bench_keeps_partial_results(spec_file, tmp_path, monkeypatch):
+    real = b.run_bench
+
+    def interrupt_in_sweep(backend, report, prompts, ks, levels, costs, progress, rounds):
+        def progress2(msg):
+            if "sweep" in msg:
+                raise KeyboardInterrupt
+            progress(msg)
+
+        return real(backend, report, prompts, ks, levels, costs, progress2, rounds)
+
+    monkeypatch.setattr(b, "run_bench", interrupt_in_sweep)
+    r = runner.invoke(app, ["bench", str(spec_file), "--out", str(tmp_path)])
+    assert r.exit_code == 130
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["complete"] is False
+    assert data["target"]["tokens"] > 0 and data["speculative"]["tokens"] > 0
+    assert data["sweep"] == []

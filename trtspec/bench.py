@@ -1,0 +1,461 @@
+"""`trtspec bench`: measured speedup, acceptance, latency and the analytic bound.
+
+One run measures, on the same prompts and interleaved so machine noise hits both paths:
+target-only and speculative tokens/s, time to first token (TTFT), inter-token latency (ITL)
+and request latency (p50/p95), acceptance (rate, mean acceptance length, per position), the
+cost ratio c = draft step / target step and the cost of verifying k+1 tokens, the analytic
+speedup bound (Leviathan et al. 2023) and measured/bound as efficiency, a draft-length sweep
+with a recommended k, and throughput at several concurrency levels. Warm-up is excluded.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from trtspec.atomic import write_json_atomic
+from trtspec.errors import RequestError
+from trtspec.speculative.metrics import SpecMetrics, expected_tokens_per_forward, speedup_bound
+
+MAX_K = 16
+
+
+@dataclass
+class RequestTiming:
+    """One request: tokens out, and when they came (seconds from submission)."""
+
+    tokens: int
+    ttft: float
+    latency: float
+    metrics: SpecMetrics | None = None
+
+    @property
+    def itl(self) -> float:
+        """Mean inter-token latency after the first token."""
+        return (self.latency - self.ttft) / (self.tokens - 1) if self.tokens > 1 else 0.0
+
+
+class BenchBackend(Protocol):
+    """Runs a set of prompts at a concurrency level; in process or over gRPC."""
+
+    def run_batch(self, prompts: Sequence[str], max_tokens: int, speculative: bool, k: int,
+                  concurrency: int) -> tuple[list[RequestTiming], float]:
+        """Timings per request and the wall time of the whole set."""
+        ...
+
+
+@dataclass
+class PathStats:
+    tokens: int
+    seconds: float
+    ttft_p50: float
+    ttft_p95: float
+    itl_p50: float
+    itl_p95: float
+    latency_p50: float
+    latency_p95: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @classmethod
+    def of(cls, timings: list[RequestTiming], seconds: float) -> PathStats:
+        return cls(
+            tokens=sum(t.tokens for t in timings),
+            seconds=seconds,
+            ttft_p50=_pct([t.ttft for t in timings], 50),
+            ttft_p95=_pct([t.ttft for t in timings], 95),
+            itl_p50=_pct([t.itl for t in timings if t.tokens > 1], 50),
+            itl_p95=_pct([t.itl for t in timings if t.tokens > 1], 95),
+            latency_p50=_pct([t.latency for t in timings], 50),
+            latency_p95=_pct([t.latency for t in timings], 95),
+        )
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "tokens_per_s": self.tokens_per_s}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    idx = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
+    return xs[idx]
+
+
+@dataclass
+class Costs:
+    """Measured step costs (seconds, medians) and the ratios the bound needs."""
+
+    target_step: float
+    draft_step: float | None
+    verify_step: float  # one target forward over k+1 tokens
+    k: int
+
+    @property
+    def cost_ratio(self) -> float:
+        """c = draft step / target step (0 for a drafter with no model, e.g. n-gram)."""
+        return (self.draft_step or 0.0) / self.target_step
+
+    @property
+    def verify_cost(self) -> float:
+        """Verifying k+1 tokens in units of one target decode step."""
+        return self.verify_step / self.target_step
+
+
+@dataclass
+class SweepPoint:
+    k: int
+    tokens_per_s: float
+    speedup: float
+    acceptance_rate: float
+    mean_acceptance_length: float
+
+
+@dataclass
+class ConcurrencyPoint:
+    concurrency: int
+    target: PathStats
+    speculative: PathStats
+
+
+@dataclass
+class BenchReport:
+    spec_name: str
+    mode: str
+    machine: str
+    prompts: int
+    max_tokens: int
+    k: int
+    target: PathStats | None = None
+    speculative: PathStats | None = None
+    metrics: SpecMetrics = field(default_factory=SpecMetrics)
+    costs: Costs | None = None
+    sweep: list[SweepPoint] = field(default_factory=list)
+    concurrency: list[ConcurrencyPoint] = field(default_factory=list)
+    complete: bool = False
+
+    @property
+    def speedup(self) -> float:
+        if not self.target or not self.speculative or not self.target.tokens_per_s:
+            return 0.0
+        return self.speculative.tokens_per_s / self.target.tokens_per_s
+
+    @property
+    def bound(self) -> float | None:
+        if self.costs is None:
+            return None
+        return speedup_bound(self.metrics.acceptance_rate, self.k, self.costs.cost_ratio, self.costs.verify_cost)
+
+    @property
+    def efficiency(self) -> float | None:
+        b = self.bound
+        return self.speedup / b if b else None
+
+    @property
+    def recommended_k(self) -> int | None:
+        return max(self.sweep, key=lambda p: p.tokens_per_s).k if self.sweep else None
+
+    def to_dict(self) -> dict:
+        return {
+            "spec": self.spec_name,
+            "mode": self.mode,
+            "machine": self.machine,
+            "complete": self.complete,
+            "prompts": self.prompts,
+            "max_tokens": self.max_tokens,
+            "k": self.k,
+            "target": self.target.to_dict() if self.target else None,
+            "speculative": self.speculative.to_dict() if self.speculative else None,
+            "speedup": self.speedup,
+            "metrics": self.metrics.to_dict(),
+            "costs": None if self.costs is None else {
+                **asdict(self.costs),
+                "cost_ratio": self.costs.cost_ratio,
+                "verify_cost": self.costs.verify_cost,
+            },
+            "expected_tokens_per_forward_iid": expected_tokens_per_forward(self.metrics.acceptance_rate, self.k),
+            "bound": self.bound,
+            "efficiency": self.efficiency,
+            "sweep": [asdict(p) for p in self.sweep],
+            "recommended_k": self.recommended_k,
+            "concurrency": [
+                {"concurrency": p.concurrency, "target": p.target.to_dict(), "speculative": p.speculative.to_dict()}
+                for p in self.concurrency
+            ],
+        }
+
+
+def machine_description() -> str:
+    import os
+    import platform
+
+    import torch
+
+    return f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+
+
+def validate_args(k: int, ks: Sequence[int], concurrency: Sequence[int], max_k: int) -> None:
+    for value in [k, *ks]:
+        if not 1 <= value <= max_k:
+            raise RequestError(f"draft length {value} is out of range; use 1..{max_k} (max_draft_len of the engines)")
+    for c in concurrency:
+        if not 1 <= c <= 256:
+            raise RequestError(f"concurrency {c} is out of range; use 1..256")
+
+
+Progress = Callable[[str], None]
+
+
+def run_bench(
+    backend: BenchBackend,
+    report: BenchReport,
+    prompts: Sequence[str],
+    sweep_ks: Sequence[int],
+    concurrency: Sequence[int],
+    measure_costs: Callable[[int], Costs] | None,
+    progress: Progress = lambda s: None,
+    rounds: int = 1,
+) -> BenchReport:
+    """Fill ``report`` in place; an interruption leaves what was measured so far in it."""
+    k, n = report.k, report.max_tokens
+    progress("warm-up")
+    backend.run_batch(prompts[:1], min(n, 8), False, k, 1)
+    backend.run_batch(prompts[:1], min(n, 8), True, k, 1)
+
+    if measure_costs is not None:
+        progress("measuring step costs")
+        report.costs = measure_costs(k)
+
+    target_t: list[RequestTiming] = []
+    spec_t: list[RequestTiming] = []
+    t_secs = s_secs = 0.0
+    for r in range(rounds):
+        for i, prompt in enumerate(prompts):
+            progress(f"round {r + 1}/{rounds}: prompt {i + 1}/{len(prompts)}")
+            # Alternate which path goes first so drift does not favour one of them.
+            order = (False, True) if (i + r) % 2 == 0 else (True, False)
+            for speculative in order:
+                timings, secs = backend.run_batch([prompt], n, speculative, k, 1)
+                if speculative:
+                    spec_t += timings
+                    s_secs += secs
+                else:
+                    target_t += timings
+                    t_secs += secs
+            report.target = PathStats.of(target_t, t_secs)
+            report.speculative = PathStats.of(spec_t, s_secs)
+            report.metrics = _sum_metrics(spec_t)
+
+    base_tps = report.target.tokens_per_s if report.target else 0.0
+    for kk in sweep_ks:
+        progress(f"draft-length sweep: k={kk}")
+        timings, secs = [], 0.0
+        for prompt in prompts:
+            t, s = backend.run_batch([prompt], n, True, kk, 1)
+            timings += t
+            secs += s
+        stats, m = PathStats.of(timings, secs), _sum_metrics(timings)
+        report.sweep.append(SweepPoint(kk, stats.tokens_per_s, stats.tokens_per_s / base_tps if base_tps else 0.0,
+                                       m.acceptance_rate, m.mean_acceptance_length))
+
+    for c in concurrency:
+        progress(f"concurrency {c}")
+        batch = [prompts[i % len(prompts)] for i in range(max(c, len(prompts)))]
+        t_tim, t_secs_c = backend.run_batch(batch, n, False, k, c)
+        s_tim, s_secs_c = backend.run_batch(batch, n, True, k, c)
+        report.concurrency.append(ConcurrencyPoint(c, PathStats.of(t_tim, t_secs_c), PathStats.of(s_tim, s_secs_c)))
+    report.complete = True
+    return report
+
+
+def _sum_metrics(timings: list[RequestTiming]) -> SpecMetrics:
+    total = SpecMetrics()
+    for t in timings:
+        if t.metrics is not None:
+            total = total.merge(t.metrics)
+    return total
+
+
+# ------------------------------------------------------------------ in-process backend
+
+
+class InProcessBench:
+    """BenchBackend over a loaded Deployment; concurrency = requests batched together."""
+
+    def __init__(self, deployment, chat_template: bool | None = None):
+        self.dep = deployment
+        self.chat_template = chat_template
+
+    def run_batch(self, prompts, max_tokens, speculative, k, concurrency):
+        timings: list[RequestTiming] = []
+        start_all = time.perf_counter()
+        for lo in range(0, len(prompts), concurrency):
+            group = prompts[lo : lo + concurrency]
+            reqs = [self.dep.request(self.dep.encode(p, self.chat_template), max_tokens, k) for p in group]
+            start = time.perf_counter()
+            first: dict[int, float] = {}
+            done: dict[int, float] = {}
+
+            def on_step(i, toks, finished, first=first, done=done, start=start):
+                now = time.perf_counter() - start
+                if toks and i not in first:
+                    first[i] = now
+                if finished:
+                    done[i] = now
+
+            results = self.dep.generate(reqs, speculative=speculative, on_step=on_step)
+            for i, res in enumerate(results):
+                timings.append(RequestTiming(
+                    tokens=len(res.output_ids),
+                    ttft=first.get(i, done.get(i, 0.0)),
+                    latency=done.get(i, time.perf_counter() - start),
+                    metrics=res.metrics if speculative else None,
+                ))
+        return timings, time.perf_counter() - start_all
+
+
+def measure_engine_costs(deployment, prompt: str, k: int, repeats: int = 7) -> Costs:
+    """Median times of: one target decode step, one draft decode step, one target forward
+    over k+1 new tokens — each after a cached context, as in generation."""
+    from trtspec.engines.torch_engine import ForwardItem
+
+    ctx = deployment.encode(prompt)
+
+    def timed(engine, n_new: int) -> float:
+        times = []
+        for r in range(repeats):
+            base = ctx + [(7 * r + j) % 100 + 10 for j in range(4)]  # a fresh tail per repeat
+            engine.run([ForwardItem(base, 1)])  # context is cached now
+            seq = base + [(11 * r + j) % 100 + 10 for j in range(n_new)]
+            t0 = time.perf_counter()
+            engine.run([ForwardItem(seq, n_new)])
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    target_step = timed(deployment.target, 1)
+    verify_step = timed(deployment.target, k + 1)
+    draft_step = timed(deployment.draft, 1) if deployment.draft is not None else None
+    return Costs(target_step, draft_step, verify_step, k)
+
+
+# ---------------------------------------------------------------------- output
+
+
+def render(report: BenchReport, console) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"trtspec bench: {report.spec_name} ({report.mode}; {report.machine})")
+    for col in ("path", "tok/s", "TTFT p50/p95 ms", "ITL p50/p95 ms", "latency p50/p95 s"):
+        t.add_column(col)
+    for name, s in (("target-only", report.target), (f"speculative k={report.k}", report.speculative)):
+        if s:
+            t.add_row(name, f"{s.tokens_per_s:.1f}", f"{s.ttft_p50 * 1e3:.0f}/{s.ttft_p95 * 1e3:.0f}",
+                      f"{s.itl_p50 * 1e3:.1f}/{s.itl_p95 * 1e3:.1f}", f"{s.latency_p50:.2f}/{s.latency_p95:.2f}")
+    console.print(t)
+    m = report.metrics
+    console.print(
+        f"speedup {report.speedup:.2f}x | acceptance rate {m.acceptance_rate:.3f} | mean acceptance "
+        f"length {m.mean_acceptance_length:.2f} | per-position [{', '.join(f'{x:.2f}' for x in m.per_position_rate)}]"
+    )
+    if report.costs:
+        c = report.costs
+        draft = f"{c.draft_step * 1e3:.1f} ms" if c.draft_step else "none"
+        console.print(
+            f"costs: target step {c.target_step * 1e3:.1f} ms, draft step {draft}, verify {c.k + 1} tokens "
+            f"{c.verify_step * 1e3:.1f} ms | c = {c.cost_ratio:.3f}, verify cost {c.verify_cost:.2f} | "
+            f"bound {report.bound:.2f}x | efficiency {report.efficiency:.2f}"
+        )
+    if report.sweep:
+        st = Table(title="draft-length sweep")
+        for col in ("k", "tok/s", "speedup", "acceptance", "mean acc. len"):
+            st.add_column(col)
+        for p in report.sweep:
+            mark = " *" if p.k == report.recommended_k else ""
+            st.add_row(f"{p.k}{mark}", f"{p.tokens_per_s:.1f}", f"{p.speedup:.2f}x",
+                       f"{p.acceptance_rate:.3f}", f"{p.mean_acceptance_length:.2f}")
+        console.print(st)
+        console.print(f"recommended k = {report.recommended_k} (highest tokens/s)")
+    if report.concurrency:
+        ct = Table(title="concurrency")
+        for col in ("concurrency", "target tok/s", "spec tok/s", "spec latency p50/p95 s", "spec vs c=1"):
+            ct.add_column(col)
+        base = report.concurrency[0].speculative.tokens_per_s
+        for p in report.concurrency:
+            ct.add_row(str(p.concurrency), f"{p.target.tokens_per_s:.1f}", f"{p.speculative.tokens_per_s:.1f}",
+                       f"{p.speculative.latency_p50:.2f}/{p.speculative.latency_p95:.2f}",
+                       f"{p.speculative.tokens_per_s / base:.2f}x" if base else "-")
+        console.print(ct)
+    if not report.complete:
+        console.print("[yellow]interrupted: partial results[/yellow]")
+
+
+def write_outputs(report: BenchReport, out_dir: Path) -> list[Path]:
+    """bench.json plus PNG plots; returns the files written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = [out_dir / "bench.json"]
+    write_json_atomic(written[0], report.to_dict())
+    written += plot(report, out_dir)
+    return written
+
+
+def plot(report: BenchReport, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    if report.sweep:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ks = [p.k for p in report.sweep]
+        ax.plot(ks, [p.speedup for p in report.sweep], "o-", label="speedup vs target-only")
+        ax.set_xlabel("draft length k")
+        ax.set_ylabel("speedup (x)")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax2 = ax.twinx()
+        ax2.plot(ks, [p.acceptance_rate for p in report.sweep], "s--", color="tab:orange", label="acceptance rate")
+        ax2.set_ylabel("acceptance rate")
+        ax2.set_ylim(0, 1.05)
+        fig.legend(loc="lower center", ncol=2, fontsize=8)
+        ax.set_title(f"{report.spec_name}: speedup and acceptance vs k")
+        files.append(_save(fig, out_dir / "sweep.png"))
+    rates = report.metrics.per_position_rate
+    if rates:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.bar(range(1, len(rates) + 1), rates)
+        ax.set_xlabel("draft position")
+        ax.set_ylabel("P(accepted | drafted)")
+        ax.set_ylim(0, 1.05)
+        ax.set_title(f"{report.spec_name}: per-position acceptance (k={report.k})")
+        files.append(_save(fig, out_dir / "per_position.png"))
+    if report.concurrency:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        cs = [p.concurrency for p in report.concurrency]
+        ax.plot(cs, [p.target.tokens_per_s for p in report.concurrency], "o-", label="target-only tok/s")
+        ax.plot(cs, [p.speculative.tokens_per_s for p in report.concurrency], "s-", label="speculative tok/s")
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("aggregate tokens/s")
+        ax2 = ax.twinx()
+        ax2.plot(cs, [p.speculative.latency_p50 for p in report.concurrency], "^--", color="tab:red", label="spec latency p50 (s)")
+        ax2.set_ylabel("request latency p50 (s)")
+        fig.legend(loc="upper left", fontsize=8)
+        ax.set_title(f"{report.spec_name}: throughput and latency vs concurrency")
+        files.append(_save(fig, out_dir / "concurrency.png"))
+    return files
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.tight_layout()
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
