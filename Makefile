@@ -37,5 +37,13 @@ test: install
 test-fast: install
 	$(VENV)/bin/pytest -q -m "not slow and not server"
 
+# Inside nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3 (TensorRT-LLM 1.2.1) with a GPU.
+# The converter scripts come from the TensorRT-LLM source tree:
+#   git clone -b v1.2.1 --depth 1 https://github.com/NVIDIA/TensorRT-LLM /opt/TensorRT-LLM
+TRTSPEC_TRTLLM_EXAMPLES ?= /opt/TensorRT-LLM/examples
+test-gpu:
+	python3 -m pip install -e '.[serve,dev]'
+	TRTSPEC_TRTLLM_EXAMPLES=$(TRTSPEC_TRTLLM_EXAMPLES) python3 -m pytest -m trtllm tests/test_trtllm_gpu.py -v -rs
+
 clean:
 	rm -rf engines model_repo/*/ bench/results
