@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from trtspec import __version__
-from trtspec.cli import build, check, verify
+from trtspec.cli import bench, build, check, repo, serve, stop, verify
 
 app = typer.Typer(
     name="trtspec",
@@ -20,6 +20,10 @@ app = typer.Typer(
 app.command("check")(check.check)
 app.command("build")(build.build)
 app.command("verify")(verify.verify)
+app.command("repo")(repo.repo)
+app.command("serve")(serve.serve)
+app.command("stop")(stop.stop)
+app.command("bench")(bench.bench)
 
 
 def _version(value: bool) -> None:

@@ -22,6 +22,10 @@ AllowPickleOpt = Annotated[
     bool,
     typer.Option("--allow-pickle", help="Also load pickle weights (.bin/.pt). Pickle can run code: only for trusted sources."),
 ]
+EnginesOpt = Annotated[
+    Path | None,
+    typer.Option("--engines", help="Engine folder (default: the spec's output_dir, else engines/<name>)."),
+]
 JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON to this file.")]
 
 

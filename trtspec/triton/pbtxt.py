@@ -58,6 +58,8 @@ class TensorSpec:
     dims: Sequence[int]
     optional: bool = False
     reshape: Sequence[int] | None = None
+    # Inputs only: let the dynamic batcher group requests whose shapes differ (ragged lengths).
+    allow_ragged_batch: bool = False
 
 
 @dataclass(frozen=True)
@@ -105,11 +107,12 @@ def to_proto(cfg: ModelConfig) -> pb.ModelConfig:
             tensor = msg.input.add()
             _fill_tensor(tensor, spec, cfg.name)
             tensor.optional = spec.optional
+            tensor.allow_ragged_batch = spec.allow_ragged_batch
         for spec in cfg.outputs:
-            if spec.optional:
+            if spec.optional or spec.allow_ragged_batch:
                 raise PbtxtError(
-                    f"model {cfg.name!r}: output {spec.name!r} is marked optional; "
-                    "only inputs can be optional"
+                    f"model {cfg.name!r}: output {spec.name!r} is marked optional or ragged; "
+                    "only inputs can be optional or ragged"
                 )
             _fill_tensor(msg.output.add(), spec, cfg.name)
         for key, value in cfg.parameters.items():

@@ -1,0 +1,494 @@
+"""`trtspec repo/serve/stop` and `verify --url` against a real tritonserver on 127.0.0.1.
+
+One server (tiny engines, two instances per orchestrator) serves most tests; a few start
+their own small repository to test start failure, signals and detaching. Outputs are compared
+token by token with in-process generation of the same engines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs the serve extra: pip install 'trtspec[serve]'")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+from conftest import write_spec  # noqa: E402
+from trtspec.cli.app import app  # noqa: E402
+from trtspec.triton import pbtxt  # noqa: E402
+from trtspec.triton.orchestrator_core import metrics_from_json  # noqa: E402
+from trtspec.triton.repository import BLS, BLS_STREAMING, CONTROL, DRAFT, REPO_INFO, TARGET, write_repository  # noqa: E402
+from trtspec.triton.server import ServerError, TritonServer, find_tritonserver, free_ports  # noqa: E402
+
+PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Triton serves models over HTTP and gRPC.",
+           "Summarise the following text in one sentence."]
+MAX_TOKENS = 24
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if text in cmdline and state != "Z":
+            found.append(f"{entry.name}: {cmdline[:160]}")
+    return found
+
+
+@pytest.fixture(scope="session")
+def deployment(tmp_path_factory, tiny_ckpts):
+    """Built tiny engines, their spec, and the same engines loaded in process."""
+    from trtspec.engines.build import build
+    from trtspec.runtime import Deployment
+    from trtspec.spec import load_spec
+
+    folder = tmp_path_factory.mktemp("serve")
+    loaded = load_spec(write_spec(folder, tiny_ckpts, **{"serve.instance_count": 2}))
+    build(loaded, loaded.output_dir())
+    return loaded, Deployment(loaded, loaded.output_dir())
+
+
+@pytest.fixture(scope="session")
+def backend_cache(tmp_path_factory):
+    try:
+        find_tritonserver()
+    except ServerError as err:
+        pytest.skip(str(err))
+    return tmp_path_factory.mktemp("backend-cache")
+
+
+@pytest.fixture(scope="session")
+def served(deployment, backend_cache):
+    loaded, _ = deployment
+    repo = write_repository(loaded, loaded.output_dir(), loaded.base_dir / "repo")
+    server = TritonServer.for_repository(repo, cache_root=backend_cache)
+    server.start(loaded.base_dir / "server.log")
+    server.wait_ready(timeout=300)
+    yield server
+    server.stop()
+    assert _processes_mentioning(str(repo)) == [], "tritonserver or stub processes survived stop()"
+
+
+@pytest.fixture
+def client(served):
+    return grpcclient.InferenceServerClient(served.grpc_endpoint)
+
+
+def _t(name, value, datatype, shape=None):
+    if datatype == "BYTES":
+        arr = np.array(value if shape == "raw" else [[value]], dtype=np.object_)
+    else:
+        arr = np.asarray(value if shape == "raw" else [[value]], dtype={"INT32": np.int32, "INT64": np.int64, "BOOL": np.bool_, "FP32": np.float32}[datatype])
+    tensor = grpcclient.InferInput(name, list(arr.shape), datatype)
+    tensor.set_data_from_numpy(arr)
+    return tensor
+
+
+def _bls(prompt, max_tokens=MAX_TOKENS, k=None, **flags):
+    inputs = [_t("text_input", prompt.encode(), "BYTES"), _t("max_tokens", max_tokens, "INT32"),
+              _t("apply_chat_template", True, "BOOL"), _t("exclude_input_in_output", True, "BOOL"),
+              _t("return_perf_metrics", True, "BOOL")]
+    if k is not None:
+        inputs.append(_t("num_draft_tokens", k, "INT32"))
+    inputs += [_t(name, v, "BOOL") for name, v in flags.items()]
+    return inputs
+
+
+def _ids(result):
+    return result.as_numpy("output_ids")[0, : result.as_numpy("sequence_length")[0, 0]].tolist()
+
+
+def _stream(endpoint, inputs, request_id="s"):
+    c = grpcclient.InferenceServerClient(endpoint)
+    got: queue.Queue = queue.Queue()
+    c.start_stream(callback=lambda result, error: got.put((result, error)))
+    responses = []
+    try:
+        c.async_stream_infer(BLS_STREAMING, inputs, request_id=request_id, enable_empty_final_response=True)
+        while True:
+            result, error = got.get(timeout=120)
+            if error is not None:
+                raise error
+            responses.append(result)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return responses
+    finally:
+        c.stop_stream()
+
+
+def _reference(dep, prompt, speculative=True, k=None, max_tokens=MAX_TOKENS):
+    (res,) = dep.generate([dep.request(dep.encode(prompt), max_tokens, k)], speculative=speculative)
+    return res
+
+
+# --------------------------------------------------------------------------------- repository
+
+
+def test_repository_configs_parse_back_and_name_both_engines(deployment, tmp_path):
+    loaded, _ = deployment
+    repo = write_repository(loaded, loaded.output_dir(), tmp_path / "repo")
+    names = sorted(p.name for p in repo.iterdir() if p.is_dir())
+    assert names == sorted([TARGET, DRAFT, BLS, BLS_STREAMING, CONTROL])
+    for name in names:
+        text = (repo / name / "config.pbtxt").read_text()
+        msg = pbtxt.check_text(text)  # Triton's ModelConfig protobuf; refuses ${placeholders}
+        assert msg.name == name and msg.backend == "python"
+        assert "from trtspec.triton.models." in (repo / name / "1" / "model.py").read_text()
+    bls = pbtxt.parse((repo / BLS / "config.pbtxt").read_text())
+    assert bls.instance_group[0].count == 2 and not bls.model_transaction_policy.decoupled
+    assert pbtxt.parse((repo / BLS_STREAMING / "config.pbtxt").read_text()).model_transaction_policy.decoupled
+    assert bls.parameters["tensorrt_llm_draft_model_name"].string_value == DRAFT
+    assert pbtxt.parse((repo / CONTROL / "config.pbtxt").read_text()).parameters["mode"].string_value == "target_only"
+    engine = pbtxt.parse((repo / TARGET / "config.pbtxt").read_text())
+    assert engine.parameters["engine_dir"].string_value == str(loaded.output_dir() / "target")
+    assert engine.HasField("dynamic_batching")
+    assert [i.name for i in engine.input][:4] == ["input_ids", "input_lengths", "request_output_len", "draft_input_ids"]
+    assert json.loads((repo / REPO_INFO).read_text())["spec"] == loaded.spec.name
+    assert not list(repo.rglob("triton")) and not list(tmp_path.glob(".repo.*"))  # no temp left
+
+
+def test_ngram_repository_has_no_draft_model(tmp_path, tiny_ckpts):
+    from trtspec.engines.build import build
+    from trtspec.spec import load_spec
+
+    loaded = load_spec(write_spec(tmp_path / "ng", tiny_ckpts, draft=None, **{"speculative.method": "ngram"}))
+    build(loaded, loaded.output_dir())
+    repo = write_repository(loaded, loaded.output_dir(), tmp_path / "repo")
+    assert not (repo / DRAFT).exists()
+    assert "tensorrt_llm_draft_model_name" not in pbtxt.parse((repo / BLS / "config.pbtxt").read_text()).parameters
+
+
+def test_repo_command_refuses_missing_engines(tmp_path, tiny_ckpts):
+    spec = write_spec(tmp_path / "nobuild", tiny_ckpts)
+    result = CliRunner().invoke(app, ["repo", str(spec), "-o", str(tmp_path / "r")])
+    assert result.exit_code == 2
+    assert "run `trtspec build SPEC`" in result.output
+
+
+# ------------------------------------------------------------------------------------ serving
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("k", [None, 0, 2, 8])
+def test_unary_matches_in_process_tokens_and_metrics(client, deployment, k):
+    _, dep = deployment
+    for prompt in PROMPTS[:2]:
+        result = client.infer(BLS, _bls(prompt, k=k))
+        ref = _reference(dep, prompt, k=k)
+        assert _ids(result) == ref.output_ids
+        assert metrics_from_json(result.as_numpy("perf_metrics_json")[0, 0].decode()) == ref.metrics
+        assert result.as_numpy("total_draft_tokens")[0, 0] == ref.metrics.drafted
+        assert result.as_numpy("total_accepted_draft_tokens")[0, 0] == ref.metrics.accepted
+        assert result.as_numpy("text_output")[0, 0].decode() == dep.decode(ref.output_ids)
+        control = client.infer(CONTROL, _bls(prompt, k=k))
+        assert _ids(control) == _reference(dep, prompt, speculative=False).output_ids == ref.output_ids
+
+
+@pytest.mark.server
+def test_output_includes_the_prompt_unless_excluded(client, deployment):
+    _, dep = deployment
+    inputs = [t for t in _bls(PROMPTS[0]) if t.name() != "exclude_input_in_output"]
+    result = client.infer(BLS, inputs)
+    prompt_ids = dep.encode(PROMPTS[0])
+    assert _ids(result) == prompt_ids + _reference(dep, PROMPTS[0]).output_ids
+
+
+@pytest.mark.server
+def test_streaming_yields_the_unary_tokens_step_by_step(served, deployment):
+    _, dep = deployment
+    prompt = PROMPTS[2]
+    responses = _stream(served.grpc_endpoint, _bls(prompt, stream=True))
+    ref = _reference(dep, prompt)
+    steps = [r.as_numpy("output_ids")[0].tolist() for r in responses]
+    assert [tok for s in steps for tok in s] == ref.output_ids
+    assert len(steps) == ref.metrics.target_forwards > 1  # one response per loop step
+    assert "".join(r.as_numpy("text_output")[0, 0].decode() for r in responses) == dep.decode(ref.output_ids)
+    final = responses[-1]
+    assert final.get_response().parameters["triton_final_response"].bool_param
+    assert metrics_from_json(final.as_numpy("perf_metrics_json")[0, 0].decode()) == ref.metrics
+    assert all(r.as_numpy("perf_metrics_json") is None for r in responses[:-1])
+
+
+@pytest.mark.server
+def test_concurrent_clients_all_match_target_only(served, deployment):
+    _, dep = deployment
+    expected = {p: _reference(dep, p, speculative=False).output_ids for p in PROMPTS}
+    jobs = [(kind, PROMPTS[i % len(PROMPTS)], [None, 1, 4, 8][i % 4])
+            for i, kind in enumerate(["unary", "stream", "control"] * 4)]  # 12 in flight
+    outputs: dict[int, list[int]] = {}
+    errors = []
+    barrier = threading.Barrier(len(jobs))
+
+    def work(n, kind, prompt, k):
+        try:
+            barrier.wait()
+            if kind == "stream":
+                steps = _stream(served.grpc_endpoint, _bls(prompt, k=k, stream=True), request_id=str(n))
+                outputs[n] = [t for r in steps for t in r.as_numpy("output_ids")[0].tolist()]
+            else:
+                c = grpcclient.InferenceServerClient(served.grpc_endpoint)
+                outputs[n] = _ids(c.infer(BLS if kind == "unary" else CONTROL, _bls(prompt, k=k)))
+        except Exception as err:  # surfaced below
+            errors.append(f"{kind} {prompt!r}: {err}")
+
+    threads = [threading.Thread(target=work, args=(n, *job)) for n, job in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert errors == []
+    for n, (_, prompt, _) in enumerate(jobs):
+        assert outputs[n] == expected[prompt], f"job {n} ({jobs[n]}) differs from target-only"
+
+
+@pytest.mark.server
+def test_generate_endpoint_answers_json(served, deployment):
+    _, dep = deployment
+    body = json.dumps({"text_input": PROMPTS[0], "max_tokens": 12, "stop_words": "", "exclude_input_in_output": True,
+                       "return_perf_metrics": True, "apply_chat_template": True}).encode()
+    req = urllib.request.Request(f"http://{served.http_endpoint}/v2/models/{BLS}/generate", data=body, method="POST")
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(req, timeout=60) as resp:
+        answer = json.loads(resp.read())
+    ref = _reference(dep, PROMPTS[0], max_tokens=12)
+    assert answer["output_ids"] == ref.output_ids
+    assert answer["text_output"] == dep.decode(ref.output_ids)
+    assert answer["total_draft_tokens"] == ref.metrics.drafted
+
+
+@pytest.mark.server
+def test_stop_words_end_generation_like_in_process(client, deployment):
+    _, dep = deployment
+    full = _reference(dep, PROMPTS[0]).output_ids
+    stop_text = dep.tokenizer.decode(full[5:7])
+    stop_ids = tuple(dep.tokenizer(stop_text, add_special_tokens=False)["input_ids"])
+    inputs = _bls(PROMPTS[0]) + [_t("stop_words", [[stop_text.encode()]], "BYTES", shape="raw")]
+    got = _ids(client.infer(BLS, inputs))
+    (ref,) = dep.generate([_with_stops(dep, PROMPTS[0], stop_ids)])
+    assert got == ref.output_ids and len(got) < len(full)
+
+
+def _with_stops(dep, prompt, stop_ids):
+    req = dep.request(dep.encode(prompt), MAX_TOKENS)
+    req.stop_sequences = (stop_ids,)
+    return req
+
+
+# ------------------------------------------------------------------------------- bad requests
+
+
+def _engine(ids=(5, 6, 7), lengths=None, out_len=2, draft=None, raw=None):
+    raw = raw or {}
+    inputs = [raw.get("input_ids") or _t("input_ids", [list(ids)], "INT32", "raw"),
+              raw.get("input_lengths") or _t("input_lengths", [[len(ids) if lengths is None else lengths]], "INT32", "raw"),
+              _t("request_output_len", out_len, "INT32")]
+    if draft is not None:
+        inputs.append(_t("draft_input_ids", [list(draft)], "INT32", "raw"))
+    return inputs
+
+
+def _drop(inputs, name):
+    return [t for t in inputs if t.name() != name]
+
+
+def _replace(inputs, tensor):
+    return _drop(inputs, tensor.name()) + [tensor]
+
+
+BAD_REQUESTS = [
+    # (model, inputs, expected text in the error)
+    (BLS, lambda: _drop(_bls("hi"), "text_input"), "text_input"),
+    (BLS, lambda: _drop(_bls("hi"), "max_tokens"), "max_tokens"),
+    (BLS, lambda: _replace(_bls("hi"), _t("max_tokens", 5, "INT64")), "data-type is 'INT64'"),
+    (BLS, lambda: _replace(_bls("hi"), _t("max_tokens", [[5, 6]], "INT32", "raw")), "max_tokens"),
+    (BLS, lambda: _replace(_bls("hi"), _t("num_draft_tokens", 1.5, "FP32")), "data-type is 'FP32'"),
+    (BLS, lambda: _bls(""), "text_input is empty"),
+    (BLS, lambda: _bls("   \n"), "text_input is empty"),
+    (BLS, lambda: _replace(_bls("hi"), _t("text_input", b"\xff\xfe", "BYTES")), "not valid UTF-8"),
+    (BLS, lambda: _bls("hi", max_tokens=0), "max_tokens must be at least 1"),
+    (BLS, lambda: _bls("hi", max_tokens=-3), "max_tokens must be at least 1"),
+    (BLS, lambda: _bls("hi", max_tokens=100000), "exceeds max_seq_len 512"),
+    (BLS, lambda: _bls("hi " * 300), "more than max_input_len 256"),
+    (BLS, lambda: _bls("hi", k=9), "num_draft_tokens must be in 0..8"),
+    (BLS, lambda: _bls("hi", k=-1), "num_draft_tokens must be in 0..8"),
+    (CONTROL, lambda: _bls("hi", k=99), "num_draft_tokens must be in 0..8"),
+    (BLS, lambda: _bls("hi") + [_t("end_id", 123456, "INT32")], "end_id 123456 is outside the vocabulary"),
+    (BLS, lambda: _bls("hi") + [_t("pad_id", -1, "INT32")], "pad_id -1 is outside the vocabulary"),
+    (BLS, lambda: _bls("hi", stream=True), "stream=true needs the decoupled model"),
+    (BLS, lambda: [_t("text_input", [[b"a"]] * 5, "BYTES", "raw"), _t("max_tokens", [[4]] * 5, "INT32", "raw")], "batch-size must be <= 4"),
+    (BLS, lambda: [_t("text_input", [[b"a"], [b"b"]], "BYTES", "raw"), _t("max_tokens", [[4]], "INT32", "raw")], "batch size"),
+    (BLS_STREAMING, lambda: _bls("hi"), "decoupled"),
+    (TARGET, lambda: _engine(ids=(5, 6, 99999)), "token id 99999 is outside the vocabulary"),
+    (TARGET, lambda: _engine(ids=(5, -2)), "token id -2 is outside the vocabulary"),
+    (TARGET, lambda: _engine(draft=(1, 2, 400)), "token id 400 is outside the vocabulary"),
+    (TARGET, lambda: _engine(draft=list(range(9))), "9 draft tokens exceed max_draft_len 8"),
+    (TARGET, lambda: _engine(lengths=7), "input_lengths[0] is 7"),
+    (TARGET, lambda: _engine(out_len=0), "request_output_len must be at least 1"),
+    (TARGET, lambda: _engine(out_len=600), "exceeds max_seq_len 512"),
+    (TARGET, lambda: _engine() + [_t("streaming", True, "BOOL")], "streaming=true needs a decoupled model"),
+    (DRAFT, lambda: _engine(draft=(1, 2)), "built without speculative decoding"),
+    (TARGET, lambda: _drop(_engine(), "input_lengths"), "input_lengths"),
+]
+
+
+@pytest.mark.server
+def test_bad_requests_get_clear_errors_while_others_are_served(served, deployment):
+    _, dep = deployment
+    assert len(BAD_REQUESTS) >= 20
+    expected = _reference(dep, PROMPTS[3], max_tokens=48).output_ids
+    bystander: dict = {}
+
+    def other_client():  # streams the whole time the bad requests arrive
+        steps = _stream(served.grpc_endpoint, _bls(PROMPTS[3], max_tokens=48, stream=True), request_id="bystander")
+        bystander["ids"] = [t for r in steps for t in r.as_numpy("output_ids")[0].tolist()]
+
+    thread = threading.Thread(target=other_client)
+    thread.start()
+    c = grpcclient.InferenceServerClient(served.grpc_endpoint)
+    failures = []
+    for model, make, text in BAD_REQUESTS:
+        try:
+            c.infer(model, make())  # unary, also to the decoupled model (refused by design)
+            failures.append(f"{model}: no error (expected {text!r})")
+        except InferenceServerException as err:
+            if text not in str(err):
+                failures.append(f"{model}: {err} (expected {text!r})")
+        assert c.is_server_ready()
+    thread.join(120)
+    assert failures == []
+    assert bystander.get("ids") == expected
+    assert _ids(c.infer(BLS, _bls(PROMPTS[0]))) == _reference(dep, PROMPTS[0]).output_ids
+
+
+# ----------------------------------------------------------------------------------- verify
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("stream", [False, True])
+def test_verify_url_reports_identical(served, deployment, tmp_path, stream):
+    loaded, _ = deployment
+    report = tmp_path / "report.json"
+    junit = tmp_path / "verify.xml"
+    args = ["verify", str(loaded.path), "--url", served.grpc_endpoint, "-p", PROMPTS[0], "-p", PROMPTS[1],
+            "--max-tokens", "16", "--json", str(report), "--junit", str(junit)] + (["--stream"] if stream else [])
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(report.read_text())
+    assert data["identical"] and data["mode"].startswith(f"grpc://{served.grpc_endpoint}")
+    assert data["metrics"]["drafted"] > 0 and junit.is_file()
+
+
+def test_verify_url_unreachable_is_one_clear_error(deployment):
+    loaded, _ = deployment
+    (port,) = free_ports(1)
+    result = CliRunner().invoke(app, ["verify", str(loaded.path), "--url", f"127.0.0.1:{port}", "-p", "x"])
+    assert result.exit_code == 2
+    assert f"cannot reach a Triton server at 127.0.0.1:{port}" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_verify_stream_needs_url(deployment):
+    loaded, _ = deployment
+    result = CliRunner().invoke(app, ["verify", str(loaded.path), "--stream", "-p", "x"])
+    assert result.exit_code == 2 and "add --url" in result.output
+
+
+# ------------------------------------------------------------------- serve: start, stop, fail
+
+
+def _engine_only_repo(deployment, tmp_path, break_it=False) -> Path:
+    """A small repository (the target engine model only): starts in seconds."""
+    loaded, _ = deployment
+    full = write_repository(loaded, loaded.output_dir(), tmp_path / "full")
+    repo = tmp_path / "small"
+    repo.mkdir()
+    shutil.copytree(full / TARGET, repo / TARGET)
+    if break_it:
+        cfg = repo / TARGET / "config.pbtxt"
+        cfg.write_text(cfg.read_text().replace(str(loaded.output_dir() / "target"), str(tmp_path / "no-such-engine")))
+    return repo
+
+
+def _port_args():
+    http, grpc, metrics = free_ports(3)
+    return ["--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
+
+
+def test_serve_dry_run_prints_command_and_environment(deployment):
+    loaded, _ = deployment
+    result = CliRunner().invoke(app, ["serve", str(loaded.path), "--dry-run", "--repo", str(loaded.base_dir / "dry")])
+    assert result.exit_code == 0, result.output
+    assert "--http-address=127.0.0.1" in result.output and "--grpc-port=8001" in result.output
+    assert "PATH=" + sys.prefix in result.output and "LD_LIBRARY_PATH=" in result.output
+    assert not (loaded.base_dir / "dry").exists()
+
+
+@pytest.mark.server
+def test_serve_fails_with_the_broken_models_log_lines(deployment, tmp_path, backend_cache, monkeypatch):
+    monkeypatch.setenv("TRTSPEC_CACHE_DIR", str(backend_cache))
+    repo = _engine_only_repo(deployment, tmp_path, break_it=True)
+    result = CliRunner().invoke(app, ["serve", str(repo), *_port_args(), "--timeout", "120"])
+    assert result.exit_code == 3, result.output
+    assert "failed to load 'tensorrt_llm'" in result.output
+    assert "no-such-engine does not exist" in result.output  # the model's own error
+    assert _processes_mentioning(str(repo)) == []
+
+
+@pytest.mark.server
+def test_serve_detach_then_stop_leaves_nothing(deployment, tmp_path, backend_cache, monkeypatch):
+    monkeypatch.setenv("TRTSPEC_CACHE_DIR", str(backend_cache))
+    repo = _engine_only_repo(deployment, tmp_path)
+    pid_file = tmp_path / "run" / "server.json"
+    ports = _port_args()
+    result = CliRunner().invoke(app, ["serve", str(repo), *ports, "--detach", "--pid-file", str(pid_file)])
+    try:
+        assert result.exit_code == 0, result.output
+        info = json.loads(pid_file.read_text())
+        assert grpcclient.InferenceServerClient(info["grpc_endpoint"]).is_model_ready(TARGET)
+        assert (tmp_path / "run" / "server.log").is_file()
+    finally:
+        stopped = CliRunner().invoke(app, ["stop", "--pid-file", str(pid_file)])
+    assert stopped.exit_code == 0, stopped.output
+    assert not pid_file.exists()
+    assert _processes_mentioning(str(repo)) == []
+
+
+@pytest.mark.server
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+def test_serve_forwards_signals_and_stops_every_stub(deployment, tmp_path, backend_cache, sig, code):
+    repo = _engine_only_repo(deployment, tmp_path)
+    env = dict(os.environ, TRTSPEC_CACHE_DIR=str(backend_cache))
+    proc = subprocess.Popen([sys.executable, "-m", "trtspec", "serve", str(repo), *_port_args()],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        line = ""
+        deadline = time.monotonic() + 120
+        while "ready in" not in line and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "serve exited before ready"
+        assert "ready in" in line
+        assert any("triton_python_backend_stub" in p for p in _processes_mentioning(str(repo)))
+        proc.send_signal(sig)
+        assert proc.wait(60) == code
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert _processes_mentioning(str(repo)) == []

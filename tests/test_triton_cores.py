@@ -1,0 +1,170 @@
+"""The logic behind the Triton models, without a server: engine contract and orchestrator.
+
+The orchestrator's engine calls go to EngineCore objects in this process (the same code the
+engine models run), so these tests pin down that serving runs the SAME loop as in-process
+generation: same tokens, same acceptance counts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from trtspec.errors import RequestError
+from trtspec.speculative.loop import accepted_prefix
+from trtspec.speculative.verifier import LogitsVerifier
+from trtspec.triton.bls import BlsVerifier
+from trtspec.triton.engine_core import EngineCore, EngineJob, EngineLimits, run_jobs
+from trtspec.triton.orchestrator_core import Orchestrator, OrchestratorSettings, metrics_from_json
+
+PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Triton serves models over HTTP and gRPC."]
+
+
+def _cores(dep):
+    t, d = dep.target, dep.draft
+    lim = dep.spec.limits("target")
+    return {
+        "tensorrt_llm": EngineCore(t.run, EngineLimits(t.vocab_size, t.max_seq_len, dep.spec.speculative.max_draft_len, lim.max_batch_size)),
+        "tensorrt_llm_draft": EngineCore(d.run, EngineLimits(d.vocab_size, d.max_seq_len, 0, lim.max_batch_size), min(t.vocab_size, d.vocab_size)),
+    }
+
+
+def _call(cores, log=None):
+    def call(model, inputs, names):
+        if log is not None:
+            log.append((model, {k: np.asarray(v).shape for k, v in inputs.items()}))
+        (answer,) = cores[model].infer([inputs])
+        if isinstance(answer, Exception):
+            raise answer
+        return {n: answer[n] for n in names}
+
+    return call
+
+
+def _orchestrator(dep, mode="speculative", decoupled=False, log=None):
+    spec = dep.spec
+    settings = OrchestratorSettings(
+        mode=mode, decoupled=decoupled, target_model="tensorrt_llm", draft_model="tensorrt_llm_draft",
+        method=spec.speculative.method, default_draft_tokens=spec.speculative.default_draft_tokens,
+        max_ngram=spec.speculative.max_ngram, min_ngram=spec.speculative.min_ngram, limits=dep.limits,
+        max_batch_size=spec.limits("target").max_batch_size, draft_vocab_limit=dep.target.vocab_size,
+    )
+    return Orchestrator(settings, _call(_cores(dep), log), dep.tokenizer, dep.end_ids)
+
+
+def _request(prompt, max_tokens=24, **extra):
+    inputs = {
+        "text_input": np.array([[prompt.encode()]], dtype=np.object_),
+        "max_tokens": np.array([[max_tokens]], dtype=np.int32),
+        "apply_chat_template": np.array([[True]]),
+        "exclude_input_in_output": np.array([[True]]),
+        "return_perf_metrics": np.array([[True]]),
+    }
+    for k, v in extra.items():
+        inputs[k] = np.array([[v]], dtype=np.object_ if isinstance(v, bytes) else None)
+    return inputs
+
+
+def test_engine_verify_returns_accepted_prefix_plus_next_token(built):
+    dep = built()
+    ctx = dep.encode(PROMPTS[0])
+    (full,) = LogitsVerifier(dep.target.run).verify([ctx], [[0, 0, 0]])
+    greedy = full.target_ids  # the target's token after ctx + draft[:i], i = 0..3
+    for draft in ([], greedy[:3], greedy[:1] + [(greedy[1] + 1) % 300, 5], [(greedy[0] + 1) % 300]):
+        (res,) = run_jobs(dep.target.run, [EngineJob(ctx, len(draft) + 1, draft)])
+        (ref,) = LogitsVerifier(dep.target.run).verify([ctx], [draft])
+        n = accepted_prefix(draft, ref)
+        assert res.ids == ref.target_ids[: n + 1]
+
+
+def test_engine_decode_batches_ragged_jobs_and_stops_after_end_id(built):
+    dep = built()
+    a, b = dep.encode(PROMPTS[0]), dep.encode(PROMPTS[1])
+    solo = [run_jobs(dep.target.run, [EngineJob(x, 6)])[0].ids for x in (a, b)]
+    both = run_jobs(dep.target.run, [EngineJob(a, 6), EngineJob(b, 3)])
+    assert [r.ids for r in both] == [solo[0], solo[1][:3]]
+    (cut,) = run_jobs(dep.target.run, [EngineJob(a, 6, end_id=solo[0][2])])
+    assert cut.ids == solo[0][: solo[0].index(solo[0][2]) + 1]
+
+
+def test_engine_core_answers_each_request_or_its_own_error(built):
+    dep = built()
+    core = _cores(dep)["tensorrt_llm"]
+    good = {"input_ids": np.array([[5, 6, 7]], dtype=np.int32), "input_lengths": np.array([[3]], dtype=np.int32),
+            "request_output_len": np.array([[2]], dtype=np.int32)}
+    bad = good | {"input_ids": np.array([[5, 6, 9999]], dtype=np.int32)}
+    answers = core.infer([good, bad, good | {"exclude_input_in_output": np.array([[True]])}])
+    assert answers[0]["output_ids"].shape == (1, 1, 5) and answers[0]["sequence_length"].tolist() == [[5]]
+    assert isinstance(answers[1], RequestError) and "token id 9999 is outside the vocabulary" in str(answers[1])
+    assert answers[2]["output_ids"][0, 0].tolist() == answers[0]["output_ids"][0, 0, 3:].tolist()
+
+
+@pytest.mark.parametrize("k", [0, 1, 4, 8])
+def test_orchestrator_runs_the_same_loop_as_in_process(built, k):
+    dep = built()
+    orch = _orchestrator(dep)
+    for prompt in PROMPTS:
+        (out,) = orch.run([_request(prompt, num_draft_tokens=k)])
+        (ref,) = dep.generate([dep.request(dep.encode(prompt), 24, k)], speculative=True)
+        assert out["output_ids"][0, : out["sequence_length"][0, 0]].tolist() == ref.output_ids
+        metrics = metrics_from_json(out["perf_metrics_json"][0, 0].decode())
+        assert metrics == ref.metrics
+        assert out["total_draft_tokens"][0, 0] == ref.metrics.drafted
+        assert out["total_accepted_draft_tokens"][0, 0] == ref.metrics.accepted
+
+
+def test_target_only_and_batched_requests_match_in_process(built):
+    dep = built()
+    control = _orchestrator(dep, mode="target_only")
+    spec = _orchestrator(dep)
+    refs = [dep.generate([dep.request(dep.encode(p), 24)], speculative=False)[0].output_ids for p in PROMPTS]
+    answers = control.run([_request(p) for p in PROMPTS])
+    assert [a["output_ids"][0, : a["sequence_length"][0, 0]].tolist() for a in answers] == refs
+    assert all(a["total_draft_tokens"][0, 0] == 0 for a in answers)
+    batched = spec.run([_request(p) for p in PROMPTS])  # one loop, one engine request per step
+    assert [a["output_ids"][0, : a["sequence_length"][0, 0]].tolist() for a in batched] == refs
+
+
+def test_verifier_groups_rows_by_draft_length(built):
+    dep = built()
+    log = []
+    verifier = BlsVerifier(_call(_cores(dep), log), "tensorrt_llm")
+    ctx = [dep.encode(p) for p in PROMPTS]
+    verifier.verify(ctx, [[1, 2], [], [3, 4]])
+    assert sorted(shape["input_ids"][0] for _, shape in log) == [1, 2]
+
+
+def test_streaming_sends_each_step_then_one_final_with_metrics(built):
+    dep = built()
+    orch = _orchestrator(dep, decoupled=True)
+    sent = []
+    errors = orch.run([_request(PROMPTS[1], stream=True)], lambda i, t, final: sent.append((i, t, final)))
+    assert errors == [None]
+    assert [final for *_, final in sent] == [False] * (len(sent) - 1) + [True]
+    streamed = [tok for _, t, _ in sent for tok in t["output_ids"][0].tolist()]
+    (ref,) = dep.generate([dep.request(dep.encode(PROMPTS[1]), 24)], speculative=True)
+    assert streamed == ref.output_ids
+    assert "".join(t["text_output"][0, 0].decode() for _, t, _ in sent) == dep.decode(ref.output_ids)
+    assert "perf_metrics_json" in sent[-1][1] and all("perf_metrics_json" not in t for _, t, _ in sent[:-1])
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"max_tokens": 0}, "max_tokens must be at least 1"),
+        ({"num_draft_tokens": 99}, "num_draft_tokens must be in 0..8"),
+        ({"text_input": b"   "}, "text_input is empty"),
+        ({"text_input": b"\xff\xfe"}, "not valid UTF-8"),
+        ({"stream": True}, "stream=true needs the decoupled model"),
+        ({"end_id": 100000}, "end_id 100000 is outside the vocabulary"),
+    ],
+)
+def test_bad_requests_get_their_own_error(built, extra, message):
+    dep = built()
+    orch = _orchestrator(dep)
+    bad = _request(PROMPTS[0])
+    for k, v in extra.items():
+        bad[k] = np.array([[v]], dtype=np.object_ if isinstance(v, bytes) else None)
+    answers = orch.run([bad, _request(PROMPTS[0])])
+    assert isinstance(answers[0], RequestError) and message in str(answers[0])
+    assert isinstance(answers[1], dict)

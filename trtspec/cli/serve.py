@@ -1,0 +1,66 @@
+"""`trtspec serve SPEC|REPO`: run a real tritonserver on the generated repository."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from trtspec import console
+from trtspec.cli.common import EnginesOpt, handle_errors
+from trtspec.triton import serving
+
+
+
+@handle_errors
+def serve(
+    target: Annotated[Path, typer.Argument(help="Engine spec YAML (its repository is written first) or a model repository folder.", show_default=False)],
+    host: Annotated[str | None, typer.Option("--host", help="Address to bind (default: serve.host, 127.0.0.1). The server has no auth.")] = None,
+    http_port: Annotated[int | None, typer.Option("--http-port", min=1, max=65535, help="Default: serve.http_port (8000).")] = None,
+    grpc_port: Annotated[int | None, typer.Option("--grpc-port", min=1, max=65535, help="Default: serve.grpc_port (8001).")] = None,
+    metrics_port: Annotated[int | None, typer.Option("--metrics-port", min=1, max=65535, help="Default: serve.metrics_port (8002).")] = None,
+    engines: EnginesOpt = None,
+    repo_dir: Annotated[Path | None, typer.Option("--repo", help="Where to write the repository (SPEC only).")] = None,
+    timeout: Annotated[float, typer.Option("--timeout", min=1, help="Seconds to wait for readiness.")] = 300.0,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command and environment; start nothing.")] = False,
+    detach: Annotated[bool, typer.Option("--detach", help="Return once ready; the server keeps running (stop it with `trtspec stop`).")] = False,
+    pid_file: Annotated[Path, typer.Option("--pid-file", help="Detached server's pid file.")] = serving.DEFAULT_PID_FILE,
+    log_file: Annotated[Path | None, typer.Option("--log-file", help="Server log (default: beside the pid file when detached, else a temp file).")] = None,
+) -> None:
+    """Serve SPEC (or a written REPO) on tritonserver and wait until every model is ready.
+
+    Binds 127.0.0.1 unless --host. A model that fails to load ends with exit code 3 and the
+    server log's relevant lines. Ctrl-C / SIGTERM stop the server and all its stub processes.
+
+    Examples:
+      trtspec serve engine_specs/smollm2-135m-cpu.yaml
+      trtspec serve engine_specs/smollm2-135m-cpu.yaml --detach && trtspec stop
+      trtspec serve model_repo/smollm2-135m-cpu --grpc-port 9001 --dry-run
+    """
+    t = serving.serve_target(target, engines, repo_dir, write=not dry_run)
+    server = serving.server_for(t, host, http_port, grpc_port, metrics_port)
+    if dry_run:
+        console.out.print(" ".join(server.command.argv()))
+        for key in ("PATH", "LD_LIBRARY_PATH"):
+            console.out.print(f"{key}={(server.env or {}).get(key, os.environ.get(key, ''))}")
+        if t.loaded is not None:
+            console.out.print(f"repository (not written in a dry run): {t.repo_dir}")
+        return
+    endpoints = f"gRPC {server.grpc_endpoint} | HTTP {server.http_endpoint} | metrics {server.metrics_url}"
+    if detach:
+        log = log_file or pid_file.with_suffix(".log")
+        with console.step(f"starting tritonserver on {t.repo_dir}"):
+            secs = serving.start_detached(server, timeout, pid_file, log)
+        console.out.print(f"ready in {secs:.1f}s: {endpoints}")
+        console.out.print(f"pid {server.pid}; pid file {pid_file}; log {log}; stop with `trtspec stop --pid-file {pid_file}`")
+        return
+
+    def ready(secs: float) -> None:
+        console.out.print(f"ready in {secs:.1f}s: {endpoints}", highlight=False)
+        console.err.print(f"log: {server.log_path}; Ctrl-C to stop")
+
+    code = serving.run_attached(server, timeout, log_file, ready)
+    console.err.print("tritonserver stopped")
+    raise typer.Exit(code)

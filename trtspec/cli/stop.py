@@ -1,0 +1,30 @@
+"""`trtspec stop`: stop a server started with `trtspec serve --detach`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from trtspec import console
+from trtspec.cli.common import handle_errors
+from trtspec.triton.serving import DEFAULT_PID_FILE
+from trtspec.triton.server import stop_detached
+
+
+@handle_errors
+def stop(
+    pid_file: Annotated[Path, typer.Option("--pid-file", help="Pid file written by `serve --detach`.")] = DEFAULT_PID_FILE,
+    timeout: Annotated[float, typer.Option("--timeout", min=1, help="Seconds before SIGKILL.")] = 30.0,
+) -> None:
+    """Stop a detached server and every stub process; remove its pid file.
+
+    Examples:
+      trtspec stop
+      trtspec stop --pid-file ci/server.json
+    """
+    if stop_detached(pid_file, timeout):
+        console.out.print(f"stopped the server of {pid_file}")
+    else:
+        console.out.print(f"the server of {pid_file} had already exited; removed the pid file")

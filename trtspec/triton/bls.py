@@ -1,0 +1,107 @@
+"""Drafter and verifier that call engine models through a request function (BLS in Triton).
+
+They plug into the one speculative loop (trtspec.speculative.loop.generate) exactly as
+ModelDrafter and LogitsVerifier do in process; only the transport differs. Requests follow
+TensorRT-LLM's `tensorrt_llm` contract, so the same classes drive a TensorRT-LLM target:
+
+  draft   input_ids + request_output_len = k            -> k greedy draft tokens
+  verify  input_ids + draft_input_ids, request_output_len = len(draft) + 1
+                                                         -> accepted prefix + the target's next token
+
+``call(model, inputs, output_names)`` sends one request (batch = several sequences) and
+returns its output arrays, raising on an error response. Within one call every row has the
+same draft length (draft_input_ids has no per-row length), so rows are grouped by it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from trtspec.speculative.loop import Verdict
+
+EngineCall = Callable[[str, Mapping[str, np.ndarray], Sequence[str]], Mapping[str, np.ndarray]]
+
+
+def sequence_inputs(contexts: Sequence[list[int]], pad_id: int = 0) -> dict[str, np.ndarray]:
+    """input_ids [b, L] padded with pad_id, input_lengths [b, 1]."""
+    width = max(len(c) for c in contexts)
+    ids = np.full((len(contexts), width), pad_id, dtype=np.int32)
+    for row, c in enumerate(contexts):
+        ids[row, : len(c)] = c
+    lengths = np.array([[len(c)] for c in contexts], dtype=np.int32)
+    return {"input_ids": ids, "input_lengths": lengths}
+
+
+def _column(values: Sequence[int | bool], dtype) -> np.ndarray:
+    return np.array([[v] for v in values], dtype=dtype)  # [b, 1]
+
+
+def generated(outputs: Mapping[str, np.ndarray], rows: int) -> list[list[int]]:
+    """Tokens per row from output_ids [b, beam, T] and sequence_length [b, beam] (beam 0)."""
+    ids = np.asarray(outputs["output_ids"]).reshape(rows, -1, np.asarray(outputs["output_ids"]).shape[-1])
+    lengths = np.asarray(outputs["sequence_length"]).reshape(rows, -1)
+    return [ids[r, 0, : int(lengths[r, 0])].tolist() for r in range(rows)]
+
+
+class BlsDrafter:
+    """Greedy drafts from a draft engine model, one batched request per loop step."""
+
+    def __init__(self, call: EngineCall, model: str, vocab_limit: int | None = None, pad_id: int = 0):
+        self.call = call
+        self.model = model
+        self.vocab_limit = vocab_limit
+        self.pad_id = pad_id
+
+    def propose(self, contexts: Sequence[list[int]], ks: Sequence[int]) -> list[list[int]]:
+        inputs = sequence_inputs(contexts, self.pad_id)
+        inputs["request_output_len"] = _column(ks, np.int32)
+        inputs["exclude_input_in_output"] = _column([True] * len(ks), np.bool_)
+        out = self.call(self.model, inputs, ["output_ids", "sequence_length"])
+        drafts = generated(out, len(contexts))
+        if self.vocab_limit is not None:  # an id the target cannot score ends the draft
+            drafts = [_until_outside(d, self.vocab_limit) for d in drafts]
+        return drafts
+
+
+def _until_outside(draft: list[int], limit: int) -> list[int]:
+    for i, t in enumerate(draft):
+        if not 0 <= t < limit:
+            return draft[:i]
+    return draft
+
+
+class BlsVerifier:
+    """One target request per distinct draft length (normally one per loop step)."""
+
+    def __init__(self, call: EngineCall, model: str, want_margins: bool = False, pad_id: int = 0):
+        self.call = call
+        self.model = model
+        self.want_margins = want_margins
+        self.pad_id = pad_id
+
+    def verify(self, contexts: Sequence[list[int]], drafts: Sequence[list[int]]) -> list[Verdict]:
+        verdicts: list[Verdict | None] = [None] * len(contexts)
+        by_len: dict[int, list[int]] = {}
+        for i, d in enumerate(drafts):
+            by_len.setdefault(len(d), []).append(i)
+        for d_len, rows in by_len.items():
+            inputs = sequence_inputs([contexts[i] for i in rows], self.pad_id)
+            inputs["request_output_len"] = _column([d_len + 1] * len(rows), np.int32)
+            inputs["exclude_input_in_output"] = _column([True] * len(rows), np.bool_)
+            if d_len > 0:
+                inputs["draft_input_ids"] = np.array([drafts[i] for i in rows], dtype=np.int32)
+            names = ["output_ids", "sequence_length"]
+            if self.want_margins:
+                inputs["return_margins"] = _column([True] * len(rows), np.bool_)
+                names.append("output_margins")
+            out = self.call(self.model, inputs, names)
+            ids = generated(out, len(rows))
+            margins = None
+            if self.want_margins:
+                m = np.asarray(out["output_margins"]).reshape(len(rows), -1)
+                margins = [m[r, : len(ids[r])].tolist() for r in range(len(rows))]
+            for r, i in enumerate(rows):
+                verdicts[i] = Verdict(ids[r], margins[r] if margins else None)
+        return verdicts  # type: ignore[return-value]

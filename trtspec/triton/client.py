@@ -1,0 +1,141 @@
+"""GrpcBackend: the VerifyBackend of `trtspec verify --url`, over Triton's gRPC API.
+
+The speculative path calls `tensorrt_llm_bls` (or, with stream=True, streams from
+`tensorrt_llm_bls_streaming` and concatenates the steps); the control path calls
+`target_only`. Both ask for token ids (exclude_input_in_output), the target's margins and the
+whole generation's SpecMetrics, so the report is the same as in process.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import numpy as np
+
+from trtspec.errors import RequestError, RuntimeFailure
+from trtspec.triton.orchestrator_core import metrics_from_json
+from trtspec.triton.repository import BLS, BLS_STREAMING, CONTROL
+from trtspec.verify import PathRun
+
+
+def _input(name: str, value, datatype: str):
+    import tritonclient.grpc as grpcclient
+
+    arr = np.array([[value]], dtype=np.object_ if datatype == "BYTES" else None)
+    if datatype == "INT32":
+        arr = arr.astype(np.int32)
+    tensor = grpcclient.InferInput(name, list(arr.shape), datatype)
+    tensor.set_data_from_numpy(arr)
+    return tensor
+
+
+class GrpcBackend:
+    def __init__(self, url: str, tokenizer=None, chat_template: bool = True,
+                 num_draft_tokens: int | None = None, stream: bool = False, timeout: float = 600.0):
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException
+
+        self.url = url
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.k = num_draft_tokens
+        self.stream = stream
+        self.timeout = timeout
+        self._error = InferenceServerException
+        try:
+            self.client = grpcclient.InferenceServerClient(url)
+            live = self.client.is_server_live(client_timeout=10)
+        except (InferenceServerException, ValueError) as err:
+            raise RequestError(
+                f"cannot reach a Triton server at {url} ({_first_line(err)}); start one with "
+                "`trtspec serve SPEC` or fix --url HOST:PORT (the gRPC port, 8001 by default)"
+            ) from None
+        if not live:
+            raise RequestError(f"the Triton server at {url} is not live yet; wait for `trtspec serve` to say ready")
+        needed = [BLS, CONTROL] + ([BLS_STREAMING] if stream else [])
+        missing = [m for m in needed if not self._ready(m)]
+        if missing:
+            raise RequestError(
+                f"the server at {url} has no ready model(s) {', '.join(missing)}; serve a trtspec "
+                "repository (`trtspec serve SPEC`)" + (" with serve.streaming: true" if BLS_STREAMING in missing else "")
+            )
+
+    def _ready(self, model: str) -> bool:
+        try:
+            return self.client.is_model_ready(model, client_timeout=10)
+        except self._error:
+            return False
+
+    def _inputs(self, prompt: str, max_tokens: int, stream: bool) -> list:
+        inputs = [
+            _input("text_input", prompt.encode(), "BYTES"),
+            _input("max_tokens", max_tokens, "INT32"),
+            _input("apply_chat_template", self.chat_template, "BOOL"),
+            _input("exclude_input_in_output", True, "BOOL"),
+            _input("return_perf_metrics", True, "BOOL"),
+            _input("return_margins", not stream, "BOOL"),
+        ]
+        if self.k is not None:
+            inputs.append(_input("num_draft_tokens", self.k, "INT32"))
+        if stream:
+            inputs.append(_input("stream", True, "BOOL"))
+        return inputs
+
+    def run(self, prompt: str, max_tokens: int, speculative: bool) -> PathRun:
+        stream = speculative and self.stream
+        inputs = self._inputs(prompt, max_tokens, stream)
+        start = time.perf_counter()
+        try:
+            if stream:
+                ids, margins, metrics = self._run_stream(inputs)
+            else:
+                ids, margins, metrics = self._run_unary(BLS if speculative else CONTROL, inputs)
+        except self._error as err:
+            raise RequestError(f"the server refused the request: {_first_line(err)}") from None
+        seconds = time.perf_counter() - start
+        return PathRun(ids, margins, metrics if speculative else None, seconds)
+
+    def _run_unary(self, model: str, inputs: list):
+        result = self.client.infer(model, inputs, client_timeout=self.timeout)
+        n = int(result.as_numpy("sequence_length")[0, 0])
+        ids = result.as_numpy("output_ids")[0, :n].tolist()
+        raw = result.as_numpy("output_margins")
+        margins = [None if np.isnan(x) else float(x) for x in raw[0, :n]] if raw is not None else [None] * n
+        return ids, margins, metrics_from_json(result.as_numpy("perf_metrics_json")[0, 0].decode())
+
+    def _run_stream(self, inputs: list):
+        responses: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        ids: list[int] = []
+        metrics = None
+        try:
+            self.client.async_stream_infer(BLS_STREAMING, inputs, enable_empty_final_response=True)
+            while True:
+                try:
+                    result, error = responses.get(timeout=self.timeout)
+                except queue.Empty:
+                    raise RuntimeFailure(f"no streamed response from {self.url} within {self.timeout:.0f}s") from None
+                if error is not None:
+                    raise error
+                out = result.as_numpy("output_ids")
+                if out is not None:
+                    ids += out[0].tolist()
+                blob = result.as_numpy("perf_metrics_json")
+                if blob is not None:
+                    metrics = metrics_from_json(blob[0, 0].decode())
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    break
+        finally:
+            self.client.stop_stream()
+        return ids, [None] * len(ids), metrics
+
+    def token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"<id {token_id}>"
+        return self.tokenizer.decode([token_id])
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -1,0 +1,239 @@
+"""The token-level engine behind the `tensorrt_llm` / `tensorrt_llm_draft` Python models.
+
+It speaks TensorRT-LLM's `tensorrt_llm` tensor contract so the orchestrator talks to a torch
+engine exactly as it will to a TensorRT-LLM one:
+
+  inputs   input_ids [b, L] INT32 (padded), input_lengths [b, 1], request_output_len [b, 1],
+           draft_input_ids [b, D] (optional), end_id / pad_id [b, 1] (optional),
+           streaming [b, 1] BOOL (optional, must be false: this model is not decoupled),
+           exclude_input_in_output [b, 1] BOOL (optional, default from the model parameter),
+           return_margins [b, 1] BOOL (optional, trtspec extension)
+  outputs  output_ids [b, 1, T] INT32 (beam width 1, padded with pad_id),
+           sequence_length [b, 1] INT32, output_margins [b, 1, G] FP32 (when asked)
+
+Semantics, as TensorRT-LLM's draft_tokens_external mode: with draft tokens the engine scores
+input + drafts in ONE forward and returns the accepted prefix of the drafts plus the target's
+own next token; without, it decodes request_output_len tokens greedily (stopping after end_id).
+Everything here is plain numpy/torch so it is tested without a server; the Triton model only
+converts pb_utils tensors to and from the dicts used here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from trtspec.engines.torch_engine import ForwardItem
+from trtspec.errors import RequestError
+from trtspec.speculative.drafters import RunFn
+from trtspec.speculative.verifier import greedy_with_margins
+
+
+@dataclass
+class EngineJob:
+    """One sequence of one request: what to run and how to answer."""
+
+    tokens: list[int]  # input_ids[:input_length]
+    max_new: int  # request_output_len
+    draft: list[int] = field(default_factory=list)
+    end_id: int | None = None
+
+
+@dataclass
+class JobResult:
+    ids: list[int] = field(default_factory=list)  # generated tokens (input excluded)
+    margins: list[float] = field(default_factory=list)  # top-1 minus top-2 logit per token
+
+
+def run_jobs(run: RunFn, jobs: Sequence[EngineJob], vocab_limit: int | None = None) -> list[JobResult]:
+    """Run every job, batching all sequences that need a forward at each step.
+
+    Verify jobs (with drafts) finish after the first forward; decode jobs take one token per
+    forward. ``vocab_limit`` keeps argmax within the first rows (a draft never proposes an id
+    the target's vocabulary lacks).
+    """
+    results = [JobResult() for _ in jobs]
+    first = True
+    while True:
+        live = [i for i, j in enumerate(jobs) if _needs_forward(j, results[i], first)]
+        if not live:
+            return results
+        items = []
+        for i in live:
+            job = jobs[i]
+            if first and job.draft:
+                items.append(ForwardItem(job.tokens + job.draft, len(job.draft) + 1))
+            else:
+                items.append(ForwardItem(job.tokens + results[i].ids, 1))
+        for i, logits in zip(live, run(items)):  # logits [n_logits, vocab]
+            ids, margins = greedy_with_margins(logits[:, :vocab_limit])
+            job, res = jobs[i], results[i]
+            if first and job.draft:
+                n = 0
+                while n < len(job.draft) and job.draft[n] == ids[n]:
+                    n += 1
+                ids, margins = ids[: n + 1], margins[: n + 1]  # accepted prefix + next token
+            for tok, margin in zip(ids, margins):
+                if len(res.ids) >= job.max_new:
+                    break
+                res.ids.append(tok)
+                res.margins.append(margin)
+                if tok == job.end_id:
+                    break
+        first = False
+
+
+def _needs_forward(job: EngineJob, res: JobResult, first: bool) -> bool:
+    if first:
+        return job.max_new > 0
+    if job.draft:  # verify jobs are answered by their single forward
+        return False
+    ended = bool(res.ids) and res.ids[-1] == job.end_id
+    return len(res.ids) < job.max_new and not ended
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    vocab_size: int
+    max_seq_len: int
+    max_draft_len: int  # 0: the engine verifies no drafts (a draft engine)
+    max_batch_size: int
+
+
+def _column(inputs: Mapping[str, np.ndarray], name: str, rows: int) -> np.ndarray | None:
+    """An optional per-row scalar input [b, 1] (or [b] after a reshape) as a [b] array."""
+    x = inputs.get(name)
+    if x is None:
+        return None
+    x = np.asarray(x)
+    if x.size != rows:
+        raise RequestError(f"{name} must hold one value per sequence ({rows}); got shape {list(x.shape)}")
+    return x.reshape(rows)
+
+
+def parse_engine_request(
+    inputs: Mapping[str, np.ndarray], limits: EngineLimits, exclude_default: bool
+) -> tuple[list[EngineJob], list[bool], list[bool], int]:
+    """Validate one request; return its jobs, exclude_input_in_output and return_margins per
+    row, and the pad id. RequestError messages name the tensor and the fix."""
+    ids = inputs.get("input_ids")
+    if ids is None or np.asarray(ids).ndim != 2:
+        raise RequestError("input_ids must be an INT32 tensor of shape [batch, tokens]")
+    ids = np.asarray(ids)
+    rows, width = ids.shape
+    if rows > limits.max_batch_size:
+        raise RequestError(f"batch of {rows} exceeds max_batch_size {limits.max_batch_size}")
+    lengths = _column(inputs, "input_lengths", rows)
+    out_len = _column(inputs, "request_output_len", rows)
+    if lengths is None or out_len is None:
+        raise RequestError("input_lengths and request_output_len are required")
+    streaming = _column(inputs, "streaming", rows)
+    if streaming is not None and streaming.any():
+        raise RequestError(
+            "streaming=true needs a decoupled model; this engine model answers once per request "
+            "(stream through tensorrt_llm_bls_streaming)"
+        )
+    end_ids = _column(inputs, "end_id", rows)
+    pad_ids = _column(inputs, "pad_id", rows)
+    exclude = _column(inputs, "exclude_input_in_output", rows)
+    margins = _column(inputs, "return_margins", rows)
+    drafts = inputs.get("draft_input_ids")
+    if drafts is not None:
+        drafts = np.asarray(drafts)
+        if drafts.ndim != 2 or drafts.shape[0] != rows:
+            raise RequestError(f"draft_input_ids must have shape [{rows}, draft_len]; got {list(drafts.shape)}")
+        if drafts.shape[1] > 0 and limits.max_draft_len == 0:
+            raise RequestError("draft_input_ids given to an engine built without speculative decoding (max_draft_len 0)")
+        if drafts.shape[1] > limits.max_draft_len:
+            raise RequestError(
+                f"{drafts.shape[1]} draft tokens exceed max_draft_len {limits.max_draft_len}; send fewer"
+            )
+    jobs = []
+    for r in range(rows):
+        n = int(lengths[r])
+        if not 1 <= n <= width:
+            raise RequestError(f"input_lengths[{r}] is {n}; it must be in 1..{width} (the input_ids width)")
+        tokens = [int(t) for t in ids[r, :n]]
+        draft = [] if drafts is None else [int(t) for t in drafts[r]]
+        for t in tokens + draft:
+            if not 0 <= t < limits.vocab_size:
+                raise RequestError(f"token id {t} is outside the vocabulary (0..{limits.vocab_size - 1})")
+        k = int(out_len[r])
+        if k < 1:
+            raise RequestError(f"request_output_len must be at least 1 (got {k})")
+        if draft and k < len(draft) + 1:
+            raise RequestError(f"request_output_len {k} must be at least len(draft_input_ids) + 1 = {len(draft) + 1}")
+        total = n + max(k, len(draft) + 1 if draft else 0)
+        if total > limits.max_seq_len:
+            raise RequestError(
+                f"input ({n} tokens) + request_output_len ({k}) exceeds max_seq_len {limits.max_seq_len}"
+            )
+        end = None if end_ids is None else int(end_ids[r])
+        jobs.append(EngineJob(tokens, k, draft, end))
+    pad = 0 if pad_ids is None else int(pad_ids[0])
+    excl = [exclude_default if exclude is None else bool(exclude[r]) for r in range(rows)]
+    want = [False if margins is None else bool(margins[r]) for r in range(rows)]
+    return jobs, excl, want, pad
+
+
+def pack_engine_response(
+    jobs: Sequence[EngineJob], results: Sequence[JobResult], exclude: Sequence[bool],
+    want_margins: Sequence[bool], pad: int,
+) -> dict[str, np.ndarray]:
+    seqs = [r.ids if ex else j.tokens + r.ids for j, r, ex in zip(jobs, results, exclude)]
+    width = max(1, max(len(s) for s in seqs))
+    out = np.full((len(seqs), 1, width), pad, dtype=np.int32)  # [b, beam, T]
+    for row, s in enumerate(seqs):
+        out[row, 0, : len(s)] = s
+    tensors = {
+        "output_ids": out,
+        "sequence_length": np.array([[len(s)] for s in seqs], dtype=np.int32),  # [b, beam]
+    }
+    if any(want_margins):
+        g = max(1, max(len(r.margins) for r in results))
+        m = np.zeros((len(seqs), 1, g), dtype=np.float32)  # [b, beam, G]
+        for row, r in enumerate(results):
+            m[row, 0, : len(r.margins)] = r.margins
+        tensors["output_margins"] = m
+    return tensors
+
+
+class EngineCore:
+    """Serve a list of requests (each a dict of input arrays) with one batched engine run."""
+
+    def __init__(self, run: RunFn, limits: EngineLimits, vocab_limit: int | None = None, exclude_default: bool = False):
+        self.run = run
+        self.limits = limits
+        self.vocab_limit = vocab_limit
+        self.exclude_default = exclude_default
+
+    def infer(self, requests: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray] | Exception]:
+        """One answer per request: output tensors, or the error for that request alone."""
+        answers: list[dict[str, np.ndarray] | Exception] = [RequestError("not run")] * len(requests)
+        parsed = {}
+        for i, inputs in enumerate(requests):
+            try:
+                parsed[i] = parse_engine_request(inputs, self.limits, self.exclude_default)
+            except RequestError as err:
+                answers[i] = err
+        jobs = [job for i in parsed for job in parsed[i][0]]
+        try:
+            results = []
+            # Dynamic batching never exceeds max_batch_size rows; this only guards odd clients.
+            for s in range(0, len(jobs), self.limits.max_batch_size):
+                results += run_jobs(self.run, jobs[s : s + self.limits.max_batch_size], self.vocab_limit)
+        except Exception as err:  # an engine failure fails this batch, not the server
+            for i in parsed:
+                answers[i] = err
+            return answers
+        start = 0
+        for i, (req_jobs, excl, want, pad) in parsed.items():
+            mine = results[start : start + len(req_jobs)]
+            start += len(req_jobs)
+            answers[i] = pack_engine_response(req_jobs, mine, excl, want, pad)
+        return answers

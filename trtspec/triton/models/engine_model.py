@@ -1,0 +1,37 @@
+"""`tensorrt_llm` / `tensorrt_llm_draft`: a torch engine behind the tensorrt_llm tensor contract.
+
+Dynamic batching hands execute() every request queued meanwhile (from several orchestrator
+instances, or several rows of one); they are answered by ONE batched run of the engine, which
+keeps its prefix KV cache between requests (re-sent sequences are not recomputed).
+
+Config parameters: engine_dir, role, kv_cache_slots, max_draft_len, vocab_limit (optional),
+exclude_input_in_output.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trtspec.engines.torch_engine import TorchEngine
+from trtspec.triton.engine_core import EngineCore, EngineLimits
+from trtspec.triton.models import pb
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = pb.parameters(args)
+        config = pb.model_config(args)
+        self.engine = TorchEngine.load(Path(params["engine_dir"]), int(params["kv_cache_slots"]))
+        limits = EngineLimits(
+            vocab_size=self.engine.vocab_size,
+            max_seq_len=self.engine.max_seq_len,
+            max_draft_len=int(params.get("max_draft_len", "0")),
+            max_batch_size=int(config["max_batch_size"]),
+        )
+        vocab_limit = int(params["vocab_limit"]) if "vocab_limit" in params else None
+        exclude = params.get("exclude_input_in_output", "false").lower() == "true"
+        self.core = EngineCore(self.engine.run, limits, vocab_limit, exclude)
+
+    def execute(self, requests):
+        answers = self.core.infer([pb.inputs_of(r) for r in requests])
+        return [pb.error_response(a) if isinstance(a, Exception) else pb.response(a) for a in answers]

@@ -1,0 +1,59 @@
+"""`tensorrt_llm_bls`, `tensorrt_llm_bls_streaming` and `target_only`: the text endpoints.
+
+The loop is trtspec.speculative.loop.generate, run by orchestrator_core.Orchestrator with a
+drafter and verifier that call the engine models over BLS. Errors become TritonError
+responses for the request at fault; the server and the other requests carry on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+from trtspec.runtime import Limits, end_token_ids
+from trtspec.triton.models import pb
+from trtspec.triton.orchestrator_core import Orchestrator, OrchestratorSettings
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        from transformers import AutoTokenizer
+
+        p = pb.parameters(args)
+        config = pb.model_config(args)
+        self.decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
+        tokenizer_dir = Path(p["tokenizer_dir"])
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        settings = OrchestratorSettings(
+            mode=p["mode"],
+            decoupled=self.decoupled,
+            target_model=p["tensorrt_llm_model_name"],
+            draft_model=p.get("tensorrt_llm_draft_model_name"),
+            method=p["method"],
+            default_draft_tokens=int(p["num_draft_tokens"]),
+            max_ngram=int(p["max_ngram"]),
+            min_ngram=int(p["min_ngram"]),
+            limits=Limits(int(p["max_input_len"]), int(p["max_seq_len"]), int(p["max_draft_len"]), int(p["vocab_size"])),
+            max_batch_size=int(config["max_batch_size"]),
+            draft_vocab_limit=int(p["vocab_size"]),
+            chat_template_default=p.get("apply_chat_template", "false") == "true",
+            margins_supported=p.get("engine_margins", "false") == "true",
+        )
+        self.core = Orchestrator(settings, pb.bls_call, tokenizer, end_token_ids(tokenizer, tokenizer_dir))
+
+    def execute(self, requests):
+        inputs = [pb.inputs_of(r) for r in requests]
+        if not self.decoupled:
+            answers = self.core.run(inputs)
+            return [pb.error_response(a) if isinstance(a, Exception) else pb.response(a) for a in answers]
+        senders = [r.get_response_sender() for r in requests]
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+        def send(i, tensors, last):
+            senders[i].send(pb.response(tensors), flags=final if last else 0)
+
+        for i, err in enumerate(self.core.run(inputs, send)):
+            if err is not None:
+                senders[i].send(pb.error_response(err), flags=final)
+        return None

@@ -1,0 +1,56 @@
+"""Conversions between pb_utils objects and the dicts of numpy arrays the cores use."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from trtspec.errors import RequestError
+
+
+def parameters(args: Mapping[str, str]) -> dict[str, str]:
+    """The model's config parameters as plain strings."""
+    config = json.loads(args["model_config"])
+    return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+
+
+def model_config(args: Mapping[str, str]) -> dict:
+    return json.loads(args["model_config"])
+
+
+def inputs_of(request) -> dict[str, np.ndarray]:
+    return {t.name(): t.as_numpy() for t in request.inputs()}
+
+
+def response(tensors: Mapping[str, np.ndarray]):
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()])
+
+
+def error_response(err: Exception):
+    """A TritonError response; INVALID_ARG for the client's mistakes, INTERNAL otherwise."""
+    code_name = "INVALID_ARG" if isinstance(err, RequestError) else "INTERNAL"
+    code = getattr(pb_utils.TritonError, code_name, None)
+    error = pb_utils.TritonError(str(err), code) if code is not None else pb_utils.TritonError(str(err))
+    return pb_utils.InferenceResponse(output_tensors=[], error=error)
+
+
+def bls_call(model: str, inputs: Mapping[str, np.ndarray], output_names) -> dict[str, np.ndarray]:
+    """One synchronous BLS request to another model of this server."""
+    request = pb_utils.InferenceRequest(
+        model_name=model,
+        requested_output_names=list(output_names),
+        inputs=[pb_utils.Tensor(k, np.ascontiguousarray(v)) for k, v in inputs.items()],
+    )
+    reply = request.exec()
+    if reply.has_error():
+        raise RuntimeError(f"{model}: {reply.error().message()}")
+    out = {}
+    for name in output_names:
+        tensor = pb_utils.get_output_tensor_by_name(reply, name)
+        if tensor is None:
+            raise RuntimeError(f"{model} returned no {name}")
+        out[name] = tensor.as_numpy()
+    return out

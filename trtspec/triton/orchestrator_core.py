@@ -1,0 +1,295 @@
+"""The text-in/text-out endpoints (`tensorrt_llm_bls` contract) without the Triton plumbing.
+
+A request (dict of input arrays, batch dim first) is validated with runtime.make_request,
+every valid row of every request in the batch goes through ONE call of the shared loop
+(trtspec.speculative.loop.generate) with a drafter and verifier that call the engine models,
+and each request gets its output tensors or its own error. Target-only control = the same
+loop with NoDrafter.
+
+Contract (inputs / outputs, batch dim first):
+  text_input BYTES [b, 1]; max_tokens INT32 [b, 1]; optional num_draft_tokens INT32, end_id,
+  pad_id INT32, stop_words BYTES [b, n], stream, exclude_input_in_output, return_perf_metrics,
+  apply_chat_template (trtspec), return_margins (trtspec) BOOL [b, 1]
+  -> text_output BYTES [b, 1], output_ids INT32 [b, T] (padded with pad_id), sequence_length
+  INT32 [b, 1]; with return_perf_metrics: acceptance_rate FP32, total_accepted_draft_tokens,
+  total_draft_tokens INT32 [b, 1] for the WHOLE generation and perf_metrics_json BYTES [b, 1]
+  (all SpecMetrics counts); with return_margins: output_margins FP32 [b, T].
+Streaming (decoupled model): one response per loop step with that step's new tokens and text,
+the last one flagged final and carrying the metrics.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from trtspec.errors import RequestError
+from trtspec.runtime import Limits, encode_prompt, make_request
+from trtspec.speculative.loop import GenerationRequest, GenerationResult, NoDrafter, generate
+from trtspec.speculative.metrics import SpecMetrics
+from trtspec.triton.bls import BlsDrafter, BlsVerifier, EngineCall
+
+
+@dataclass(frozen=True)
+class OrchestratorSettings:
+    """What the model's config parameters say (see repository.py)."""
+
+    mode: str  # "speculative" or "target_only"
+    decoupled: bool
+    target_model: str
+    draft_model: str | None  # None: method ngram
+    method: str
+    default_draft_tokens: int
+    max_ngram: int
+    min_ngram: int
+    limits: Limits
+    max_batch_size: int
+    draft_vocab_limit: int | None = None
+    chat_template_default: bool = False
+    margins_supported: bool = True  # the target engine answers return_margins (torch engines)
+
+
+@dataclass
+class Row:
+    request: GenerationRequest
+    exclude_input: bool
+    want_metrics: bool
+    want_margins: bool
+    stream: bool
+    pad_id: int
+
+
+# Sends tensors for request i; final=True ends that request's stream.
+Sender = Callable[[int, dict[str, np.ndarray], bool], None]
+
+
+def _optional(inputs: Mapping[str, np.ndarray], name: str, rows: int) -> np.ndarray | None:
+    x = inputs.get(name)
+    if x is None:
+        return None
+    x = np.asarray(x)
+    if x.size != rows:
+        raise RequestError(f"{name} must hold one value per prompt ({rows}); got shape {list(x.shape)}")
+    return x.reshape(rows)
+
+
+def _text(value) -> str:
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise RequestError(f"text is not valid UTF-8 ({err.reason} at byte {err.start}); send UTF-8 text") from None
+    return str(value)
+
+
+class Orchestrator:
+    def __init__(self, settings: OrchestratorSettings, call: EngineCall, tokenizer, end_ids: frozenset[int]):
+        self.s = settings
+        self.call = call
+        self.tokenizer = tokenizer
+        self.end_ids = end_ids
+
+    # -- parsing -------------------------------------------------------------------------
+
+    def parse(self, inputs: Mapping[str, np.ndarray]) -> list[Row]:
+        """Validate one request into rows; RequestError names the input and the fix."""
+        text = inputs.get("text_input")
+        max_tokens = inputs.get("max_tokens")
+        if text is None or max_tokens is None:
+            raise RequestError("text_input and max_tokens are required")
+        text = np.asarray(text)
+        rows = text.shape[0] if text.ndim else 1
+        if text.size != rows:
+            raise RequestError(f"text_input must hold one prompt per batch row; got shape {list(text.shape)}")
+        if rows > self.s.max_batch_size:
+            raise RequestError(f"batch of {rows} prompts exceeds max_batch_size {self.s.max_batch_size}")
+        max_tokens = _optional(inputs, "max_tokens", rows)
+        k = _optional(inputs, "num_draft_tokens", rows)
+        end_id = _optional(inputs, "end_id", rows)
+        pad_id = _optional(inputs, "pad_id", rows)
+        stream = _optional(inputs, "stream", rows)
+        exclude = _optional(inputs, "exclude_input_in_output", rows)
+        metrics = _optional(inputs, "return_perf_metrics", rows)
+        margins = _optional(inputs, "return_margins", rows)
+        chat = _optional(inputs, "apply_chat_template", rows)
+        stops = inputs.get("stop_words")
+        wants_stream = stream is not None and bool(stream.any())
+        if wants_stream and not self.s.decoupled:
+            raise RequestError(
+                "stream=true needs the decoupled model tensorrt_llm_bls_streaming (gRPC "
+                "streaming); this model answers once per request"
+            )
+        if wants_stream and rows > 1:
+            raise RequestError("streaming takes one prompt per request; send the prompts as separate requests")
+        vocab = self.s.limits.vocab_size
+        out = []
+        for r in range(rows):
+            prompt = _text(text.reshape(rows)[r])
+            if not prompt.strip():
+                raise RequestError("text_input is empty; send the prompt text")
+            use_chat = self.s.chat_template_default if chat is None else bool(chat[r])
+            ids = encode_prompt(self.tokenizer, prompt, use_chat)
+            n_draft = self.s.default_draft_tokens if k is None else int(k[r])
+            ends = self.end_ids
+            if end_id is not None:
+                e = int(end_id[r])
+                if not 0 <= e < vocab:
+                    raise RequestError(f"end_id {e} is outside the vocabulary (0..{vocab - 1})")
+                ends = frozenset({e})
+            pad = 0 if pad_id is None else int(pad_id[r])
+            if not 0 <= pad < vocab:
+                raise RequestError(f"pad_id {pad} is outside the vocabulary (0..{vocab - 1})")
+            req = make_request(ids, int(max_tokens[r]), n_draft, self.s.limits, ends, self._stop_sequences(stops, r, rows))
+            if self.s.mode == "target_only":
+                req.num_draft_tokens = 0
+            out.append(Row(
+                request=req,
+                exclude_input=False if exclude is None else bool(exclude[r]),
+                want_metrics=False if metrics is None else bool(metrics[r]),
+                want_margins=False if margins is None else bool(margins[r]),
+                stream=wants_stream,
+                pad_id=pad,
+            ))
+        return out
+
+    def _stop_sequences(self, stops, row: int, rows: int) -> tuple[tuple[int, ...], ...]:
+        if stops is None:
+            return ()
+        words = np.asarray(stops)
+        words = words.reshape(rows, -1)[row] if words.size and words.size % rows == 0 else words.reshape(-1)
+        seqs = []
+        for w in words:
+            word = _text(w)
+            if word:
+                seqs.append(tuple(self.tokenizer(word, add_special_tokens=False)["input_ids"]))
+        return tuple(s for s in seqs if s)
+
+    # -- running -------------------------------------------------------------------------
+
+    def drafter(self):
+        if self.s.mode == "target_only":
+            return NoDrafter()
+        if self.s.method == "ngram":
+            from trtspec.speculative.drafters import NgramDrafter
+
+            return NgramDrafter(self.s.max_ngram, self.s.min_ngram)
+        return BlsDrafter(self.call, self.s.draft_model, self.s.draft_vocab_limit)
+
+    def run(self, requests: Sequence[Mapping[str, np.ndarray]], send: Sender | None = None) -> list[dict | Exception | None]:
+        """Answer every request. Unary: returns the tensors (or error) per request. With
+        ``send`` (decoupled): streams through it and returns only errors (None = sent)."""
+        answers: list[dict | Exception | None] = [None] * len(requests)
+        parsed: dict[int, list[Row]] = {}
+        for i, inputs in enumerate(requests):
+            try:
+                parsed[i] = self.parse(inputs)
+            except RequestError as err:
+                answers[i] = err
+        owners = [(i, r) for i in parsed for r in range(len(parsed[i]))]
+        rows = [parsed[i][r] for i, r in owners]
+        if not rows:
+            return answers
+        streams = {j: _Stream(self.tokenizer) for j, row in enumerate(rows) if row.stream and send}
+        last: dict[int, dict[str, np.ndarray]] = {}
+
+        def on_step(j: int, emitted: list[int], done: bool) -> None:
+            if j not in streams or not (emitted or done):
+                return
+            tensors = streams[j].step(emitted, done)
+            if done:  # sent below with the whole generation's metrics, flagged final
+                last[j] = tensors
+            else:
+                send(owners[j][0], tensors, False)
+
+        try:
+            verifier = BlsVerifier(
+                self.call, self.s.target_model, self.s.margins_supported and any(r.want_margins for r in rows)
+            )
+            results = generate([r.request for r in rows], self.drafter(), verifier, on_step)
+        except Exception as err:  # an engine failure fails these requests, not the server
+            for i in parsed:
+                answers[i] = err if isinstance(err, RequestError) else RuntimeError(f"generation failed: {err}")
+            return answers
+        for j in streams:
+            send(owners[j][0], last[j] | _metrics_tensors([rows[j]], [results[j]]), True)
+        for i in parsed:
+            mine = [j for j, (owner, _) in enumerate(owners) if owner == i]
+            if send is not None and rows[mine[0]].stream:
+                continue  # already streamed
+            tensors = self.pack([rows[j] for j in mine], [results[j] for j in mine])
+            if send is not None:
+                send(i, tensors, True)
+            else:
+                answers[i] = tensors
+        return answers
+
+    def pack(self, rows: Sequence[Row], results: Sequence[GenerationResult]) -> dict[str, np.ndarray]:
+        seqs = [res.output_ids if row.exclude_input else row.request.prompt_ids + res.output_ids
+                for row, res in zip(rows, results)]
+        width = max(1, max(len(s) for s in seqs))
+        ids = np.full((len(seqs), width), rows[0].pad_id, dtype=np.int32)  # [b, T]
+        for r, s in enumerate(seqs):
+            ids[r, : len(s)] = s
+        texts = [self.tokenizer.decode(s, skip_special_tokens=True).encode() for s in seqs]
+        tensors = {
+            "text_output": np.array(texts, dtype=np.object_).reshape(len(seqs), 1),
+            "output_ids": ids,
+            "sequence_length": np.array([[len(s)] for s in seqs], dtype=np.int32),
+        }
+        if any(r.want_margins for r in rows):
+            m = np.full((len(seqs), width), np.nan, dtype=np.float32)  # [b, T]
+            for r, (row, res) in enumerate(zip(rows, results)):
+                off = 0 if row.exclude_input else len(row.request.prompt_ids)
+                vals = [np.nan if x is None else x for x in res.margins]
+                m[r, off : off + len(vals)] = vals
+            tensors["output_margins"] = m
+        return tensors | _metrics_tensors(rows, results)
+
+
+def _metrics_tensors(rows: Sequence[Row], results: Sequence[GenerationResult]) -> dict[str, np.ndarray]:
+    if not any(r.want_metrics for r in rows):
+        return {}
+    ms = [res.metrics for res in results]
+    return {
+        "acceptance_rate": np.array([[m.acceptance_rate] for m in ms], dtype=np.float32),
+        "total_accepted_draft_tokens": np.array([[m.accepted] for m in ms], dtype=np.int32),
+        "total_draft_tokens": np.array([[m.drafted] for m in ms], dtype=np.int32),
+        "perf_metrics_json": np.array([[metrics_json(m).encode()] for m in ms], dtype=np.object_),
+    }
+
+
+def metrics_json(m: SpecMetrics) -> str:
+    """Raw counts (to rebuild SpecMetrics) plus the derived figures, as one JSON object."""
+    return json.dumps(asdict(m) | m.to_dict(), sort_keys=True)
+
+
+def metrics_from_json(text: str) -> SpecMetrics:
+    data = json.loads(text)
+    fields = SpecMetrics.__dataclass_fields__
+    return SpecMetrics(**{k: v for k, v in data.items() if k in fields})
+
+
+class _Stream:
+    """Per-stream state: tokens so far and the text already sent (UTF-8 safe deltas)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def step(self, emitted: list[int], done: bool) -> dict[str, np.ndarray]:
+        self.ids += emitted
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        # A multi-byte character split across tokens decodes to U+FFFD until it completes.
+        delta = ""
+        if done or not text.endswith("\ufffd"):
+            delta = text[len(self.sent):] if text.startswith(self.sent) else text
+            self.sent = text
+        return {
+            "text_output": np.array([[delta.encode()]], dtype=np.object_),
+            "output_ids": np.array([emitted], dtype=np.int32).reshape(1, len(emitted)),
+            "sequence_length": np.array([[len(emitted)]], dtype=np.int32),
+        }

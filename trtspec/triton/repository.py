@@ -1,0 +1,228 @@
+"""`trtspec repo`: write the Triton model repository for a spec's built engines.
+
+Models (names as in NVIDIA's inflight_batcher_llm repository, so clients work unchanged):
+
+  tensorrt_llm                 target engine, tensorrt_llm tensor contract
+  tensorrt_llm_draft           draft engine (method draft_target only)
+  tensorrt_llm_bls             speculative text endpoint, tensorrt_llm_bls contract, unary
+  tensorrt_llm_bls_streaming   the same, decoupled: streams each step (serve.streaming)
+  target_only                  target-only control, same contract, no speculation
+
+For the torch backend the engine models are Python-backend models (trtspec.triton.models);
+for trtllm they are NVIDIA's tensorrtllm backend (trtspec.triton.trtllm_models) and the
+control endpoint calls the baseline `tensorrt_llm_control` engine. Every config.pbtxt is
+rendered from typed data and parsed back; model.py files are one-line shims into the package.
+The repository is built in a temp folder and renamed into place (a running server is never
+shown half a repository). A folder named `triton` is never created: in a working directory
+it would shadow OpenAI Triton for torch._dynamo.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from trtspec.engines.manifest import check_manifest
+from trtspec.errors import EngineError, TrtspecError
+from trtspec.spec import LoadedSpec
+from trtspec.triton import pbtxt
+from trtspec.triton.pbtxt import DynamicBatching, ModelConfig, TensorSpec
+
+TARGET = "tensorrt_llm"
+DRAFT = "tensorrt_llm_draft"
+BLS = "tensorrt_llm_bls"
+BLS_STREAMING = "tensorrt_llm_bls_streaming"
+CONTROL = "target_only"
+TRTLLM_CONTROL_ENGINE = "tensorrt_llm_control"
+REPO_INFO = "trtspec-repo.json"  # beside the models; Triton ignores files at the top level
+
+ENGINE_SHIM = "from trtspec.triton.models.engine_model import TritonPythonModel  # noqa: F401\n"
+ORCHESTRATOR_SHIM = "from trtspec.triton.models.orchestrator import TritonPythonModel  # noqa: F401\n"
+
+
+def _in(name, dtype, dims=(1,), optional=True, ragged=False) -> TensorSpec:
+    return TensorSpec(name, dtype, list(dims), optional=optional, allow_ragged_batch=ragged)
+
+
+ENGINE_INPUTS = [
+    _in("input_ids", "TYPE_INT32", [-1], optional=False, ragged=True),
+    _in("input_lengths", "TYPE_INT32", optional=False),
+    _in("request_output_len", "TYPE_INT32", optional=False),
+    _in("draft_input_ids", "TYPE_INT32", [-1], ragged=True),
+    _in("end_id", "TYPE_INT32"),
+    _in("pad_id", "TYPE_INT32"),
+    _in("streaming", "TYPE_BOOL"),
+    _in("exclude_input_in_output", "TYPE_BOOL"),
+    _in("return_margins", "TYPE_BOOL"),  # trtspec: top-1 minus top-2 logit per token
+]
+ENGINE_OUTPUTS = [
+    TensorSpec("output_ids", "TYPE_INT32", [-1, -1]),  # [beam, tokens]
+    TensorSpec("sequence_length", "TYPE_INT32", [-1]),  # [beam]
+    TensorSpec("output_margins", "TYPE_FP32", [-1, -1]),
+]
+BLS_INPUTS = [
+    _in("text_input", "TYPE_STRING", optional=False),
+    _in("max_tokens", "TYPE_INT32", optional=False),
+    _in("num_draft_tokens", "TYPE_INT32"),
+    _in("end_id", "TYPE_INT32"),
+    _in("pad_id", "TYPE_INT32"),
+    _in("stop_words", "TYPE_STRING", [-1], ragged=True),
+    _in("stream", "TYPE_BOOL"),
+    _in("exclude_input_in_output", "TYPE_BOOL"),
+    _in("return_perf_metrics", "TYPE_BOOL"),
+    _in("apply_chat_template", "TYPE_BOOL"),  # trtspec: encode text_input with the chat template
+    _in("return_margins", "TYPE_BOOL"),  # trtspec
+]
+BLS_OUTPUTS = [
+    TensorSpec("text_output", "TYPE_STRING", [-1]),
+    TensorSpec("output_ids", "TYPE_INT32", [-1]),
+    TensorSpec("sequence_length", "TYPE_INT32", [1]),
+    TensorSpec("output_margins", "TYPE_FP32", [-1]),
+    TensorSpec("acceptance_rate", "TYPE_FP32", [1]),
+    TensorSpec("total_accepted_draft_tokens", "TYPE_INT32", [1]),
+    TensorSpec("total_draft_tokens", "TYPE_INT32", [1]),
+    TensorSpec("perf_metrics_json", "TYPE_STRING", [1]),  # all SpecMetrics counts
+]
+
+
+@dataclass(frozen=True)
+class RepoPlan:
+    """What write_repository produces: model name -> (config, model.py source or None)."""
+
+    models: dict[str, tuple[ModelConfig, str | None]]
+    info: dict
+
+
+def _vocab_size(folder: Path) -> int:
+    config = json.loads((folder / "config.json").read_text())
+    config = config.get("pretrained_config", config)  # trtllm engines nest it
+    return int(config["vocab_size"])
+
+
+def plan_repository(loaded: LoadedSpec, engines_dir: Path) -> RepoPlan:
+    """Typed configs for every model; EngineError when the engines are missing or stale."""
+    spec = loaded.spec
+    engines_dir = Path(engines_dir).resolve()
+    for role in spec.models():
+        if spec.backend == "torch":
+            check_manifest(engines_dir / role, role, spec.build_hash(role))
+        elif not (engines_dir / role).is_dir():
+            raise EngineError(f"engine folder {engines_dir / role} does not exist; run `trtspec build SPEC`")
+    limits = spec.limits("target")
+    batch = limits.max_batch_size
+    models: dict[str, tuple[ModelConfig, str | None]] = {}
+    has_draft = spec.speculative.method == "draft_target"
+    if spec.backend == "torch":
+        tokenizer_dir = engines_dir / "target"
+        vocab = _vocab_size(engines_dir / "target")
+        # Enough KV slots for every orchestrator instance's batch, speculative and control
+        # at once, so concurrent clients do not evict each other's cached prefixes.
+        slots = batch * spec.serve.instance_count * 2
+        roles = {TARGET: "target"} | ({DRAFT: "draft"} if has_draft else {})
+        for name, role in roles.items():
+            params = {
+                "engine_dir": str(engines_dir / role),
+                "role": role,
+                "kv_cache_slots": str(slots),
+                "max_draft_len": str(spec.speculative.max_draft_len if role == "target" else 0),
+                "exclude_input_in_output": "false",
+                "enable_kv_cache_reuse": "true",
+            }
+            if role == "draft":
+                params["vocab_limit"] = str(min(vocab, _vocab_size(engines_dir / "draft")))
+            cfg = ModelConfig(
+                name=name, backend="python", max_batch_size=spec.limits(role).max_batch_size,
+                inputs=ENGINE_INPUTS, outputs=ENGINE_OUTPUTS, parameters=params, instance_count=1,
+                dynamic_batching=DynamicBatching(max_queue_delay_microseconds=0),
+            )
+            models[name] = (cfg, ENGINE_SHIM)
+        control_target = TARGET
+        margins = True
+    else:
+        from trtspec.triton.trtllm_models import DEFAULT_NAMES, engine_model_configs
+
+        for cfg in engine_model_configs(spec, engines_dir):
+            models[cfg.name] = (cfg, None)
+        tokenizer_dir = engines_dir / "target" / "tokenizer"
+        vocab = _vocab_size(engines_dir / "target")
+        control_target = DEFAULT_NAMES["control"]
+        margins = False
+    endpoints = {BLS: ("speculative", False), CONTROL: ("target_only", False)}
+    if spec.serve.streaming:
+        endpoints[BLS_STREAMING] = ("speculative", True)
+    for name, (mode, decoupled) in endpoints.items():
+        params = {
+            "mode": mode,
+            "tensorrt_llm_model_name": control_target if mode == "target_only" else TARGET,
+            "method": spec.speculative.method,
+            "num_draft_tokens": str(spec.speculative.default_draft_tokens),
+            "max_ngram": str(spec.speculative.max_ngram),
+            "min_ngram": str(spec.speculative.min_ngram),
+            "max_input_len": str(limits.max_input_len),
+            "max_seq_len": str(limits.max_seq_len),
+            "max_draft_len": str(spec.speculative.max_draft_len),
+            "vocab_size": str(vocab),
+            "tokenizer_dir": str(tokenizer_dir),
+            "apply_chat_template": "false",  # raw text in, as upstream's preprocessing
+            "engine_margins": "true" if margins else "false",
+        }
+        if has_draft:
+            params["tensorrt_llm_draft_model_name"] = DRAFT
+        cfg = ModelConfig(
+            name=name, backend="python", max_batch_size=batch, inputs=BLS_INPUTS, outputs=BLS_OUTPUTS,
+            parameters=params, instance_count=spec.serve.instance_count, decoupled=decoupled,
+            dynamic_batching=DynamicBatching(max_queue_delay_microseconds=0),
+        )
+        models[name] = (cfg, ORCHESTRATOR_SHIM)
+    info = {
+        "spec": loaded.spec.name,
+        "spec_path": str(loaded.path),
+        "engines_dir": str(engines_dir),
+        "backend": spec.backend,
+        "serve": spec.serve.model_dump(mode="json"),
+        "models": sorted(models),
+    }
+    return RepoPlan(models, info)
+
+
+def write_repository(loaded: LoadedSpec, engines_dir: Path, repo_dir: Path) -> Path:
+    """Write the repository atomically (temp folder + rename); return its path."""
+    plan = plan_repository(loaded, engines_dir)
+    repo_dir = Path(repo_dir).resolve()
+    if repo_dir.name == "triton":
+        raise TrtspecError("do not name the repository folder `triton`: it breaks `import torch._dynamo`; pick another name")
+    if repo_dir.exists() and not (repo_dir / REPO_INFO).is_file() and any(repo_dir.iterdir()):
+        raise TrtspecError(f"{repo_dir} exists and is not a trtspec model repository; choose another folder with -o")
+    repo_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{repo_dir.name}.", dir=repo_dir.parent))
+    try:
+        for name, (cfg, source) in plan.models.items():
+            if cfg.backend == "tensorrtllm":
+                from trtspec.triton.trtllm_models import write_config
+
+                write_config(cfg, tmp / name / "config.pbtxt")
+            else:
+                pbtxt.write(cfg, tmp / name / "config.pbtxt")
+            (tmp / name / "1").mkdir(parents=True, exist_ok=True)
+            if source is not None:
+                (tmp / name / "1" / "model.py").write_text(source)
+        (tmp / REPO_INFO).write_text(json.dumps(plan.info, indent=2) + "\n")
+        old = None
+        if repo_dir.exists():
+            old = repo_dir.with_name(f".{repo_dir.name}.old-{tmp.name[-8:]}")
+            repo_dir.rename(old)
+        tmp.rename(repo_dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return repo_dir
+
+
+def read_repo_info(repo_dir: Path) -> dict | None:
+    path = Path(repo_dir) / REPO_INFO
+    return json.loads(path.read_text()) if path.is_file() else None
