@@ -405,6 +405,28 @@ def test_verify_url_unreachable_is_one_clear_error(deployment):
     assert "Traceback" not in result.output
 
 
+def test_bench_url_measures_served_repository(served, deployment, tmp_path):
+    loaded, _ = deployment
+    result = CliRunner().invoke(app, ["bench", str(loaded.path), "--url", served.grpc_endpoint, "-p", PROMPTS[0],
+                                      "-p", PROMPTS[1], "--max-tokens", "8", "--sweep", "2", "-c", "1,2",
+                                      "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["complete"] and data["mode"] == f"grpc://{served.grpc_endpoint}"
+    assert data["target"]["tokens"] == data["speculative"]["tokens"] == 16
+    assert data["speculative"]["ttft_p50"] > 0  # streamed: the first token is observed
+    assert data["target"]["ttft_p50"] is None  # unary control: not observable
+    assert data["metrics"]["drafted"] > 0 and data["costs"]["target_step"] > 0 and data["bound"] > 0
+    assert [p["concurrency"] for p in data["concurrency"]] == [1, 2]
+
+
+def test_bench_url_unreachable_exit_2(deployment):
+    loaded, _ = deployment
+    (port,) = free_ports(1)
+    result = CliRunner().invoke(app, ["bench", str(loaded.path), "--url", f"127.0.0.1:{port}", "-p", "x"])
+    assert result.exit_code == 2 and f"cannot reach a Triton server at 127.0.0.1:{port}" in result.output
+
+
 def test_verify_stream_needs_url(deployment):
     loaded, _ = deployment
     result = CliRunner().invoke(app, ["verify", str(loaded.path), "--stream", "-p", "x"])

@@ -29,14 +29,16 @@ class RequestTiming:
     """One request: tokens out, and when they came (seconds from submission)."""
 
     tokens: int
-    ttft: float
+    ttft: float | None  # None: not observable (a unary call returns all tokens at once)
     latency: float
     metrics: SpecMetrics | None = None
 
     @property
-    def itl(self) -> float:
+    def itl(self) -> float | None:
         """Mean inter-token latency after the first token."""
-        return (self.latency - self.ttft) / (self.tokens - 1) if self.tokens > 1 else 0.0
+        if self.ttft is None or self.tokens < 2:
+            return None
+        return (self.latency - self.ttft) / (self.tokens - 1)
 
 
 class BenchBackend(Protocol):
@@ -52,10 +54,10 @@ class BenchBackend(Protocol):
 class PathStats:
     tokens: int
     seconds: float
-    ttft_p50: float
-    ttft_p95: float
-    itl_p50: float
-    itl_p95: float
+    ttft_p50: float | None
+    ttft_p95: float | None
+    itl_p50: float | None
+    itl_p95: float | None
     latency_p50: float
     latency_p95: float
 
@@ -68,10 +70,10 @@ class PathStats:
         return cls(
             tokens=sum(t.tokens for t in timings),
             seconds=seconds,
-            ttft_p50=_pct([t.ttft for t in timings], 50),
-            ttft_p95=_pct([t.ttft for t in timings], 95),
-            itl_p50=_pct([t.itl for t in timings if t.tokens > 1], 50),
-            itl_p95=_pct([t.itl for t in timings if t.tokens > 1], 95),
+            ttft_p50=_pct([t.ttft for t in timings if t.ttft is not None], 50),
+            ttft_p95=_pct([t.ttft for t in timings if t.ttft is not None], 95),
+            itl_p50=_pct([t.itl for t in timings if t.itl is not None], 50),
+            itl_p95=_pct([t.itl for t in timings if t.itl is not None], 95),
             latency_p50=_pct([t.latency for t in timings], 50),
             latency_p95=_pct([t.latency for t in timings], 95),
         )
@@ -80,9 +82,9 @@ class PathStats:
         return {**asdict(self), "tokens_per_s": self.tokens_per_s}
 
 
-def _pct(xs: list[float], q: float) -> float:
+def _pct(xs: list[float], q: float) -> float | None:
     if not xs:
-        return 0.0
+        return None
     xs = sorted(xs)
     idx = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
     return xs[idx]
@@ -355,8 +357,8 @@ def render(report: BenchReport, console) -> None:
         t.add_column(col)
     for name, s in (("target-only", report.target), (f"speculative k={report.k}", report.speculative)):
         if s:
-            t.add_row(name, f"{s.tokens_per_s:.1f}", f"{s.ttft_p50 * 1e3:.0f}/{s.ttft_p95 * 1e3:.0f}",
-                      f"{s.itl_p50 * 1e3:.1f}/{s.itl_p95 * 1e3:.1f}", f"{s.latency_p50:.2f}/{s.latency_p95:.2f}")
+            t.add_row(name, f"{s.tokens_per_s:.1f}", _ms_pair(s.ttft_p50, s.ttft_p95, 0),
+                      _ms_pair(s.itl_p50, s.itl_p95, 1), f"{s.latency_p50:.2f}/{s.latency_p95:.2f}")
     console.print(t)
     m = report.metrics
     console.print(
@@ -393,6 +395,12 @@ def render(report: BenchReport, console) -> None:
         console.print(ct)
     if not report.complete:
         console.print("[yellow]interrupted: partial results[/yellow]")
+
+
+def _ms_pair(a: float | None, b: float | None, digits: int) -> str:
+    if a is None or b is None:
+        return "-"
+    return f"{a * 1e3:.{digits}f}/{b * 1e3:.{digits}f}"
 
 
 def write_outputs(report: BenchReport, out_dir: Path) -> list[Path]:

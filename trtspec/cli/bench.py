@@ -67,10 +67,10 @@ def bench(
     ks = _int_list(sweep, "--sweep")
     b.validate_args(kk, ks, levels, loaded.spec.speculative.max_draft_len)
     if url:
-        from trtspec.triton.client import GrpcBench, connect
+        from trtspec.triton.client import GrpcBench, measure_grpc_costs
 
-        backend = GrpcBench(connect(url), loaded.spec.verify.chat_template)
-        measure_costs, mode = None, f"grpc://{url}"
+        backend = GrpcBench(url, loaded.spec.verify.chat_template)
+        measure_costs, mode = (lambda kk_: measure_grpc_costs(url, kk_)), f"grpc://{url}"
     else:
         from trtspec.runtime import Deployment
 

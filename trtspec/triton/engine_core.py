@@ -28,6 +28,7 @@ import numpy as np
 from trtspec.engines.torch_engine import ForwardItem
 from trtspec.errors import RequestError
 from trtspec.speculative.drafters import RunFn
+from trtspec.speculative.loop import Verdict, accepted_prefix
 from trtspec.speculative.verifier import greedy_with_margins
 
 
@@ -71,9 +72,7 @@ def run_jobs(run: RunFn, jobs: Sequence[EngineJob], vocab_limit: int | None = No
             ids, margins = greedy_with_margins(logits[:, :vocab_limit])
             job, res = jobs[i], results[i]
             if first and job.draft:
-                n = 0
-                while n < len(job.draft) and job.draft[n] == ids[n]:
-                    n += 1
+                n = accepted_prefix(job.draft, Verdict(ids))
                 ids, margins = ids[: n + 1], margins[: n + 1]  # accepted prefix + next token
             for tok, margin in zip(ids, margins):
                 if len(res.ids) >= job.max_new:
