@@ -106,8 +106,9 @@ def test_configs_parse_and_set_every_mandatory_parameter(name):
         assert msg.dynamic_batching.max_queue_delay_microseconds == 0
         assert msg.dynamic_batching.HasField("default_queue_policy")
         assert msg.dynamic_batching.default_queue_policy.max_queue_size == 0
-        decoupled = msg.model_transaction_policy.decoupled
-        assert decoupled == (spec.serve.streaming and kind == "control")
+        # Engines answer one response per call: the orchestrator calls them step by step over
+        # BLS and streams at its own endpoint (a decoupled engine would break those calls).
+        assert msg.model_transaction_policy.decoupled is False
         assert params["gpt_model_path"] == str(engines_dir(name) / kind)
         assert params["gpt_model_type"] in allowed["batching_strategy"]
         dtypes = {t.name: pbtxt.pb.DataType.Name(t.data_type) for t in [*msg.input, *msg.output]}

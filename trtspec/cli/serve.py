@@ -42,9 +42,10 @@ def serve(
     t = serving.serve_target(target, engines, repo_dir, write=not dry_run)
     server = serving.server_for(t, host, http_port, grpc_port, metrics_port)
     if dry_run:
-        console.out.print(" ".join(server.command.argv()))
-        for key in ("PATH", "LD_LIBRARY_PATH"):
-            console.out.print(f"{key}={(server.env or {}).get(key, os.environ.get(key, ''))}")
+        console.out.print(" ".join(server.argv()))
+        env = server.env or {}
+        for key in ["PATH", "LD_LIBRARY_PATH", *sorted(k for k in env if k.startswith("TRTLLM_"))]:
+            console.out.print(f"{key}={env.get(key, os.environ.get(key, ''))}")
         if t.loaded is not None:
             console.out.print(f"repository (not written in a dry run): {t.repo_dir}")
         return

@@ -106,11 +106,15 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path) -> RepoPlan:
     """Typed configs for every model; EngineError when the engines are missing or stale."""
     spec = loaded.spec
     engines_dir = Path(engines_dir).resolve()
-    for role in spec.models():
-        if spec.backend == "torch":
+    if spec.backend == "torch":
+        for role in spec.models():
             check_manifest(engines_dir / role, role, spec.build_hash(role))
-        elif not (engines_dir / role).is_dir():
-            raise EngineError(f"engine folder {engines_dir / role} does not exist; run `trtspec build SPEC`")
+    else:
+        from trtspec.engines.trtllm.build import UNIT_ENGINES, engine_role
+
+        for role in spec.models():
+            for kind in UNIT_ENGINES[role]:  # target -> target + control engines
+                check_manifest(engines_dir / kind, kind, spec.build_hash(engine_role(kind)))
     limits = spec.limits("target")
     batch = limits.max_batch_size
     models: dict[str, tuple[ModelConfig, str | None]] = {}

@@ -352,9 +352,13 @@ def _die_with_parent() -> None:
 class TritonServer:
     """One tritonserver subprocess: start, wait until ready, stop with all its stubs."""
 
-    def __init__(self, command: ServerCommand, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, command: ServerCommand, env: Mapping[str, str] | None = None,
+                 launcher: Sequence[str] | None = None) -> None:
         self.command = command
         self.env = dict(env) if env is not None else None
+        # A full argv that wraps the server (mpirun with one rank per GPU for TensorRT-LLM);
+        # ``command`` still says where clients connect.
+        self.launcher = list(launcher) if launcher is not None else None
         self.log_path: Path | None = None
         self.ready_seconds: float | None = None  # start → READY, measured by wait_ready
         self._proc: subprocess.Popen[bytes] | None = None
@@ -387,6 +391,10 @@ class TritonServer:
             **fields,  # type: ignore[arg-type]
         )
         return cls(command, server_env(py, install))
+
+    def argv(self) -> list[str]:
+        """What start() runs: the launcher when set, else the plain server command."""
+        return self.launcher if self.launcher is not None else self.command.argv()
 
     # -- endpoints (tritonclient takes "host:port" without a scheme) --------------------------
 
@@ -440,7 +448,7 @@ class TritonServer:
         with open(self.log_path, "wb") as log:  # the child keeps its own copy of the fd
             try:
                 self._proc = subprocess.Popen(
-                    self.command.argv(),
+                    self.argv(),
                     env=self.env,
                     stdin=subprocess.DEVNULL,
                     stdout=log,
@@ -650,7 +658,7 @@ def _write_pid_file(path: Path, server: TritonServer) -> None:
         metrics_url=server.metrics_url,
         log_path=str(server.log_path),
         model_repository=str(server.command.model_repository),
-        argv=server.command.argv(),
+        argv=server.argv(),
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")

@@ -50,13 +50,22 @@ def serve_target(path: Path, engines: Path | None = None, repo_out: Path | None 
 def server_for(target: ServeTarget, host: str | None, http_port: int | None, grpc_port: int | None,
                metrics_port: int | None) -> TritonServer:
     s = target.serve
-    return TritonServer.for_repository(
+    server = TritonServer.for_repository(
         target.repo_dir,
         address=host or s.host,
         http_port=http_port or s.http_port,
         grpc_port=grpc_port or s.grpc_port,
         metrics_port=metrics_port or s.metrics_port,
     )
+    if target.loaded is not None and target.loaded.spec.backend == "trtllm":
+        # TensorRT-LLM engines: one rank per GPU under mpirun, orchestrator mode when several
+        # tensorrtllm models share the server (trtllm_models.launch_for_spec).
+        from trtspec.triton.trtllm_models import launch_for_spec
+
+        launch = launch_for_spec(target.loaded.spec, server.command)
+        server.launcher = launch.argv
+        server.env = {**(server.env or {}), **launch.env}
+    return server
 
 
 class _Terminated(Exception):

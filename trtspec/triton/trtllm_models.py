@@ -12,11 +12,12 @@ model's tensor contract (input_ids, input_lengths, request_output_len, draft_inp
 
 Choices that the orchestrator relies on:
 
-- ``exclude_input_in_output`` is false: output_ids start with the tokens sent, as upstream's
-  BLS assumes, because each step re-sends the whole sequence and takes output_ids as the new one.
+- ``exclude_input_in_output`` defaults to false as upstream's BLS assumes; trtspec's
+  orchestrator sends the input tensor ``exclude_input_in_output=true`` with every call and reads
+  only the new tokens (the same answer the torch engine models give).
 - ``enable_kv_cache_reuse`` is true: the re-sent prefix is served from cached KV blocks.
-- The target and draft models are not decoupled (one response per step); the control model is
-  decoupled when the spec streams, so the control endpoint can stream tokens as they come.
+- No engine model is decoupled (one response per call): the orchestrator runs the loop step
+  by step and streams at its own (decoupled) endpoint.
 - ``max_beam_width`` 1 and ``inflight_fused_batching``; requests are batched by the backend
   itself, so inputs are not declared ragged (Triton only groups requests of equal shape).
 
@@ -190,7 +191,9 @@ def engine_model_configs(
             parameters=params,
             instance_count=1,
             instance_kind="KIND_CPU",  # the backend places the engine on gpu_device_ids itself
-            decoupled=spec.serve.streaming and kind == "control",
+            # Never decoupled: the orchestrator calls engines step by step over BLS (one
+            # response per call) and streams at the endpoint, for the control path too.
+            decoupled=False,
             dynamic_batching=DynamicBatching(0, (limits.max_batch_size,)),
             extra_pbtxt="dynamic_batching { default_queue_policy { max_queue_size: 0 } }",
         ))
