@@ -24,8 +24,6 @@ from trtspec.triton.trtllm_models import (
     engine_model_configs,
     launch_command,
     launch_for_spec,
-    render_config,
-    write_config,
 )
 
 ROOT = Path(__file__).parent
@@ -76,7 +74,7 @@ def test_golden_commands(name):
 def test_golden_configs(name):
     spec = load_spec(SPECS / f"{name}.yaml").spec
     for cfg in engine_model_configs(spec, engines_dir(name)):
-        check_golden(GOLDEN / name / cfg.name / "config.pbtxt", render_config(cfg))
+        check_golden(GOLDEN / name / cfg.name / "config.pbtxt", pbtxt.render(cfg))
 
 
 @pytest.mark.parametrize("name", GOLDEN_SPECS)
@@ -94,7 +92,7 @@ def test_configs_parse_and_set_every_mandatory_parameter(name):
     known = {p["key"] for p in PARAMS["parameters"]}
     allowed = PARAMS["allowed_values"]
     for cfg in engine_model_configs(spec, engines_dir(name)):
-        text = render_config(cfg)
+        text = pbtxt.render(cfg)
         assert "${" not in text
         msg = pbtxt.parse(text)  # Triton's own ModelConfig protobuf
         kind = next(k for k, v in DEFAULT_NAMES.items() if v == msg.name)
@@ -176,6 +174,6 @@ def test_leader_mode_one_rank_per_gpu():
 def test_write_config_is_atomic_and_parses(tmp_path):
     spec = load_spec(SPECS / "trtllm-1gpu.yaml").spec
     cfg = engine_model_configs(spec, tmp_path)[0]
-    path = write_config(cfg, tmp_path / cfg.name / "config.pbtxt")
+    path = pbtxt.write(cfg, tmp_path / cfg.name / "config.pbtxt")
     assert pbtxt.parse(path.read_text()).name == cfg.name
     assert [p.name for p in path.parent.iterdir()] == ["config.pbtxt"]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ try:  # Triton's own schema; tritonclient is part of the `serve` extra
 except ImportError as err:  # pragma: no cover - depends on the install
     raise ImportError("config.pbtxt rendering needs tritonclient: pip install 'trtspec[serve]'") from err
 
+from trtspec.atomic import write_text_atomic
 from trtspec.errors import TrtspecError
 
 InstanceKind = Literal["KIND_AUTO", "KIND_CPU", "KIND_GPU", "KIND_MODEL"]
@@ -86,8 +86,10 @@ class ModelConfig:
     inputs: Sequence[TensorSpec] = ()
     outputs: Sequence[TensorSpec] = ()
     # Values must be non-empty: the trtllm backend parses some of them as numbers, and an empty
-    # string is never a meaningful setting. Omit a key instead of leaving it empty.
+    # string is rarely a meaningful setting. Omit a key instead of leaving it empty, unless the
+    # backend needs the key present and empty (listed in ``empty_parameters``).
     parameters: Mapping[str, str] = field(default_factory=dict)
+    empty_parameters: Sequence[str] = ()
     instance_count: int = 1
     instance_kind: InstanceKind = "KIND_CPU"
     decoupled: bool = False
@@ -117,6 +119,10 @@ def to_proto(cfg: ModelConfig) -> pb.ModelConfig:
             _fill_tensor(msg.output.add(), spec, cfg.name)
         for key, value in cfg.parameters.items():
             msg.parameters[key].string_value = value
+        for key in cfg.empty_parameters:
+            if cfg.parameters.get(key):
+                raise PbtxtError(f"model {cfg.name!r}: parameter {key!r} is listed as empty but has a value")
+            msg.parameters[key].string_value = ""
         if cfg.instance_count < 1:
             raise PbtxtError(f"model {cfg.name!r}: instance_count is {cfg.instance_count}; use 1 or more")
         group = msg.instance_group.add()
@@ -140,7 +146,7 @@ def render(cfg: ModelConfig) -> str:
     """Return the ``config.pbtxt`` text for ``cfg``, verified by parsing it back."""
     msg = to_proto(cfg)
     text = text_format.MessageToString(msg)
-    parsed = check_text(text)
+    parsed = check_text(text, allow_empty=cfg.empty_parameters)
     if parsed != msg:  # would mean text_format lost something: never write such a file
         raise PbtxtError(f"model {cfg.name!r}: config.pbtxt does not parse back to the same config")
     return text
@@ -156,7 +162,7 @@ def parse(text: str) -> pb.ModelConfig:
     return msg
 
 
-def check_text(text: str) -> pb.ModelConfig:
+def check_text(text: str, allow_empty: Sequence[str] = ()) -> pb.ModelConfig:
     """Parse ``text`` and reject what Triton would only reject at load time (or never).
 
     Use it on any config.pbtxt, including ones filled from upstream templates.
@@ -168,7 +174,7 @@ def check_text(text: str) -> pb.ModelConfig:
             "give each a value or remove the parameter"
         )
     msg = parse(text)
-    problems = _semantic_problems(msg)
+    problems = _semantic_problems(msg, set(allow_empty))
     if problems:
         label = msg.name or "<unnamed>"
         raise PbtxtError(f"model {label!r}: " + "; ".join(problems))
@@ -176,20 +182,10 @@ def check_text(text: str) -> pb.ModelConfig:
 
 
 def write(cfg: ModelConfig, path: str | os.PathLike[str]) -> Path:
-    """Render ``cfg`` and write it atomically to ``path`` (parents are created)."""
-    text = render(cfg)
+    """Render ``cfg`` and write it atomically to ``path`` (parents are created), so a server
+    polling the repository never sees a half-written config."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # A temp file in the same directory + os.replace: a server polling the repository never
-    # sees a half-written config.
-    fd, tmp = tempfile.mkstemp(prefix=".config.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(target, render(cfg))
     return target
 
 
@@ -209,7 +205,7 @@ def _enum(enum_type: object, name: str, what: str) -> int:
         raise PbtxtError(f"{what} is {name!r}; expected one of {allowed}") from None
 
 
-def _semantic_problems(msg: pb.ModelConfig) -> list[str]:
+def _semantic_problems(msg: pb.ModelConfig, allow_empty: set[str]) -> list[str]:
     """Values that parse fine but make an unusable or ambiguous config."""
     problems: list[str] = []
     if not msg.name:
@@ -237,7 +233,7 @@ def _semantic_problems(msg: pb.ModelConfig) -> list[str]:
     for key, param in msg.parameters.items():
         if not key:
             problems.append("a parameter has an empty key")
-        elif not param.string_value:
+        elif not param.string_value and key not in allow_empty:
             problems.append(f"parameter {key!r} has an empty value; set it or leave it out")
     for group in msg.instance_group:
         # 0 is proto3's "unset", which Triton reads as 1; only a negative count is wrong.

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trtspec.engines.manifest import check_manifest
-from trtspec.errors import EngineError, TrtspecError
+from trtspec.errors import TrtspecError
 from trtspec.spec import LoadedSpec
 from trtspec.triton import pbtxt
 from trtspec.triton.pbtxt import DynamicBatching, ModelConfig, TensorSpec
@@ -204,12 +204,7 @@ def write_repository(loaded: LoadedSpec, engines_dir: Path, repo_dir: Path) -> P
     tmp = Path(tempfile.mkdtemp(prefix=f".{repo_dir.name}.", dir=repo_dir.parent))
     try:
         for name, (cfg, source) in plan.models.items():
-            if cfg.backend == "tensorrtllm":
-                from trtspec.triton.trtllm_models import write_config
-
-                write_config(cfg, tmp / name / "config.pbtxt")
-            else:
-                pbtxt.write(cfg, tmp / name / "config.pbtxt")
+            pbtxt.write(cfg, tmp / name / "config.pbtxt")
             (tmp / name / "1").mkdir(parents=True, exist_ok=True)
             if source is not None:
                 (tmp / name / "1" / "model.py").write_text(source)

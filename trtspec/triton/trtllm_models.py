@@ -23,24 +23,20 @@ Choices that the orchestrator relies on:
 
 Values are strings, as the backend parses them. Two keys the backend reads without a default
 must be present and EMPTY to keep guided decoding off (``guided_decoding_backend``,
-``xgrammar_tokenizer_info_path``); pbtxt.render refuses empty values, so use
-:func:`render_config` / :func:`write_config` for these models.
+``xgrammar_tokenizer_info_path``); they are declared as ``empty_parameters``, the only empty
+values pbtxt accepts.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from google.protobuf import text_format
 
 from trtspec.errors import TrtspecError
 from trtspec.spec import EngineSpec, ModelSpec
-from trtspec.triton import pbtxt
 from trtspec.triton.pbtxt import DynamicBatching, ModelConfig, TensorSpec
 from trtspec.triton.server import ServerCommand
 
@@ -196,37 +192,9 @@ def engine_model_configs(
             decoupled=False,
             dynamic_batching=DynamicBatching(0, (limits.max_batch_size,)),
             extra_pbtxt="dynamic_batching { default_queue_policy { max_queue_size: 0 } }",
+            empty_parameters=EMPTY_BY_DESIGN,
         ))
     return configs
-
-
-def render_config(cfg: ModelConfig) -> str:
-    """config.pbtxt text for a tensorrtllm model: pbtxt's checks plus the empty-by-design keys."""
-    pbtxt.render(cfg)  # every check pbtxt makes, on the config without the empty keys
-    msg = pbtxt.to_proto(cfg)
-    if cfg.backend == "tensorrtllm":
-        for key in EMPTY_BY_DESIGN:
-            msg.parameters[key].string_value = ""
-    text = text_format.MessageToString(msg)
-    if pbtxt.parse(text) != msg:
-        raise pbtxt.PbtxtError(f"model {cfg.name!r}: config.pbtxt does not parse back to the same config")
-    return text
-
-
-def write_config(cfg: ModelConfig, path: str | os.PathLike[str]) -> Path:
-    """Write :func:`render_config` output atomically (a polling server never sees half a file)."""
-    text = render_config(cfg)
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".config.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
 
 
 # --------------------------------------------------------------------------------------------
