@@ -92,7 +92,7 @@ def build(
 
         return trtllm_build.build(loaded, output_dir, force=force, allow_pickle=allow_pickle)
     ensure_writable(output_dir)
-    _remove_stale_temps(output_dir)
+    remove_stale_temps(output_dir)
     with console.step("resolving checkpoints"):
         checkpoints = {role: resolve(loaded, role, allow_pickle) for role in spec.models()}
     with console.step("checking draft/target compatibility"):
@@ -144,7 +144,7 @@ def _sources_match(folder: Path, ckpt: Checkpoint) -> bool:
     return manifest.source.weights == ckpt.source_weights
 
 
-def _remove_stale_temps(output_dir: Path) -> None:
+def remove_stale_temps(output_dir: Path) -> None:
     for stale in output_dir.glob(".*.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
 
@@ -210,7 +210,7 @@ def build_torch_engine(loaded: LoadedSpec, ckpt: Checkpoint, folder: Path) -> Ma
                 created=now(),
             )
             write_manifest(tmp, manifest)
-            _swap_into_place(tmp, folder)
+            swap_into_place(tmp, folder)
         return manifest
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -229,7 +229,7 @@ def _expected_keys(cfg: DecoderConfig, state: dict) -> set[str]:
     return names
 
 
-def _swap_into_place(tmp: Path, folder: Path) -> None:
+def swap_into_place(tmp: Path, folder: Path) -> None:
     """Rename the finished build over the destination; the old one goes only after."""
     if folder.exists():
         old = folder.with_name(f".{folder.name}.tmp-old")

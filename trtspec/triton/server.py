@@ -481,7 +481,7 @@ class TritonServer:
         while True:
             code = self._proc.poll()
             if code is not None:
-                raise self._fail(f"tritonserver exited with code {code} before it was ready")
+                raise self.fail(f"tritonserver exited with code {code} before it was ready")
             if _http_ok(url):
                 self.ready_seconds = time.monotonic() - self._started_at
                 return self.ready_seconds
@@ -490,9 +490,9 @@ class TritonServer:
             if not self.command.exit_on_error:
                 failed = _LOAD_FAILURE.findall(self._read_log())
                 if failed:
-                    raise self._fail(f"model(s) {', '.join(sorted(set(failed)))} failed to load")
+                    raise self.fail(f"model(s) {', '.join(sorted(set(failed)))} failed to load")
             if time.monotonic() > deadline:
-                raise self._fail(f"tritonserver was not ready after {timeout:.0f} s")
+                raise self.fail(f"tritonserver was not ready after {timeout:.0f} s")
             time.sleep(0.1)
 
     def stop(self, timeout: float = 30.0) -> int | None:
@@ -539,7 +539,8 @@ class TritonServer:
             return ""
         return self.log_path.read_text(encoding="utf-8", errors="replace")
 
-    def _fail(self, headline: str) -> ServerError:
+    def fail(self, headline: str) -> ServerError:
+        """Stop the server and return the error to raise, with the log lines that explain it."""
         self.stop()
         return ServerError(failure_message(headline, self._read_log(), self.log_path))
 

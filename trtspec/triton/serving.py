@@ -90,7 +90,7 @@ def run_attached(server: TritonServer, timeout: float, log_path: Path | None, on
             on_ready(seconds)
             while server.is_running():
                 time.sleep(0.5)
-            raise server._fail("tritonserver exited unexpectedly")
+            raise server.fail("tritonserver exited unexpectedly")
         except KeyboardInterrupt:
             server.stop()
             return EXIT_INTERRUPTED

@@ -34,8 +34,8 @@ from trtspec.checkpoints import Checkpoint, compare_tokenizers, parameter_count,
 from trtspec.engines.build import (
     BuildResult,
     RolePlan,
-    _remove_stale_temps,
-    _swap_into_place,
+    remove_stale_temps,
+    swap_into_place,
     check_pair,
     ensure_writable,
 )
@@ -237,7 +237,7 @@ def build(loaded: LoadedSpec, output_dir: Path, force: bool = False,
     spec = loaded.spec
     trtllm_version = require_tensorrt_llm()
     ensure_writable(output_dir)
-    _remove_stale_temps(output_dir)
+    remove_stale_temps(output_dir)
     with console.step("resolving checkpoints"):
         ckpts = {role: resolve(loaded, role, allow_pickle) for role in spec.models()}
     with console.step("checking draft/target compatibility"):
@@ -374,7 +374,7 @@ def _finish_engine(loaded: LoadedSpec, ckpt: Checkpoint, kind: str, tmp: Path, f
         created=now(),
     )
     write_manifest(tmp, manifest)
-    _swap_into_place(tmp, folder)
+    swap_into_place(tmp, folder)
 
 
 def tool_versions(trtllm_version: str) -> dict[str, str]:
