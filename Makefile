@@ -1,4 +1,4 @@
-# make demo  — install, prepare the demo weights, build, verify (and serve, once available)
+# make demo  — install, prepare the demo weights, build, verify, serve on Triton, verify over gRPC
 # make test  — install and run the test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -27,9 +27,14 @@ weights/smollm2-135m: | install
 weights/tiny-llama: | install
 	$(PY) -m trtspec.tiny weights/tiny-llama
 
+# build -> verify in process -> serve (detached) -> verify over gRPC (streamed) -> stop.
 demo: install weights/smollm2-135m
+	mkdir -p .trtspec
 	$(TRTSPEC) build $(DEMO_SPEC)
-	$(TRTSPEC) verify $(DEMO_SPEC) --json bench/results/demo-verify.json
+	$(TRTSPEC) verify $(DEMO_SPEC) --json .trtspec/demo-verify.json
+	$(TRTSPEC) serve $(DEMO_SPEC) --detach --pid-file .trtspec/demo.json
+	$(TRTSPEC) verify $(DEMO_SPEC) --url 127.0.0.1:8001 --stream --junit .trtspec/demo-verify.xml; \
+	  rc=$$?; $(TRTSPEC) stop --pid-file .trtspec/demo.json; exit $$rc
 
 test: install
 	$(VENV)/bin/pytest -q
