@@ -7,8 +7,8 @@ import importlib.util
 import json
 
 import pytest
-
 from conftest import ROOT, write_spec
+
 from trtspec.peers import (
     Generation,
     PeerPath,

@@ -55,8 +55,7 @@ def test_prefix_cache_gives_same_logits_as_fresh(dep):
     # A rejected branch: same prefix, different tail; the cache must forget the old tail.
     branch = seq[:25] + [7, 8, 9]
     (b1,) = eng.run([ForwardItem(branch, 3)])
-    for s in range(eng.pool.tokens.__len__()):
-        eng.pool.tokens[s] = []  # forget everything: recompute from scratch
+    eng.forget_prefixes()  # recompute from scratch
     (b2,) = eng.run([ForwardItem(branch, 3)])
     torch.testing.assert_close(b1, b2, rtol=1e-5, atol=1e-5)
 
@@ -65,8 +64,7 @@ def test_ragged_batch_equals_one_by_one(dep):
     eng = dep.target
     seqs = [_seq(n, 10 + n) for n in (5, 17, 9, 30)]
     alone = [eng.run([ForwardItem(s, 3)])[0] for s in seqs]
-    for s in range(len(eng.pool.tokens)):
-        eng.pool.tokens[s] = []
+    eng.forget_prefixes()
     batched = eng.run([ForwardItem(s, 3) for s in seqs])
     for a, b in zip(alone, batched):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

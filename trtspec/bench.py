@@ -300,6 +300,7 @@ class InProcessBench:
         for lo in range(0, len(prompts), concurrency):
             group = prompts[lo : lo + concurrency]
             reqs = [self.dep.request(self.dep.encode(p, self.chat_template), max_tokens, k) for p in group]
+            self.dep.forget_prefixes()  # no run may reuse another run's prefill of a prompt
             start = time.perf_counter()
             first: dict[int, float] = {}
             done: dict[int, float] = {}

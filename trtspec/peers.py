@@ -128,21 +128,13 @@ def encode_prompts(dep: Deployment, rows: list[tuple[str, str]]) -> list[Prompt]
 # ---- paths -----------------------------------------------------------------------------
 
 
-def _forget_prefixes(dep: Deployment) -> None:
-    """Empty every engine's prefix cache: a later path must not reuse an earlier path's
-    prefill of the same prompt (HF recomputes it on every call)."""
-    for engine in dep.engines.values():
-        for slot in range(len(engine.pool.tokens)):
-            engine.pool.commit(slot, [])
-
-
 def trtspec_paths(dep: Deployment) -> list[PeerPath]:
     spec = dep.spec.speculative
     k = spec.default_draft_tokens
 
     def run_with(drafter_factory):
         def run(ids: list[int], max_tokens: int) -> Generation:
-            _forget_prefixes(dep)
+            dep.forget_prefixes()  # HF recomputes the prefill on every call; so do we
             req = dep.request(ids, max_tokens, k if drafter_factory else 0)
             if drafter_factory is None:
                 (res,) = dep.generate([req], speculative=False)
@@ -387,22 +379,27 @@ def ratio(summaries: list[PathSummary], a: str, b: str) -> float | None:
 
 def render_markdown(m: Measurement, summaries: list[PathSummary]) -> str:
     n = len(m.runs)
+    scope = f"{n} of {len(m.prompts)} prompts" + (" (interrupted)" if m.interrupted else "")
+    timing = f", fastest of {m.repeats} runs per prompt and path" if m.repeats > 1 else ""
+    get = m.setup.get
+    run = f"{scope}, max_tokens {m.max_tokens}, greedy, batch 1, warm-up excluded, paths interleaved per prompt"
+    where = f"Machine: {get('machine', '?')}; torch threads {get('torch_threads', '?')}"
+    versions = f"torch {get('torch', '?')}, transformers {get('transformers', '?')}"
     lines = [
-        f"# trtspec vs Hugging Face transformers: {m.setup.get('spec', '?')}",
+        f"# trtspec vs Hugging Face transformers: {get('spec', '?')}",
         "",
-        f"{n} of {len(m.prompts)} prompts" + (" (interrupted)" if m.interrupted else "")
-        + f", max_tokens {m.max_tokens}, greedy, batch 1, warm-up excluded, paths interleaved per prompt"
-        + (f", fastest of {m.repeats} runs per prompt and path." if m.repeats > 1 else "."),
-        f"Machine: {m.setup.get('machine', '?')}; torch threads {m.setup.get('torch_threads', '?')}; "
-        f"torch {m.setup.get('torch', '?')}, transformers {m.setup.get('transformers', '?')}.",
+        f"{run}{timing}.",
+        f"{where}; {versions}.",
         _load_line(m),
         "",
     ]
     if n == 0:
         return "\n".join(lines + ["Nothing measured: no prompt was completed by every path."]) + "\n"
     lines += [
-        "| path | tokens | seconds | tokens/s | vs trtspec target-only | vs HF target-only "
-        "| identical to trtspec target-only | mean accepted length |",
+        (
+            "| path | tokens | seconds | tokens/s | vs trtspec target-only | vs HF target-only "
+            "| identical to trtspec target-only | mean accepted length |"
+        ),
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in summaries:
@@ -435,10 +432,11 @@ def _load_line(m: Measurement) -> str:
     if not m.load:
         return ""
     cpus = os.cpu_count() or 1
-    line = f"Load average (1 min) during the run: max {max(m.load):.1f} on {cpus} CPUs."
-    # This run keeps about torch_threads threads busy; anything well beyond the CPU count
-    # means other processes were competing and the timings are not trustworthy.
-    if max(m.load) > cpus + 1:
+    typical = sorted(m.load)[len(m.load) // 2]
+    line = f"Load average (1 min) during the run: median {typical:.1f}, max {max(m.load):.1f} on {cpus} CPUs."
+    # This run alone keeps about torch_threads threads busy (the CPU count by default); a
+    # typical load well beyond the CPU count means other processes competed all along.
+    if typical > cpus + 0.5:
         line += " **Other processes competed for the CPU: rerun on a quiet machine.**"
     return line
 

@@ -155,5 +155,11 @@ class Deployment:
         drafter = self.drafter() if speculative else NoDrafter()
         return generate(requests, drafter, self.verifier(), on_step)
 
+    def forget_prefixes(self) -> None:
+        """Empty every engine's prefix cache. Timed comparisons call this before each run:
+        otherwise the second path on a prompt reuses the first path's prefill."""
+        for engine in self.engines.values():
+            engine.forget_prefixes()
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

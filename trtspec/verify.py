@@ -3,7 +3,8 @@
 Per prompt, both paths run greedily and are compared by token id. At the first divergence
 the report gives its index, both tokens (id and text) and the target's top-1 minus top-2
 logit margin there, so a numerical near-tie is told apart from a bug. Runs are interleaved
-(target-only then speculative, per prompt) after a warm-up, so noise hits both alike.
+per prompt (alternating which path goes first) after a warm-up, so noise hits both alike;
+in process, engine prefix caches are emptied before every timed run.
 """
 
 from __future__ import annotations
@@ -161,8 +162,14 @@ def run_verify(
     backend.run(prompts[0], min(max_tokens, 4), speculative=True)
     results = []
     for i, prompt in enumerate(prompts):
-        target = backend.run(prompt, max_tokens, speculative=False)
-        spec = backend.run(prompt, max_tokens, speculative=True)
+        # Alternate which path goes first: a server's prefix cache (which trtspec cannot empty
+        # over gRPC) then favours neither path.
+        if i % 2 == 0:
+            target = backend.run(prompt, max_tokens, speculative=False)
+            spec = backend.run(prompt, max_tokens, speculative=True)
+        else:
+            spec = backend.run(prompt, max_tokens, speculative=True)
+            target = backend.run(prompt, max_tokens, speculative=False)
         div = first_divergence(target, spec, backend.token_text)
         results.append(
             PromptResult(
@@ -195,6 +202,7 @@ class InProcessBackend:
     def run(self, prompt: str, max_tokens: int, speculative: bool) -> PathRun:
         ids = self.dep.encode(prompt, self.chat_template)
         req = self.dep.request(ids, max_tokens, self.k)
+        self.dep.forget_prefixes()  # neither path may reuse the other's prefill of this prompt
         start = time.perf_counter()
         (res,) = self.dep.generate([req], speculative=speculative)
         seconds = time.perf_counter() - start

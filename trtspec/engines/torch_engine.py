@@ -64,6 +64,11 @@ class SlotPool:
             out.append((best, best_len))
         return out
 
+    def forget(self) -> None:
+        """Drop every cached prefix (the next call recomputes from position 0)."""
+        for s in range(len(self.tokens)):
+            self.tokens[s] = []
+
     def commit(self, slot: int, tokens: list[int]) -> None:
         self.tokens[slot] = list(tokens)
         self.last_used[slot] = time.monotonic()
@@ -101,6 +106,11 @@ class TorchEngine:
         model = DecoderLM.from_state_dict(cfg, state)
         n = slots if slots is not None else manifest.limits["max_batch_size"]
         return cls(folder, manifest, model, hf_config, n)
+
+    def forget_prefixes(self) -> None:
+        """Empty the prefix cache, e.g. so a timed run cannot reuse another run's prefill."""
+        with self._lock:
+            self.pool.forget()
 
     def run(self, items: list[ForwardItem]) -> list[torch.Tensor]:
         """Logits [n_logits, vocab] (float32) for the last n_logits positions of each item."""
