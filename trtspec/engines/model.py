@@ -117,11 +117,10 @@ class StepInputs:
 
     tokens: torch.Tensor  # [b, q] int64
     positions: torch.Tensor  # [b, q] int64; padding rows point at position 0
-    valid: torch.Tensor  # [b, q] bool; False on padding
     slots: torch.Tensor  # [b] int64
-    mask: torch.Tensor  # [b, 1, q, S] bool; True = may attend
-    write_slot: torch.Tensor  # [n_valid] slot of each real token
-    write_pos: torch.Tensor  # [n_valid] position of each real token
+    mask: torch.Tensor | None  # [b, 1, q, S] bool, True = may attend; None: attend to all S
+    rows: list[tuple[int, int, int]]  # per row: (slot, first position, real tokens)
+    span: int  # S: keys attended (max position + 1)
 
 
 class Attention(nn.Module):
@@ -143,14 +142,18 @@ class Attention(nn.Module):
         # cos/sin: [b, 1, q, head_dim]
         xq = xq * cos + _rotate_half(xq) * sin
         xk = xk * cos + _rotate_half(xk) * sin
-        # Only real tokens are written: padding must never clobber another position.
-        k_rows = xk.transpose(1, 2)[step.valid]  # [n_valid, kv_heads, head_dim]
-        v_rows = xv.transpose(1, 2)[step.valid]
-        k_cache[step.write_slot, :, step.write_pos] = k_rows
-        v_cache[step.write_slot, :, step.write_pos] = v_rows
-        span = step.mask.shape[-1]
-        keys = k_cache[step.slots, :, :span]  # [b, kv_heads, S, head_dim]
-        values = v_cache[step.slots, :, :span]
+        # Each row's real tokens are a contiguous run of positions: write them as slices
+        # (padding must never clobber another position).
+        for r, (slot, start, n) in enumerate(step.rows):
+            k_cache[slot, :, start : start + n] = xk[r, :, :n]
+            v_cache[slot, :, start : start + n] = xv[r, :, :n]
+        if b == 1:  # a view, no copy
+            slot = step.rows[0][0]
+            keys = k_cache[slot : slot + 1, :, : step.span]  # [1, kv_heads, S, head_dim]
+            values = v_cache[slot : slot + 1, :, : step.span]
+        else:
+            keys = k_cache[:, :, : step.span].index_select(0, step.slots)  # [b, kv_heads, S, head_dim]
+            values = v_cache[:, :, : step.span].index_select(0, step.slots)
         out = F.scaled_dot_product_attention(
             xq, keys, values, attn_mask=step.mask, enable_gqa=cfg.num_heads != cfg.num_kv_heads
         )  # [b, heads, q, head_dim]

@@ -157,26 +157,28 @@ class TorchEngine:
         q = max(len(it.tokens) - s for it, s in zip(items, starts))
         tokens = torch.zeros((b, q), dtype=torch.long)
         positions = torch.zeros((b, q), dtype=torch.long)
-        valid = torch.zeros((b, q), dtype=torch.bool)
-        for row, (it, start) in enumerate(zip(items, starts)):
+        rows = []
+        for row, (it, start, (slot, _)) in enumerate(zip(items, starts, assigned)):
             new = it.tokens[start:]
             tokens[row, : len(new)] = torch.tensor(new, dtype=torch.long)
             positions[row, : len(new)] = torch.arange(start, start + len(new))
-            valid[row, : len(new)] = True
-        span = int(positions.max()) + 1
-        keys = torch.arange(span)  # [S]
-        # Causal over each row's own positions; padding rows see key 0 only (no empty rows).
-        mask = keys.view(1, 1, span) <= positions.unsqueeze(-1)  # [b, q, S]
+            rows.append((slot, start, len(new)))
+        span = max(start + n for _, start, n in rows)
         window = self.config.sliding_window
-        if window is not None:
-            mask &= keys.view(1, 1, span) > positions.unsqueeze(-1) - window
-        slots = torch.tensor([slot for slot, _ in assigned], dtype=torch.long)
+        mask = None
+        # One sequence decoding one token attends to every cached position: no mask needed.
+        if b > 1 or q > 1 or (window is not None and span > window):
+            keys = torch.arange(span)  # [S]
+            # Causal over each row's own positions; padding rows see key 0 only (no empty rows).
+            allowed = keys.view(1, 1, span) <= positions.unsqueeze(-1)  # [b, q, S]
+            if window is not None:
+                allowed &= keys.view(1, 1, span) > positions.unsqueeze(-1) - window
+            mask = allowed.unsqueeze(1)  # [b, 1, q, S]
         return StepInputs(
             tokens=tokens,
             positions=positions,
-            valid=valid,
-            slots=slots,
-            mask=mask.unsqueeze(1),  # [b, 1, q, S]
-            write_slot=slots.unsqueeze(1).expand(b, q)[valid],
-            write_pos=positions[valid],
+            slots=torch.tensor([slot for slot, _ in assigned], dtype=torch.long),
+            mask=mask,
+            rows=rows,
+            span=span,
         )
