@@ -36,6 +36,13 @@ demo: install weights/smollm2-135m
 	$(TRTSPEC) verify $(DEMO_SPEC) --url 127.0.0.1:8001 --stream --junit .trtspec/demo-verify.xml; \
 	  rc=$$?; $(TRTSPEC) stop --pid-file .trtspec/demo.json; exit $$rc
 
+# The committed benchmarks (minutes on 2 cores; run on a quiet machine).
+bench: install weights/smollm2-135m
+	$(TRTSPEC) build $(DEMO_SPEC)
+	$(TRTSPEC) bench $(DEMO_SPEC) --sweep 1-8 -c 1,2,4
+	$(PY) bench/peers.py --repeats 2
+	$(PY) bench/grpc_vs_inprocess.py $(DEMO_SPEC)
+
 test: install
 	$(VENV)/bin/pytest -q
 
