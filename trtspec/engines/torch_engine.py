@@ -8,6 +8,7 @@ common prefix with the slot's tokens is what stays valid.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -104,6 +105,8 @@ class TorchEngine:
         cfg = DecoderConfig.from_hf(hf_config)
         state = load_file(str(folder / WEIGHTS))
         model = DecoderLM.from_state_dict(cfg, state)
+        if os.environ.get("TRTSPEC_ONEDNN", "1") != "0":  # TRTSPEC_ONEDNN=0: PyTorch's kernels
+            model.pack_linears_for_onednn()
         n = slots if slots is not None else manifest.limits["max_batch_size"]
         return cls(folder, manifest, model, hf_config, n)
 
