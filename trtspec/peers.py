@@ -25,7 +25,6 @@ in an order rotated per prompt so machine noise hits all paths alike.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import platform
 import time
@@ -37,6 +36,7 @@ import torch
 
 from trtspec.errors import SpecError
 from trtspec.runtime import Deployment
+from trtspec.spec import read_prompt_rows
 from trtspec.speculative.drafters import NgramDrafter
 from trtspec.speculative.loop import generate
 from trtspec.speculative.metrics import SpecMetrics
@@ -100,20 +100,10 @@ class Measurement:
 
 def read_prompts(path: Path, limit: int | None = None) -> list[tuple[str, str]]:
     """(text, kind) per JSONL line {"prompt": ..., "kind": "chat|code|rewrite"}."""
-    if not path.is_file():
-        raise SpecError(f"prompts file {path} does not exist; pass --prompts PATH")
     rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SpecError(f"{path}:{n}: not valid JSON ({e.msg}); one object per line") from e
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
-            raise SpecError(f'{path}:{n}: expected {{"prompt": "<text>", "kind": "chat|code|rewrite"}}')
+    for n, row in enumerate(read_prompt_rows(path, "--prompts"), start=1):
         if row.get("kind") not in KINDS:
-            raise SpecError(f"{path}:{n}: kind must be one of {', '.join(KINDS)} (got {row.get('kind')!r})")
+            raise SpecError(f"{path}: prompt {n}: kind must be one of {', '.join(KINDS)} (got {row.get('kind')!r})")
         rows.append((row["prompt"], row["kind"]))
     if not rows:
         raise SpecError(f"{path} holds no prompts; add one JSON object per line")

@@ -270,9 +270,15 @@ class LoadedSpec(BaseModel):
 
 
 def read_prompts_file(path: Path) -> list[str]:
+    """Prompts of a JSONL file, one {"prompt": "..."} object per line."""
+    return [row["prompt"] for row in read_prompt_rows(path, "verify.prompts_file")]
+
+
+def read_prompt_rows(path: Path, what: str) -> list[dict]:
+    """The JSON objects of a prompts file, each checked to hold a non-empty "prompt"."""
     if not path.is_file():
-        raise SpecError(f"verify.prompts_file: {path} does not exist; create it or fix the path")
-    prompts = []
+        raise SpecError(f"{what}: {path} does not exist; create it or fix the path")
+    rows = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
@@ -282,8 +288,8 @@ def read_prompts_file(path: Path) -> list[str]:
             raise SpecError(f"{path}:{n}: not valid JSON ({e.msg}); one object per line") from e
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
             raise SpecError(f'{path}:{n}: expected {{"prompt": "<non-empty text>"}}')
-        prompts.append(row["prompt"])
-    return prompts
+        rows.append(row)
+    return rows
 
 
 def load_spec(path: str | Path) -> LoadedSpec:

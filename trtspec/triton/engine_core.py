@@ -104,14 +104,14 @@ class EngineLimits:
     max_batch_size: int
 
 
-def _column(inputs: Mapping[str, np.ndarray], name: str, rows: int) -> np.ndarray | None:
+def per_row(inputs: Mapping[str, np.ndarray], name: str, rows: int, unit: str = "sequence") -> np.ndarray | None:
     """An optional per-row scalar input [b, 1] (or [b] after a reshape) as a [b] array."""
     x = inputs.get(name)
     if x is None:
         return None
     x = np.asarray(x)
     if x.size != rows:
-        raise RequestError(f"{name} must hold one value per sequence ({rows}); got shape {list(x.shape)}")
+        raise RequestError(f"{name} must hold one value per {unit} ({rows}); got shape {list(x.shape)}")
     return x.reshape(rows)
 
 
@@ -127,20 +127,20 @@ def parse_engine_request(
     rows, width = ids.shape
     if rows > limits.max_batch_size:
         raise RequestError(f"batch of {rows} exceeds max_batch_size {limits.max_batch_size}")
-    lengths = _column(inputs, "input_lengths", rows)
-    out_len = _column(inputs, "request_output_len", rows)
+    lengths = per_row(inputs, "input_lengths", rows)
+    out_len = per_row(inputs, "request_output_len", rows)
     if lengths is None or out_len is None:
         raise RequestError("input_lengths and request_output_len are required")
-    streaming = _column(inputs, "streaming", rows)
+    streaming = per_row(inputs, "streaming", rows)
     if streaming is not None and streaming.any():
         raise RequestError(
             "streaming=true needs a decoupled model; this engine model answers once per request "
             "(stream through tensorrt_llm_bls_streaming)"
         )
-    end_ids = _column(inputs, "end_id", rows)
-    pad_ids = _column(inputs, "pad_id", rows)
-    exclude = _column(inputs, "exclude_input_in_output", rows)
-    margins = _column(inputs, "return_margins", rows)
+    end_ids = per_row(inputs, "end_id", rows)
+    pad_ids = per_row(inputs, "pad_id", rows)
+    exclude = per_row(inputs, "exclude_input_in_output", rows)
+    margins = per_row(inputs, "return_margins", rows)
     drafts = inputs.get("draft_input_ids")
     if drafts is not None:
         drafts = np.asarray(drafts)

@@ -31,6 +31,7 @@ from trtspec.runtime import Limits, encode_prompt, make_request
 from trtspec.speculative.loop import GenerationRequest, GenerationResult, NoDrafter, generate
 from trtspec.speculative.metrics import SpecMetrics
 from trtspec.triton.bls import BlsDrafter, BlsVerifier, EngineCall
+from trtspec.triton.engine_core import per_row
 
 
 @dataclass(frozen=True)
@@ -67,13 +68,7 @@ Sender = Callable[[int, dict[str, np.ndarray], bool], None]
 
 
 def _optional(inputs: Mapping[str, np.ndarray], name: str, rows: int) -> np.ndarray | None:
-    x = inputs.get(name)
-    if x is None:
-        return None
-    x = np.asarray(x)
-    if x.size != rows:
-        raise RequestError(f"{name} must hold one value per prompt ({rows}); got shape {list(x.shape)}")
-    return x.reshape(rows)
+    return per_row(inputs, name, rows, unit="prompt")
 
 
 def _text(value) -> str:
