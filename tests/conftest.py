@@ -78,3 +78,20 @@ def built(tmp_path_factory, tiny_ckpts):
         return cache[key]
 
     return get
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """Live processes whose command line contains ``text`` (a test's own tmp path), so tests
+    can check that servers and their stubs are gone."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if text in cmdline and state != "Z":
+            found.append(f"{entry.name}: {cmdline[:200]}")
+    return found

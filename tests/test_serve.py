@@ -26,7 +26,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs the serve ex
 from tritonclient.utils import InferenceServerException  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
-from conftest import write_spec  # noqa: E402
+from conftest import processes_mentioning, write_spec  # noqa: E402
 from trtspec.cli.app import app  # noqa: E402
 from trtspec.triton import pbtxt  # noqa: E402
 from trtspec.triton.orchestrator_core import metrics_from_json  # noqa: E402
@@ -37,20 +37,6 @@ PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Triton serves models ove
            "Summarise the following text in one sentence."]
 MAX_TOKENS = 24
 
-
-def _processes_mentioning(text: str) -> list[str]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if text in cmdline and state != "Z":
-            found.append(f"{entry.name}: {cmdline[:160]}")
-    return found
 
 
 @pytest.fixture(scope="session")
@@ -84,7 +70,7 @@ def served(deployment, backend_cache):
     server.wait_ready(timeout=300)
     yield server
     server.stop()
-    assert _processes_mentioning(str(repo)) == [], "tritonserver or stub processes survived stop()"
+    assert processes_mentioning(str(repo)) == [], "tritonserver or stub processes survived stop()"
 
 
 @pytest.fixture
@@ -471,7 +457,7 @@ def test_serve_fails_with_the_broken_models_log_lines(deployment, tmp_path, back
     assert result.exit_code == 3, result.output
     assert "failed to load 'tensorrt_llm'" in result.output
     assert "no-such-engine does not exist" in result.output  # the model's own error
-    assert _processes_mentioning(str(repo)) == []
+    assert processes_mentioning(str(repo)) == []
 
 
 @pytest.mark.server
@@ -490,7 +476,7 @@ def test_serve_detach_then_stop_leaves_nothing(deployment, tmp_path, backend_cac
         stopped = CliRunner().invoke(app, ["stop", "--pid-file", str(pid_file)])
     assert stopped.exit_code == 0, stopped.output
     assert not pid_file.exists()
-    assert _processes_mentioning(str(repo)) == []
+    assert processes_mentioning(str(repo)) == []
 
 
 @pytest.mark.server
@@ -507,10 +493,10 @@ def test_serve_forwards_signals_and_stops_every_stub(deployment, tmp_path, backe
             line = proc.stdout.readline()
             assert line or proc.poll() is None, "serve exited before ready"
         assert "ready in" in line
-        assert any("triton_python_backend_stub" in p for p in _processes_mentioning(str(repo)))
+        assert any("triton_python_backend_stub" in p for p in processes_mentioning(str(repo)))
         proc.send_signal(sig)
         assert proc.wait(60) == code
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert _processes_mentioning(str(repo)) == []
+    assert processes_mentioning(str(repo)) == []

@@ -18,6 +18,7 @@ import pytest
 
 pytest.importorskip("tritonclient.grpc", reason="needs the serve extra: pip install 'trtspec[serve]'")
 
+from conftest import processes_mentioning
 from trtspec.errors import EXIT_RUNTIME
 from trtspec.triton import pbtxt
 from trtspec.triton.pbtxt import DynamicBatching, ModelConfig, PbtxtError, TensorSpec
@@ -228,21 +229,6 @@ def _add_model(repo: Path, cfg: ModelConfig, source: str) -> None:
     (repo / cfg.name / "1" / "model.py").write_text(textwrap.dedent(source))
 
 
-def _processes_mentioning(text: str) -> list[str]:
-    """Live processes whose command line contains ``text`` (the test's own repository path)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if text in cmdline and state != "Z":
-            found.append(f"{entry.name}: {cmdline[:200]}")
-    return found
-
 
 @pytest.fixture(scope="module")
 def backend_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -260,7 +246,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, backend_cache: Path):  # ty
     server.wait_ready(timeout=120)
     yield server, repo
     server.stop()
-    assert _processes_mentioning(str(repo)) == []
+    assert processes_mentioning(str(repo)) == []
 
 
 @pytest.mark.server
@@ -308,7 +294,7 @@ def test_decoupled_model_streams_three_responses(served) -> None:  # type: ignor
 def test_stub_processes_exist_while_serving(served) -> None:  # type: ignore[no-untyped-def]
     # Makes the "nothing remains" check meaningful: the stubs do carry the repository path.
     server, repo = served
-    running = _processes_mentioning(str(repo))
+    running = processes_mentioning(str(repo))
     assert sum("triton_python_backend_stub" in p for p in running) == 2, running
     assert any(p.startswith(f"{server.pid}:") for p in running)
 
@@ -344,7 +330,7 @@ def test_broken_model_fails_start_with_its_log_lines(tmp_path: Path, backend_cac
     assert "CudaDriverHelper" not in message  # CPU-only noise is filtered out
     assert f"full log: {tmp_path / 'server.log'}" in message
     assert not server.is_running()
-    assert _processes_mentioning(str(repo)) == []
+    assert processes_mentioning(str(repo)) == []
 
 
 @pytest.mark.server
@@ -356,7 +342,7 @@ def test_broken_model_is_reported_without_exit_on_error(tmp_path: Path, backend_
 
     with pytest.raises(ServerError, match="model\\(s\\) broken failed to load"):
         server.wait_ready(timeout=120)
-    assert _processes_mentioning(str(repo)) == []
+    assert processes_mentioning(str(repo)) == []
 
 
 @pytest.mark.server
@@ -372,6 +358,6 @@ def test_detached_server_is_stopped_through_its_pid_file(tmp_path: Path, backend
 
         assert stop_detached(pid_file) is True
         assert not pid_file.exists()
-        assert _processes_mentioning(str(repo)) == []
+        assert processes_mentioning(str(repo)) == []
     finally:
         server.stop()  # no-op when already stopped; a safety net if an assertion failed

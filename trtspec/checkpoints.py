@@ -203,6 +203,17 @@ def compare_tokenizers(target_tok, draft_tok, sample: int = 5) -> TokenizerRepor
     return TokenizerReport(not problems, problems)
 
 
+def require_shared_tokenizer(target_tok, draft_tok) -> None:
+    """CheckpointError naming the differences when draft and target tokenizers differ."""
+    report = compare_tokenizers(target_tok, draft_tok)
+    if not report.compatible:
+        raise CheckpointError(
+            "draft and target tokenizers are incompatible: " + "; ".join(report.problems)
+            + ". Speculative decoding needs one shared vocabulary: pick a draft from the "
+            "same model family"
+        )
+
+
 def check_embedding_rows(role: str, hf_config, tokenizer) -> None:
     """Embedding rows may exceed the tokenizer's vocab (padding) but never fall short."""
     n_tok = len(tokenizer)

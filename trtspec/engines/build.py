@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trtspec import console
-from trtspec.checkpoints import Checkpoint, check_embedding_rows, compare_tokenizers, resolve
+from trtspec.checkpoints import Checkpoint, check_embedding_rows, require_shared_tokenizer, resolve
 from trtspec.engines.manifest import (
     Manifest,
     SourceRecord,
@@ -121,13 +121,7 @@ def check_pair(checkpoints: dict[str, Checkpoint]) -> None:
         toks[role] = ckpt.tokenizer()
         check_embedding_rows(role, cfg, toks[role])
     if "draft" in toks:
-        report = compare_tokenizers(toks["target"], toks["draft"])
-        if not report.compatible:
-            raise CheckpointError(
-                "draft and target tokenizers are incompatible: " + "; ".join(report.problems)
-                + ". Speculative decoding needs one shared vocabulary: pick a draft from the "
-                "same model family"
-            )
+        require_shared_tokenizer(toks["target"], toks["draft"])
 
 
 def check_torch_architecture(role: str, hf_config) -> None:

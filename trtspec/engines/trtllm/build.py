@@ -30,7 +30,7 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from trtspec import __version__, console
-from trtspec.checkpoints import Checkpoint, compare_tokenizers, parameter_count, resolve
+from trtspec.checkpoints import Checkpoint, parameter_count, require_shared_tokenizer, resolve
 from trtspec.engines.build import (
     BuildResult,
     RolePlan,
@@ -196,13 +196,7 @@ def _compare_tokenizers_if_present(folders: dict[str, Path]) -> str:
     from transformers import AutoTokenizer
 
     toks = {role: AutoTokenizer.from_pretrained(f) for role, f in folders.items()}
-    report = compare_tokenizers(toks["target"], toks["draft"])
-    if not report.compatible:
-        raise CheckpointError(
-            "draft and target tokenizers are incompatible: " + "; ".join(report.problems)
-            + ". Speculative decoding needs one shared vocabulary: pick a draft from the same "
-            "model family"
-        )
+    require_shared_tokenizer(toks["target"], toks["draft"])
     return "tokenizers identical"
 
 
