@@ -22,16 +22,16 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 weights/smollm2-135m: | install
-	$(PY) -m trtspec.demo_weights weights/smollm2-135m
+	$(PY) -m trtspec.demo.weights weights/smollm2-135m
 
 weights/tiny-llama: | install
-	$(PY) -m trtspec.tiny weights/tiny-llama
+	$(PY) -m trtspec.demo.tiny weights/tiny-llama
 
 # build -> verify in process -> serve (detached) -> verify over gRPC (streamed) -> stop.
 demo: install weights/smollm2-135m
 	mkdir -p .trtspec
 	$(TRTSPEC) build $(DEMO_SPEC)
-	$(TRTSPEC) verify $(DEMO_SPEC) --json .trtspec/demo-verify.json
+	$(TRTSPEC) verify $(DEMO_SPEC) --json-file .trtspec/demo-verify.json
 	$(TRTSPEC) serve $(DEMO_SPEC) --detach --pid-file .trtspec/demo.json
 	$(TRTSPEC) verify $(DEMO_SPEC) --url 127.0.0.1:8001 --stream --junit .trtspec/demo-verify.xml; \
 	  rc=$$?; $(TRTSPEC) stop --pid-file .trtspec/demo.json; exit $$rc

@@ -100,8 +100,8 @@ def main() -> None:
 
     from trtspec.runtime import Deployment
     from trtspec.spec import load_spec
-    from trtspec.triton.repository import write_repository
-    from trtspec.triton.server import TritonServer
+    from trtspec.triton.repository.writer import write_repository
+    from trtspec.triton.server.process import TritonServer
 
     loaded = load_spec(args.spec)
     prompts = loaded.verify_prompts()

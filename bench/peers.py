@@ -16,9 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from trtspec.atomic import write_json_atomic, write_text_atomic
-from trtspec.errors import EXIT_INTERRUPTED, TrtspecError
-from trtspec.peers import (
+from trtspec.bench.peers import (
     describe_setup,
     encode_prompts,
     measure,
@@ -28,6 +26,8 @@ from trtspec.peers import (
     summarise,
     to_json,
 )
+from trtspec.errors import EXIT_INTERRUPTED, TrtspecError
+from trtspec.files import write_json_atomic, write_text_atomic
 from trtspec.runtime import Deployment
 from trtspec.spec import load_spec
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import write_spec
 from typer.testing import CliRunner
 
-from conftest import write_spec
-from trtspec import bench as b
+from trtspec.bench import measure as b
 from trtspec.cli.app import app
 
 runner = CliRunner()

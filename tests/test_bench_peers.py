@@ -9,7 +9,7 @@ import json
 import pytest
 from conftest import ROOT, write_spec
 
-from trtspec.peers import (
+from trtspec.bench.peers import (
     Generation,
     PeerPath,
     Prompt,

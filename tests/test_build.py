@@ -6,8 +6,8 @@ import json
 import shutil
 
 import pytest
-
 from conftest import write_spec
+
 from trtspec.engines import build as builder
 from trtspec.engines.manifest import read_manifest
 from trtspec.errors import CheckpointError, EngineError, TrtspecError

@@ -5,8 +5,8 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
 from conftest import write_spec
+
 from trtspec.checkpoints import compare_tokenizers, resolve
 from trtspec.errors import CheckpointError
 from trtspec.spec import load_spec

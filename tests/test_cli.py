@@ -6,9 +6,9 @@ import json
 import xml.etree.ElementTree as ET
 
 import pytest
+from conftest import write_spec
 from typer.testing import CliRunner
 
-from conftest import write_spec
 from trtspec.cli.app import app
 
 runner = CliRunner()
@@ -76,7 +76,7 @@ def test_build_twice_says_nothing_to_do(spec_file):
 
 def test_verify_identical_with_reports(spec_file, tmp_path):
     j, x = tmp_path / "r.json", tmp_path / "r.xml"
-    r = runner.invoke(app, ["verify", str(spec_file), "--json", str(j), "--junit", str(x)])
+    r = runner.invoke(app, ["verify", str(spec_file), "--json-file", str(j), "--junit", str(x)])
     assert r.exit_code == 0, r.output
     assert "all identical" in r.stdout and "speedup" in r.stdout
     data = json.loads(j.read_text())
@@ -103,7 +103,7 @@ def test_verify_reports_a_divergence_exit_1(spec_file, tmp_path, monkeypatch):
 
     monkeypatch.setattr(Deployment, "generate", broken)
     j, x = tmp_path / "r.json", tmp_path / "r.xml"
-    r = runner.invoke(app, ["verify", str(spec_file), "--json", str(j), "--junit", str(x)])
+    r = runner.invoke(app, ["verify", str(spec_file), "--json-file", str(j), "--junit", str(x)])
     assert r.exit_code == 1
     assert "diverged" in r.stdout
     data = json.loads(j.read_text())

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_demo_spec_builds_and_verifies_identical(tmp_path):
-    from trtspec.demo_weights import find_gguf
+    from trtspec.demo.weights import find_gguf
 
     pytest.importorskip("gguf")
     gguf = find_gguf()
@@ -34,7 +34,7 @@ def test_demo_spec_builds_and_verifies_identical(tmp_path):
     r = runner.invoke(app, ["build", str(spec)])
     assert r.exit_code == 0, r.output
     report = tmp_path / "verify.json"
-    r = runner.invoke(app, ["verify", str(spec), "--json", str(report)])
+    r = runner.invoke(app, ["verify", str(spec), "--json-file", str(report)])
     assert r.exit_code == 0, r.output
     result = json.loads(report.read_text())
     assert result["prompts"] >= 5 and result["identical"] is True

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trtspec.engines.torch_engine import ForwardItem, SlotPool
+from trtspec.engines.torch.engine import ForwardItem, SlotPool
 
 
 @pytest.fixture(scope="module")

@@ -23,15 +23,23 @@ import numpy as np
 import pytest
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs the serve extra: pip install 'trtspec[serve]'")
+from conftest import processes_mentioning, write_spec  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
-from conftest import processes_mentioning, write_spec  # noqa: E402
 from trtspec.cli.app import app  # noqa: E402
-from trtspec.triton import pbtxt  # noqa: E402
-from trtspec.triton.orchestrator_core import metrics_from_json  # noqa: E402
-from trtspec.triton.repository import BLS, BLS_STREAMING, CONTROL, DRAFT, REPO_INFO, TARGET, write_repository  # noqa: E402
-from trtspec.triton.server import ServerError, TritonServer, find_tritonserver, free_ports  # noqa: E402
+from trtspec.errors import ServerError  # noqa: E402
+from trtspec.layout import BLS_MODEL as BLS  # noqa: E402
+from trtspec.layout import BLS_STREAMING_MODEL as BLS_STREAMING  # noqa: E402
+from trtspec.layout import CONTROL_MODEL as CONTROL  # noqa: E402
+from trtspec.layout import DRAFT_MODEL as DRAFT  # noqa: E402
+from trtspec.layout import REPO_INFO  # noqa: E402
+from trtspec.layout import TARGET_MODEL as TARGET  # noqa: E402
+from trtspec.speculative.metrics import metrics_from_json  # noqa: E402
+from trtspec.triton.repository import pbtxt  # noqa: E402
+from trtspec.triton.repository.writer import write_repository  # noqa: E402
+from trtspec.triton.server.install import find_tritonserver  # noqa: E402
+from trtspec.triton.server.process import TritonServer, free_ports  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Triton serves models over HTTP and gRPC.",
            "Summarise the following text in one sentence."]
@@ -137,7 +145,7 @@ def test_repository_configs_parse_back_and_name_both_engines(deployment, tmp_pat
         text = (repo / name / "config.pbtxt").read_text()
         msg = pbtxt.check_text(text)  # Triton's ModelConfig protobuf; refuses ${placeholders}
         assert msg.name == name and msg.backend == "python"
-        assert "from trtspec.triton.models." in (repo / name / "1" / "model.py").read_text()
+        assert "from trtspec.triton.backend.models." in (repo / name / "1" / "model.py").read_text()
     bls = pbtxt.parse((repo / BLS / "config.pbtxt").read_text())
     assert bls.instance_group[0].count == 2 and not bls.model_transaction_policy.decoupled
     assert pbtxt.parse((repo / BLS_STREAMING / "config.pbtxt").read_text()).model_transaction_policy.decoupled
@@ -374,7 +382,7 @@ def test_verify_url_reports_identical(served, deployment, tmp_path, stream):
     report = tmp_path / "report.json"
     junit = tmp_path / "verify.xml"
     args = ["verify", str(loaded.path), "--url", served.grpc_endpoint, "-p", PROMPTS[0], "-p", PROMPTS[1],
-            "--max-tokens", "16", "--json", str(report), "--junit", str(junit)] + (["--stream"] if stream else [])
+            "--max-tokens", "16", "--json-file", str(report), "--junit", str(junit)] + (["--stream"] if stream else [])
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     data = json.loads(report.read_text())

@@ -12,10 +12,12 @@ import pytest
 
 from trtspec.errors import RequestError
 from trtspec.speculative.loop import accepted_prefix
+from trtspec.speculative.metrics import metrics_from_json
+from trtspec.speculative.requests import Limits
 from trtspec.speculative.verifier import LogitsVerifier
-from trtspec.triton.bls import BlsVerifier
-from trtspec.triton.engine_core import EngineCore, EngineJob, EngineLimits, run_jobs
-from trtspec.triton.orchestrator_core import Orchestrator, OrchestratorSettings, metrics_from_json
+from trtspec.triton.backend.bls import BlsVerifier
+from trtspec.triton.backend.engine_core import EngineCore, EngineJob, run_jobs
+from trtspec.triton.backend.orchestrator_core import Orchestrator, OrchestratorSettings
 
 PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Triton serves models over HTTP and gRPC."]
 
@@ -24,8 +26,8 @@ def _cores(dep):
     t, d = dep.target, dep.draft
     lim = dep.spec.limits("target")
     return {
-        "tensorrt_llm": EngineCore(t.run, EngineLimits(t.vocab_size, t.max_seq_len, dep.spec.speculative.max_draft_len, lim.max_batch_size)),
-        "tensorrt_llm_draft": EngineCore(d.run, EngineLimits(d.vocab_size, d.max_seq_len, 0, lim.max_batch_size), min(t.vocab_size, d.vocab_size)),
+        "tensorrt_llm": EngineCore(t.run, Limits(t.vocab_size, t.max_seq_len, dep.spec.speculative.max_draft_len, max_batch_size=lim.max_batch_size)),
+        "tensorrt_llm_draft": EngineCore(d.run, Limits(d.vocab_size, d.max_seq_len, 0, max_batch_size=lim.max_batch_size), min(t.vocab_size, d.vocab_size)),
     }
 
 
@@ -47,7 +49,7 @@ def _orchestrator(dep, mode="speculative", decoupled=False, log=None):
         mode=mode, decoupled=decoupled, target_model="tensorrt_llm", draft_model="tensorrt_llm_draft",
         method=spec.speculative.method, default_draft_tokens=spec.speculative.default_draft_tokens,
         max_ngram=spec.speculative.max_ngram, min_ngram=spec.speculative.min_ngram, limits=dep.limits,
-        max_batch_size=spec.limits("target").max_batch_size, draft_vocab_limit=dep.target.vocab_size,
+        draft_vocab_limit=dep.target.vocab_size,
     )
     return Orchestrator(settings, _call(_cores(dep), log), dep.tokenizer, dep.end_ids)
 

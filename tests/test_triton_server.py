@@ -19,19 +19,13 @@ import pytest
 pytest.importorskip("tritonclient.grpc", reason="needs the serve extra: pip install 'trtspec[serve]'")
 
 from conftest import processes_mentioning
-from trtspec.errors import EXIT_RUNTIME
-from trtspec.triton import pbtxt
-from trtspec.triton.pbtxt import DynamicBatching, ModelConfig, PbtxtError, TensorSpec
-from trtspec.triton.server import (
-    ServerCommand,
-    ServerError,
-    TritonServer,
-    find_tritonserver,
-    prepare_backend_dir,
-    python_env,
-    server_env,
-    stop_detached,
-)
+
+from trtspec.errors import EXIT_RUNTIME, ServerError
+from trtspec.triton.repository import pbtxt
+from trtspec.triton.repository.pbtxt import DynamicBatching, ModelConfig, PbtxtError, TensorSpec
+from trtspec.triton.server.detached import stop_detached
+from trtspec.triton.server.install import find_tritonserver, prepare_backend_dir, python_env, server_env
+from trtspec.triton.server.process import ServerCommand, TritonServer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -158,7 +152,7 @@ def test_backend_dir_is_private_and_reused(tmp_path: Path) -> None:
 def test_package_folder_named_triton_does_not_break_torch_dynamo() -> None:
     # A top-level folder named `triton` in the cwd shadows OpenAI Triton for torch._dynamo.
     subprocess.run(
-        [sys.executable, "-c", "import trtspec.triton.server, torch._dynamo"],
+        [sys.executable, "-c", "import trtspec.triton.server.process, torch._dynamo"],
         cwd=REPO_ROOT, check=True, timeout=300,
     )
 

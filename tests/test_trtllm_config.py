@@ -15,16 +15,12 @@ from pathlib import Path
 import pytest
 
 from trtspec.engines.trtllm import build as trtllm_build
+from trtspec.layout import ENGINE_MODELS
 from trtspec.spec import load_spec
-from trtspec.triton import pbtxt
-from trtspec.triton.server import ServerCommand
-from trtspec.triton.trtllm_models import (
-    DEFAULT_NAMES,
-    EMPTY_BY_DESIGN,
-    engine_model_configs,
-    launch_command,
-    launch_for_spec,
-)
+from trtspec.triton.repository import pbtxt
+from trtspec.triton.repository.trtllm_models import EMPTY_BY_DESIGN, engine_model_configs
+from trtspec.triton.server.process import ServerCommand
+from trtspec.triton.server.trtllm_launch import launch_command, launch_for_spec
 
 ROOT = Path(__file__).parent
 SPECS = ROOT / "data" / "specs"
@@ -95,7 +91,7 @@ def test_configs_parse_and_set_every_mandatory_parameter(name):
         text = pbtxt.render(cfg)
         assert "${" not in text
         msg = pbtxt.parse(text)  # Triton's own ModelConfig protobuf
-        kind = next(k for k, v in DEFAULT_NAMES.items() if v == msg.name)
+        kind = next(k for k, v in ENGINE_MODELS.items() if v == msg.name)
         params = {k: v.string_value for k, v in msg.parameters.items()}
         # the documented mandatory list, each with a valid value
         assert msg.backend in allowed["triton_backend"] and msg.backend == "tensorrtllm"

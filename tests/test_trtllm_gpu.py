@@ -40,7 +40,7 @@ def _tiny_pair(out: Path) -> dict[str, Path]:
     """Target and a noisy copy as draft; 4 heads x 64 = hidden 256 (head size 64)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trtspec.tiny import make_tokenizer
+    from trtspec.demo.tiny import make_tokenizer
 
     tok = make_tokenizer()
     folders = {}

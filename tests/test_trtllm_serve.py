@@ -14,11 +14,13 @@ from typer.testing import CliRunner
 
 from trtspec.cli.app import app
 from trtspec.engines.manifest import Manifest, SourceRecord, now, write_manifest
-from trtspec.engines.trtllm.build import UNIT_ENGINES, engine_role
 from trtspec.errors import EngineError
+from trtspec.layout import BLS_MODEL as BLS
+from trtspec.layout import CONTROL_MODEL as CONTROL
+from trtspec.layout import KINDS_OF_ROLE, role_of
 from trtspec.spec import load_spec
-from trtspec.triton import pbtxt
-from trtspec.triton.repository import BLS, CONTROL, write_repository
+from trtspec.triton.repository import pbtxt
+from trtspec.triton.repository.writer import write_repository
 
 DATA = Path(__file__).parent / "data" / "specs"
 
@@ -26,7 +28,7 @@ DATA = Path(__file__).parent / "data" / "specs"
 def _fake_engines(loaded, out: Path, tokenizer_from: Path) -> None:
     spec = loaded.spec
     for role in spec.models():
-        for kind in UNIT_ENGINES[role]:
+        for kind in KINDS_OF_ROLE["trtllm"][role]:
             folder = out / kind
             (folder / "tokenizer").mkdir(parents=True)
             (folder / "config.json").write_text(json.dumps({"pretrained_config": {"vocab_size": 400}}))
@@ -34,8 +36,8 @@ def _fake_engines(loaded, out: Path, tokenizer_from: Path) -> None:
                 shutil.copy(f, folder / "tokenizer" / f.name)
             write_manifest(folder, Manifest(
                 complete=True, name=spec.name, role=kind, backend="trtllm",
-                spec_hash=spec.build_hash(engine_role(kind)), dtype="bfloat16", max_draft_len=0,
-                limits=spec.limits(engine_role(kind)).model_dump(), model_type="qwen2",
+                spec_hash=spec.build_hash(role_of(kind)), dtype="bfloat16", max_draft_len=0,
+                limits=spec.limits(role_of(kind)).model_dump(), model_type="qwen2",
                 architecture="Qwen2ForCausalLM", parameters=1,
                 source=SourceRecord(id="fake", weights={}), files={}, versions={}, created=now(),
             ))

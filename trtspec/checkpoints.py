@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trtspec.cache import cache_root
-from trtspec.engines.manifest import FileRecord, file_record
 from trtspec.errors import CheckpointError
+from trtspec.files import FileRecord, file_record
 from trtspec.spec import LoadedSpec, ModelSpec
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

@@ -51,3 +51,7 @@ class RuntimeFailure(TrtspecError):
     """Something outside the user's input failed (server start, subprocess)."""
 
     exit_code = EXIT_RUNTIME
+
+
+class ServerError(RuntimeFailure):
+    """tritonserver could not be found, started or stopped (exit code 3)."""

@@ -1,19 +1,19 @@
 """In-process runtime: load a built deployment and generate with or without speculation.
 
-The Triton orchestrator uses the same request rules (make_request) and the same loop; only
-its drafter and verifier differ (they call engine models instead of engines in memory).
+The Triton orchestrator uses the same request rules (speculative.requests) and the same loop;
+only its drafter and verifier differ (they call engine models instead of engines in memory).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 from trtspec.engines.manifest import check_manifest
-from trtspec.engines.torch_engine import TorchEngine
-from trtspec.errors import EngineError, RequestError
-from trtspec.spec import EngineSpec, LoadedSpec
-from trtspec.speculative.drafters import ModelDrafter, NgramDrafter
+from trtspec.engines.torch.engine import TorchEngine
+from trtspec.errors import EngineError
+from trtspec.layout import engine_folder
+from trtspec.spec import LoadedSpec
+from trtspec.speculative.drafters import ModelDrafter, make_drafter
 from trtspec.speculative.loop import (
     Drafter,
     GenerationRequest,
@@ -22,85 +22,8 @@ from trtspec.speculative.loop import (
     StepCallback,
     generate,
 )
+from trtspec.speculative.requests import Limits, encode_prompt, end_token_ids, make_request
 from trtspec.speculative.verifier import LogitsVerifier
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What a request may ask for: the engine limits and the speculative settings."""
-
-    max_input_len: int
-    max_seq_len: int
-    max_draft_len: int
-    vocab_size: int
-
-    @classmethod
-    def from_spec(cls, spec: EngineSpec, vocab_size: int) -> Limits:
-        lim = spec.limits("target")
-        return cls(lim.max_input_len, lim.max_seq_len, spec.speculative.max_draft_len, vocab_size)
-
-
-def make_request(
-    prompt_ids: list[int],
-    max_tokens: int,
-    num_draft_tokens: int,
-    limits: Limits,
-    end_ids: frozenset[int] = frozenset(),
-    stop_sequences: tuple[tuple[int, ...], ...] = (),
-) -> GenerationRequest:
-    """Validate a request against the deployment's limits; RequestError names the fix."""
-    n = len(prompt_ids)
-    if n == 0:
-        raise RequestError("the prompt is empty; send at least one token of text")
-    if n > limits.max_input_len:
-        raise RequestError(
-            f"prompt has {n} tokens, more than max_input_len {limits.max_input_len}; "
-            "shorten it or rebuild with a larger build.max_input_len"
-        )
-    bad = [t for t in prompt_ids if not 0 <= t < limits.vocab_size]
-    if bad:
-        raise RequestError(
-            f"token id {bad[0]} is outside the vocabulary (0..{limits.vocab_size - 1})"
-        )
-    if max_tokens <= 0:
-        raise RequestError(f"max_tokens must be at least 1 (got {max_tokens})")
-    if n + max_tokens > limits.max_seq_len:
-        raise RequestError(
-            f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds max_seq_len "
-            f"{limits.max_seq_len}; lower max_tokens to {limits.max_seq_len - n} or less"
-        )
-    if not 0 <= num_draft_tokens <= limits.max_draft_len:
-        raise RequestError(
-            f"num_draft_tokens must be in 0..{limits.max_draft_len} (max_draft_len the "
-            f"engines were built for); got {num_draft_tokens}"
-        )
-    return GenerationRequest(list(prompt_ids), max_tokens, num_draft_tokens, end_ids, stop_sequences)
-
-
-def end_token_ids(tokenizer, engine_folder: Path) -> frozenset[int]:
-    """EOS ids from the tokenizer and generation_config.json (chat models list several)."""
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    gen = engine_folder / "generation_config.json"
-    if gen.is_file():
-        import json
-
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, list):
-            ids.update(int(e) for e in eos)
-    return frozenset(ids)
-
-
-def encode_prompt(tokenizer, prompt: str, chat_template: bool) -> list[int]:
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        enc = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-        )
-        return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
-    return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
 
 
 class Deployment:
@@ -119,7 +42,7 @@ class Deployment:
         self.spec = spec
         self.engines: dict[str, TorchEngine] = {}
         for role in spec.models():
-            folder = output_dir / role
+            folder = engine_folder(output_dir, role)
             check_manifest(folder, role, spec.build_hash(role))
             self.engines[role] = TorchEngine.load(folder, slots)
         self.target = self.engines["target"]
@@ -130,10 +53,13 @@ class Deployment:
         self.end_ids = end_token_ids(self.tokenizer, self.target.folder)
         self.limits = Limits.from_spec(spec, self.target.vocab_size)
 
-    def drafter(self) -> Drafter:
-        if self.spec.speculative.method == "ngram":
-            return NgramDrafter(self.spec.speculative.max_ngram, self.spec.speculative.min_ngram)
-        return ModelDrafter(self.draft.run, min(self.draft.vocab_size, self.target.vocab_size))
+    def drafter(self, method: str | None = None) -> Drafter:
+        """The spec's drafter, or another method's over the same engines (bench peers)."""
+        s = self.spec.speculative
+        model = None
+        if self.draft is not None:
+            model = ModelDrafter(self.draft.run, min(self.draft.vocab_size, self.target.vocab_size))
+        return make_drafter(method or s.method, max_ngram=s.max_ngram, min_ngram=s.min_ngram, draft_model=model)
 
     def verifier(self) -> LogitsVerifier:
         return LogitsVerifier(self.target.run)

@@ -15,18 +15,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from trtspec.atomic import write_json_atomic, write_text_atomic
+from trtspec import console
+from trtspec.errors import RequestError
+from trtspec.files import write_json_atomic, write_text_atomic
+from trtspec.layout import tokenizer_folder
+from trtspec.speculative.loop import PathRun
 from trtspec.speculative.metrics import SpecMetrics
-
-
-@dataclass
-class PathRun:
-    """One generation: tokens, optional per-token target margins, metrics, wall time."""
-
-    output_ids: list[int]
-    margins: list[float | None]
-    metrics: SpecMetrics | None
-    seconds: float
 
 
 class VerifyBackend(Protocol):
@@ -210,6 +204,31 @@ class InProcessBackend:
 
     def token_text(self, token_id: int) -> str:
         return self.dep.tokenizer.decode([token_id])
+
+
+def open_backend(loaded, engines_dir: Path, url: str | None = None, stream: bool = False,
+                 num_draft_tokens: int | None = None) -> tuple[VerifyBackend, str]:
+    """The backend verify runs on, and its mode line: the engines in this process, or a
+    served repository over gRPC (token texts from the local tokenizer when there is one)."""
+    if stream and url is None:
+        raise RequestError("--stream verifies a server's streaming endpoint; add --url HOST:PORT")
+    if url is None:
+        from trtspec.runtime import Deployment
+
+        with console.step("loading engines"):
+            dep = Deployment(loaded, engines_dir)
+        return InProcessBackend(dep, num_draft_tokens=num_draft_tokens), "in-process"
+    from trtspec.triton.client import GrpcBackend
+
+    tokenizer = None
+    folder = tokenizer_folder(engines_dir, loaded.spec.backend)
+    if (folder / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    with console.step(f"connecting to {url}"):
+        backend = GrpcBackend(url, tokenizer, loaded.spec.verify.chat_template, num_draft_tokens, stream)
+    return backend, f"grpc://{url}" + (" streaming" if stream else "")
 
 
 # ----------------------------------------------------------------------- reports

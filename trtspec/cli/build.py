@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from trtspec import console
-from trtspec.cli.common import AllowPickleOpt, OutputOpt, SpecArg, handle_errors
+from trtspec.cli.common import AllowPickleOpt, JsonFileOpt, JsonOpt, OutputOpt, SpecArg, handle_errors
+from trtspec.cli.output import emit
 from trtspec.engines import build as builder
 from trtspec.spec import load_spec
 
@@ -17,6 +17,8 @@ def build(
     force: bool = typer.Option(False, "--force", help="Rebuild even if the engines are up to date."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; write nothing."),
     allow_pickle: AllowPickleOpt = False,
+    as_json: JsonOpt = False,
+    json_file: JsonFileOpt = None,
 ) -> None:
     """Build the engines of SPEC (target/ and draft/ under the output folder).
 
@@ -30,19 +32,16 @@ def build(
     loaded = load_spec(spec)
     out_dir = loaded.output_dir(output)
     if dry_run:
-        if loaded.spec.backend != "torch":
-            from trtspec.engines.trtllm.build import print_plan
-
-            print_plan(loaded, out_dir, force)
-            return
-        console.out.print(f"plan for {loaded.spec.name} (backend torch) -> {out_dir}")
-        for p in builder.plan(loaded, out_dir, force):
-            action = "up to date unless the source weights changed" if p.action == "up to date?" else p.action
-            console.out.print(f"  {p.role}: {p.source} as {p.dtype} -> {p.folder}  [{action}]", markup=False)
-        console.out.print("dry run: nothing written")
+        plan = builder.dry_run(loaded, out_dir, force)
+        emit(plan, lambda out: [out.print(line, markup=False, highlight=False) for line in plan.lines()],
+             as_json=as_json, json_file=json_file)
         return
     result = builder.build(loaded, out_dir, force=force, allow_pickle=allow_pickle)
-    if result.built:
-        console.out.print(f"built {', '.join(result.built)} in {out_dir}")
-    else:
-        console.out.print(f"nothing to do: engines in {out_dir} are up to date")
+
+    def human(out) -> None:
+        if result.built:
+            out.print(f"built {', '.join(result.built)} in {out_dir}")
+        else:
+            out.print(f"nothing to do: engines in {out_dir} are up to date")
+
+    emit(result, human, as_json=as_json, json_file=json_file)

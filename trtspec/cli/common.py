@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from trtspec import console
-from trtspec.errors import EXIT_INTERRUPTED, TrtspecError
+from trtspec.errors import EXIT_INTERRUPTED, RequestError, TrtspecError
 
 SpecArg = Annotated[Path, typer.Argument(help="Engine spec YAML (engine_specs/*.yaml).", show_default=False)]
 OutputOpt = Annotated[
@@ -26,7 +26,23 @@ EnginesOpt = Annotated[
     Path | None,
     typer.Option("--engines", help="Engine folder (default: the spec's output_dir, else engines/<name>)."),
 ]
-JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON to this file.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout instead of the table.")]
+JsonFileOpt = Annotated[Path | None, typer.Option("--json-file", help="Also write the report as JSON to this file.")]
+UrlOpt = Annotated[
+    str | None,
+    typer.Option("--url", help="A running `trtspec serve` at HOST:PORT (its gRPC port, e.g. 127.0.0.1:8001) instead of in process."),
+]
+
+
+def parse_url(url: str | None) -> str | None:
+    """Check --url: HOST:PORT of a gRPC endpoint, no scheme; RequestError names the fix."""
+    if url is None:
+        return None
+    host, sep, port = url.rpartition(":")
+    if url.startswith(("http://", "https://", "grpc://")) or not sep or not host or not port.isdigit() \
+            or not 0 < int(port) < 65536:
+        raise RequestError(f"--url takes HOST:PORT (the gRPC port, e.g. 127.0.0.1:8001), not {url!r}")
+    return url
 
 
 def handle_errors(fn):

@@ -10,7 +10,7 @@ import typer
 from trtspec import console
 from trtspec.cli.common import EnginesOpt, SpecArg, handle_errors
 from trtspec.spec import load_spec
-from trtspec.triton.repository import write_repository
+from trtspec.triton.repository.writer import write_repository
 
 
 @handle_errors

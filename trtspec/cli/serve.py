@@ -10,8 +10,7 @@ import typer
 
 from trtspec import console
 from trtspec.cli.common import EnginesOpt, handle_errors
-from trtspec.triton import serving
-
+from trtspec.triton.server import serving
 
 
 @handle_errors

@@ -9,8 +9,8 @@ import typer
 
 from trtspec import console
 from trtspec.cli.common import handle_errors
-from trtspec.triton.serving import DEFAULT_PID_FILE
-from trtspec.triton.server import stop_detached
+from trtspec.triton.server.detached import stop_detached
+from trtspec.triton.server.serving import DEFAULT_PID_FILE
 
 
 @handle_errors

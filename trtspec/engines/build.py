@@ -1,235 +1,256 @@
-"""`trtspec build`: turn a spec's checkpoints into one engine folder per role.
+"""`trtspec build`, backend-neutral: plan, reconcile, build each unit, finish each engine.
 
-Each role is built in a hidden temp folder beside its destination, the manifest is written
-last, and the folder is renamed into place; an interrupted build leaves nothing that loads.
-A role whose manifest already matches the spec and the source weights is left alone.
+A unit is one spec role and the engines built from it (layout.KINDS_OF_ROLE: the trtllm
+target unit also makes the control engine). The plan reads only the spec and existing
+manifests; reconciling it against the resolved checkpoints' source hashes says which units
+are really up to date. Backends (engines/torch, engines/trtllm) build the rest; every engine
+is finished here the same way: tokenizer, manifest last, temp folder renamed into place, so
+an interrupted build leaves nothing that loads.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
+import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
+from typing import Protocol
 
 from trtspec import console
 from trtspec.checkpoints import Checkpoint, check_embedding_rows, require_shared_tokenizer, resolve
-from trtspec.engines.manifest import (
-    Manifest,
-    SourceRecord,
-    file_record,
-    now,
-    read_manifest,
-    versions,
-    write_manifest,
-)
-from trtspec.engines.model import SUPPORTED_MODEL_TYPES, DecoderConfig, DecoderLM
-from trtspec.engines.torch_engine import DTYPES, WEIGHTS
-from trtspec.errors import CheckpointError, EngineError, TrtspecError
+from trtspec.engines.manifest import Manifest, SourceRecord, now, read_manifest, write_manifest
+from trtspec.errors import EngineError
+from trtspec.files import ensure_writable, file_record, remove_stale_temps, swap_into_place
+from trtspec.layout import KINDS_OF_ROLE, EngineKind, engine_folder, role_of
 from trtspec.spec import LoadedSpec
 
 
+class BuildState(str, Enum):
+    """What a build does to a unit."""
+
+    BUILD = "build"  # nothing there yet
+    REBUILD = "rebuild"  # there, but stale, broken or --force
+    CHECK_SOURCES = "up to date unless the source weights changed"  # manifests match the spec
+    UP_TO_DATE = "up to date"  # manifests match the spec and the source weights
+
+
 @dataclass
-class RolePlan:
+class UnitPlan:
     role: str
     source: str
     dtype: str
-    folder: Path
-    action: str  # "build", "rebuild", "up to date"
+    folders: dict[EngineKind, Path]  # engine kind -> its folder
+    state: BuildState
+
+    @property
+    def needs_build(self) -> bool:
+        return self.state in (BuildState.BUILD, BuildState.REBUILD)
+
+
+@dataclass
+class BuildPlan:
+    """What `trtspec build` will do; ``details`` and ``commands`` come from the backend."""
+
+    name: str
+    backend: str
+    output_dir: Path
+    units: list[UnitPlan]
+    details: dict[str, str] = field(default_factory=dict)  # role -> backend's description
+    notes: list[str] = field(default_factory=list)
+    commands: list[tuple[str, str]] = field(default_factory=list)  # (step, shell command line)
+    header: str = ""
+    footer: str = "dry run: nothing written"
+
+    def lines(self) -> list[str]:
+        """The dry run as printed."""
+        out = [self.header or f"plan for {self.name} (backend {self.backend}) -> {self.output_dir}"]
+        for u in self.units:
+            where = " + ".join(str(f) for f in u.folders.values())
+            detail = self.details.get(u.role, f"{u.source} as {u.dtype}")
+            out.append(f"  {u.role}: {detail} -> {where}  [{u.state.value}]")
+        out += [f"  {note}" for note in self.notes]
+        for i, (step, line) in enumerate(self.commands, 1):
+            out += [f"[{i}/{len(self.commands)}] {step}", f"  {line}"]
+        out.append(self.footer)
+        return out
+
+    def to_dict(self) -> dict:
+        return {
+            "spec": self.name,
+            "backend": self.backend,
+            "output_dir": str(self.output_dir),
+            "units": [
+                {"role": u.role, "source": u.source, "dtype": u.dtype, "state": u.state.value,
+                 "engines": {k: str(f) for k, f in u.folders.items()}}
+                for u in self.units
+            ],
+            "commands": [{"step": s, "command": c} for s, c in self.commands],
+            "written": False,
+        }
 
 
 @dataclass
 class BuildResult:
     output_dir: Path
-    plans: list[RolePlan] = field(default_factory=list)
+    units: list[UnitPlan] = field(default_factory=list)
 
     @property
     def built(self) -> list[str]:
-        return [p.role for p in self.plans if p.action != "up to date"]
+        """Engine kinds (re)built, in build order."""
+        return [kind for u in self.units if u.state != BuildState.UP_TO_DATE for kind in u.folders]
+
+    def to_dict(self) -> dict:
+        return {"output_dir": str(self.output_dir), "built": self.built,
+                "up_to_date": [k for u in self.units if u.state == BuildState.UP_TO_DATE for k in u.folders]}
 
 
-def plan(loaded: LoadedSpec, output_dir: Path, force: bool = False) -> list[RolePlan]:
+class EngineBackend(Protocol):
+    """What a backend provides to the neutral build: a model check and a build of units."""
+
+    def check_model(self, loaded: LoadedSpec, role: str, hf_config) -> None:
+        """CheckpointError/TrtspecError when the backend cannot build this model."""
+
+    def dry_run(self, loaded: LoadedSpec, plan: BuildPlan) -> BuildPlan:
+        """Add the backend's details and commands to the plan; reads no weights."""
+
+    def build(self, loaded: LoadedSpec, checkpoints: dict[str, Checkpoint], plan: BuildPlan) -> None:
+        """Build every unit that needs it, finishing each engine with finish_engine."""
+
+
+_BACKENDS = {"torch": "trtspec.engines.torch.build", "trtllm": "trtspec.engines.trtllm.build"}
+
+
+def backend_for(name: str) -> EngineBackend:
+    """The backend module's BACKEND (imported on demand: trtllm needs no torch at plan time)."""
+    return importlib.import_module(_BACKENDS[name]).BACKEND
+
+
+# -------------------------------------------------------------------------------- planning
+
+
+def plan(loaded: LoadedSpec, output_dir: Path, force: bool = False) -> BuildPlan:
     """What build would do, from the spec and existing manifests only (reads no weights)."""
-    plans = []
-    for role, model in loaded.spec.models().items():
-        folder = output_dir / role
-        action = "build"
-        if folder.exists():
-            action = "rebuild"
-            if not force:
-                try:
-                    manifest = read_manifest(folder)
-                    if manifest.spec_hash == loaded.spec.build_hash(role):
-                        action = "up to date?"  # confirmed against source hashes in build()
-                except EngineError:
-                    pass
-        plans.append(RolePlan(role, model.source_id, model.dtype, folder, action))
-    return plans
-
-
-def ensure_writable(folder: Path) -> None:
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as e:
-        raise TrtspecError(
-            f"output folder {folder} is not writable ({e.strerror}); pass --output DIR "
-            "or fix its permissions"
-        ) from e
-
-
-def build(
-    loaded: LoadedSpec,
-    output_dir: Path,
-    force: bool = False,
-    allow_pickle: bool = False,
-) -> BuildResult:
     spec = loaded.spec
-    if spec.backend != "torch":
-        from trtspec.engines.trtllm import build as trtllm_build
+    units = []
+    for role, model in spec.models().items():
+        folders = {kind: engine_folder(output_dir, kind) for kind in KINDS_OF_ROLE[spec.backend][role]}
+        units.append(UnitPlan(role, model.source_id, model.dtype, folders,
+                              _state(loaded, role, folders, force)))
+    return BuildPlan(spec.name, spec.backend, output_dir, units)
 
-        return trtllm_build.build(loaded, output_dir, force=force, allow_pickle=allow_pickle)
-    ensure_writable(output_dir)
-    remove_stale_temps(output_dir)
-    with console.step("resolving checkpoints"):
-        checkpoints = {role: resolve(loaded, role, allow_pickle) for role in spec.models()}
-    with console.step("checking draft/target compatibility"):
-        check_pair(checkpoints)
-    result = BuildResult(output_dir)
-    for p in plan(loaded, output_dir, force):
-        ckpt = checkpoints[p.role]
-        if p.action == "up to date?":
-            if _sources_match(p.folder, ckpt):
-                p.action = "up to date"
-                console.info(f"{p.role}: {p.folder} is up to date (same spec and weights); "
-                             "nothing to do (use --force to rebuild)")
-                result.plans.append(p)
-                continue
-            p.action = "rebuild"
-        build_torch_engine(loaded, ckpt, p.folder)
-        result.plans.append(p)
-    return result
+
+def _state(loaded: LoadedSpec, role: str, folders: dict[EngineKind, Path], force: bool) -> BuildState:
+    if not any(f.exists() for f in folders.values()):
+        return BuildState.BUILD
+    if force:
+        return BuildState.REBUILD
+    want = loaded.spec.build_hash(role)
+    for kind, folder in folders.items():
+        try:
+            m = read_manifest(folder)
+        except EngineError:
+            return BuildState.REBUILD
+        if m.spec_hash != want or m.role != kind:
+            return BuildState.REBUILD
+    return BuildState.CHECK_SOURCES
+
+
+def reconcile(plan: BuildPlan, checkpoints: dict[str, Checkpoint]) -> None:
+    """Settle CHECK_SOURCES units against the resolved source weights' hashes."""
+    for unit in plan.units:
+        if unit.state != BuildState.CHECK_SOURCES:
+            continue
+        same = all(read_manifest(f).source.weights == checkpoints[unit.role].source_weights
+                   for f in unit.folders.values())
+        if same:
+            unit.state = BuildState.UP_TO_DATE
+            where = ", ".join(str(f) for f in unit.folders.values())
+            console.info(f"{unit.role}: {where} is up to date (same spec and weights); "
+                         "nothing to do (use --force to rebuild)")
+        else:
+            unit.state = BuildState.REBUILD
+
+
+def dry_run(loaded: LoadedSpec, output_dir: Path, force: bool = False) -> BuildPlan:
+    """The plan with the backend's details; checks what it can and writes nothing."""
+    return backend_for(loaded.spec.backend).dry_run(loaded, plan(loaded, output_dir, force))
+
+
+# -------------------------------------------------------------------------------- building
 
 
 def check_pair(checkpoints: dict[str, Checkpoint]) -> None:
-    """Supported architecture, consistent embeddings, and one shared tokenizer."""
+    """Consistent embeddings, and one shared tokenizer."""
     toks = {}
     for role, ckpt in checkpoints.items():
-        cfg = ckpt.hf_config()
         toks[role] = ckpt.tokenizer()
-        check_embedding_rows(role, cfg, toks[role])
+        check_embedding_rows(role, ckpt.hf_config(), toks[role])
     if "draft" in toks:
         require_shared_tokenizer(toks["target"], toks["draft"])
 
 
-def check_torch_architecture(role: str, hf_config) -> None:
-    if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise CheckpointError(
-            f"{role}: model_type '{hf_config.model_type}' is not supported by the torch "
-            f"backend (supported: {', '.join(SUPPORTED_MODEL_TYPES)}); use one of those "
-            "families or backend: trtllm"
-        )
+def resolve_pair(loaded: LoadedSpec, allow_pickle: bool = False) -> dict[str, Checkpoint]:
+    """Resolve both checkpoints and check that they make a pair."""
+    with console.step("resolving checkpoints"):
+        checkpoints = {role: resolve(loaded, role, allow_pickle) for role in loaded.spec.models()}
+    with console.step("checking draft/target compatibility"):
+        check_pair(checkpoints)
+    return checkpoints
 
 
-def _sources_match(folder: Path, ckpt: Checkpoint) -> bool:
-    manifest = read_manifest(folder)
-    return manifest.source.weights == ckpt.source_weights
+def build(loaded: LoadedSpec, output_dir: Path, force: bool = False, allow_pickle: bool = False) -> BuildResult:
+    backend = backend_for(loaded.spec.backend)
+    prepare: Callable[[], None] | None = getattr(backend, "prepare", None)
+    if prepare is not None:  # e.g. trtllm: refuse at once where tensorrt_llm is missing
+        prepare()
+    ensure_writable(output_dir)
+    remove_stale_temps(output_dir)
+    checkpoints = resolve_pair(loaded, allow_pickle)
+    the_plan = plan(loaded, output_dir, force)
+    reconcile(the_plan, checkpoints)
+    backend.build(loaded, checkpoints, the_plan)
+    return BuildResult(output_dir, the_plan.units)
 
 
-def remove_stale_temps(output_dir: Path) -> None:
-    for stale in output_dir.glob(".*.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-
-
-def build_torch_engine(loaded: LoadedSpec, ckpt: Checkpoint, folder: Path) -> Manifest:
-    """Cast the checkpoint to the engine dtype and save it as a torch engine folder."""
-    from safetensors.torch import save_file
-
-    spec, role = loaded.spec, ckpt.role
-    hf_config = ckpt.hf_config()
-    check_torch_architecture(role, hf_config)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{role}.tmp-", dir=folder.parent))
-    try:
-        with console.step(f"{role}: loading {ckpt.model.source_id}"):
-            state = ckpt.load_state_dict()
-            cfg = DecoderConfig.from_hf(hf_config)
-            dtype = DTYPES[ckpt.model.dtype]
-            expected = _expected_keys(cfg, state)
-            state = {k: v.to(dtype).contiguous() for k, v in state.items() if k in expected}
-            try:
-                DecoderLM.from_state_dict(cfg, state)  # strict: every tensor, right shapes
-            except (KeyError, RuntimeError) as e:
-                raise CheckpointError(
-                    f"{role}: the checkpoint's tensors do not fit a {hf_config.model_type} model "
-                    f"({str(e).splitlines()[0][:200]}); is config.json from the same checkpoint?"
-                ) from e
-        with console.step(f"{role}: writing {ckpt.model.dtype} engine"):
-            # Tied embeddings are stored once, as in the source checkpoint.
-            if cfg.tie_word_embeddings:
-                state.pop("lm_head.weight", None)
-            save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
-            hf_config.dtype = ckpt.model.dtype
-            hf_config.save_pretrained(tmp)
-            ckpt.tokenizer().save_pretrained(tmp)
-            gen = ckpt.folder / "generation_config.json"
-            if gen.is_file():
-                shutil.copy2(gen, tmp / "generation_config.json")
-            files = {
-                str(p.relative_to(tmp)): file_record(p)
-                for p in sorted(tmp.rglob("*"))
-                if p.is_file()
-            }
-            manifest = Manifest(
-                complete=True,
-                name=spec.name,
-                role=role,
-                backend="torch",
-                spec_hash=spec.build_hash(role),
-                dtype=ckpt.model.dtype,
-                max_draft_len=spec.speculative.max_draft_len,
-                limits=spec.limits(role).model_dump(),
-                model_type=hf_config.model_type,
-                architecture=(hf_config.architectures or [type(hf_config).__name__])[0],
-                parameters=sum(t.numel() for t in state.values()),
-                source=SourceRecord(
-                    id=ckpt.model.source_id,
-                    revision=ckpt.model.revision,
-                    gguf_file=ckpt.model.gguf_file,
-                    weights=ckpt.source_weights,
-                ),
-                files=files,
-                versions=versions(),
-                created=now(),
-            )
-            write_manifest(tmp, manifest)
-            swap_into_place(tmp, folder)
-        return manifest
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _expected_keys(cfg: DecoderConfig, state: dict) -> set[str]:
-    """Parameter names of the decoder (extra buffers such as rotary inv_freq are dropped)."""
-    qkv_bias = "model.layers.0.self_attn.q_proj.bias" in state
-    o_bias = "model.layers.0.self_attn.o_proj.bias" in state
-    mlp_bias = "model.layers.0.mlp.gate_proj.bias" in state
-    import torch
-
-    with torch.device("meta"):
-        names = set(DecoderLM(cfg, qkv_bias, o_bias, mlp_bias).state_dict())
-    return names
-
-
-def swap_into_place(tmp: Path, folder: Path) -> None:
-    """Rename the finished build over the destination; the old one goes only after."""
-    if folder.exists():
-        old = folder.with_name(f".{folder.name}.tmp-old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(folder, old)
-        os.replace(tmp, folder)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, folder)
+def finish_engine(
+    loaded: LoadedSpec,
+    ckpt: Checkpoint,
+    kind: str,
+    tmp: Path,
+    folder: Path,
+    *,
+    backend: str,
+    parameters: int,
+    versions: dict[str, str],
+    max_draft_len: int,
+    commands: list[list[str]] | None = None,
+) -> Manifest:
+    """Record every file of a built engine in its manifest (written last) and rename the temp
+    folder into place."""
+    spec, model = loaded.spec, ckpt.model
+    cfg = ckpt.hf_config()
+    role = role_of(kind)
+    files = {str(p.relative_to(tmp)): file_record(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+    manifest = Manifest(
+        complete=True,
+        name=spec.name,
+        role=kind,
+        backend=backend,
+        spec_hash=spec.build_hash(role),
+        dtype=model.dtype,
+        max_draft_len=max_draft_len,
+        limits=spec.limits(role).model_dump(),
+        model_type=cfg.model_type,
+        architecture=(cfg.architectures or [cfg.model_type])[0],
+        parameters=parameters,
+        source=SourceRecord(id=model.source_id, revision=model.revision, gguf_file=model.gguf_file,
+                            weights=ckpt.source_weights),
+        files=files,
+        versions=versions,
+        commands=commands or [],
+        created=now(),
+    )
+    write_manifest(tmp, manifest)
+    swap_into_place(tmp, folder)
+    return manifest

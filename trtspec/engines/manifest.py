@@ -7,23 +7,16 @@ manifest last and rename the folder into place, so an interrupted build never qu
 
 from __future__ import annotations
 
-import hashlib
 from datetime import datetime, timezone
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from trtspec.atomic import write_json_atomic
 from trtspec.errors import EngineError
+from trtspec.files import FileRecord, file_record, write_json_atomic  # noqa: F401  (re-exported for builders)
 
 MANIFEST = "manifest.json"
 FORMAT = 1
-
-
-class FileRecord(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    sha256: str
-    bytes: int
 
 
 class SourceRecord(BaseModel):
@@ -54,18 +47,6 @@ class Manifest(BaseModel):
     versions: dict[str, str]
     commands: list[list[str]] = []  # external commands run (trtllm builds)
     created: str
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def file_record(path: Path) -> FileRecord:
-    return FileRecord(sha256=sha256_file(path), bytes=path.stat().st_size)
 
 
 def versions() -> dict[str, str]:

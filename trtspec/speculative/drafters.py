@@ -2,18 +2,18 @@
 
 ModelDrafter runs a draft engine greedily; NgramDrafter (prompt lookup) copies the
 continuation of an earlier occurrence of the context's suffix. Both only propose.
+make_drafter is the one place a spec's method becomes a drafter, for every runtime.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from trtspec.engines.torch_engine import ForwardItem
-
-# Runs a batch of sequences and returns logits [n_logits, vocab] per item (TorchEngine.run).
-RunFn = Callable[[list[ForwardItem]], list[torch.Tensor]]
+from trtspec.engines.torch.engine import ForwardItem, RunFn
+from trtspec.errors import EngineError
+from trtspec.speculative.loop import Drafter
 
 
 class ModelDrafter:
@@ -57,3 +57,21 @@ class NgramDrafter:
                 if ctx[j : j + n] == suffix:
                     return ctx[j + n : j + n + k]
         return []
+
+
+def make_drafter(
+    method: str,
+    *,
+    max_ngram: int = 3,
+    min_ngram: int = 1,
+    draft_model: Drafter | None = None,
+) -> Drafter:
+    """The drafter a speculative method uses. ``draft_model`` proposes from the draft engine
+    over the runtime's own transport (ModelDrafter in process, BlsDrafter inside Triton)."""
+    if method == "ngram":
+        return NgramDrafter(max_ngram, min_ngram)
+    if method == "draft_target":
+        if draft_model is None:
+            raise EngineError("method draft_target needs a draft engine; build the spec's draft")
+        return draft_model
+    raise EngineError(f"no drafter for speculative method {method!r}")

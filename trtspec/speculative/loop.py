@@ -67,6 +67,17 @@ class GenerationResult:
         return self.finish_reason is not None
 
 
+@dataclass
+class PathRun:
+    """One timed generation on one path (target-only or speculative), in process or served:
+    tokens, optional per-token target margins, metrics, wall time."""
+
+    output_ids: list[int]
+    margins: list[float | None]
+    metrics: SpecMetrics | None
+    seconds: float
+
+
 # on_step(request index, tokens emitted this step, finished?) — streaming hook.
 StepCallback = Callable[[int, list[int], bool], None]
 

@@ -14,7 +14,8 @@ Definitions (one "step" = one target forward that verifies a draft, possibly emp
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -106,3 +107,14 @@ def speedup_bound(acceptance: float, k: int, cost_ratio: float, verify_cost: flo
     forward over k+1 tokens / time of one target decode step (1.0 in the paper's model).
     """
     return expected_tokens_per_forward(acceptance, k) / (k * cost_ratio + verify_cost)
+
+
+def metrics_json(m: SpecMetrics) -> str:
+    """Raw counts (to rebuild SpecMetrics) plus the derived figures, as one JSON object."""
+    return json.dumps(asdict(m) | m.to_dict(), sort_keys=True)
+
+
+def metrics_from_json(text: str) -> SpecMetrics:
+    data = json.loads(text)
+    fields = SpecMetrics.__dataclass_fields__
+    return SpecMetrics(**{k: v for k, v in data.items() if k in fields})

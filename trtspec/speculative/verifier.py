@@ -6,8 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from trtspec.engines.torch_engine import ForwardItem
-from trtspec.speculative.drafters import RunFn
+from trtspec.engines.torch.engine import ForwardItem, RunFn
 from trtspec.speculative.loop import Verdict
 
 
@@ -25,13 +24,15 @@ class LogitsVerifier:
     """Scores context + draft in ONE forward and returns the target's greedy tokens at all
     len(draft) + 1 positions, with their top-2 margins."""
 
-    def __init__(self, run: RunFn):
+    def __init__(self, run: RunFn, vocab_limit: int | None = None):
         self.run = run
+        # Rows beyond this (a draft model's embedding padding) are never chosen.
+        self.vocab_limit = vocab_limit
 
     def verify(self, contexts: Sequence[list[int]], drafts: Sequence[list[int]]) -> list[Verdict]:
         items = [ForwardItem(list(c) + list(d), len(d) + 1) for c, d in zip(contexts, drafts)]
         out = []
         for logits in self.run(items):  # each [len(draft) + 1, vocab]
-            ids, margins = greedy_with_margins(logits)
+            ids, margins = greedy_with_margins(logits[:, : self.vocab_limit])
             out.append(Verdict(ids, margins))
         return out

@@ -14,9 +14,9 @@ import time
 import numpy as np
 
 from trtspec.errors import RequestError, RuntimeFailure
-from trtspec.triton.orchestrator_core import metrics_from_json
-from trtspec.triton.repository import BLS, BLS_STREAMING, CONTROL
-from trtspec.verify import PathRun
+from trtspec.layout import BLS_MODEL, BLS_STREAMING_MODEL, CONTROL_MODEL
+from trtspec.speculative.loop import PathRun
+from trtspec.speculative.metrics import metrics_from_json
 
 
 def _input(name: str, value, datatype: str):
@@ -53,12 +53,12 @@ class GrpcBackend:
             ) from None
         if not live:
             raise RequestError(f"the Triton server at {url} is not live yet; wait for `trtspec serve` to say ready")
-        needed = [BLS, CONTROL] + ([BLS_STREAMING] if stream else [])
+        needed = [BLS_MODEL, CONTROL_MODEL] + ([BLS_STREAMING_MODEL] if stream else [])
         missing = [m for m in needed if not self._ready(m)]
         if missing:
             raise RequestError(
                 f"the server at {url} has no ready model(s) {', '.join(missing)}; serve a trtspec "
-                "repository (`trtspec serve SPEC`)" + (" with serve.streaming: true" if BLS_STREAMING in missing else "")
+                "repository (`trtspec serve SPEC`)" + (" with serve.streaming: true" if BLS_STREAMING_MODEL in missing else "")
             )
 
     def _ready(self, model: str) -> bool:
@@ -95,7 +95,7 @@ class GrpcBackend:
         try:
             if stream:
                 return self._run_stream(inputs, on_tokens)
-            return self._run_unary(BLS if speculative else CONTROL, inputs)
+            return self._run_unary(BLS_MODEL if speculative else CONTROL_MODEL, inputs)
         except self._error as err:
             raise RequestError(f"the server refused the request: {_first_line(err)}") from None
 
@@ -113,7 +113,7 @@ class GrpcBackend:
         ids: list[int] = []
         metrics = None
         try:
-            self.client.async_stream_infer(BLS_STREAMING, inputs, enable_empty_final_response=True)
+            self.client.async_stream_infer(BLS_STREAMING_MODEL, inputs, enable_empty_final_response=True)
             while True:
                 try:
                     result, error = responses.get(timeout=self.timeout)
@@ -144,96 +144,3 @@ class GrpcBackend:
 def _first_line(err: Exception) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
-
-
-# ------------------------------------------------------------------------ bench
-
-
-class GrpcBench:
-    """BenchBackend over a served repository: ``concurrency`` client threads, each with its own
-    gRPC connection. The speculative path streams (so time to first token is real when the
-    streaming endpoint is served); the target-only control is unary, so its TTFT is not
-    observable and is left out."""
-
-    def __init__(self, url: str, chat_template: bool = True):
-        self.url = url
-        self.chat_template = chat_template
-        probe = GrpcBackend(url, chat_template=chat_template)
-        self.streaming = probe._ready(BLS_STREAMING)
-
-    def run_batch(self, prompts, max_tokens, speculative, k, concurrency):
-        from concurrent.futures import ThreadPoolExecutor
-
-        from trtspec.bench import RequestTiming
-
-        work: queue.Queue = queue.Queue()
-        for p in prompts:
-            work.put(p)
-
-        def worker() -> list[RequestTiming]:
-            backend = GrpcBackend(self.url, chat_template=self.chat_template, num_draft_tokens=k,
-                                  stream=speculative and self.streaming)
-            out = []
-            while True:
-                try:
-                    prompt = work.get_nowait()
-                except queue.Empty:
-                    return out
-                out.append(self._one(backend, prompt, max_tokens, speculative))
-
-        start = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=concurrency) as pool:
-            futures = [pool.submit(worker) for _ in range(concurrency)]
-            timings = [t for f in futures for t in f.result()]
-        return timings, time.perf_counter() - start
-
-    def _one(self, backend: GrpcBackend, prompt: str, max_tokens: int, speculative: bool):
-        from trtspec.bench import RequestTiming
-
-        start = time.perf_counter()
-        first: list[float] = []
-        ids, _, metrics = backend.generate(
-            prompt, max_tokens, speculative, on_tokens=lambda: first or first.append(time.perf_counter() - start))
-        return RequestTiming(len(ids), first[0] if first else None, time.perf_counter() - start,
-                             metrics if speculative else None)
-
-
-def measure_grpc_costs(url: str, k: int, repeats: int = 7, context: int = 64):
-    """Step costs measured through the served engine models (gRPC overhead included):
-    a target decode step, a draft decode step, and a target forward verifying k drafts."""
-    import statistics
-
-    import tritonclient.grpc as grpcclient
-
-    from trtspec.bench import Costs
-    from trtspec.triton.repository import DRAFT, TARGET
-
-    client = grpcclient.InferenceServerClient(url)
-
-    def call(model: str, ids: list[int], out_len: int, draft: list[int] | None = None) -> float:
-        def t(name, arr):
-            x = grpcclient.InferInput(name, list(arr.shape), "INT32")
-            x.set_data_from_numpy(arr.astype(np.int32))
-            return x
-
-        inputs = [t("input_ids", np.array([ids])), t("input_lengths", np.array([[len(ids)]])),
-                  t("request_output_len", np.array([[out_len]]))]
-        if draft:
-            inputs.append(t("draft_input_ids", np.array([draft])))
-        start = time.perf_counter()
-        client.infer(model, inputs)
-        return time.perf_counter() - start
-
-    def timed(model: str, n_new: int) -> float:
-        times = []
-        for r in range(repeats):
-            base = [(7 * r + j) % 200 + 10 for j in range(context)]
-            call(model, base, 1)  # the context is cached now
-            tail = [(11 * r + j) % 200 + 10 for j in range(n_new)]
-            times.append(call(model, base + tail[:1], n_new, tail[1:] if n_new > 1 else None))
-        return statistics.median(times)
-
-    target = timed(TARGET, 1)
-    verify = timed(TARGET, k + 1)
-    draft = timed(DRAFT, 1) if client.is_model_ready(DRAFT) else None
-    return Costs(target, draft, verify, k)

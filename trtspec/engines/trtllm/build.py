@@ -30,18 +30,10 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from trtspec import __version__, console
-from trtspec.checkpoints import Checkpoint, parameter_count, require_shared_tokenizer, resolve
-from trtspec.engines.build import (
-    BuildResult,
-    RolePlan,
-    remove_stale_temps,
-    swap_into_place,
-    check_pair,
-    ensure_writable,
-)
-from trtspec.engines.manifest import Manifest, SourceRecord, file_record, now, read_manifest, write_manifest
+from trtspec.checkpoints import Checkpoint, parameter_count, require_shared_tokenizer
+from trtspec.engines.build import BuildPlan, UnitPlan, finish_engine, plan
 from trtspec.engines.trtllm.checks import check_model
-from trtspec.engines.trtllm.commands import Command, EngineKind, Layout, plan_commands
+from trtspec.engines.trtllm.commands import Command, Layout, plan_commands
 from trtspec.engines.trtllm.families import (
     EXAMPLES_ENV,
     TRITON_CONTAINER,
@@ -50,12 +42,12 @@ from trtspec.engines.trtllm.families import (
     Family,
     examples_dir,
 )
-from trtspec.errors import CheckpointError, EngineError, RuntimeFailure
+from trtspec.errors import CheckpointError, RuntimeFailure
+from trtspec.layout import ENGINE_KINDS, TRTLLM_TOKENIZER_DIR
 from trtspec.spec import LoadedSpec
 
 LOG_NAME = "trtllm-build.log"
 TMP_SUFFIX = ".tmp-build"
-UNIT_ENGINES: dict[str, tuple[EngineKind, ...]] = {"target": ("target", "control"), "draft": ("draft",)}
 _LOG_TAIL = 25
 
 
@@ -65,14 +57,9 @@ class Plan:
 
     output_dir: Path
     families: dict[str, Family]
-    actions: dict[str, str]  # unit -> "build" | "rebuild" | "up to date?"
+    units: list[UnitPlan]
     layout: Layout
     commands: list[Command] = field(default_factory=list)
-
-
-def engine_role(kind: str) -> str:
-    """The spec role an engine is built from (the control engine is the target's)."""
-    return "draft" if kind == "draft" else "target"
 
 
 def make_layout(output_dir: Path, sources: dict[str, Path], python: str, examples: str) -> Layout:
@@ -82,7 +69,7 @@ def make_layout(output_dir: Path, sources: dict[str, Path], python: str, example
         examples=examples.rstrip("/"),
         sources=dict(sources),
         checkpoints={role: work / role for role in sources},
-        engines={kind: output_dir / f".{kind}{TMP_SUFFIX}" for kind in ("target", "control", "draft")},
+        engines={kind: output_dir / f".{kind}{TMP_SUFFIX}" for kind in ENGINE_KINDS},
     )
 
 
@@ -91,27 +78,15 @@ def make_plan(loaded: LoadedSpec, output_dir: Path, force: bool, sources: dict[s
     """Check every role and list the commands for the units that need building."""
     spec = loaded.spec
     families = {role: check_model(spec, role, configs[role]) for role in spec.models()}
-    actions = {unit: _unit_action(loaded, output_dir, unit, force) for unit in spec.models()}
+    units = plan(loaded, output_dir, force).units
     layout = make_layout(output_dir, sources, python or sys.executable, examples or examples_dir())
-    todo = tuple(u for u, a in actions.items() if a != "up to date?")
-    return Plan(output_dir, families, actions, layout, plan_commands(spec, families, layout, todo))
+    return Plan(output_dir, families, units, layout, _commands(spec, families, layout, units))
 
 
-def _unit_action(loaded: LoadedSpec, output_dir: Path, unit: str, force: bool) -> str:
-    folders = [output_dir / kind for kind in UNIT_ENGINES[unit]]
-    if not any(f.exists() for f in folders):
-        return "build"
-    if force:
-        return "rebuild"
-    want = loaded.spec.build_hash(unit)
-    for folder, kind in zip(folders, UNIT_ENGINES[unit]):
-        try:
-            m = read_manifest(folder)
-        except EngineError:
-            return "rebuild"
-        if m.spec_hash != want or m.role != kind:
-            return "rebuild"
-    return "up to date?"  # confirmed against the source weights by build()
+def _commands(spec, families, layout: Layout, units: list[UnitPlan]) -> list[Command]:
+    """Commands for the units that need building."""
+    todo = tuple(u.role for u in units if u.needs_build)
+    return plan_commands(spec, families, layout, todo)
 
 
 # --------------------------------------------------------------------------------------------
@@ -119,41 +94,12 @@ def _unit_action(loaded: LoadedSpec, output_dir: Path, unit: str, force: bool) -
 # --------------------------------------------------------------------------------------------
 
 
-def print_plan(loaded: LoadedSpec, out_dir: Path, force: bool) -> Plan:
-    """Check the spec against each model's config and print every command; writes nothing.
+def print_plan(loaded: LoadedSpec, out_dir: Path, force: bool) -> BuildPlan:
+    """The dry run: check the spec against each model's config and list every command.
 
     Needs no tensorrt_llm and no weights: Hub models contribute only config and tokenizer files.
     """
-    spec = loaded.spec
-    folders = {role: _config_folder(loaded, role) for role in spec.models()}
-    configs = {role: _read_config(role, folder, spec.models()[role].trust_remote_code)
-               for role, folder in folders.items()}
-    plan = make_plan(loaded, out_dir, force, folders, configs)
-    note = _compare_tokenizers_if_present(folders)
-    out = console.out
-    out.print(f"plan for {spec.name} (backend trtllm, TensorRT-LLM {TRTLLM_RELEASE}) -> {out_dir}",
-              markup=False)
-    for role, model in spec.models().items():
-        engines = " + ".join(str(out_dir / k) for k in UNIT_ENGINES[role])
-        action = plan.actions[role]
-        if action == "up to date?":
-            action = "up to date unless the source weights changed"
-        out.print(
-            f"  {role}: {model.source_id} [{plan.families[role].name}, {model.dtype}, "
-            f"tp {model.tp_size} x pp {model.pp_size}, quantization {model.quantization}] "
-            f"-> {engines}  ({action})",
-            markup=False,
-        )
-    out.print(f"  {note}", markup=False)
-    for i, cmd in enumerate(plan.commands, 1):
-        out.print(f"[{i}/{len(plan.commands)}] {cmd.step}", markup=False)
-        out.print(f"  {shlex.join(cmd.argv)}", markup=False)
-    out.print(
-        f"dry run: nothing written. Builds run inside {TRITON_CONTAINER} (TensorRT-LLM "
-        f"{TRTLLM_RELEASE}); converter scripts from {plan.layout.examples} (set {EXAMPLES_ENV})",
-        markup=False,
-    )
-    return plan
+    return BACKEND.dry_run(loaded, plan(loaded, out_dir, force))
 
 
 def _config_folder(loaded: LoadedSpec, role: str) -> Path:
@@ -226,48 +172,62 @@ def require_tensorrt_llm() -> str:
     return version
 
 
-def build(loaded: LoadedSpec, output_dir: Path, force: bool = False,
-          allow_pickle: bool = False) -> BuildResult:
-    spec = loaded.spec
-    trtllm_version = require_tensorrt_llm()
-    ensure_writable(output_dir)
-    remove_stale_temps(output_dir)
-    with console.step("resolving checkpoints"):
-        ckpts = {role: resolve(loaded, role, allow_pickle) for role in spec.models()}
-    with console.step("checking draft/target compatibility"):
-        check_pair(ckpts)
-    configs = {role: c.hf_config() for role, c in ckpts.items()}
-    plan = make_plan(loaded, output_dir, force, {r: c.folder for r, c in ckpts.items()}, configs)
-    result = BuildResult(output_dir)
-    for unit, action in plan.actions.items():
-        if action == "up to date?":
-            if all(read_manifest(output_dir / k).source.weights == ckpts[unit].source_weights
-                   for k in UNIT_ENGINES[unit]):
-                plan.actions[unit] = "up to date"
-                console.info(f"{unit}: engines in {output_dir} are up to date; nothing to do "
-                             "(use --force to rebuild)")
-            else:
-                plan.actions[unit] = "rebuild"
-    todo = tuple(u for u, a in plan.actions.items() if a != "up to date")
-    commands = plan_commands(spec, plan.families, plan.layout, todo)
-    _check_scripts(commands)
-    log_path = output_dir / LOG_NAME
-    try:
-        run_commands(commands, log_path)
-        for unit in todo:
-            for kind in UNIT_ENGINES[unit]:
-                used = [c for c in commands if _belongs(c, unit, kind, plan.layout)]
-                _finish_engine(loaded, ckpts[unit], kind, plan.layout.engines[kind],
-                               output_dir / kind, used, trtllm_version)
-    finally:
-        shutil.rmtree(plan.layout.checkpoints["target"].parent, ignore_errors=True)
-        for kind in plan.layout.engines.values():
-            shutil.rmtree(kind, ignore_errors=True)
-    for unit, action in plan.actions.items():
-        model = spec.models()[unit]
-        for kind in UNIT_ENGINES[unit]:
-            result.plans.append(RolePlan(kind, model.source_id, model.dtype, output_dir / kind, action))
-    return result
+class TrtllmBackend:
+    name = "trtllm"
+
+    def prepare(self) -> None:
+        require_tensorrt_llm()
+
+    def check_model(self, loaded: LoadedSpec, role: str, hf_config) -> None:
+        check_model(loaded.spec, role, hf_config)
+
+    def dry_run(self, loaded: LoadedSpec, bplan: BuildPlan) -> BuildPlan:
+        spec = loaded.spec
+        folders = {role: _config_folder(loaded, role) for role in spec.models()}
+        configs = {role: _read_config(role, folder, spec.models()[role].trust_remote_code)
+                   for role, folder in folders.items()}
+        tplan = make_plan(loaded, bplan.output_dir, False, folders, configs)
+        tplan.units = bplan.units  # the neutral plan decided each unit's state
+        tplan.commands = _commands(spec, tplan.families, tplan.layout, bplan.units)
+        bplan.header = (f"plan for {spec.name} (backend trtllm, TensorRT-LLM {TRTLLM_RELEASE}) "
+                        f"-> {bplan.output_dir}")
+        for role, model in spec.models().items():
+            bplan.details[role] = (
+                f"{model.source_id} [{tplan.families[role].name}, {model.dtype}, "
+                f"tp {model.tp_size} x pp {model.pp_size}, quantization {model.quantization}]"
+            )
+        bplan.notes.append(_compare_tokenizers_if_present(folders))
+        bplan.commands = [(cmd.step, shlex.join(cmd.argv)) for cmd in tplan.commands]
+        bplan.footer = (
+            f"dry run: nothing written. Builds run inside {TRITON_CONTAINER} (TensorRT-LLM "
+            f"{TRTLLM_RELEASE}); converter scripts from {tplan.layout.examples} (set {EXAMPLES_ENV})"
+        )
+        return bplan
+
+    def build(self, loaded: LoadedSpec, ckpts: dict[str, Checkpoint], bplan: BuildPlan) -> None:
+        trtllm_version = require_tensorrt_llm()
+        spec, output_dir = loaded.spec, bplan.output_dir
+        configs = {role: c.hf_config() for role, c in ckpts.items()}
+        tplan = make_plan(loaded, output_dir, False, {r: c.folder for r, c in ckpts.items()}, configs)
+        todo = tuple(u.role for u in bplan.units if u.needs_build)
+        commands = plan_commands(spec, tplan.families, tplan.layout, todo)
+        _check_scripts(commands)
+        try:
+            run_commands(commands, output_dir / LOG_NAME)
+            for unit in bplan.units:
+                if not unit.needs_build:
+                    continue
+                for kind, folder in unit.folders.items():
+                    used = [c for c in commands if _belongs(c, unit.role, kind, tplan.layout)]
+                    _finish_engine(loaded, ckpts[unit.role], kind, tplan.layout.engines[kind],
+                                   folder, used, trtllm_version)
+        finally:
+            shutil.rmtree(tplan.layout.checkpoints["target"].parent, ignore_errors=True)
+            for kind in tplan.layout.engines.values():
+                shutil.rmtree(kind, ignore_errors=True)
+
+
+BACKEND = TrtllmBackend()
 
 
 def _belongs(cmd: Command, unit: str, kind: str, layout: Layout) -> bool:
@@ -304,7 +264,8 @@ def run_commands(commands: list[Command], log_path: Path) -> None:
             log.write(f"=== {label}\n$ {shlex.join(cmd.argv)}\n")
             log.flush()
             tail: deque[str] = deque(maxlen=_LOG_TAIL)
-            rc = _stream(cmd, log, tail, lambda line: progress.update(
+            # _stream calls show() only within this iteration, so the closure sees this task.
+            rc = _stream(cmd, log, tail, lambda line, task=task, label=label: progress.update(
                 task, description=escape(f"{label}: {line[:90]}")))
             if rc != 0:
                 shown = "\n".join(f"  {line}" for line in tail)
@@ -340,35 +301,19 @@ def _stream(cmd: Command, log, tail: deque[str], show) -> int:
 
 def _finish_engine(loaded: LoadedSpec, ckpt: Checkpoint, kind: str, tmp: Path, folder: Path,
                    commands: list[Command], trtllm_version: str) -> None:
-    """Add tokenizer and manifest to a built engine folder and rename it into place."""
-    spec, model = loaded.spec, ckpt.model
-    ckpt.tokenizer().save_pretrained(tmp / "tokenizer")
+    """Add the tokenizer to a built engine folder and finish it (manifest, rename)."""
+    ckpt.tokenizer().save_pretrained(tmp / TRTLLM_TOKENIZER_DIR)
     gen = ckpt.folder / "generation_config.json"
     if gen.is_file():
         shutil.copy2(gen, tmp / "generation_config.json")
-    cfg = ckpt.hf_config()
-    files = {str(p.relative_to(tmp)): file_record(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
-    manifest = Manifest(
-        complete=True,
-        name=spec.name,
-        role=kind,
+    finish_engine(
+        loaded, ckpt, kind, tmp, folder,
         backend="trtllm",
-        spec_hash=spec.build_hash(engine_role(kind)),
-        dtype=model.dtype,
-        max_draft_len=spec.speculative.max_draft_len if kind == "target" else 0,
-        limits=spec.limits(engine_role(kind)).model_dump(),
-        model_type=cfg.model_type,
-        architecture=(cfg.architectures or [cfg.model_type])[0],
         parameters=parameter_count(ckpt.weight_files),
-        source=SourceRecord(id=model.source_id, revision=model.revision, gguf_file=model.gguf_file,
-                            weights=ckpt.source_weights),
-        files=files,
         versions=tool_versions(trtllm_version),
+        max_draft_len=loaded.spec.speculative.max_draft_len if kind == "target" else 0,
         commands=[list(c.argv) for c in commands],
-        created=now(),
     )
-    write_manifest(tmp, manifest)
-    swap_into_place(tmp, folder)
 
 
 def tool_versions(trtllm_version: str) -> dict[str, str]:

@@ -8,8 +8,8 @@ Models (names as in NVIDIA's inflight_batcher_llm repository, so clients work un
   tensorrt_llm_bls_streaming   the same, decoupled: streams each step (serve.streaming)
   target_only                  target-only control, same contract, no speculation
 
-For the torch backend the engine models are Python-backend models (trtspec.triton.models);
-for trtllm they are NVIDIA's tensorrtllm backend (trtspec.triton.trtllm_models) and the
+For the torch backend the engine models are Python-backend models (trtspec.triton.backend.models);
+for trtllm they are NVIDIA's tensorrtllm backend (trtspec.triton.repository.trtllm_models) and the
 control endpoint calls the baseline `tensorrt_llm_control` engine. Every config.pbtxt is
 rendered from typed data and parsed back; model.py files are one-line shims into the package.
 The repository is built in a temp folder and renamed into place (a running server is never
@@ -27,20 +27,26 @@ from pathlib import Path
 
 from trtspec.engines.manifest import check_manifest
 from trtspec.errors import TrtspecError
+from trtspec.files import swap_into_place
+from trtspec.layout import (
+    BLS_MODEL,
+    BLS_STREAMING_MODEL,
+    CONTROL_MODEL,
+    DRAFT_MODEL,
+    ENGINE_MODELS,
+    REPO_INFO,
+    TARGET_MODEL,
+    engine_folder,
+    engine_kinds,
+    role_of,
+    tokenizer_folder,
+)
 from trtspec.spec import LoadedSpec
-from trtspec.triton import pbtxt
-from trtspec.triton.pbtxt import DynamicBatching, ModelConfig, TensorSpec
+from trtspec.triton.repository import pbtxt
+from trtspec.triton.repository.pbtxt import DynamicBatching, ModelConfig, TensorSpec
 
-TARGET = "tensorrt_llm"
-DRAFT = "tensorrt_llm_draft"
-BLS = "tensorrt_llm_bls"
-BLS_STREAMING = "tensorrt_llm_bls_streaming"
-CONTROL = "target_only"
-TRTLLM_CONTROL_ENGINE = "tensorrt_llm_control"
-REPO_INFO = "trtspec-repo.json"  # beside the models; Triton ignores files at the top level
-
-ENGINE_SHIM = "from trtspec.triton.models.engine_model import TritonPythonModel  # noqa: F401\n"
-ORCHESTRATOR_SHIM = "from trtspec.triton.models.orchestrator import TritonPythonModel  # noqa: F401\n"
+ENGINE_SHIM = "from trtspec.triton.backend.models.engine_model import TritonPythonModel  # noqa: F401\n"
+ORCHESTRATOR_SHIM = "from trtspec.triton.backend.models.orchestrator import TritonPythonModel  # noqa: F401\n"
 
 
 def _in(name, dtype, dims=(1,), optional=True, ragged=False) -> TensorSpec:
@@ -106,26 +112,18 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path) -> RepoPlan:
     """Typed configs for every model; EngineError when the engines are missing or stale."""
     spec = loaded.spec
     engines_dir = Path(engines_dir).resolve()
-    if spec.backend == "torch":
-        for role in spec.models():
-            check_manifest(engines_dir / role, role, spec.build_hash(role))
-    else:
-        from trtspec.engines.trtllm.build import UNIT_ENGINES, engine_role
-
-        for role in spec.models():
-            for kind in UNIT_ENGINES[role]:  # target -> target + control engines
-                check_manifest(engines_dir / kind, kind, spec.build_hash(engine_role(kind)))
+    for kind in engine_kinds(spec.backend, spec.models()):  # trtllm: target + control engines
+        check_manifest(engine_folder(engines_dir, kind), kind, spec.build_hash(role_of(kind)))
     limits = spec.limits("target")
     batch = limits.max_batch_size
     models: dict[str, tuple[ModelConfig, str | None]] = {}
     has_draft = spec.speculative.method == "draft_target"
     if spec.backend == "torch":
-        tokenizer_dir = engines_dir / "target"
         vocab = _vocab_size(engines_dir / "target")
         # Enough KV slots for every orchestrator instance's batch, speculative and control
         # at once, so concurrent clients do not evict each other's cached prefixes.
         slots = batch * spec.serve.instance_count * 2
-        roles = {TARGET: "target"} | ({DRAFT: "draft"} if has_draft else {})
+        roles = {TARGET_MODEL: "target"} | ({DRAFT_MODEL: "draft"} if has_draft else {})
         for name, role in roles.items():
             params = {
                 "engine_dir": str(engines_dir / role),
@@ -143,24 +141,24 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path) -> RepoPlan:
                 dynamic_batching=DynamicBatching(max_queue_delay_microseconds=0),
             )
             models[name] = (cfg, ENGINE_SHIM)
-        control_target = TARGET
+        control_target = TARGET_MODEL
         margins = True
     else:
-        from trtspec.triton.trtllm_models import DEFAULT_NAMES, engine_model_configs
+        from trtspec.triton.repository.trtllm_models import engine_model_configs
 
         for cfg in engine_model_configs(spec, engines_dir):
             models[cfg.name] = (cfg, None)
-        tokenizer_dir = engines_dir / "target" / "tokenizer"
         vocab = _vocab_size(engines_dir / "target")
-        control_target = DEFAULT_NAMES["control"]
+        control_target = ENGINE_MODELS["control"]
         margins = False
-    endpoints = {BLS: ("speculative", False), CONTROL: ("target_only", False)}
+    tokenizer_dir = tokenizer_folder(engines_dir, spec.backend)
+    endpoints = {BLS_MODEL: ("speculative", False), CONTROL_MODEL: ("target_only", False)}
     if spec.serve.streaming:
-        endpoints[BLS_STREAMING] = ("speculative", True)
+        endpoints[BLS_STREAMING_MODEL] = ("speculative", True)
     for name, (mode, decoupled) in endpoints.items():
         params = {
             "mode": mode,
-            "tensorrt_llm_model_name": control_target if mode == "target_only" else TARGET,
+            "tensorrt_llm_model_name": control_target if mode == "target_only" else TARGET_MODEL,
             "method": spec.speculative.method,
             "num_draft_tokens": str(spec.speculative.default_draft_tokens),
             "max_ngram": str(spec.speculative.max_ngram),
@@ -174,7 +172,7 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path) -> RepoPlan:
             "engine_margins": "true" if margins else "false",
         }
         if has_draft:
-            params["tensorrt_llm_draft_model_name"] = DRAFT
+            params["tensorrt_llm_draft_model_name"] = DRAFT_MODEL
         cfg = ModelConfig(
             name=name, backend="python", max_batch_size=batch, inputs=BLS_INPUTS, outputs=BLS_OUTPUTS,
             parameters=params, instance_count=spec.serve.instance_count, decoupled=decoupled,
@@ -201,7 +199,7 @@ def write_repository(loaded: LoadedSpec, engines_dir: Path, repo_dir: Path) -> P
     if repo_dir.exists() and not (repo_dir / REPO_INFO).is_file() and any(repo_dir.iterdir()):
         raise TrtspecError(f"{repo_dir} exists and is not a trtspec model repository; choose another folder with -o")
     repo_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{repo_dir.name}.", dir=repo_dir.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{repo_dir.name}.tmp-", dir=repo_dir.parent))
     try:
         for name, (cfg, source) in plan.models.items():
             pbtxt.write(cfg, tmp / name / "config.pbtxt")
@@ -209,13 +207,7 @@ def write_repository(loaded: LoadedSpec, engines_dir: Path, repo_dir: Path) -> P
             if source is not None:
                 (tmp / name / "1" / "model.py").write_text(source)
         (tmp / REPO_INFO).write_text(json.dumps(plan.info, indent=2) + "\n")
-        old = None
-        if repo_dir.exists():
-            old = repo_dir.with_name(f".{repo_dir.name}.old-{tmp.name[-8:]}")
-            repo_dir.rename(old)
-        tmp.rename(repo_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        swap_into_place(tmp, repo_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from trtspec.engines.torch_engine import ForwardItem
+from trtspec.engines.torch.engine import RunFn
 from trtspec.errors import RequestError
-from trtspec.speculative.drafters import RunFn
-from trtspec.speculative.loop import Verdict, accepted_prefix
-from trtspec.speculative.verifier import greedy_with_margins
+from trtspec.speculative.loop import GenerationRequest, NoDrafter, accepted_prefix, generate
+from trtspec.speculative.requests import Limits
+from trtspec.speculative.verifier import LogitsVerifier
+from trtspec.tokens import check_token_ids
 
 
 @dataclass
@@ -49,59 +50,47 @@ class JobResult:
 
 
 def run_jobs(run: RunFn, jobs: Sequence[EngineJob], vocab_limit: int | None = None) -> list[JobResult]:
-    """Run every job, batching all sequences that need a forward at each step.
+    """Run every job with the same verifier and loop as in-process generation.
 
-    Verify jobs (with drafts) finish after the first forward; decode jobs take one token per
-    forward. ``vocab_limit`` keeps argmax within the first rows (a draft never proposes an id
-    the target's vocabulary lacks).
+    Verify jobs (with drafts, or asking for one token) are answered by ONE batched forward of
+    LogitsVerifier: the accepted prefix of the draft plus the target's next token. Decode jobs
+    (several tokens, no draft) are target-only generation: the one loop with NoDrafter, all
+    jobs batched per step. ``vocab_limit`` keeps argmax within the first rows (a draft never
+    proposes an id the target's vocabulary lacks).
     """
     results = [JobResult() for _ in jobs]
-    first = True
-    while True:
-        live = [i for i, j in enumerate(jobs) if _needs_forward(j, results[i], first)]
-        if not live:
-            return results
-        items = []
-        for i in live:
-            job = jobs[i]
-            if first and job.draft:
-                items.append(ForwardItem(job.tokens + job.draft, len(job.draft) + 1))
-            else:
-                items.append(ForwardItem(job.tokens + results[i].ids, 1))
-        for i, logits in zip(live, run(items)):  # logits [n_logits, vocab]
-            ids, margins = greedy_with_margins(logits[:, :vocab_limit])
-            job, res = jobs[i], results[i]
-            if first and job.draft:
-                n = accepted_prefix(job.draft, Verdict(ids))
-                ids, margins = ids[: n + 1], margins[: n + 1]  # accepted prefix + next token
-            for tok, margin in zip(ids, margins):
-                if len(res.ids) >= job.max_new:
-                    break
-                res.ids.append(tok)
-                res.margins.append(margin)
-                if tok == job.end_id:
-                    break
-        first = False
+    verifier = LogitsVerifier(run, vocab_limit)
+    verify = [i for i, j in enumerate(jobs) if j.max_new > 0 and (j.draft or j.max_new == 1)]
+    decode = [i for i, j in enumerate(jobs) if j.max_new > 1 and not j.draft]
+    if verify:
+        verdicts = verifier.verify([jobs[i].tokens for i in verify], [jobs[i].draft for i in verify])
+        for i, verdict in zip(verify, verdicts):
+            n = accepted_prefix(jobs[i].draft, verdict)
+            _answer(jobs[i], results[i], verdict.target_ids[: n + 1], verdict.margins[: n + 1])
+    if decode:
+        # The end id is emitted (as TensorRT-LLM's engines do), so it is a stop sequence here.
+        requests = [
+            GenerationRequest(jobs[i].tokens, jobs[i].max_new,
+                              stop_sequences=() if jobs[i].end_id is None else ((jobs[i].end_id,),))
+            for i in decode
+        ]
+        for i, res in zip(decode, generate(requests, NoDrafter(), verifier)):
+            _answer(jobs[i], results[i], res.output_ids, res.margins)
+    return results
 
 
-def _needs_forward(job: EngineJob, res: JobResult, first: bool) -> bool:
-    if first:
-        return job.max_new > 0
-    if job.draft:  # verify jobs are answered by their single forward
-        return False
-    ended = bool(res.ids) and res.ids[-1] == job.end_id
-    return len(res.ids) < job.max_new and not ended
+def _answer(job: EngineJob, res: JobResult, ids: list[int], margins) -> None:
+    """Up to max_new tokens, ending after end_id."""
+    for tok, margin in zip(ids, margins):
+        if len(res.ids) >= job.max_new:
+            break
+        res.ids.append(tok)
+        res.margins.append(margin)
+        if tok == job.end_id:
+            break
 
 
 # ----------------------------------------------------------------------------- tensors
-
-
-@dataclass(frozen=True)
-class EngineLimits:
-    vocab_size: int
-    max_seq_len: int
-    max_draft_len: int  # 0: the engine verifies no drafts (a draft engine)
-    max_batch_size: int
 
 
 def per_row(inputs: Mapping[str, np.ndarray], name: str, rows: int, unit: str = "sequence") -> np.ndarray | None:
@@ -116,7 +105,7 @@ def per_row(inputs: Mapping[str, np.ndarray], name: str, rows: int, unit: str = 
 
 
 def parse_engine_request(
-    inputs: Mapping[str, np.ndarray], limits: EngineLimits, exclude_default: bool
+    inputs: Mapping[str, np.ndarray], limits: Limits, exclude_default: bool
 ) -> tuple[list[EngineJob], list[bool], list[bool], int]:
     """Validate one request; return its jobs, exclude_input_in_output and return_margins per
     row, and the pad id. RequestError messages name the tensor and the fix."""
@@ -125,8 +114,7 @@ def parse_engine_request(
         raise RequestError("input_ids must be an INT32 tensor of shape [batch, tokens]")
     ids = np.asarray(ids)
     rows, width = ids.shape
-    if rows > limits.max_batch_size:
-        raise RequestError(f"batch of {rows} exceeds max_batch_size {limits.max_batch_size}")
+    limits.check_batch(rows)
     lengths = per_row(inputs, "input_lengths", rows)
     out_len = per_row(inputs, "request_output_len", rows)
     if lengths is None or out_len is None:
@@ -159,9 +147,7 @@ def parse_engine_request(
             raise RequestError(f"input_lengths[{r}] is {n}; it must be in 1..{width} (the input_ids width)")
         tokens = [int(t) for t in ids[r, :n]]
         draft = [] if drafts is None else [int(t) for t in drafts[r]]
-        for t in tokens + draft:
-            if not 0 <= t < limits.vocab_size:
-                raise RequestError(f"token id {t} is outside the vocabulary (0..{limits.vocab_size - 1})")
+        check_token_ids(tokens + draft, limits.vocab_size)
         k = int(out_len[r])
         if k < 1:
             raise RequestError(f"request_output_len must be at least 1 (got {k})")
@@ -205,7 +191,7 @@ def pack_engine_response(
 class EngineCore:
     """Serve a list of requests (each a dict of input arrays) with one batched engine run."""
 
-    def __init__(self, run: RunFn, limits: EngineLimits, vocab_limit: int | None = None, exclude_default: bool = False):
+    def __init__(self, run: RunFn, limits: Limits, vocab_limit: int | None = None, exclude_default: bool = False):
         self.run = run
         self.limits = limits
         self.vocab_limit = vocab_limit

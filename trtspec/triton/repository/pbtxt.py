@@ -32,8 +32,8 @@ try:  # Triton's own schema; tritonclient is part of the `serve` extra
 except ImportError as err:  # pragma: no cover - depends on the install
     raise ImportError("config.pbtxt rendering needs tritonclient: pip install 'trtspec[serve]'") from err
 
-from trtspec.atomic import write_text_atomic
 from trtspec.errors import TrtspecError
+from trtspec.files import write_text_atomic
 
 InstanceKind = Literal["KIND_AUTO", "KIND_CPU", "KIND_GPU", "KIND_MODEL"]
 

@@ -1,6 +1,6 @@
 """The text-in/text-out endpoints (`tensorrt_llm_bls` contract) without the Triton plumbing.
 
-A request (dict of input arrays, batch dim first) is validated with runtime.make_request,
+A request (dict of input arrays, batch dim first) is validated with speculative.requests,
 every valid row of every request in the batch goes through ONE call of the shared loop
 (trtspec.speculative.loop.generate) with a drafter and verifier that call the engine models,
 and each request gets its output tensors or its own error. Target-only control = the same
@@ -20,18 +20,19 @@ the last one flagged final and carrying the metrics.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
 from trtspec.errors import RequestError
-from trtspec.runtime import Limits, encode_prompt, make_request
+from trtspec.speculative.drafters import make_drafter
 from trtspec.speculative.loop import GenerationRequest, GenerationResult, NoDrafter, generate
-from trtspec.speculative.metrics import SpecMetrics
-from trtspec.triton.bls import BlsDrafter, BlsVerifier, EngineCall
-from trtspec.triton.engine_core import per_row
+from trtspec.speculative.metrics import metrics_json
+from trtspec.speculative.requests import Limits, encode_prompt, make_request
+from trtspec.tokens import check_token_ids
+from trtspec.triton.backend.bls import BlsDrafter, BlsVerifier, EngineCall
+from trtspec.triton.backend.engine_core import per_row
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,7 @@ class OrchestratorSettings:
     default_draft_tokens: int
     max_ngram: int
     min_ngram: int
-    limits: Limits
-    max_batch_size: int
+    limits: Limits  # max_batch_size bounds the prompts of one request
     draft_vocab_limit: int | None = None
     chat_template_default: bool = False
     margins_supported: bool = True  # the target engine answers return_margins (torch engines)
@@ -99,8 +99,7 @@ class Orchestrator:
         rows = text.shape[0] if text.ndim else 1
         if text.size != rows:
             raise RequestError(f"text_input must hold one prompt per batch row; got shape {list(text.shape)}")
-        if rows > self.s.max_batch_size:
-            raise RequestError(f"batch of {rows} prompts exceeds max_batch_size {self.s.max_batch_size}")
+        self.s.limits.check_batch(rows, "prompts")
         max_tokens = _optional(inputs, "max_tokens", rows)
         k = _optional(inputs, "num_draft_tokens", rows)
         end_id = _optional(inputs, "end_id", rows)
@@ -131,12 +130,10 @@ class Orchestrator:
             ends = self.end_ids
             if end_id is not None:
                 e = int(end_id[r])
-                if not 0 <= e < vocab:
-                    raise RequestError(f"end_id {e} is outside the vocabulary (0..{vocab - 1})")
+                check_token_ids([e], vocab, "end_id")
                 ends = frozenset({e})
             pad = 0 if pad_id is None else int(pad_id[r])
-            if not 0 <= pad < vocab:
-                raise RequestError(f"pad_id {pad} is outside the vocabulary (0..{vocab - 1})")
+            check_token_ids([pad], vocab, "pad_id")
             req = make_request(ids, int(max_tokens[r]), n_draft, self.s.limits, ends, self._stop_sequences(stops, r, rows))
             if self.s.mode == "target_only":
                 req.num_draft_tokens = 0
@@ -167,11 +164,10 @@ class Orchestrator:
     def drafter(self):
         if self.s.mode == "target_only":
             return NoDrafter()
-        if self.s.method == "ngram":
-            from trtspec.speculative.drafters import NgramDrafter
-
-            return NgramDrafter(self.s.max_ngram, self.s.min_ngram)
-        return BlsDrafter(self.call, self.s.draft_model, self.s.draft_vocab_limit)
+        model = None
+        if self.s.draft_model is not None:
+            model = BlsDrafter(self.call, self.s.draft_model, self.s.draft_vocab_limit)
+        return make_drafter(self.s.method, max_ngram=self.s.max_ngram, min_ngram=self.s.min_ngram, draft_model=model)
 
     def run(self, requests: Sequence[Mapping[str, np.ndarray]], send: Sender | None = None) -> list[dict | Exception | None]:
         """Answer every request. Unary: returns the tensors (or error) per request. With
@@ -254,17 +250,6 @@ def _metrics_tensors(rows: Sequence[Row], results: Sequence[GenerationResult]) -
         "total_draft_tokens": np.array([[m.drafted] for m in ms], dtype=np.int32),
         "perf_metrics_json": np.array([[metrics_json(m).encode()] for m in ms], dtype=np.object_),
     }
-
-
-def metrics_json(m: SpecMetrics) -> str:
-    """Raw counts (to rebuild SpecMetrics) plus the derived figures, as one JSON object."""
-    return json.dumps(asdict(m) | m.to_dict(), sort_keys=True)
-
-
-def metrics_from_json(text: str) -> SpecMetrics:
-    data = json.loads(text)
-    fields = SpecMetrics.__dataclass_fields__
-    return SpecMetrics(**{k: v for k, v in data.items() if k in fields})
 
 
 class _Stream:

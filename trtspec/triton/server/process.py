@@ -1,10 +1,4 @@
-"""Find, configure, start and stop a real ``tritonserver`` process.
-
-Three places provide a server, tried in this order: ``tritonserver`` on PATH, the NVIDIA
-container layout ``/opt/tritonserver``, and the server bundled in the ``nvidia-pytriton`` wheel.
-The wheel ships Python-backend stubs for several Python versions beside the backend; the one
-matching the serving venv is copied into a private backend directory under trtspec's cache
-(site-packages is never modified).
+"""One real ``tritonserver`` process: its command line, start, readiness, stop, failures.
 
 Typical use::
 
@@ -16,37 +10,30 @@ Process model: the server runs in its own session (process group == its pid). Th
 backend's ``triton_python_backend_stub`` processes are its children in the same group, so
 stopping signals the whole group and then checks /proc until no member is left.
 """
-
 from __future__ import annotations
 
 import atexit
 import ctypes
-import hashlib
-import importlib.util
-import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
-import sys
-import sysconfig
 import tempfile
 import time
 import urllib.error
 import urllib.request
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from trtspec.cache import cache_root
-from trtspec.errors import RuntimeFailure, TrtspecError
+from trtspec.errors import ServerError, TrtspecError
+from trtspec.triton.server.detached import write_pid_file
+from trtspec.triton.server.install import find_tritonserver, prepare_backend_dir, python_env, server_env
+from trtspec.triton.server.procgroup import end_group, signal_group
 
-STUB_NAME = "triton_python_backend_stub"
-_OPT_BINARY = Path("/opt/tritonserver/bin/tritonserver")
 _LOG_EXCERPT_LINES = 30
 # glog puts a whole Python traceback on one line ("...\n\nAt:\n ..."); its head says enough.
 _LOG_EXCERPT_WIDTH = 400
@@ -77,171 +64,6 @@ _HINTS: tuple[tuple[re.Pattern[str], str], ...] = (
 )
 
 
-class ServerError(RuntimeFailure):
-    """tritonserver could not be found, started or stopped (exit code 3)."""
-
-
-# --------------------------------------------------------------------------------------------
-# Locating the server and preparing its environment
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TritonInstall:
-    """Where a tritonserver and its companions live.
-
-    ``stubs_dir`` and ``libs_dir`` are set only for the nvidia-pytriton wheel layout, whose
-    backend directory lacks the stub and whose shared libraries sit in ``nvidia_pytriton.libs``.
-    """
-
-    binary: Path
-    backend_dir: Path | None
-    cache_dir: Path | None
-    stubs_dir: Path | None = None
-    libs_dir: Path | None = None
-
-
-@dataclass(frozen=True)
-class PythonEnv:
-    """The interpreter the Python-backend stub must embed: a venv and its base interpreter."""
-
-    prefix: Path  # the venv directory (sys.prefix)
-    version: str  # "3.11": selects the stub build
-    libdir: Path  # base interpreter's LIBDIR, holding the libpython the stub must load
-
-
-def find_tritonserver() -> TritonInstall:
-    """Return the first tritonserver found on PATH, in /opt/tritonserver, or in nvidia-pytriton."""
-    on_path = shutil.which("tritonserver")
-    if on_path:
-        return _install_at(Path(on_path).resolve())
-    if _OPT_BINARY.is_file():
-        return _install_at(_OPT_BINARY)
-    spec = importlib.util.find_spec("pytriton")  # locate only: importing pytriton is slow
-    if spec is not None and spec.submodule_search_locations:
-        binary = Path(spec.submodule_search_locations[0]) / "tritonserver" / "bin" / "tritonserver"
-        if binary.is_file():
-            return _install_at(binary)
-    raise ServerError(
-        "no tritonserver found: put one on PATH, run inside an NVIDIA Triton container "
-        "(/opt/tritonserver), or install the bundled server with `pip install nvidia-pytriton`"
-    )
-
-
-def _install_at(binary: Path) -> TritonInstall:
-    root = binary.parent.parent
-    stubs = root / "python_backend_stubs"
-    libs = root.parent.parent / "nvidia_pytriton.libs"  # site-packages/nvidia_pytriton.libs
-    return TritonInstall(
-        binary=binary,
-        backend_dir=_dir_or_none(root / "backends"),
-        cache_dir=_dir_or_none(root / "caches"),
-        stubs_dir=_dir_or_none(stubs),
-        libs_dir=_dir_or_none(libs) if stubs.is_dir() else None,
-    )
-
-
-def _dir_or_none(path: Path) -> Path | None:
-    return path if path.is_dir() else None
-
-
-def python_env(venv: str | os.PathLike[str] | None = None) -> PythonEnv:
-    """Describe ``venv`` (default: the running interpreter's environment)."""
-    if venv is None or Path(venv).resolve() == Path(sys.prefix).resolve():
-        return PythonEnv(
-            prefix=Path(sys.prefix),
-            version=f"{sys.version_info[0]}.{sys.version_info[1]}",
-            libdir=Path(str(sysconfig.get_config_var("LIBDIR"))),
-        )
-    python = Path(venv) / "bin" / "python"
-    if not os.access(python, os.X_OK):
-        raise ServerError(f"{venv} is not a Python environment (no executable bin/python)")
-    # Inside a venv, sysconfig's LIBDIR already names the *base* interpreter's lib directory.
-    probe = "import sys, sysconfig; print(sys.prefix); print('%d.%d' % sys.version_info[:2]); " \
-        "print(sysconfig.get_config_var('LIBDIR'))"
-    try:
-        out = subprocess.run(
-            [str(python), "-c", probe], capture_output=True, text=True, timeout=60, check=True
-        ).stdout.split("\n")
-    except (OSError, subprocess.SubprocessError) as err:
-        raise ServerError(f"could not query the interpreter {python}: {err}") from err
-    return PythonEnv(prefix=Path(out[0]), version=out[1], libdir=Path(out[2]))
-
-
-def default_cache_dir() -> Path:
-    """trtspec's cache (see trtspec.cache)."""
-    return cache_root()
-
-
-def prepare_backend_dir(
-    install: TritonInstall, python_version: str, cache_root: Path | None = None
-) -> Path | None:
-    """Return a ``--backend-directory`` whose python/ backend holds the stub for ``python_version``.
-
-    Installs that already carry a stub (containers) are used as they are. For the pytriton
-    wheel the python backend is copied, with the right stub, into the cache: the backend looks
-    for the stub next to ``libtriton_python.so``, and site-packages is not ours to modify.
-    """
-    if install.stubs_dir is None or install.backend_dir is None:
-        return install.backend_dir
-    stub = install.stubs_dir / python_version / STUB_NAME
-    if not stub.is_file():
-        have = sorted(p.name for p in install.stubs_dir.iterdir() if (p / STUB_NAME).is_file())
-        raise ServerError(
-            f"the bundled tritonserver has no Python-backend stub for Python {python_version} "
-            f"(it has {', '.join(have)}); serve from a venv of one of those versions"
-        )
-    source = install.backend_dir / "python"
-    # Key by the source files' identity so a pytriton upgrade gets a fresh copy.
-    fingerprint = "|".join(
-        f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in (stub, source / "libtriton_python.so")
-    )
-    key = hashlib.sha256(fingerprint.encode()).hexdigest()[:12]
-    parent = (cache_root or default_cache_dir()) / "tritonserver-backends"
-    target = parent / f"py{python_version}-{key}"
-    if (target / "python" / STUB_NAME).is_file():
-        return target
-    parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: concurrent callers never see a half-copied backend.
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=parent))
-    try:
-        shutil.copytree(source, staging / "python", ignore=shutil.ignore_patterns("__pycache__"))
-        shutil.copy2(stub, staging / "python" / STUB_NAME)
-        try:
-            os.rename(staging, target)
-        except OSError:
-            if not (target / "python" / STUB_NAME).is_file():  # not a lost race: a real error
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
-
-
-def server_env(
-    venv: str | os.PathLike[str] | PythonEnv | None = None,
-    install: TritonInstall | None = None,
-    base: Mapping[str, str] | None = None,
-) -> dict[str, str]:
-    """The environment for tritonserver so that its Python-backend stub runs in ``venv``.
-
-    The stub ignores PYTHONPATH; it finds the venv through the ``python`` first on PATH. It
-    links ``libpython3.X.so`` dynamically, and must get the base interpreter's copy, not a
-    system one of another patch level (undefined symbols), hence LIBDIR first on
-    LD_LIBRARY_PATH. A relocated stub/backend also needs the wheel's bundled libraries.
-    """
-    py = venv if isinstance(venv, PythonEnv) else python_env(venv)
-    install = install or find_tritonserver()
-    env = dict(os.environ if base is None else base)
-    env["PATH"] = _prepend([str(py.prefix / "bin")], env.get("PATH", ""))
-    libs = [str(py.libdir)] + ([str(install.libs_dir)] if install.libs_dir else [])
-    env["LD_LIBRARY_PATH"] = _prepend(libs, env.get("LD_LIBRARY_PATH", ""))
-    return env
-
-
-def _prepend(first: Sequence[str], existing: str) -> str:
-    rest = [p for p in existing.split(os.pathsep) if p and p not in first]
-    return os.pathsep.join([*first, *rest])
-
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free right now on ``host`` (another process may still take it later)."""
@@ -261,10 +83,6 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
         for sock in sockets:
             sock.close()
 
-
-# --------------------------------------------------------------------------------------------
-# The command line
-# --------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -331,10 +149,6 @@ class ServerCommand:
 def _bool(value: bool) -> str:
     return "true" if value else "false"
 
-
-# --------------------------------------------------------------------------------------------
-# The running server
-# --------------------------------------------------------------------------------------------
 
 # Attached servers still running when the interpreter exits are stopped by atexit; a crash of
 # the parent is covered by PR_SET_PDEATHSIG (below).
@@ -464,7 +278,7 @@ class TritonServer:
         self._started_at = time.monotonic()
         self.ready_seconds = None
         if detach:
-            _write_pid_file(Path(pid_file), self)  # type: ignore[arg-type]
+            write_pid_file(Path(pid_file), self)  # type: ignore[arg-type]
         else:
             _ATTACHED.add(self)
 
@@ -506,13 +320,13 @@ class TritonServer:
             return None
         _ATTACHED.discard(self)
         if proc.poll() is None:
-            _signal_group(proc.pid, signal.SIGINT)
+            signal_group(proc.pid, signal.SIGINT)
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                _signal_group(proc.pid, signal.SIGKILL)
+                signal_group(proc.pid, signal.SIGKILL)
                 proc.wait(10)
-        _end_group(proc.pid, grace=min(timeout, 10.0))
+        end_group(proc.pid, grace=min(timeout, 10.0))
         return proc.returncode
 
     def __enter__(self) -> TritonServer:
@@ -573,135 +387,6 @@ def _http_ok(url: str, timeout: float = 2.0) -> bool:
             return response.status == 200
     except (urllib.error.URLError, OSError):  # refused while starting, 400 while loading
         return False
-
-
-# --------------------------------------------------------------------------------------------
-# Process groups, read from /proc (no psutil)
-# --------------------------------------------------------------------------------------------
-
-
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, process group) of ``pid``, or None when it is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name (field 2) may contain spaces and ')': split after the last ')'.
-    fields = raw[raw.rindex(")") + 2 :].split()
-    return fields[0], int(fields[2])
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes in process group ``pgid``."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            stat = _stat(int(entry.name))
-            # Zombies are dead; orphans are reaped by init, which may lag (or never, in
-            # some containers), so they must not count as survivors.
-            if stat is not None and stat[1] == pgid and stat[0] != "Z":
-                members.append(int(entry.name))
-    return members
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _end_group(pgid: int, grace: float) -> None:
-    """Wait ``grace`` s for the group to empty, then SIGKILL it; raise if anything survives."""
-    deadline = time.monotonic() + grace
-    while group_members(pgid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if not group_members(pgid):
-        return
-    _signal_group(pgid, signal.SIGKILL)
-    deadline = time.monotonic() + 5.0
-    while (left := group_members(pgid)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if left:
-        raise ServerError(f"processes {left} of tritonserver group {pgid} survived SIGKILL")
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return []
-
-
-# --------------------------------------------------------------------------------------------
-# Detached servers: a JSON pid file
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DetachedServer:
-    """What a pid file records about a detached server."""
-
-    pid: int
-    http_endpoint: str
-    grpc_endpoint: str
-    metrics_url: str
-    log_path: str
-    model_repository: str
-    argv: list[str] = field(default_factory=list)
-
-
-def _write_pid_file(path: Path, server: TritonServer) -> None:
-    info = DetachedServer(
-        pid=server.pid or 0,
-        http_endpoint=server.http_endpoint,
-        grpc_endpoint=server.grpc_endpoint,
-        metrics_url=server.metrics_url,
-        log_path=str(server.log_path),
-        model_repository=str(server.command.model_repository),
-        argv=server.argv(),
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(info.__dict__, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
-def read_pid_file(pid_file: str | os.PathLike[str]) -> DetachedServer:
-    try:
-        return DetachedServer(**json.loads(Path(pid_file).read_text()))
-    except FileNotFoundError:
-        raise ServerError(f"no pid file at {pid_file}: is a server running?") from None
-    except (ValueError, TypeError) as err:
-        raise ServerError(f"{pid_file} is not a trtspec server pid file ({err}); remove it") from err
-
-
-def stop_detached(pid_file: str | os.PathLike[str], timeout: float = 30.0) -> bool:
-    """Stop the server recorded in ``pid_file`` and remove the file.
-
-    Returns False when that server was already gone. The pid is only signalled while it still
-    runs a tritonserver, so a pid reused by an unrelated process is left alone.
-    """
-    info = read_pid_file(pid_file)
-    pid = info.pid
-    running = _stat(pid) is not None and Path(_cmdline(pid)[0] or "-").name == "tritonserver"
-    if running:
-        _signal_group(pid, signal.SIGINT)
-        deadline = time.monotonic() + timeout
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        _end_group(pid, grace=0.0 if _alive(pid) else 10.0)
-    Path(pid_file).unlink(missing_ok=True)
-    return running
-
-
-def _alive(pid: int) -> bool:
-    try:  # reap it if it is our own child (detached from this same process)
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-    stat = _stat(pid)
-    return stat is not None and stat[0] != "Z"
 
 
 @atexit.register

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
-from trtspec.runtime import Limits, end_token_ids
-from trtspec.triton.models import pb
-from trtspec.triton.orchestrator_core import Orchestrator, OrchestratorSettings
+from trtspec.speculative.requests import Limits, end_token_ids
+from trtspec.triton.backend.models import pb
+from trtspec.triton.backend.orchestrator_core import Orchestrator, OrchestratorSettings
 
 
 class TritonPythonModel:
@@ -34,8 +34,13 @@ class TritonPythonModel:
             default_draft_tokens=int(p["num_draft_tokens"]),
             max_ngram=int(p["max_ngram"]),
             min_ngram=int(p["min_ngram"]),
-            limits=Limits(int(p["max_input_len"]), int(p["max_seq_len"]), int(p["max_draft_len"]), int(p["vocab_size"])),
-            max_batch_size=int(config["max_batch_size"]),
+            limits=Limits(
+                vocab_size=int(p["vocab_size"]),
+                max_seq_len=int(p["max_seq_len"]),
+                max_draft_len=int(p["max_draft_len"]),
+                max_input_len=int(p["max_input_len"]),
+                max_batch_size=int(config["max_batch_size"]),
+            ),
             draft_vocab_limit=int(p["vocab_size"]),
             chat_template_default=p.get("apply_chat_template", "false") == "true",
             margins_supported=p.get("engine_margins", "false") == "true",

@@ -1,6 +1,6 @@
 """Tiny random Llama checkpoints (seeded, about 1 MB) for tests and the tiny-llama spec.
 
-    python -m trtspec.tiny weights/tiny-llama
+    python -m trtspec.demo.tiny weights/tiny-llama
 
 writes target/, draft/ (the target plus small noise: agrees most of the time), same/ (an
 exact copy of the target), unrelated/ (another seed) and other-vocab/ (a model whose

@@ -17,11 +17,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from trtspec.atomic import write_json_atomic
 from trtspec.errors import RequestError
+from trtspec.files import write_json_atomic
 from trtspec.speculative.metrics import SpecMetrics, expected_tokens_per_forward, speedup_bound
-
-MAX_K = 16
 
 
 @dataclass
@@ -336,7 +334,7 @@ class InProcessBench:
 def measure_engine_costs(deployment, prompt: str, k: int, repeats: int = 7) -> Costs:
     """Median times of: one target decode step, one draft decode step, one target forward
     over k+1 new tokens — each after a cached context, as in generation."""
-    from trtspec.engines.torch_engine import ForwardItem
+    from trtspec.engines.torch.engine import ForwardItem
 
     ctx = deployment.encode(prompt)
 

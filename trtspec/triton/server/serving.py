@@ -13,10 +13,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from trtspec.errors import EXIT_INTERRUPTED, EXIT_OK, SpecError
+from trtspec.errors import EXIT_INTERRUPTED, EXIT_OK, ServerError, SpecError
 from trtspec.spec import LoadedSpec, ServeSpec, load_spec
-from trtspec.triton.repository import plan_repository, read_repo_info, write_repository
-from trtspec.triton.server import ServerError, TritonServer
+from trtspec.triton.repository.writer import plan_repository, read_repo_info, write_repository
+from trtspec.triton.server.process import TritonServer
 
 DEFAULT_PID_FILE = Path(".trtspec/server.json")
 
@@ -59,8 +59,8 @@ def server_for(target: ServeTarget, host: str | None, http_port: int | None, grp
     )
     if target.loaded is not None and target.loaded.spec.backend == "trtllm":
         # TensorRT-LLM engines: one rank per GPU under mpirun, orchestrator mode when several
-        # tensorrtllm models share the server (trtllm_models.launch_for_spec).
-        from trtspec.triton.trtllm_models import launch_for_spec
+        # tensorrtllm models share the server (trtllm_launch.launch_for_spec).
+        from trtspec.triton.server.trtllm_launch import launch_for_spec
 
         launch = launch_for_spec(target.loaded.spec, server.command)
         server.launcher = launch.argv

@@ -37,7 +37,6 @@ import torch
 from trtspec.errors import SpecError
 from trtspec.runtime import Deployment
 from trtspec.spec import read_prompt_rows
-from trtspec.speculative.drafters import NgramDrafter
 from trtspec.speculative.loop import generate
 from trtspec.speculative.metrics import SpecMetrics
 
@@ -142,7 +141,7 @@ def trtspec_paths(dep: Deployment) -> list[PeerPath]:
         PeerPath(
             "ours_ngram",
             f"trtspec ngram k={k}",
-            run_with(lambda: NgramDrafter(spec.max_ngram, spec.min_ngram)),
+            run_with(lambda: dep.drafter("ngram")),
         )
     )
     return paths

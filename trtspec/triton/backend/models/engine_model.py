@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trtspec.engines.torch_engine import TorchEngine
-from trtspec.triton.engine_core import EngineCore, EngineLimits
-from trtspec.triton.models import pb
+from trtspec.engines.torch.engine import TorchEngine
+from trtspec.speculative.requests import Limits
+from trtspec.triton.backend.engine_core import EngineCore
+from trtspec.triton.backend.models import pb
 
 
 class TritonPythonModel:
@@ -22,7 +23,7 @@ class TritonPythonModel:
         params = pb.parameters(args)
         config = pb.model_config(args)
         self.engine = TorchEngine.load(Path(params["engine_dir"]), int(params["kv_cache_slots"]))
-        limits = EngineLimits(
+        limits = Limits(
             vocab_size=self.engine.vocab_size,
             max_seq_len=self.engine.max_seq_len,
             max_draft_len=int(params.get("max_draft_len", "0")),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,8 +19,9 @@ import torch
 from safetensors.torch import load_file
 
 from trtspec.engines.manifest import Manifest, read_manifest
-from trtspec.engines.model import KVCache, DecoderConfig, DecoderLM, StepInputs, rope_tables
+from trtspec.engines.torch.model import DecoderConfig, DecoderLM, KVCache, StepInputs, rope_tables
 from trtspec.errors import EngineError, RequestError
+from trtspec.tokens import check_token_ids
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 WEIGHTS = "model.safetensors"
@@ -31,6 +33,10 @@ class ForwardItem:
 
     tokens: list[int]
     n_logits: int
+
+
+# Runs a batch of sequences and returns logits [n_logits, vocab] per item (TorchEngine.run).
+RunFn = Callable[[list[ForwardItem]], list[torch.Tensor]]
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -69,6 +75,10 @@ class SlotPool:
         """Drop every cached prefix (the next call recomputes from position 0)."""
         for s in range(len(self.tokens)):
             self.tokens[s] = []
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Keep only the first ``length`` cached tokens of ``slot`` (the rest is being rewritten)."""
+        del self.tokens[slot][length:]
 
     def commit(self, slot: int, tokens: list[int]) -> None:
         self.tokens[slot] = list(tokens)
@@ -131,9 +141,7 @@ class TorchEngine:
                 raise RequestError(
                     f"sequence of {len(it.tokens)} tokens exceeds max_seq_len {self.max_seq_len}"
                 )
-            bad = [t for t in it.tokens if not 0 <= t < self.vocab_size]
-            if bad:
-                raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+            check_token_ids(it.tokens, self.vocab_size)
         with self._lock:
             return self._run_locked(items)
 
@@ -143,6 +151,10 @@ class TorchEngine:
         for it, (_, reuse) in zip(items, assigned):
             # Positions that need logits must be computed now, even if already cached.
             starts.append(min(reuse, len(it.tokens) - it.n_logits))
+        # K/V beyond each start is about to be overwritten: until the forward succeeds the slot
+        # holds only the prefix, so a failed forward never leaves half-written K/V reusable.
+        for (slot, _), start in zip(assigned, starts):
+            self.pool.truncate(slot, start)
         step = self._step_inputs(items, assigned, starts)
         hidden = self.model.hidden_states(step, self.cos, self.sin, self.cache)  # [b, q, hidden]
         self.forwards += 1

@@ -1,0 +1,69 @@
+"""`trtspec bench` as one library call: choose the backend (in process or a served
+repository), measure, and return the report; the CLI only parses and prints."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from trtspec import console
+from trtspec.bench import measure as m
+from trtspec.errors import RequestError
+from trtspec.spec import LoadedSpec
+
+
+def int_list(text: str, what: str) -> list[int]:
+    """'1-8' or '1,2,4' -> [ints]; '' or 'none' -> []."""
+    text = text.strip().lower()
+    if text in ("", "none"):
+        return []
+    try:
+        if "-" in text:
+            lo, hi = (int(x) for x in text.split("-", 1))
+            return list(range(lo, hi + 1))
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise RequestError(f"{what} '{text}' is not a list like '1,2,4' or a range like '1-8'") from None
+
+
+@dataclass
+class BenchOptions:
+    prompts: list[str]
+    max_tokens: int
+    k: int
+    sweep: list[int]
+    concurrency: list[int]
+    rounds: int = 1
+    url: str | None = None  # HOST:PORT of a served repository; None: in process
+
+
+def run(loaded: LoadedSpec, engines_dir: Path, opts: BenchOptions,
+        progress: Callable[[str], None] | None = None) -> tuple[m.BenchReport, bool]:
+    """Measure; returns the report and whether Ctrl-C cut it short (what was measured stays)."""
+    if not opts.prompts:
+        raise RequestError("no prompts: add verify.prompts to the spec or pass --prompt/--prompts-file")
+    m.validate_args(opts.k, opts.sweep, opts.concurrency, loaded.spec.speculative.max_draft_len)
+    if opts.url:
+        from trtspec.bench.grpc import GrpcBench, measure_grpc_costs
+
+        backend = GrpcBench(opts.url, loaded.spec.verify.chat_template)
+        url = opts.url
+        measure_costs, mode = (lambda k: measure_grpc_costs(url, k)), f"grpc://{url}"
+    else:
+        from trtspec.runtime import Deployment
+
+        with console.step("loading engines"):
+            slots = max([*opts.concurrency, 1]) if opts.concurrency else None
+            dep = Deployment(loaded, engines_dir, slots=slots)
+        backend = m.InProcessBench(dep)
+        first = opts.prompts[0]
+        measure_costs, mode = (lambda k: m.measure_engine_costs(dep, first, k)), "in-process"
+    report = m.BenchReport(loaded.spec.name, mode, m.machine_description(), len(opts.prompts),
+                           opts.max_tokens, opts.k)
+    try:
+        m.run_bench(backend, report, opts.prompts, opts.sweep, opts.concurrency, measure_costs,
+                    progress=progress, rounds=opts.rounds)
+    except KeyboardInterrupt:
+        return report, True
+    return report, False

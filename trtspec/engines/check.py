@@ -1,0 +1,68 @@
+"""`trtspec check`: resolve both checkpoints and report whether the backend can build the pair."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trtspec.checkpoints import estimate_memory, parameter_count
+from trtspec.engines.build import backend_for, resolve_pair
+from trtspec.spec import LoadedSpec
+
+
+@dataclass
+class CheckReport:
+    spec: str
+    backend: str
+    method: str
+    max_draft_len: int
+    models: list[dict] = field(default_factory=list)  # one row per role
+
+    @property
+    def paired(self) -> bool:
+        return any(m["role"] == "draft" for m in self.models)
+
+    def to_dict(self) -> dict:
+        return {"spec": self.spec, "ok": True, "models": self.models}
+
+    def render(self, out) -> None:
+        from rich.table import Table
+
+        table = Table(title=f"trtspec check: {self.spec} (backend {self.backend})")
+        for col in ("role", "source", "architecture", "parameters", "vocab", "dtype", "est. memory"):
+            table.add_column(col)
+        for r in self.models:
+            table.add_row(
+                r["role"], r["source"], r["architecture"], f"{r['parameters'] / 1e6:.1f}M",
+                f"{r['vocab']} (rows {r['embedding_rows']})", r["dtype"],
+                f"{r['estimated_memory_bytes'] / 2**30:.2f} GiB",
+            )
+        out.print(table)
+        out.print(
+            f"OK: method {self.method}, max_draft_len {self.max_draft_len}"
+            + ("; tokenizers identical" if self.paired else "")
+        )
+
+
+def check(loaded: LoadedSpec, allow_pickle: bool = False) -> CheckReport:
+    """Resolve, pair-check and backend-check both checkpoints; raises with the reason."""
+    spec = loaded.spec
+    checkpoints = resolve_pair(loaded, allow_pickle)
+    backend = backend_for(spec.backend)
+    report = CheckReport(spec.name, spec.backend, spec.speculative.method, spec.speculative.max_draft_len)
+    for role, ckpt in checkpoints.items():
+        cfg = ckpt.hf_config()
+        backend.check_model(loaded, role, cfg)
+        lim = spec.limits(role)
+        params = parameter_count(ckpt.weight_files)
+        report.models.append({
+            "role": role,
+            "source": ckpt.model.source_id + (f"@{ckpt.model.revision}" if ckpt.model.revision else ""),
+            "architecture": (cfg.architectures or [cfg.model_type])[0],
+            "model_type": cfg.model_type,
+            "parameters": params,
+            "vocab": len(ckpt.tokenizer()),
+            "embedding_rows": cfg.vocab_size,
+            "dtype": ckpt.model.dtype,
+            "estimated_memory_bytes": estimate_memory(params, ckpt.model.dtype, cfg, lim.max_batch_size, lim.max_seq_len),
+        })
+    return report

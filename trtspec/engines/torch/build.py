@@ -1,0 +1,96 @@
+"""Torch backend of `trtspec build`: cast a checkpoint to the engine dtype and save it as a
+torch engine folder (weights, config, tokenizer) for the neutral build to finish."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from trtspec import console
+from trtspec.checkpoints import Checkpoint
+from trtspec.engines.build import BuildPlan, finish_engine
+from trtspec.engines.manifest import versions
+from trtspec.engines.torch.engine import DTYPES, WEIGHTS
+from trtspec.engines.torch.model import SUPPORTED_MODEL_TYPES, DecoderConfig, DecoderLM
+from trtspec.errors import CheckpointError
+from trtspec.spec import LoadedSpec
+
+
+class TorchBackend:
+    name = "torch"
+
+    def check_model(self, loaded: LoadedSpec, role: str, hf_config) -> None:
+        if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise CheckpointError(
+                f"{role}: model_type '{hf_config.model_type}' is not supported by the torch "
+                f"backend (supported: {', '.join(SUPPORTED_MODEL_TYPES)}); use one of those "
+                "families or backend: trtllm"
+            )
+
+    def dry_run(self, loaded: LoadedSpec, plan: BuildPlan) -> BuildPlan:
+        return plan
+
+    def build(self, loaded: LoadedSpec, checkpoints: dict[str, Checkpoint], plan: BuildPlan) -> None:
+        for unit in plan.units:
+            if unit.needs_build:
+                build_torch_engine(loaded, checkpoints[unit.role], unit.folders[unit.role])
+
+
+BACKEND = TorchBackend()
+
+
+def build_torch_engine(loaded: LoadedSpec, ckpt: Checkpoint, folder: Path) -> None:
+    """Cast the checkpoint to the engine dtype and save it as a torch engine folder."""
+    from safetensors.torch import save_file
+
+    role = ckpt.role
+    hf_config = ckpt.hf_config()
+    BACKEND.check_model(loaded, role, hf_config)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{role}.tmp-", dir=folder.parent))
+    try:
+        with console.step(f"{role}: loading {ckpt.model.source_id}"):
+            state = ckpt.load_state_dict()
+            cfg = DecoderConfig.from_hf(hf_config)
+            dtype = DTYPES[ckpt.model.dtype]
+            expected = _expected_keys(cfg, state)
+            state = {k: v.to(dtype).contiguous() for k, v in state.items() if k in expected}
+            try:
+                DecoderLM.from_state_dict(cfg, state)  # strict: every tensor, right shapes
+            except (KeyError, RuntimeError) as e:
+                raise CheckpointError(
+                    f"{role}: the checkpoint's tensors do not fit a {hf_config.model_type} model "
+                    f"({str(e).splitlines()[0][:200]}); is config.json from the same checkpoint?"
+                ) from e
+        with console.step(f"{role}: writing {ckpt.model.dtype} engine"):
+            # Tied embeddings are stored once, as in the source checkpoint.
+            if cfg.tie_word_embeddings:
+                state.pop("lm_head.weight", None)
+            save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
+            hf_config.dtype = ckpt.model.dtype
+            hf_config.save_pretrained(tmp)
+            ckpt.tokenizer().save_pretrained(tmp)
+            gen = ckpt.folder / "generation_config.json"
+            if gen.is_file():
+                shutil.copy2(gen, tmp / "generation_config.json")
+            finish_engine(
+                loaded, ckpt, role, tmp, folder,
+                backend="torch",
+                parameters=sum(t.numel() for t in state.values()),
+                versions=versions(),
+                max_draft_len=loaded.spec.speculative.max_draft_len,
+            )
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _expected_keys(cfg: DecoderConfig, state: dict) -> set[str]:
+    """Parameter names of the decoder (extra buffers such as rotary inv_freq are dropped)."""
+    import torch
+
+    qkv_bias = "model.layers.0.self_attn.q_proj.bias" in state
+    o_bias = "model.layers.0.self_attn.o_proj.bias" in state
+    mlp_bias = "model.layers.0.mlp.gate_proj.bias" in state
+    with torch.device("meta"):
+        return set(DecoderLM(cfg, qkv_bias, o_bias, mlp_bias).state_dict())

@@ -1,0 +1,91 @@
+"""Files written so that nothing half-done is ever read: atomic writes, folder swaps, hashes.
+
+Every file trtspec writes goes to a temp path beside its destination and is renamed into
+place, so a reader never sees a half-written file and an interrupted write loses nothing.
+Folders (engines, model repositories) are built under a hidden temp name and swapped in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from trtspec.errors import TrtspecError
+
+# Hidden temp folders are named ".<name>.tmp-<suffix>"; anything matching is a leftover.
+TEMP_GLOB = ".*.tmp-*"
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; these are ordinary, shareable files
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def swap_into_place(tmp: Path, folder: Path) -> None:
+    """Rename a finished temp folder over ``folder``; the old one is removed only after."""
+    if folder.exists():
+        old = folder.with_name(f".{folder.name}.tmp-old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(folder, old)
+        os.replace(tmp, folder)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, folder)
+
+
+def remove_stale_temps(folder: Path) -> None:
+    """Delete temp folders an interrupted run left behind (never loadable: no manifest)."""
+    for stale in Path(folder).glob(TEMP_GLOB):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def ensure_writable(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise TrtspecError(
+            f"output folder {folder} is not writable ({e.strerror}); pass --output DIR "
+            "or fix its permissions"
+        ) from e
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+class FileRecord(BaseModel):
+    """A file's content hash and size, as manifests record sources and engine files."""
+
+    model_config = ConfigDict(extra="forbid")
+    sha256: str
+    bytes: int
+
+
+def file_record(path: Path) -> FileRecord:
+    return FileRecord(sha256=sha256_file(path), bytes=path.stat().st_size)

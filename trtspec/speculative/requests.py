@@ -1,0 +1,107 @@
+"""Request rules every runtime applies: what a request may ask for, and how text becomes ids.
+
+In process, inside the Triton orchestrator and inside the engine models, a request is checked
+here against one :class:`Limits`, so a limit or a message is written once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from trtspec.errors import RequestError
+from trtspec.spec import EngineSpec
+from trtspec.speculative.loop import GenerationRequest
+from trtspec.tokens import check_token_ids
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a request may ask for: the engine's limits and the speculative settings.
+
+    ``max_draft_len`` 0 means the engine verifies no drafts (a draft engine);
+    ``max_input_len`` and ``max_batch_size`` are None where nothing bounds them separately.
+    """
+
+    vocab_size: int
+    max_seq_len: int
+    max_draft_len: int
+    max_input_len: int | None = None
+    max_batch_size: int | None = None
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec, vocab_size: int, role: str = "target") -> Limits:
+        lim = spec.limits(role)
+        return cls(
+            vocab_size=vocab_size,
+            max_seq_len=lim.max_seq_len,
+            max_draft_len=spec.speculative.max_draft_len if role == "target" else 0,
+            max_input_len=lim.max_input_len,
+            max_batch_size=lim.max_batch_size,
+        )
+
+    def check_batch(self, rows: int, what: str = "sequences") -> None:
+        if self.max_batch_size is not None and rows > self.max_batch_size:
+            raise RequestError(
+                f"batch of {rows} {what} exceeds max_batch_size {self.max_batch_size}; "
+                "send fewer at once"
+            )
+
+
+def make_request(
+    prompt_ids: list[int],
+    max_tokens: int,
+    num_draft_tokens: int,
+    limits: Limits,
+    end_ids: frozenset[int] = frozenset(),
+    stop_sequences: tuple[tuple[int, ...], ...] = (),
+) -> GenerationRequest:
+    """Validate a request against the deployment's limits; RequestError names the fix."""
+    n = len(prompt_ids)
+    if n == 0:
+        raise RequestError("the prompt is empty; send at least one token of text")
+    if limits.max_input_len is not None and n > limits.max_input_len:
+        raise RequestError(
+            f"prompt has {n} tokens, more than max_input_len {limits.max_input_len}; "
+            "shorten it or rebuild with a larger build.max_input_len"
+        )
+    check_token_ids(prompt_ids, limits.vocab_size)
+    if max_tokens <= 0:
+        raise RequestError(f"max_tokens must be at least 1 (got {max_tokens})")
+    if n + max_tokens > limits.max_seq_len:
+        raise RequestError(
+            f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds max_seq_len "
+            f"{limits.max_seq_len}; lower max_tokens to {limits.max_seq_len - n} or less"
+        )
+    if not 0 <= num_draft_tokens <= limits.max_draft_len:
+        raise RequestError(
+            f"num_draft_tokens must be in 0..{limits.max_draft_len} (max_draft_len the "
+            f"engines were built for); got {num_draft_tokens}"
+        )
+    return GenerationRequest(list(prompt_ids), max_tokens, num_draft_tokens, end_ids, stop_sequences)
+
+
+def end_token_ids(tokenizer, engine_folder: Path) -> frozenset[int]:
+    """EOS ids from the tokenizer and generation_config.json (chat models list several)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = Path(engine_folder) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(e) for e in eos)
+    return frozenset(ids)
+
+
+def encode_prompt(tokenizer, prompt: str, chat_template: bool) -> list[int]:
+    """Prompt text to ids, through the tokenizer's chat template when asked and present."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        enc = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
+        return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+    return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])

@@ -1,0 +1,186 @@
+"""Where tritonserver is and the environment its Python backend needs.
+
+Three places provide a server, tried in this order: ``tritonserver`` on PATH, the NVIDIA
+container layout ``/opt/tritonserver``, and the server bundled in the ``nvidia-pytriton`` wheel.
+The wheel ships Python-backend stubs for several Python versions beside the backend; the one
+matching the serving venv is copied into a private backend directory under trtspec's cache
+(site-packages is never modified).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from trtspec.cache import cache_root
+from trtspec.errors import ServerError
+
+STUB_NAME = "triton_python_backend_stub"
+_OPT_BINARY = Path("/opt/tritonserver/bin/tritonserver")
+
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    """Where a tritonserver and its companions live.
+
+    ``stubs_dir`` and ``libs_dir`` are set only for the nvidia-pytriton wheel layout, whose
+    backend directory lacks the stub and whose shared libraries sit in ``nvidia_pytriton.libs``.
+    """
+
+    binary: Path
+    backend_dir: Path | None
+    cache_dir: Path | None
+    stubs_dir: Path | None = None
+    libs_dir: Path | None = None
+
+
+@dataclass(frozen=True)
+class PythonEnv:
+    """The interpreter the Python-backend stub must embed: a venv and its base interpreter."""
+
+    prefix: Path  # the venv directory (sys.prefix)
+    version: str  # "3.11": selects the stub build
+    libdir: Path  # base interpreter's LIBDIR, holding the libpython the stub must load
+
+
+def find_tritonserver() -> TritonInstall:
+    """Return the first tritonserver found on PATH, in /opt/tritonserver, or in nvidia-pytriton."""
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return _install_at(Path(on_path).resolve())
+    if _OPT_BINARY.is_file():
+        return _install_at(_OPT_BINARY)
+    spec = importlib.util.find_spec("pytriton")  # locate only: importing pytriton is slow
+    if spec is not None and spec.submodule_search_locations:
+        binary = Path(spec.submodule_search_locations[0]) / "tritonserver" / "bin" / "tritonserver"
+        if binary.is_file():
+            return _install_at(binary)
+    raise ServerError(
+        "no tritonserver found: put one on PATH, run inside an NVIDIA Triton container "
+        "(/opt/tritonserver), or install the bundled server with `pip install nvidia-pytriton`"
+    )
+
+
+def _install_at(binary: Path) -> TritonInstall:
+    root = binary.parent.parent
+    stubs = root / "python_backend_stubs"
+    libs = root.parent.parent / "nvidia_pytriton.libs"  # site-packages/nvidia_pytriton.libs
+    return TritonInstall(
+        binary=binary,
+        backend_dir=_dir_or_none(root / "backends"),
+        cache_dir=_dir_or_none(root / "caches"),
+        stubs_dir=_dir_or_none(stubs),
+        libs_dir=_dir_or_none(libs) if stubs.is_dir() else None,
+    )
+
+
+def _dir_or_none(path: Path) -> Path | None:
+    return path if path.is_dir() else None
+
+
+def python_env(venv: str | os.PathLike[str] | None = None) -> PythonEnv:
+    """Describe ``venv`` (default: the running interpreter's environment)."""
+    if venv is None or Path(venv).resolve() == Path(sys.prefix).resolve():
+        return PythonEnv(
+            prefix=Path(sys.prefix),
+            version=f"{sys.version_info[0]}.{sys.version_info[1]}",
+            libdir=Path(str(sysconfig.get_config_var("LIBDIR"))),
+        )
+    python = Path(venv) / "bin" / "python"
+    if not os.access(python, os.X_OK):
+        raise ServerError(f"{venv} is not a Python environment (no executable bin/python)")
+    # Inside a venv, sysconfig's LIBDIR already names the *base* interpreter's lib directory.
+    probe = "import sys, sysconfig; print(sys.prefix); print('%d.%d' % sys.version_info[:2]); " \
+        "print(sysconfig.get_config_var('LIBDIR'))"
+    try:
+        out = subprocess.run(
+            [str(python), "-c", probe], capture_output=True, text=True, timeout=60, check=True
+        ).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError) as err:
+        raise ServerError(f"could not query the interpreter {python}: {err}") from err
+    return PythonEnv(prefix=Path(out[0]), version=out[1], libdir=Path(out[2]))
+
+
+def default_cache_dir() -> Path:
+    """trtspec's cache (see trtspec.cache)."""
+    return cache_root()
+
+
+def prepare_backend_dir(
+    install: TritonInstall, python_version: str, cache_root: Path | None = None
+) -> Path | None:
+    """Return a ``--backend-directory`` whose python/ backend holds the stub for ``python_version``.
+
+    Installs that already carry a stub (containers) are used as they are. For the pytriton
+    wheel the python backend is copied, with the right stub, into the cache: the backend looks
+    for the stub next to ``libtriton_python.so``, and site-packages is not ours to modify.
+    """
+    if install.stubs_dir is None or install.backend_dir is None:
+        return install.backend_dir
+    stub = install.stubs_dir / python_version / STUB_NAME
+    if not stub.is_file():
+        have = sorted(p.name for p in install.stubs_dir.iterdir() if (p / STUB_NAME).is_file())
+        raise ServerError(
+            f"the bundled tritonserver has no Python-backend stub for Python {python_version} "
+            f"(it has {', '.join(have)}); serve from a venv of one of those versions"
+        )
+    source = install.backend_dir / "python"
+    # Key by the source files' identity so a pytriton upgrade gets a fresh copy.
+    fingerprint = "|".join(
+        f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in (stub, source / "libtriton_python.so")
+    )
+    key = hashlib.sha256(fingerprint.encode()).hexdigest()[:12]
+    parent = (cache_root or default_cache_dir()) / "tritonserver-backends"
+    target = parent / f"py{python_version}-{key}"
+    if (target / "python" / STUB_NAME).is_file():
+        return target
+    parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent callers never see a half-copied backend.
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=parent))
+    try:
+        shutil.copytree(source, staging / "python", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy2(stub, staging / "python" / STUB_NAME)
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not (target / "python" / STUB_NAME).is_file():  # not a lost race: a real error
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def server_env(
+    venv: str | os.PathLike[str] | PythonEnv | None = None,
+    install: TritonInstall | None = None,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment for tritonserver so that its Python-backend stub runs in ``venv``.
+
+    The stub ignores PYTHONPATH; it finds the venv through the ``python`` first on PATH. It
+    links ``libpython3.X.so`` dynamically, and must get the base interpreter's copy, not a
+    system one of another patch level (undefined symbols), hence LIBDIR first on
+    LD_LIBRARY_PATH. A relocated stub/backend also needs the wheel's bundled libraries.
+    """
+    py = venv if isinstance(venv, PythonEnv) else python_env(venv)
+    install = install or find_tritonserver()
+    env = dict(os.environ if base is None else base)
+    env["PATH"] = _prepend([str(py.prefix / "bin")], env.get("PATH", ""))
+    libs = [str(py.libdir)] + ([str(install.libs_dir)] if install.libs_dir else [])
+    env["LD_LIBRARY_PATH"] = _prepend(libs, env.get("LD_LIBRARY_PATH", ""))
+    return env
+
+
+def _prepend(first: Sequence[str], existing: str) -> str:
+    rest = [p for p in existing.split(os.pathsep) if p and p not in first]
+    return os.pathsep.join([*first, *rest])
