@@ -8,7 +8,7 @@ TRTSPEC := $(VENV)/bin/trtspec
 TORCH_PIN ?= torch==2.13.0
 DEMO_SPEC := engine_specs/smollm2-135m-cpu.yaml
 
-.PHONY: install demo test test-fast test-gpu bench clean
+.PHONY: install demo lint test test-fast test-gpu bench clean
 
 install: $(VENV)/.installed
 
@@ -43,7 +43,13 @@ bench: install weights/smollm2-135m
 	$(PY) bench/peers.py --repeats 2
 	$(PY) bench/grpc_vs_inprocess.py $(DEMO_SPEC)
 
-test: install
+# The guard rails of the layout: one-way layers (import-linter contracts in pyproject.toml)
+# and ruff's lint rules.
+lint: install
+	$(VENV)/bin/ruff check trtspec tests bench
+	$(VENV)/bin/lint-imports
+
+test: install lint
 	$(VENV)/bin/pytest -q
 
 test-fast: install

@@ -140,3 +140,26 @@ def test_verify_unbuilt_engines_exit_2(tmp_path, tiny_ckpts):
 def test_verify_k_beyond_max_draft_len_exit_2(spec_file):
     r = runner.invoke(app, ["verify", str(spec_file), "-k", "9", "-p", "hi"])
     assert r.exit_code == 2 and "num_draft_tokens must be in 0..8" in r.stderr
+
+
+def test_json_means_stdout_and_json_file_means_a_file_for_every_reporting_command(spec_file, tmp_path):
+    r = runner.invoke(app, ["verify", str(spec_file), "--json", "-p", "def fibonacci(n):"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["identical"] is True  # stdout is JSON alone: no table
+    out = tmp_path / "check.json"
+    r = runner.invoke(app, ["check", str(spec_file), "--json-file", str(out)])
+    assert r.exit_code == 0 and "trtspec check" in r.stdout  # the table, and the file as well
+    assert json.loads(out.read_text())["ok"] is True
+    r = runner.invoke(app, ["build", str(spec_file), "--dry-run", "--json"])
+    assert r.exit_code == 0
+    plan = json.loads(r.stdout)
+    assert plan["written"] is False
+    assert [u["state"] for u in plan["units"]] == ["up to date unless the source weights changed"] * 2
+
+
+@pytest.mark.parametrize("cmd", ["verify", "bench"])
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8001", "127.0.0.1", "127.0.0.1:http", ":8001", "127.0.0.1:70000"])
+def test_url_is_checked_the_same_way_by_every_command(spec_file, cmd, url):
+    r = runner.invoke(app, [cmd, str(spec_file), "--url", url])
+    assert r.exit_code == 2
+    assert f"--url takes HOST:PORT (the gRPC port, e.g. 127.0.0.1:8001), not {url!r}" in r.stderr

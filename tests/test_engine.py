@@ -98,3 +98,25 @@ def test_engine_rejects_bad_input(dep):
         eng.run([ForwardItem([1], 1)] * (eng.max_batch_size + 1))
     with pytest.raises(RequestError, match="exceeds max_seq_len"):
         eng.run([ForwardItem([1] * (eng.max_seq_len + 1), 1)])
+
+
+def test_failed_forward_never_leaves_half_written_kv_reusable(dep, monkeypatch):
+    eng = dep.target
+    eng.forget_prefixes()
+    prefix, tail = _seq(12, 7), _seq(6, 8)
+    (clean,) = eng.run([ForwardItem(prefix + tail, 1)])  # reference logits, fresh cache
+    eng.forget_prefixes()
+    eng.run([ForwardItem(prefix + tail, 1)])  # the slot now holds prefix + tail
+    real = eng.model.hidden_states
+
+    def crash_after_writing(step, cos, sin, cache):
+        real(step, cos, sin, cache)  # K/V of the tail are written ...
+        raise RuntimeError("forward failed")  # ... but the call never completes
+
+    monkeypatch.setattr(eng.model, "hidden_states", crash_after_writing)
+    with pytest.raises(RuntimeError):
+        eng.run([ForwardItem(prefix + _seq(6, 9), 1)])  # overwrites the tail's K/V, then fails
+    monkeypatch.setattr(eng.model, "hidden_states", real)
+    assert prefix in eng.pool.tokens  # the slot's record kept only the still-valid prefix
+    (again,) = eng.run([ForwardItem(prefix + tail, 1)])
+    torch.testing.assert_close(again, clean, rtol=1e-5, atol=1e-5)

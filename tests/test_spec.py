@@ -129,6 +129,11 @@ def test_bad_name(tmp_path):
     assert "name: 'My Spec' is not a usable name" in _error(tmp_path, _with(name="My Spec"))
 
 
+def test_name_with_trailing_newline_is_refused(tmp_path):
+    # `$` in a regex also matches before a final newline; the whole name must match.
+    assert "is not a usable name" in _error(tmp_path, _with(name="demo\n"))
+
+
 def test_yaml_syntax_error_names_line(tmp_path):
     msg = _error(tmp_path, "name: x\ntarget: [unclosed\n")
     assert "invalid YAML" in msg and "line" in msg

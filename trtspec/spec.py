@@ -11,7 +11,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -22,10 +22,11 @@ Dtype = Literal["float32", "float16", "bfloat16"]
 Backend = Literal["torch", "trtllm"]
 Method = Literal["draft_target", "ngram"]
 Quantization = Literal["none", "fp8", "int4_awq", "int8_wo"]
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 
 MAX_DRAFT_LEN_LIMIT = 16
 _UNPINNED_REVISIONS = {"main", "master", "head", "latest"}
-_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+_NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")  # whole name: used with fullmatch
 
 
 class _Strict(BaseModel):
@@ -168,7 +169,7 @@ class EngineSpec(_Strict):
     @field_validator("name")
     @classmethod
     def _name_is_slug(cls, v: str) -> str:
-        if not _NAME_RE.match(v):
+        if not _NAME_RE.fullmatch(v):
             raise ValueError(
                 f"'{v}' is not a usable name; use lowercase letters, digits, '.', '_' or '-' "
                 "(it becomes folder and model names)"

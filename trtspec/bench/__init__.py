@@ -1,0 +1,1 @@
+"""Measurements: in-process and served benchmarks, the analytic bound, plots, peers."""

@@ -1,0 +1,1 @@
+"""Engines: the backend-neutral build, manifests, checks, and the torch and trtllm backends."""

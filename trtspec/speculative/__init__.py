@@ -1,0 +1,1 @@
+"""Speculative decoding: the one loop, drafters, verifier, request rules and metrics."""

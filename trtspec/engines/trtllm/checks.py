@@ -45,12 +45,7 @@ def check_model(spec: EngineSpec, role: str, hf_config) -> Family:
             f"{_divisors(kv_heads)} or a multiple of {kv_heads}"
         )
     _check_split(role, "pp_size", model.pp_size, "num_hidden_layers", hf_config.num_hidden_layers)
-    world = model.tp_size * model.pp_size
-    if model.gpu_device_ids is not None and len(model.gpu_device_ids) != world:
-        raise TrtspecError(
-            f"{role}.gpu_device_ids: lists {len(model.gpu_device_ids)} GPU(s) but tp_size x "
-            f"pp_size = {world}; list exactly {world} device id(s)"
-        )
+    world = model.tp_size * model.pp_size  # gpu_device_ids match it: the spec checks that
     if role == "draft":
         target = spec.target
         target_world = target.tp_size * target.pp_size

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 from trtspec.errors import TrtspecError
+from trtspec.spec import QUANTIZATIONS
 
 # The one place the targeted release is named. The Triton container below is the one
 # tensorrtllm_backend's Dockerfile builds with TENSORRTLLM_VER=1.2.1 (commit 0b9d7d5a).
@@ -24,7 +25,7 @@ TRITON_CONTAINER = "nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3"
 EXAMPLES_ENV = "TRTSPEC_TRTLLM_EXAMPLES"
 DEFAULT_EXAMPLES_DIR = "/app/tensorrt_llm/examples"
 
-ALL_QUANTIZATIONS = ("none", "fp8", "int4_awq", "int8_wo")
+ALL_QUANTIZATIONS = QUANTIZATIONS  # every trtllm family supports every spec quantization
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""Code that runs inside tritonserver's Python backend: the engine and orchestrator models."""

@@ -37,7 +37,7 @@ from trtspec.triton.backend.engine_core import per_row
 
 @dataclass(frozen=True)
 class OrchestratorSettings:
-    """What the model's config parameters say (see repository.py)."""
+    """What the model's config parameters say (see triton/repository/writer.py)."""
 
     mode: str  # "speculative" or "target_only"
     decoupled: bool

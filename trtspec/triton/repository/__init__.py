@@ -1,0 +1,1 @@
+"""Writing a Triton model repository: typed configs rendered to config.pbtxt and parsed back."""
