@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Literal
 
 from trtspec.engines.trtllm.families import Family
+from trtspec.layout import EngineKind, role_of
 from trtspec.spec import BuildLimits, EngineSpec, ModelSpec
 
 Tool = Literal["convert_checkpoint", "quantize", "trtllm-build"]
-EngineKind = Literal["target", "control", "draft"]
 
 TRTLLM_BUILD = "trtllm-build"
 QUANTIZE_SCRIPT = "quantization/quantize.py"
@@ -114,7 +114,7 @@ def engine_limits(limits: BuildLimits, max_draft_len: int) -> dict[str, int]:
 
 
 def build_command(spec: EngineSpec, kind: EngineKind, layout: Layout) -> Command:
-    role = "draft" if kind == "draft" else "target"
+    role = role_of(kind)
     model = spec.models()[role]
     k = spec.speculative.max_draft_len
     argv = [TRTLLM_BUILD, "--checkpoint_dir", str(layout.checkpoints[role]),
