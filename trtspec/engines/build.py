@@ -11,6 +11,7 @@ an interrupted build leaves nothing that loads.
 from __future__ import annotations
 
 import importlib
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -224,11 +225,16 @@ def finish_engine(
     parameters: int,
     versions: dict[str, str],
     max_draft_len: int,
+    tokenizer_dir: str = "",
     commands: list[list[str]] | None = None,
 ) -> Manifest:
-    """Record every file of a built engine in its manifest (written last) and rename the temp
-    folder into place."""
+    """Add the tokenizer (under ``tokenizer_dir``) and generation_config.json, record every
+    file in the manifest (written last) and rename the temp folder into place."""
     spec, model = loaded.spec, ckpt.model
+    ckpt.tokenizer().save_pretrained(tmp / tokenizer_dir)
+    gen = ckpt.folder / "generation_config.json"
+    if gen.is_file():
+        shutil.copy2(gen, tmp / "generation_config.json")
     cfg = ckpt.hf_config()
     role = role_of(kind)
     files = {str(p.relative_to(tmp)): file_record(p) for p in sorted(tmp.rglob("*")) if p.is_file()}

@@ -69,10 +69,6 @@ def build_torch_engine(loaded: LoadedSpec, ckpt: Checkpoint, folder: Path) -> No
             save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
             hf_config.dtype = ckpt.model.dtype
             hf_config.save_pretrained(tmp)
-            ckpt.tokenizer().save_pretrained(tmp)
-            gen = ckpt.folder / "generation_config.json"
-            if gen.is_file():
-                shutil.copy2(gen, tmp / "generation_config.json")
             finish_engine(
                 loaded, ckpt, role, tmp, folder,
                 backend="torch",

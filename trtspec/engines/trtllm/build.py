@@ -301,17 +301,14 @@ def _stream(cmd: Command, log, tail: deque[str], show) -> int:
 
 def _finish_engine(loaded: LoadedSpec, ckpt: Checkpoint, kind: str, tmp: Path, folder: Path,
                    commands: list[Command], trtllm_version: str) -> None:
-    """Add the tokenizer to a built engine folder and finish it (manifest, rename)."""
-    ckpt.tokenizer().save_pretrained(tmp / TRTLLM_TOKENIZER_DIR)
-    gen = ckpt.folder / "generation_config.json"
-    if gen.is_file():
-        shutil.copy2(gen, tmp / "generation_config.json")
+    """Finish a built engine folder: tokenizer in its own subfolder, manifest, rename."""
     finish_engine(
         loaded, ckpt, kind, tmp, folder,
         backend="trtllm",
         parameters=parameter_count(ckpt.weight_files),
         versions=tool_versions(trtllm_version),
         max_draft_len=loaded.spec.speculative.max_draft_len if kind == "target" else 0,
+        tokenizer_dir=TRTLLM_TOKENIZER_DIR,
         commands=[list(c.argv) for c in commands],
     )
 
