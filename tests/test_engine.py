@@ -80,12 +80,29 @@ def test_more_sequences_than_slots_evicts_correctly(dep):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_slot_pool_prefers_longest_prefix():
-    pool = SlotPool(3)
+def test_slot_pool_continues_a_sequence_with_its_rejected_drafts_rolled_back():
+    pool = SlotPool(3, rollback=1)
     pool.commit(0, [1, 2, 3])
     pool.commit(1, [1, 2, 3, 4, 5])
+    # [1, 2, 3, 4, 9] keeps all of slot 1 but its last token (a rejected draft): slot 1 again.
     assert pool.assign([[1, 2, 3, 4, 9]]) == [(1, 4)]
     assert pool.assign([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5]]) == [(1, 5), (0, 3)]
+
+
+def test_slot_pool_never_gives_a_live_sequence_to_one_that_only_shares_its_header():
+    header = [7, 7, 7, 7]  # e.g. a chat template's system prompt
+    pool = SlotPool(3, rollback=2)
+    live_a = header + [10, 11, 12, 13, 14, 15]
+    pool.commit(0, live_a)
+    pool.commit(1, [99])  # used later than slot 2: slot 2 is the least recently used
+    (slot_b, reuse_b) = pool.assign([header + [20, 21]])[0]
+    assert slot_b == 2 and reuse_b == 0  # not slot 0, although it shares 4 tokens with it
+    pool.commit(slot_b, header + [20, 21])
+    # A comes back with two rejected drafts replaced: it finds its own slot and K/V again.
+    assert pool.assign([live_a[:-2] + [30, 31]]) == [(0, len(live_a) - 2)]
+    # A new sequence takes the least recently used slot and still reuses what it shares.
+    pool.commit(0, live_a)
+    assert pool.assign([[99, 5]]) == [(1, 1)]
 
 
 def test_engine_rejects_bad_input(dep):

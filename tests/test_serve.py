@@ -31,6 +31,7 @@ from trtspec.cli.app import app  # noqa: E402
 from trtspec.errors import ServerError  # noqa: E402
 from trtspec.layout import BLS_MODEL as BLS  # noqa: E402
 from trtspec.layout import BLS_STREAMING_MODEL as BLS_STREAMING  # noqa: E402
+from trtspec.layout import CONTROL_ENGINE_MODEL as CONTROL_ENGINE  # noqa: E402
 from trtspec.layout import CONTROL_MODEL as CONTROL  # noqa: E402
 from trtspec.layout import DRAFT_MODEL as DRAFT  # noqa: E402
 from trtspec.layout import REPO_INFO  # noqa: E402
@@ -140,7 +141,7 @@ def test_repository_configs_parse_back_and_name_both_engines(deployment, tmp_pat
     loaded, _ = deployment
     repo = write_repository(loaded, loaded.output_dir(), tmp_path / "repo")
     names = sorted(p.name for p in repo.iterdir() if p.is_dir())
-    assert names == sorted([TARGET, DRAFT, BLS, BLS_STREAMING, CONTROL])
+    assert names == sorted([TARGET, DRAFT, CONTROL_ENGINE, BLS, BLS_STREAMING, CONTROL])
     for name in names:
         text = (repo / name / "config.pbtxt").read_text()
         msg = pbtxt.check_text(text)  # Triton's ModelConfig protobuf; refuses ${placeholders}
@@ -148,9 +149,16 @@ def test_repository_configs_parse_back_and_name_both_engines(deployment, tmp_pat
         assert "from trtspec.triton.backend.models." in (repo / name / "1" / "model.py").read_text()
     bls = pbtxt.parse((repo / BLS / "config.pbtxt").read_text())
     assert bls.instance_group[0].count == 2 and not bls.model_transaction_policy.decoupled
+    assert bls.dynamic_batching.default_queue_policy.max_queue_size == loaded.spec.serve.max_queue == 64
     assert pbtxt.parse((repo / BLS_STREAMING / "config.pbtxt").read_text()).model_transaction_policy.decoupled
     assert bls.parameters["tensorrt_llm_draft_model_name"].string_value == DRAFT
-    assert pbtxt.parse((repo / CONTROL / "config.pbtxt").read_text()).parameters["mode"].string_value == "target_only"
+    control = pbtxt.parse((repo / CONTROL / "config.pbtxt").read_text()).parameters
+    assert control["mode"].string_value == "target_only"
+    # The control path has its own copy of the target: no cache state shared with speculation.
+    assert control["tensorrt_llm_model_name"].string_value == CONTROL_ENGINE
+    assert bls.parameters["tensorrt_llm_model_name"].string_value == TARGET
+    own = pbtxt.parse((repo / CONTROL_ENGINE / "config.pbtxt").read_text()).parameters
+    assert own["engine_dir"].string_value == str(loaded.output_dir() / "target")
     engine = pbtxt.parse((repo / TARGET / "config.pbtxt").read_text())
     assert engine.parameters["engine_dir"].string_value == str(loaded.output_dir() / "target")
     assert engine.HasField("dynamic_batching")

@@ -157,6 +157,7 @@ def test_streaming_sends_each_step_then_one_final_with_metrics(built):
         ({"num_draft_tokens": 99}, "num_draft_tokens must be in 0..8"),
         ({"text_input": b"   "}, "text_input is empty"),
         ({"text_input": b"\xff\xfe"}, "not valid UTF-8"),
+        ({"text_input": "caf\udce9"}, "not valid UTF-8"),  # a lone surrogate in a str tensor
         ({"stream": True}, "stream=true needs the decoupled model"),
         ({"end_id": 100000}, "end_id 100000 is outside the vocabulary"),
     ],
@@ -166,7 +167,47 @@ def test_bad_requests_get_their_own_error(built, extra, message):
     orch = _orchestrator(dep)
     bad = _request(PROMPTS[0])
     for k, v in extra.items():
-        bad[k] = np.array([[v]], dtype=np.object_ if isinstance(v, bytes) else None)
+        bad[k] = np.array([[v]], dtype=np.object_ if isinstance(v, (bytes, str)) else None)
     answers = orch.run([bad, _request(PROMPTS[0])])
     assert isinstance(answers[0], RequestError) and message in str(answers[0])
     assert isinstance(answers[1], dict)
+
+
+def test_a_tokenizer_failure_fails_only_its_own_request(built, monkeypatch):
+    from trtspec.triton.backend import orchestrator_core
+
+    dep = built()
+    orch = _orchestrator(dep)
+    real = orchestrator_core.encode_prompt
+
+    def fragile(tokenizer, prompt, chat):
+        if prompt == "boom":
+            raise ValueError("chat template failed")
+        return real(tokenizer, prompt, chat)
+
+    monkeypatch.setattr(orchestrator_core, "encode_prompt", fragile)
+    answers = orch.run([_request("boom"), _request(PROMPTS[0])])
+    assert isinstance(answers[0], Exception) and "chat template failed" in str(answers[0])
+    assert isinstance(answers[1], dict)
+
+
+class _RewritingTokenizer:
+    """Decodes ids as letters; once the text is longer than 4 characters its first letter is
+    capitalised, so a longer decode no longer starts with what an earlier one returned."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        text = "".join(chr(ord("a") + i) for i in ids)
+        return text[:1].upper() + text[1:] if len(text) > 4 else text
+
+
+def test_streamed_text_is_never_sent_twice_when_decoding_rewrites_earlier_text():
+    stream = orchestrator_core_stream(_RewritingTokenizer())
+    steps = [[0, 1], [2], [3, 4], [5]]
+    deltas = [stream.step(ids, done=i == len(steps) - 1)["text_output"][0, 0].decode() for i, ids in enumerate(steps)]
+    assert "".join(deltas) == "abcdef"  # each letter once, in order (the old code re-sent "Abcde")
+
+
+def orchestrator_core_stream(tokenizer):
+    from trtspec.triton.backend.orchestrator_core import _Stream
+
+    return _Stream(tokenizer)

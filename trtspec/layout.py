@@ -13,8 +13,9 @@ from typing import Literal
 Role = Literal["target", "draft"]  # what the spec describes
 EngineKind = Literal["target", "control", "draft"]  # what a build produces
 
-# The control engine is the target built without speculative flags (trtllm only): what
-# verify compares against. torch deployments verify against the target engine itself.
+# The control engine is what the target-only endpoint (what verify compares against) runs:
+# trtllm builds it as the target without speculative flags; torch serves a second copy of the
+# target engine, so the two paths never share KV-cache state.
 ENGINE_KINDS: tuple[EngineKind, ...] = ("target", "draft", "control")
 KINDS_OF_ROLE: dict[str, dict[str, tuple[EngineKind, ...]]] = {
     "torch": {"target": ("target",), "draft": ("draft",)},
@@ -24,14 +25,14 @@ KINDS_OF_ROLE: dict[str, dict[str, tuple[EngineKind, ...]]] = {
 # Triton model names, as TensorRT-LLM's tensorrtllm_backend names them where it has one.
 TARGET_MODEL = "tensorrt_llm"
 DRAFT_MODEL = "tensorrt_llm_draft"
-TRTLLM_CONTROL_MODEL = "tensorrt_llm_control"  # trtllm control engine
+CONTROL_ENGINE_MODEL = "tensorrt_llm_control"  # the target-only endpoint's own target engine
 BLS_MODEL = "tensorrt_llm_bls"
 BLS_STREAMING_MODEL = "tensorrt_llm_bls_streaming"
 CONTROL_MODEL = "target_only"  # the target-only text endpoint
 ENGINE_MODELS: dict[EngineKind, str] = {
     "target": TARGET_MODEL,
     "draft": DRAFT_MODEL,
-    "control": TRTLLM_CONTROL_MODEL,
+    "control": CONTROL_ENGINE_MODEL,
 }
 
 REPO_INFO = "trtspec-repo.json"  # beside the models; Triton ignores files at the top level

@@ -138,6 +138,9 @@ class ServeSpec(_Strict):
     metrics_port: Annotated[int, Field(ge=1, le=65535)] = 8002
     instance_count: Annotated[int, Field(ge=1, le=64)] = 1
     streaming: bool = True
+    # Requests each text endpoint holds waiting for a batch slot; beyond it, overload is
+    # answered at once with UNAVAILABLE instead of queueing without bound.
+    max_queue: Annotated[int, Field(ge=1, le=100_000)] = 64
     repo_dir: str | None = None  # default model_repo/<name>
 
     @model_validator(mode="after")

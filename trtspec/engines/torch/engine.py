@@ -48,11 +48,20 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 
 class SlotPool:
-    """Which tokens each KV slot holds, and which slot a new sequence should reuse."""
+    """Which tokens each KV slot holds, and which slot a sequence should use.
 
-    def __init__(self, slots: int):
+    A slot *continues* the sequence it holds when a new sequence keeps all of its cached
+    tokens but at most the last ``rollback`` (draft tokens the target rejected): then it is
+    that sequence coming back, and its K/V is reused. Any other sequence takes the least
+    recently used slot, still reusing whatever prefix it shares with it. So a live sequence is
+    never evicted by another that merely shares a prefix with it (a chat template's header),
+    as long as there are as many slots as live sequences.
+    """
+
+    def __init__(self, slots: int, rollback: int = 0):
         self.tokens: list[list[int]] = [[] for _ in range(slots)]
         self.last_used = [0.0] * slots
+        self.rollback = rollback
 
     def assign(self, batch: list[list[int]]) -> list[tuple[int, int]]:
         """(slot, reusable prefix length) per sequence, distinct slots within the batch."""
@@ -61,12 +70,15 @@ class SlotPool:
         for seq in batch:
             best, best_len = -1, -1
             for s, cached in enumerate(self.tokens):
-                if s in taken:
+                if s in taken or not cached:
                     continue
                 n = common_prefix_len(seq, cached)
-                # Longest shared prefix wins; among equals, the least recently used slot.
-                if n > best_len or (n == best_len and self.last_used[s] < self.last_used[best]):
-                    best, best_len = s, n
+                if n > 0 and n >= len(cached) - self.rollback and n > best_len:
+                    best, best_len = s, n  # the longest continuation
+            if best < 0:  # a new sequence: the least recently used free slot
+                best = min((s for s in range(len(self.tokens)) if s not in taken),
+                           key=lambda s: self.last_used[s])
+                best_len = common_prefix_len(seq, self.tokens[best])
             taken.add(best)
             out.append((best, best_len))
         return out
@@ -99,7 +111,8 @@ class TorchEngine:
         dtype = DTYPES[manifest.dtype]
         self.cache = KVCache(model.cfg, slots, self.max_seq_len, dtype)
         self.cos, self.sin = rope_tables(hf_config, self.max_seq_len)
-        self.pool = SlotPool(slots)
+        # A sequence comes back with up to max_draft_len rejected drafts (+ the bonus) replaced.
+        self.pool = SlotPool(slots, rollback=manifest.max_draft_len + 1)
         self._lock = threading.Lock()
         self.forwards = 0  # number of run() calls that computed something
 

@@ -77,7 +77,12 @@ def _text(value) -> str:
             return value.decode("utf-8")
         except UnicodeDecodeError as err:
             raise RequestError(f"text is not valid UTF-8 ({err.reason} at byte {err.start}); send UTF-8 text") from None
-    return str(value)
+    text = str(value)
+    try:  # a str can still hold lone surrogates (undecodable bytes smuggled through JSON)
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise RequestError(f"text is not valid UTF-8 ({err.reason} at character {err.start}); send UTF-8 text") from None
+    return text
 
 
 class Orchestrator:
@@ -179,6 +184,8 @@ class Orchestrator:
                 parsed[i] = self.parse(inputs)
             except RequestError as err:
                 answers[i] = err
+            except Exception as err:  # a tokenizer or chat-template failure: this request only
+                answers[i] = RuntimeError(f"could not prepare the request: {type(err).__name__}: {err}")
         owners = [(i, r) for i in parsed for r in range(len(parsed[i]))]
         rows = [parsed[i][r] for i, r in owners]
         if not rows:
@@ -253,21 +260,30 @@ def _metrics_tensors(rows: Sequence[Row], results: Sequence[GenerationResult]) -
 
 
 class _Stream:
-    """Per-stream state: tokens so far and the text already sent (UTF-8 safe deltas)."""
+    """Per-stream text deltas, decoded incrementally as inference servers do (vLLM, TGI).
+
+    Each step decodes from ``prefix`` (a few tokens of context before the unsent ones, so
+    word boundaries and spaces come out as in a full decode) and sends only what lies past
+    the text of ``ids[prefix:read]``. Text once sent is never sent again, even where decoding
+    more tokens rewrites earlier characters; a character split across tokens (U+FFFD until it
+    completes) is held back until it is whole.
+    """
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.sent = ""
+        self.prefix = 0  # ids[prefix:read]: already sent, decoded again as context
+        self.read = 0  # ids[read:]: not sent yet
 
     def step(self, emitted: list[int], done: bool) -> dict[str, np.ndarray]:
         self.ids += emitted
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        # A multi-byte character split across tokens decodes to U+FFFD until it completes.
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        sent = decode(self.ids[self.prefix : self.read])
+        text = decode(self.ids[self.prefix :])
         delta = ""
-        if done or not text.endswith("\ufffd"):
-            delta = text[len(self.sent):] if text.startswith(self.sent) else text
-            self.sent = text
+        if len(text) > len(sent) and (done or not text.endswith("\ufffd")):
+            delta = text[len(sent) :]
+            self.prefix, self.read = self.read, len(self.ids)
         return {
             "text_output": np.array([[delta.encode()]], dtype=np.object_),
             "output_ids": np.array([emitted], dtype=np.int32).reshape(1, len(emitted)),

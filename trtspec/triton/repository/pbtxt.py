@@ -68,6 +68,8 @@ class DynamicBatching:
 
     max_queue_delay_microseconds: int = 0
     preferred_batch_sizes: Sequence[int] = ()
+    # Requests waiting beyond this are refused at once (UNAVAILABLE); None: unbounded.
+    max_queue_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,8 @@ def to_proto(cfg: ModelConfig) -> pb.ModelConfig:
             batching = msg.dynamic_batching
             batching.max_queue_delay_microseconds = cfg.dynamic_batching.max_queue_delay_microseconds
             batching.preferred_batch_size.extend(cfg.dynamic_batching.preferred_batch_sizes)
+            if cfg.dynamic_batching.max_queue_size is not None:
+                batching.default_queue_policy.max_queue_size = cfg.dynamic_batching.max_queue_size
         if cfg.extra_pbtxt:
             text_format.Merge(cfg.extra_pbtxt, msg)
     except (TypeError, ValueError, text_format.ParseError) as err:

@@ -120,20 +120,26 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path) -> RepoPlan:
     has_draft = spec.speculative.method == "draft_target"
     if spec.backend == "torch":
         vocab = _vocab_size(engines_dir / "target")
-        # Enough KV slots for every orchestrator instance's batch, speculative and control
-        # at once, so concurrent clients do not evict each other's cached prefixes.
-        slots = batch * spec.serve.instance_count * 2
-        roles = {TARGET_MODEL: "target"} | ({DRAFT_MODEL: "draft"} if has_draft else {})
-        for name, role in roles.items():
+        # The control endpoint gets its own copy of the target (own KV cache): verify --url
+        # must compare two paths that share no cache state, or a cache bug would pass as
+        # "identical". Slots: one per batch row of every orchestrator instance that calls the
+        # engine (speculative, plus streaming), so live sequences never evict each other.
+        callers = spec.serve.instance_count * (2 if spec.serve.streaming else 1)
+        engines = {TARGET_MODEL: ("target", batch * callers)}
+        if has_draft:
+            engines[DRAFT_MODEL] = ("draft", batch * callers)
+        engines[ENGINE_MODELS["control"]] = ("control", batch * spec.serve.instance_count)
+        for name, (kind, slots) in engines.items():
+            role = role_of(kind)
             params = {
-                "engine_dir": str(engines_dir / role),
-                "role": role,
+                "engine_dir": str(engine_folder(engines_dir, role)),
+                "role": kind,
                 "kv_cache_slots": str(slots),
-                "max_draft_len": str(spec.speculative.max_draft_len if role == "target" else 0),
+                "max_draft_len": str(spec.speculative.max_draft_len if kind == "target" else 0),
                 "exclude_input_in_output": "false",
                 "enable_kv_cache_reuse": "true",
             }
-            if role == "draft":
+            if kind == "draft":
                 params["vocab_limit"] = str(min(vocab, _vocab_size(engines_dir / "draft")))
             cfg = ModelConfig(
                 name=name, backend="python", max_batch_size=spec.limits(role).max_batch_size,
@@ -141,7 +147,7 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path) -> RepoPlan:
                 dynamic_batching=DynamicBatching(max_queue_delay_microseconds=0),
             )
             models[name] = (cfg, ENGINE_SHIM)
-        control_target = TARGET_MODEL
+        control_target = ENGINE_MODELS["control"]
         margins = True
     else:
         from trtspec.triton.repository.trtllm_models import engine_model_configs
@@ -176,7 +182,7 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path) -> RepoPlan:
         cfg = ModelConfig(
             name=name, backend="python", max_batch_size=batch, inputs=BLS_INPUTS, outputs=BLS_OUTPUTS,
             parameters=params, instance_count=spec.serve.instance_count, decoupled=decoupled,
-            dynamic_batching=DynamicBatching(max_queue_delay_microseconds=0),
+            dynamic_batching=DynamicBatching(max_queue_delay_microseconds=0, max_queue_size=spec.serve.max_queue),
         )
         models[name] = (cfg, ORCHESTRATOR_SHIM)
     info = {
