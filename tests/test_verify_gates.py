@@ -8,9 +8,9 @@ import xml.etree.ElementTree as ET
 
 import pytest
 import torch
+from conftest import write_spec
 from typer.testing import CliRunner
 
-from conftest import write_spec
 from trtspec.cli.app import app
 from trtspec.engines.torch.engine import TorchEngine
 
@@ -28,7 +28,7 @@ def spec_file(tmp_path_factory, tiny_ckpts):
 @pytest.fixture(scope="module")
 def baseline(spec_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("baseline") / "previous.json"
-    r = runner.invoke(app, ["verify", str(spec_file), "--json", str(out)])
+    r = runner.invoke(app, ["verify", str(spec_file), "--json-file", str(out)])
     assert r.exit_code == 0, r.output
     return out
 
@@ -53,7 +53,7 @@ def near_tie_flips(monkeypatch, delta: float):
 def test_numerical_divergence_fails_any_and_passes_algorithmic(spec_file, tmp_path, monkeypatch):
     near_tie_flips(monkeypatch, delta=2.0)
     j, x = tmp_path / "r.json", tmp_path / "r.xml"
-    args = ["verify", str(spec_file), "--tie-epsilon", "4", "--json", str(j), "--junit", str(x)]
+    args = ["verify", str(spec_file), "--tie-epsilon", "4", "--json-file", str(j), "--junit", str(x)]
     r = runner.invoke(app, args)
     assert r.exit_code == 1, r.output
     data = json.loads(j.read_text())
@@ -78,7 +78,7 @@ def test_numerical_divergence_fails_any_and_passes_algorithmic(spec_file, tmp_pa
 def test_same_flips_beyond_epsilon_are_algorithmic(spec_file, tmp_path, monkeypatch):
     near_tie_flips(monkeypatch, delta=2.0)
     j = tmp_path / "r.json"
-    r = runner.invoke(app, ["verify", str(spec_file), "--tie-epsilon", "0.001", "--fail-on", "algorithmic", "--json", str(j)])
+    r = runner.invoke(app, ["verify", str(spec_file), "--tie-epsilon", "0.001", "--fail-on", "algorithmic", "--json-file", str(j)])
     assert r.exit_code == 1
     data = json.loads(j.read_text())
     assert data["verdicts"]["algorithmic"] == data["diverged"] > 0
@@ -87,7 +87,7 @@ def test_same_flips_beyond_epsilon_are_algorithmic(spec_file, tmp_path, monkeypa
 def test_acceptance_gate_passes_on_the_same_deployment(spec_file, baseline, tmp_path):
     j = tmp_path / "r.json"
     r = runner.invoke(app, ["verify", str(spec_file), "--baseline", str(baseline), "--max-acceptance-drop", "5%",
-                            "--min-acceptance-length", "1.5", "--json", str(j)])
+                            "--min-acceptance-length", "1.5", "--json-file", str(j)])
     assert r.exit_code == 0, r.output
     gate = json.loads(j.read_text())["acceptance_gate"]
     assert gate["passed"] is True and len(gate["checks"]) == 2
@@ -101,7 +101,7 @@ def test_acceptance_drop_fails_with_both_figures(spec_file, baseline, tmp_path, 
     r = runner.invoke(app, ["verify", str(worse), "--baseline", str(baseline), "--max-acceptance-drop", "5%"])
     assert r.exit_code == 1, r.output
     base = json.loads(baseline.read_text())
-    line = next(l for l in r.stdout.splitlines() if l.startswith("FAILED"))
+    line = next(x for x in r.stdout.splitlines() if x.startswith("FAILED"))
     assert "acceptance rate on spec.yaml verify.prompts [5 prompts, sha256" in line
     assert f"baseline {base['metrics']['acceptance_rate']:.4f} -> now" in line
     assert "at most 5.0% allowed" in line

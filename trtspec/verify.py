@@ -32,9 +32,9 @@ class VerifyBackend(Protocol):
 
     def token_text(self, token_id: int) -> str: ...
 
-    def classify(self, target: PathRun, spec: PathRun, div: Divergence) -> DivergenceVerdict:
-        """Numerical or algorithmic (trtspec.verdicts); "unclassified" when it cannot replay."""
-        ...
+    # Optional: classify(target, spec, div) -> DivergenceVerdict (trtspec.verdicts). A backend
+    # without it (gRPC: the served endpoints return neither step boundaries nor logits)
+    # leaves divergences unclassified, which fail under every --fail-on.
 
 
 @dataclass
@@ -168,6 +168,16 @@ def first_divergence(target: PathRun, spec: PathRun, text) -> Divergence | None:
     return None
 
 
+def _classify(backend, target: PathRun, spec: PathRun, div: Divergence) -> DivergenceVerdict:
+    if hasattr(backend, "classify"):
+        return backend.classify(target, spec, div)
+    return DivergenceVerdict(
+        "unclassified",
+        "over --url the target cannot be replayed; run `trtspec verify SPEC` in process to class it",
+        None,
+    )
+
+
 def run_verify(
     backend: VerifyBackend,
     prompts: list[str],
@@ -194,7 +204,7 @@ def run_verify(
             target = backend.run(prompt, max_tokens, speculative=False)
         div = first_divergence(target, spec, backend.token_text)
         if div is not None:
-            div.verdict = backend.classify(target, spec, div)
+            div.verdict = _classify(backend, target, spec, div)
         results.append(
             PromptResult(
                 index=i,

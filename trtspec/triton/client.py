@@ -140,17 +140,6 @@ class GrpcBackend:
             return f"<id {token_id}>"
         return self.tokenizer.decode([token_id])
 
-    def classify(self, target, spec, div):
-        from trtspec.verdicts import DivergenceVerdict
-
-        # The served endpoints return neither the step boundaries nor the target's logits,
-        # so the replay cannot run over gRPC; such a divergence fails under every --fail-on.
-        return DivergenceVerdict(
-            "unclassified",
-            "over --url the target cannot be replayed; run `trtspec verify SPEC` in process to class it",
-            None,
-        )
-
 
 def _first_line(err: Exception) -> str:
     text = str(err).strip()
