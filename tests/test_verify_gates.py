@@ -150,3 +150,37 @@ def test_bad_gate_flags_exit_2(spec_file, args, message):
     r = runner.invoke(app, ["verify", str(spec_file), *args])
     assert r.exit_code == 2
     assert message in r.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--temperature", "0.7"], "--temperature only apply to sampling; add --sampling N"),
+        (["--sampling", "100", "--url", "127.0.0.1:8001"], "--sampling runs in process"),
+        (["--sampling", "5"], "use --sampling 10 or more"),
+        (["--sampling", "20", "--temperature", "0"], "temperature must be > 0"),
+    ],
+)
+def test_bad_sampling_flags_exit_2(spec_file, args, message):
+    r = runner.invoke(app, ["verify", str(spec_file), *args])
+    assert r.exit_code == 2, r.output
+    assert message in r.stderr
+
+
+def test_sampling_check_passes_and_catches_a_sampler_without_rejection(built, monkeypatch):
+    """On tiny models, against the target's exact conditionals: the real sampler passes; one
+    that accepts every draft is caught. The unrelated draft makes q far from p, as a broken
+    or mismatched draft would be (seeded: deterministic)."""
+    from trtspec.speculative import loop
+    from trtspec.speculative.sampling import SamplingParams, accept_all
+    from trtspec.verify_sampling import run_sampling_check
+
+    dep = built("unrelated")
+    prompts = ["The quick brown fox", "def fibonacci(n):", "Triton serves models over HTTP and gRPC."]
+    params = SamplingParams(temperature=1.0, seed=7)
+    exact = run_sampling_check(dep, prompts, 20, 12, params)
+    assert exact.values >= 60 and exact.passed, exact.describe()
+    assert 0 < exact.metrics.accepted < exact.metrics.drafted
+    monkeypatch.setattr(loop, "accept_or_resample", accept_all)
+    biased = run_sampling_check(dep, prompts, 20, 12, params)
+    assert not biased.passed, biased.describe()

@@ -3,28 +3,34 @@
 Batched verification runs the target over k+1 tokens in one forward while target-only
 decoding runs it one token at a time. Different kernel shapes round differently, so where the
 target's top two logits nearly tie, the two paths can pick different tokens with no bug
-anywhere. At the first divergence (output index i) the target ALONE is replayed over the
-tokens both paths share, from an empty prefix cache, both ways:
+anywhere. At the first divergence (output index i) the target ALONE is replayed from an
+empty prefix cache over the tokens both paths share, both ways:
 
-    shared prefix   prompt + out[:s-1] in one forward (s: where the speculative step that
-                    produced token i began; out[:i] is common to both paths)
-    control shape   then one token at a time from position s-1 up to i   (like target-only)
-    verifier shape  then ONE forward over out[s-1:i] + filler, k+1 rows (like that step)
+    control shape   the prompt in one forward, then one token at a time up to i: exactly the
+                    forwards target-only decoding ran;
+    verifier shape  the speculative run's own steps (recorded (start, drafts) pairs): each a
+                    forward over context + k tokens with k+1 rows, up to the step that
+                    produced token i: exactly the target forwards the verifier ran.
 
-Only the last forward's shape differs between the two replays. The divergence is
+Rows past the accepted drafts hold filler (the run's own later tokens): causal attention keeps
+them out of every kept row, their K/V is rewritten by the next step, and they keep each
+forward's shape. The draft model is not involved: only forward shapes differ between the
+replays. The divergence is
 
     numerical    the verifier-shape replay yields the speculative path's token, the
                  control-shape replay yields the target-only token, and the two tokens'
                  logit gap (control replay) is below epsilon: the flip reproduces from the
-                 forward's shape alone, at a near-tie;
+                 forwards' shapes alone, at a near-tie;
     algorithmic  anything else: the speculative machinery changed the output.
 
 A path that ended at i (EOS) counts as "the target's argmax is an end id". Rows after i in
 the verifier-shape forward hold filler tokens: causal attention keeps them out of row i, and
 they keep the forward's shape (k+1 rows) exactly as the verifier ran it.
 
-Default epsilon per target dtype (logits, float32): the largest logit change between the two
-shapes on the demo and tiny specs was measured and each default sits well above it (README).
+Default epsilon per target dtype (in logits): set from each format's precision (bfloat16
+keeps 8 significant bits, float16 11, float32 24; logits of magnitude 10-30), not fitted to a
+data set. The flip must also reproduce from the forward's shape alone, so a generous epsilon
+cannot by itself turn a real bug into a tie.
 """
 
 from __future__ import annotations
@@ -48,9 +54,10 @@ class Replay:
     """The target's logits at the divergent position, replayed both ways."""
 
     control: torch.Tensor  # [vocab] one token at a time
-    verifier: torch.Tensor  # [vocab] one (k+1)-row forward
+    verifier: torch.Tensor  # [vocab] row of the verifier-shaped forward that produced it
     step_start: int  # s
     rows: int  # k + 1
+    steps_replayed: int
 
 
 @dataclass
@@ -65,41 +72,31 @@ def replay(
     run: RunFn,
     forget: Callable[[], None],
     prompt_ids: Sequence[int],
-    shared: Sequence[int],
-    filler: Sequence[int],
-    step_start: int,
-    n_drafted: int,
+    spec_ids: Sequence[int],
+    steps: Sequence[tuple[int, int]],
+    index: int,
 ) -> Replay:
-    """Logits for output index i = len(shared), replayed in both shapes from an empty cache.
-
-    ``shared``: the output tokens both paths agree on (out[:i]); ``step_start`` (s <= i) and
-    ``n_drafted`` (k >= i - s) describe the speculative step that produced token i.
-    """
-    i = len(shared)
-    if not 0 <= step_start <= i or n_drafted < i - step_start:
-        raise ValueError(f"step (start {step_start}, {n_drafted} drafts) cannot produce token {i}")
-    seq = list(prompt_ids) + list(shared)  # tokens before output i
-    base = len(prompt_ids) + step_start - 1  # the step recomputed positions base.. (its context's last token)
-
-    def prefill() -> None:
-        forget()
-        if base > 0:
-            run([ForwardItem(seq[:base], 1)])
-
-    prefill()
+    """Logits for output ``index`` replayed in both shapes (module doc). ``spec_ids``: the
+    speculative output (its first ``index`` tokens are shared with target-only); ``steps``:
+    its GenerationResult.steps."""
+    prompt, out = list(prompt_ids), list(spec_ids)
+    mine = [(s, k) for s, k in steps if s <= index]
+    if not mine or index > mine[-1][0] + mine[-1][1]:
+        raise ValueError(f"no recorded step produced output {index}")
+    forget()
     logits = None
-    for end in range(base + 1, len(seq) + 1):  # one new token per forward
-        (logits,) = run([ForwardItem(seq[:end], 1)])  # [1, vocab]
+    for t in range(index + 1):  # t = 0 is the prompt's prefill, as target-only ran it
+        (logits,) = run([ForwardItem(prompt + out[:t], 1)])  # [1, vocab]
     control = logits[-1]
 
-    prefill()
-    rows = n_drafted + 1
-    pad = list(filler) + [seq[-1]] * rows  # only the count matters after row i
-    block = seq + pad[: rows - (len(seq) - base)]
-    (logits,) = run([ForwardItem(block, rows)])  # [k+1, vocab]
-    verifier = logits[i - step_start]
+    forget()
+    for start, k in mine:
+        block = out[start : start + k]
+        block += [(out or prompt)[-1]] * (k - len(block))  # filler past the run's end
+        (logits,) = run([ForwardItem(prompt + out[:start] + block, k + 1)])  # [k+1, vocab]
+    start, k = mine[-1]
     forget()  # leave no replay state behind for timed runs
-    return Replay(control.float(), verifier.float(), step_start, rows)
+    return Replay(control.float(), logits[index - start].float(), start, k + 1, len(mine))
 
 
 def classify(
@@ -115,6 +112,7 @@ def classify(
     evidence = {
         "step_start": rep.step_start,
         "forward_rows": rep.rows,
+        "steps_replayed": rep.steps_replayed,
         "control_replay_id": c_arg,
         "verifier_replay_id": v_arg,
         "max_logit_change": float((rep.control - rep.verifier).abs().max()),
@@ -136,25 +134,20 @@ def classify(
         return DivergenceVerdict("algorithmic", why, epsilon, evidence)
     if outcome(v_arg) != spec_id:
         why = (
-            f"the target alone in the verifier's {rep.rows}-row forward gives {_name(outcome(v_arg))}, "
-            f"not the speculative path's {_name(spec_id)}: the flip does not come from the forward's shape"
+            f"the target alone in the speculative run's forward shapes ({rep.steps_replayed} steps, the last "
+            f"{rep.rows} rows) gives {_name(outcome(v_arg))}, not the speculative path's {_name(spec_id)}: "
+            "the flip does not come from forward shapes"
         )
         return DivergenceVerdict("algorithmic", why, epsilon, evidence)
     if not gap < epsilon:
-        why = f"the flip reproduces from the forward's shape, but the logit gap {gap:.4g} is not below epsilon {epsilon:g}"
+        why = f"the flip reproduces from forward shapes, but the logit gap {gap:.4g} is not below epsilon {epsilon:g}"
         return DivergenceVerdict("algorithmic", why, epsilon, evidence)
-    why = f"near-tie (logit gap {gap:.4g} < epsilon {epsilon:g}) flipped by the verifier's {rep.rows}-row forward alone"
+    why = (
+        f"near-tie (logit gap {gap:.4g} < epsilon {epsilon:g}) flipped by the speculative run's "
+        f"forward shapes alone (the last {rep.rows} rows)"
+    )
     return DivergenceVerdict("numerical", why, epsilon, evidence)
 
 
 def _name(tok: int | None) -> str:
     return "<end>" if tok is None else f"token {tok}"
-
-
-def step_producing(steps: Sequence[tuple[int, int]], index: int) -> tuple[int, int] | None:
-    """The (start, drafts) step whose forward produced output ``index``."""
-    found = None
-    for start, n in steps:
-        if start <= index:
-            found = (start, n)
-    return found if found is not None and index <= found[0] + found[1] else None

@@ -22,7 +22,7 @@ from trtspec.files import write_json_atomic, write_text_atomic
 from trtspec.layout import tokenizer_folder
 from trtspec.speculative.loop import PathRun
 from trtspec.speculative.metrics import SpecMetrics
-from trtspec.verdicts import DEFAULT_EPSILON, DivergenceVerdict, classify, replay, step_producing
+from trtspec.verdicts import DEFAULT_EPSILON, DivergenceVerdict, classify, replay
 
 
 class VerifyBackend(Protocol):
@@ -255,15 +255,13 @@ class InProcessBackend:
         return self.dep.tokenizer.decode([token_id])
 
     def classify(self, target: PathRun, spec: PathRun, div: Divergence) -> DivergenceVerdict:
-        step = step_producing(spec.steps or [], div.index)
-        if step is None:
+        steps = spec.steps or []
+        if not any(s <= div.index <= s + k for s, k in steps):
             return DivergenceVerdict(
                 "algorithmic", f"no speculative step produced token {div.index}", self.epsilon
             )
-        shared = spec.output_ids[: div.index]
         engine = self.dep.target
-        rep = replay(engine.run, engine.forget_prefixes, spec.prompt_ids, shared,
-                     spec.output_ids[div.index :], *step)
+        rep = replay(engine.run, engine.forget_prefixes, spec.prompt_ids, spec.output_ids, steps, div.index)
         return classify(rep, div.target_id, div.spec_id, self.dep.end_ids, self.epsilon)
 
 
