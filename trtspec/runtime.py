@@ -23,6 +23,7 @@ from trtspec.speculative.loop import (
     generate,
 )
 from trtspec.speculative.requests import Limits, encode_prompt, end_token_ids, make_request
+from trtspec.speculative.sampling import SamplingParams
 from trtspec.speculative.verifier import LogitsVerifier
 
 
@@ -68,9 +69,10 @@ class Deployment:
         use = self.spec.verify.chat_template if chat_template is None else chat_template
         return encode_prompt(self.tokenizer, prompt, use)
 
-    def request(self, prompt_ids: list[int], max_tokens: int, num_draft_tokens: int | None = None):
+    def request(self, prompt_ids: list[int], max_tokens: int, num_draft_tokens: int | None = None,
+                sampling: SamplingParams | None = None):
         k = self.spec.speculative.default_draft_tokens if num_draft_tokens is None else num_draft_tokens
-        return make_request(prompt_ids, max_tokens, k, self.limits, self.end_ids)
+        return make_request(prompt_ids, max_tokens, k, self.limits, self.end_ids, sampling=sampling)
 
     def generate(
         self,

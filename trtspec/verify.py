@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Protocol
 
 from trtspec import console
+from trtspec.acceptance import identity
 from trtspec.errors import RequestError
 from trtspec.files import write_json_atomic, write_text_atomic
 from trtspec.layout import tokenizer_folder
 from trtspec.speculative.loop import PathRun
 from trtspec.speculative.metrics import SpecMetrics
+from trtspec.verdicts import DEFAULT_EPSILON, DivergenceVerdict, classify, replay
 
 
 class VerifyBackend(Protocol):
@@ -29,6 +31,10 @@ class VerifyBackend(Protocol):
     def run(self, prompt: str, max_tokens: int, speculative: bool) -> PathRun: ...
 
     def token_text(self, token_id: int) -> str: ...
+
+    # Optional: classify(target, spec, div) -> DivergenceVerdict (trtspec.verdicts). A backend
+    # without it (gRPC: the served endpoints return neither step boundaries nor logits)
+    # leaves divergences unclassified, which fail under every --fail-on.
 
 
 @dataclass
@@ -40,13 +46,21 @@ class Divergence:
     spec_text: str
     target_margin: float | None  # target-only run's top-1 minus top-2 logit at index
     spec_margin: float | None
+    verdict: DivergenceVerdict | None = None
+
+    @property
+    def verdict_class(self) -> str:
+        return self.verdict.verdict if self.verdict else "unclassified"
 
     def describe(self) -> str:
         margin = "n/a" if self.target_margin is None else f"{self.target_margin:.4g}"
-        return (
+        text = (
             f"token {self.index}: target {self.target_id} {self.target_text!r} vs speculative "
             f"{self.spec_id} {self.spec_text!r} (target top-2 margin {margin})"
         )
+        if self.verdict:
+            text += f"; {self.verdict.verdict}: {self.verdict.reason}"
+        return text
 
 
 @dataclass
@@ -70,10 +84,22 @@ class VerifyReport:
     mode: str  # "in-process" or "grpc://host:port"
     max_tokens: int
     results: list[PromptResult]
+    prompt_set: str = "prompts"  # where the prompts came from, for gate messages
+    num_draft_tokens: int | None = None  # k the speculative path was asked for
 
     @property
     def identical(self) -> bool:
         return all(r.identical for r in self.results)
+
+    def count(self, verdict: str) -> int:
+        return sum(r.divergence is not None and r.divergence.verdict_class == verdict for r in self.results)
+
+    def passes(self, fail_on: str = "any") -> bool:
+        """``any``: every prompt identical. ``algorithmic``: numerical divergences (near-ties
+        flipped by the forward's shape) are tolerated; algorithmic and unclassified are not."""
+        if fail_on == "any":
+            return self.identical
+        return all(r.divergence is None or r.divergence.verdict_class == "numerical" for r in self.results)
 
     @property
     def metrics(self) -> SpecMetrics:
@@ -95,12 +121,12 @@ class VerifyReport:
 
     def to_dict(self) -> dict:
         return {
-            "spec": self.spec_name,
+            **identity(self.spec_name, [r.prompt for r in self.results], self.prompt_set,
+                       self.num_draft_tokens, self.max_tokens),
             "mode": self.mode,
-            "max_tokens": self.max_tokens,
             "identical": self.identical,
-            "prompts": len(self.results),
             "diverged": sum(not r.identical for r in self.results),
+            "verdicts": {v: self.count(v) for v in ("numerical", "algorithmic", "unclassified")},
             "target_tokens_per_s": self.tokens_per_second("target"),
             "speculative_tokens_per_s": self.tokens_per_second("speculative"),
             "speedup": self.speedup,
@@ -142,6 +168,16 @@ def first_divergence(target: PathRun, spec: PathRun, text) -> Divergence | None:
     return None
 
 
+def _classify(backend, target: PathRun, spec: PathRun, div: Divergence) -> DivergenceVerdict:
+    if hasattr(backend, "classify"):
+        return backend.classify(target, spec, div)
+    return DivergenceVerdict(
+        "unclassified",
+        "over --url the target cannot be replayed; run `trtspec verify SPEC` in process to class it",
+        None,
+    )
+
+
 def run_verify(
     backend: VerifyBackend,
     prompts: list[str],
@@ -149,6 +185,8 @@ def run_verify(
     spec_name: str,
     mode: str = "in-process",
     progress=None,
+    prompt_set: str = "prompts",
+    num_draft_tokens: int | None = None,
 ) -> VerifyReport:
     """Compare both paths on every prompt; ``progress(i, n)`` is called after each."""
     # Warm-up (untimed): first calls pay allocation and lazy-initialisation costs.
@@ -165,6 +203,8 @@ def run_verify(
             spec = backend.run(prompt, max_tokens, speculative=True)
             target = backend.run(prompt, max_tokens, speculative=False)
         div = first_divergence(target, spec, backend.token_text)
+        if div is not None:
+            div.verdict = _classify(backend, target, spec, div)
         results.append(
             PromptResult(
                 index=i,
@@ -182,16 +222,23 @@ def run_verify(
         )
         if progress:
             progress(i + 1, len(prompts))
-    return VerifyReport(spec_name, mode, max_tokens, results)
+    return VerifyReport(spec_name, mode, max_tokens, results, prompt_set, num_draft_tokens)
 
 
 class InProcessBackend:
     """VerifyBackend over a loaded Deployment (torch engines in this process)."""
 
-    def __init__(self, deployment, chat_template: bool | None = None, num_draft_tokens: int | None = None):
+    def __init__(
+        self,
+        deployment,
+        chat_template: bool | None = None,
+        num_draft_tokens: int | None = None,
+        epsilon: float | None = None,
+    ):
         self.dep = deployment
         self.chat_template = chat_template
         self.k = num_draft_tokens
+        self.epsilon = epsilon if epsilon is not None else DEFAULT_EPSILON[deployment.target.manifest.dtype]
 
     def run(self, prompt: str, max_tokens: int, speculative: bool) -> PathRun:
         ids = self.dep.encode(prompt, self.chat_template)
@@ -200,14 +247,26 @@ class InProcessBackend:
         start = time.perf_counter()
         (res,) = self.dep.generate([req], speculative=speculative)
         seconds = time.perf_counter() - start
-        return PathRun(res.output_ids, res.margins, res.metrics if speculative else None, seconds)
+        return PathRun(
+            res.output_ids, res.margins, res.metrics if speculative else None, seconds, ids, res.steps
+        )
 
     def token_text(self, token_id: int) -> str:
         return self.dep.tokenizer.decode([token_id])
 
+    def classify(self, target: PathRun, spec: PathRun, div: Divergence) -> DivergenceVerdict:
+        steps = spec.steps or []
+        if not any(s <= div.index <= s + k for s, k in steps):
+            return DivergenceVerdict(
+                "algorithmic", f"no speculative step produced token {div.index}", self.epsilon
+            )
+        engine = self.dep.target
+        rep = replay(engine.run, engine.forget_prefixes, spec.prompt_ids, spec.output_ids, steps, div.index)
+        return classify(rep, div.target_id, div.spec_id, self.dep.end_ids, self.epsilon)
+
 
 def open_backend(loaded, engines_dir: Path, url: str | None = None, stream: bool = False,
-                 num_draft_tokens: int | None = None) -> tuple[VerifyBackend, str]:
+                 num_draft_tokens: int | None = None, epsilon: float | None = None) -> tuple[VerifyBackend, str]:
     """The backend verify runs on, and its mode line: the engines in this process, or a
     served repository over gRPC (token texts from the local tokenizer when there is one)."""
     if stream and url is None:
@@ -217,7 +276,7 @@ def open_backend(loaded, engines_dir: Path, url: str | None = None, stream: bool
 
         with console.step("loading engines"):
             dep = Deployment(loaded, engines_dir)
-        return InProcessBackend(dep, num_draft_tokens=num_draft_tokens), "in-process"
+        return InProcessBackend(dep, num_draft_tokens=num_draft_tokens, epsilon=epsilon), "in-process"
     from trtspec.triton.client import GrpcBackend
 
     tokenizer = None
@@ -246,7 +305,7 @@ def render_table(report: VerifyReport, console) -> None:
         table.add_row(
             str(r.index),
             Text(_short(r.prompt, 40)),
-            "yes" if r.identical else "[red]NO[/red]",
+            "yes" if r.identical else _verdict_cell(r.divergence),
             f"{r.target_tokens}/{r.spec_tokens}",
             f"{m.accepted}/{m.drafted}" if m else "-",
             f"{m.mean_acceptance_length:.2f}" if m else "-",
@@ -255,7 +314,11 @@ def render_table(report: VerifyReport, console) -> None:
     console.print(table)
     m = report.metrics
     n_bad = sum(not r.identical for r in report.results)
-    verdict = "all identical" if report.identical else f"[red]{n_bad} of {len(report.results)} diverged[/red]"
+    verdict = "all identical" if report.identical else (
+        f"[red]{n_bad} of {len(report.results)} diverged[/red] ("
+        + ", ".join(f"{report.count(v)} {v}" for v in ("numerical", "algorithmic", "unclassified") if report.count(v))
+        + ")"
+    )
     console.print(
         f"{len(report.results)} prompts: {verdict} | acceptance rate {m.acceptance_rate:.3f} "
         f"({m.accepted}/{m.drafted}) | mean acceptance length {m.mean_acceptance_length:.2f} "
@@ -268,6 +331,12 @@ def render_table(report: VerifyReport, console) -> None:
     )
 
 
+def _verdict_cell(div: Divergence) -> str:
+    if div.verdict_class == "numerical":
+        return "[yellow]NO (numerical)[/yellow]"
+    return f"[red]NO ({div.verdict_class})[/red]"
+
+
 def _short(text: str, n: int) -> str:
     text = " ".join(text.split())
     return text if len(text) <= n else text[: n - 1] + "…"
@@ -277,9 +346,15 @@ def write_json(report: VerifyReport, path: Path) -> None:
     write_json_atomic(path, report.to_dict())
 
 
-def write_junit(report: VerifyReport, path: Path) -> None:
-    """One testcase per prompt; a divergence is a failure with its description."""
-    failures = sum(not r.identical for r in report.results)
+def write_junit(report: VerifyReport, path: Path, fail_on: str = "any") -> None:
+    """One testcase per prompt; a divergence is a failure (type = its verdict class) with its
+    description. With ``fail_on="algorithmic"`` a numerical divergence passes and is
+    described in the testcase's system-out."""
+
+    def failed(r: PromptResult) -> bool:
+        return r.divergence is not None and (fail_on == "any" or r.divergence.verdict_class != "numerical")
+
+    failures = sum(failed(r) for r in report.results)
     suite = ET.Element(
         "testsuite",
         name=f"trtspec.verify.{report.spec_name}",
@@ -297,10 +372,18 @@ def write_junit(report: VerifyReport, path: Path) -> None:
             time=f"{r.target_seconds + r.spec_seconds:.3f}",
         )
         if r.divergence:
-            fail = ET.SubElement(case, "failure", message=r.divergence.describe(), type="divergence")
+            props = ET.SubElement(case, "properties")
+            ET.SubElement(props, "property", name="verdict", value=r.divergence.verdict_class)
+            if r.divergence.verdict:
+                for key, value in r.divergence.verdict.evidence.items():
+                    ET.SubElement(props, "property", name=key, value=str(value))
+        if failed(r):
+            fail = ET.SubElement(case, "failure", message=r.divergence.describe(), type=r.divergence.verdict_class)
             fail.text = f"prompt: {r.prompt}\n{r.divergence.describe()}"
         out = ET.SubElement(case, "system-out")
         out.text = f"prompt: {r.prompt}\ntokens: target {r.target_tokens}, speculative {r.spec_tokens}"
+        if r.divergence and not failed(r):
+            out.text += f"\ntolerated divergence: {r.divergence.describe()}"
     root = ET.Element("testsuites")
     root.append(suite)
     data = ET.tostring(root, encoding="unicode", xml_declaration=True)

@@ -37,6 +37,22 @@ class ModelDrafter:
                 drafts[i].append(int(torch.argmax(row[-1, : self.vocab_limit])))
         return drafts
 
+    def propose_sampled(self, contexts, ks, params, gens) -> list[tuple[list[int], torch.Tensor]]:
+        """Drafts drawn from the draft's warped distribution, with those distributions
+        ([k, vocab_limit] per sequence) for the rejection step."""
+        from trtspec.speculative.sampling import draw, warp
+
+        drafts: list[list[int]] = [[] for _ in contexts]
+        dists: list[list[torch.Tensor]] = [[] for _ in contexts]
+        for step in range(max(ks, default=0)):
+            live = [i for i, k in enumerate(ks) if k > step]
+            logits = self.run([ForwardItem(list(contexts[i]) + drafts[i], 1) for i in live])
+            for i, row in zip(live, logits):
+                q = warp(row[-1:, : self.vocab_limit], params[i])[0]  # [vocab_limit]
+                drafts[i].append(draw(q, gens[i]))
+                dists[i].append(q)
+        return [(d, torch.stack(q) if q else torch.zeros(0)) for d, q in zip(drafts, dists)]
+
 
 class NgramDrafter:
     """Prompt lookup: find the longest suffix n-gram (max_ngram down to min_ngram) that

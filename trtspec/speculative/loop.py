@@ -17,7 +17,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+import torch
+
+from trtspec.errors import RequestError
 from trtspec.speculative.metrics import SpecMetrics
+from trtspec.speculative.sampling import SamplingParams, accept_or_resample, warp
 
 FinishReason = Literal["length", "eos", "stop"]
 
@@ -39,6 +43,7 @@ class Verdict:
 
     target_ids: list[int]
     margins: list[float] | None = None
+    logits: torch.Tensor | None = None  # [len(draft) + 1, vocab]: needed only to sample
 
 
 class Verifier(Protocol):
@@ -53,13 +58,18 @@ class GenerationRequest:
     num_draft_tokens: int = 0
     end_ids: frozenset[int] = frozenset()  # EOS-like ids: end generation, not emitted
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # end generation once emitted
+    sampling: SamplingParams | None = None  # None: greedy (token-identical to target-only)
 
 
 @dataclass
 class GenerationResult:
     output_ids: list[int] = field(default_factory=list)
     margins: list[float | None] = field(default_factory=list)  # per output token
+    # Per target forward: (len(output_ids) when it began, drafts it scored). Verdicts replay
+    # the forward that produced a divergent token with exactly this shape.
+    steps: list[tuple[int, int]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    end_id: int | None = None  # the end id that finished it (finish_reason "eos")
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
 
     @property
@@ -76,6 +86,8 @@ class PathRun:
     margins: list[float | None]
     metrics: SpecMetrics | None
     seconds: float
+    prompt_ids: list[int] | None = None  # as the target saw them (None: not known here)
+    steps: list[tuple[int, int]] | None = None  # GenerationResult.steps of a speculative run
 
 
 # on_step(request index, tokens emitted this step, finished?) — streaming hook.
@@ -109,8 +121,11 @@ def generate(
     verifier: Verifier,
     on_step: StepCallback | None = None,
 ) -> list[GenerationResult]:
-    """Greedy generation for a batch of requests; identical tokens whatever the drafter."""
+    """Generation for a batch of requests. Greedy requests: identical tokens whatever the
+    drafter. Sampled requests (``sampling`` set): rejection sampling, so every token follows
+    the target's distribution whatever the drafter (speculative/sampling.py)."""
     results = [GenerationResult() for _ in requests]
+    gens = {i: r.sampling.generator() for i, r in enumerate(requests) if r.sampling is not None}
     for i, req in enumerate(requests):
         if req.max_tokens <= 0:
             results[i].finish_reason = "length"
@@ -124,21 +139,49 @@ def generate(
             for i in active
         ]
         drafts: list[list[int]] = [[] for _ in active]
-        wants = [j for j, k in enumerate(ks) if k > 0]
+        qs: list[torch.Tensor | None] = [None for _ in active]  # draft distributions [k, vocab]
+        wants = [j for j, k in enumerate(ks) if k > 0 and requests[active[j]].sampling is None]
         if wants:
             proposed = drafter.propose([contexts[j] for j in wants], [ks[j] for j in wants])
             for j, d in zip(wants, proposed):
                 drafts[j] = list(d[: ks[j]])
+        sampled = [j for j, k in enumerate(ks) if k > 0 and requests[active[j]].sampling is not None]
+        if sampled:
+            _propose_sampled(drafter, sampled, contexts, ks, [requests[active[j]] for j in sampled],
+                             [gens[active[j]] for j in sampled], drafts, qs)
         verdicts = verifier.verify(contexts, drafts)
         for j, i in enumerate(active):
-            n = accepted_prefix(drafts[j], verdicts[j])
+            req = requests[i]
+            if req.sampling is None:
+                n = accepted_prefix(drafts[j], verdicts[j])
+                new = verdicts[j].target_ids[: n + 1]
+                margins = verdicts[j].margins
+                margins = margins[: n + 1] if margins else None
+            else:
+                if verdicts[j].logits is None:
+                    raise RequestError("this verifier returns no logits, so it cannot sample; use greedy decoding")
+                p = warp(verdicts[j].logits, req.sampling)  # [len(draft) + 1, vocab]
+                new, n = accept_or_resample(drafts[j], qs[j], p, gens[i])
+                margins = None
             results[i].metrics.record_step(len(drafts[j]), n)
-            margins = verdicts[j].margins
-            new = verdicts[j].target_ids[: n + 1]
-            emitted = _emit(requests[i], results[i], new, margins[: n + 1] if margins else None)
+            results[i].steps.append((len(results[i].output_ids), len(drafts[j])))
+            emitted = _emit(req, results[i], new, margins)
             if on_step:
                 on_step(i, emitted, results[i].done)
     return results
+
+
+def _propose_sampled(drafter, sampled, contexts, ks, reqs, gens, drafts, qs) -> None:
+    """Sampled drafts and their distributions; a drafter without ``propose_sampled`` (prompt
+    lookup) proposes as usual and counts as a point mass (q None)."""
+    sub_ctx, sub_k = [contexts[j] for j in sampled], [ks[j] for j in sampled]
+    if hasattr(drafter, "propose_sampled"):
+        proposed = drafter.propose_sampled(sub_ctx, sub_k, [r.sampling for r in reqs], gens)
+        for j, (d, q) in zip(sampled, proposed):
+            drafts[j], qs[j] = list(d[: ks[j]]), q[: ks[j]]
+    else:
+        for j, d in zip(sampled, drafter.propose(sub_ctx, sub_k)):
+            drafts[j] = list(d[: ks[j]])
 
 
 def _emit(req: GenerationRequest, res: GenerationResult, new: list[int], margins) -> list[int]:
@@ -147,6 +190,7 @@ def _emit(req: GenerationRequest, res: GenerationResult, new: list[int], margins
     for pos, tok in enumerate(new):
         if tok in req.end_ids:
             res.finish_reason = "eos"
+            res.end_id = tok
             break
         res.output_ids.append(tok)
         res.margins.append(margins[pos] if margins else None)

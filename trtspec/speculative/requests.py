@@ -13,6 +13,7 @@ from pathlib import Path
 from trtspec.errors import RequestError
 from trtspec.spec import EngineSpec
 from trtspec.speculative.loop import GenerationRequest
+from trtspec.speculative.sampling import SamplingParams
 from trtspec.tokens import check_token_ids
 
 
@@ -56,6 +57,7 @@ def make_request(
     limits: Limits,
     end_ids: frozenset[int] = frozenset(),
     stop_sequences: tuple[tuple[int, ...], ...] = (),
+    sampling: SamplingParams | None = None,
 ) -> GenerationRequest:
     """Validate a request against the deployment's limits; RequestError names the fix."""
     n = len(prompt_ids)
@@ -79,7 +81,7 @@ def make_request(
             f"num_draft_tokens must be in 0..{limits.max_draft_len} (max_draft_len the "
             f"engines were built for); got {num_draft_tokens}"
         )
-    return GenerationRequest(list(prompt_ids), max_tokens, num_draft_tokens, end_ids, stop_sequences)
+    return GenerationRequest(list(prompt_ids), max_tokens, num_draft_tokens, end_ids, stop_sequences, sampling)
 
 
 def end_token_ids(tokenizer, engine_folder: Path) -> frozenset[int]:

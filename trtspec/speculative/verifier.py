@@ -33,6 +33,7 @@ class LogitsVerifier:
         items = [ForwardItem(list(c) + list(d), len(d) + 1) for c, d in zip(contexts, drafts)]
         out = []
         for logits in self.run(items):  # each [len(draft) + 1, vocab]
-            ids, margins = greedy_with_margins(logits[:, : self.vocab_limit])
-            out.append(Verdict(ids, margins))
+            logits = logits[:, : self.vocab_limit]
+            ids, margins = greedy_with_margins(logits)
+            out.append(Verdict(ids, margins, logits))
         return out

@@ -1,0 +1,106 @@
+"""Lossless speculative sampling: rejection sampling against the draft's distribution.
+
+With sampling, a step does not compare tokens: each draft token x (drawn from the draft's
+distribution q) is accepted with probability min(1, p(x) / q(x)), p the target's; at the first
+rejection a token is drawn from the residual norm(max(0, p - q)); after a fully accepted
+draft the bonus is drawn from p. Every emitted token is then distributed exactly as the target
+alone would sample it (Leviathan et al. 2023, Chen et al. 2023). A drafter without a
+distribution (prompt lookup) is a point mass: q = 1 at its token, so acceptance is p(x) and
+the residual is p without x.
+
+p and q are the warped distributions (temperature, then top-k, then top-p), computed in
+float64 so acceptance ratios are not rounded. Each request owns a torch.Generator seeded
+from its ``seed``: a run is reproducible, and the two paths draw from the same distribution,
+not the same tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trtspec.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    top_p: float = 1.0  # 1: no nucleus cut
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise RequestError(
+                f"temperature must be > 0 to sample (got {self.temperature}); for greedy "
+                "decoding leave sampling off"
+            )
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be 0 (off) or a positive count (got {self.top_k})")
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1] (got {self.top_p})")
+        if not 0 <= self.seed < 2**63:
+            raise RequestError(f"seed must be in 0..2**63-1 (got {self.seed})")
+
+    def generator(self) -> torch.Generator:
+        return torch.Generator().manual_seed(self.seed)
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Sampling distribution [n, vocab] (float64) from logits [n, vocab]."""
+    x = logits.double() / params.temperature
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[:, -1:]  # [n, 1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1:
+        order = torch.argsort(x, dim=-1, descending=True, stable=True)  # [n, vocab]
+        sorted_p = torch.softmax(x.gather(-1, order), dim=-1)
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass ranked strictly above
+        drop_sorted = before >= params.top_p  # keeps the smallest prefix reaching top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return torch.softmax(x, dim=-1)
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator) -> int:
+    """One token from probs [vocab]."""
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def accept_or_resample(
+    draft: list[int],
+    q: torch.Tensor | None,
+    p: torch.Tensor,
+    gen: torch.Generator,
+) -> tuple[list[int], int]:
+    """(tokens to emit, drafts accepted) for one step.
+
+    draft: k tokens; q: [k, vocab_q] the draft's distributions they were drawn from (None: a
+    point mass at each token); p: [k+1, vocab] the target's at the same positions.
+    """
+    vocab = p.shape[-1]
+    if q is not None and q.shape[-1] < vocab:  # draft vocabulary narrower: q is 0 beyond it
+        q = torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))
+    for i, x in enumerate(draft):
+        qx = float(q[i, x]) if q is not None else 1.0
+        px = float(p[i, x])
+        u = float(torch.rand((), generator=gen, dtype=torch.float64))
+        if qx > 0 and u * qx < px:  # accept with probability min(1, p(x)/q(x))
+            continue
+        if q is not None:
+            residual = (p[i] - q[i]).clamp(min=0)  # [vocab]
+        else:
+            residual = p[i].clone()
+            residual[x] = 0
+        total = float(residual.sum())
+        # total == 0 only when p(x) = 1 for a rejected x, which cannot be rejected; guard anyway.
+        token = draw(residual / total if total > 0 else p[i], gen)
+        return draft[:i] + [token], i
+    return list(draft) + [draw(p[len(draft)], gen)], len(draft)
+
+
+def accept_all(draft: list[int], q, p: torch.Tensor, gen: torch.Generator) -> tuple[list[int], int]:
+    """A deliberately WRONG sampler for tests and the power figure: every draft token is
+    accepted without the rejection step, so drafted positions follow q, not p."""
+    return list(draft) + [draw(p[len(draft)], gen)], len(draft)

@@ -1,0 +1,160 @@
+"""`verify --sampling N`: does speculative sampling draw from the target's distribution?
+
+Per prompt, N sampled generations on the speculative path (seeds seed, seed+1, ...). Every
+sampled token x_t (an ending EOS included) is scored against the target's exact conditional
+distribution p_t given the prompt and the tokens sampled before it, computed by the target
+alone in one forward over the sequence with the same warping: its randomized probability
+integral transform, with tokens ranked by descending p_t (ties by id),
+
+    u_t = p_t(tokens ranked before x_t) + V * p_t(x_t),   V ~ U(0, 1)
+
+is uniform on (0, 1) and independent of every other u when the sampler is exact (the
+Rosenblatt transform of a sequential process), whatever the model. A chi-square test of all
+u over BINS equal bins rejects at level ALPHA: with an exact sampler it fails with probability
+ALPHA (the false-alarm rate, up to the chi-square approximation, which needs >= 5 expected
+values per bin: hence N x prompts >= MIN_VALUES). A sampler that skips the rejection step
+emits draft-distributed tokens, which rank differently under p_t and skew the histogram.
+
+Tokens the two paths draw are compared in distribution, never one by one: the paths consume
+random numbers differently, so the same seed gives different, equally valid, samples.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from trtspec.engines.torch.engine import ForwardItem
+from trtspec.errors import RequestError
+from trtspec.speculative.metrics import SpecMetrics
+from trtspec.speculative.sampling import SamplingParams, warp
+
+ALPHA = 0.01
+BINS = 10
+MIN_VALUES = 5 * BINS
+
+
+@dataclass
+class SamplingCheck:
+    params: SamplingParams
+    samples: int  # generations per prompt
+    prompts: int
+    counts: list[int]  # u values per bin
+    chi2: float
+    p_value: float
+    alpha: float = ALPHA
+    metrics: SpecMetrics = field(default_factory=SpecMetrics)
+
+    @property
+    def values(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def passed(self) -> bool:
+        return self.p_value >= self.alpha
+
+    def describe(self) -> str:
+        verdict = "consistent with the target's distribution" if self.passed else "NOT the target's distribution"
+        return (
+            f"sampling (temperature {self.params.temperature:g}, top_k {self.params.top_k}, top_p "
+            f"{self.params.top_p:g}): {self.samples} samples x {self.prompts} prompts, {self.values} tokens: "
+            f"chi-square {self.chi2:.2f} on {BINS - 1} dof, p = {self.p_value:.4g} -> {verdict} "
+            f"(false-alarm rate {self.alpha:g}); acceptance rate {self.metrics.acceptance_rate:.3f}"
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "temperature": self.params.temperature,
+            "top_k": self.params.top_k,
+            "top_p": self.params.top_p,
+            "seed": self.params.seed,
+            "samples_per_prompt": self.samples,
+            "prompts": self.prompts,
+            "tokens": self.values,
+            "bins": self.counts,
+            "chi2": self.chi2,
+            "dof": BINS - 1,
+            "p_value": self.p_value,
+            "false_alarm_rate": self.alpha,
+            "passed": self.passed,
+            "metrics": self.metrics.to_dict(),
+        }
+
+
+def check_sample_count(samples: int, prompts: int) -> None:
+    """RequestError (exit 2) when the chi-square test would not be valid."""
+    if samples * prompts < MIN_VALUES:
+        need = math.ceil(MIN_VALUES / prompts)
+        raise RequestError(
+            f"--sampling {samples} with {prompts} prompt(s) gives too few tokens for the chi-square "
+            f"test ({BINS} bins need >= {MIN_VALUES} values); use --sampling {need} or more"
+        )
+
+
+def pit_values(run, prompt_ids: list[int], tokens: list[int], params: SamplingParams, gen) -> list[float]:
+    """Randomized PIT of each sampled token under the target's exact conditionals."""
+    if not tokens:
+        return []
+    seq = list(prompt_ids) + list(tokens)
+    (logits,) = run([ForwardItem(seq[:-1], len(tokens))])  # [len(tokens), vocab]
+    p = warp(logits, params)  # [t, vocab]
+    out = []
+    for t, x in enumerate(tokens):
+        px = p[t, x]
+        # Mass ranked strictly before x: larger p, or equal p with a smaller id.
+        before = p[t][(p[t] > px)].sum() + p[t, :x][p[t, :x] == px].sum()
+        v = float(torch.rand((), generator=gen, dtype=torch.float64))
+        out.append(float(before + v * px))
+    return out
+
+
+def chi_square_uniform(values: list[float], bins: int = BINS) -> tuple[list[int], float, float]:
+    """(counts per bin, statistic, p-value) of a chi-square test of uniformity on (0, 1)."""
+    counts = [0] * bins
+    for u in values:
+        counts[min(int(u * bins), bins - 1)] += 1
+    expected = len(values) / bins
+    chi2 = sum((c - expected) ** 2 / expected for c in counts)
+    # P(chi2_{bins-1} >= chi2) = Q((bins-1)/2, chi2/2), the regularized upper gamma.
+    p = float(torch.special.gammaincc(torch.tensor((bins - 1) / 2, dtype=torch.float64),
+                                      torch.tensor(chi2 / 2, dtype=torch.float64)))
+    return counts, chi2, p
+
+
+def run_sampling_check(
+    deployment,
+    prompts: list[str],
+    samples: int,
+    max_tokens: int,
+    params: SamplingParams,
+    num_draft_tokens: int | None = None,
+    chat_template: bool | None = None,
+    progress=None,
+) -> SamplingCheck:
+    """Sample ``samples`` speculative generations per prompt and test them (module doc)."""
+    check_sample_count(samples, len(prompts))
+    dep = deployment
+    batch = dep.target.max_batch_size
+    values: list[float] = []
+    metrics = SpecMetrics()
+    pit_gen = torch.Generator().manual_seed(params.seed + 1_000_003)
+    done = 0
+    for prompt in prompts:
+        ids = dep.encode(prompt, chat_template)
+        for first in range(0, samples, batch):
+            reqs = [
+                dep.request(ids, max_tokens, num_draft_tokens,
+                            sampling=SamplingParams(params.temperature, params.top_k, params.top_p, params.seed + s))
+                for s in range(first, min(first + batch, samples))
+            ]
+            for res in dep.generate(reqs, speculative=True):
+                tokens = res.output_ids + ([res.end_id] if res.end_id is not None else [])
+                values += pit_values(dep.target.run, ids, tokens, params, pit_gen)
+                metrics = metrics.merge(res.metrics)
+            done += len(reqs)
+            if progress:
+                progress(done, samples * len(prompts))
+    counts, chi2, p = chi_square_uniform(values)
+    return SamplingCheck(params, samples, len(prompts), counts, chi2, p, ALPHA, metrics)
