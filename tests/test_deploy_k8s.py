@@ -349,3 +349,43 @@ def test_spec_name_that_cannot_be_an_object_name_needs_name(tmp_path):
     assert r.exit_code == 2 and "pass one with --name" in r.output
     r = runner.invoke(app, ["deploy", "k8s", str(spec), "--dry-run", "--name", "pair-7b"])
     assert r.exit_code == 0 and "name: pair-7b\n" in r.stdout
+
+
+# --- images ------------------------------------------------------------------------------------
+
+
+def _dockerfile(name: str) -> list[str]:
+    """Instructions of a Dockerfile, continuation lines joined."""
+    text = (ROOT / "docker" / name).read_text().replace("\\\n", " ")
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_cpu_image_installs_as_make_install_and_runs_as_the_pod_user():
+    from trtspec.deploy.images import CPU_BASE_IMAGE
+
+    lines = _dockerfile("cpu.Dockerfile")
+    assert f"FROM {CPU_BASE_IMAGE}" in lines
+    assert any(line.startswith("RUN ") and "make install VENV=/opt/trtspec/.venv" in line for line in lines)
+    assert "ENV PATH=/opt/trtspec/.venv/bin:$PATH" in " ".join(lines)  # `trtspec` on PATH for the pod command
+    assert lines[[i for i, x in enumerate(lines) if x.startswith("USER ")][-1]] == f"USER {RUN_AS}:{RUN_AS}"
+
+
+def test_trtllm_image_is_the_documented_triton_trtllm_tag():
+    from trtspec.deploy.images import TRITON_RELEASE, TRTLLM_BASE_IMAGE, TRTLLM_IN_TRITON
+
+    lines = _dockerfile("trtllm.Dockerfile")
+    assert f"ARG TRITON_TRTLLM_IMAGE={TRTLLM_BASE_IMAGE}" in lines
+    # converter scripts from the same TensorRT-LLM release as the image's runtime
+    assert f"ARG TRTLLM_GIT_REF=v{TRTLLM_IN_TRITON[TRITON_RELEASE]}" in lines
+    assert lines[-2:] == ["EXPOSE 8000 8001 8002", 'CMD ["trtspec", "--help"]']
+    assert f"USER {RUN_AS}:{RUN_AS}" in lines
+
+
+def test_images_default_to_the_backend_and_version(tmp_path):
+    from trtspec import __version__
+
+    assert container(plan(spec_file(tmp_path, "torch")))["image"] == f"trtspec-cpu:{__version__}"
+    assert container(plan(spec_file(tmp_path, "trtllm")))["image"] == f"trtspec-trtllm:{__version__}"
+    assert container(plan(spec_file(tmp_path, "trtllm"), image="reg/x:1"))["image"] == "reg/x:1"
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".venv", "engines", "weights", ".git"} <= set(ignored)  # `COPY .` ships no local state
