@@ -22,6 +22,7 @@ from conftest import processes_mentioning, write_spec
 from trtspec.deploy.k8s import ENGINES_DIR, QUEUE_METRIC, REPO_DIR, SCRATCH_DIR, SPEC_DIR, plan_manifests
 from trtspec.deploy.options import K8sOptions
 from trtspec.spec import load_spec
+from trtspec.triton.repository import BLS
 from trtspec.triton.server import ServerError, find_tritonserver, free_ports
 
 pytest.importorskip("kubernetes_validate", reason="needs the deploy extra: pip install 'trtspec[deploy]'")
@@ -86,6 +87,11 @@ def test_pod_command_serves_the_probes_and_exports_the_hpa_metric(tmp_path, tiny
         assert selector["name"] == QUEUE_METRIC
         for model in selector["selector"]["matchExpressions"][0]["values"]:  # both endpoints
             assert any(line.startswith(f'{QUEUE_METRIC}{{model="{model}"') for line in text.splitlines()), (model, text[:2000])
+
+        # the other series the README says to watch
+        for name in ("nv_inference_request_success", "nv_inference_request_failure",
+                     "nv_inference_queue_duration_us", "nv_inference_compute_infer_duration_us"):
+            assert any(line.startswith(f'{name}{{model="{BLS}"') for line in text.splitlines()), name
 
         # Kubernetes stops a pod with SIGTERM: serve must stop the server and every stub in time.
         proc.send_signal(signal.SIGTERM)
