@@ -38,6 +38,7 @@ def k8s(
     service_monitor: Annotated[bool, typer.Option("--service-monitor", help="Also write a prometheus-operator ServiceMonitor.")] = False,
     cpu: Annotated[str | None, typer.Option("--cpu", help="CPU request (torch 2, trtllm 4).")] = None,
     memory: Annotated[str | None, typer.Option("--memory", help="Memory request and limit (torch 8Gi, trtllm 32Gi).")] = None,
+    shm_size: Annotated[str | None, typer.Option("--shm-size", help="In-memory /dev/shm for the Python backend and NCCL (1Gi).")] = None,
     gpus_per_node: Annotated[int | None, typer.Option("--gpus-per-node", help="GPUs a node offers; a spec needing more is refused (8).")] = None,
     startup_seconds: Annotated[int | None, typer.Option("--startup-seconds", help="Startup probe budget (default: sized from the engines).")] = None,
     engines: EnginesOpt = None,
@@ -61,7 +62,7 @@ def k8s(
         "engines_from": engines_from, "pvc": pvc, "engines_image": engines_image,
         "storage_size": storage_size, "storage_class": storage_class, "min_replicas": min_replicas,
         "max_replicas": max_replicas, "hpa": hpa, "queue_target": queue_target, "cpu_target": cpu_target,
-        "service_monitor": service_monitor, "cpu": cpu, "memory": memory, "gpus_per_node": gpus_per_node,
+        "service_monitor": service_monitor, "cpu": cpu, "memory": memory, "shm_size": shm_size, "gpus_per_node": gpus_per_node,
         "startup_seconds": startup_seconds,
     })
     loaded = load_spec(spec)

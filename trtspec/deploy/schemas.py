@@ -18,7 +18,6 @@ INSTALL_HINT = "install it with `pip install 'trtspec[deploy]'` (make install do
 
 def _library():
     try:
-        import kubernetes_validate  # noqa: F401
         from kubernetes_validate import utils
     except ImportError as e:
         raise TrtspecError(f"the Kubernetes schema validator is missing; {INSTALL_HINT}") from e
