@@ -12,17 +12,18 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import ROOT
 from typer.testing import CliRunner
 
-from conftest import ROOT
 from trtspec.cli.app import app
 from trtspec.deploy import schemas
 from trtspec.deploy.k8s import ENGINES_DIR, GPU_RESOURCE, HEALTH_LIVE, HEALTH_READY, QUEUE_METRIC, RUN_AS, plan_manifests
 from trtspec.deploy.options import DEFAULT_KUBE_VERSION, K8sOptions
 from trtspec.deploy.output import NO_SCHEMA, rendered_files
 from trtspec.errors import TrtspecError
+from trtspec.layout import BLS_MODEL as BLS
+from trtspec.layout import BLS_STREAMING_MODEL as BLS_STREAMING
 from trtspec.spec import load_spec
-from trtspec.triton.repository import BLS, BLS_STREAMING
 
 pytest.importorskip("kubernetes_validate", reason="needs the deploy extra: pip install 'trtspec[deploy]'")
 runner = CliRunner()

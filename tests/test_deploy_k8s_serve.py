@@ -17,13 +17,15 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import processes_mentioning, write_spec
+
 from trtspec.deploy.k8s import ENGINES_DIR, QUEUE_METRIC, REPO_DIR, SCRATCH_DIR, SPEC_DIR, plan_manifests
 from trtspec.deploy.options import K8sOptions
+from trtspec.errors import ServerError
+from trtspec.layout import BLS_MODEL as BLS
 from trtspec.spec import load_spec
-from trtspec.triton.repository import BLS
-from trtspec.triton.server import ServerError, find_tritonserver, free_ports
+from trtspec.triton.server.install import find_tritonserver
+from trtspec.triton.server.process import free_ports
 
 pytest.importorskip("kubernetes_validate", reason="needs the deploy extra: pip install 'trtspec[deploy]'")
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))

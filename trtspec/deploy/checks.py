@@ -38,7 +38,8 @@ def pod_gpus(loaded: LoadedSpec, options: K8sOptions) -> int:
     spec = loaded.spec
     if spec.backend != "trtllm":
         return 0
-    from trtspec.triton.trtllm_models import ENGINE_KINDS, gpu_ids
+    from trtspec.layout import ENGINE_KINDS
+    from trtspec.triton.repository.trtllm_models import gpu_ids
 
     used = sorted({g for kind in ENGINE_KINDS for g in gpu_ids(spec, kind)})
     if used != list(range(len(used))):

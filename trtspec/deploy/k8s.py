@@ -20,8 +20,8 @@ from pathlib import Path
 from trtspec import __version__
 from trtspec.deploy.checks import check_build_sources, check_ports, object_name, pod_gpus, startup_budget
 from trtspec.deploy.options import DEFAULT_CPU, DEFAULT_MEMORY, K8sOptions, default_image
+from trtspec.layout import BLS_MODEL, BLS_STREAMING_MODEL
 from trtspec.spec import LoadedSpec
-from trtspec.triton.repository import BLS, BLS_STREAMING
 
 # Paths inside the pod.
 SPEC_DIR = "/etc/trtspec"
@@ -283,7 +283,7 @@ def service(name: str, loaded: LoadedSpec, headless: bool = False) -> dict:
 
 def endpoint_models(loaded: LoadedSpec) -> list[str]:
     """The speculative endpoints clients queue on (the control endpoint is for verify)."""
-    return [BLS, BLS_STREAMING] if loaded.spec.serve.streaming else [BLS]
+    return [BLS_MODEL, BLS_STREAMING_MODEL] if loaded.spec.serve.streaming else [BLS_MODEL]
 
 
 def autoscaler(name: str, loaded: LoadedSpec, options: K8sOptions, kind: str) -> dict:
