@@ -390,3 +390,10 @@ def test_images_default_to_the_backend_and_version(tmp_path):
     assert container(plan(spec_file(tmp_path, "trtllm"), image="reg/x:1"))["image"] == "reg/x:1"
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".venv", "engines", "weights", ".git"} <= set(ignored)  # `COPY .` ships no local state
+
+
+def test_a_file_that_does_not_parse_back_is_refused(tmp_path):
+    p = plan(spec_file(tmp_path, "torch"))
+    p.manifests["kustomization.yaml"]["resources"] = tuple(p.manifests["kustomization.yaml"]["resources"])  # renders as a list
+    with pytest.raises(TrtspecError, match="kustomization.yaml does not parse back"):
+        rendered_files(p, DEFAULT_KUBE_VERSION)
