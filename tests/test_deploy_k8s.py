@@ -1,0 +1,399 @@
+"""`trtspec deploy k8s`: manifests follow the spec, pass the Kubernetes schemas, write atomically.
+
+Schema checks use kubernetes-validate's strict schemas (unknown fields are errors) for the
+default version and the oldest and newest ones installed. A mutated manifest must fail them,
+so the validation cannot silently pass everything.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ROOT
+from typer.testing import CliRunner
+
+from trtspec.cli.app import app
+from trtspec.deploy import schemas
+from trtspec.deploy.k8s import ENGINES_DIR, GPU_RESOURCE, HEALTH_LIVE, HEALTH_READY, QUEUE_METRIC, RUN_AS, plan_manifests
+from trtspec.deploy.options import DEFAULT_KUBE_VERSION, K8sOptions
+from trtspec.deploy.output import NO_SCHEMA, rendered_files
+from trtspec.errors import TrtspecError
+from trtspec.layout import BLS_MODEL as BLS
+from trtspec.layout import BLS_STREAMING_MODEL as BLS_STREAMING
+from trtspec.spec import load_spec
+
+pytest.importorskip("kubernetes_validate", reason="needs the deploy extra: pip install 'trtspec[deploy]'")
+runner = CliRunner()
+SHIPPED = sorted((ROOT / "engine_specs").glob("*.yaml"))
+HUB_PAIR = {
+    "target": {"repo": "org/target", "revision": "0123456789abcdef", "dtype": "bfloat16"},
+    "draft": {"repo": "org/draft", "revision": "0123456789abcdef", "dtype": "bfloat16"},
+}
+
+
+def spec_file(tmp_path: Path, backend: str = "trtllm", name: str = "pair", **sections) -> Path:
+    """A spec with Hub sources (nothing is downloaded: deploy never reads checkpoints)."""
+    data = {"name": name, "backend": backend, **copy.deepcopy(HUB_PAIR)}
+    for key, value in sections.items():
+        if key in ("target", "draft"):
+            data[key].update(value)
+        else:
+            data[key] = value
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def plan(path: Path, **options):
+    return plan_manifests(load_spec(path), K8sOptions(**options))
+
+
+def container(p) -> dict:
+    return p.manifests[f"{p.workload.lower()}.yaml"]["spec"]["template"]["spec"]["containers"][0]
+
+
+def named_port(c: dict, name: str) -> int:
+    return next(p["containerPort"] for p in c["ports"] if p["name"] == name)
+
+
+# --- every manifest validates ----------------------------------------------------------------
+
+
+def _versions() -> list[str]:
+    known = schemas.supported_versions()
+    return sorted({known[0], DEFAULT_KUBE_VERSION, known[-1]})
+
+
+MODES = [{}, {"engines_from": "image", "engines_image": "registry/engines:1"},
+         {"engines_from": "build", "service_monitor": True}, {"hpa": False, "min_replicas": 3}]
+
+
+@pytest.mark.parametrize("version", _versions())
+@pytest.mark.parametrize("mode", MODES, ids=["pvc", "image", "build", "no-hpa"])
+@pytest.mark.parametrize("backend", ["torch", "trtllm"])
+def test_every_manifest_passes_the_kubernetes_schemas(tmp_path, backend, mode, version):
+    p = plan(spec_file(tmp_path, backend), kube_version=version, **mode)
+    checked = 0
+    for m in p.manifests.values():
+        if m["kind"] in NO_SCHEMA:
+            continue
+        schemas.validate(m, version)
+        checked += 1
+    assert checked == len(p.manifests) - 1 - mode.get("service_monitor", False)  # all but those two kinds
+    rendered_files(p, version)  # the writer's own path: validates and parses back
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_shipped_specs_render_valid_manifests(path):
+    p = plan_manifests(load_spec(path), K8sOptions())
+    files = rendered_files(p, DEFAULT_KUBE_VERSION)
+    assert {yaml.safe_load(t)["kind"] for t in files.values()} >= {"Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget", "ConfigMap"}
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"].update(pth="/x"), "'pth' was unexpected"),
+    (lambda d: d["spec"]["template"]["spec"]["containers"][0]["ports"][0].update(containerPort="8000"), "is not of type 'integer'"),
+    (lambda d: d["spec"].pop("selector"), "'selector' is a required property"),
+])
+def test_the_validator_rejects_a_broken_manifest(tmp_path, mutate, message):
+    d = copy.deepcopy(plan(spec_file(tmp_path, "torch")).manifests["deployment.yaml"])
+    mutate(d)
+    with pytest.raises(schemas.ManifestInvalid, match=message):
+        schemas.validate(d, DEFAULT_KUBE_VERSION)
+
+
+@pytest.mark.parametrize("version", ["1.12", "2.0", "latest", "1.99"])
+def test_unknown_kubernetes_version_is_refused(tmp_path, version):
+    with pytest.raises(TrtspecError, match=f"unknown Kubernetes version '{version}'"):
+        plan(spec_file(tmp_path, "torch"), kube_version=version)
+
+
+# --- probes, ports and scraping follow the spec -------------------------------------------------
+
+
+def test_probes_and_ports_follow_the_spec(tmp_path):
+    serve = {"http_port": 9100, "grpc_port": 9101, "metrics_port": 9102, "streaming": False}
+    p = plan(spec_file(tmp_path, "torch", serve=serve), startup_seconds=95)
+    c = container(p)
+    assert [(x["name"], x["containerPort"]) for x in c["ports"]] == [("http", 9100), ("grpc", 9101), ("metrics", 9102)]
+    for probe, path in [("readinessProbe", HEALTH_READY), ("livenessProbe", HEALTH_LIVE), ("startupProbe", HEALTH_READY)]:
+        get = c[probe]["httpGet"]
+        assert (get["path"], named_port(c, get["port"])) == (path, 9100)
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 95 > startup["periodSeconds"] * (startup["failureThreshold"] - 1)
+    svc = p.manifests["service.yaml"]["spec"]
+    assert [(x["name"], x["port"], named_port(c, x["targetPort"])) for x in svc["ports"]] == [
+        ("http", 9100, 9100), ("grpc", 9101, 9101), ("metrics", 9102, 9102)]
+    annotations = p.manifests["deployment.yaml"]["spec"]["template"]["metadata"]["annotations"]
+    assert (annotations["prometheus.io/port"], annotations["prometheus.io/path"]) == ("9102", "/metrics")
+    # serve gets the spec from the ConfigMap and waits as long as the startup probe allows
+    assert c["command"][:3] == ["trtspec", "serve", "/etc/trtspec/spec.yaml"]
+    assert c["command"][c["command"].index("--timeout") + 1] == "95"
+    assert p.manifests["configmap.yaml"]["data"]["spec.yaml"] == (tmp_path / "pair.yaml").read_text()
+
+
+def test_startup_probe_is_sized_from_the_engines_on_disk(tmp_path):
+    engines = tmp_path / "engines"
+    (engines / "target").mkdir(parents=True)
+    (engines / "target" / "rank0.engine").write_bytes(b"\0" * (3 * 2**20))
+    loaded = load_spec(spec_file(tmp_path, "torch"))
+    p = plan_manifests(loaded, K8sOptions(), engines)
+    assert p.startup_seconds == 120 + 1  # base + ceil(3 MiB / 100 MiB/s)
+    assert p.startup_basis.startswith("0.00 GiB of engines")
+    assert plan_manifests(loaded, K8sOptions(), tmp_path / "absent").startup_seconds == 300
+
+
+def test_security_context_is_hardened(tmp_path):
+    p = plan(spec_file(tmp_path, "torch"), engines_from="build")
+    pod = p.manifests["statefulset.yaml"]["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] == RUN_AS
+    assert pod["automountServiceAccountToken"] is False
+    for c in pod["containers"] + pod["initContainers"]:
+        sc = c["securityContext"]
+        assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"]["drop"] == ["ALL"]
+        # every path a process writes is a volume, since the root filesystem is read-only
+        writable = {m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")}
+        assert "/tmp" in writable
+
+
+def test_privileged_port_is_refused(tmp_path):
+    with pytest.raises(TrtspecError, match="http_port 80: ports below 1024 need root"):
+        plan(spec_file(tmp_path, "torch", serve={"http_port": 80}))
+
+
+def test_service_monitor_scrapes_the_metrics_port_of_one_service(tmp_path):
+    p = plan(spec_file(tmp_path, "torch"), engines_from="build", service_monitor=True)
+    sm = p.manifests["servicemonitor.yaml"]["spec"]
+    selected = [m for m in p.manifests.values() if m["kind"] == "Service"
+                and sm["selector"]["matchLabels"].items() <= m["metadata"]["labels"].items()]
+    assert [s["metadata"]["name"] for s in selected] == ["pair"]  # not the headless twin
+    assert sm["endpoints"][0]["port"] in {x["name"] for x in selected[0]["spec"]["ports"]}
+
+
+# --- GPUs follow the spec ----------------------------------------------------------------------
+
+
+def gpu_counts(p) -> tuple[str | None, str | None]:
+    r = container(p)["resources"]
+    return r["requests"].get(GPU_RESOURCE), r["limits"].get(GPU_RESOURCE)
+
+
+def test_torch_specs_request_no_gpu(tmp_path):
+    p = plan(spec_file(tmp_path, "torch"))
+    assert gpu_counts(p) == (None, None) and "tolerations" not in p.manifests["deployment.yaml"]["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("target, draft, gpus", [
+    ({}, {}, 1),  # target, control and draft share GPU 0
+    ({"tp_size": 2}, {}, 2),
+    ({"tp_size": 2, "gpu_device_ids": [0, 1]}, {"gpu_device_ids": [2]}, 3),
+    ({"tp_size": 4, "pp_size": 2}, {"tp_size": 2}, 8),
+])
+def test_trtllm_gpus_follow_tp_pp_and_device_ids(tmp_path, target, draft, gpus):
+    p = plan(spec_file(tmp_path, target=target, draft=draft))
+    assert p.gpus == gpus and gpu_counts(p) == (str(gpus), str(gpus))
+
+
+def test_build_init_container_gets_the_same_gpus(tmp_path):
+    p = plan(spec_file(tmp_path, target={"tp_size": 2}), engines_from="build")
+    init = p.manifests["statefulset.yaml"]["spec"]["template"]["spec"]["initContainers"][0]
+    assert init["resources"]["limits"][GPU_RESOURCE] == "2"
+
+
+@pytest.mark.parametrize("target, draft, options, message", [
+    ({"gpu_device_ids": [0]}, {"gpu_device_ids": [3]}, {}, r"GPU ids \[0, 3\], but a pod sees its GPUs as 0..N-1"),
+    ({"tp_size": 8, "pp_size": 2}, {}, {}, "needs 16 GPUs in one pod .* a node has 8"),
+    ({"tp_size": 4}, {}, {"gpus_per_node": 2}, "needs 4 GPUs in one pod .* a node has 2"),
+])
+def test_gpu_counts_the_pod_cannot_satisfy_are_refused(tmp_path, target, draft, options, message):
+    with pytest.raises(TrtspecError, match=message):
+        plan(spec_file(tmp_path, target=target, draft=draft), **options)
+
+
+# --- autoscaling, disruption budget, workload kinds ---------------------------------------------
+
+
+@pytest.mark.parametrize("streaming, models", [(True, [BLS, BLS_STREAMING]), (False, [BLS])])
+def test_hpa_scales_on_endpoint_queue_depth_with_cpu_fallback(tmp_path, streaming, models):
+    p = plan(spec_file(tmp_path, "torch", build={"max_batch_size": 6}, serve={"streaming": streaming}), max_replicas=7)
+    hpa = p.manifests["hpa.yaml"]["spec"]
+    assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "pair"}
+    assert (hpa["minReplicas"], hpa["maxReplicas"]) == (1, 7)
+    queue, cpu = hpa["metrics"]
+    assert queue["pods"]["metric"]["name"] == QUEUE_METRIC
+    assert queue["pods"]["metric"]["selector"]["matchExpressions"][0]["values"] == models
+    assert queue["pods"]["target"]["averageValue"] == "6"  # the spec's max_batch_size
+    assert cpu["resource"] == {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": 80}}
+    assert "replicas" not in p.manifests["deployment.yaml"]["spec"]  # the HPA owns it
+    assert container(p)["resources"]["requests"]["cpu"]  # utilisation needs a request
+
+
+def test_without_hpa_the_replica_count_is_fixed(tmp_path):
+    p = plan(spec_file(tmp_path, "torch"), hpa=False, min_replicas=3)
+    assert "hpa.yaml" not in p.manifests and p.manifests["deployment.yaml"]["spec"]["replicas"] == 3
+
+
+def test_pdb_never_blocks_a_drain_and_selects_the_pods(tmp_path):
+    p = plan(spec_file(tmp_path, "torch"))
+    pdb = p.manifests["pdb.yaml"]["spec"]
+    assert pdb["maxUnavailable"] == 1
+    assert pdb["selector"]["matchLabels"].items() <= p.manifests["deployment.yaml"]["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_build_mode_is_a_statefulset_with_a_claim_per_pod(tmp_path):
+    p = plan(spec_file(tmp_path, "torch"), engines_from="build", storage_size="20Gi", storage_class="fast")
+    sts = p.manifests["statefulset.yaml"]["spec"]
+    assert sts["serviceName"] == "pair-headless" and p.manifests["service-headless.yaml"]["spec"]["clusterIP"] == "None"
+    assert sts["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "20Gi"
+    init = sts["template"]["spec"]["initContainers"][0]
+    assert init["command"] == ["trtspec", "build", "/etc/trtspec/spec.yaml", "--output", ENGINES_DIR]
+    server_mount = next(m for m in container(p)["volumeMounts"] if m["name"] == "engines")
+    init_mount = next(m for m in init["volumeMounts"] if m["name"] == "engines")
+    assert server_mount["mountPath"] == init_mount["mountPath"]  # the server sees what was built
+    assert p.manifests["hpa.yaml"]["spec"]["scaleTargetRef"]["kind"] == "StatefulSet"
+
+
+def test_build_mode_refuses_local_checkpoints(tmp_path):
+    path = spec_file(tmp_path, "torch", target={"repo": None, "revision": None, "path": "ckpt"})
+    with pytest.raises(TrtspecError, match="target come.s. from a local path"):
+        plan(path, engines_from="build")
+
+
+def test_image_mode_copies_engines_into_an_empty_dir(tmp_path):
+    p = plan(spec_file(tmp_path, "torch"), engines_from="image", engines_image="reg/eng:1")
+    pod = p.manifests["deployment.yaml"]["spec"]["template"]["spec"]
+    assert pod["initContainers"][0]["image"] == "reg/eng:1"
+    assert {"name": "engines", "emptyDir": {}} in pod["volumes"]
+
+
+def test_pvc_mode_mounts_the_claim_read_only(tmp_path):
+    p = plan(spec_file(tmp_path, "torch"), pvc="my-engines")
+    pod = p.manifests["deployment.yaml"]["spec"]["template"]["spec"]
+    assert {"name": "engines", "persistentVolumeClaim": {"claimName": "my-engines", "readOnly": True}} in pod["volumes"]
+
+
+# --- the command: dry run, --force, atomic writes, one-line errors -------------------------------
+
+
+def test_dry_run_prints_every_manifest_and_writes_nothing(tmp_path):
+    out = tmp_path / "k8s"
+    r = runner.invoke(app, ["deploy", "k8s", str(spec_file(tmp_path, "torch")), "--out", str(out), "--dry-run"])
+    assert r.exit_code == 0, r.output
+    docs = [d for d in yaml.safe_load_all(r.stdout) if d]
+    assert [d["kind"] for d in docs] == ["ConfigMap", "Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget", "Kustomization"]
+    assert not out.exists()
+
+
+def test_write_then_force(tmp_path):
+    spec = spec_file(tmp_path, "torch")
+    out = tmp_path / "k8s"
+    r = runner.invoke(app, ["deploy", "k8s", str(spec), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    written = sorted(p.name for p in out.iterdir())
+    kustomization = yaml.safe_load((out / "kustomization.yaml").read_text())
+    assert sorted(kustomization["resources"] + ["kustomization.yaml"]) == written
+    expected = plan_manifests(load_spec(spec), K8sOptions()).manifests
+    assert {n: yaml.safe_load((out / n).read_text()) for n in written} == expected
+
+    before = (out / "deployment.yaml").read_text()
+    r = runner.invoke(app, ["deploy", "k8s", str(spec), "--out", str(out), "--max-replicas", "9"])
+    assert r.exit_code == 2 and "pass --force" in r.output
+    assert (out / "deployment.yaml").read_text() == before
+
+    r = runner.invoke(app, ["deploy", "k8s", str(spec), "--out", str(out), "--max-replicas", "9", "--force", "--no-hpa"])
+    assert r.exit_code == 0, r.output
+    assert not (out / "hpa.yaml").exists()  # replaced whole: no stale manifest left behind
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_an_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
+    out = tmp_path / "k8s"
+    calls = []
+    real = Path.write_text
+
+    def failing(self, *a, **k):
+        calls.append(self.name)
+        if len(calls) == 3:
+            raise OSError("disk full")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Path, "write_text", failing)
+    r = runner.invoke(app, ["deploy", "k8s", str(spec_file(tmp_path, "torch")), "--out", str(out)])
+    assert r.exit_code != 0 and len(calls) == 3
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["pair.yaml"]
+
+
+@pytest.mark.parametrize("spec_sections, args, message", [
+    ({"serve": {"http_port": 9000, "grpc_port": 9000}}, [], "http_port, grpc_port and metrics_port must differ"),
+    ({"target": {"gpu_device_ids": [2]}}, [], "a pod sees its GPUs as 0..N-1"),
+    ({"target": {"tp_size": 4}}, ["--gpus-per-node", "2"], "needs 4 GPUs in one pod"),
+    ({}, ["--kube-version", "1.12"], "unknown Kubernetes version '1.12'"),
+    ({}, ["--memory", "lots"], "--memory: 'lots' is not a Kubernetes quantity"),
+    ({}, ["--min-replicas", "5", "--max-replicas", "2"], "min_replicas (5) exceeds max_replicas (2)"),
+    ({}, ["--engines-from", "image"], "engines_from image needs engines_image"),
+])
+def test_bad_input_one_message_exit_2_nothing_written(tmp_path, spec_sections, args, message):
+    out = tmp_path / "k8s"
+    spec = spec_file(tmp_path, **spec_sections)
+    r = runner.invoke(app, ["deploy", "k8s", str(spec), "--out", str(out), *args])
+    assert r.exit_code == 2, r.output
+    assert r.output.startswith("Error: ") and message in r.output and "Traceback" not in r.output
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["pair.yaml"]
+
+
+def test_spec_name_that_cannot_be_an_object_name_needs_name(tmp_path):
+    spec = spec_file(tmp_path, "torch", name="7b.pair")
+    r = runner.invoke(app, ["deploy", "k8s", str(spec), "--dry-run"])
+    assert r.exit_code == 2 and "pass one with --name" in r.output
+    r = runner.invoke(app, ["deploy", "k8s", str(spec), "--dry-run", "--name", "pair-7b"])
+    assert r.exit_code == 0 and "name: pair-7b\n" in r.stdout
+
+
+# --- images ------------------------------------------------------------------------------------
+
+
+def _dockerfile(name: str) -> list[str]:
+    """Instructions of a Dockerfile, continuation lines joined."""
+    text = (ROOT / "docker" / name).read_text().replace("\\\n", " ")
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_cpu_image_installs_as_make_install_and_runs_as_the_pod_user():
+    from trtspec.deploy.images import CPU_BASE_IMAGE
+
+    lines = _dockerfile("cpu.Dockerfile")
+    assert f"FROM {CPU_BASE_IMAGE}" in lines
+    assert any(line.startswith("RUN ") and "make install VENV=/opt/trtspec/.venv" in line for line in lines)
+    assert "ENV PATH=/opt/trtspec/.venv/bin:$PATH" in " ".join(lines)  # `trtspec` on PATH for the pod command
+    assert lines[[i for i, x in enumerate(lines) if x.startswith("USER ")][-1]] == f"USER {RUN_AS}:{RUN_AS}"
+
+
+def test_trtllm_image_is_the_documented_triton_trtllm_tag():
+    from trtspec.deploy.images import TRITON_RELEASE, TRTLLM_BASE_IMAGE, TRTLLM_IN_TRITON
+
+    lines = _dockerfile("trtllm.Dockerfile")
+    assert f"ARG TRITON_TRTLLM_IMAGE={TRTLLM_BASE_IMAGE}" in lines
+    # converter scripts from the same TensorRT-LLM release as the image's runtime
+    assert f"ARG TRTLLM_GIT_REF=v{TRTLLM_IN_TRITON[TRITON_RELEASE]}" in lines
+    assert lines[-2:] == ["EXPOSE 8000 8001 8002", 'CMD ["trtspec", "--help"]']
+    assert f"USER {RUN_AS}:{RUN_AS}" in lines
+
+
+def test_images_default_to_the_backend_and_version(tmp_path):
+    from trtspec import __version__
+
+    assert container(plan(spec_file(tmp_path, "torch")))["image"] == f"trtspec-cpu:{__version__}"
+    assert container(plan(spec_file(tmp_path, "trtllm")))["image"] == f"trtspec-trtllm:{__version__}"
+    assert container(plan(spec_file(tmp_path, "trtllm"), image="reg/x:1"))["image"] == "reg/x:1"
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".venv", "engines", "weights", ".git"} <= set(ignored)  # `COPY .` ships no local state
+
+
+def test_a_file_that_does_not_parse_back_is_refused(tmp_path):
+    p = plan(spec_file(tmp_path, "torch"))
+    p.manifests["kustomization.yaml"]["resources"] = tuple(p.manifests["kustomization.yaml"]["resources"])  # renders as a list
+    with pytest.raises(TrtspecError, match="kustomization.yaml does not parse back"):
+        rendered_files(p, DEFAULT_KUBE_VERSION)

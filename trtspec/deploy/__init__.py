@@ -1,0 +1,1 @@
+"""Deployment artefacts generated from an engine spec (Kubernetes manifests, images)."""

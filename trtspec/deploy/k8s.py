@@ -1,0 +1,390 @@
+"""Kubernetes manifests for a spec's Triton deployment: typed spec + options in, dicts out.
+
+One pod runs `trtspec serve` on the spec (mounted from a ConfigMap): it writes the model
+repository into a scratch volume against the engines volume, starts tritonserver and forwards
+SIGTERM. Everything the manifests say about the server comes from the spec: ports
+(serve.*_port), GPUs (tp_size x pp_size and gpu_device_ids of every TensorRT-LLM engine), the
+endpoint models the autoscaler watches, and the batch size its queue target defaults to.
+
+plan_manifests() returns {file name: manifest}; trtspec.deploy.output renders, validates,
+parses back and writes them. Bad input raises TrtspecError (exit 2) before anything exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from trtspec import __version__
+from trtspec.deploy.checks import check_build_sources, check_ports, object_name, pod_gpus, startup_budget
+from trtspec.deploy.options import DEFAULT_CPU, DEFAULT_MEMORY, K8sOptions, default_image
+from trtspec.layout import BLS_MODEL, BLS_STREAMING_MODEL
+from trtspec.spec import LoadedSpec
+
+# Paths inside the pod.
+SPEC_DIR = "/etc/trtspec"
+ENGINES_DIR = "/models/engines"
+SCRATCH_DIR = "/var/lib/trtspec"  # model repository, trtspec cache, server log
+REPO_DIR = f"{SCRATCH_DIR}/model_repo"
+HF_HOME = "/models/hf-cache"  # build mode: checkpoints downloaded beside the engines
+RUN_AS = 1000  # the user both images (docker/*.Dockerfile) create and switch to
+
+HEALTH_READY = "/v2/health/ready"
+HEALTH_LIVE = "/v2/health/live"
+METRICS_PATH = "/metrics"
+# Triton's per-model gauge of requests queued and not yet executing (the queue depth).
+QUEUE_METRIC = "nv_inference_pending_request_count"
+STARTUP_PERIOD_S = 10
+GPU_RESOURCE = "nvidia.com/gpu"
+COMPONENT = "app.kubernetes.io/component"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Manifests by file name, plus the figures a user wants to see before applying them."""
+
+    manifests: dict[str, dict]
+    name: str
+    workload: str  # Deployment | StatefulSet
+    gpus: int
+    startup_seconds: int
+    startup_basis: str  # how startup_seconds was sized
+
+
+# --------------------------------------------------------------------------------------------
+# Builders: one function per object
+# --------------------------------------------------------------------------------------------
+
+
+def _labels(name: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "trtspec", "app.kubernetes.io/instance": name}
+
+
+def _meta(instance: str, suffix: str = "", **extra) -> dict:
+    labels = {**_labels(instance), "app.kubernetes.io/version": __version__}
+    return {"name": instance + suffix, "labels": labels, **extra}
+
+
+def _scrape_annotations(port: int) -> dict[str, str]:
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": METRICS_PATH}
+
+
+def config_map(name: str, loaded: LoadedSpec) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(name, "-spec"),
+        "data": {"spec.yaml": loaded.path.read_text(encoding="utf-8")},
+    }
+
+
+def _security_context() -> dict:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "privileged": False,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _resources(options: K8sOptions, backend: str, gpus: int) -> dict:
+    # No CPU limit: throttling a decode loop costs latency, and the HPA scales on requests.
+    memory = options.memory or DEFAULT_MEMORY[backend]
+    requests = {"cpu": options.cpu or DEFAULT_CPU[backend], "memory": memory}
+    limits = {"memory": memory}
+    if gpus:
+        requests[GPU_RESOURCE] = str(gpus)
+        limits[GPU_RESOURCE] = str(gpus)
+    return {"requests": requests, "limits": limits}
+
+
+def _http_probe(path: str, period: int, failures: int, timeout: int = 5) -> dict:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": timeout,
+        "failureThreshold": failures,
+    }
+
+
+def server_container(name: str, loaded: LoadedSpec, options: K8sOptions, gpus: int, startup_s: int) -> dict:
+    s = loaded.spec.serve
+    return {
+        "name": "triton",
+        "image": options.image or default_image(loaded.spec.backend),
+        "imagePullPolicy": options.image_pull_policy,
+        # 0.0.0.0 inside the pod: kubelet probes, the Service and port-forward all reach it;
+        # the Service is ClusterIP, nothing is exposed outside the cluster by default.
+        "command": [
+            "trtspec", "serve", f"{SPEC_DIR}/spec.yaml", "--host", "0.0.0.0",
+            "--engines", ENGINES_DIR, "--repo", REPO_DIR, "--timeout", str(startup_s),
+            "--log-file", f"{SCRATCH_DIR}/tritonserver.log",
+        ],
+        "ports": [
+            {"name": "http", "containerPort": s.http_port, "protocol": "TCP"},
+            {"name": "grpc", "containerPort": s.grpc_port, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": s.metrics_port, "protocol": "TCP"},
+        ],
+        "env": _env(),
+        "resources": _resources(options, loaded.spec.backend, gpus),
+        "startupProbe": _http_probe(HEALTH_READY, STARTUP_PERIOD_S, math.ceil(startup_s / STARTUP_PERIOD_S)),
+        "readinessProbe": _http_probe(HEALTH_READY, 5, 3),
+        "livenessProbe": _http_probe(HEALTH_LIVE, 10, 3),
+        "securityContext": _security_context(),
+        "volumeMounts": [
+            {"name": "spec", "mountPath": SPEC_DIR, "readOnly": True},
+            _engines_mount(options),
+            {"name": "scratch", "mountPath": SCRATCH_DIR},
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ],
+    }
+
+
+def _engines_mount(options: K8sOptions) -> dict:
+    # build mode: the claim holds engines/ and hf-cache/ side by side, mounted at /models.
+    path = str(Path(ENGINES_DIR).parent) if options.engines_from == "build" else ENGINES_DIR
+    return {"name": "engines", "mountPath": path, "readOnly": True}
+
+
+def _env(*extra: dict) -> list[dict]:
+    return [
+        {"name": "HOME", "value": "/tmp"},  # the root filesystem is read-only
+        {"name": "TRTSPEC_CACHE", "value": f"{SCRATCH_DIR}/cache"},
+        {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+        *extra,
+    ]
+
+
+def init_containers(name: str, loaded: LoadedSpec, options: K8sOptions, gpus: int) -> list[dict]:
+    mounts = [{"name": "engines", "mountPath": ENGINES_DIR}]
+    if options.engines_from == "image":
+        return [{
+            "name": "engines",
+            "image": options.engines_image,
+            "imagePullPolicy": options.image_pull_policy,
+            "command": ["sh", "-c", f"cp -R /engines/. {ENGINES_DIR}/"],
+            "resources": {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "256Mi"}},
+            "securityContext": _security_context(),
+            "volumeMounts": mounts,
+        }]
+    if options.engines_from == "build":
+        # `trtspec build` is a no-op when the engines on the claim are up to date, so only
+        # the first start of each pod (or a changed spec) pays for the build.
+        secret = {"secretKeyRef": {"name": options.hf_token_secret, "key": "HF_TOKEN", "optional": True}}
+        return [{
+            "name": "build",
+            "image": options.image or default_image(loaded.spec.backend),
+            "imagePullPolicy": options.image_pull_policy,
+            "command": ["trtspec", "build", f"{SPEC_DIR}/spec.yaml", "--output", ENGINES_DIR],
+            "env": _env({"name": "HF_HOME", "value": HF_HOME}, {"name": "HF_TOKEN", "valueFrom": secret}),
+            "resources": _resources(options, loaded.spec.backend, gpus),
+            "securityContext": _security_context(),
+            "volumeMounts": [
+                {"name": "spec", "mountPath": SPEC_DIR, "readOnly": True},
+                {"name": "engines", "mountPath": str(Path(ENGINES_DIR).parent)},  # engines/ + hf-cache/
+                {"name": "tmp", "mountPath": "/tmp"},
+                {"name": "scratch", "mountPath": SCRATCH_DIR},
+            ],
+        }]
+    return []
+
+
+def pod_template(name: str, loaded: LoadedSpec, options: K8sOptions, gpus: int, startup_s: int) -> dict:
+    s = loaded.spec.serve
+    spec_sha = hashlib.sha256(loaded.path.read_bytes()).hexdigest()[:16]
+    volumes = [
+        {"name": "spec", "configMap": {"name": f"{name}-spec"}},
+        {"name": "scratch", "emptyDir": {}},
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": options.shm_size}},
+    ]
+    if options.engines_from == "pvc":
+        claim = options.pvc or f"{name}-engines"
+        volumes.append({"name": "engines", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+    elif options.engines_from == "image":
+        volumes.append({"name": "engines", "emptyDir": {}})
+    # build: the StatefulSet's volumeClaimTemplate supplies "engines"
+    pod: dict = {
+        "automountServiceAccountToken": False,  # the server never talks to the API server
+        "enableServiceLinks": False,
+        # serve forwards SIGTERM; Triton drains in-flight requests (--exit-timeout-secs 30).
+        "terminationGracePeriodSeconds": 60,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS,
+            "runAsGroup": RUN_AS,
+            "fsGroup": RUN_AS,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [server_container(name, loaded, options, gpus, startup_s)],
+        "volumes": volumes,
+    }
+    inits = init_containers(name, loaded, options, gpus)
+    if inits:
+        pod["initContainers"] = inits
+    if gpus:
+        pod["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+    return {
+        "metadata": {
+            "labels": _labels(name),
+            # A changed spec changes the template, so `kubectl apply` rolls the pods.
+            "annotations": {**_scrape_annotations(s.metrics_port), "trtspec.dev/spec-sha256": spec_sha},
+        },
+        "spec": pod,
+    }
+
+
+def workload(name: str, loaded: LoadedSpec, options: K8sOptions, gpus: int, startup_s: int) -> dict:
+    template = pod_template(name, loaded, options, gpus, startup_s)
+    spec: dict = {"selector": {"matchLabels": _labels(name)}, "template": template}
+    if not options.hpa:  # with an HPA, a replica count here would fight it on every apply
+        spec["replicas"] = options.min_replicas
+    if options.engines_from != "build":
+        spec["strategy"] = {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+        return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name), "spec": spec}
+    claim: dict = {
+        "metadata": {"name": "engines"},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": options.storage_size}}},
+    }
+    if options.storage_class:
+        claim["spec"]["storageClassName"] = options.storage_class
+    spec |= {
+        "serviceName": f"{name}-headless",
+        "podManagementPolicy": "Parallel",  # replicas build and load independently
+        "volumeClaimTemplates": [claim],
+    }
+    return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(name), "spec": spec}
+
+
+def service(name: str, loaded: LoadedSpec, headless: bool = False) -> dict:
+    s = loaded.spec.serve
+    spec: dict = {
+        "type": "ClusterIP",
+        "selector": _labels(name),
+        "ports": [
+            {"name": "http", "port": s.http_port, "targetPort": "http", "protocol": "TCP", "appProtocol": "http"},
+            {"name": "grpc", "port": s.grpc_port, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"},
+            {"name": "metrics", "port": s.metrics_port, "targetPort": "metrics", "protocol": "TCP", "appProtocol": "http"},
+        ],
+    }
+    meta = _meta(name, "-headless" if headless else "")
+    # The ServiceMonitor selects this label, so the headless twin is not scraped twice.
+    # Prometheus annotations sit on the pods only, for the same reason.
+    meta["labels"][COMPONENT] = "triton-headless" if headless else "triton"
+    if headless:  # the StatefulSet's governing service: stable per-pod DNS names
+        spec["clusterIP"] = "None"
+    return {"apiVersion": "v1", "kind": "Service", "metadata": meta, "spec": spec}
+
+
+def endpoint_models(loaded: LoadedSpec) -> list[str]:
+    """The speculative endpoints clients queue on (the control endpoint is for verify)."""
+    return [BLS_MODEL, BLS_STREAMING_MODEL] if loaded.spec.serve.streaming else [BLS_MODEL]
+
+
+def autoscaler(name: str, loaded: LoadedSpec, options: K8sOptions, kind: str) -> dict:
+    """Scale on queue depth at the speculative endpoints; CPU as the fallback signal.
+
+    The HPA takes the largest replica count any metric asks for; when the custom metric is
+    unavailable (no adapter yet) it still scales up on CPU alone.
+    """
+    target = options.queue_target or loaded.spec.limits("target").max_batch_size
+    queue = {
+        "type": "Pods",
+        "pods": {
+            "metric": {
+                "name": QUEUE_METRIC,
+                "selector": {"matchExpressions": [
+                    {"key": "model", "operator": "In", "values": endpoint_models(loaded)},
+                ]},
+            },
+            "target": {"type": "AverageValue", "averageValue": str(target)},
+        },
+    }
+    cpu = {"type": "Resource", "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": options.cpu_target}}}
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": _meta(name),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": kind, "name": name},
+            "minReplicas": options.min_replicas,
+            "maxReplicas": options.max_replicas,
+            "metrics": [queue, cpu],
+            # Engines take minutes to load: scale up at once, scale down slowly.
+            "behavior": {
+                "scaleUp": {"stabilizationWindowSeconds": 0, "policies": [{"type": "Pods", "value": 2, "periodSeconds": 60}]},
+                "scaleDown": {"stabilizationWindowSeconds": 600, "policies": [{"type": "Pods", "value": 1, "periodSeconds": 300}]},
+            },
+        },
+    }
+
+
+def disruption_budget(name: str) -> dict:
+    # maxUnavailable, not minAvailable: with one replica minAvailable 1 would block every drain.
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(name),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _labels(name)}},
+    }
+
+
+def service_monitor(name: str) -> dict:
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": _meta(name),
+        "spec": {
+            "selector": {"matchLabels": {**_labels(name), COMPONENT: "triton"}},
+            "endpoints": [{"port": "metrics", "path": METRICS_PATH, "interval": "15s"}],
+        },
+    }
+
+
+def kustomization(files: list[str], namespace: str | None) -> dict:
+    doc: dict = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization"}
+    if namespace:
+        doc["namespace"] = namespace
+    doc["resources"] = files
+    return doc
+
+
+# --------------------------------------------------------------------------------------------
+# The plan
+# --------------------------------------------------------------------------------------------
+
+
+def plan_manifests(loaded: LoadedSpec, options: K8sOptions, engines_dir: Path | None = None) -> Plan:
+    """Every manifest for ``loaded`` under ``options``; TrtspecError (exit 2) on bad input.
+
+    ``engines_dir`` (a local engine folder, if any) only sizes the startup probe.
+    """
+    from trtspec.deploy.schemas import check_version
+
+    check_version(options.kube_version)
+    check_ports(loaded)
+    name = object_name(loaded, options)
+    gpus = pod_gpus(loaded, options)
+    if options.engines_from == "build":
+        check_build_sources(loaded)
+    startup_s, basis = startup_budget(loaded, options, engines_dir)
+    work = workload(name, loaded, options, gpus, startup_s)
+    manifests = {
+        "configmap.yaml": config_map(name, loaded),
+        f"{work['kind'].lower()}.yaml": work,
+        "service.yaml": service(name, loaded),
+    }
+    if work["kind"] == "StatefulSet":
+        manifests["service-headless.yaml"] = service(name, loaded, headless=True)
+    if options.hpa:
+        manifests["hpa.yaml"] = autoscaler(name, loaded, options, work["kind"])
+    manifests["pdb.yaml"] = disruption_budget(name)
+    if options.service_monitor:
+        manifests["servicemonitor.yaml"] = service_monitor(name)
+    manifests["kustomization.yaml"] = kustomization(list(manifests), options.namespace)
+    return Plan(manifests, name, work["kind"], gpus, startup_s, basis)

@@ -1,0 +1,111 @@
+"""What `trtspec deploy k8s` needs beyond the engine spec: typed, checked before anything is built.
+
+The spec says what to serve (ports, engines, GPUs per engine); these options say how the
+cluster runs it (image, where the engines come from, scaling bounds, resources).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from trtspec import __version__
+
+DEFAULT_KUBE_VERSION = "1.33"
+# Kubernetes quantities as users write them ("500m", "2", "8Gi", "1.5G").
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|Ki|Mi|Gi|Ti|Pi)?$")
+# DNS-1035 label: what a Service name must be (the strictest name among our objects).
+_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# Suffix room inside the 63-character limit ("-headless").
+MAX_NAME_LEN = 50
+
+# Host resources per pod. trtllm: the server process holds tokenizers, MPI ranks and
+# engine files in host memory while it deserializes them onto the GPUs.
+DEFAULT_CPU = {"torch": "2", "trtllm": "4"}
+DEFAULT_MEMORY = {"torch": "8Gi", "trtllm": "32Gi"}
+
+EnginesFrom = Literal["pvc", "image", "build"]
+
+
+def default_image(backend: str) -> str:
+    """The image `docker build` makes from this checkout (see docker/*.Dockerfile)."""
+    return f"trtspec-{'cpu' if backend == 'torch' else 'trtllm'}:{__version__}"
+
+
+def k8s_name(spec_name: str) -> str | None:
+    """The spec name as a Kubernetes object name, or None when it cannot be one."""
+    name = re.sub(r"[._]+", "-", spec_name.lower()).strip("-")
+    return name if _DNS_LABEL.match(name) and len(name) <= MAX_NAME_LEN else None
+
+
+def _quantity(value: str) -> str:
+    if not _QUANTITY.match(value):
+        raise ValueError(f"'{value}' is not a Kubernetes quantity (examples: 500m, 2, 8Gi)")
+    return value
+
+
+Quantity = Annotated[str, Field(min_length=1)]
+
+
+class K8sOptions(BaseModel):
+    """How the spec's deployment runs on a cluster. Unknown keys are rejected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kube_version: str = DEFAULT_KUBE_VERSION  # schemas the manifests are validated against
+    name: str | None = None  # object names; default: the spec name made DNS-safe
+    namespace: str | None = None  # set through kustomization.yaml; default: kubectl's
+    image: str | None = None  # default: default_image(backend)
+    image_pull_policy: Literal["IfNotPresent", "Always", "Never"] = "IfNotPresent"
+    # pvc: a claim already holding `trtspec build` output (ReadOnlyMany, or one replica)
+    # image: an init container copies /engines out of an image built with the engines in it
+    # build: a StatefulSet whose init container builds into a per-pod volume (Hub sources)
+    engines_from: EnginesFrom = "pvc"
+    pvc: str | None = None  # default <name>-engines
+    engines_image: str | None = None
+    storage_size: Quantity = "50Gi"
+    storage_class: str | None = None
+    hf_token_secret: str = "hf-token"  # optional Secret with key HF_TOKEN (build mode)
+    hpa: bool = True
+    min_replicas: Annotated[int, Field(ge=1, le=1000)] = 1
+    max_replicas: Annotated[int, Field(ge=1, le=1000)] = 4
+    # Pending requests per pod the autoscaler aims at; default: the spec's max_batch_size.
+    queue_target: Annotated[int, Field(ge=1)] | None = None
+    cpu_target: Annotated[int, Field(ge=1, le=100)] = 80  # % of requested CPU (the fallback)
+    service_monitor: bool = False
+    cpu: Quantity | None = None  # default: DEFAULT_CPU[backend]
+    memory: Quantity | None = None  # default: DEFAULT_MEMORY[backend]
+    shm_size: Quantity = "1Gi"  # /dev/shm for the Python backend's tensors
+    gpus_per_node: Annotated[int, Field(ge=1, le=64)] = 8
+    startup_seconds: Annotated[int, Field(ge=10, le=86400)] | None = None
+
+    @field_validator("cpu", "memory", "shm_size", "storage_size")
+    @classmethod
+    def _is_quantity(cls, v: str | None) -> str | None:
+        return v if v is None else _quantity(v)
+
+    @field_validator("name", "pvc", "hf_token_secret", "namespace")
+    @classmethod
+    def _is_dns_label(cls, v: str | None) -> str | None:
+        if v is not None and (not _DNS_LABEL.match(v) or len(v) > MAX_NAME_LEN):
+            raise ValueError(
+                f"'{v}' is not a usable Kubernetes name: lowercase letters, digits and '-', "
+                f"starting with a letter, at most {MAX_NAME_LEN} characters"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> K8sOptions:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})"
+            )
+        if self.engines_from == "image" and not self.engines_image:
+            raise ValueError("engines_from image needs engines_image: an image holding /engines")
+        if self.engines_from != "image" and self.engines_image:
+            raise ValueError("engines_image only applies to engines_from image")
+        if self.engines_from != "pvc" and self.pvc:
+            raise ValueError("pvc only applies to engines_from pvc")
+        return self
