@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -199,7 +200,7 @@ def test_unary_matches_in_process_tokens_and_metrics(client, deployment, k):
         assert metrics_from_json(result.as_numpy("perf_metrics_json")[0, 0].decode()) == ref.metrics
         assert result.as_numpy("total_draft_tokens")[0, 0] == ref.metrics.drafted
         assert result.as_numpy("total_accepted_draft_tokens")[0, 0] == ref.metrics.accepted
-        assert result.as_numpy("text_output")[0, 0].decode() == dep.decode(ref.output_ids)
+        assert result.as_numpy("text_output")[0].decode() == dep.decode(ref.output_ids)
         control = client.infer(CONTROL, _bls(prompt, k=k))
         assert _ids(control) == _reference(dep, prompt, speculative=False).output_ids == ref.output_ids
 
@@ -222,7 +223,7 @@ def test_streaming_yields_the_unary_tokens_step_by_step(served, deployment):
     steps = [r.as_numpy("output_ids")[0].tolist() for r in responses]
     assert [tok for s in steps for tok in s] == ref.output_ids
     assert len(steps) == ref.metrics.target_forwards > 1  # one response per loop step
-    assert "".join(r.as_numpy("text_output")[0, 0].decode() for r in responses) == dep.decode(ref.output_ids)
+    assert "".join(r.as_numpy("text_output")[0].decode() for r in responses) == dep.decode(ref.output_ids)
     final = responses[-1]
     assert final.get_response().parameters["triton_final_response"].bool_param
     assert metrics_from_json(final.as_numpy("perf_metrics_json")[0, 0].decode()) == ref.metrics
@@ -378,6 +379,98 @@ def test_bad_requests_get_clear_errors_while_others_are_served(served, deploymen
     assert failures == []
     assert bystander.get("ids") == expected
     assert _ids(c.infer(BLS, _bls(PROMPTS[0]))) == _reference(dep, PROMPTS[0]).output_ids
+
+
+# ---------------------------------------------------------------------- upstream's clients
+
+# What TensorRT-LLM's triton_backend client end_to_end_grpc_client.py requests (written here
+# from its behaviour, not copied): text_output, plus these with --return-perf-metrics.
+UPSTREAM_PERF_OUTPUTS = ["kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks",
+                         "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns",
+                         "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens"]
+
+
+def _as_upstream_client(endpoint, model, prompt, streaming=False, perf=False, max_tokens=MAX_TOKENS, **extra):
+    """The tensors upstream's end_to_end_grpc_client sends with its defaults (beam_width 1,
+    temperature 1.0, exclude_input_in_output false), always over the gRPC stream API, one
+    [[value]] per input; returns the responses (or raises the first error)."""
+    arrays = {"text_input": np.array([[prompt]]).astype(object), "max_tokens": np.array([[max_tokens]], dtype=np.int32),
+              "stream": np.array([[streaming]], dtype=bool), "beam_width": np.array([[1]], dtype=np.int32),
+              "temperature": np.array([[1.0]], dtype=np.float32),
+              "exclude_input_in_output": np.array([[False]], dtype=bool)}
+    if perf:
+        arrays["return_perf_metrics"] = np.array([[True]], dtype=bool)
+    arrays |= extra
+    from tritonclient.utils import np_to_triton_dtype
+
+    inputs = []
+    for name, arr in arrays.items():
+        t = grpcclient.InferInput(name, arr.shape, np_to_triton_dtype(arr.dtype))
+        t.set_data_from_numpy(arr)
+        inputs.append(t)
+    outputs = [grpcclient.InferRequestedOutput(n) for n in ["text_output"] + (UPSTREAM_PERF_OUTPUTS if perf else [])]
+    got: queue.Queue = queue.Queue()
+    c = grpcclient.InferenceServerClient(endpoint)
+    c.start_stream(callback=lambda result, error: got.put(error or result))
+    c.async_stream_infer(model, inputs, outputs=outputs, request_id="upstream")
+    c.stop_stream()  # waits for the server to finish the stream, as upstream's client does
+    responses = []
+    while not got.empty():
+        item = got.get()
+        if isinstance(item, InferenceServerException):
+            raise item
+        responses.append(item)
+    return responses
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("model", ["ensemble", BLS])
+def test_upstream_client_gets_greedy_text_with_perf_metrics(served, deployment, model):
+    _, dep = deployment
+    prompt = PROMPTS[0]
+    (result,) = _as_upstream_client(served.grpc_endpoint, model, prompt, perf=True)
+    ref = dep.generate([dep.request(dep.encode(prompt, chat_template=False), MAX_TOKENS)], speculative=True)[0]
+    ids = dep.encode(prompt, chat_template=False) + ref.output_ids
+    assert result.as_numpy("text_output")[0].decode() == dep.decode(ids)
+    assert result.as_numpy("total_draft_tokens")[0][0] == ref.metrics.drafted > 0
+    assert result.as_numpy("total_accepted_draft_tokens")[0][0] == ref.metrics.accepted
+    times = [int(result.as_numpy(n)[0][0]) for n in UPSTREAM_PERF_OUTPUTS[3:7]]
+    assert 0 < times[0] <= times[1] <= times[2] <= times[3]  # arrival <= scheduled <= first <= last token
+    assert all(result.as_numpy(n)[0][0] == -1 for n in UPSTREAM_PERF_OUTPUTS[:3])  # not measured
+
+
+@pytest.mark.server
+def test_upstream_client_streams_from_the_ensemble(served, deployment):
+    _, dep = deployment
+    prompt = PROMPTS[1]
+    responses = _as_upstream_client(served.grpc_endpoint, "ensemble", prompt, streaming=True)
+    ref = dep.generate([dep.request(dep.encode(prompt, chat_template=False), MAX_TOKENS)], speculative=True)[0]
+    assert len(responses) > 1
+    assert "".join(r.as_numpy("text_output")[0].decode() for r in responses) == dep.decode(ref.output_ids)
+
+
+@pytest.mark.server
+@pytest.mark.parametrize(("model", "extra", "message"), [
+    ("ensemble", {"beam_width": np.array([[2]], dtype=np.int32)}, "beam search (beam_width=2) is not supported"),
+    (BLS, {"top_k": np.array([[40]], dtype=np.int32)}, "sampling (top_k=40"),
+    (CONTROL, {"lora_task_id": np.array([[1]], dtype=np.uint64)}, "LoRA adapters (lora_task_id)"),
+    ("ensemble", {"repetition_penalty": np.array([[1.3]], dtype=np.float32)}, "repetition penalty"),
+    (BLS, {"guided_decoding_guide_type": np.array([[b"json"]], dtype=object)}, "guided decoding"),
+])
+def test_upstream_fields_trtspec_lacks_are_named_errors(served, model, extra, message):
+    with pytest.raises(InferenceServerException) as err:
+        _as_upstream_client(served.grpc_endpoint, model, PROMPTS[0], **extra)
+    assert message in str(err.value) and "unexpected" not in str(err.value)
+
+
+@pytest.mark.server
+def test_generate_endpoint_refuses_sampling_by_name(served):
+    body = json.dumps({"text_input": PROMPTS[0], "max_tokens": 8, "top_p": 0.9}).encode()
+    req = urllib.request.Request(f"http://{served.http_endpoint}/v2/models/{BLS}/generate", data=body, method="POST")
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with pytest.raises(urllib.error.HTTPError) as err:
+        opener.open(req, timeout=60)
+    assert err.value.code == 400 and "sampling (top_k=0, top_p=0.9)" in err.value.read().decode()
 
 
 # ----------------------------------------------------------------------------------- verify

@@ -12,7 +12,7 @@ features trtspec does not implement are refused there by name). Implemented, bat
   INT32, stop_words BYTES [b, n], stream, exclude_input_in_output, return_perf_metrics,
   return_num_input_tokens, return_num_output_tokens, apply_chat_template (trtspec),
   return_margins (trtspec) BOOL; greedy settings of top_k / top_p / temperature / beam_width.
-  -> text_output BYTES [b, 1], output_ids INT32 [b, T] (padded with pad_id), sequence_length
+  -> text_output BYTES [b] (flat, as upstream), output_ids INT32 [b, T] (padded with pad_id), sequence_length
   INT32 [b, 1], batch_index / sequence_index INT32 [b, 1]; num_input_tokens /
   num_output_tokens when asked; with return_perf_metrics: acceptance_rate FP32,
   total_accepted_draft_tokens, total_draft_tokens INT32 [b, 1] for the WHOLE generation,
@@ -258,7 +258,8 @@ class Orchestrator:
             ids[r, : len(s)] = s
         texts = [self.tokenizer.decode(s, skip_special_tokens=True).encode() for s in seqs]
         tensors = {
-            "text_output": np.array(texts, dtype=np.object_).reshape(len(seqs), 1),
+            # [b], not [b, 1]: upstream's text_output is flat, its clients read output[0].decode().
+            "text_output": np.array(texts, dtype=np.object_).reshape(len(seqs)),
             "output_ids": ids,
             "sequence_length": np.array([[len(s)] for s in seqs], dtype=np.int32),
         }
@@ -333,7 +334,7 @@ class _Stream:
             delta = text[len(sent) :]
             self.prefix, self.read = self.read, len(self.ids)
         return {
-            "text_output": np.array([[delta.encode()]], dtype=np.object_),
+            "text_output": np.array([delta.encode()], dtype=np.object_),  # [1], as upstream
             "output_ids": np.array([emitted], dtype=np.int32).reshape(1, len(emitted)),
             "sequence_length": np.array([[len(emitted)]], dtype=np.int32),
         }
