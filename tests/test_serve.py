@@ -473,6 +473,123 @@ def test_generate_endpoint_refuses_sampling_by_name(served):
     assert err.value.code == 400 and "sampling (top_k=0, top_p=0.9)" in err.value.read().decode()
 
 
+# --------------------------------------------------------------------------- OpenAI front
+
+
+@pytest.fixture(scope="module")
+def openai_url(served, deployment):
+    """`trtspec openai`'s app on uvicorn at 127.0.0.1, in front of the served repository."""
+    uvicorn = pytest.importorskip("uvicorn")
+    from trtspec.openai.serve import make_app
+
+    loaded, _ = deployment
+    (port,) = free_ports(1)
+    server = uvicorn.Server(uvicorn.Config(make_app(loaded.base_dir / "repo", served.grpc_endpoint),
+                                           host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the OpenAI front did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}/v1"
+    server.should_exit = True
+    thread.join(30)
+
+
+@pytest.fixture
+def oai(openai_url):
+    openai = pytest.importorskip("openai")
+    # trust_env=False: never route loopback traffic through a proxy from the environment.
+    return openai.OpenAI(base_url=openai_url, api_key="unused", max_retries=0, timeout=120,
+                         http_client=openai.DefaultHttpxClient(trust_env=False))
+
+
+def _name(deployment):
+    return deployment[0].spec.name
+
+
+@pytest.mark.server
+def test_openai_models_lists_speculative_and_control(oai, deployment):
+    assert sorted(m.id for m in oai.models.list().data) == sorted([_name(deployment), _name(deployment) + "-target-only"])
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("control", [False, True])
+def test_openai_completion_is_the_greedy_generation(oai, deployment, control):
+    _, dep = deployment
+    prompt = PROMPTS[0]
+    model = _name(deployment) + ("-target-only" if control else "")
+    out = oai.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    ref = dep.generate([dep.request(dep.encode(prompt, chat_template=False), MAX_TOKENS)], speculative=not control)[0]
+    assert out.choices[0].text == dep.decode(ref.output_ids)
+    assert out.usage.prompt_tokens == len(dep.encode(prompt, chat_template=False))
+    assert out.usage.completion_tokens == len(ref.output_ids)
+    assert out.choices[0].finish_reason == ("length" if len(ref.output_ids) == MAX_TOKENS else "stop")
+    details = out.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens == ref.metrics.accepted
+    assert details.rejected_prediction_tokens == ref.metrics.drafted - ref.metrics.accepted
+    assert (ref.metrics.drafted > 0) != control
+
+
+@pytest.mark.server
+def test_openai_chat_streams_the_same_text_with_usage(oai, deployment):
+    _, dep = deployment
+    prompt = PROMPTS[1]
+    messages = [{"role": "user", "content": prompt}]
+    ref = dep.generate([dep.request(dep.encode(prompt, chat_template=True), MAX_TOKENS)], speculative=True)[0]
+    whole = oai.chat.completions.create(model=_name(deployment), messages=messages, max_tokens=MAX_TOKENS)
+    assert whole.choices[0].message.content == dep.decode(ref.output_ids)
+    chunks = list(oai.chat.completions.create(model=_name(deployment), messages=messages, max_tokens=MAX_TOKENS,
+                                              stream=True, stream_options={"include_usage": True}))
+    deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert "".join(deltas) == dep.decode(ref.output_ids)
+    assert sum(1 for d in deltas if d) > 1  # really streamed, step by step
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] in (["stop"], ["length"])
+    assert chunks[-1].usage.completion_tokens == len(ref.output_ids)
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens == ref.metrics.accepted
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_stop_ends_before_the_stop_text(oai, deployment, stream):
+    _, dep = deployment
+    prompt = PROMPTS[2]
+    full = dep.decode(dep.generate([dep.request(dep.encode(prompt, chat_template=False), MAX_TOKENS)])[0].output_ids)
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert stop.strip(), "pick a stop string inside the text"
+    kw = {"model": _name(deployment), "prompt": prompt, "max_tokens": MAX_TOKENS, "stop": [stop]}
+    if stream:
+        chunks = list(oai.completions.create(stream=True, **kw))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    else:
+        out = oai.completions.create(**kw)
+        text, finish = out.choices[0].text, [out.choices[0].finish_reason]
+    assert text == full[: full.find(stop)]
+    assert finish == ["stop"]
+
+
+@pytest.mark.server
+@pytest.mark.parametrize(("kw", "status", "message"), [
+    ({"temperature": 0.8}, 400, "sampling (temperature=0.8) is not supported"),
+    ({"n": 2}, 400, "n=2 is not supported"),
+    ({"presence_penalty": 0.5}, 400, "presence_penalty is not supported"),
+    ({"logprobs": 2}, 400, "logprobs is not supported"),
+    ({"extra_body": {"guided_json": {}}}, 400, "guided_json is not supported by trtspec"),
+    ({"model": "gpt-4"}, 404, "model 'gpt-4' does not exist"),
+    ({"max_tokens": 10_000}, 400, "max_tokens"),
+])
+def test_openai_errors_have_openai_shape_and_name_the_field(oai, deployment, kw, status, message):
+    openai = pytest.importorskip("openai")
+    args = {"model": _name(deployment), "prompt": PROMPTS[0], "max_tokens": 8} | kw
+    with pytest.raises(openai.APIStatusError) as err:
+        oai.completions.create(**args)
+    assert err.value.status_code == status
+    body = err.value.response.json()["error"]
+    assert message in body["message"] and body["type"] in ("invalid_request_error", "server_error")
+
+
 # ----------------------------------------------------------------------------------- verify
 
 

@@ -116,6 +116,7 @@ TRTSPEC_BLS_OUTPUTS: tuple[Tensor, ...] = (
     _t("sequence_length", "TYPE_INT32"),
     _t("output_margins", "TYPE_FP32", (-1,)),
     _t("perf_metrics_json", "TYPE_STRING"),  # every SpecMetrics count
+    _t("finish_reason", "TYPE_STRING"),  # "length", "eos" or "stop" (what ended generation)
 )
 
 BLS_INPUTS = UPSTREAM_BLS_INPUTS + TRTSPEC_BLS_INPUTS

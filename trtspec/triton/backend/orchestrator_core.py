@@ -13,7 +13,8 @@ features trtspec does not implement are refused there by name). Implemented, bat
   return_num_input_tokens, return_num_output_tokens, apply_chat_template (trtspec),
   return_margins (trtspec) BOOL; greedy settings of top_k / top_p / temperature / beam_width.
   -> text_output BYTES [b] (flat, as upstream), output_ids INT32 [b, T] (padded with pad_id), sequence_length
-  INT32 [b, 1], batch_index / sequence_index INT32 [b, 1]; num_input_tokens /
+  INT32 [b, 1], batch_index / sequence_index INT32 [b, 1], finish_reason BYTES [b, 1]
+  (trtspec: length / eos / stop); num_input_tokens /
   num_output_tokens when asked; with return_perf_metrics: acceptance_rate FP32,
   total_accepted_draft_tokens, total_draft_tokens INT32 [b, 1] for the WHOLE generation,
   arrival / first_scheduled / first_token / last_token _time_ns INT64 [b, 1] (time.time_ns()
@@ -286,6 +287,7 @@ def _row_tensors(rows: Sequence[Row], results: Sequence[GenerationResult]) -> di
     tensors = {
         "batch_index": col([r.batch_index for r in rows], np.int32),
         "sequence_index": col([0] * len(rows), np.int32),
+        "finish_reason": col([(res.finish_reason or "").encode() for res in results], np.object_),
     }
     if any(r.want_counts[0] for r in rows):
         tensors["num_input_tokens"] = col([len(r.request.prompt_ids) for r in rows], np.int32)
