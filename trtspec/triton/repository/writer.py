@@ -7,6 +7,8 @@ Models (names as in NVIDIA's inflight_batcher_llm repository, so clients work un
   tensorrt_llm_bls             speculative text endpoint, tensorrt_llm_bls contract, unary
   tensorrt_llm_bls_streaming   the same, decoupled: streams each step (serve.streaming)
   target_only                  target-only control, same contract, no speculation
+  ensemble                     upstream clients' default name: one ensemble step into
+                               tensorrt_llm_bls_streaming (or tensorrt_llm_bls without streaming)
 
 For the torch backend the engine models are Python-backend models (trtspec.triton.backend.models);
 for trtllm they are NVIDIA's tensorrtllm backend (trtspec.triton.repository.trtllm_models) and the
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +37,7 @@ from trtspec.layout import (
     CONTROL_MODEL,
     DRAFT_MODEL,
     ENGINE_MODELS,
+    ENSEMBLE_MODEL,
     REPO_INFO,
     TARGET_MODEL,
     engine_folder,
@@ -42,6 +46,8 @@ from trtspec.layout import (
     tokenizer_folder,
 )
 from trtspec.spec import LoadedSpec
+from trtspec.triton.backend import contract
+from trtspec.triton.backend.contract import Tensor
 from trtspec.triton.repository import pbtxt
 from trtspec.triton.repository.pbtxt import DynamicBatching, ModelConfig, TensorSpec
 
@@ -69,29 +75,31 @@ ENGINE_OUTPUTS = [
     TensorSpec("sequence_length", "TYPE_INT32", [-1]),  # [beam]
     TensorSpec("output_margins", "TYPE_FP32", [-1, -1]),
 ]
-BLS_INPUTS = [
-    _in("text_input", "TYPE_STRING", optional=False),
-    _in("max_tokens", "TYPE_INT32", optional=False),
-    _in("num_draft_tokens", "TYPE_INT32"),
-    _in("end_id", "TYPE_INT32"),
-    _in("pad_id", "TYPE_INT32"),
-    _in("stop_words", "TYPE_STRING", [-1], ragged=True),
-    _in("stream", "TYPE_BOOL"),
-    _in("exclude_input_in_output", "TYPE_BOOL"),
-    _in("return_perf_metrics", "TYPE_BOOL"),
-    _in("apply_chat_template", "TYPE_BOOL"),  # trtspec: encode text_input with the chat template
-    _in("return_margins", "TYPE_BOOL"),  # trtspec
-]
-BLS_OUTPUTS = [
-    TensorSpec("text_output", "TYPE_STRING", [-1]),
-    TensorSpec("output_ids", "TYPE_INT32", [-1]),
-    TensorSpec("sequence_length", "TYPE_INT32", [1]),
-    TensorSpec("output_margins", "TYPE_FP32", [-1]),
-    TensorSpec("acceptance_rate", "TYPE_FP32", [1]),
-    TensorSpec("total_accepted_draft_tokens", "TYPE_INT32", [1]),
-    TensorSpec("total_draft_tokens", "TYPE_INT32", [1]),
-    TensorSpec("perf_metrics_json", "TYPE_STRING", [1]),  # all SpecMetrics counts
-]
+
+
+def tensor_specs(table: Sequence[Tensor], outputs: bool = False) -> list[TensorSpec]:
+    """contract.py's tables as pbtxt TensorSpecs (outputs are never optional or ragged)."""
+    return [
+        TensorSpec(t.name, t.data_type, list(t.dims), optional=t.optional and not outputs,
+                   reshape=None if t.reshape is None else list(t.reshape), allow_ragged_batch=t.ragged)
+        for t in table
+    ]
+
+
+BLS_INPUTS = tensor_specs(contract.BLS_INPUTS)
+BLS_OUTPUTS = tensor_specs(contract.BLS_OUTPUTS, outputs=True)
+
+
+def ensemble_config(step_model: str, batch: int) -> ModelConfig:
+    """Upstream's `ensemble` name and tensors, one step: the text endpoint ``step_model``
+    (tokenizing and detokenizing happen inside it, so no pre/postprocessing models)."""
+    inputs = tensor_specs(contract.ENSEMBLE_INPUTS)
+    outputs = tensor_specs(contract.ENSEMBLE_OUTPUTS, outputs=True)
+    maps = "".join(f'  input_map {{ key: "{t.name}" value: "{t.name}" }}\n' for t in inputs)
+    maps += "".join(f'  output_map {{ key: "{t.name}" value: "{t.name}" }}\n' for t in outputs)
+    step = f'ensemble_scheduling {{ step {{\n  model_name: "{step_model}"\n  model_version: -1\n{maps}}} }}\n'
+    return ModelConfig(name=ENSEMBLE_MODEL, platform="ensemble", max_batch_size=batch,
+                       inputs=inputs, outputs=outputs, extra_pbtxt=step)
 
 
 @dataclass(frozen=True)
@@ -185,6 +193,9 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path) -> RepoPlan:
             dynamic_batching=DynamicBatching(max_queue_delay_microseconds=0, max_queue_size=spec.serve.max_queue),
         )
         models[name] = (cfg, ORCHESTRATOR_SHIM)
+    # The streaming endpoint answers stream=false with one response too, so upstream's
+    # clients get both behaviours from `ensemble`.
+    models[ENSEMBLE_MODEL] = (ensemble_config(BLS_STREAMING_MODEL if spec.serve.streaming else BLS_MODEL, batch), None)
     info = {
         "spec": loaded.spec.name,
         "spec_path": str(loaded.path),

@@ -1,0 +1,110 @@
+"""The upstream `tensorrt_llm_bls` / `ensemble` contract: every tensor declared as upstream
+declares it, and every field trtspec does not implement refused by name (no model needed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trtspec.errors import RequestError
+from trtspec.triton.backend import contract
+
+UPSTREAM = json.loads((Path(__file__).parent / "data" / "trtllm" / "triton_params.json").read_text())["tensorrt_llm_bls"]
+PLACEHOLDER_TYPES = {"${logits_datatype}": contract.LOGITS_TYPE,
+                     "${prompt_embedding_table_data_type}": contract.PROMPT_TABLE_TYPE}
+
+
+def _upstream(kind):
+    out = []
+    for t in UPSTREAM[kind]:
+        reshape = t.get("reshape")
+        out.append((t["name"], PLACEHOLDER_TYPES.get(t["data_type"], t["data_type"]), tuple(t["dims"]),
+                    t.get("optional", False) if kind == "inputs" else False,
+                    None if reshape is None else tuple(reshape), t.get("allow_ragged_batch", False)))
+    return out
+
+
+def _ours(table, outputs=False):
+    return [(t.name, t.data_type, t.dims, False if outputs else t.optional, None if outputs else t.reshape,
+             False if outputs else t.ragged) for t in table]
+
+
+def test_bls_declares_every_upstream_tensor_exactly():
+    assert _ours(contract.UPSTREAM_BLS_INPUTS) == _upstream("inputs")
+    assert _ours(contract.UPSTREAM_BLS_OUTPUTS, outputs=True) == _upstream("outputs")
+    assert len(contract.UPSTREAM_BLS_INPUTS) == 43 and len(contract.UPSTREAM_BLS_OUTPUTS) == 19
+    # trtspec's extras never shadow an upstream name and are optional.
+    upstream = {t.name for t in contract.UPSTREAM_BLS_INPUTS + contract.UPSTREAM_BLS_OUTPUTS}
+    assert not upstream & {t.name for t in contract.TRTSPEC_BLS_INPUTS + contract.TRTSPEC_BLS_OUTPUTS}
+    assert all(t.optional for t in contract.TRTSPEC_BLS_INPUTS)
+
+
+def test_ensemble_takes_what_upstream_clients_send():
+    names = {t.name for t in contract.ENSEMBLE_INPUTS}
+    # What upstream's end_to_end_grpc_client sends to `ensemble` with its default flags and more.
+    sent = {"text_input", "max_tokens", "stream", "beam_width", "temperature", "num_return_sequences",
+            "bad_words", "stop_words", "repetition_penalty", "presence_penalty", "frequency_penalty",
+            "return_log_probs", "return_context_logits", "return_generation_logits", "embedding_bias_words",
+            "embedding_bias_weights", "end_id", "pad_id", "exclude_input_in_output", "lora_weights",
+            "lora_config", "lora_task_id", "return_perf_metrics", "guided_decoding_guide_type",
+            "guided_decoding_guide", "top_k", "top_p", "seed", "min_tokens", "length_penalty"}
+    assert sent <= names
+    assert {t.name for t in contract.ENSEMBLE_OUTPUTS} == {t.name for t in contract.BLS_OUTPUTS}
+
+
+def _col(value, dtype=None):
+    return np.array([[value]], dtype=np.object_ if isinstance(value, bytes) else dtype)
+
+
+GREEDY_AS_UPSTREAM_SENDS = [
+    {"beam_width": _col(1, np.int32), "temperature": _col(1.0, np.float32)},  # client defaults
+    {"top_k": _col(1, np.int32), "top_p": _col(0.9, np.float32), "temperature": _col(0.7, np.float32)},
+    {"top_k": _col(0, np.int32), "top_p": _col(0.0, np.float32), "seed": _col(7, np.uint64)},
+    {"repetition_penalty": _col(1.0, np.float32), "presence_penalty": _col(0.0, np.float32),
+     "frequency_penalty": _col(0.0, np.float32), "min_tokens": _col(1, np.int32),
+     "length_penalty": _col(1.3, np.float32), "use_draft_logits": np.array([False]),
+     "return_log_probs": np.array([False]), "return_context_logits": np.array([False]),
+     "num_return_sequences": np.array([1], dtype=np.int32), "bad_words": np.array([[b""]], dtype=np.object_)},
+]
+
+
+@pytest.mark.parametrize("inputs", GREEDY_AS_UPSTREAM_SENDS)
+def test_greedy_settings_are_accepted(inputs):
+    contract.check_supported(inputs)
+
+
+REFUSED = [
+    ({"beam_width": _col(4, np.int32)}, "beam search (beam_width=4) is not supported"),
+    ({"top_k": _col(40, np.int32)}, "sampling (top_k=40, top_p=0)"),
+    ({"top_p": _col(0.9, np.float32)}, "sampling (top_k=0, top_p=0.9)"),
+    ({"temperature": _col(-1.0, np.float32)}, "temperature must be a finite number >= 0"),
+    ({"repetition_penalty": _col(1.2, np.float32)}, "repetition penalty (repetition_penalty=1.2)"),
+    ({"presence_penalty": _col(0.5, np.float32)}, "presence penalty"),
+    ({"frequency_penalty": _col(0.5, np.float32)}, "frequency penalty"),
+    ({"min_tokens": _col(5, np.int32)}, "min_tokens=5"),
+    ({"bad_words": np.array([[b"fox"]], dtype=np.object_)}, "bad_words"),
+    ({"embedding_bias_words": np.array([[b"fox"]], dtype=np.object_),
+      "embedding_bias_weights": np.array([[2.0]], dtype=np.float32)}, "embedding bias"),
+    ({"lora_task_id": np.array([3], dtype=np.uint64)}, "LoRA adapters (lora_task_id)"),
+    ({"lora_weights": np.zeros((1, 2, 4), dtype=np.float16)}, "LoRA adapters (lora_weights)"),
+    ({"prompt_embedding_table": np.zeros((1, 2, 4), dtype=np.float16)}, "prompt tuning tables"),
+    ({"guided_decoding_guide_type": _col(b"json")}, "guided decoding"),
+    ({"image_url_input": _col(b"http://x")}, "multimodal inputs (image_url_input)"),
+    ({"decoder_text_input": _col(b"x")}, "encoder-decoder models"),
+    ({"return_generation_logits": np.array([True])}, "returning logits (return_generation_logits)"),
+    ({"return_context_logits": np.array([True])}, "returning logits (return_context_logits)"),
+    ({"use_draft_logits": np.array([True])}, "draft-logit (probabilistic) acceptance"),
+    ({"num_return_sequences": np.array([3], dtype=np.int32)}, "num_return_sequences=3"),
+    ({"return_log_probs": np.array([True])}, "log probs (return_log_probs)"),
+]
+
+
+@pytest.mark.parametrize(("inputs", "message"), REFUSED)
+def test_unsupported_features_are_refused_by_name(inputs, message):
+    with pytest.raises(RequestError) as err:
+        contract.check_supported(inputs)
+    assert message in str(err.value)
+    assert "unexpected" not in str(err.value)

@@ -1,0 +1,1 @@
+"""OpenAI-compatible API in front of a served trtspec deployment (`trtspec openai`)."""

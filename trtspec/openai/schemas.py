@@ -1,0 +1,130 @@
+"""OpenAI request bodies (the fields of /v1/completions and /v1/chat/completions) and what
+trtspec does with each: used, accepted because greedy decoding makes it moot, or refused by
+name. Unknown fields are refused too (extra="forbid"), so nothing is silently ignored."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from trtspec.errors import RequestError
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # trtspec: draft length for this request (the deployment's default when absent)
+    num_draft_tokens: int | None = Field(default=None, ge=0)
+
+    def stops(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stops):
+            raise RequestError("stop strings must not be empty")
+        if len(stops) > 4:
+            raise RequestError(f"stop takes at most 4 strings; got {len(stops)}")
+        return tuple(stops)
+
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage", False))
+
+    def check_common(self) -> None:
+        """Refuse what trtspec does not implement, naming the field."""
+        if self.temperature is not None and self.temperature > 0:
+            raise RequestError(
+                f"sampling (temperature={self.temperature:g}) is not supported by trtspec: it decodes greedily; "
+                "send temperature 0 or leave it out")
+        if self.n > 1:
+            raise RequestError(f"n={self.n} is not supported: greedy decoding has one answer per prompt; send n 1")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0:
+                raise RequestError(f"{name} is not supported by trtspec; send 0 or leave it out")
+        if self.logit_bias:
+            raise RequestError("logit_bias is not supported by trtspec; leave it out")
+        if self.stream_options and not self.stream:
+            raise RequestError("stream_options needs stream true")
+        unknown = set(self.stream_options or {}) - {"include_usage"}
+        if unknown:
+            raise RequestError(f"stream_options.{sorted(unknown)[0]} is not supported; only include_usage is")
+
+
+class CompletionBody(_Body):
+    prompt: str | list[str]
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check(self) -> str:
+        self.check_common()
+        if self.echo:
+            raise RequestError("echo is not supported by trtspec; send echo false")
+        if self.logprobs is not None:
+            raise RequestError("logprobs is not supported by trtspec yet; leave it out")
+        if self.best_of not in (None, 1):
+            raise RequestError("best_of is not supported: greedy decoding has one answer; send 1 or leave it out")
+        if self.suffix:
+            raise RequestError("suffix (insertion) is not supported by trtspec; leave it out")
+        prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
+        if len(prompts) != 1:
+            raise RequestError(f"send one prompt per request (got {len(prompts)}); batch by sending requests concurrently")
+        if not prompts[0].strip():
+            raise RequestError("prompt is empty; send the prompt text")
+        return prompts[0]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise RequestError(f"message content of type {part.get('type')!r} is not supported; send text parts")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+
+
+class ChatBody(_Body):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def check(self) -> list[dict[str, str]]:
+        self.check_common()
+        if self.logprobs or self.top_logprobs:
+            raise RequestError("logprobs is not supported by trtspec yet; send logprobs false")
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise RequestError("tool calling (tools / tool_choice) is not supported by trtspec; leave it out")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise RequestError("response_format other than text (structured output) is not supported by trtspec")
+        if self.max_tokens and self.max_completion_tokens and self.max_tokens != self.max_completion_tokens:
+            raise RequestError("max_tokens and max_completion_tokens differ; send one of them")
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+    def limit(self, default: int) -> int:
+        return self.max_completion_tokens or self.max_tokens or default

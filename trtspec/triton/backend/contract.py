@@ -1,0 +1,250 @@
+"""The `tensorrt_llm_bls` / `ensemble` tensor contract and what trtspec does with each field.
+
+Tables of every input and output TensorRT-LLM's Triton backend declares on its
+`tensorrt_llm_bls` and `ensemble` models (release 1.2.x; names, types and dims as upstream,
+checked against tests/data/trtllm/triton_params.json), plus trtspec's own extensions. The
+repository writer renders them into config.pbtxt, so an upstream client never meets
+"unexpected inference input". ``check_supported`` turns each field trtspec does not implement
+into one INVALID_ARG error that names the feature: nothing is silently ignored.
+
+Dims exclude the batch dimension (max_batch_size > 0). ``reshape=()`` is upstream's
+``reshape: { shape: [ ] }``: the model sees [b] instead of [b, 1].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import numpy as np
+
+from trtspec.errors import RequestError
+
+
+class Tensor(NamedTuple):
+    name: str
+    data_type: str  # Triton DataType name
+    dims: tuple[int, ...]
+    optional: bool = True
+    reshape: tuple[int, ...] | None = None
+    ragged: bool = False
+
+
+def _t(name, data_type, dims=(1,), **kw) -> Tensor:
+    return Tensor(name, data_type, tuple(dims), **kw)
+
+
+SCALAR = ()  # reshape to [b]
+LOGITS_TYPE = "TYPE_FP32"  # upstream's ${logits_datatype}
+PROMPT_TABLE_TYPE = "TYPE_FP16"  # upstream's ${prompt_embedding_table_data_type}
+
+UPSTREAM_BLS_INPUTS: tuple[Tensor, ...] = (
+    _t("text_input", "TYPE_STRING", optional=False),
+    _t("decoder_text_input", "TYPE_STRING"),
+    _t("image_input", "TYPE_FP16", (-1, 3, -1, -1)),
+    _t("image_bytes_input", "TYPE_UINT8", (-1, -1, -1, -1)),
+    _t("image_url_input", "TYPE_STRING"),
+    _t("image_sizes_input", "TYPE_INT64", (-1, 2)),
+    _t("video_bytes_input", "TYPE_UINT8", (-1, -1, -1, -1)),
+    _t("max_tokens", "TYPE_INT32", optional=False),
+    _t("bad_words", "TYPE_STRING", (-1,)),
+    _t("stop_words", "TYPE_STRING", (-1,)),
+    _t("exclude_input_in_output", "TYPE_BOOL"),
+    _t("end_id", "TYPE_INT32"),
+    _t("pad_id", "TYPE_INT32"),
+    _t("top_k", "TYPE_INT32"),
+    _t("top_p", "TYPE_FP32"),
+    _t("temperature", "TYPE_FP32"),
+    _t("length_penalty", "TYPE_FP32"),
+    _t("repetition_penalty", "TYPE_FP32"),
+    _t("min_tokens", "TYPE_INT32"),
+    _t("presence_penalty", "TYPE_FP32"),
+    _t("frequency_penalty", "TYPE_FP32"),
+    _t("seed", "TYPE_UINT64"),
+    _t("return_log_probs", "TYPE_BOOL", reshape=SCALAR),
+    _t("return_context_logits", "TYPE_BOOL", reshape=SCALAR),
+    _t("return_generation_logits", "TYPE_BOOL", reshape=SCALAR),
+    _t("num_return_sequences", "TYPE_INT32", reshape=SCALAR),
+    _t("beam_width", "TYPE_INT32"),
+    _t("stream", "TYPE_BOOL"),
+    _t("prompt_embedding_table", PROMPT_TABLE_TYPE, (-1, -1)),
+    _t("prompt_vocab_size", "TYPE_INT32"),
+    _t("prompt_table_extra_id", "TYPE_UINT64"),
+    _t("embedding_bias_words", "TYPE_STRING", (-1,)),
+    _t("embedding_bias_weights", "TYPE_FP32", (-1,)),
+    _t("num_draft_tokens", "TYPE_INT32"),
+    _t("use_draft_logits", "TYPE_BOOL", reshape=SCALAR),
+    _t("lora_task_id", "TYPE_UINT64", reshape=SCALAR),
+    _t("lora_weights", "TYPE_FP16", (-1, -1), ragged=True),
+    _t("lora_config", "TYPE_INT32", (-1, 3), ragged=True),
+    _t("return_perf_metrics", "TYPE_BOOL", reshape=SCALAR),
+    _t("return_num_input_tokens", "TYPE_BOOL", reshape=SCALAR),
+    _t("return_num_output_tokens", "TYPE_BOOL", reshape=SCALAR),
+    _t("guided_decoding_guide_type", "TYPE_STRING"),
+    _t("guided_decoding_guide", "TYPE_STRING"),
+)
+
+UPSTREAM_BLS_OUTPUTS: tuple[Tensor, ...] = (
+    _t("text_output", "TYPE_STRING", (-1,)),
+    _t("cum_log_probs", "TYPE_FP32", (-1,)),
+    _t("output_log_probs", "TYPE_FP32", (-1, -1)),
+    _t("context_logits", LOGITS_TYPE, (-1, -1)),
+    _t("generation_logits", LOGITS_TYPE, (-1, -1, -1)),
+    _t("batch_index", "TYPE_INT32"),
+    _t("sequence_index", "TYPE_INT32"),
+    _t("kv_cache_alloc_new_blocks", "TYPE_INT32"),
+    _t("kv_cache_reused_blocks", "TYPE_INT32"),
+    _t("kv_cache_alloc_total_blocks", "TYPE_INT32"),
+    _t("arrival_time_ns", "TYPE_INT64"),
+    _t("first_scheduled_time_ns", "TYPE_INT64"),
+    _t("first_token_time_ns", "TYPE_INT64"),
+    _t("last_token_time_ns", "TYPE_INT64"),
+    _t("acceptance_rate", "TYPE_FP32"),
+    _t("total_accepted_draft_tokens", "TYPE_INT32"),
+    _t("total_draft_tokens", "TYPE_INT32"),
+    _t("num_input_tokens", "TYPE_INT32"),
+    _t("num_output_tokens", "TYPE_INT32"),
+)
+
+# trtspec's additions (optional inputs; outputs sent only when asked or always harmless).
+TRTSPEC_BLS_INPUTS: tuple[Tensor, ...] = (
+    _t("apply_chat_template", "TYPE_BOOL"),  # encode text_input with the tokenizer's chat template
+    _t("return_margins", "TYPE_BOOL"),  # target's top-1 minus top-2 logit per output token
+)
+TRTSPEC_BLS_OUTPUTS: tuple[Tensor, ...] = (
+    _t("output_ids", "TYPE_INT32", (-1,)),
+    _t("sequence_length", "TYPE_INT32"),
+    _t("output_margins", "TYPE_FP32", (-1,)),
+    _t("perf_metrics_json", "TYPE_STRING"),  # every SpecMetrics count
+    _t("finish_reason", "TYPE_STRING"),  # "length", "eos" or "stop" (what ended generation)
+)
+
+BLS_INPUTS = UPSTREAM_BLS_INPUTS + TRTSPEC_BLS_INPUTS
+BLS_OUTPUTS = UPSTREAM_BLS_OUTPUTS + TRTSPEC_BLS_OUTPUTS
+
+# Upstream's `ensemble` takes the BLS inputs less the multimodal and draft ones, each with
+# dims [1] / [-1] and no reshape, and returns the same outputs.
+_NOT_IN_ENSEMBLE = {
+    "image_input", "image_bytes_input", "image_url_input", "image_sizes_input", "video_bytes_input",
+    "num_draft_tokens", "use_draft_logits",
+}
+UPSTREAM_ENSEMBLE_INPUTS: tuple[Tensor, ...] = tuple(
+    t._replace(reshape=None) for t in UPSTREAM_BLS_INPUTS if t.name not in _NOT_IN_ENSEMBLE
+)
+ENSEMBLE_INPUTS = UPSTREAM_ENSEMBLE_INPUTS + TRTSPEC_BLS_INPUTS + (_t("num_draft_tokens", "TYPE_INT32"),)
+ENSEMBLE_OUTPUTS = BLS_OUTPUTS
+
+
+# ----------------------------------------------------------------------------- refusals
+
+# Inputs whose mere presence asks for a feature trtspec does not implement.
+_UNSUPPORTED_PRESENT = {
+    "decoder_text_input": "encoder-decoder models (decoder_text_input)",
+    "image_input": "multimodal inputs (image_input)",
+    "image_bytes_input": "multimodal inputs (image_bytes_input)",
+    "image_url_input": "multimodal inputs (image_url_input)",
+    "image_sizes_input": "multimodal inputs (image_sizes_input)",
+    "video_bytes_input": "multimodal inputs (video_bytes_input)",
+    "prompt_embedding_table": "prompt tuning tables (prompt_embedding_table)",
+    "prompt_vocab_size": "prompt tuning tables (prompt_vocab_size)",
+    "prompt_table_extra_id": "prompt tuning tables (prompt_table_extra_id)",
+    "lora_task_id": "LoRA adapters (lora_task_id)",
+    "lora_weights": "LoRA adapters (lora_weights)",
+    "lora_config": "LoRA adapters (lora_config)",
+    "guided_decoding_guide_type": "guided decoding (guided_decoding_guide_type)",
+    "guided_decoding_guide": "guided decoding (guided_decoding_guide)",
+}
+
+# Logits processing not implemented yet: refused unless the value is the neutral one.
+_NEUTRAL = {
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
+
+
+def _values(inputs: Mapping[str, np.ndarray], name: str) -> np.ndarray | None:
+    x = inputs.get(name)
+    return None if x is None else np.asarray(x).reshape(-1)
+
+
+def _strings(x: np.ndarray) -> list[str]:
+    return [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in x]
+
+
+def unsupported(feature: str, fix: str) -> RequestError:
+    return RequestError(f"{feature} is not supported by trtspec; {fix}")
+
+
+def check_supported(inputs: Mapping[str, np.ndarray]) -> None:
+    """Raise RequestError naming the first requested feature trtspec does not implement.
+
+    Accepted as upstream's greedy decoding: beam_width 1, top_k 1 (or top_k and top_p both
+    unset or 0, TensorRT-LLM's greedy default), any temperature >= 0 (it does not move the
+    argmax), any seed (no randomness in greedy decoding), any length_penalty (beam search
+    only in TensorRT-LLM), use_draft_logits false, neutral penalties.
+    """
+    for name, feature in _UNSUPPORTED_PRESENT.items():
+        if name in inputs:
+            raise unsupported(feature, f"remove the {name} input")
+    beam = _values(inputs, "beam_width")
+    if beam is not None and (beam != 1).any():
+        raise unsupported(f"beam search (beam_width={int(beam.max())})", "send beam_width 1")
+    for name in ("return_context_logits", "return_generation_logits"):
+        flag = _values(inputs, name)
+        if flag is not None and flag.astype(bool).any():
+            raise unsupported(f"returning logits ({name})", f"send {name} false; return_log_probs gives the "
+                              "target's log probs of the emitted tokens")
+    draft_logits = _values(inputs, "use_draft_logits")
+    if draft_logits is not None and draft_logits.astype(bool).any():
+        raise unsupported("draft-logit (probabilistic) acceptance (use_draft_logits)",
+                          "send use_draft_logits false: drafts are accepted when they match the target's greedy tokens")
+    check_greedy(inputs)
+    n = _values(inputs, "num_return_sequences")
+    if n is not None and (n < 1).any():
+        raise RequestError("num_return_sequences must be >= 1")
+    if n is not None and (n > 1).any():
+        raise unsupported(f"num_return_sequences={int(n.max())}",
+                          "greedy decoding has one answer per prompt; send num_return_sequences 1")
+    log_probs = _values(inputs, "return_log_probs")
+    if log_probs is not None and log_probs.astype(bool).any():
+        raise unsupported("log probs (return_log_probs)", "send return_log_probs false")
+    for name, neutral in _NEUTRAL.items():
+        v = _values(inputs, name)
+        if v is not None and (v != neutral).any():
+            raise unsupported(f"{name.replace('_', ' ')} ({name}={float(v[v != neutral][0]):g})",
+                              f"send {name} {neutral:g} or leave it out")
+    min_tokens = _values(inputs, "min_tokens")
+    if min_tokens is not None and (min_tokens > 1).any():
+        raise unsupported(f"min_tokens={int(min_tokens.max())}", "send min_tokens 1 or leave it out")
+    bad = _values(inputs, "bad_words")
+    if bad is not None and any(s for s in _strings(bad)):
+        raise unsupported("bad_words", "leave bad_words out or empty")
+    weights = _values(inputs, "embedding_bias_weights")
+    words = _values(inputs, "embedding_bias_words")
+    if (weights is not None and (weights != 0).any()) or (words is not None and any(_strings(words)) and weights is None):
+        raise unsupported("embedding bias (embedding_bias_words / embedding_bias_weights)",
+                          "leave both out or send zero weights")
+
+
+def check_greedy(inputs: Mapping[str, np.ndarray]) -> None:
+    """Sampling parameters must describe greedy decoding (see check_supported)."""
+    temperature = _values(inputs, "temperature")
+    if temperature is not None and (~np.isfinite(temperature) | (temperature < 0)).any():
+        raise RequestError("temperature must be a finite number >= 0")
+    top_k = _values(inputs, "top_k")
+    top_p = _values(inputs, "top_p")
+    if top_k is not None and (top_k < 0).any():
+        raise RequestError("top_k must be >= 0")
+    if top_p is not None and (~np.isfinite(top_p) | (top_p < 0) | (top_p > 1)).any():
+        raise RequestError("top_p must be between 0 and 1")
+    rows = max(len(x) for x in (top_k, top_p, np.zeros(1)) if x is not None)
+    k = np.zeros(rows) if top_k is None else np.broadcast_to(top_k, rows)
+    p = np.zeros(rows) if top_p is None else np.broadcast_to(top_p, rows)
+    greedy = (k == 1) | ((k == 0) & (p == 0))
+    if not greedy.all():
+        r = int(np.argmin(greedy))
+        raise unsupported(
+            f"sampling (top_k={int(k[r])}, top_p={float(p[r]):g})",
+            "trtspec decodes greedily; send top_k 1, or leave top_k and top_p out",
+        )
