@@ -23,7 +23,8 @@ HEAD_MANIFEST = "trtspec-head.json"  # how the head was made (target hash, data,
 
 
 def new_head(target_hf, target_lm_head: torch.Tensor, layer_ids: tuple[int, ...],
-             draft_ids: list[int], seed: int, extra: dict | None = None) -> tuple[Eagle3Head, dict]:
+             draft_ids: list[int], seed: int, extra: dict | None = None,
+             scale: float = 0.02) -> tuple[Eagle3Head, dict]:
     """A fresh head over ``draft_ids`` (ascending target ids) and its config.json dict."""
     raw = head_config_dict(target_hf, layer_ids, len(draft_ids), extra)
     cfg: HeadConfig = head_config_from_dict(raw, target_hf.num_hidden_layers)
@@ -34,7 +35,7 @@ def new_head(target_hf, target_lm_head: torch.Tensor, layer_ids: tuple[int, ...]
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
         ids = torch.tensor(draft_ids, dtype=torch.long)
         head.lm_head.weight.copy_(target_lm_head.float()[ids])
         head.d2t.copy_(ids - torch.arange(len(draft_ids)))
@@ -68,3 +69,12 @@ def save_head(out: Path, head: Eagle3Head, config: dict, manifest: dict | None =
 def refuse_existing(out: Path, force: bool) -> None:
     if Path(out).exists() and not force:
         raise TrtspecError(f"{out} already exists; pass --force to replace it, or choose another --output")
+
+
+def target_lm_head(target_folder: Path) -> torch.Tensor:
+    """The target's LM-head weight [vocab, hidden] as stored (the embeddings when tied)."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(target_folder) / HEAD_WEIGHTS), framework="pt") as st:
+        name = "lm_head.weight" if "lm_head.weight" in st.keys() else "model.embed_tokens.weight"
+        return st.get_tensor(name)
