@@ -187,7 +187,7 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
                 optim.step()
                 step += 1
                 updating = False
-                row = {"step": step, "loss": float(loss)}
+                row = {"step": step, "loss": float(loss.detach())}
                 if step % opts.eval_every == 0 or step == opts.max_steps:
                     row.update(_evaluate(head, embed, held_batch, opts.ttt_steps, cos, sin))
                     done = step - first_step
