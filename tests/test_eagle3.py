@@ -281,3 +281,72 @@ def test_no_features_yet_means_no_drafts(eagle_deploy):
     drafter = dep.drafter()
     assert drafter.propose([dep.encode("Pack my box with five dozen")], [4]) == [[]]
     assert drafter.missing_features == 1
+
+
+# ------------------------------------------------------------------------------ Triton (cores)
+
+
+def _eagle_orchestrator(dep, log=None):
+    """The text endpoint's logic with its BLS calls going to the target engine model's core in
+    this process: a separate TorchEngine, as inside tritonserver (its own process)."""
+    import numpy as np
+
+    from trtspec.engines.torch.engine import TorchEngine
+    from trtspec.speculative.requests import Limits
+    from trtspec.triton.backend.engine_core import EngineCore
+    from trtspec.triton.backend.orchestrator_core import Orchestrator, OrchestratorSettings
+
+    engines = dep.loaded.output_dir()
+    target = TorchEngine.load(engines / "target")
+    target.capture_features(dep.head.cfg.layer_ids)
+    lim = dep.spec.limits("target")
+    core = EngineCore(target.run, Limits(target.vocab_size, target.max_seq_len, dep.spec.speculative.max_draft_len,
+                                         max_batch_size=lim.max_batch_size), features_of=target.features_of)
+
+    def call(model, inputs, names):
+        assert model == "tensorrt_llm"  # no draft engine model: the head runs in the orchestrator
+        if log is not None:
+            log.append("features" if "hidden_states_from" in inputs else "verify")
+        (answer,) = core.infer([inputs])
+        if isinstance(answer, Exception):
+            raise answer
+        return {n: answer[n] for n in names}
+
+    s = dep.spec
+    settings = OrchestratorSettings(
+        mode="speculative", decoupled=False, target_model="tensorrt_llm", draft_model=None, method="eagle3",
+        default_draft_tokens=s.speculative.default_draft_tokens, max_ngram=3, min_ngram=1, limits=dep.limits,
+        eagle3_head_dir=str(engines / "draft"), eagle3_target_dir=str(engines / "target"),
+    )
+    orch = Orchestrator(settings, call, dep.tokenizer, dep.end_ids)
+
+    def request(prompt, k, max_tokens=30):
+        return {
+            "text_input": np.array([[prompt.encode()]], dtype=np.object_),
+            "max_tokens": np.array([[max_tokens]], dtype=np.int32),
+            "num_draft_tokens": np.array([[k]], dtype=np.int32),
+            "apply_chat_template": np.array([[True]]),
+            "exclude_input_in_output": np.array([[True]]),
+            "return_perf_metrics": np.array([[True]]),
+        }
+
+    return orch, request
+
+
+@pytest.mark.parametrize("head, target", [("random", "target"), ("exact", "bigram-target")])
+def test_triton_orchestrator_runs_the_same_eagle3_loop_as_in_process(eagle_deploy, head, target):
+    from trtspec.speculative.metrics import metrics_from_json
+
+    dep = eagle_deploy(head, target=target)
+    log: list[str] = []
+    orch, request = _eagle_orchestrator(dep, log)
+    for prompt in ["The quick brown fox", "def fibonacci(n):"]:
+        dep.forget_prefixes()
+        (out,) = orch.run([request(prompt, 4)])
+        (ref,) = dep.generate([dep.request(dep.encode(prompt), 30, 4)], speculative=True)
+        (base,) = dep.generate([dep.request(dep.encode(prompt), 30, 4)], speculative=False)
+        ids = out["output_ids"][0, : out["sequence_length"][0, 0]].tolist()
+        assert ids == ref.output_ids == base.output_ids
+        assert metrics_from_json(out["perf_metrics_json"][0, 0].decode()) == ref.metrics
+        assert ref.metrics.drafted > 0
+    assert "features" in log and "verify" in log

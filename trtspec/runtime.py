@@ -67,9 +67,9 @@ class Deployment:
         if self.draft is not None:
             model = ModelDrafter(self.draft.run, min(self.draft.vocab_size, self.target.vocab_size))
         elif self.head is not None:
-            from trtspec.speculative.eagle3 import Eagle3Drafter
+            from trtspec.speculative.eagle3 import Eagle3Drafter, engine_features
 
-            model = Eagle3Drafter(self.head, self.target.features_of)
+            model = Eagle3Drafter(self.head, engine_features(self.target))
         return make_drafter(method or s.method, max_ngram=s.max_ngram, min_ngram=s.min_ngram, draft_model=model)
 
     def verifier(self) -> LogitsVerifier:

@@ -19,9 +19,15 @@ import torch
 
 from trtspec.engines.torch.eagle3 import HeadEngine, HeadRow
 
-# (tokens, start, stop) -> target features [stop - start, n_layers * hidden] of those
-# positions, or None when the target has not scored that prefix (TorchEngine.features_of).
-FeaturesFn = Callable[[list[int], int, int], "torch.Tensor | None"]
+# [(tokens, start, stop)] -> per entry the target features [stop - start, n_layers * hidden] of
+# those positions, or None when the target has not scored that prefix. One call per step: in
+# process it reads TorchEngine.features_of; inside Triton it is one request to the target model.
+FeaturesFn = Callable[[list[tuple[list[int], int, int]]], "list[torch.Tensor | None]"]
+
+
+def engine_features(engine) -> FeaturesFn:
+    """The FeaturesFn of a TorchEngine in this process."""
+    return lambda wants: [engine.features_of(tokens, a, b) for tokens, a, b in wants]
 
 
 class Eagle3Drafter:
@@ -39,19 +45,22 @@ class Eagle3Drafter:
         drafts: list[list[int]] = [[] for _ in contexts]
         live: list[tuple[int, int]] = []  # (context index, head slot)
         rows: list[HeadRow] = []
+        wants: list[tuple[int, int, int]] = []  # (context index, slot, start)
         for i, (ctx, (slot, reuse)) in enumerate(zip(contexts, head.pool.assign([list(c) for c in contexts]))):
-            n = len(ctx)
-            if ks[i] <= 0 or n < 2:
-                continue
-            # The slot's positions 0..reuse-2 saw this context's tokens and target features;
-            # recompute from there (at least position n-2, whose output drafts).
-            start = min(max(reuse - 1, 0), n - 2)
-            feats = self.features(list(ctx), start, n - 1)  # [n-1-start, n_layers * hidden]
+            if ks[i] > 0 and len(ctx) >= 2:
+                # The slot's positions 0..reuse-2 saw this context's tokens and target features;
+                # recompute from there (at least position n-2, whose output drafts).
+                wants.append((i, slot, min(max(reuse - 1, 0), len(ctx) - 2)))
+        if not wants:
+            return drafts
+        got = self.features([(list(contexts[i]), start, len(contexts[i]) - 1) for i, _, start in wants])
+        for (i, slot, start), feats in zip(wants, got):  # feats [n-1-start, n_layers * hidden]
             if feats is None:  # first step of a request: the target has not run yet
                 self.missing_features += 1
                 continue
+            ctx = contexts[i]
             head.pool.truncate(slot, start + 1)
-            rows.append(HeadRow(slot, start, head.fuse(feats), list(ctx[start + 1 : n])))
+            rows.append(HeadRow(slot, start, head.fuse(feats), list(ctx[start + 1 :])))
             live.append((i, slot))
         if not rows:
             return drafts

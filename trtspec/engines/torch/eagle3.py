@@ -24,7 +24,7 @@ from torch import nn
 from trtspec.engines.eagle3 import HeadConfig, read_head_config
 from trtspec.engines.manifest import read_manifest
 from trtspec.engines.torch.engine import DTYPES, WEIGHTS, SlotPool, TorchEngine
-from trtspec.engines.torch.model import MLP, Attention, DecoderConfig, KVCache, RMSNorm, StepInputs
+from trtspec.engines.torch.model import MLP, Attention, DecoderConfig, KVCache, RMSNorm, StepInputs, rope_tables
 from trtspec.errors import EngineError
 
 
@@ -113,31 +113,54 @@ class HeadRow:
 
 
 class HeadEngine:
-    """A head over a loaded target engine: the target's embeddings and RoPE tables, the
-    head's own KV cache (``slots`` x the target's max_seq_len)."""
+    """A head next to its target: the target's token embeddings and RoPE tables (shared in
+    process, loaded alone inside the Triton orchestrator), and the head's own KV cache
+    (``slots`` x max_seq_len positions)."""
 
-    def __init__(self, folder: Path, head: Eagle3Head, target: TorchEngine, dtype: torch.dtype, slots: int):
-        self.folder = folder
+    def __init__(self, head: Eagle3Head, embed: nn.Embedding, cos: torch.Tensor, sin: torch.Tensor,
+                 max_seq_len: int, dtype: torch.dtype, slots: int):
         self.head = head
         self.cfg = head.cfg
-        self.target = target
         self.dtype = dtype
-        self.embed = target.model.model.embed_tokens
-        self.cos, self.sin = target.cos, target.sin
-        self.max_seq_len = target.max_seq_len
-        self.cache = KVCache(decoder_config(self.cfg), slots, self.max_seq_len, dtype)
+        self.embed = embed
+        self.cos, self.sin = cos, sin  # [max_seq_len, head_dim]
+        self.max_seq_len = max_seq_len
+        self.cache = KVCache(decoder_config(self.cfg), slots, max_seq_len, dtype)
         self.pool = SlotPool(slots)  # per slot: the context whose positions 0..len-2 are valid
         self.lock = threading.Lock()
 
-    @classmethod
-    def load(cls, folder: Path, target: TorchEngine, slots: int | None = None) -> HeadEngine:
+    @staticmethod
+    def _head(folder: Path, target_layers: int, target_hidden: int, target_vocab: int) -> tuple[Eagle3Head, torch.dtype]:
         folder = Path(folder)
         manifest = read_manifest(folder)
-        cfg = read_head_config(folder, target.config.num_layers)
-        head = Eagle3Head.from_state_dict(cfg, load_file(str(folder / WEIGHTS)))
-        if cfg.target_hidden_size != target.config.hidden_size or cfg.vocab_size != target.vocab_size:
+        cfg = read_head_config(folder, target_layers)
+        if cfg.target_hidden_size != target_hidden or cfg.vocab_size != target_vocab:
             raise EngineError(f"{folder}: this head was made for another target; rebuild the spec")
-        return cls(folder, head, target, DTYPES[manifest.dtype], slots or target.max_batch_size)
+        return Eagle3Head.from_state_dict(cfg, load_file(str(folder / WEIGHTS))), DTYPES[manifest.dtype]
+
+    @classmethod
+    def load(cls, folder: Path, target: TorchEngine, slots: int | None = None) -> HeadEngine:
+        """In process: share the loaded target's embeddings and RoPE tables."""
+        c = target.config
+        head, dtype = cls._head(folder, c.num_layers, c.hidden_size, target.vocab_size)
+        return cls(head, target.model.model.embed_tokens, target.cos, target.sin, target.max_seq_len,
+                   dtype, slots or target.max_batch_size)
+
+    @classmethod
+    def load_beside(cls, folder: Path, target_folder: Path, slots: int) -> HeadEngine:
+        """Without the target in this process: read only its embedding table and config."""
+        from safetensors import safe_open
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(target_folder)
+        target_manifest = read_manifest(Path(target_folder))
+        head, dtype = cls._head(folder, hf.num_hidden_layers, hf.hidden_size, hf.vocab_size)
+        with safe_open(str(Path(target_folder) / WEIGHTS), framework="pt") as st:
+            table = st.get_tensor("model.embed_tokens.weight")
+        embed = nn.Embedding.from_pretrained(table, freeze=True)
+        max_seq = target_manifest.limits["max_seq_len"]
+        cos, sin = rope_tables(hf, max_seq)
+        return cls(head, embed, cos, sin, max_seq, dtype, slots)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The first-step state [n, hidden] from target features [n, n_layers * target_hidden]."""
