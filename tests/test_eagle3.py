@@ -350,3 +350,20 @@ def test_triton_orchestrator_runs_the_same_eagle3_loop_as_in_process(eagle_deplo
         assert metrics_from_json(out["perf_metrics_json"][0, 0].decode()) == ref.metrics
         assert ref.metrics.drafted > 0
     assert "features" in log and "verify" in log
+
+
+def test_compare_methods_over_one_target(eagle_deploy):
+    from trtspec.bench.methods import compare_methods
+    from trtspec.speculative.drafters import NgramDrafter
+
+    dep = eagle_deploy("exact", target="bigram-target")
+    reqs = [dep.request(dep.encode(p), 20, 0) for p in ["The quick brown fox", "Pack my box"]]
+    stats = compare_methods(dep.verifier(), {"eagle3": (dep.drafter, 4), "ngram": (NgramDrafter, 4)},
+                            reqs, dep.forget_prefixes, rounds=1)
+    base, eagle, ngram = stats
+    assert [s.name for s in stats] == ["target-only", "eagle3", "ngram"]
+    assert base.tokens == eagle.tokens == ngram.tokens == 40
+    assert eagle.identical and ngram.identical
+    assert eagle.metrics.acceptance_rate == 1.0 and eagle.metrics.drafted > 0
+    row = eagle.to_dict(base)
+    assert row["mean_acceptance_length"] > 3 and row["draft_cost_c"] > 0

@@ -250,8 +250,14 @@ def _generate(loaded: LoadedSpec, target: TorchEngine, tok, prompts: list[str], 
         if budget < 1:
             raise SpecError(f"--prompts: prompt {n} has {len(ids)} tokens, no room below max_seq_len; shorten it")
         reqs.append(make_request(ids, budget, 0, limits, end_ids))
+    t0 = time.monotonic()
+
+    def progress(done: int, total: int) -> None:
+        eta = (time.monotonic() - t0) / done * (total - done)
+        console.info(f"target responses {done}/{total}  ETA {eta:.0f}s")
+
     with console.step(f"generating the target's responses to {len(prompts)} prompts"):
-        outs = responses(target, reqs)
+        outs = responses(target, reqs, progress)
     with console.step("capturing features and labels"):
         return [capture(target, r.prompt_ids, o) for r, o in zip(reqs, outs)]
 
