@@ -117,7 +117,8 @@ def head_config_dict(target_hf, layer_ids: tuple[int, ...], draft_vocab_size: in
         "eos_token_id": getattr(target_hf, "eos_token_id", None),
         # vLLM reads the INPUT of layer i: output of layer i-1.
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in ids],
-        "eagle_config": {"use_aux_hidden_state": True},
+        # SGLang reads its aux-layer ids from eagle_config (which convention: unverified here).
+        "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [i + 1 for i in ids]},
         "trtspec": {
             "format": HEAD_FORMAT,
             "target_layer_ids": ids,
