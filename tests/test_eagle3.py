@@ -367,3 +367,18 @@ def test_compare_methods_over_one_target(eagle_deploy):
     assert eagle.metrics.acceptance_rate == 1.0 and eagle.metrics.drafted > 0
     row = eagle.to_dict(base)
     assert row["mean_acceptance_length"] > 3 and row["draft_cost_c"] > 0
+
+
+def test_verify_and_bench_commands_on_an_eagle3_spec(eagle_deploy, tmp_path):
+    dep = eagle_deploy("exact", target="bigram-target")
+    spec = str(dep.loaded.path)
+    report = tmp_path / "verify.json"
+    r = runner.invoke(app, ["verify", spec, "--json-file", str(report), "--max-tokens", "20"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(report.read_text())
+    assert data["identical"] and data["metrics"]["accepted"] == data["metrics"]["drafted"] > 0
+    bench = tmp_path / "bench.json"
+    r = runner.invoke(app, ["bench", spec, "-p", "The quick brown fox", "--max-tokens", "12", "--sweep", "none",
+                            "-c", "1", "--out", str(tmp_path / "bench"), "--json-file", str(bench)])
+    assert r.exit_code == 0, r.output
+    assert json.loads(bench.read_text())["metrics"]["drafted"] > 0
