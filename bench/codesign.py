@@ -63,7 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         f"draft_target k={k_dt}": (lambda: ModelDrafter(draft.run, vocab), k_dt),
         f"ngram k={k_dt}": (lambda: NgramDrafter(pair.spec.speculative.max_ngram, pair.spec.speculative.min_ngram), k_dt),
     }
-    progress = (lambda s: print(s, file=sys.stderr, flush=True))
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
     stats = compare_methods(dep.verifier(), drafters, requests, forget, args.rounds, progress)
     base = stats[0]
     rows = [s.to_dict(base) for s in stats]

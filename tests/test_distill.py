@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import write_spec
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from conftest import write_spec
 from trtspec.cli.app import app
 from trtspec.codesign.distill import DistillOptions, distill
 from trtspec.spec import load_spec
@@ -74,11 +74,12 @@ def test_resume_after_an_interrupt_equals_an_uninterrupted_run(tmp_path, tiny_ck
 def test_a_trained_head_beats_an_untrained_one(tmp_path, tiny_ckpts):
     """Trained on the target's responses to 8 prompts; measured through the runtime on the
     spec's verify prompts (none of them trained on): identical outputs, higher acceptance."""
+    from transformers import AutoConfig
+
     from trtspec.codesign.heads import new_head, save_head, target_lm_head
     from trtspec.codesign.tiny import make_bigram_target
     from trtspec.engines.build import build
     from trtspec.runtime import Deployment
-    from transformers import AutoConfig
 
     target = make_bigram_target(tmp_path / "target", tiny_ckpts["target"], hidden=64)
     loaded = load_spec(eagle_spec(tmp_path, target))

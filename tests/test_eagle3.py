@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import write_spec
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from conftest import write_spec
 from trtspec.cli.app import app
 from trtspec.codesign.heads import new_head, save_head, target_lm_head
 from trtspec.codesign.tiny import bigram_map, make_bigram_target, make_exact_head
@@ -113,9 +113,10 @@ def test_head_folder_has_the_names_the_loaders_read(heads, tiny_ckpts):
 
 
 def test_head_shapes_and_id_mapping(heads):
+    from safetensors.torch import load_file
+
     from trtspec.engines.eagle3 import read_head_config
     from trtspec.engines.torch.eagle3 import Eagle3Head
-    from safetensors.torch import load_file
 
     cfg = read_head_config(heads["random"], 2)
     head = Eagle3Head.from_state_dict(cfg, load_file(str(heads["random"] / "model.safetensors")))

@@ -65,7 +65,8 @@ def distill(
       trtspec distill engine_specs/smollm2-135m-eagle3.yaml --time-budget 25m
       trtspec distill engine_specs/tiny-llama-eagle3.yaml --max-steps 200 --force
     """
-    from trtspec.codesign.distill import DistillOptions, distill as run
+    from trtspec.codesign.distill import DistillOptions
+    from trtspec.codesign.distill import distill as run
 
     loaded = load_spec(spec)
     opts = DistillOptions(

@@ -39,10 +39,10 @@ from trtspec.codesign.data import (
     responses,
     save_samples,
 )
-from trtspec.codesign.heads import HEAD_MANIFEST, new_head, refuse_existing, save_head, target_lm_head
+from trtspec.codesign.heads import new_head, refuse_existing, save_head, target_lm_head
 from trtspec.codesign.train import agreement, ttt_loss
 from trtspec.engines.build import build
-from trtspec.engines.eagle3 import default_layer_ids, head_config_from_dict
+from trtspec.engines.eagle3 import default_layer_ids
 from trtspec.engines.manifest import check_manifest, versions
 from trtspec.engines.torch.eagle3 import Eagle3Head
 from trtspec.engines.torch.engine import TorchEngine
