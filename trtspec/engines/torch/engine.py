@@ -185,7 +185,10 @@ class TorchEngine:
             self.pool.truncate(slot, start)
         step = self._step_inputs(items, assigned, starts)
         captured: list[torch.Tensor] = []  # each [b, q, hidden]
-        hidden = self.model.hidden_states(step, self.cos, self.sin, self.cache, self.capture, captured)  # [b, q, hidden]
+        if self.capture:
+            hidden = self.model.hidden_states(step, self.cos, self.sin, self.cache, self.capture, captured)
+        else:
+            hidden = self.model.hidden_states(step, self.cos, self.sin, self.cache)  # [b, q, hidden]
         if captured:
             feats = torch.cat(captured, dim=-1)  # [b, q, len(capture) * hidden]
             for row, (slot, start, n) in enumerate(step.rows):
