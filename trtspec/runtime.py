@@ -42,9 +42,16 @@ class Deployment:
         self.loaded = loaded
         self.spec = spec
         self.engines: dict[str, TorchEngine] = {}
+        self.head = None  # method eagle3: the head, reading the target's features
         for role in spec.models():
             folder = engine_folder(output_dir, role)
             check_manifest(folder, role, spec.build_hash(role))
+            if role == "draft" and spec.speculative.method == "eagle3":
+                from trtspec.engines.torch.eagle3 import HeadEngine
+
+                self.head = HeadEngine.load(folder, self.engines["target"], slots)
+                self.engines["target"].capture_features(self.head.cfg.layer_ids)
+                continue
             self.engines[role] = TorchEngine.load(folder, slots)
         self.target = self.engines["target"]
         self.draft = self.engines.get("draft")
@@ -60,6 +67,10 @@ class Deployment:
         model = None
         if self.draft is not None:
             model = ModelDrafter(self.draft.run, min(self.draft.vocab_size, self.target.vocab_size))
+        elif self.head is not None:
+            from trtspec.speculative.eagle3 import Eagle3Drafter, engine_features
+
+            model = Eagle3Drafter(self.head, engine_features(self.target))
         return make_drafter(method or s.method, max_ngram=s.max_ngram, min_ngram=s.min_ngram, draft_model=model)
 
     def verifier(self) -> LogitsVerifier:
@@ -88,6 +99,8 @@ class Deployment:
         otherwise the second path on a prompt reuses the first path's prefill."""
         for engine in self.engines.values():
             engine.forget_prefixes()
+        if self.head is not None:
+            self.head.pool.forget()
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -20,7 +20,7 @@ from trtspec.errors import SpecError
 
 Dtype = Literal["float32", "float16", "bfloat16"]
 Backend = Literal["torch", "trtllm"]
-Method = Literal["draft_target", "ngram"]
+Method = Literal["draft_target", "ngram", "eagle3"]
 Quantization = Literal["none", "fp8", "int4_awq", "int8_wo"]
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 
@@ -188,6 +188,19 @@ class EngineSpec(_Strict):
             )
         if method == "ngram" and self.draft is not None:
             raise ValueError("method ngram uses no draft model; remove `draft`")
+        if method == "eagle3":
+            if self.draft is None:
+                raise ValueError(
+                    "method eagle3 needs `draft`: the EAGLE-3 head folder (path or repo + revision); "
+                    "train one with `trtspec distill SPEC`"
+                )
+            if self.backend != "torch":
+                raise ValueError(
+                    "method eagle3 runs on backend: torch in trtspec; for TensorRT-LLM load the "
+                    "head with the LLM API's speculative_config (see README, EAGLE-3)"
+                )
+            if self.draft.gguf_file is not None:
+                raise ValueError("draft.gguf_file: an EAGLE-3 head is a safetensors folder; remove gguf_file")
         if self.verify.max_tokens >= self.build.max_seq_len:
             raise ValueError(
                 f"verify.max_tokens ({self.verify.max_tokens}) must be below build.max_seq_len "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from trtspec import __version__
-from trtspec.cli import bench, build, check, deploy, openai_front, repo, serve, stop, verify
+from trtspec.cli import bench, build, check, deploy, distill, openai_front, repo, serve, stop, verify
 
 app = typer.Typer(
     name="trtspec",
@@ -24,6 +24,7 @@ app.command("repo")(repo.repo)
 app.command("serve")(serve.serve)
 app.command("stop")(stop.stop)
 app.command("bench")(bench.bench)
+app.command("distill")(distill.distill)
 app.command("openai")(openai_front.openai)
 app.add_typer(deploy.app, name="deploy")
 

@@ -181,34 +181,43 @@ def dry_run(loaded: LoadedSpec, output_dir: Path, force: bool = False) -> BuildP
 # -------------------------------------------------------------------------------- building
 
 
-def check_pair(checkpoints: dict[str, Checkpoint]) -> None:
-    """Consistent embeddings, and one shared tokenizer."""
+def check_pair(checkpoints: dict[str, Checkpoint], method: str = "draft_target") -> None:
+    """Consistent embeddings, and one shared tokenizer; an EAGLE-3 head made for the target."""
     toks = {}
     for role, ckpt in checkpoints.items():
+        if role == "draft" and method == "eagle3":
+            from trtspec.engines.eagle3 import check_head_checkpoint
+
+            check_head_checkpoint(checkpoints["target"], ckpt)  # a head has no tokenizer
+            continue
         toks[role] = ckpt.tokenizer()
         check_embedding_rows(role, ckpt.hf_config(), toks[role])
     if "draft" in toks:
         require_shared_tokenizer(toks["target"], toks["draft"])
 
 
-def resolve_pair(loaded: LoadedSpec, allow_pickle: bool = False) -> dict[str, Checkpoint]:
-    """Resolve both checkpoints and check that they make a pair."""
+def resolve_pair(loaded: LoadedSpec, allow_pickle: bool = False, roles=None) -> dict[str, Checkpoint]:
+    """Resolve both checkpoints (or only ``roles``) and check that they make a pair."""
     with console.step("resolving checkpoints"):
-        checkpoints = {role: resolve(loaded, role, allow_pickle) for role in loaded.spec.models()}
+        checkpoints = {role: resolve(loaded, role, allow_pickle)
+                       for role in loaded.spec.models() if roles is None or role in roles}
     with console.step("checking draft/target compatibility"):
-        check_pair(checkpoints)
+        check_pair(checkpoints, loaded.spec.speculative.method)
     return checkpoints
 
 
-def build(loaded: LoadedSpec, output_dir: Path, force: bool = False, allow_pickle: bool = False) -> BuildResult:
+def build(loaded: LoadedSpec, output_dir: Path, force: bool = False, allow_pickle: bool = False,
+          roles=None) -> BuildResult:
+    """Build every role of the spec, or only ``roles`` (distill builds the target alone)."""
     backend = backend_for(loaded.spec.backend)
     prepare: Callable[[], None] | None = getattr(backend, "prepare", None)
     if prepare is not None:  # e.g. trtllm: refuse at once where tensorrt_llm is missing
         prepare()
     ensure_writable(output_dir)
     remove_stale_temps(output_dir)
-    checkpoints = resolve_pair(loaded, allow_pickle)
+    checkpoints = resolve_pair(loaded, allow_pickle, roles)
     the_plan = plan(loaded, output_dir, force)
+    the_plan.units = [u for u in the_plan.units if u.role in checkpoints]
     reconcile(the_plan, checkpoints)
     backend.build(loaded, checkpoints, the_plan)
     return BuildResult(output_dir, the_plan.units)

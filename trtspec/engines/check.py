@@ -39,7 +39,8 @@ class CheckReport:
         out.print(table)
         out.print(
             f"OK: method {self.method}, max_draft_len {self.max_draft_len}"
-            + ("; tokenizers identical" if self.paired else "")
+            + ("" if not self.paired else "; EAGLE-3 head made for this target"
+               if self.method == "eagle3" else "; tokenizers identical")
         )
 
 
@@ -60,7 +61,9 @@ def check(loaded: LoadedSpec, allow_pickle: bool = False) -> CheckReport:
             "architecture": (cfg.architectures or [cfg.model_type])[0],
             "model_type": cfg.model_type,
             "parameters": params,
-            "vocab": len(ckpt.tokenizer()),
+            # An EAGLE-3 head has no tokenizer: its vocabulary is the reduced draft vocabulary.
+            "vocab": (getattr(cfg, "draft_vocab_size", None) or cfg.vocab_size)
+            if role == "draft" and spec.speculative.method == "eagle3" else len(ckpt.tokenizer()),
             "embedding_rows": cfg.vocab_size,
             "dtype": ckpt.model.dtype,
             "estimated_memory_bytes": estimate_memory(params, ckpt.model.dtype, cfg, lim.max_batch_size, lim.max_seq_len),

@@ -83,11 +83,12 @@ def make_drafter(
     draft_model: Drafter | None = None,
 ) -> Drafter:
     """The drafter a speculative method uses. ``draft_model`` proposes from the draft engine
-    over the runtime's own transport (ModelDrafter in process, BlsDrafter inside Triton)."""
+    over the runtime's own transport (ModelDrafter in process, BlsDrafter inside Triton); for
+    eagle3 it is the head's drafter (speculative.eagle3.Eagle3Drafter)."""
     if method == "ngram":
         return NgramDrafter(max_ngram, min_ngram)
-    if method == "draft_target":
+    if method in ("draft_target", "eagle3"):
         if draft_model is None:
-            raise EngineError("method draft_target needs a draft engine; build the spec's draft")
+            raise EngineError(f"method {method} needs a draft engine; build the spec's draft")
         return draft_model
     raise EngineError(f"no drafter for speculative method {method!r}")

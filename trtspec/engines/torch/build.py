@@ -33,7 +33,13 @@ class TorchBackend:
 
     def build(self, loaded: LoadedSpec, checkpoints: dict[str, Checkpoint], plan: BuildPlan) -> None:
         for unit in plan.units:
-            if unit.needs_build:
+            if not unit.needs_build:
+                continue
+            if unit.role == "draft" and loaded.spec.speculative.method == "eagle3":
+                from trtspec.engines.torch.eagle3_build import build_head_engine
+
+                build_head_engine(loaded, checkpoints["draft"], unit.folders["draft"])
+            else:
                 build_torch_engine(loaded, checkpoints[unit.role], unit.folders[unit.role])
 
 

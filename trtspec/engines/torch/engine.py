@@ -115,6 +115,10 @@ class TorchEngine:
         self.pool = SlotPool(slots, rollback=manifest.max_draft_len + 1)
         self._lock = threading.Lock()
         self.forwards = 0  # number of run() calls that computed something
+        # EAGLE-3: layer outputs kept per (slot, position) like K/V, so a head can read the
+        # features of any cached prefix (capture_features turns it on).
+        self.capture: tuple[int, ...] = ()
+        self.features: torch.Tensor | None = None  # [slots, max_seq, len(capture) * hidden]
 
     @classmethod
     def load(cls, folder: Path, slots: int | None = None) -> TorchEngine:
@@ -132,6 +136,30 @@ class TorchEngine:
             model.pack_linears_for_onednn()
         n = slots if slots is not None else manifest.limits["max_batch_size"]
         return cls(folder, manifest, model, hf_config, n)
+
+    def capture_features(self, layers: tuple[int, ...]) -> None:
+        """Keep the outputs of ``layers`` (ascending ids) for every position computed from now on."""
+        if list(layers) != sorted(set(layers)) or not all(0 <= i < self.config.num_layers for i in layers):
+            raise EngineError(
+                f"feature layers {list(layers)} must be distinct ascending ids in "
+                f"0..{self.config.num_layers - 1}"
+            )
+        with self._lock:
+            self.capture = tuple(layers)
+            width = len(layers) * self.config.hidden_size
+            self.features = torch.zeros((self.max_batch_size, self.max_seq_len, width), dtype=self.cache.k[0].dtype)
+            self.pool.forget()  # cached prefixes have no features yet
+
+    def features_of(self, tokens: list[int], start: int, stop: int) -> torch.Tensor | None:
+        """Captured features [stop - start, len(capture) * hidden] of positions start..stop-1 of
+        ``tokens``, if a slot holds a prefix of ``tokens`` at least ``stop`` long (else None)."""
+        if self.features is None:
+            raise EngineError("this engine does not capture features; call capture_features first")
+        with self._lock:
+            for slot, cached in enumerate(self.pool.tokens):
+                if len(cached) >= stop and common_prefix_len(tokens[:stop], cached) >= stop:
+                    return self.features[slot, start:stop].clone()
+        return None
 
     def forget_prefixes(self) -> None:
         """Empty the prefix cache, e.g. so a timed run cannot reuse another run's prefill."""
@@ -169,7 +197,15 @@ class TorchEngine:
         for (slot, _), start in zip(assigned, starts):
             self.pool.truncate(slot, start)
         step = self._step_inputs(items, assigned, starts)
-        hidden = self.model.hidden_states(step, self.cos, self.sin, self.cache)  # [b, q, hidden]
+        captured: list[torch.Tensor] = []  # each [b, q, hidden]
+        if self.capture:
+            hidden = self.model.hidden_states(step, self.cos, self.sin, self.cache, self.capture, captured)
+        else:
+            hidden = self.model.hidden_states(step, self.cos, self.sin, self.cache)  # [b, q, hidden]
+        if captured:
+            feats = torch.cat(captured, dim=-1)  # [b, q, len(capture) * hidden]
+            for row, (slot, start, n) in enumerate(step.rows):
+                self.features[slot, start : start + n] = feats[row, :n]
         self.forwards += 1
         out = []
         for row, (it, start) in enumerate(zip(items, starts)):

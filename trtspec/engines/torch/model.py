@@ -251,14 +251,23 @@ class DecoderLM(nn.Module):
         return True
 
     @torch.inference_mode()
-    def hidden_states(self, step: StepInputs, cos_table, sin_table, cache: KVCache) -> torch.Tensor:
-        """Final-norm hidden states [b, q, hidden] for the step's tokens; fills the cache."""
+    def hidden_states(
+        self, step: StepInputs, cos_table, sin_table, cache: KVCache, capture: tuple[int, ...] = (),
+        captured: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Final-norm hidden states [b, q, hidden] for the step's tokens; fills the cache.
+
+        ``capture``: layer ids whose outputs (the residual stream after that layer, before the
+        final norm: what an EAGLE-3 head reads) are appended to ``captured``, each [b, q, hidden].
+        """
         x = self.model.embed_tokens(step.tokens)
         dtype = x.dtype
         cos = cos_table[step.positions].to(dtype).unsqueeze(1)  # [b, 1, q, head_dim]
         sin = sin_table[step.positions].to(dtype).unsqueeze(1)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, step, cache.k[i], cache.v[i])
+            if i in capture and captured is not None:
+                captured.append(x)
         return self.model.norm(x)
 
     @torch.inference_mode()

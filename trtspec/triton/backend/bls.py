@@ -105,3 +105,25 @@ class BlsVerifier:
             for r, i in enumerate(rows):
                 verdicts[i] = Verdict(ids[r], margins[r] if margins else None)
         return verdicts  # type: ignore[return-value]
+
+
+class BlsFeatures:
+    """EAGLE-3's FeaturesFn over BLS: one request to the target engine model per loop step
+    asks for the features it captured (hidden_states_from; nothing is recomputed)."""
+
+    def __init__(self, call: EngineCall, model: str, pad_id: int = 0):
+        self.call = call
+        self.model = model
+        self.pad_id = pad_id
+
+    def __call__(self, wants):
+        import torch
+
+        inputs = sequence_inputs([list(tokens[:stop]) for tokens, _, stop in wants], self.pad_id)
+        inputs["hidden_states_from"] = _column([start for _, start, _ in wants], np.int32)
+        inputs["request_output_len"] = _column([1] * len(wants), np.int32)
+        out = self.call(self.model, inputs, ["hidden_states", "hidden_states_length"])
+        feats = np.asarray(out["hidden_states"])  # [b, N, n_layers * hidden]
+        got = np.asarray(out["hidden_states_length"]).reshape(len(wants))
+        return [None if got[r] < 0 else torch.from_numpy(np.ascontiguousarray(feats[r, : got[r]]))
+                for r in range(len(wants))]

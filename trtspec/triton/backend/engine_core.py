@@ -188,14 +188,53 @@ def pack_engine_response(
     return tensors
 
 
+def answer_features(inputs: Mapping[str, np.ndarray], features_of, limits: Limits) -> dict[str, np.ndarray]:
+    """EAGLE-3 (trtspec extension): the captured target features of positions
+    hidden_states_from..input_length-1 of each row, computing nothing.
+
+    outputs  hidden_states [b, N, n_layers * hidden] FP32 (padded with 0),
+             hidden_states_length [b, 1] INT32: N_r, or -1 when no cached prefix covers the row
+             (the drafter then proposes nothing for it; the target's next forward fills it in).
+    """
+    if features_of is None:
+        raise RequestError("hidden_states_from: this engine model does not capture features (method eagle3 only)")
+    ids = inputs.get("input_ids")
+    if ids is None or np.asarray(ids).ndim != 2:
+        raise RequestError("input_ids must be an INT32 tensor of shape [batch, tokens]")
+    ids = np.asarray(ids)
+    rows = ids.shape[0]
+    limits.check_batch(rows)
+    lengths = per_row(inputs, "input_lengths", rows)
+    starts = per_row(inputs, "hidden_states_from", rows)
+    if lengths is None:
+        raise RequestError("input_lengths is required")
+    feats = []
+    for r in range(rows):
+        n, a = int(lengths[r]), int(starts[r])
+        if not 0 <= a <= n <= ids.shape[1]:
+            raise RequestError(f"hidden_states_from[{r}] is {a}; it must be in 0..input_lengths ({n})")
+        feats.append(features_of([int(t) for t in ids[r, :n]], a, n))
+    width = max((f.shape[-1] for f in feats if f is not None), default=1)
+    longest = max([f.shape[0] for f in feats if f is not None] + [1])
+    out = np.zeros((rows, longest, width), dtype=np.float32)
+    got = np.full((rows, 1), -1, dtype=np.int32)
+    for r, f in enumerate(feats):
+        if f is not None:
+            out[r, : f.shape[0]] = f.float().numpy()
+            got[r, 0] = f.shape[0]
+    return {"hidden_states": out, "hidden_states_length": got}
+
+
 class EngineCore:
     """Serve a list of requests (each a dict of input arrays) with one batched engine run."""
 
-    def __init__(self, run: RunFn, limits: Limits, vocab_limit: int | None = None, exclude_default: bool = False):
+    def __init__(self, run: RunFn, limits: Limits, vocab_limit: int | None = None, exclude_default: bool = False,
+                 features_of=None):
         self.run = run
         self.limits = limits
         self.vocab_limit = vocab_limit
         self.exclude_default = exclude_default
+        self.features_of = features_of  # TorchEngine.features_of when it captures (eagle3)
 
     def infer(self, requests: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray] | Exception]:
         """One answer per request: output tensors, or the error for that request alone."""
@@ -203,6 +242,9 @@ class EngineCore:
         parsed = {}
         for i, inputs in enumerate(requests):
             try:
+                if inputs.get("hidden_states_from") is not None:  # a lookup, no forward
+                    answers[i] = answer_features(inputs, self.features_of, self.limits)
+                    continue
                 parsed[i] = parse_engine_request(inputs, self.limits, self.exclude_default)
             except RequestError as err:
                 answers[i] = err

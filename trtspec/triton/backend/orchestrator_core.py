@@ -60,6 +60,8 @@ class OrchestratorSettings:
     draft_vocab_limit: int | None = None
     chat_template_default: bool = False
     margins_supported: bool = True  # the target engine answers return_margins (torch engines)
+    eagle3_head_dir: str | None = None  # method eagle3: the head engine folder ...
+    eagle3_target_dir: str | None = None  # ... and the target's (its embeddings and RoPE)
 
 
 @dataclass
@@ -191,7 +193,21 @@ class Orchestrator:
         model = None
         if self.s.draft_model is not None:
             model = BlsDrafter(self.call, self.s.draft_model, self.s.draft_vocab_limit)
+        elif self.s.method == "eagle3":
+            model = self._eagle3_drafter()
         return make_drafter(self.s.method, max_ngram=self.s.max_ngram, min_ngram=self.s.min_ngram, draft_model=model)
+
+    def _eagle3_drafter(self):
+        """The head runs here, beside the loop; the target's features come from the target
+        engine model (BlsFeatures), so the target is loaded once, in its own model."""
+        from trtspec.engines.torch.eagle3 import HeadEngine
+        from trtspec.speculative.eagle3 import Eagle3Drafter
+        from trtspec.triton.backend.bls import BlsFeatures
+
+        if getattr(self, "_head", None) is None:
+            self._head = HeadEngine.load_beside(self.s.eagle3_head_dir, self.s.eagle3_target_dir,
+                                                self.s.limits.max_batch_size)
+        return Eagle3Drafter(self._head, BlsFeatures(self.call, self.s.target_model))
 
     def run(self, requests: Sequence[Mapping[str, np.ndarray]], send: Sender | None = None) -> list[dict | Exception | None]:
         """Answer every request. Unary: returns the tensors (or error) per request. With

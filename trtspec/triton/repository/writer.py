@@ -3,7 +3,8 @@
 Models (names as in NVIDIA's inflight_batcher_llm repository, so clients work unchanged):
 
   tensorrt_llm                 target engine, tensorrt_llm tensor contract
-  tensorrt_llm_draft           draft engine (method draft_target only)
+  tensorrt_llm_draft           draft engine (method draft_target only; eagle3's head runs in the
+                               text endpoints and reads the target model's captured features)
   tensorrt_llm_bls             speculative text endpoint, tensorrt_llm_bls contract, unary
   tensorrt_llm_bls_streaming   the same, decoupled: streams each step (serve.streaming)
   target_only                  target-only control, same contract, no speculation
@@ -102,6 +103,22 @@ def ensemble_config(step_model: str, batch: int) -> ModelConfig:
                        inputs=inputs, outputs=outputs, extra_pbtxt=step)
 
 
+# method eagle3 (trtspec extension): the orchestrator's head asks the target model for the
+# features it captured of positions hidden_states_from..input_length-1.
+EAGLE3_INPUTS = [_in("hidden_states_from", "TYPE_INT32")]
+EAGLE3_OUTPUTS = [
+    TensorSpec("hidden_states", "TYPE_FP32", [-1, -1]),  # [positions, n_layers * hidden]
+    TensorSpec("hidden_states_length", "TYPE_INT32", [1]),  # -1: not cached
+]
+
+
+def _head_layers(engines_dir: Path) -> tuple[int, ...]:
+    from trtspec.engines.eagle3 import read_head_config
+
+    target = json.loads((engines_dir / "target" / "config.json").read_text())
+    return read_head_config(engines_dir / "draft", int(target["num_hidden_layers"])).layer_ids
+
+
 @dataclass(frozen=True)
 class RepoPlan:
     """What write_repository produces: model name -> (config, model.py source or None)."""
@@ -149,9 +166,13 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path) -> RepoPlan:
             }
             if kind == "draft":
                 params["vocab_limit"] = str(min(vocab, _vocab_size(engines_dir / "draft")))
+            inputs, outputs = ENGINE_INPUTS, ENGINE_OUTPUTS
+            if spec.speculative.method == "eagle3":  # the target answers the head's feature requests
+                params["capture_layers"] = ",".join(str(i) for i in _head_layers(engines_dir))
+                inputs, outputs = ENGINE_INPUTS + EAGLE3_INPUTS, ENGINE_OUTPUTS + EAGLE3_OUTPUTS
             cfg = ModelConfig(
                 name=name, backend="python", max_batch_size=spec.limits(role).max_batch_size,
-                inputs=ENGINE_INPUTS, outputs=ENGINE_OUTPUTS, parameters=params, instance_count=1,
+                inputs=inputs, outputs=outputs, parameters=params, instance_count=1,
                 dynamic_batching=DynamicBatching(max_queue_delay_microseconds=0),
             )
             models[name] = (cfg, ENGINE_SHIM)
@@ -187,6 +208,9 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path) -> RepoPlan:
         }
         if has_draft:
             params["tensorrt_llm_draft_model_name"] = DRAFT_MODEL
+        if spec.speculative.method == "eagle3":
+            params["eagle3_head_dir"] = str(engines_dir / "draft")
+            params["eagle3_target_dir"] = str(engines_dir / "target")
         cfg = ModelConfig(
             name=name, backend="python", max_batch_size=batch, inputs=BLS_INPUTS, outputs=BLS_OUTPUTS,
             parameters=params, instance_count=spec.serve.instance_count, decoupled=decoupled,

@@ -5,7 +5,7 @@ instances, or several rows of one); they are answered by ONE batched run of the 
 keeps its prefix KV cache between requests (re-sent sequences are not recomputed).
 
 Config parameters: engine_dir, role, kv_cache_slots, max_draft_len, vocab_limit (optional),
-exclude_input_in_output.
+exclude_input_in_output, capture_layers (optional, eagle3: answer hidden_states_from requests).
 """
 
 from __future__ import annotations
@@ -31,7 +31,11 @@ class TritonPythonModel:
         )
         vocab_limit = int(params["vocab_limit"]) if "vocab_limit" in params else None
         exclude = params.get("exclude_input_in_output", "false").lower() == "true"
-        self.core = EngineCore(self.engine.run, limits, vocab_limit, exclude)
+        features_of = None
+        if params.get("capture_layers"):  # method eagle3: keep the features the head reads
+            self.engine.capture_features(tuple(int(x) for x in params["capture_layers"].split(",")))
+            features_of = self.engine.features_of
+        self.core = EngineCore(self.engine.run, limits, vocab_limit, exclude, features_of)
 
     def execute(self, requests):
         answers = self.core.infer([pb.inputs_of(r) for r in requests])

@@ -44,6 +44,8 @@ class TritonPythonModel:
             draft_vocab_limit=int(p["vocab_size"]),
             chat_template_default=p.get("apply_chat_template", "false") == "true",
             margins_supported=p.get("engine_margins", "false") == "true",
+            eagle3_head_dir=p.get("eagle3_head_dir"),
+            eagle3_target_dir=p.get("eagle3_target_dir"),
         )
         self.core = Orchestrator(settings, pb.bls_call, tokenizer, end_token_ids(tokenizer, tokenizer_dir))
 

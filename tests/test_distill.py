@@ -1,0 +1,183 @@
+"""`trtspec distill`: training-time test on tiny targets, resume, refusals, atomic output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import write_spec
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from trtspec.cli.app import app
+from trtspec.codesign.distill import DistillOptions, distill
+from trtspec.spec import load_spec
+
+runner = CliRunner()
+PROMPTS = [
+    "The quick brown fox", "Speculative decoding makes", "def fibonacci(n):", "Summarise the following text",
+    "Triton serves models", "Pack my box with", "Rewrite the paragraph", "TensorRT-LLM builds engines",
+    "A small draft model proposes", "The large target model checks",
+]
+
+
+def prompts_file(folder: Path, prompts=PROMPTS) -> Path:
+    path = folder / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return path
+
+
+def eagle_spec(folder: Path, target: Path) -> Path:
+    return write_spec(folder, {"target": target, "head": folder / "head"}, "head",
+                      **{"speculative.method": "eagle3"})
+
+
+def small_opts(folder: Path, **kw) -> DistillOptions:
+    base = dict(prompts=prompts_file(folder), max_steps=6, eval_every=3, max_tokens=12, draft_vocab=120,
+                batch_size=4, held_out=0.2)
+    base.update(kw)
+    return DistillOptions(**base)
+
+
+def test_resume_after_an_interrupt_equals_an_uninterrupted_run(tmp_path, tiny_ckpts):
+    straight = distill(load_spec(eagle_spec(tmp_path / "a", tiny_ckpts["target"])), small_opts(tmp_path / "a"))
+
+    b = tmp_path / "b"
+    loaded = load_spec(eagle_spec(b, tiny_ckpts["target"]))
+
+    def interrupt(row):
+        if row["step"] == 4:  # between checkpoints (eval_every 3): the interrupt itself saves
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        distill(loaded, small_opts(b), on_step=interrupt)
+    assert not (b / "head").exists()  # nothing half-written where build would look
+    assert (b / ".head.distill" / "checkpoint.pt").is_file()
+    resumed = distill(loaded, small_opts(b, resume=True))
+
+    assert resumed.steps == straight.steps == 6
+    wa = load_file(str(tmp_path / "a" / "head" / "model.safetensors"))
+    wb = load_file(str(b / "head" / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+    assert resumed.metrics == straight.metrics
+    manifest = json.loads((b / "head" / "trtspec-head.json").read_text())
+    assert manifest["steps"] == 6 and manifest["seed"] == 0
+    assert manifest["data"]["held_out_prompts"] == 2 and manifest["data"]["train_prompts"] == 8
+    assert (b / "head" / "training-curve.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_a_trained_head_beats_an_untrained_one(tmp_path, tiny_ckpts):
+    """Trained on the target's responses to 8 prompts; measured through the runtime on the
+    spec's verify prompts (none of them trained on): identical outputs, higher acceptance."""
+    from transformers import AutoConfig
+
+    from trtspec.codesign.heads import new_head, save_head, target_lm_head
+    from trtspec.codesign.tiny import make_bigram_target
+    from trtspec.engines.build import build
+    from trtspec.runtime import Deployment
+
+    target = make_bigram_target(tmp_path / "target", tiny_ckpts["target"], hidden=64)
+    loaded = load_spec(eagle_spec(tmp_path, target))
+    result = distill(loaded, small_opts(tmp_path, max_steps=60, eval_every=20, max_tokens=24, draft_vocab=100))
+    assert result.metrics["held_out_acceptance_length"] > 2.0  # of 1 + 3 possible at k = 3
+
+    def acceptance(head_dir: Path) -> float:
+        out = tmp_path / f"engines-{head_dir.name}"
+        build(loaded, out, force=True)
+        dep = Deployment(loaded, out)
+        reqs = [dep.request(dep.encode(p), 40, 4) for p in loaded.spec.verify.prompts[:4]]
+        base, spec = dep.generate(reqs, speculative=False), dep.generate(reqs)
+        assert [s.output_ids for s in spec] == [b.output_ids for b in base]
+        drafted = sum(s.metrics.drafted for s in spec)
+        assert drafted > 0
+        return sum(s.metrics.accepted for s in spec) / drafted
+
+    trained = acceptance(tmp_path / "head")
+    # The untrained head: the same initialisation, vocabulary and layers, no training step.
+    d2t = load_file(str(tmp_path / "head" / "model.safetensors"))["d2t"]
+    hf = AutoConfig.from_pretrained(target)
+    untrained, config = new_head(hf, target_lm_head(tmp_path / "engines" / "target"), (0, 1),
+                                 (torch.arange(len(d2t)) + d2t).tolist(), seed=0)
+    save_head(tmp_path / "head", untrained, config)
+    before = acceptance(tmp_path / "head")
+    assert trained > before + 0.3, (trained, before)
+
+
+# ------------------------------------------------------------------------------ refusals
+
+
+def test_existing_output_without_force(tmp_path, tiny_ckpts):
+    spec = eagle_spec(tmp_path, tiny_ckpts["target"])
+    (tmp_path / "head").mkdir()
+    r = runner.invoke(app, ["distill", str(spec), "--prompts", str(prompts_file(tmp_path))])
+    assert r.exit_code == 2
+    assert "already exists; pass --force" in r.output
+
+
+@pytest.mark.parametrize("content, message", [
+    ("", "holds 0 prompt(s); distill needs at least 2"),
+    ('{"prompt": "only one"}\n', "holds 1 prompt(s)"),
+    (b"\xff\xfe\x00garbage", "is not UTF-8 text"),
+    ('{"text": "no prompt key"}\n', 'expected {"prompt": "<non-empty text>"}'),
+])
+def test_bad_prompts_file(tmp_path, tiny_ckpts, content, message):
+    spec = eagle_spec(tmp_path, tiny_ckpts["target"])
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    r = runner.invoke(app, ["distill", str(spec), "--prompts", str(path)])
+    assert r.exit_code == 2, r.output
+    assert message in r.output
+    assert not (tmp_path / "head").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompts", "missing.jsonl"], "does not exist"),
+    (["--resume"], "--resume: no checkpoint"),
+    (["--time-budget", "ten minutes"], "--time-budget takes a positive duration"),
+    (["--layers", "0,x"], "--layers takes comma-separated"),
+])
+def test_bad_flags(tmp_path, tiny_ckpts, args, message):
+    spec = eagle_spec(tmp_path, tiny_ckpts["target"])
+    r = runner.invoke(app, ["distill", str(spec), *args])
+    assert r.exit_code == 2, r.output
+    assert message in r.output
+
+
+def test_unknown_layer_ids(tmp_path, tiny_ckpts):
+    spec = eagle_spec(tmp_path, tiny_ckpts["target"])
+    r = runner.invoke(app, ["distill", str(spec), "--prompts", str(prompts_file(tmp_path)), "--layers", "0,7"])
+    assert r.exit_code == 2, r.output
+    assert "must be distinct ascending ids in 0..1" in r.output
+    assert not (tmp_path / "head").exists()
+
+
+def test_a_spec_without_an_eagle3_head_needs_output(tmp_path, tiny_ckpts):
+    spec = write_spec(tmp_path, tiny_ckpts)
+    r = runner.invoke(app, ["distill", str(spec)])
+    assert r.exit_code == 2
+    assert "set speculative.method: eagle3 and draft.path, or pass --output" in r.output
+
+
+def test_an_interrupted_write_leaves_nothing_build_accepts(tmp_path, tiny_ckpts, monkeypatch):
+    import trtspec.codesign.heads as heads
+
+    spec = eagle_spec(tmp_path, tiny_ckpts["target"])
+
+    def fail(tmp, folder):  # every file written, then the rename never happens
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(heads, "swap_into_place", fail)
+    with pytest.raises(KeyboardInterrupt):
+        distill(load_spec(spec), small_opts(tmp_path, max_steps=2))
+    assert not (tmp_path / "head").exists()
+    assert not list(tmp_path.glob(".head.tmp-*"))
+    monkeypatch.undo()
+    r = runner.invoke(app, ["build", str(spec)])
+    assert r.exit_code == 2
+    assert "is not a folder; train the EAGLE-3 head there with `trtspec distill" in r.output
+    assert not (tmp_path / "engines" / "draft").exists()

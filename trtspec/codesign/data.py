@@ -1,0 +1,114 @@
+"""Distillation data: the target's own greedy responses to a prompt set, captured with the
+features an EAGLE-3 head reads and the target's greedy label at every position.
+
+Responses come from the one loop (target-only: the same greedy tokens `verify` compares), in
+batches of the engine's slots. Capture is one teacher-forced target forward per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trtspec.codesign.train import Batch
+from trtspec.engines.torch.engine import ForwardItem, TorchEngine
+from trtspec.errors import SpecError
+from trtspec.speculative.loop import NoDrafter, generate
+from trtspec.speculative.requests import GenerationRequest
+from trtspec.speculative.verifier import LogitsVerifier
+
+SHIPPED_PROMPTS = Path(__file__).with_name("prompts.jsonl")
+
+
+@dataclass
+class Sample:
+    tokens: torch.Tensor  # [T] int64: prompt + the target's response
+    prompt_len: int
+    features: torch.Tensor  # [T, n_layers * hidden]
+    labels: torch.Tensor  # [T] int64: the target's greedy next token after each position
+
+
+def read_prompts(path: Path) -> list[str]:
+    """Prompts of a JSONL file ({"prompt": ...} per line); SpecError when empty or unreadable."""
+    from trtspec.spec import read_prompt_rows
+
+    try:
+        rows = read_prompt_rows(Path(path), "--prompts")
+    except UnicodeDecodeError as e:
+        raise SpecError(f"--prompts: {path} is not UTF-8 text ({e.reason}); pass a JSONL file") from e
+    except OSError as e:
+        raise SpecError(f"--prompts: cannot read {path} ({e.strerror}); fix the path or permissions") from e
+    if len(rows) < 2:
+        raise SpecError(
+            f"--prompts: {path} holds {len(rows)} prompt(s); distill needs at least 2 (one is held out), "
+            'one {"prompt": "..."} object per line'
+        )
+    return [r["prompt"] for r in rows]
+
+
+def responses(target: TorchEngine, requests: list[GenerationRequest], on_batch=None) -> list[list[int]]:
+    """The target's greedy output ids for each request, batched over the engine's slots."""
+    out: list[list[int]] = []
+    size = target.max_batch_size
+    for i in range(0, len(requests), size):
+        results = generate(requests[i : i + size], NoDrafter(), LogitsVerifier(target.run))
+        out += [r.output_ids for r in results]
+        if on_batch:
+            on_batch(min(i + size, len(requests)), len(requests))
+    return out
+
+
+def capture(target: TorchEngine, prompt_ids: list[int], output_ids: list[int]) -> Sample:
+    """Teacher-forced forward over prompt + response: features and greedy labels per position."""
+    tokens = list(prompt_ids) + list(output_ids)
+    target.forget_prefixes()  # every position computed now, with its features
+    logits = target.run([ForwardItem(tokens, len(tokens))])[0]  # [T, vocab]
+    feats = target.features_of(tokens, 0, len(tokens))  # [T, n_layers * hidden]
+    return Sample(torch.tensor(tokens, dtype=torch.long), len(prompt_ids), feats,
+                  torch.argmax(logits, dim=-1))
+
+
+def collate(samples: list[Sample], max_len: int) -> Batch:
+    """Right-padded batch of the first max_len positions of each sample."""
+    t = min(max_len, max(len(s.tokens) for s in samples))
+    b = len(samples)
+    width = samples[0].features.shape[-1]
+    tokens = torch.zeros((b, t), dtype=torch.long)
+    feats = torch.zeros((b, t, width), dtype=samples[0].features.dtype)
+    labels = torch.full((b, t), -1, dtype=torch.long)
+    resp = torch.zeros(b, dtype=torch.long)
+    for i, s in enumerate(samples):
+        n = min(t, len(s.tokens))
+        tokens[i, :n] = s.tokens[:n]
+        feats[i, :n] = s.features[:n]
+        labels[i, :n] = s.labels[:n]
+        resp[i] = s.prompt_len
+    return Batch(tokens, feats, labels, resp)
+
+
+def draft_vocabulary(samples: list[Sample], size: int, vocab: int) -> list[int]:
+    """The ``size`` target ids the target outputs most often (ties: lower id), ascending;
+    topped up with the lowest unused ids when the data shows fewer distinct tokens."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for s in samples:
+        counts += torch.bincount(s.labels, minlength=vocab)[:vocab]
+    order = sorted(range(vocab), key=lambda i: (-int(counts[i]), i))
+    return sorted(order[: min(size, vocab)])
+
+
+def save_samples(path: Path, samples: list[Sample]) -> None:
+    import io
+
+    from trtspec.files import write_bytes_atomic
+
+    buf = io.BytesIO()
+    torch.save([{"tokens": s.tokens, "prompt_len": torch.tensor(s.prompt_len), "features": s.features,
+                 "labels": s.labels} for s in samples], buf)
+    write_bytes_atomic(path, buf.getvalue())
+
+
+def load_samples(path: Path) -> list[Sample]:
+    rows = torch.load(path, map_location="cpu", weights_only=True)
+    return [Sample(r["tokens"], int(r["prompt_len"]), r["features"], r["labels"]) for r in rows]

@@ -1,0 +1,158 @@
+"""Training-time test (EAGLE-3): the head trained on its own unrolled drafting steps.
+
+One sequence x_0..x_{T-1} with the target's features f_t and greedy labels y_t (the target's
+next token after x_0..x_t). Step 0, position t: state fc(f_t), token x_{t+1}, label y_{t+1}
+(the token two ahead), attending to step-0 keys at positions <= t. Step j >= 1 replays draft
+step j of a context that ended at position t-j+1: the state is step j-1's output at t-1, the
+token x_{t+1} (what the draft would have been had the previous drafts been right), and the
+keys are step 0's at positions <= t-j plus step i's at position t-j+i for i = 1..j — exactly
+what HeadEngine holds at inference (tested: the chain the drafter proposes equals the argmax
+of these unrolled steps).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from trtspec.engines.torch.eagle3 import Eagle3Head
+from trtspec.engines.torch.model import _rotate_half
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [B, T] int64 (padding 0)
+    features: torch.Tensor  # [B, T, n_layers * target_hidden]
+    labels: torch.Tensor  # [B, T] int64: the target's greedy next token at each position; -1 = none
+    response_from: torch.Tensor  # [B] int64: first position whose token is the target's own output
+
+
+def _project(head: Eagle3Head, x: torch.Tensor, cos, sin):
+    """q [B, heads, T, d] and k, v [B, heads, T, d] (kv heads repeated) with RoPE."""
+    attn, cfg = head.midlayer.self_attn, head.cfg
+    b, t, _ = x.shape
+    q = attn.q_proj(x).view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+    k = attn.k_proj(x).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+    v = attn.v_proj(x).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    rep = cfg.num_heads // cfg.num_kv_heads
+    return q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+
+
+def _shift(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """x moved n positions later along ``dim`` (position t holds x[t - n]; zeros before)."""
+    if n == 0:
+        return x
+    pad = torch.zeros_like(x.narrow(dim, 0, n))
+    return torch.cat([pad, x.narrow(dim, 0, x.shape[dim] - n)], dim=dim)
+
+
+def unrolled_logits(head: Eagle3Head, embed, batch: Batch, steps: int, cos_table, sin_table) -> list[torch.Tensor]:
+    """Draft logits [B, T, draft_vocab] of each unrolled step (0..steps-1)."""
+    b, t = batch.tokens.shape
+    dtype = head.fc.weight.dtype
+    nxt = torch.cat([batch.tokens[:, 1:], torch.zeros_like(batch.tokens[:, :1])], dim=1)  # x_{t+1}
+    embeds = embed(nxt).to(dtype)  # [B, T, hidden]
+    pos = torch.arange(t)
+    cos = cos_table[pos].to(dtype).view(1, 1, t, -1)
+    sin = sin_table[pos].to(dtype).view(1, 1, t, -1)
+    scale = 1.0 / math.sqrt(head.cfg.head_dim)
+    state = head.fc(batch.features.to(dtype))  # [B, T, hidden]
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    out_logits = []
+    for j in range(steps):
+        x = head.midlayer.attention_input(state, embeds)  # [B, T, 2*hidden]
+        q, k, v = _project(head, x, cos, sin)  # [B, h, T, d]
+        keys.append(k)
+        values.append(v)
+        # Step-0 keys at positions s <= t - j (rows t < j keep key 0 so no row is empty).
+        s = torch.arange(t)
+        allowed = s.view(1, t) <= (pos.view(t, 1) - j).clamp(min=0)  # [T, S]
+        scores = [torch.matmul(q, keys[0].transpose(-1, -2)).masked_fill(~allowed, float("-inf")) * scale]
+        own = []
+        for i in range(1, j + 1):  # step i's key at position t - j + i
+            ki = _shift(keys[i], j - i, dim=2)
+            own.append(_shift(values[i], j - i, dim=2))
+            scores.append(((q * ki).sum(-1, keepdim=True)) * scale)  # [B, h, T, 1]
+        probs = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(dtype)
+        attn = torch.matmul(probs[..., :t], values[0])
+        for i, vi in enumerate(own):
+            attn = attn + probs[..., t + i : t + i + 1] * vi
+        attn = head.midlayer.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+        out = head.midlayer.finish(attn, state)  # [B, T, hidden]
+        out_logits.append(head.draft_logits(out))
+        state = _shift(out, 1, dim=1)  # step j+1 at t continues from step j's output at t-1
+    return out_logits
+
+
+def step_targets(batch: Batch, steps: int) -> list[torch.Tensor]:
+    """Target ids [B, T] each step is scored against (-1: not scored).
+
+    Position t at step j predicts y_{t+1}; it needs x_{t+1} (t + 1 < T) and a context of at
+    least one real position (t >= j).
+    """
+    b, t = batch.tokens.shape
+    label = torch.cat([batch.labels[:, 1:], torch.full_like(batch.labels[:, :1], -1)], dim=1)
+    pos = torch.arange(t).view(1, t)
+    out = []
+    for j in range(steps):
+        out.append(torch.where(pos >= j, label, torch.full_like(label, -1)))
+    return out
+
+
+def ttt_loss(head, embed, batch: Batch, steps: int, t2d: torch.Tensor, cos, sin) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Mean cross-entropy over steps (labels outside the draft vocabulary are not trained on)."""
+    logits = unrolled_logits(head, embed, batch, steps, cos, sin)
+    losses = []
+    for lg, tgt in zip(logits, step_targets(batch, steps)):
+        draft_tgt = torch.where(tgt >= 0, t2d[tgt.clamp(min=0)], torch.full_like(tgt, -1))
+        losses.append(F.cross_entropy(lg.float().flatten(0, 1), draft_tgt.flatten(), ignore_index=-1))
+    return torch.stack(losses).mean(), logits
+
+
+@torch.no_grad()
+def agreement(head, embed, batch: Batch, steps: int, cos, sin) -> dict:
+    """Held-out agreement with the target over the response positions.
+
+    top1[j]: fraction of step-j drafts equal to the target's token. acceptance_length: tokens
+    per target forward a k=steps chain would get, 1 + mean run of consecutive right drafts,
+    from every position of the responses where the whole chain can be scored.
+    """
+    logits = unrolled_logits(head, embed, batch, steps, cos, sin)
+    targets = step_targets(batch, steps)
+    b, t = batch.tokens.shape
+    pos = torch.arange(t).view(1, t)
+    in_resp = pos + 1 >= batch.response_from.view(b, 1)  # label lies in the response
+    right = []
+    top1 = []
+    for lg, tgt in zip(logits, targets):
+        ids = head.to_target_ids(torch.argmax(lg.float(), dim=-1))
+        ok = (ids == tgt) & (tgt >= 0)
+        scored = (tgt >= 0) & in_resp
+        top1.append(float(ok[scored].float().mean()) if scored.any() else 0.0)
+        right.append(ok)
+    # A chain drafted from a context ending at position p + 1 uses step j at position p + j.
+    runs = torch.zeros(b, t)
+    alive = torch.ones(b, t, dtype=torch.bool)
+    for j in range(steps):
+        alive &= _shift_left(right[j], j)  # [B, T]: step j of the chain starting at p is right
+        runs += alive.float()
+    last_scored = torch.stack([(tg >= 0) for tg in targets])  # [steps, B, T]
+    full = torch.ones(b, t, dtype=torch.bool)
+    for j in range(steps):
+        full &= _shift_left(last_scored[j], j)
+    starts = full & in_resp
+    acc_len = 1.0 + float(runs[starts].mean()) if starts.any() else 1.0
+    return {"top1": top1, "acceptance_length": acc_len, "chains": int(starts.sum())}
+
+
+def _shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Position p holds x[p + n] (False past the end)."""
+    if n == 0:
+        return x
+    return torch.cat([x[:, n:], torch.zeros_like(x[:, :n])], dim=1)

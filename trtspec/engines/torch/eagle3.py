@@ -1,0 +1,204 @@
+"""An EAGLE-3 head in PyTorch, and the engine that runs it next to a torch target.
+
+The head is one Llama decoder layer whose attention reads [token embedding; state] (2 x hidden):
+``state`` is the target's fused features (``fc`` over the outputs of a low, a middle and a high
+target layer) at the first draft step and the head's own previous output after that. It shares
+the target's token embeddings (no copy) and predicts over a reduced draft vocabulary that
+``d2t`` maps back to target ids. Parameter names are those of the checkpoint (engines/eagle3.py),
+so a head folder loads as it is.
+
+HeadEngine keeps the head's own static KV cache per slot, indexed by position like the
+target's: a rejected draft is undone by rewinding an integer.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from trtspec.engines.eagle3 import HeadConfig, read_head_config
+from trtspec.engines.manifest import read_manifest
+from trtspec.engines.torch.engine import DTYPES, WEIGHTS, SlotPool, TorchEngine
+from trtspec.engines.torch.model import MLP, Attention, DecoderConfig, KVCache, RMSNorm, StepInputs, rope_tables
+from trtspec.errors import EngineError
+
+
+def decoder_config(cfg: HeadConfig) -> DecoderConfig:
+    """The head's layer as a DecoderConfig (for the shared Attention, MLP and KV cache)."""
+    return DecoderConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_layers=1, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=False, sliding_window=None,
+    )
+
+
+class MidLayer(nn.Module):
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        dc = decoder_config(cfg)
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.self_attn = Attention(dc, bias=False, o_bias=False)
+        # The attention input is [embeds; state]: twice the hidden size.
+        self.self_attn.q_proj = nn.Linear(2 * h, cfg.num_heads * d, bias=False)
+        self.self_attn.k_proj = nn.Linear(2 * h, cfg.num_kv_heads * d, bias=False)
+        self.self_attn.v_proj = nn.Linear(2 * h, cfg.num_kv_heads * d, bias=False)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = MLP(dc, bias=False)
+
+    def attention_input(self, state: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """[b, q, 2*hidden] from the state and token embeddings, each [b, q, hidden]."""
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(state)], dim=-1)
+
+    def finish(self, attn_out: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """The layer's output (pre-norm; what is fed back) from the attention output."""
+        h = attn_out + state  # the residual is the state, not the embeddings
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward(self, state, embeds, cos, sin, step: StepInputs, k_cache, v_cache):
+        x = self.attention_input(state, embeds)
+        return self.finish(self.self_attn(x, cos, sin, step, k_cache, v_cache), state)
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(cfg.n_features * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = MidLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        # draft id -> target id offset; all zeros when the draft vocabulary is the target's.
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+
+    @classmethod
+    def from_state_dict(cls, cfg: HeadConfig, state: dict[str, torch.Tensor]) -> Eagle3Head:
+        with torch.device("meta"):
+            head = cls(cfg)
+        state = dict(state)
+        state["d2t"] = state["d2t"].long() if "d2t" in state else torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+        head.load_state_dict(state, strict=True, assign=True)
+        return head.eval()
+
+    def state_for_checkpoint(self) -> dict[str, torch.Tensor]:
+        """Tensors under the loaders' names (d2t only when the vocabulary is reduced)."""
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        if self.cfg.draft_vocab_size == self.cfg.vocab_size:
+            state.pop("d2t")
+        return state
+
+    def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """[..., draft_vocab] from the layer output [..., hidden]."""
+        return self.lm_head(self.norm(out))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+
+@dataclass
+class HeadRow:
+    """One sequence's positions start..start+n-1 for the head: state [n, hidden] and the
+    tokens whose embeddings go with them (the token AFTER each position)."""
+
+    slot: int
+    start: int
+    state: torch.Tensor  # [n, hidden]
+    tokens: list[int]
+
+
+class HeadEngine:
+    """A head next to its target: the target's token embeddings and RoPE tables (shared in
+    process, loaded alone inside the Triton orchestrator), and the head's own KV cache
+    (``slots`` x max_seq_len positions)."""
+
+    def __init__(self, head: Eagle3Head, embed: nn.Embedding, cos: torch.Tensor, sin: torch.Tensor,
+                 max_seq_len: int, dtype: torch.dtype, slots: int):
+        self.head = head
+        self.cfg = head.cfg
+        self.dtype = dtype
+        self.embed = embed
+        self.cos, self.sin = cos, sin  # [max_seq_len, head_dim]
+        self.max_seq_len = max_seq_len
+        self.cache = KVCache(decoder_config(self.cfg), slots, max_seq_len, dtype)
+        self.pool = SlotPool(slots)  # per slot: the context whose positions 0..len-2 are valid
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def _head(folder: Path, target_layers: int, target_hidden: int, target_vocab: int) -> tuple[Eagle3Head, torch.dtype]:
+        folder = Path(folder)
+        manifest = read_manifest(folder)
+        cfg = read_head_config(folder, target_layers)
+        if cfg.target_hidden_size != target_hidden or cfg.vocab_size != target_vocab:
+            raise EngineError(f"{folder}: this head was made for another target; rebuild the spec")
+        return Eagle3Head.from_state_dict(cfg, load_file(str(folder / WEIGHTS))), DTYPES[manifest.dtype]
+
+    @classmethod
+    def load(cls, folder: Path, target: TorchEngine, slots: int | None = None) -> HeadEngine:
+        """In process: share the loaded target's embeddings and RoPE tables."""
+        c = target.config
+        head, dtype = cls._head(folder, c.num_layers, c.hidden_size, target.vocab_size)
+        return cls(head, target.model.model.embed_tokens, target.cos, target.sin, target.max_seq_len,
+                   dtype, slots or target.max_batch_size)
+
+    @classmethod
+    def load_beside(cls, folder: Path, target_folder: Path, slots: int) -> HeadEngine:
+        """Without the target in this process: read only its embedding table and config."""
+        from safetensors import safe_open
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(target_folder)
+        target_manifest = read_manifest(Path(target_folder))
+        head, dtype = cls._head(folder, hf.num_hidden_layers, hf.hidden_size, hf.vocab_size)
+        with safe_open(str(Path(target_folder) / WEIGHTS), framework="pt") as st:
+            table = st.get_tensor("model.embed_tokens.weight")
+        embed = nn.Embedding.from_pretrained(table, freeze=True)
+        max_seq = target_manifest.limits["max_seq_len"]
+        cos, sin = rope_tables(hf, max_seq)
+        return cls(head, embed, cos, sin, max_seq, dtype, slots)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """The first-step state [n, hidden] from target features [n, n_layers * target_hidden]."""
+        with torch.inference_mode():
+            return self.head.fc(features.to(self.dtype))
+
+    @torch.inference_mode()
+    def extend(self, rows: list[HeadRow]) -> list[torch.Tensor]:
+        """Run the head over each row's positions (batched, ragged); the layer outputs
+        [n, hidden] per row. Writes the head's K/V at those positions."""
+        b = len(rows)
+        q = max(len(r.tokens) for r in rows)
+        h = self.cfg.hidden_size
+        state = torch.zeros((b, q, h), dtype=self.dtype)
+        tokens = torch.zeros((b, q), dtype=torch.long)
+        positions = torch.zeros((b, q), dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = len(r.tokens)
+            state[i, :n] = r.state.to(self.dtype)
+            tokens[i, :n] = torch.tensor(r.tokens, dtype=torch.long)
+            positions[i, :n] = torch.arange(r.start, r.start + n)
+        spans = [(r.slot, r.start, len(r.tokens)) for r in rows]
+        span = max(s + n for _, s, n in spans)
+        mask = None
+        if b > 1 or q > 1:
+            keys = torch.arange(span)
+            mask = (keys.view(1, 1, span) <= positions.unsqueeze(-1)).unsqueeze(1)  # [b, 1, q, S]
+        step = StepInputs(tokens=tokens, positions=positions,
+                          slots=torch.tensor([r.slot for r in rows], dtype=torch.long),
+                          mask=mask, rows=spans, span=span)
+        embeds = self.embed(tokens).to(self.dtype)  # [b, q, hidden]
+        cos = self.cos[positions].to(self.dtype).unsqueeze(1)  # [b, 1, q, head_dim]
+        sin = self.sin[positions].to(self.dtype).unsqueeze(1)
+        out = self.head.midlayer(state, embeds, cos, sin, step, self.cache.k[0], self.cache.v[0])
+        return [out[i, : len(r.tokens)] for i, r in enumerate(rows)]  # each [n, hidden]
+
+    @torch.inference_mode()
+    def next_ids(self, outs: torch.Tensor) -> list[int]:
+        """Greedy target ids from layer outputs [b, hidden] (argmax over the draft vocabulary)."""
+        draft = torch.argmax(self.head.draft_logits(outs).float(), dim=-1)  # [b]
+        return self.head.to_target_ids(draft).tolist()
