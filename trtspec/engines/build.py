@@ -119,6 +119,16 @@ class EngineBackend(Protocol):
 
 
 _BACKENDS = {"torch": "trtspec.engines.torch.build", "trtllm": "trtspec.engines.trtllm.build"}
+# trtllm.runtime llmapi compiles nothing: it writes LLM API argument files (own build()).
+_LLMAPI = "trtspec.engines.trtllm.llmapi"
+
+
+def _llmapi(loaded: LoadedSpec):
+    """The llmapi build module when the spec uses trtllm.runtime llmapi, else None."""
+    spec = loaded.spec
+    if spec.backend == "trtllm" and spec.trtllm.runtime == "llmapi":
+        return importlib.import_module(_LLMAPI)
+    return None
 
 
 def backend_for(name: str) -> EngineBackend:
@@ -174,6 +184,8 @@ def reconcile(plan: BuildPlan, checkpoints: dict[str, Checkpoint]) -> None:
 
 def dry_run(loaded: LoadedSpec, output_dir: Path, force: bool = False) -> BuildPlan:
     """The plan with the backend's details; checks what it can and writes nothing."""
+    if (llmapi := _llmapi(loaded)) is not None:
+        return llmapi.dry_run(loaded, output_dir, force)
     return backend_for(loaded.spec.backend).dry_run(loaded, plan(loaded, output_dir, force))
 
 
@@ -200,6 +212,8 @@ def resolve_pair(loaded: LoadedSpec, allow_pickle: bool = False) -> dict[str, Ch
 
 
 def build(loaded: LoadedSpec, output_dir: Path, force: bool = False, allow_pickle: bool = False) -> BuildResult:
+    if (llmapi := _llmapi(loaded)) is not None:
+        return llmapi.build(loaded, output_dir, force=force, allow_pickle=allow_pickle)
     backend = backend_for(loaded.spec.backend)
     prepare: Callable[[], None] | None = getattr(backend, "prepare", None)
     if prepare is not None:  # e.g. trtllm: refuse at once where tensorrt_llm is missing
