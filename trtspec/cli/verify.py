@@ -9,7 +9,7 @@ import typer
 from rich.progress import Progress
 
 from trtspec import console
-from trtspec.cli.common import JsonFileOpt, JsonOpt, OutputOpt, SpecArg, UrlOpt, handle_errors, parse_url
+from trtspec.cli.common import JsonFileOpt, JsonOpt, LlmapiOpt, OutputOpt, SpecArg, UrlOpt, handle_errors, parse_url
 from trtspec.cli.output import emit
 from trtspec.errors import EXIT_DIVERGED, EXIT_OK, RequestError
 from trtspec.spec import load_spec
@@ -28,6 +28,7 @@ def verify(
     junit_file: Annotated[Path | None, typer.Option("--junit", help="Also write a JUnit XML report (one testcase per prompt).")] = None,
     url: UrlOpt = None,
     stream: Annotated[bool, typer.Option("--stream", help="With --url: take the speculative path from the streaming endpoint.")] = False,
+    llmapi_impl: LlmapiOpt = "tensorrt_llm",
 ) -> None:
     """Prove greedy speculative outputs are token-identical to target-only outputs.
 
@@ -37,13 +38,15 @@ def verify(
       trtspec verify engine_specs/smollm2-135m-cpu.yaml
       trtspec verify my-spec.yaml --json-file report.json --junit verify.xml
       trtspec verify engine_specs/smollm2-135m-cpu.yaml --url 127.0.0.1:8001 --stream
+      trtspec verify engine_specs/llama3.1-8b-instruct-llmapi.yaml     # LLM API, on a GPU
+      trtspec verify my-llmapi-spec.yaml --llmapi double               # CPU conformance double
     """
     loaded = load_spec(spec)
     prompts = list(prompt) if prompt else loaded.verify_prompts()
     if not prompts:
         raise RequestError("no prompts to verify: add verify.prompts to the spec or pass --prompt")
     n_tokens = max_tokens if max_tokens is not None else loaded.spec.verify.max_tokens
-    backend, mode = open_backend(loaded, loaded.output_dir(output), parse_url(url), stream, num_draft_tokens)
+    backend, mode = open_backend(loaded, loaded.output_dir(output), parse_url(url), stream, num_draft_tokens, llmapi_impl)
     with Progress(console=console.err, transient=True) as bar:
         task = bar.add_task("verifying prompts", total=len(prompts))
         report = run_verify(

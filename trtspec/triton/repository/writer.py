@@ -100,6 +100,7 @@ class RepoPlan:
 
     models: dict[str, tuple[ModelConfig, str | None]]
     info: dict
+    extra_files: dict[str, str] | None = None  # relative path -> text (llmapi model.yaml)
 
 
 def _vocab_size(folder: Path) -> int:
@@ -108,10 +109,22 @@ def _vocab_size(folder: Path) -> int:
     return int(config["vocab_size"])
 
 
-def plan_repository(loaded: LoadedSpec, engines_dir: Path) -> RepoPlan:
+def plan_repository(loaded: LoadedSpec, engines_dir: Path, llmapi_impl: str = "tensorrt_llm") -> RepoPlan:
     """Typed configs for every model; EngineError when the engines are missing or stale."""
     spec = loaded.spec
     engines_dir = Path(engines_dir).resolve()
+    if spec.backend == "trtllm" and spec.trtllm.runtime == "llmapi":
+        from trtspec.triton.repository import llmapi_models
+
+        models, extra, _, _ = llmapi_models.plan(
+            loaded, engines_dir, llmapi_impl, BLS_INPUTS, BLS_OUTPUTS,
+            {"bls": BLS_MODEL, "control": CONTROL_MODEL})
+        info = {
+            "spec": spec.name, "spec_path": str(loaded.path), "engines_dir": str(engines_dir),
+            "backend": spec.backend, "runtime": "llmapi", "llmapi_impl": llmapi_impl,
+            "serve": spec.serve.model_dump(mode="json"), "models": sorted(models),
+        }
+        return RepoPlan(models, info, extra)
     for kind in engine_kinds(spec.backend, spec.models()):  # trtllm: target + control engines
         check_manifest(engine_folder(engines_dir, kind), kind, spec.build_hash(role_of(kind)))
     limits = spec.limits("target")
@@ -190,9 +203,10 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path) -> RepoPlan:
     return RepoPlan(models, info)
 
 
-def write_repository(loaded: LoadedSpec, engines_dir: Path, repo_dir: Path) -> Path:
+def write_repository(loaded: LoadedSpec, engines_dir: Path, repo_dir: Path,
+                     llmapi_impl: str = "tensorrt_llm") -> Path:
     """Write the repository atomically (temp folder + rename); return its path."""
-    plan = plan_repository(loaded, engines_dir)
+    plan = plan_repository(loaded, engines_dir, llmapi_impl)
     repo_dir = Path(repo_dir).resolve()
     if repo_dir.name == "triton":
         raise TrtspecError("do not name the repository folder `triton`: it breaks `import torch._dynamo`; pick another name")
@@ -206,6 +220,8 @@ def write_repository(loaded: LoadedSpec, engines_dir: Path, repo_dir: Path) -> P
             (tmp / name / "1").mkdir(parents=True, exist_ok=True)
             if source is not None:
                 (tmp / name / "1" / "model.py").write_text(source)
+        for rel, text in (plan.extra_files or {}).items():
+            (tmp / rel).write_text(text)
         (tmp / REPO_INFO).write_text(json.dumps(plan.info, indent=2) + "\n")
         swap_into_place(tmp, repo_dir)
     except BaseException:
