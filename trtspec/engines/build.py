@@ -239,9 +239,10 @@ def finish_engine(
     versions: dict[str, str],
     max_draft_len: int,
     commands: list[list[str]] | None = None,
+    swap: bool = True,
 ) -> Manifest:
     """Record every file of a built engine in its manifest (written last) and rename the temp
-    folder into place."""
+    folder into place (``swap=False``: the caller swaps a unit of engines at once)."""
     spec, model = loaded.spec, ckpt.model
     cfg = ckpt.hf_config()
     role = role_of(kind)
@@ -266,5 +267,6 @@ def finish_engine(
         created=now(),
     )
     write_manifest(tmp, manifest)
-    swap_into_place(tmp, folder)
+    if swap:
+        swap_into_place(tmp, folder)
     return manifest

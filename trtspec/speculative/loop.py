@@ -39,6 +39,10 @@ class Verdict:
 
     target_ids: list[int]
     margins: list[float] | None = None
+    # True when target_ids past the first disagreement are the target's own greedy
+    # continuation (TensorRT-LLM's draft_tokens_external keeps decoding to
+    # request_output_len after a rejection): those tokens are kept, not discarded.
+    continued: bool = False
 
 
 class Verifier(Protocol):
@@ -134,11 +138,29 @@ def generate(
             n = accepted_prefix(drafts[j], verdicts[j])
             results[i].metrics.record_step(len(drafts[j]), n)
             margins = verdicts[j].margins
-            new = verdicts[j].target_ids[: n + 1]
-            emitted = _emit(requests[i], results[i], new, margins[: n + 1] if margins else None)
+            keep = len(verdicts[j].target_ids) if verdicts[j].continued else n + 1
+            for _ in range(keep - (n + 1)):  # each further token cost the target one decode step
+                results[i].metrics.record_step(0, 0)
+            new = verdicts[j].target_ids[:keep]
+            emitted = _emit(requests[i], results[i], new, margins[:keep] if margins else None)
             if on_step:
                 on_step(i, emitted, results[i].done)
     return results
+
+
+def finish(req: GenerationRequest, tokens: list[int], margins: list[float] | None = None) -> GenerationResult:
+    """The result of target-only decoding done in one engine request: the same EOS, stop
+    and max_tokens rules as the loop, applied to the tokens the engine returned."""
+    res = GenerationResult()
+    if req.max_tokens <= 0:
+        res.finish_reason = "length"
+        return res
+    emitted = _emit(req, res, list(tokens), margins)
+    for _ in emitted:  # one target decode step per token
+        res.metrics.record_step(0, 0)
+    if res.finish_reason is None:  # the engine stopped first (its end_id): an EOS end
+        res.finish_reason = "eos"
+    return res
 
 
 def _emit(req: GenerationRequest, res: GenerationResult, new: list[int], margins) -> list[int]:

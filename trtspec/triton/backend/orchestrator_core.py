@@ -31,7 +31,7 @@ from trtspec.speculative.loop import GenerationRequest, GenerationResult, NoDraf
 from trtspec.speculative.metrics import metrics_json
 from trtspec.speculative.requests import Limits, encode_prompt, make_request
 from trtspec.tokens import check_token_ids
-from trtspec.triton.backend.bls import BlsDrafter, BlsVerifier, EngineCall
+from trtspec.triton.backend.bls import BlsDecoder, BlsDrafter, BlsVerifier, EngineCall
 from trtspec.triton.backend.engine_core import per_row
 
 
@@ -51,6 +51,9 @@ class OrchestratorSettings:
     draft_vocab_limit: int | None = None
     chat_template_default: bool = False
     margins_supported: bool = True  # the target engine answers return_margins (torch engines)
+    # TensorRT-LLM targets keep decoding to request_output_len after a rejected draft; the
+    # verifier then keeps those tokens (bls.BlsVerifier).
+    target_continues: bool = False
 
 
 @dataclass
@@ -195,11 +198,17 @@ class Orchestrator:
             else:
                 send(owners[j][0], tensors, False)
 
+        margins = self.s.margins_supported and any(r.want_margins for r in rows)
         try:
-            verifier = BlsVerifier(
-                self.call, self.s.target_model, self.s.margins_supported and any(r.want_margins for r in rows)
-            )
-            results = generate([r.request for r in rows], self.drafter(), verifier, on_step)
+            if self.s.mode == "target_only" and not streams:
+                # The control answers each prompt in one engine request, as a user's request
+                # would: what verify certifies and what bench's baseline measures.
+                decoder = BlsDecoder(self.call, self.s.target_model, self.tokenizer.eos_token_id, margins)
+                results = decoder.decode([r.request for r in rows])
+            else:
+                verifier = BlsVerifier(self.call, self.s.target_model, margins,
+                                       continued=self.s.target_continues)
+                results = generate([r.request for r in rows], self.drafter(), verifier, on_step)
         except Exception as err:  # an engine failure fails these requests, not the server
             for i in parsed:
                 answers[i] = err if isinstance(err, RequestError) else RuntimeError(f"generation failed: {err}")

@@ -156,6 +156,7 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path, llmapi_impl: str = "t
             models[name] = (cfg, ENGINE_SHIM)
         control_target = TARGET_MODEL
         margins = True
+        engine_params = {"engine_requests": "batched", "engine_continues": "false"}
     else:
         from trtspec.triton.repository.trtllm_models import engine_model_configs
 
@@ -164,6 +165,9 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path, llmapi_impl: str = "t
         vocab = _vocab_size(engines_dir / "target")
         control_target = ENGINE_MODELS["control"]
         margins = False
+        # tensorrtllm models are non-decoupled: one request per row (the in-flight batcher
+        # merges them); a TensorRT-LLM target keeps decoding after a rejected draft.
+        engine_params = {"engine_requests": "per_row", "engine_continues": "true"}
     tokenizer_dir = tokenizer_folder(engines_dir, spec.backend)
     endpoints = {BLS_MODEL: ("speculative", False), CONTROL_MODEL: ("target_only", False)}
     if spec.serve.streaming:
@@ -183,7 +187,7 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path, llmapi_impl: str = "t
             "tokenizer_dir": str(tokenizer_dir),
             "apply_chat_template": "false",  # raw text in, as upstream's preprocessing
             "engine_margins": "true" if margins else "false",
-        }
+        } | engine_params
         if has_draft:
             params["tensorrt_llm_draft_model_name"] = DRAFT_MODEL
         cfg = ModelConfig(
