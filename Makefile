@@ -77,12 +77,13 @@ test-fast: install
 	$(VENV)/bin/pytest -q -m "not slow and not server"
 
 # Inside nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3 (TensorRT-LLM 1.2.1) with a GPU.
+# tests/test_llmapi_gpu.py runs the LLM API path on the installed line (TRTSPEC_TRTLLM_LINE=1.2|1.3+).
 # The converter scripts come from the TensorRT-LLM source tree:
 #   git clone -b v1.2.1 --depth 1 https://github.com/NVIDIA/TensorRT-LLM /opt/TensorRT-LLM
 TRTSPEC_TRTLLM_EXAMPLES ?= /opt/TensorRT-LLM/examples
 test-gpu:
 	python3 -m pip install -e '.[serve,openai,dev]'
-	TRTSPEC_TRTLLM_EXAMPLES=$(TRTSPEC_TRTLLM_EXAMPLES) python3 -m pytest -m trtllm tests/test_trtllm_gpu.py -v -rs
+	TRTSPEC_TRTLLM_EXAMPLES=$(TRTSPEC_TRTLLM_EXAMPLES) python3 -m pytest -m trtllm tests/test_trtllm_gpu.py tests/test_llmapi_gpu.py -v -rs
 
 clean:
 	rm -rf engines model_repo/*/ bench/results

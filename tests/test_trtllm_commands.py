@@ -93,9 +93,14 @@ def test_target_control_and_draft_flags(tmp_path):
     assert "--speculative_decoding_mode" not in draft
 
 
-def test_draft_logits_gather_generation_logits(tmp_path):
-    builds = [dict(c.flags()) for c in plan_for("trtllm-fp8", tmp_path).commands if c.tool == "trtllm-build"]
-    assert all("--gather_generation_logits" in f for f in builds)
+def test_draft_logits_are_refused_not_silently_built(tmp_path):
+    """use_draft_logits once changed build flags but nothing at serving time: now refused."""
+    data = (SPECS / "trtllm-fp8.yaml").read_text().replace(
+        "speculative:\n", "speculative:\n  use_draft_logits: true\n")
+    path = tmp_path / "spec.yaml"
+    path.write_text(data.replace("path: ../", f"path: {SPECS.parent}/"))
+    with pytest.raises(SpecError, match="speculative.use_draft_logits: trtspec certifies greedy token identity"):
+        load_spec(path)
 
 
 def test_tp_sharding_reaches_convert_and_workers(tmp_path):
@@ -112,7 +117,7 @@ def test_tp_sharding_reaches_convert_and_workers(tmp_path):
 def write_spec(tmp_path: Path, target: str, draft: str, extra: str = "", target_extra: str = "",
                draft_extra: str = "") -> Path:
     text = (
-        "name: bad\nbackend: trtllm\n"
+        "name: bad\nbackend: trtllm\ntrtllm: {runtime: engine}\n"
         f"target:\n  path: {HF / target}\n  dtype: bfloat16\n{target_extra}"
         f"draft:\n  path: {HF / draft}\n  dtype: bfloat16\n{draft_extra}{extra}"
     )
@@ -219,14 +224,16 @@ def test_max_draft_len_out_of_range(tmp_path, value, reason):
     assert str(info.value) == f"{path}: speculative.max_draft_len: {reason}"
 
 
-def test_ngram_is_refused(tmp_path):
+def test_ngram_is_refused_by_the_engine_runtime(tmp_path):
     path = tmp_path / "spec.yaml"
-    path.write_text(f"name: ng\nbackend: trtllm\ntarget:\n  path: {HF / 'llama-3.1-8b-instruct'}\n"
+    path.write_text(f"name: ng\nbackend: trtllm\ntrtllm: {{runtime: engine}}\ntarget:\n  path: {HF / 'llama-3.1-8b-instruct'}\n"
                     "speculative:\n  method: ngram\n")
-    err = dry_run_error(path)
-    assert str(err) == (
-        "speculative.method: backend trtllm builds draft_target pairs only (got ngram); use "
-        "method: draft_target or backend: torch"
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert str(info.value) == (
+        f"{path}: (top level): speculative.method ngram: trtllm.runtime engine builds "
+        "draft_target pairs only; use trtllm.runtime: llmapi (needs TensorRT-LLM 1.2.x "
+        "(trtllm.line: '1.2') or 1.3 and later (trtllm.line: '1.3+')) for draft_target, eagle3, ngram"
     )
 
 

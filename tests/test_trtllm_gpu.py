@@ -81,7 +81,7 @@ def spec_path(tmp_path_factory) -> Path:
     http, grpc, metrics = _free_ports(3)
     spec = tmp / "spec.yaml"
     spec.write_text(
-        "name: gpu-e2e\nbackend: trtllm\n"
+        "name: gpu-e2e\nbackend: trtllm\ntrtllm: {runtime: engine}\n"
         f"target:\n  path: {folders['target']}\n  dtype: float16\n"
         f"draft:\n  path: {folders['draft']}\n  dtype: float16\n"
         "speculative:\n  method: draft_target\n  max_draft_len: 4\n"

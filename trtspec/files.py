@@ -66,6 +66,27 @@ def swap_into_place(tmp: Path, folder: Path) -> None:
         os.replace(tmp, folder)
 
 
+def swap_unit_into_place(pairs: list[tuple[Path, Path]]) -> None:
+    """Rename several finished temp folders over their destinations as one unit.
+
+    First every old folder moves aside, then every new one moves in, then the old ones go.
+    Interrupted anywhere, the destinations hold all new folders or some missing (which never
+    load: rebuild), never a new folder beside an old one (e.g. a new trtllm target engine
+    beside the control engine of earlier weights).
+    """
+    olds = []
+    for _, folder in pairs:
+        if folder.exists():
+            old = folder.with_name(f".{folder.name}.tmp-old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(folder, old)
+            olds.append(old)
+    for tmp, folder in pairs:
+        os.replace(tmp, folder)
+    for old in olds:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def remove_stale_temps(folder: Path) -> None:
     """Delete temp folders an interrupted run left behind (never loadable: no manifest)."""
     for stale in Path(folder).glob(TEMP_GLOB):

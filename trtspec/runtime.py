@@ -10,7 +10,7 @@ from pathlib import Path
 
 from trtspec.engines.manifest import check_manifest
 from trtspec.engines.torch.engine import TorchEngine
-from trtspec.errors import EngineError
+from trtspec.errors import EngineError, RequestError
 from trtspec.layout import engine_folder
 from trtspec.spec import LoadedSpec
 from trtspec.speculative.drafters import ModelDrafter, make_drafter
@@ -104,3 +104,38 @@ class Deployment:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class LlmapiDeployment:
+    """Both configurations of an llmapi build, loaded: speculative and control LLMs."""
+
+    def __init__(self, loaded, output_dir: Path, impl: str):
+        from transformers import AutoTokenizer
+
+        from trtspec.engines.trtllm import llmapi
+        from trtspec.speculative.llmapi import load_api, make_llm
+
+        spec = loaded.spec
+        folder = Path(output_dir) / llmapi.FOLDER
+        manifest = llmapi.read_manifest(folder, spec)
+        self.spec = spec
+        self.api = load_api(impl, spec.trtllm.line)
+        self.impl = impl
+        self.speculative = make_llm(self.api, folder / llmapi.SPECULATIVE)
+        self.control = make_llm(self.api, folder / llmapi.CONTROL)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            manifest.checkpoints["target"], trust_remote_code=spec.target.trust_remote_code)
+
+    def generate(self, prompt_ids: list[int], max_tokens: int, speculative: bool):
+        from trtspec.speculative.llmapi import greedy_params
+
+        llm = self.speculative if speculative else self.control
+        try:
+            out = llm.generate([prompt_ids], greedy_params(self.api, max_tokens, speculative))
+        except ValueError as e:
+            raise RequestError(str(e)) from e
+        return out[0].outputs[0]
+
+    def shutdown(self) -> None:
+        for llm in (self.speculative, self.control):
+            llm.shutdown()

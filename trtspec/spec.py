@@ -20,7 +20,7 @@ from trtspec.errors import SpecError
 
 Dtype = Literal["float32", "float16", "bfloat16"]
 Backend = Literal["torch", "trtllm"]
-Method = Literal["draft_target", "ngram", "eagle3"]
+Method = Literal["draft_target", "eagle3", "ngram"]
 Quantization = Literal["none", "fp8", "int4_awq", "int8_wo"]
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 
@@ -151,6 +151,24 @@ class ServeSpec(_Strict):
         return self
 
 
+class TrtllmSpec(_Strict):
+    """backend trtllm: which runtime, and which TensorRT-LLM line the files are written for.
+
+    llmapi: the LLM API (PyTorch backend) loads Hugging Face checkpoints directly; speculative
+    decoding is a `speculative_config` in a YAML read by trtllm-serve, trtllm-bench and Triton.
+    engine: TensorRT engines from `trtllm-build` served by tensorrtllm_backend (TensorRT-LLM
+    <= 1.2 only; upstream removed that path from 1.3). `line` picks the spellings: 1.2.x names
+    draft-target `DraftTarget` and EAGLE-3 `Eagle`, 1.3+ names them `Draft_Target` and `Eagle3`.
+    """
+
+    runtime: Literal["llmapi", "engine"] = "llmapi"
+    line: Literal["1.2", "1.3+"] = "1.2"
+    # Both Triton endpoints (speculative and control) hold an LLM on the same GPU, so each
+    # takes less than upstream's 0.9 default of the memory left after loading weights.
+    kv_cache_free_gpu_memory_fraction: Annotated[float, Field(gt=0, le=1)] = 0.45
+    max_num_tokens: Annotated[int, Field(ge=1)] = 8192  # upstream's default, written explicitly
+
+
 class VerifySpec(_Strict):
     prompts: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
     prompts_file: str | None = None  # JSONL: {"prompt": "..."} per line
@@ -165,6 +183,7 @@ class EngineSpec(_Strict):
     draft: ModelSpec | None = None
     speculative: SpeculativeSpec = Field(default_factory=SpeculativeSpec)
     build: BuildLimits = Field(default_factory=BuildLimits)
+    trtllm: TrtllmSpec = Field(default_factory=TrtllmSpec)  # backend trtllm only
     output_dir: str | None = None  # engines/<name> relative to the working directory
     serve: ServeSpec = Field(default_factory=ServeSpec)
     verify: VerifySpec = Field(default_factory=VerifySpec)
@@ -186,18 +205,22 @@ class EngineSpec(_Strict):
             raise ValueError(
                 "method draft_target needs a `draft` model; add one or use method: ngram"
             )
+        if method == "eagle3" and self.draft is None:
+            raise ValueError(
+                "method eagle3 needs a `draft`: the EAGLE-3 head checkpoint (from `trtspec "
+                "distill` or a Hub EAGLE-3 repo); add one"
+            )
         if method == "ngram" and self.draft is not None:
             raise ValueError("method ngram uses no draft model; remove `draft`")
+        if self.backend == "trtllm":
+            check_trtllm_runtime(self)
+        elif "trtllm" in self.model_fields_set:
+            raise ValueError("`trtllm` settings only apply to backend: trtllm; remove them")
         if method == "eagle3":
             if self.draft is None:
                 raise ValueError(
                     "method eagle3 needs `draft`: the EAGLE-3 head folder (path or repo + revision); "
                     "train one with `trtspec distill SPEC`"
-                )
-            if self.backend != "torch":
-                raise ValueError(
-                    "method eagle3 runs on backend: torch in trtspec; for TensorRT-LLM load the "
-                    "head with the LLM API's speculative_config (see README, EAGLE-3)"
                 )
             if self.draft.gguf_file is not None:
                 raise ValueError("draft.gguf_file: an EAGLE-3 head is a safetensors folder; remove gguf_file")
@@ -244,8 +267,80 @@ class EngineSpec(_Strict):
             "max_draft_len": self.speculative.max_draft_len,
             "use_draft_logits": self.speculative.use_draft_logits,
         }
+        if self.backend == "trtllm" and self.trtllm.runtime == "llmapi":
+            payload["trtllm"] = self.trtllm.model_dump(mode="json")
+            payload["speculative"] = self.speculative.model_dump(mode="json")
         blob = json.dumps(payload, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()
+
+
+# backend trtllm: two runtimes exist upstream (sources: shared/reference/trtllm-llmapi.md).
+# llmapi: the LLM API on the PyTorch backend, default since TensorRT-LLM 1.0 and the only
+# runtime on 1.3+; engine: trtllm-build engines served by tensorrtllm_backend, 1.2.x and older
+# only (removed from main in 2026: NVIDIA/TensorRT-LLM PRs #15907, #15918, #15763).
+# What each runtime needs, in the words every message uses.
+NEEDS = {
+    "llmapi": "TensorRT-LLM 1.2.x (trtllm.line: '1.2') or 1.3 and later (trtllm.line: '1.3+')",
+    "engine": "TensorRT-LLM 1.2.x or older (trtllm-build and the tensorrtllm Triton backend "
+              "were removed in 1.3)",
+}
+LLMAPI_METHODS = ("draft_target", "eagle3", "ngram")
+ENGINE_METHODS = ("draft_target",)
+
+
+def check_trtllm_runtime(spec: EngineSpec) -> None:
+    """Raise ValueError (rendered as a spec error) for settings the chosen runtime lacks."""
+    t, s = spec.trtllm, spec.speculative
+    if s.use_draft_logits:
+        raise ValueError(
+            "speculative.use_draft_logits: trtspec certifies greedy token identity, and "
+            "draft-logit acceptance matches the target only in distribution; neither runtime "
+            "serves it here, so remove it"
+        )
+    if t.runtime == "engine":
+        if t.line != "1.2":
+            raise ValueError(
+                f"trtllm.runtime engine needs {NEEDS['engine']}; set trtllm.line: '1.2' or use "
+                f"trtllm.runtime: llmapi (needs {NEEDS['llmapi']})"
+            )
+        if s.method not in ENGINE_METHODS:
+            raise ValueError(
+                f"speculative.method {s.method}: trtllm.runtime engine builds draft_target "
+                f"pairs only; use trtllm.runtime: llmapi (needs {NEEDS['llmapi']}) for "
+                f"{', '.join(LLMAPI_METHODS)}"
+            )
+        return
+    # llmapi
+    if s.num_draft_tokens is not None and s.num_draft_tokens != s.max_draft_len:
+        raise ValueError(
+            "speculative.num_draft_tokens: the LLM API drafts max_draft_len tokens every step "
+            "and takes no per-request draft length; remove num_draft_tokens or set it to "
+            f"max_draft_len ({s.max_draft_len})"
+        )
+    if s.method == "ngram" and s.min_ngram != 1:
+        raise ValueError(
+            "speculative.min_ngram: the LLM API's NGram drafter has no minimum match length "
+            "(only max_matching_ngram_size, from max_ngram); remove min_ngram"
+        )
+    if spec.draft is not None:
+        d = spec.draft
+        if d.tp_size != 1 or d.pp_size != 1 or d.gpu_device_ids is not None:
+            raise ValueError(
+                "draft.tp_size/pp_size/gpu_device_ids: under trtllm.runtime llmapi the draft "
+                "runs inside the target's ranks with the target's parallelism; remove them"
+            )
+        if d.quantization != "none":
+            raise ValueError(
+                "draft.quantization: the LLM API reads a draft's quantization from its "
+                "checkpoint (hf_quant_config.json); remove it and point draft at a quantized "
+                "checkpoint instead"
+            )
+    if t.max_num_tokens < spec.limits("target").max_input_len:
+        raise ValueError(
+            f"trtllm.max_num_tokens ({t.max_num_tokens}) is below build.max_input_len "
+            f"({spec.limits('target').max_input_len}); without chunked prefill a prompt must fit "
+            "one step: raise max_num_tokens or lower max_input_len"
+        )
 
 
 class LoadedSpec(BaseModel):
@@ -344,6 +439,7 @@ _MODELS_BY_PATH: dict[str, type[BaseModel]] = {
     "draft.build": BuildLimits,
     "serve": ServeSpec,
     "verify": VerifySpec,
+    "trtllm": TrtllmSpec,
 }
 
 

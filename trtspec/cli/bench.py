@@ -10,7 +10,7 @@ import typer
 from trtspec import console
 from trtspec.cli.common import JsonFileOpt, JsonOpt, OutputOpt, SpecArg, UrlOpt, handle_errors, parse_url
 from trtspec.cli.output import emit
-from trtspec.errors import EXIT_INTERRUPTED
+from trtspec.errors import EXIT_INTERRUPTED, RequestError
 from trtspec.spec import load_spec, read_prompts_file
 
 
@@ -44,6 +44,12 @@ def bench(
     from trtspec.bench import measure, run
 
     loaded = load_spec(spec)
+    if loaded.spec.backend == "trtllm" and loaded.spec.trtllm.runtime == "llmapi":
+        raise RequestError(
+            "trtspec bench measures engine step costs, which the LLM API does not expose; for "
+            "trtllm.runtime llmapi run trtllm-bench with the built speculative.yaml and "
+            "control.yaml (README), and `trtspec verify` for token identity"
+        )
     url = parse_url(url)
     prompts = list(prompt or [])
     if prompts_file:

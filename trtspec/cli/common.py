@@ -26,6 +26,11 @@ EnginesOpt = Annotated[
     Path | None,
     typer.Option("--engines", help="Engine folder (default: the spec's output_dir, else engines/<name>)."),
 ]
+LlmapiOpt = Annotated[
+    str,
+    typer.Option("--llmapi", help="trtllm.runtime llmapi: run the files with `tensorrt_llm` (GPU) or `double`, "
+                 "trtspec's CPU conformance double (checks the files and request path; not a TensorRT-LLM result)."),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout instead of the table.")]
 JsonFileOpt = Annotated[Path | None, typer.Option("--json-file", help="Also write the report as JSON to this file.")]
 UrlOpt = Annotated[

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from trtspec import console
-from trtspec.cli.common import EnginesOpt, handle_errors
+from trtspec.cli.common import EnginesOpt, LlmapiOpt, handle_errors
 from trtspec.triton.server import serving
 
 
@@ -27,6 +27,7 @@ def serve(
     detach: Annotated[bool, typer.Option("--detach", help="Return once ready; the server keeps running (stop it with `trtspec stop`).")] = False,
     pid_file: Annotated[Path, typer.Option("--pid-file", help="Detached server's pid file.")] = serving.DEFAULT_PID_FILE,
     log_file: Annotated[Path | None, typer.Option("--log-file", help="Server log (default: beside the pid file when detached, else a temp file).")] = None,
+    llmapi_impl: LlmapiOpt = "tensorrt_llm",
 ) -> None:
     """Serve SPEC (or a written REPO) on tritonserver and wait until every model is ready.
 
@@ -38,7 +39,7 @@ def serve(
       trtspec serve engine_specs/smollm2-135m-cpu.yaml --detach && trtspec stop
       trtspec serve model_repo/smollm2-135m-cpu --grpc-port 9001 --dry-run
     """
-    t = serving.serve_target(target, engines, repo_dir, write=not dry_run)
+    t = serving.serve_target(target, engines, repo_dir, write=not dry_run, llmapi_impl=llmapi_impl)
     server = serving.server_for(t, host, http_port, grpc_port, metrics_port)
     if dry_run:
         console.out.print(" ".join(server.argv()))

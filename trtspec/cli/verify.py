@@ -12,7 +12,7 @@ from rich.progress import Progress
 from trtspec import console
 from trtspec.acceptance import check as check_acceptance
 from trtspec.acceptance import identity, load_baseline, parse_fraction
-from trtspec.cli.common import JsonFileOpt, JsonOpt, OutputOpt, SpecArg, UrlOpt, handle_errors, parse_url
+from trtspec.cli.common import JsonFileOpt, JsonOpt, LlmapiOpt, OutputOpt, SpecArg, UrlOpt, handle_errors, parse_url
 from trtspec.cli.output import emit
 from trtspec.errors import EXIT_DIVERGED, EXIT_OK, RequestError
 from trtspec.spec import load_spec
@@ -48,6 +48,7 @@ def verify(
     top_p: Annotated[float | None, typer.Option("--top-p", help="With --sampling: nucleus mass in (0, 1] (1: all).")] = None,
     seed: Annotated[int | None, typer.Option("--seed", help="With --sampling: first seed (sample i uses seed + i; default 0).")] = None,
     tie_epsilon: Annotated[float | None, typer.Option("--tie-epsilon", min=0.0, help="Logit gap below which a flip reproduced by the verifier's forward shape is numerical (default per target dtype: float32 0.01, float16 0.25, bfloat16 1.0).")] = None,
+    llmapi_impl: LlmapiOpt = "tensorrt_llm",
 ) -> None:
     """Prove greedy speculative outputs are token-identical to target-only outputs.
 
@@ -63,6 +64,8 @@ def verify(
       trtspec verify engine_specs/tiny-llama.yaml --sampling 200 --temperature 0.8 --top-p 0.95
       trtspec verify my-spec.yaml --baseline previous.json --max-acceptance-drop 5% --min-acceptance-length 3
       trtspec verify engine_specs/smollm2-135m-cpu.yaml --url 127.0.0.1:8001 --stream
+      trtspec verify engine_specs/llama3.1-8b-instruct-llmapi.yaml     # LLM API, on a GPU
+      trtspec verify my-llmapi-spec.yaml --llmapi double               # CPU conformance double
     """
     loaded = load_spec(spec)
     prompts = list(prompt) if prompt else loaded.verify_prompts()
@@ -82,7 +85,7 @@ def verify(
     base = None
     if baseline is not None:
         base = load_baseline(baseline, identity(loaded.spec.name, prompts, prompt_set, k, n_tokens))
-    backend, mode = open_backend(loaded, loaded.output_dir(output), url, stream, num_draft_tokens, tie_epsilon)
+    backend, mode = open_backend(loaded, loaded.output_dir(output), url, stream, num_draft_tokens, tie_epsilon, llmapi_impl)
     with Progress(console=console.err, transient=True) as bar:
         task = bar.add_task("verifying prompts", total=len(prompts))
         report = run_verify(

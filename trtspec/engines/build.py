@@ -120,6 +120,16 @@ class EngineBackend(Protocol):
 
 
 _BACKENDS = {"torch": "trtspec.engines.torch.build", "trtllm": "trtspec.engines.trtllm.build"}
+# trtllm.runtime llmapi compiles nothing: it writes LLM API argument files (own build()).
+_LLMAPI = "trtspec.engines.trtllm.llmapi"
+
+
+def _llmapi(loaded: LoadedSpec):
+    """The llmapi build module when the spec uses trtllm.runtime llmapi, else None."""
+    spec = loaded.spec
+    if spec.backend == "trtllm" and spec.trtllm.runtime == "llmapi":
+        return importlib.import_module(_LLMAPI)
+    return None
 
 
 def backend_for(name: str) -> EngineBackend:
@@ -175,6 +185,8 @@ def reconcile(plan: BuildPlan, checkpoints: dict[str, Checkpoint]) -> None:
 
 def dry_run(loaded: LoadedSpec, output_dir: Path, force: bool = False) -> BuildPlan:
     """The plan with the backend's details; checks what it can and writes nothing."""
+    if (llmapi := _llmapi(loaded)) is not None:
+        return llmapi.dry_run(loaded, output_dir, force)
     return backend_for(loaded.spec.backend).dry_run(loaded, plan(loaded, output_dir, force))
 
 
@@ -209,6 +221,8 @@ def resolve_pair(loaded: LoadedSpec, allow_pickle: bool = False, roles=None) -> 
 def build(loaded: LoadedSpec, output_dir: Path, force: bool = False, allow_pickle: bool = False,
           roles=None) -> BuildResult:
     """Build every role of the spec, or only ``roles`` (distill builds the target alone)."""
+    if (llmapi := _llmapi(loaded)) is not None:
+        return llmapi.build(loaded, output_dir, force=force, allow_pickle=allow_pickle)
     backend = backend_for(loaded.spec.backend)
     prepare: Callable[[], None] | None = getattr(backend, "prepare", None)
     if prepare is not None:  # e.g. trtllm: refuse at once where tensorrt_llm is missing
@@ -236,9 +250,11 @@ def finish_engine(
     max_draft_len: int,
     tokenizer_dir: str = "",
     commands: list[list[str]] | None = None,
+    swap: bool = True,
 ) -> Manifest:
     """Add the tokenizer (under ``tokenizer_dir``) and generation_config.json, record every
-    file in the manifest (written last) and rename the temp folder into place."""
+    file in the manifest (written last) and rename the temp folder into place (``swap=False``:
+    the caller swaps a unit of engines at once)."""
     spec, model = loaded.spec, ckpt.model
     ckpt.tokenizer().save_pretrained(tmp / tokenizer_dir)
     gen = ckpt.folder / "generation_config.json"
@@ -267,5 +283,6 @@ def finish_engine(
         created=now(),
     )
     write_manifest(tmp, manifest)
-    swap_into_place(tmp, folder)
+    if swap:
+        swap_into_place(tmp, folder)
     return manifest

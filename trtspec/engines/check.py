@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trtspec.checkpoints import estimate_memory, parameter_count
-from trtspec.engines.build import backend_for, resolve_pair
+from trtspec.engines.build import _llmapi, backend_for, resolve_pair
 from trtspec.spec import LoadedSpec
 
 
@@ -17,9 +17,7 @@ class CheckReport:
     max_draft_len: int
     models: list[dict] = field(default_factory=list)  # one row per role
 
-    @property
-    def paired(self) -> bool:
-        return any(m["role"] == "draft" for m in self.models)
+    paired: bool = False  # a draft whose tokenizer was compared with the target's
 
     def to_dict(self) -> dict:
         return {"spec": self.spec, "ok": True, "models": self.models}
@@ -47,12 +45,20 @@ class CheckReport:
 def check(loaded: LoadedSpec, allow_pickle: bool = False) -> CheckReport:
     """Resolve, pair-check and backend-check both checkpoints; raises with the reason."""
     spec = loaded.spec
-    checkpoints = resolve_pair(loaded, allow_pickle)
-    backend = backend_for(spec.backend)
+    llmapi = _llmapi(loaded)
+    if llmapi is not None:  # the LLM API's own checks (an EAGLE-3 head has no tokenizer)
+        checkpoints = llmapi.resolve_and_check(loaded, allow_pickle)
+        backend = None
+    else:
+        checkpoints = resolve_pair(loaded, allow_pickle)
+        backend = backend_for(spec.backend)
     report = CheckReport(spec.name, spec.backend, spec.speculative.method, spec.speculative.max_draft_len)
+    eagle3 = spec.speculative.method == "eagle3"
+    report.paired = "draft" in checkpoints and not eagle3
     for role, ckpt in checkpoints.items():
         cfg = ckpt.hf_config()
-        backend.check_model(loaded, role, cfg)
+        if backend is not None:
+            backend.check_model(loaded, role, cfg)
         lim = spec.limits(role)
         params = parameter_count(ckpt.weight_files)
         report.models.append({

@@ -44,6 +44,10 @@ class Verdict:
     target_ids: list[int]
     margins: list[float] | None = None
     logits: torch.Tensor | None = None  # [len(draft) + 1, vocab]: needed only to sample
+    # True when target_ids past the first disagreement are the target's own greedy
+    # continuation (TensorRT-LLM's draft_tokens_external keeps decoding to
+    # request_output_len after a rejection): those tokens are kept, not discarded.
+    continued: bool = False
 
 
 class Verifier(Protocol):
@@ -152,11 +156,15 @@ def generate(
         verdicts = verifier.verify(contexts, drafts)
         for j, i in enumerate(active):
             req = requests[i]
+            extra = 0
             if req.sampling is None:
                 n = accepted_prefix(drafts[j], verdicts[j])
-                new = verdicts[j].target_ids[: n + 1]
+                # A target that kept decoding after a rejection (continued) keeps those tokens.
+                keep = len(verdicts[j].target_ids) if verdicts[j].continued else n + 1
+                extra = keep - (n + 1)
+                new = verdicts[j].target_ids[:keep]
                 margins = verdicts[j].margins
-                margins = margins[: n + 1] if margins else None
+                margins = margins[:keep] if margins else None
             else:
                 if verdicts[j].logits is None:
                     raise RequestError("this verifier returns no logits, so it cannot sample; use greedy decoding")
@@ -164,6 +172,8 @@ def generate(
                 new, n = accept_or_resample(drafts[j], qs[j], p, gens[i])
                 margins = None
             results[i].metrics.record_step(len(drafts[j]), n)
+            for _ in range(extra):  # each further token cost the target one decode step
+                results[i].metrics.record_step(0, 0)
             results[i].steps.append((len(results[i].output_ids), len(drafts[j])))
             emitted = _emit(req, results[i], new, margins)
             if on_step:
@@ -182,6 +192,21 @@ def _propose_sampled(drafter, sampled, contexts, ks, reqs, gens, drafts, qs) -> 
     else:
         for j, d in zip(sampled, drafter.propose(sub_ctx, sub_k)):
             drafts[j] = list(d[: ks[j]])
+
+
+def finish(req: GenerationRequest, tokens: list[int], margins: list[float] | None = None) -> GenerationResult:
+    """The result of target-only decoding done in one engine request: the same EOS, stop
+    and max_tokens rules as the loop, applied to the tokens the engine returned."""
+    res = GenerationResult()
+    if req.max_tokens <= 0:
+        res.finish_reason = "length"
+        return res
+    emitted = _emit(req, res, list(tokens), margins)
+    for _ in emitted:  # one target decode step per token
+        res.metrics.record_step(0, 0)
+    if res.finish_reason is None:  # the engine stopped first (its end_id): an EOS end
+        res.finish_reason = "eos"
+    return res
 
 
 def _emit(req: GenerationRequest, res: GenerationResult, new: list[int], margins) -> list[int]:

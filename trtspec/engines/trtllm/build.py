@@ -32,7 +32,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from trtspec import __version__, console
 from trtspec.checkpoints import Checkpoint, parameter_count, require_shared_tokenizer
 from trtspec.engines.build import BuildPlan, UnitPlan, finish_engine, plan
-from trtspec.engines.trtllm.checks import check_model
+from trtspec.engines.trtllm.checks import check_model, refuse_untrusted_code
 from trtspec.engines.trtllm.commands import Command, Layout, plan_commands
 from trtspec.engines.trtllm.families import (
     EXAMPLES_ENV,
@@ -43,6 +43,7 @@ from trtspec.engines.trtllm.families import (
     examples_dir,
 )
 from trtspec.errors import CheckpointError, RuntimeFailure
+from trtspec.files import swap_unit_into_place
 from trtspec.layout import ENGINE_KINDS, TRTLLM_TOKENIZER_DIR
 from trtspec.spec import LoadedSpec
 
@@ -184,6 +185,8 @@ class TrtllmBackend:
     def dry_run(self, loaded: LoadedSpec, bplan: BuildPlan) -> BuildPlan:
         spec = loaded.spec
         folders = {role: _config_folder(loaded, role) for role in spec.models()}
+        for role, folder in folders.items():
+            refuse_untrusted_code(role, folder, spec.models()[role].trust_remote_code)
         configs = {role: _read_config(role, folder, spec.models()[role].trust_remote_code)
                    for role, folder in folders.items()}
         tplan = make_plan(loaded, bplan.output_dir, False, folders, configs)
@@ -207,6 +210,8 @@ class TrtllmBackend:
     def build(self, loaded: LoadedSpec, ckpts: dict[str, Checkpoint], bplan: BuildPlan) -> None:
         trtllm_version = require_tensorrt_llm()
         spec, output_dir = loaded.spec, bplan.output_dir
+        for role, c in ckpts.items():
+            refuse_untrusted_code(role, c.folder, c.model.trust_remote_code)
         configs = {role: c.hf_config() for role, c in ckpts.items()}
         tplan = make_plan(loaded, output_dir, False, {r: c.folder for r, c in ckpts.items()}, configs)
         todo = tuple(u.role for u in bplan.units if u.needs_build)
@@ -217,10 +222,14 @@ class TrtllmBackend:
             for unit in bplan.units:
                 if not unit.needs_build:
                     continue
+                pairs = []
                 for kind, folder in unit.folders.items():
                     used = [c for c in commands if _belongs(c, unit.role, kind, tplan.layout)]
                     _finish_engine(loaded, ckpts[unit.role], kind, tplan.layout.engines[kind],
                                    folder, used, trtllm_version)
+                    pairs.append((tplan.layout.engines[kind], folder))
+                # target and control are one unit: never a new target beside an old control
+                swap_unit_into_place(pairs)
         finally:
             shutil.rmtree(tplan.layout.checkpoints["target"].parent, ignore_errors=True)
             for kind in tplan.layout.engines.values():
@@ -310,6 +319,7 @@ def _finish_engine(loaded: LoadedSpec, ckpt: Checkpoint, kind: str, tmp: Path, f
         max_draft_len=loaded.spec.speculative.max_draft_len if kind == "target" else 0,
         tokenizer_dir=TRTLLM_TOKENIZER_DIR,
         commands=[list(c.argv) for c in commands],
+        swap=False,
     )
 
 

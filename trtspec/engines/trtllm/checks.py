@@ -7,8 +7,11 @@ wrong length is reported with exit 2 before anything is converted.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from trtspec.engines.trtllm.families import Family, check_quantization, family_for
-from trtspec.errors import TrtspecError
+from trtspec.errors import CheckpointError, TrtspecError
 from trtspec.spec import EngineSpec
 
 _QUANTIZED_DTYPES = ("float16", "bfloat16")
@@ -68,3 +71,30 @@ def _check_split(role: str, field: str, size: int, what: str, total: int) -> Non
 
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, min(n, 64) + 1) if n % d == 0)
+
+
+def refuse_untrusted_code(role: str, folder: Path, trusted: bool) -> None:
+    """Refuse a checkpoint that ships its own Python code unless the spec trusts it.
+
+    TensorRT-LLM 1.2's converters load configs with trust_remote_code=True hard-coded (e.g.
+    examples/models/core/llama/convert_checkpoint.py@fd96a08b, AutoConfig.from_pretrained)
+    and take no flag to turn it off, so trtspec cannot pass `false` to them: it refuses the
+    code itself. The same check runs for the LLM API, which gets the spec's value.
+    """
+    if trusted:
+        return
+    found = []
+    for name in ("config.json", "tokenizer_config.json"):
+        path = Path(folder) / name
+        if path.is_file():
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if isinstance(data, dict) and data.get("auto_map"):
+                found.append(f"auto_map in {name}")
+    found += [p.name for p in sorted(Path(folder).glob("*.py"))]
+    if found:
+        raise CheckpointError(
+            f"{role}: {folder} ships custom code ({', '.join(found)}) and the spec does not "
+            f"trust it; TensorRT-LLM would run it. Review the code and set "
+            f"{role}.trust_remote_code: true, or use a checkpoint without custom code"
+        )
+

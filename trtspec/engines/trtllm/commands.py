@@ -127,8 +127,6 @@ def build_command(spec: EngineSpec, kind: EngineKind, layout: Layout) -> Command
              "--workers", str(model.tp_size * model.pp_size)]
     if kind == "target":
         argv += ["--speculative_decoding_mode", "draft_tokens_external", "--max_draft_len", str(k)]
-    if spec.speculative.use_draft_logits:
-        argv += ["--gather_generation_logits"]
     steps = {
         "target": "build target engine (draft_tokens_external)",
         "control": "build control engine (target without speculative flags)",

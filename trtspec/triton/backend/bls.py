@@ -11,6 +11,10 @@ TensorRT-LLM's `tensorrt_llm` contract, so the same classes drive a TensorRT-LLM
 ``call(model, inputs, output_names)`` sends one request (batch = several sequences) and
 returns its output arrays, raising on an error response. Within one call every row has the
 same draft length (draft_input_ids has no per-row length), so rows are grouped by it.
+TensorRT-LLM's tensorrtllm backend refuses a batch > 1 in a non-decoupled model, so for it the
+call is wrapped by :func:`split_rows`: one request per row, all in flight at once, which the
+in-flight batcher merges. Target-only control decodes a whole answer in one request
+(:class:`BlsDecoder`), as a user's own request would.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from trtspec.speculative.loop import Verdict
+from trtspec.speculative.loop import GenerationRequest, GenerationResult, Verdict, finish
 
 EngineCall = Callable[[str, Mapping[str, np.ndarray], Sequence[str]], Mapping[str, np.ndarray]]
+# Sends several single-row requests to one model at once; answers in order.
+EngineCallMany = Callable[[str, Sequence[Mapping[str, np.ndarray]], Sequence[str]], list[Mapping[str, np.ndarray]]]
 
 
 def sequence_inputs(contexts: Sequence[list[int]], pad_id: int = 0) -> dict[str, np.ndarray]:
@@ -75,11 +81,15 @@ def _until_outside(draft: list[int], limit: int) -> list[int]:
 class BlsVerifier:
     """One target request per distinct draft length (normally one per loop step)."""
 
-    def __init__(self, call: EngineCall, model: str, want_margins: bool = False, pad_id: int = 0):
+    def __init__(self, call: EngineCall, model: str, want_margins: bool = False, pad_id: int = 0,
+                 continued: bool = False):
         self.call = call
         self.model = model
         self.want_margins = want_margins
         self.pad_id = pad_id
+        # TensorRT-LLM keeps decoding to request_output_len after a rejected draft; those
+        # tokens are the target's own greedy ones and are kept (as upstream's BLS does).
+        self.continued = continued
 
     def verify(self, contexts: Sequence[list[int]], drafts: Sequence[list[int]]) -> list[Verdict]:
         verdicts: list[Verdict | None] = [None] * len(contexts)
@@ -103,7 +113,7 @@ class BlsVerifier:
                 m = np.asarray(out["output_margins"]).reshape(len(rows), -1)
                 margins = [m[r, : len(ids[r])].tolist() for r in range(len(rows))]
             for r, i in enumerate(rows):
-                verdicts[i] = Verdict(ids[r], margins[r] if margins else None)
+                verdicts[i] = Verdict(ids[r], margins[r] if margins else None, self.continued)
         return verdicts  # type: ignore[return-value]
 
 
@@ -127,3 +137,76 @@ class BlsFeatures:
         got = np.asarray(out["hidden_states_length"]).reshape(len(wants))
         return [None if got[r] < 0 else torch.from_numpy(np.ascontiguousarray(feats[r, : got[r]]))
                 for r in range(len(wants))]
+
+
+class BlsDecoder:
+    """Target-only: one request per prompt for all its tokens (request_output_len = max_tokens)."""
+
+    def __init__(self, call: EngineCall, model: str, eos_id: int | None, want_margins: bool = False,
+                 pad_id: int = 0):
+        self.call = call
+        self.model = model
+        self.eos_id = eos_id
+        self.want_margins = want_margins
+        self.pad_id = pad_id
+
+    def decode(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        results: list[GenerationResult | None] = [None] * len(requests)
+        live = [i for i, r in enumerate(requests) if r.max_tokens > 0]
+        for i in set(range(len(requests))) - set(live):
+            results[i] = finish(requests[i], [])
+        if live:
+            inputs = sequence_inputs([requests[i].prompt_ids for i in live], self.pad_id)
+            inputs["request_output_len"] = _column([requests[i].max_tokens for i in live], np.int32)
+            inputs["exclude_input_in_output"] = _column([True] * len(live), np.bool_)
+            # The engine stops at one end_id; other EOS ids and stop sequences end the answer
+            # in finish(), which applies the loop's rules to the returned tokens.
+            inputs["end_id"] = _column([self._end_id(requests[i]) for i in live], np.int32)
+            names = ["output_ids", "sequence_length"]
+            if self.want_margins:
+                inputs["return_margins"] = _column([True] * len(live), np.bool_)
+                names.append("output_margins")
+            out = self.call(self.model, inputs, names)
+            ids = generated(out, len(live))
+            margins = None
+            if self.want_margins:
+                m = np.asarray(out["output_margins"]).reshape(len(live), -1)
+                margins = [m[r, : len(ids[r])].tolist() for r in range(len(live))]
+            for r, i in enumerate(live):
+                results[i] = finish(requests[i], ids[r], margins[r] if margins else None)
+        return results  # type: ignore[return-value]
+
+    def _end_id(self, req: GenerationRequest) -> int:
+        if self.eos_id is not None and self.eos_id in req.end_ids:
+            return self.eos_id
+        return min(req.end_ids) if req.end_ids else -1
+
+
+def split_rows(call_many: EngineCallMany) -> EngineCall:
+    """An EngineCall that sends each row as its own request, all at once, and merges the
+    answers: output_ids [b, 1, T] (padded with 0), sequence_length [b, 1], margins [b, 1, G]."""
+
+    def call(model: str, inputs: Mapping[str, np.ndarray], names: Sequence[str]) -> dict[str, np.ndarray]:
+        rows = int(np.asarray(inputs["input_ids"]).shape[0])
+        lengths = np.asarray(inputs["input_lengths"]).reshape(rows)
+        singles = []
+        for r in range(rows):
+            one = {k: np.asarray(v)[r : r + 1] for k, v in inputs.items()}
+            one["input_ids"] = one["input_ids"][:, : int(lengths[r])]  # no padding per request
+            singles.append(one)
+        answers = call_many(model, singles, names)
+        merged: dict[str, np.ndarray] = {}
+        for name in names:
+            parts = [np.asarray(a[name]) for a in answers]
+            if name == "sequence_length":
+                merged[name] = np.concatenate([p.reshape(1, -1) for p in parts])
+                continue
+            width = max(p.shape[-1] for p in parts)
+            fill = np.nan if name == "output_margins" else 0
+            rows_out = [np.pad(p.reshape(1, 1, -1).astype(np.float32 if fill is np.nan else p.dtype),
+                               ((0, 0), (0, 0), (0, width - p.shape[-1])), constant_values=fill)
+                        for p in parts]
+            merged[name] = np.concatenate(rows_out)
+        return merged
+
+    return call

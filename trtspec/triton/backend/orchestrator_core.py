@@ -39,7 +39,7 @@ from trtspec.speculative.loop import GenerationRequest, GenerationResult, NoDraf
 from trtspec.speculative.metrics import metrics_json
 from trtspec.speculative.requests import Limits, encode_prompt, make_request
 from trtspec.tokens import check_token_ids
-from trtspec.triton.backend.bls import BlsDrafter, BlsVerifier, EngineCall
+from trtspec.triton.backend.bls import BlsDecoder, BlsDrafter, BlsVerifier, EngineCall
 from trtspec.triton.backend.contract import check_supported
 from trtspec.triton.backend.engine_core import per_row
 
@@ -62,6 +62,9 @@ class OrchestratorSettings:
     margins_supported: bool = True  # the target engine answers return_margins (torch engines)
     eagle3_head_dir: str | None = None  # method eagle3: the head engine folder ...
     eagle3_target_dir: str | None = None  # ... and the target's (its embeddings and RoPE)
+    # TensorRT-LLM targets keep decoding to request_output_len after a rejected draft; the
+    # verifier then keeps those tokens (bls.BlsVerifier).
+    target_continues: bool = False
 
 
 @dataclass
@@ -241,14 +244,25 @@ class Orchestrator:
             else:
                 send(owners[j][0], tensors, False)
 
+        margins = self.s.margins_supported and any(r.want_margins for r in rows)
         try:
-            verifier = BlsVerifier(
-                self.call, self.s.target_model, self.s.margins_supported and any(r.want_margins for r in rows)
-            )
             scheduled = time.time_ns()
             for row in rows:
                 row.times["first_scheduled_time_ns"] = scheduled
-            results = generate([r.request for r in rows], self.drafter(), verifier, on_step)
+            if self.s.mode == "target_only" and not streams and all(r.request.sampling is None for r in rows):
+                # The control answers each greedy prompt in one engine request, as a user's
+                # request would: what verify certifies and what bench's baseline measures.
+                decoder = BlsDecoder(self.call, self.s.target_model, self.tokenizer.eos_token_id, margins)
+                results = decoder.decode([r.request for r in rows])
+                done = time.time_ns()  # one request: every token arrives with the answer
+                for row, res in zip(rows, results):
+                    if res.output_ids or res.finish_reason == "eos":
+                        row.times.setdefault("first_token_time_ns", done)
+                        row.times["last_token_time_ns"] = done
+            else:
+                verifier = BlsVerifier(self.call, self.s.target_model, margins,
+                                       continued=self.s.target_continues)
+                results = generate([r.request for r in rows], self.drafter(), verifier, on_step)
         except Exception as err:  # an engine failure fails these requests, not the server
             for i in parsed:
                 answers[i] = err if isinstance(err, RequestError) else RuntimeError(f"generation failed: {err}")

@@ -125,6 +125,7 @@ class RepoPlan:
 
     models: dict[str, tuple[ModelConfig, str | None]]
     info: dict
+    extra_files: dict[str, str] | None = None  # relative path -> text (llmapi model.yaml)
 
 
 def _vocab_size(folder: Path) -> int:
@@ -133,10 +134,22 @@ def _vocab_size(folder: Path) -> int:
     return int(config["vocab_size"])
 
 
-def plan_repository(loaded: LoadedSpec, engines_dir: Path) -> RepoPlan:
+def plan_repository(loaded: LoadedSpec, engines_dir: Path, llmapi_impl: str = "tensorrt_llm") -> RepoPlan:
     """Typed configs for every model; EngineError when the engines are missing or stale."""
     spec = loaded.spec
     engines_dir = Path(engines_dir).resolve()
+    if spec.backend == "trtllm" and spec.trtllm.runtime == "llmapi":
+        from trtspec.triton.repository import llmapi_models
+
+        models, extra, _, _ = llmapi_models.plan(
+            loaded, engines_dir, llmapi_impl, BLS_INPUTS, BLS_OUTPUTS,
+            {"bls": BLS_MODEL, "control": CONTROL_MODEL})
+        info = {
+            "spec": spec.name, "spec_path": str(loaded.path), "engines_dir": str(engines_dir),
+            "backend": spec.backend, "runtime": "llmapi", "llmapi_impl": llmapi_impl,
+            "serve": spec.serve.model_dump(mode="json"), "models": sorted(models),
+        }
+        return RepoPlan(models, info, extra)
     for kind in engine_kinds(spec.backend, spec.models()):  # trtllm: target + control engines
         check_manifest(engine_folder(engines_dir, kind), kind, spec.build_hash(role_of(kind)))
     limits = spec.limits("target")
@@ -178,6 +191,7 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path) -> RepoPlan:
             models[name] = (cfg, ENGINE_SHIM)
         control_target = ENGINE_MODELS["control"]
         margins = True
+        engine_params = {"engine_requests": "batched", "engine_continues": "false"}
     else:
         from trtspec.triton.repository.trtllm_models import engine_model_configs
 
@@ -186,6 +200,9 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path) -> RepoPlan:
         vocab = _vocab_size(engines_dir / "target")
         control_target = ENGINE_MODELS["control"]
         margins = False
+        # tensorrtllm models are non-decoupled: one request per row (the in-flight batcher
+        # merges them); a TensorRT-LLM target keeps decoding after a rejected draft.
+        engine_params = {"engine_requests": "per_row", "engine_continues": "true"}
     tokenizer_dir = tokenizer_folder(engines_dir, spec.backend)
     endpoints = {BLS_MODEL: ("speculative", False), CONTROL_MODEL: ("target_only", False)}
     if spec.serve.streaming:
@@ -205,7 +222,7 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path) -> RepoPlan:
             "tokenizer_dir": str(tokenizer_dir),
             "apply_chat_template": "false",  # raw text in, as upstream's preprocessing
             "engine_margins": "true" if margins else "false",
-        }
+        } | engine_params
         if has_draft:
             params["tensorrt_llm_draft_model_name"] = DRAFT_MODEL
         if spec.speculative.method == "eagle3":
@@ -231,9 +248,10 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path) -> RepoPlan:
     return RepoPlan(models, info)
 
 
-def write_repository(loaded: LoadedSpec, engines_dir: Path, repo_dir: Path) -> Path:
+def write_repository(loaded: LoadedSpec, engines_dir: Path, repo_dir: Path,
+                     llmapi_impl: str = "tensorrt_llm") -> Path:
     """Write the repository atomically (temp folder + rename); return its path."""
-    plan = plan_repository(loaded, engines_dir)
+    plan = plan_repository(loaded, engines_dir, llmapi_impl)
     repo_dir = Path(repo_dir).resolve()
     if repo_dir.name == "triton":
         raise TrtspecError("do not name the repository folder `triton`: it breaks `import torch._dynamo`; pick another name")
@@ -247,6 +265,8 @@ def write_repository(loaded: LoadedSpec, engines_dir: Path, repo_dir: Path) -> P
             (tmp / name / "1").mkdir(parents=True, exist_ok=True)
             if source is not None:
                 (tmp / name / "1" / "model.py").write_text(source)
+        for rel, text in (plan.extra_files or {}).items():
+            (tmp / rel).write_text(text)
         (tmp / REPO_INFO).write_text(json.dumps(plan.info, indent=2) + "\n")
         swap_into_place(tmp, repo_dir)
     except BaseException:

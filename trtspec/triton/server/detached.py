@@ -11,7 +11,16 @@ from pathlib import Path
 
 from trtspec.errors import ServerError
 from trtspec.files import write_json_atomic
-from trtspec.triton.server.procgroup import alive, cmdline, end_group, proc_stat, signal_group
+from trtspec.triton.server.procgroup import (
+    alive,
+    cmdline,
+    descendants,
+    end_group,
+    end_pids,
+    proc_stat,
+    signal_group,
+    signal_pid,
+)
 
 
 @dataclass(frozen=True)
@@ -51,19 +60,27 @@ def read_pid_file(pid_file: str | os.PathLike[str]) -> DetachedServer:
 
 
 def stop_detached(pid_file: str | os.PathLike[str], timeout: float = 30.0) -> bool:
-    """Stop the server recorded in ``pid_file`` and remove the file.
+    """Stop the server recorded in ``pid_file``, with its whole process tree; remove the file.
 
     Returns False when that server was already gone. The pid is only signalled while it still
-    runs a tritonserver, so a pid reused by an unrelated process is left alone.
+    runs what was launched (tritonserver, or the launcher the pid file records, e.g. mpirun),
+    so a pid reused by an unrelated process is left alone. The descendants are collected
+    before any signal: MPI ranks and their daemons may sit outside the server's process group
+    and would otherwise outlive the launcher.
     """
     info = read_pid_file(pid_file)
     pid = info.pid
-    running = proc_stat(pid) is not None and Path(cmdline(pid)[0] or "-").name == "tritonserver"
+    launched = {"tritonserver"} | ({Path(info.argv[0]).name} if info.argv else set())
+    running = proc_stat(pid) is not None and Path(cmdline(pid)[0] or "-").name in launched
     if running:
+        tree = descendants(pid)
         signal_group(pid, signal.SIGINT)
+        for child in tree:
+            signal_pid(child, signal.SIGINT)
         deadline = time.monotonic() + timeout
         while alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         end_group(pid, grace=0.0 if alive(pid) else 10.0)
+        end_pids(tree, grace=min(timeout, 10.0))
     Path(pid_file).unlink(missing_ok=True)
     return running

@@ -75,3 +75,50 @@ def alive(pid: int) -> bool:
         pass
     stat = proc_stat(pid)
     return stat is not None and stat[0] != "Z"
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process below ``root`` (children, grandchildren, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            ppid = _ppid(int(entry.name))
+            if ppid is not None:
+                children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(raw[raw.rindex(")") + 2 :].split()[1])
+
+
+def signal_pid(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def end_pids(pids: list[int], grace: float) -> None:
+    """Wait ``grace`` s for ``pids`` to exit, then SIGKILL the rest; raise if any survive."""
+    deadline = time.monotonic() + grace
+    while [p for p in pids if alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for p in pids:
+        if alive(p):
+            signal_pid(p, signal.SIGKILL)
+    deadline = time.monotonic() + 5.0
+    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if left:
+        raise ServerError(f"processes {left} of the server's process tree survived SIGKILL")
+

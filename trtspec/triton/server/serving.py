@@ -28,7 +28,8 @@ class ServeTarget:
     loaded: LoadedSpec | None  # None when a repository was given
 
 
-def serve_target(path: Path, engines: Path | None = None, repo_out: Path | None = None, write: bool = True) -> ServeTarget:
+def serve_target(path: Path, engines: Path | None = None, repo_out: Path | None = None, write: bool = True,
+                 llmapi_impl: str = "tensorrt_llm") -> ServeTarget:
     """A folder is a model repository; a file is a spec whose repository is (re)written."""
     path = Path(path)
     if path.is_dir():
@@ -41,9 +42,9 @@ def serve_target(path: Path, engines: Path | None = None, repo_out: Path | None 
     engines_dir = loaded.output_dir(engines)
     repo_dir = loaded.repo_dir(repo_out)
     if write:
-        write_repository(loaded, engines_dir, repo_dir)
+        write_repository(loaded, engines_dir, repo_dir, llmapi_impl)
     else:
-        plan_repository(loaded, engines_dir)  # same checks, nothing written
+        plan_repository(loaded, engines_dir, llmapi_impl)  # same checks, nothing written
     return ServeTarget(repo_dir, loaded.spec.serve, loaded)
 
 
@@ -57,7 +58,10 @@ def server_for(target: ServeTarget, host: str | None, http_port: int | None, grp
         grpc_port=grpc_port or s.grpc_port,
         metrics_port=metrics_port or s.metrics_port,
     )
-    if target.loaded is not None and target.loaded.spec.backend == "trtllm":
+    # trtllm.runtime llmapi: one plain tritonserver, as upstream; the LLM API starts its own
+    # workers for tensor_parallel_size > 1.
+    if (target.loaded is not None and target.loaded.spec.backend == "trtllm"
+            and target.loaded.spec.trtllm.runtime == "engine"):
         # TensorRT-LLM engines: one rank per GPU under mpirun, orchestrator mode when several
         # tensorrtllm models share the server (trtllm_launch.launch_for_spec).
         from trtspec.triton.server.trtllm_launch import launch_for_spec

@@ -46,8 +46,14 @@ class TritonPythonModel:
             margins_supported=p.get("engine_margins", "false") == "true",
             eagle3_head_dir=p.get("eagle3_head_dir"),
             eagle3_target_dir=p.get("eagle3_target_dir"),
+            target_continues=p.get("engine_continues", "false") == "true",
         )
-        self.core = Orchestrator(settings, pb.bls_call, tokenizer, end_token_ids(tokenizer, tokenizer_dir))
+        call = pb.bls_call
+        if p.get("engine_requests", "batched") == "per_row":
+            from trtspec.triton.bls import split_rows
+
+            call = split_rows(pb.bls_call_many)
+        self.core = Orchestrator(settings, call, tokenizer, end_token_ids(tokenizer, tokenizer_dir))
 
     def execute(self, requests):
         inputs = [pb.inputs_of(r) for r in requests]

@@ -54,3 +54,33 @@ def bls_call(model: str, inputs: Mapping[str, np.ndarray], output_names) -> dict
             raise RuntimeError(f"{model} returned no {name}")
         out[name] = tensor.as_numpy()
     return out
+
+
+def bls_call_many(model: str, requests, output_names) -> list[dict[str, np.ndarray]]:
+    """Several single-row BLS requests to ``model``, all in flight at once (async_exec), so
+    a non-decoupled TensorRT-LLM model batches them in flight instead of refusing a batch."""
+    import asyncio
+
+    async def all_replies():
+        return await asyncio.gather(*[
+            pb_utils.InferenceRequest(
+                model_name=model,
+                requested_output_names=list(output_names),
+                inputs=[pb_utils.Tensor(k, np.ascontiguousarray(v)) for k, v in inputs.items()],
+            ).async_exec()
+            for inputs in requests
+        ])
+
+    outs = []
+    for reply in asyncio.run(all_replies()):
+        if reply.has_error():
+            raise RuntimeError(f"{model}: {reply.error().message()}")
+        out = {}
+        for name in output_names:
+            tensor = pb_utils.get_output_tensor_by_name(reply, name)
+            if tensor is None:
+                raise RuntimeError(f"{model} returned no {name}")
+            out[name] = tensor.as_numpy()
+        outs.append(out)
+    return outs
+

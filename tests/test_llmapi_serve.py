@@ -1,0 +1,208 @@
+"""trtllm.runtime llmapi on CPU: the conformance double, in-process verify, and a real
+tritonserver serving the llmapi models (build -> repo -> serve -> verify over gRPC).
+
+The double (llmapi_double.py) stands in for tensorrt_llm: it refuses any argument the field
+inventory of its TensorRT-LLM line lacks, so these tests fail when trtspec writes a key or a
+spelling upstream would reject. The same code runs against the real library with
+`--llmapi tensorrt_llm` (tests/test_llmapi_gpu.py, -m trtllm).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+from conftest import processes_mentioning, write_spec
+from typer.testing import CliRunner
+
+from trtspec.cli.app import app
+from trtspec.engines.build import build
+from trtspec.runtime import LlmapiDeployment
+from trtspec.spec import load_spec
+from trtspec.speculative.llmapi_double import api as double_api
+
+PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Triton serves models over HTTP and gRPC."]
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="session")
+def llmapi_built(tmp_path_factory, tiny_ckpts):
+    folder = tmp_path_factory.mktemp("llmapi")
+    loaded = load_spec(write_spec(folder, tiny_ckpts, backend="trtllm",
+                                  **{"speculative.num_draft_tokens": None, "verify.max_tokens": MAX_TOKENS,
+                                     "trtllm.line": "1.3+"}))
+    build(loaded, loaded.output_dir())
+    return loaded
+
+
+@pytest.fixture(scope="session")
+def llmapi_dep(llmapi_built):
+    return LlmapiDeployment(llmapi_built, llmapi_built.output_dir(), "double")
+
+
+# ------------------------------------------------------------------ the double is strict
+
+
+@pytest.mark.parametrize("line, kwargs, needle", [
+    ("1.2", {"model": "m", "max_batch_sizes": 2}, "LLM: max_batch_sizes: Extra inputs are not permitted (TensorRT-LLM 1.2)"),
+    ("1.3+", {"model": "m", "fail_fast_on_attention_window_too_large": True},
+     "fail_fast_on_attention_window_too_large: Extra inputs are not permitted (TensorRT-LLM 1.3+)"),
+    ("1.2", {"model": "m", "kv_cache_config": {"disk_cache_size": 1}}, "KvCacheConfig: disk_cache_size: Extra inputs"),
+])
+def test_double_llm_refuses_fields_its_line_lacks(line, kwargs, needle):
+    with pytest.raises(ValueError, match="Extra inputs") as info:
+        double_api(line).LLM(**kwargs)
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("line, cfg, needle", [
+    ("1.2", {"decoding_type": "Draft_Target", "max_draft_len": 4, "speculative_model": "d"}, "Invalid decoding type: Draft_Target (TensorRT-LLM 1.2)"),
+    ("1.3+", {"decoding_type": "DraftTarget", "max_draft_len": 4, "speculative_model": "d"}, "Invalid decoding type: DraftTarget (TensorRT-LLM 1.3+)"),
+    ("1.2", {"decoding_type": "Eagle3", "max_draft_len": 4, "speculative_model": "d"}, "Invalid decoding type: Eagle3"),
+    ("1.3+", {"decoding_type": "Draft_Target", "max_draft_len": 4}, "speculative_model must be specified for Draft_Target"),
+    ("1.2", {"decoding_type": "NGram", "max_draft_len": 4}, "max_matching_ngram_size must be > 0 for NGram (TensorRT-LLM 1.2)"),
+    ("1.3+", {"decoding_type": "NGram", "max_draft_len": 0, "max_matching_ngram_size": 2}, "max_draft_len must be > 0 for NGram"),
+    ("1.3+", {"decoding_type": "NGram", "max_draft_len": 2, "num_draft_tokens": 2}, "num_draft_tokens: Extra inputs"),
+])
+def test_double_speculative_config_follows_each_lines_rules(line, cfg, needle):
+    with pytest.raises(ValueError) as info:
+        double_api(line).update_llm_args_with_extra_dict({}, {"model": "m", "speculative_config": cfg})
+    assert needle in str(info.value)
+
+
+def test_double_sampling_params_refuse_unknown_and_non_greedy():
+    sp = double_api("1.2").SamplingParams
+    with pytest.raises(ValueError, match="max_new_tokens: Extra inputs"):
+        sp(max_new_tokens=4)
+    with pytest.raises(NotImplementedError, match="greedily"):
+        sp(max_tokens=4, top_k=5)
+
+
+def test_double_refuses_eagle3_instead_of_pretending(tiny_ckpts):
+    a = double_api("1.3+")
+    args = a.update_llm_args_with_extra_dict({}, {"model": str(tiny_ckpts["target"]), "speculative_config": {
+        "decoding_type": "Eagle3", "max_draft_len": 3, "speculative_model": str(tiny_ckpts["draft"])}})
+    with pytest.raises(NotImplementedError, match="EAGLE-3 needs the target's hidden states"):
+        a.LLM(**args)
+
+
+# ------------------------------------------------------------------ in process
+
+
+def test_speculative_llm_matches_control_token_for_token(llmapi_dep):
+    ids = llmapi_dep.tokenizer(PROMPTS[0])["input_ids"]
+    spec = llmapi_dep.generate(ids, MAX_TOKENS, speculative=True)
+    ctrl = llmapi_dep.generate(ids, MAX_TOKENS, speculative=False)
+    assert spec.token_ids == ctrl.token_ids and len(spec.token_ids) == MAX_TOKENS
+    stats = spec.request_perf_metrics.speculative_decoding
+    assert stats.total_draft_tokens > 0 and 0 < stats.total_accepted_draft_tokens <= stats.total_draft_tokens
+    assert ctrl.request_perf_metrics is None  # the control asks for no metrics
+
+
+def test_verify_in_process_through_the_double(llmapi_built, tmp_path):
+    report = tmp_path / "report.json"
+    r = CliRunner().invoke(app, ["verify", str(llmapi_built.path), "--llmapi", "double", "--json-file", str(report)])
+    assert r.exit_code == 0, r.output
+    data = json.loads(report.read_text())
+    assert data["identical"] and data["prompts"] == 5
+    assert data["mode"] == "in-process (llmapi conformance double, not TensorRT-LLM)"
+    assert data["metrics"]["drafted"] > 0 and data["metrics"]["accepted"] > 0
+
+
+def test_verify_without_tensorrt_llm_is_one_clear_runtime_error(llmapi_built):
+    r = CliRunner().invoke(app, ["verify", str(llmapi_built.path)])
+    assert r.exit_code == 3
+    assert "tensorrt_llm cannot be imported" in r.stderr and "--llmapi double" in r.stderr
+
+
+# ------------------------------------------------------------------ Triton
+
+
+@pytest.fixture(scope="session")
+def llmapi_served(llmapi_built, tmp_path_factory):
+    from trtspec.errors import ServerError
+    from trtspec.triton.repository.writer import write_repository
+    from trtspec.triton.server.install import find_tritonserver
+    from trtspec.triton.server.process import TritonServer
+
+    try:
+        find_tritonserver()
+    except ServerError as err:
+        pytest.skip(str(err))
+    repo = write_repository(llmapi_built, llmapi_built.output_dir(), llmapi_built.base_dir / "repo", "double")
+    server = TritonServer.for_repository(repo, cache_root=tmp_path_factory.mktemp("backend-cache"))
+    server.start(llmapi_built.base_dir / "server.log")
+    server.wait_ready(timeout=300)
+    yield repo, server
+    server.stop()
+    assert processes_mentioning(str(repo)) == [], "tritonserver or stub processes survived stop()"
+
+
+def test_repository_model_yaml_is_upstreams_layout(llmapi_built, tmp_path):
+    from trtspec.triton.repository.writer import write_repository
+
+    repo = write_repository(llmapi_built, llmapi_built.output_dir(), tmp_path / "repo", "double")
+    assert sorted(p.name for p in repo.iterdir() if p.is_dir()) == ["target_only", "tensorrt_llm_bls"]
+    spec_yaml = yaml.safe_load((repo / "tensorrt_llm_bls" / "1" / "model.yaml").read_text())
+    ctrl_yaml = yaml.safe_load((repo / "target_only" / "1" / "model.yaml").read_text())
+    built = yaml.safe_load((llmapi_built.output_dir() / "llmapi" / "speculative.yaml").read_text())
+    assert spec_yaml.pop("triton_config") == {"max_batch_size": 4, "decoupled": False}
+    assert spec_yaml == built and spec_yaml["speculative_config"]["decoding_type"] == "Draft_Target"
+    assert "speculative_config" not in ctrl_yaml
+
+
+def test_served_endpoints_match_in_process_token_ids(llmapi_served, llmapi_dep):
+    import tritonclient.grpc as grpcclient
+
+    _, server = llmapi_served
+    client = grpcclient.InferenceServerClient(server.grpc_endpoint)
+    for prompt in PROMPTS:
+        ids = llmapi_dep.tokenizer(prompt)["input_ids"]
+        want = llmapi_dep.generate(ids, MAX_TOKENS, speculative=False).token_ids
+        got = {}
+        for model in ("tensorrt_llm_bls", "target_only"):
+            inputs = []
+            for name, value, dtype in (("text_input", np.array([[prompt.encode()]], dtype=np.object_), "BYTES"),
+                                       ("max_tokens", np.array([[MAX_TOKENS]], dtype=np.int32), "INT32"),
+                                       ("exclude_input_in_output", np.array([[True]]), "BOOL"),
+                                       ("return_perf_metrics", np.array([[True]]), "BOOL")):
+                t = grpcclient.InferInput(name, list(value.shape), dtype)
+                t.set_data_from_numpy(value)
+                inputs.append(t)
+            res = client.infer(model, inputs)
+            got[model] = [int(x) for x in res.as_numpy("output_ids")[0][: int(res.as_numpy("sequence_length")[0][0])]]
+            drafted = int(res.as_numpy("total_draft_tokens")[0][0])
+            assert (drafted > 0) == (model == "tensorrt_llm_bls")
+        assert got["tensorrt_llm_bls"] == got["target_only"] == want
+
+
+def test_verify_over_grpc_reports_identical(llmapi_served, llmapi_built, tmp_path):
+    _, server = llmapi_served
+    report = tmp_path / "r.json"
+    r = CliRunner().invoke(app, ["verify", str(llmapi_built.path), "--url", server.grpc_endpoint, "--json-file", str(report)])
+    assert r.exit_code == 0, r.output
+    data = json.loads(report.read_text())
+    assert data["identical"] and data["metrics"]["drafted"] > 0
+
+
+def test_a_bad_request_is_refused_and_the_server_carries_on(llmapi_served):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    _, server = llmapi_served
+    client = grpcclient.InferenceServerClient(server.grpc_endpoint)
+
+    def ask(max_tokens):
+        inputs = []
+        for name, value, dtype in (("text_input", np.array([[b"hello"]], dtype=np.object_), "BYTES"),
+                                   ("max_tokens", np.array([[max_tokens]], dtype=np.int32), "INT32")):
+            t = grpcclient.InferInput(name, list(value.shape), dtype)
+            t.set_data_from_numpy(value)
+            inputs.append(t)
+        return client.infer("tensorrt_llm_bls", inputs)
+
+    with pytest.raises(InferenceServerException, match="exceeds max_seq_len"):
+        ask(10_000)
+    assert ask(3).as_numpy("sequence_length")[0][0] > 0

@@ -1,0 +1,338 @@
+"""`trtspec build` for trtllm.runtime llmapi: LLM API argument files, no engine compile.
+
+The LLM API (PyTorch backend) loads Hugging Face checkpoints itself, so a build resolves and
+checks both checkpoints as the other backends do and then writes, per deployment::
+
+    llmapi/speculative.yaml   LLM API arguments with `speculative_config`
+    llmapi/control.yaml       the same arguments without it: what verify compares against
+    llmapi/manifest.json      spec hash, source weights, TensorRT-LLM line, file hashes
+
+The YAML files are what `trtllm-serve --extra_llm_api_options`, `trtllm-bench
+--extra_llm_api_options` and the Triton model repository (model.yaml) read. Every key is
+checked against the field inventory of both TensorRT-LLM lines (llmapi_fields.py) and the
+files are parsed back before the folder is renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import tempfile
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from trtspec import console
+from trtspec.checkpoints import Checkpoint, check_embedding_rows, require_shared_tokenizer, resolve
+from trtspec.engines.build import BuildPlan, BuildResult, BuildState, UnitPlan
+from trtspec.engines.manifest import SourceRecord, now, versions
+from trtspec.engines.trtllm.llmapi_fields import LINES, unknown_keys
+from trtspec.errors import CheckpointError, EngineError
+from trtspec.files import (
+    FileRecord,
+    ensure_writable,
+    file_record,
+    remove_stale_temps,
+    swap_into_place,
+    write_json_atomic,
+    write_text_atomic,
+)
+from trtspec.spec import EngineSpec, LoadedSpec
+
+FOLDER = "llmapi"
+SPECULATIVE = "speculative.yaml"
+CONTROL = "control.yaml"
+MANIFEST = "manifest.json"
+FORMAT = 1
+
+# decoding_type per (method, line). 1.2.x: the keys of DecodingBaseConfig.from_dict, where
+# "Eagle" runs EAGLE-3 on the PyTorch backend; 1.3+: the discriminator Literals of the
+# SpeculativeConfig union (llm_args.py@0004396720054fd8e205cbf616f21f0b57c6b412).
+DECODING_TYPE = {
+    ("draft_target", "1.2"): "DraftTarget",
+    ("draft_target", "1.3+"): "Draft_Target",
+    ("eagle3", "1.2"): "Eagle",
+    ("eagle3", "1.3+"): "Eagle3",
+    ("ngram", "1.2"): "NGram",
+    ("ngram", "1.3+"): "NGram",
+}
+_QUANT_FILES = ("hf_quant_config.json",)
+
+
+class LlmapiManifest(BaseModel):
+    """What an llmapi build wrote and from what; written last."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: int = FORMAT
+    complete: bool
+    name: str
+    spec_hash: str
+    line: str
+    method: str
+    checkpoints: dict[str, str]  # role -> local checkpoint folder the YAML names
+    sources: dict[str, SourceRecord]
+    files: dict[str, FileRecord]
+    versions: dict[str, str]
+    created: str
+
+
+def speculative_config(spec: EngineSpec, draft_dir: Path | None, line: str) -> dict:
+    """The `speculative_config` mapping for ``line`` (keys inventoried in llmapi_fields)."""
+    s = spec.speculative
+    cfg: dict = {"decoding_type": DECODING_TYPE[(s.method, line)], "max_draft_len": s.max_draft_len}
+    if s.method in ("draft_target", "eagle3"):
+        cfg["speculative_model"] = str(draft_dir)
+    else:
+        # 1.2.1 defaults this to 0 and asserts > 0; main defaults to 2: always write it.
+        cfg["max_matching_ngram_size"] = s.max_ngram
+    return cfg
+
+
+def llm_args(spec: EngineSpec, target_dir: Path, draft_dir: Path | None, speculative: bool,
+             line: str | None = None) -> dict:
+    """LLM API keyword arguments, as YAML-able data (BaseLlmArgs field names)."""
+    line = line or spec.trtllm.line
+    t, lim = spec.target, spec.limits("target")
+    args: dict = {
+        "model": str(target_dir),
+        "dtype": t.dtype,
+        "trust_remote_code": t.trust_remote_code,  # only ever what the spec says
+        "tensor_parallel_size": t.tp_size,
+        "pipeline_parallel_size": t.pp_size,
+        "max_batch_size": lim.max_batch_size,
+        "max_input_len": lim.max_input_len,
+        "max_seq_len": lim.max_seq_len,
+        "max_beam_width": 1,
+        "max_num_tokens": spec.trtllm.max_num_tokens,
+        # Block reuse is what makes re-sent prefixes cheap (and is upstream's default); the
+        # fraction is explicit because two LLMs share a GPU under Triton.
+        "kv_cache_config": {
+            "enable_block_reuse": True,
+            "free_gpu_memory_fraction": spec.trtllm.kv_cache_free_gpu_memory_fraction,
+        },
+    }
+    if speculative:
+        args["speculative_config"] = speculative_config(spec, draft_dir, line)
+    return args
+
+
+def check_keys(args: dict, what: str) -> None:
+    """Every key must exist in both lines' inventories (the decoding_type spelled per line)."""
+    missing = []
+    for line in LINES:
+        probe = json.loads(json.dumps(args))
+        spec_cfg = probe.get("speculative_config")
+        if spec_cfg is not None:
+            method = next(m for (m, ln), v in DECODING_TYPE.items() if v == spec_cfg["decoding_type"])
+            spec_cfg["decoding_type"] = DECODING_TYPE[(method, line)]
+        missing += unknown_keys(probe, line)
+    if missing:
+        raise EngineError(f"{what}: keys not in the LLM API inventory: "
+                          f"{', '.join(map(str, missing))}; this is a trtspec bug, report it")
+
+
+def render(args: dict, header: str) -> str:
+    return f"# {header}\n" + yaml.safe_dump(args, sort_keys=False)
+
+
+def plan_files(spec: EngineSpec, ckpt_dirs: dict[str, Path]) -> dict[str, str]:
+    """File name -> YAML text for both configurations (checked, not yet written)."""
+    line = spec.trtllm.line
+    files = {}
+    for name, speculative in ((SPECULATIVE, True), (CONTROL, False)):
+        args = llm_args(spec, ckpt_dirs["target"], ckpt_dirs.get("draft"), speculative)
+        check_keys(args, name)
+        kind = "speculative" if speculative else "control (target only)"
+        header = (f"trtspec {spec.name}: LLM API arguments, {kind}, TensorRT-LLM {line}. "
+                  "Read by trtllm-serve/trtllm-bench --extra_llm_api_options and Triton model.yaml.")
+        files[name] = render(args, header)
+    return files
+
+
+def read_args(path: Path) -> dict:
+    """Parse an argument file back; EngineError if it is not a mapping."""
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise EngineError(f"{path} is not a YAML mapping; run `trtspec build SPEC --force`")
+    return data
+
+
+def check_checkpoints(spec: EngineSpec, ckpts: dict[str, Checkpoint]) -> None:
+    """Checks the LLM API would otherwise fail on at load time, on a GPU."""
+    from trtspec.engines.trtllm.checks import refuse_untrusted_code
+
+    for role, c in ckpts.items():
+        refuse_untrusted_code(role, c.folder, c.model.trust_remote_code)
+    target = ckpts["target"]
+    cfg = target.hf_config()
+    for field, size, what in (("tp_size", spec.target.tp_size, "num_attention_heads"),
+                              ("pp_size", spec.target.pp_size, "num_hidden_layers")):
+        total = getattr(cfg, what)
+        if total % size:
+            raise CheckpointError(f"target.{field}: {size} does not divide {what} ({total}); "
+                                  f"pick a {field} that divides it")
+    tok = target.tokenizer()
+    check_embedding_rows("target", cfg, tok)
+    if spec.target.quantization != "none" and not _declares_quantization(target.folder):
+        raise CheckpointError(
+            f"target.quantization {spec.target.quantization}: the LLM API reads quantization "
+            f"from a pre-quantized checkpoint, and {target.folder} declares none "
+            "(no hf_quant_config.json or quantization_config); quantize it first (NVIDIA "
+            "Model Optimizer) and point target at the result"
+        )
+    if "draft" not in ckpts:
+        return
+    draft = ckpts["draft"]
+    dcfg = draft.hf_config()
+    arch = " ".join(dcfg.architectures or []).lower()
+    if spec.speculative.method == "eagle3":
+        if "eagle" not in arch and "eagle" not in dcfg.model_type.lower():
+            raise CheckpointError(
+                f"draft: method eagle3 needs an EAGLE-3 head checkpoint, but {draft.folder} is "
+                f"a {dcfg.model_type} model ({arch or 'no architectures'}); use a head from "
+                "`trtspec distill` or a Hub EAGLE-3 repo, or method: draft_target"
+            )
+        return
+    dtok = draft.tokenizer()
+    check_embedding_rows("draft", dcfg, dtok)
+    require_shared_tokenizer(tok, dtok)
+
+
+def _declares_quantization(folder: Path) -> bool:
+    if any((folder / f).is_file() for f in _QUANT_FILES):
+        return True
+    config = json.loads((folder / "config.json").read_text())
+    return "quantization_config" in config
+
+
+def resolve_and_check(loaded: LoadedSpec, allow_pickle: bool = False) -> dict[str, Checkpoint]:
+    with console.step("resolving checkpoints"):
+        ckpts = {role: resolve(loaded, role, allow_pickle) for role in loaded.spec.models()}
+    with console.step("checking checkpoints for the LLM API"):
+        check_checkpoints(loaded.spec, ckpts)
+    return ckpts
+
+
+def build(loaded: LoadedSpec, output_dir: Path, force: bool = False,
+          allow_pickle: bool = False) -> BuildResult:
+    """Resolve and check the checkpoints, write the argument files and manifest atomically."""
+    spec = loaded.spec
+    ensure_writable(output_dir)
+    remove_stale_temps(output_dir)
+    folder = output_dir / FOLDER
+    ckpts = resolve_and_check(loaded, allow_pickle)
+    sources = {role: _source(c) for role, c in ckpts.items()}
+    unit = UnitPlan("target", spec.target.source_id, spec.target.dtype, {FOLDER: folder}, BuildState.BUILD)
+    result = BuildResult(output_dir, [unit])
+    if folder.exists():
+        unit.state = BuildState.REBUILD
+        if not force and _up_to_date(folder, spec, sources):
+            unit.state = BuildState.UP_TO_DATE
+            console.info(f"llmapi: {folder} is up to date (same spec and weights); nothing to do "
+                         "(use --force to rebuild)")
+            return result
+    files = plan_files(spec, {r: c.folder for r, c in ckpts.items()})
+    tmp = Path(tempfile.mkdtemp(prefix=f".{FOLDER}.tmp-", dir=output_dir))
+    try:
+        for name, text in files.items():
+            write_text_atomic(tmp / name, text)
+            parsed = read_args(tmp / name)  # parse back: what upstream's yaml.safe_load sees
+            if render(parsed, text.splitlines()[0][2:]) != text:
+                raise EngineError(f"{name} did not read back as written; this is a trtspec bug")
+            check_keys(parsed, name)
+        manifest = LlmapiManifest(
+            complete=True, name=spec.name, spec_hash=spec.build_hash("target"),
+            line=spec.trtllm.line, method=spec.speculative.method,
+            checkpoints={r: str(c.folder) for r, c in ckpts.items()}, sources=sources,
+            files={n: file_record(tmp / n) for n in files}, versions=versions(), created=now(),
+        )
+        write_json_atomic(tmp / MANIFEST, manifest.model_dump(mode="json"))
+        swap_into_place(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    console.info(f"wrote {folder / SPECULATIVE} and {folder / CONTROL}")
+    return result
+
+
+def _source(c: Checkpoint) -> SourceRecord:
+    return SourceRecord(id=c.model.source_id, revision=c.model.revision,
+                        gguf_file=c.model.gguf_file, weights=c.source_weights)
+
+
+def _up_to_date(folder: Path, spec: EngineSpec, sources: dict[str, SourceRecord]) -> bool:
+    try:
+        m = read_manifest(folder, spec)
+    except EngineError:
+        return False
+    return m.sources == sources
+
+
+def read_manifest(folder: Path, spec: EngineSpec) -> LlmapiManifest:
+    """The manifest of an llmapi folder built from ``spec``; EngineError says to rebuild."""
+    hint = "run `trtspec build SPEC` (add --force to replace it)"
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise EngineError(f"{folder} has no {MANIFEST}: not a complete llmapi build; {hint}")
+    try:
+        m = LlmapiManifest.model_validate_json(path.read_text(encoding="utf-8"))
+    except (ValidationError, ValueError) as e:
+        raise EngineError(f"{path} is unreadable ({type(e).__name__}); {hint}") from e
+    if not m.complete or m.format != FORMAT:
+        raise EngineError(f"{folder} holds an incomplete or outdated build; {hint}")
+    if m.spec_hash != spec.build_hash("target"):
+        raise EngineError(f"{folder} was built from a different spec; {hint}")
+    for name, rec in m.files.items():
+        f = folder / name
+        if not f.is_file() or f.stat().st_size != rec.bytes:
+            raise EngineError(f"{folder}: {name} is missing or truncated; {hint}")
+    return m
+
+
+def serve_commands(spec: EngineSpec, folder: Path, host: str = "127.0.0.1", port: int = 8000) -> dict[str, str]:
+    """The trtllm-serve and trtllm-bench command lines for the written files (for README/CLI).
+
+    trtllm-serve: --extra_llm_api_options takes the YAML (tensorrt_llm/commands/serve.py);
+    trtllm-bench: the same option on `throughput` (docs: trtllm-bench reference).
+    """
+    m = read_manifest(folder, spec)
+    model = m.checkpoints["target"]
+    out = {}
+    for label, name in (("speculative", SPECULATIVE), ("control", CONTROL)):
+        out[f"serve {label}"] = shlex.join([
+            "trtllm-serve", model, "--host", host, "--port", str(port), "--backend", "pytorch",
+            "--extra_llm_api_options", str(folder / name)])
+        out[f"bench {label}"] = shlex.join([
+            "trtllm-bench", "--model", spec.target.source_id, "--model_path", model, "throughput",
+            "--backend", "pytorch", "--dataset", "DATASET.jsonl",
+            "--extra_llm_api_options", str(folder / name)])
+    return out
+
+
+def dry_run(loaded: LoadedSpec, output_dir: Path, force: bool = False) -> BuildPlan:
+    """The files a build writes, from the spec alone (checkpoints not resolved; nothing written)."""
+    spec = loaded.spec
+    folder = output_dir / FOLDER
+    state = BuildState.BUILD
+    if folder.exists():
+        state = BuildState.REBUILD
+        if not force:
+            try:
+                read_manifest(folder, spec)
+                state = BuildState.CHECK_SOURCES
+            except EngineError:
+                pass
+    unit = UnitPlan("target", spec.target.source_id, spec.target.dtype, {FOLDER: folder}, state)
+    dirs = {r: Path(f"<{r} checkpoint: {m.source_id}>") for r, m in spec.models().items()}
+    plan = BuildPlan(spec.name, spec.backend, output_dir, [unit])
+    plan.header = (f"plan for {spec.name} (backend trtllm, runtime llmapi, TensorRT-LLM "
+                   f"{spec.trtllm.line}) -> {folder}")
+    plan.details["target"] = "LLM API arguments (speculative and control), no engine compile"
+    for name, text in plan_files(spec, dirs).items():
+        plan.notes.append(f"--- {name}")
+        plan.notes += text.rstrip("\n").splitlines()
+    plan.footer = "dry run: nothing written (no engine compile: the LLM API loads the checkpoints)"
+    return plan

@@ -1,0 +1,59 @@
+"""`tensorrt_llm_bls` / `target_only` for trtllm.runtime llmapi: the LLM API inside Triton.
+
+Reads its LLM arguments from model.yaml (env LLM_CONFIG_PATH, else <model>/<version>/
+model.yaml) as upstream's llmapi model does: `triton_config` is Triton's block, everything
+else goes through update_llm_args_with_extra_dict into LLM(**args). Our own code; the request
+contract is trtspec's (llmapi_core). Parameter `llmapi_impl` says whether the LLM is
+tensorrt_llm or trtspec's CPU conformance double.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from trtspec.triton.backend.models import pb
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        p = pb.parameters(args)
+        config = pb.model_config(args)
+        if p.get("gpu_device_ids"):
+            # before tensorrt_llm (and CUDA) load, so its workers inherit the restriction
+            os.environ["CUDA_VISIBLE_DEVICES"] = p["gpu_device_ids"]
+        from transformers import AutoTokenizer
+
+        from trtspec.speculative.llmapi import load_api, make_llm
+        from trtspec.speculative.requests import Limits, end_token_ids
+        from trtspec.triton.backend.llmapi_core import LlmapiEndpoint
+        from trtspec.triton.backend.orchestrator_core import OrchestratorSettings
+
+        default = Path(args["model_repository"]) / str(args["model_version"]) / "model.yaml"
+        yaml_path = Path(os.environ.get("LLM_CONFIG_PATH", default))
+        self.api = load_api(p["llmapi_impl"], p["trtllm_line"])
+        self.llm = make_llm(self.api, yaml_path)
+        tokenizer_dir = Path(p["tokenizer_dir"])
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        settings = OrchestratorSettings(
+            mode=p["mode"], decoupled=False, target_model="", draft_model=None,
+            method=p["method"], default_draft_tokens=int(p["num_draft_tokens"]),
+            max_ngram=0, min_ngram=1,
+            limits=Limits(
+                vocab_size=int(p["vocab_size"]),
+                max_seq_len=int(p["max_seq_len"]),
+                max_draft_len=int(p["max_draft_len"]),
+                max_input_len=int(p["max_input_len"]),
+                max_batch_size=int(config["max_batch_size"]),
+            ),
+            chat_template_default=p.get("apply_chat_template", "false") == "true",
+            margins_supported=False,
+        )
+        self.core = LlmapiEndpoint(settings, tokenizer, end_token_ids(tokenizer, tokenizer_dir), self.llm, self.api)
+
+    def execute(self, requests):
+        answers = self.core.run([pb.inputs_of(r) for r in requests])
+        return [pb.error_response(a) if isinstance(a, Exception) else pb.response(a) for a in answers]
+
+    def finalize(self):
+        self.llm.shutdown()
