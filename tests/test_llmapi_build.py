@@ -61,11 +61,10 @@ def test_llmapi_spec_refusals(tmp_path, tiny_ckpts, overrides, needle):
     assert needle in spec_error(tmp_path, tiny_ckpts, **overrides)
 
 
-def test_eagle3_needs_a_head_and_the_llmapi_runtime(tmp_path, tiny_ckpts):
-    assert "method eagle3 needs a `draft`: the EAGLE-3 head checkpoint" in spec_error(
+def test_eagle3_needs_a_head_and_not_the_legacy_engine_runtime(tmp_path, tiny_ckpts):
+    assert "method eagle3 needs `draft`: the EAGLE-3 head folder" in spec_error(
         tmp_path / "a", tiny_ckpts, draft=None, **{"speculative.method": "eagle3"})
-    torch_msg = spec_error(tmp_path / "b", tiny_ckpts, **{"backend": "torch", "speculative.method": "eagle3"})
-    assert "method eagle3 runs on backend: trtllm with trtllm.runtime: llmapi" in torch_msg
+    # (backend torch runs eagle3 heads itself: tests/test_eagle3.py)
     engine_msg = spec_error(tmp_path / "c", tiny_ckpts, **{"speculative.method": "eagle3", "trtllm.runtime": "engine"})
     assert "speculative.method eagle3: trtllm.runtime engine builds draft_target pairs only" in engine_msg
 

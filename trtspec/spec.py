@@ -207,8 +207,8 @@ class EngineSpec(_Strict):
             )
         if method == "eagle3" and self.draft is None:
             raise ValueError(
-                "method eagle3 needs a `draft`: the EAGLE-3 head checkpoint (from `trtspec "
-                "distill` or a Hub EAGLE-3 repo); add one"
+                "method eagle3 needs `draft`: the EAGLE-3 head folder (path, or repo + revision "
+                "of a Hub EAGLE-3 checkpoint); train one with `trtspec distill SPEC`"
             )
         if method == "ngram" and self.draft is not None:
             raise ValueError("method ngram uses no draft model; remove `draft`")
@@ -217,11 +217,6 @@ class EngineSpec(_Strict):
         elif "trtllm" in self.model_fields_set:
             raise ValueError("`trtllm` settings only apply to backend: trtllm; remove them")
         if method == "eagle3":
-            if self.draft is None:
-                raise ValueError(
-                    "method eagle3 needs `draft`: the EAGLE-3 head folder (path or repo + revision); "
-                    "train one with `trtspec distill SPEC`"
-                )
             if self.draft.gguf_file is not None:
                 raise ValueError("draft.gguf_file: an EAGLE-3 head is a safetensors folder; remove gguf_file")
         if self.verify.max_tokens >= self.build.max_seq_len:

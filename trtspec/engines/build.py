@@ -248,17 +248,19 @@ def finish_engine(
     parameters: int,
     versions: dict[str, str],
     max_draft_len: int,
-    tokenizer_dir: str = "",
+    tokenizer_dir: str | None = "",
     commands: list[list[str]] | None = None,
     swap: bool = True,
 ) -> Manifest:
-    """Add the tokenizer (under ``tokenizer_dir``) and generation_config.json, record every
+    """Add the tokenizer (under ``tokenizer_dir``; None: the engine has none, as an EAGLE-3
+    head) and generation_config.json, record every
     file in the manifest (written last) and rename the temp folder into place (``swap=False``:
     the caller swaps a unit of engines at once)."""
     spec, model = loaded.spec, ckpt.model
-    ckpt.tokenizer().save_pretrained(tmp / tokenizer_dir)
+    if tokenizer_dir is not None:
+        ckpt.tokenizer().save_pretrained(tmp / tokenizer_dir)
     gen = ckpt.folder / "generation_config.json"
-    if gen.is_file():
+    if tokenizer_dir is not None and gen.is_file():
         shutil.copy2(gen, tmp / "generation_config.json")
     cfg = ckpt.hf_config()
     role = role_of(kind)

@@ -36,6 +36,7 @@ def build_head_engine(loaded: LoadedSpec, ckpt: Checkpoint, folder: Path) -> Non
                 parameters=sum(t.numel() for t in state.values()),
                 versions=versions(),
                 max_draft_len=loaded.spec.speculative.max_draft_len,
+                tokenizer_dir=None,  # a head reads the target's token ids; it has no tokenizer
             )
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
