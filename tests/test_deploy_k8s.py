@@ -193,7 +193,9 @@ def test_torch_specs_request_no_gpu(tmp_path):
     ({"tp_size": 4, "pp_size": 2}, {"tp_size": 2}, 8),
 ])
 def test_trtllm_gpus_follow_tp_pp_and_device_ids(tmp_path, target, draft, gpus):
-    p = plan(spec_file(tmp_path, target=target, draft=draft))
+    # The legacy engine runtime places the draft on its own GPUs (the LLM API runs it in the
+    # target's ranks, so a draft with its own parallelism exists only there).
+    p = plan(spec_file(tmp_path, target=target, draft=draft, trtllm={"runtime": "engine", "line": "1.2"}))
     assert p.gpus == gpus and gpu_counts(p) == (str(gpus), str(gpus))
 
 
@@ -210,7 +212,7 @@ def test_build_init_container_gets_the_same_gpus(tmp_path):
 ])
 def test_gpu_counts_the_pod_cannot_satisfy_are_refused(tmp_path, target, draft, options, message):
     with pytest.raises(TrtspecError, match=message):
-        plan(spec_file(tmp_path, target=target, draft=draft), **options)
+        plan(spec_file(tmp_path, target=target, draft=draft, trtllm={"runtime": "engine", "line": "1.2"}), **options)
 
 
 # --- autoscaling, disruption budget, workload kinds ---------------------------------------------

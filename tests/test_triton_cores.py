@@ -203,7 +203,7 @@ class _RewritingTokenizer:
 def test_streamed_text_is_never_sent_twice_when_decoding_rewrites_earlier_text():
     stream = orchestrator_core_stream(_RewritingTokenizer())
     steps = [[0, 1], [2], [3, 4], [5]]
-    deltas = [stream.step(ids, done=i == len(steps) - 1)["text_output"][0, 0].decode() for i, ids in enumerate(steps)]
+    deltas = [stream.step(ids, done=i == len(steps) - 1)["text_output"].reshape(-1)[0].decode() for i, ids in enumerate(steps)]
     assert "".join(deltas) == "abcdef"  # each letter once, in order (the old code re-sent "Abcde")
 
 

@@ -60,7 +60,7 @@ def trtllm_spec(tmp_path, tiny_ckpts):
 def test_repository_for_trtllm_engines(trtllm_spec, tmp_path):
     repo = write_repository(trtllm_spec, trtllm_spec.output_dir(), tmp_path / "repo")
     names = sorted(p.name for p in repo.iterdir() if p.is_dir())
-    assert names == sorted([BLS, CONTROL, "tensorrt_llm", "tensorrt_llm_control", "tensorrt_llm_draft"])
+    assert names == sorted([BLS, CONTROL, "ensemble", "tensorrt_llm", "tensorrt_llm_control", "tensorrt_llm_draft"])
     control = pbtxt.parse((repo / CONTROL / "config.pbtxt").read_text())
     assert control.parameters["tensorrt_llm_model_name"].string_value == "tensorrt_llm_control"
     bls = pbtxt.parse((repo / BLS / "config.pbtxt").read_text())

@@ -58,15 +58,15 @@ LOOP_MUTANTS = {
     ),
     # After a fully accepted draft, emits the last draft token again instead of the target's.
     "wrong_bonus_token": (
-        "                new = verdicts[j].target_ids[: n + 1]\n",
-        "                new = verdicts[j].target_ids[: n + 1]\n"
+        "                new = verdicts[j].target_ids[:keep]\n",
+        "                new = verdicts[j].target_ids[:keep]\n"
         "                if drafts[j] and n == len(drafts[j]):\n"
         "                    new = new[:n] + [drafts[j][-1]]\n",
     ),
     # At a rejection, emits the draft's token instead of the target's correction.
     "draft_token_emitted_unverified": (
-        "                new = verdicts[j].target_ids[: n + 1]\n",
-        "                new = verdicts[j].target_ids[: n + 1]\n"
+        "                new = verdicts[j].target_ids[:keep]\n",
+        "                new = verdicts[j].target_ids[:keep]\n"
         "                if n < len(drafts[j]):\n"
         "                    new = new[:n] + [drafts[j][n]]\n",
     ),

@@ -31,6 +31,7 @@ from trtspec.engines.trtllm.llmapi_fields import (
     LLM_ARGS,
     SAMPLING_PARAMS,
 )
+from trtspec.spec import MAX_DRAFT_LEN_LIMIT
 
 VERSIONS = {"1.2": "1.2.1+trtspec.double", "1.3+": "1.3.0+trtspec.double"}
 
@@ -275,8 +276,8 @@ def _engine(folder: Path, dtype: str, max_seq_len: int, slots: int, trust: bool)
     state = {k: v.to(DTYPES[dtype]).contiguous() for k, v in state.items() if k in keep}
     with torch.no_grad():
         model = DecoderLM.from_state_dict(cfg, state)
-    # TorchEngine reads only these two manifest fields.
-    manifest = SimpleNamespace(limits={"max_seq_len": max_seq_len}, dtype=dtype)
+    # TorchEngine reads only these manifest fields (max_draft_len: how far its slots roll back).
+    manifest = SimpleNamespace(limits={"max_seq_len": max_seq_len}, dtype=dtype, max_draft_len=MAX_DRAFT_LEN_LIMIT)
     return TorchEngine(folder, manifest, model, hf_config, slots)
 
 

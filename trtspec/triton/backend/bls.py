@@ -113,7 +113,7 @@ class BlsVerifier:
                 m = np.asarray(out["output_margins"]).reshape(len(rows), -1)
                 margins = [m[r, : len(ids[r])].tolist() for r in range(len(rows))]
             for r, i in enumerate(rows):
-                verdicts[i] = Verdict(ids[r], margins[r] if margins else None, self.continued)
+                verdicts[i] = Verdict(ids[r], margins[r] if margins else None, continued=self.continued)
         return verdicts  # type: ignore[return-value]
 
 
