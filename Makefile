@@ -68,6 +68,7 @@ bench-eagle3: install weights/smollm2-135m-eagle3-head
 # and ruff's lint rules.
 lint: install
 	$(VENV)/bin/ruff check trtspec tests bench
+	$(VENV)/bin/ruff format --check trtspec tests bench
 	$(VENV)/bin/lint-imports
 
 test: install lint

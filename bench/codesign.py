@@ -70,15 +70,23 @@ def main(argv: list[str] | None = None) -> int:
     stats = compare_methods(dep.verifier(), drafters, requests, forget, args.rounds, progress)
     base = stats[0]
     rows = [s.to_dict(base) for s in stats]
-    report = {"machine": machine_description(), "prompts": len(prompts), "max_tokens": args.max_tokens,
-              "rounds": args.rounds, "eagle3_spec": str(args.eagle3), "draft_target_spec": str(args.draft_target),
-              "command": "python bench/codesign.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "methods": rows}
+    report = {
+        "machine": machine_description(),
+        "prompts": len(prompts),
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "eagle3_spec": str(args.eagle3),
+        "draft_target_spec": str(args.draft_target),
+        "command": "python bench/codesign.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "methods": rows,
+    }
     print(f"{'method':<22}{'tok/s':>8}{'speedup':>9}{'accept':>8}{'len':>6}{'c':>8}  identical")
     for r in rows:
-        print(f"{r['method']:<22}{r['tokens_per_s']:>8.1f}{r.get('speedup', 1.0):>9.2f}"
-              f"{r.get('acceptance_rate', float('nan')):>8.2f}{r.get('mean_acceptance_length', 1.0):>6.2f}"
-              f"{r.get('draft_cost_c', float('nan')):>8.3f}  {r['identical_to_target_only']}")
+        print(
+            f"{r['method']:<22}{r['tokens_per_s']:>8.1f}{r.get('speedup', 1.0):>9.2f}"
+            f"{r.get('acceptance_rate', float('nan')):>8.2f}{r.get('mean_acceptance_length', 1.0):>6.2f}"
+            f"{r.get('draft_cost_c', float('nan')):>8.3f}  {r['identical_to_target_only']}"
+        )
     write_json_atomic(args.out, report)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0 if all(r["identical_to_target_only"] for r in rows) else 1

@@ -24,8 +24,12 @@ import numpy as np
 def _inputs(prompt: str, max_tokens: int, chat: bool, stream: bool = False):
     import tritonclient.grpc as grpcclient
 
-    values = [("text_input", prompt.encode(), "BYTES"), ("max_tokens", max_tokens, "INT32"),
-              ("apply_chat_template", chat, "BOOL"), ("exclude_input_in_output", True, "BOOL")]
+    values = [
+        ("text_input", prompt.encode(), "BYTES"),
+        ("max_tokens", max_tokens, "INT32"),
+        ("apply_chat_template", chat, "BOOL"),
+        ("exclude_input_in_output", True, "BOOL"),
+    ]
     if stream:
         values.append(("stream", True, "BOOL"))
     out = []
@@ -44,8 +48,7 @@ def in_process(dep, prompts, max_tokens):
         req = dep.request(dep.encode(p), max_tokens)
         first: list[float] = []
         start = time.perf_counter()
-        (res,) = dep.generate([req], speculative=True,
-                              on_step=lambda i, e, d: first or first.append(time.perf_counter()))
+        (res,) = dep.generate([req], speculative=True, on_step=lambda i, e, d: first or first.append(time.perf_counter()))
         secs.append(time.perf_counter() - start)
         ttft.append(first[0] - start)
         ids.append(res.output_ids)
@@ -142,8 +145,10 @@ def main() -> None:
             server.stop()
 
     base = statistics.median(t / s for t, s in rows["in-process"])
-    print(f"\n{loaded.spec.name}: {len(prompts)} prompts x {max_tokens} tokens, speculative, "
-          f"median of {args.rounds} rounds; outputs token-identical on every path\n")
+    print(
+        f"\n{loaded.spec.name}: {len(prompts)} prompts x {max_tokens} tokens, speculative, "
+        f"median of {args.rounds} rounds; outputs token-identical on every path\n"
+    )
     print("| path | tokens/round | tokens/s | vs in-process | TTFT median (ms) | TTFT max (ms) |")
     print("|---|---|---|---|---|---|")
     for name, runs in rows.items():

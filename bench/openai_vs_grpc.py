@@ -54,8 +54,13 @@ def _openai_block(base_url, model, prompts, max_tokens, concurrency):
     import openai
 
     async def run():
-        client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600,
-                                    http_client=openai.DefaultAsyncHttpxClient(trust_env=False))
+        client = openai.AsyncOpenAI(
+            base_url=base_url,
+            api_key="unused",
+            max_retries=0,
+            timeout=600,
+            http_client=openai.DefaultAsyncHttpxClient(trust_env=False),
+        )
         queue = list(prompts)
         texts, tokens = {}, 0
 
@@ -64,8 +69,14 @@ def _openai_block(base_url, model, prompts, max_tokens, concurrency):
             while queue:
                 p = queue.pop()
                 text, usage = "", None
-                stream = await client.completions.create(model=model, prompt=p, max_tokens=max_tokens, stream=True,
-                                                         temperature=0, stream_options={"include_usage": True})
+                stream = await client.completions.create(
+                    model=model,
+                    prompt=p,
+                    max_tokens=max_tokens,
+                    stream=True,
+                    temperature=0,
+                    stream_options={"include_usage": True},
+                )
                 async for chunk in stream:
                     if chunk.choices:
                         text += chunk.choices[0].text
@@ -106,8 +117,7 @@ def main() -> None:
     server.start()
     print(f"server ready in {server.wait_ready(600):.1f}s", flush=True)
     (port,) = free_ports(1)
-    front = uvicorn.Server(uvicorn.Config(make_app(repo, server.grpc_endpoint), host="127.0.0.1", port=port,
-                                          log_level="warning"))
+    front = uvicorn.Server(uvicorn.Config(make_app(repo, server.grpc_endpoint), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=front.run, daemon=True)
     thread.start()
     while not front.started:

@@ -40,9 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=Path, default=ROOT / "bench" / "prompts.jsonl")
     ap.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
-    ap.add_argument(
-        "--repeats", type=int, default=1, help="runs per prompt and path; the fastest counts (a busy machine)"
-    )
+    ap.add_argument("--repeats", type=int, default=1, help="runs per prompt and path; the fastest counts (a busy machine)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "peers.md")
     args = ap.parse_args(argv)
     if args.max_tokens < 1:

@@ -25,15 +25,13 @@ def spec_file(tmp_path_factory, tiny_ckpts):
 def test_run_bench_fills_every_section(built, tmp_path):
     dep = built("same")  # draft == target: every draft accepted
     report = b.BenchReport("tiny", "in-process", b.machine_description(), len(PROMPTS), 12, 3)
-    b.run_bench(b.InProcessBench(dep), report, PROMPTS, [1, 2], [1, 2],
-                lambda k: b.measure_engine_costs(dep, PROMPTS[0], k))
+    b.run_bench(b.InProcessBench(dep), report, PROMPTS, [1, 2], [1, 2], lambda k: b.measure_engine_costs(dep, PROMPTS[0], k))
     assert report.complete
     assert report.target.tokens == report.speculative.tokens == 24
     assert report.metrics.acceptance_rate == 1.0
     assert report.metrics.per_position_rate == [1.0, 1.0, 1.0]
     assert report.costs.target_step > 0 and report.costs.cost_ratio > 0
-    assert report.bound == pytest.approx(
-        4.0 / (3 * report.costs.cost_ratio + report.costs.verify_cost))
+    assert report.bound == pytest.approx(4.0 / (3 * report.costs.cost_ratio + report.costs.verify_cost))
     assert [p.k for p in report.sweep] == [1, 2] and report.recommended_k in (1, 2)
     assert [p.concurrency for p in report.concurrency] == [1, 2]
     assert report.concurrency[1].speculative.tokens == 24

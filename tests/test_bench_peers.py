@@ -34,8 +34,13 @@ def test_every_path_is_in_the_table(tiny_measurement):
     m = tiny_measurement
     keys = [key for key, _ in m.paths]
     assert keys == [
-        "ours_target", "ours_draft_target", "ours_ngram",
-        "hf_target", "hf_assisted", "hf_assisted_default", "hf_prompt_lookup",
+        "ours_target",
+        "ours_draft_target",
+        "ours_ngram",
+        "hf_target",
+        "hf_assisted",
+        "hf_assisted_default",
+        "hf_prompt_lookup",
     ]
     table = render_markdown(m, summarise(m))
     for _, label in m.paths:
@@ -74,9 +79,7 @@ def test_order_rotates_per_prompt_after_one_warm_up_each():
     calls: list[str] = []
     paths = [_fake(k, calls) for k in ("ours_target", "b", "c")]
     measure(paths, _prompts(3), max_tokens=2)
-    assert calls == ["ours_target", "b", "c"] + ["ours_target", "b", "c"] + ["b", "c", "ours_target"] + [
-        "c", "ours_target", "b"
-    ]
+    assert calls == ["ours_target", "b", "c"] + ["ours_target", "b", "c"] + ["b", "c", "ours_target"] + ["c", "ours_target", "b"]
 
 
 def test_interrupt_keeps_the_prompts_every_path_completed():

@@ -13,23 +13,41 @@ from trtspec.errors import RequestError
 from trtspec.triton.backend import contract
 
 UPSTREAM = json.loads((Path(__file__).parent / "data" / "trtllm" / "triton_params.json").read_text())["tensorrt_llm_bls"]
-PLACEHOLDER_TYPES = {"${logits_datatype}": contract.LOGITS_TYPE,
-                     "${prompt_embedding_table_data_type}": contract.PROMPT_TABLE_TYPE}
+PLACEHOLDER_TYPES = {
+    "${logits_datatype}": contract.LOGITS_TYPE,
+    "${prompt_embedding_table_data_type}": contract.PROMPT_TABLE_TYPE,
+}
 
 
 def _upstream(kind):
     out = []
     for t in UPSTREAM[kind]:
         reshape = t.get("reshape")
-        out.append((t["name"], PLACEHOLDER_TYPES.get(t["data_type"], t["data_type"]), tuple(t["dims"]),
-                    t.get("optional", False) if kind == "inputs" else False,
-                    None if reshape is None else tuple(reshape), t.get("allow_ragged_batch", False)))
+        out.append(
+            (
+                t["name"],
+                PLACEHOLDER_TYPES.get(t["data_type"], t["data_type"]),
+                tuple(t["dims"]),
+                t.get("optional", False) if kind == "inputs" else False,
+                None if reshape is None else tuple(reshape),
+                t.get("allow_ragged_batch", False),
+            )
+        )
     return out
 
 
 def _ours(table, outputs=False):
-    return [(t.name, t.data_type, t.dims, False if outputs else t.optional, None if outputs else t.reshape,
-             False if outputs else t.ragged) for t in table]
+    return [
+        (
+            t.name,
+            t.data_type,
+            t.dims,
+            False if outputs else t.optional,
+            None if outputs else t.reshape,
+            False if outputs else t.ragged,
+        )
+        for t in table
+    ]
 
 
 def test_bls_declares_every_upstream_tensor_exactly():
@@ -45,12 +63,38 @@ def test_bls_declares_every_upstream_tensor_exactly():
 def test_ensemble_takes_what_upstream_clients_send():
     names = {t.name for t in contract.ENSEMBLE_INPUTS}
     # What upstream's end_to_end_grpc_client sends to `ensemble` with its default flags and more.
-    sent = {"text_input", "max_tokens", "stream", "beam_width", "temperature", "num_return_sequences",
-            "bad_words", "stop_words", "repetition_penalty", "presence_penalty", "frequency_penalty",
-            "return_log_probs", "return_context_logits", "return_generation_logits", "embedding_bias_words",
-            "embedding_bias_weights", "end_id", "pad_id", "exclude_input_in_output", "lora_weights",
-            "lora_config", "lora_task_id", "return_perf_metrics", "guided_decoding_guide_type",
-            "guided_decoding_guide", "top_k", "top_p", "seed", "min_tokens", "length_penalty"}
+    sent = {
+        "text_input",
+        "max_tokens",
+        "stream",
+        "beam_width",
+        "temperature",
+        "num_return_sequences",
+        "bad_words",
+        "stop_words",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "return_log_probs",
+        "return_context_logits",
+        "return_generation_logits",
+        "embedding_bias_words",
+        "embedding_bias_weights",
+        "end_id",
+        "pad_id",
+        "exclude_input_in_output",
+        "lora_weights",
+        "lora_config",
+        "lora_task_id",
+        "return_perf_metrics",
+        "guided_decoding_guide_type",
+        "guided_decoding_guide",
+        "top_k",
+        "top_p",
+        "seed",
+        "min_tokens",
+        "length_penalty",
+    }
     assert sent <= names
     assert {t.name for t in contract.ENSEMBLE_OUTPUTS} == {t.name for t in contract.BLS_OUTPUTS}
 
@@ -63,11 +107,18 @@ GREEDY_AS_UPSTREAM_SENDS = [
     {"beam_width": _col(1, np.int32), "temperature": _col(1.0, np.float32)},  # client defaults
     {"top_k": _col(1, np.int32), "top_p": _col(0.9, np.float32), "temperature": _col(0.7, np.float32)},
     {"top_k": _col(0, np.int32), "top_p": _col(0.0, np.float32), "seed": _col(7, np.uint64)},
-    {"repetition_penalty": _col(1.0, np.float32), "presence_penalty": _col(0.0, np.float32),
-     "frequency_penalty": _col(0.0, np.float32), "min_tokens": _col(1, np.int32),
-     "length_penalty": _col(1.3, np.float32), "use_draft_logits": np.array([False]),
-     "return_log_probs": np.array([False]), "return_context_logits": np.array([False]),
-     "num_return_sequences": np.array([1], dtype=np.int32), "bad_words": np.array([[b""]], dtype=np.object_)},
+    {
+        "repetition_penalty": _col(1.0, np.float32),
+        "presence_penalty": _col(0.0, np.float32),
+        "frequency_penalty": _col(0.0, np.float32),
+        "min_tokens": _col(1, np.int32),
+        "length_penalty": _col(1.3, np.float32),
+        "use_draft_logits": np.array([False]),
+        "return_log_probs": np.array([False]),
+        "return_context_logits": np.array([False]),
+        "num_return_sequences": np.array([1], dtype=np.int32),
+        "bad_words": np.array([[b""]], dtype=np.object_),
+    },
 ]
 
 
@@ -86,8 +137,13 @@ REFUSED = [
     ({"frequency_penalty": _col(0.5, np.float32)}, "frequency penalty"),
     ({"min_tokens": _col(5, np.int32)}, "min_tokens=5"),
     ({"bad_words": np.array([[b"fox"]], dtype=np.object_)}, "bad_words"),
-    ({"embedding_bias_words": np.array([[b"fox"]], dtype=np.object_),
-      "embedding_bias_weights": np.array([[2.0]], dtype=np.float32)}, "embedding bias"),
+    (
+        {
+            "embedding_bias_words": np.array([[b"fox"]], dtype=np.object_),
+            "embedding_bias_weights": np.array([[2.0]], dtype=np.float32),
+        },
+        "embedding bias",
+    ),
     ({"lora_task_id": np.array([3], dtype=np.uint64)}, "LoRA adapters (lora_task_id)"),
     ({"lora_weights": np.zeros((1, 2, 4), dtype=np.float16)}, "LoRA adapters (lora_weights)"),
     ({"prompt_embedding_table": np.zeros((1, 2, 4), dtype=np.float16)}, "prompt tuning tables"),

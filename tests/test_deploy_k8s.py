@@ -67,8 +67,12 @@ def _versions() -> list[str]:
     return sorted({known[0], DEFAULT_KUBE_VERSION, known[-1]})
 
 
-MODES = [{}, {"engines_from": "image", "engines_image": "registry/engines:1"},
-         {"engines_from": "build", "service_monitor": True}, {"hpa": False, "min_replicas": 3}]
+MODES = [
+    {},
+    {"engines_from": "image", "engines_image": "registry/engines:1"},
+    {"engines_from": "build", "service_monitor": True},
+    {"hpa": False, "min_replicas": 3},
+]
 
 
 @pytest.mark.parametrize("version", _versions())
@@ -90,14 +94,29 @@ def test_every_manifest_passes_the_kubernetes_schemas(tmp_path, backend, mode, v
 def test_shipped_specs_render_valid_manifests(path):
     p = plan_manifests(load_spec(path), K8sOptions())
     files = rendered_files(p, DEFAULT_KUBE_VERSION)
-    assert {yaml.safe_load(t)["kind"] for t in files.values()} >= {"Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget", "ConfigMap"}
+    assert {yaml.safe_load(t)["kind"] for t in files.values()} >= {
+        "Deployment",
+        "Service",
+        "HorizontalPodAutoscaler",
+        "PodDisruptionBudget",
+        "ConfigMap",
+    }
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda d: d["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"].update(pth="/x"), "'pth' was unexpected"),
-    (lambda d: d["spec"]["template"]["spec"]["containers"][0]["ports"][0].update(containerPort="8000"), "is not of type 'integer'"),
-    (lambda d: d["spec"].pop("selector"), "'selector' is a required property"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (
+            lambda d: d["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"].update(pth="/x"),
+            "'pth' was unexpected",
+        ),
+        (
+            lambda d: d["spec"]["template"]["spec"]["containers"][0]["ports"][0].update(containerPort="8000"),
+            "is not of type 'integer'",
+        ),
+        (lambda d: d["spec"].pop("selector"), "'selector' is a required property"),
+    ],
+)
 def test_the_validator_rejects_a_broken_manifest(tmp_path, mutate, message):
     d = copy.deepcopy(plan(spec_file(tmp_path, "torch")).manifests["deployment.yaml"])
     mutate(d)
@@ -123,10 +142,17 @@ def test_probes_and_ports_follow_the_spec(tmp_path):
         get = c[probe]["httpGet"]
         assert (get["path"], named_port(c, get["port"])) == (path, 9100)
     startup = c["startupProbe"]
-    assert startup["periodSeconds"] * startup["failureThreshold"] >= 95 > startup["periodSeconds"] * (startup["failureThreshold"] - 1)
+    assert (
+        startup["periodSeconds"] * startup["failureThreshold"]
+        >= 95
+        > startup["periodSeconds"] * (startup["failureThreshold"] - 1)
+    )
     svc = p.manifests["service.yaml"]["spec"]
     assert [(x["name"], x["port"], named_port(c, x["targetPort"])) for x in svc["ports"]] == [
-        ("http", 9100, 9100), ("grpc", 9101, 9101), ("metrics", 9102, 9102)]
+        ("http", 9100, 9100),
+        ("grpc", 9101, 9101),
+        ("metrics", 9102, 9102),
+    ]
     annotations = p.manifests["deployment.yaml"]["spec"]["template"]["metadata"]["annotations"]
     assert (annotations["prometheus.io/port"], annotations["prometheus.io/path"]) == ("9102", "/metrics")
     # serve gets the spec from the ConfigMap and waits as long as the startup probe allows
@@ -167,8 +193,11 @@ def test_privileged_port_is_refused(tmp_path):
 def test_service_monitor_scrapes_the_metrics_port_of_one_service(tmp_path):
     p = plan(spec_file(tmp_path, "torch"), engines_from="build", service_monitor=True)
     sm = p.manifests["servicemonitor.yaml"]["spec"]
-    selected = [m for m in p.manifests.values() if m["kind"] == "Service"
-                and sm["selector"]["matchLabels"].items() <= m["metadata"]["labels"].items()]
+    selected = [
+        m
+        for m in p.manifests.values()
+        if m["kind"] == "Service" and sm["selector"]["matchLabels"].items() <= m["metadata"]["labels"].items()
+    ]
     assert [s["metadata"]["name"] for s in selected] == ["pair"]  # not the headless twin
     assert sm["endpoints"][0]["port"] in {x["name"] for x in selected[0]["spec"]["ports"]}
 
@@ -186,12 +215,15 @@ def test_torch_specs_request_no_gpu(tmp_path):
     assert gpu_counts(p) == (None, None) and "tolerations" not in p.manifests["deployment.yaml"]["spec"]["template"]["spec"]
 
 
-@pytest.mark.parametrize("target, draft, gpus", [
-    ({}, {}, 1),  # target, control and draft share GPU 0
-    ({"tp_size": 2}, {}, 2),
-    ({"tp_size": 2, "gpu_device_ids": [0, 1]}, {"gpu_device_ids": [2]}, 3),
-    ({"tp_size": 4, "pp_size": 2}, {"tp_size": 2}, 8),
-])
+@pytest.mark.parametrize(
+    "target, draft, gpus",
+    [
+        ({}, {}, 1),  # target, control and draft share GPU 0
+        ({"tp_size": 2}, {}, 2),
+        ({"tp_size": 2, "gpu_device_ids": [0, 1]}, {"gpu_device_ids": [2]}, 3),
+        ({"tp_size": 4, "pp_size": 2}, {"tp_size": 2}, 8),
+    ],
+)
 def test_trtllm_gpus_follow_tp_pp_and_device_ids(tmp_path, target, draft, gpus):
     # The legacy engine runtime places the draft on its own GPUs (the LLM API runs it in the
     # target's ranks, so a draft with its own parallelism exists only there).
@@ -205,11 +237,14 @@ def test_build_init_container_gets_the_same_gpus(tmp_path):
     assert init["resources"]["limits"][GPU_RESOURCE] == "2"
 
 
-@pytest.mark.parametrize("target, draft, options, message", [
-    ({"gpu_device_ids": [0]}, {"gpu_device_ids": [3]}, {}, r"GPU ids \[0, 3\], but a pod sees its GPUs as 0..N-1"),
-    ({"tp_size": 8, "pp_size": 2}, {}, {}, "needs 16 GPUs in one pod .* a node has 8"),
-    ({"tp_size": 4}, {}, {"gpus_per_node": 2}, "needs 4 GPUs in one pod .* a node has 2"),
-])
+@pytest.mark.parametrize(
+    "target, draft, options, message",
+    [
+        ({"gpu_device_ids": [0]}, {"gpu_device_ids": [3]}, {}, r"GPU ids \[0, 3\], but a pod sees its GPUs as 0..N-1"),
+        ({"tp_size": 8, "pp_size": 2}, {}, {}, "needs 16 GPUs in one pod .* a node has 8"),
+        ({"tp_size": 4}, {}, {"gpus_per_node": 2}, "needs 4 GPUs in one pod .* a node has 2"),
+    ],
+)
 def test_gpu_counts_the_pod_cannot_satisfy_are_refused(tmp_path, target, draft, options, message):
     with pytest.raises(TrtspecError, match=message):
         plan(spec_file(tmp_path, target=target, draft=draft, trtllm={"runtime": "engine", "line": "1.2"}), **options)
@@ -242,7 +277,9 @@ def test_pdb_never_blocks_a_drain_and_selects_the_pods(tmp_path):
     p = plan(spec_file(tmp_path, "torch"))
     pdb = p.manifests["pdb.yaml"]["spec"]
     assert pdb["maxUnavailable"] == 1
-    assert pdb["selector"]["matchLabels"].items() <= p.manifests["deployment.yaml"]["spec"]["template"]["metadata"]["labels"].items()
+    assert (
+        pdb["selector"]["matchLabels"].items() <= p.manifests["deployment.yaml"]["spec"]["template"]["metadata"]["labels"].items()
+    )
 
 
 def test_build_mode_is_a_statefulset_with_a_claim_per_pod(tmp_path):
@@ -285,7 +322,14 @@ def test_dry_run_prints_every_manifest_and_writes_nothing(tmp_path):
     r = runner.invoke(app, ["deploy", "k8s", str(spec_file(tmp_path, "torch")), "--out", str(out), "--dry-run"])
     assert r.exit_code == 0, r.output
     docs = [d for d in yaml.safe_load_all(r.stdout) if d]
-    assert [d["kind"] for d in docs] == ["ConfigMap", "Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget", "Kustomization"]
+    assert [d["kind"] for d in docs] == [
+        "ConfigMap",
+        "Deployment",
+        "Service",
+        "HorizontalPodAutoscaler",
+        "PodDisruptionBudget",
+        "Kustomization",
+    ]
     assert not out.exists()
 
 
@@ -328,15 +372,18 @@ def test_an_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["pair.yaml"]
 
 
-@pytest.mark.parametrize("spec_sections, args, message", [
-    ({"serve": {"http_port": 9000, "grpc_port": 9000}}, [], "http_port, grpc_port and metrics_port must differ"),
-    ({"target": {"gpu_device_ids": [2]}}, [], "a pod sees its GPUs as 0..N-1"),
-    ({"target": {"tp_size": 4}}, ["--gpus-per-node", "2"], "needs 4 GPUs in one pod"),
-    ({}, ["--kube-version", "1.12"], "unknown Kubernetes version '1.12'"),
-    ({}, ["--memory", "lots"], "--memory: 'lots' is not a Kubernetes quantity"),
-    ({}, ["--min-replicas", "5", "--max-replicas", "2"], "min_replicas (5) exceeds max_replicas (2)"),
-    ({}, ["--engines-from", "image"], "engines_from image needs engines_image"),
-])
+@pytest.mark.parametrize(
+    "spec_sections, args, message",
+    [
+        ({"serve": {"http_port": 9000, "grpc_port": 9000}}, [], "http_port, grpc_port and metrics_port must differ"),
+        ({"target": {"gpu_device_ids": [2]}}, [], "a pod sees its GPUs as 0..N-1"),
+        ({"target": {"tp_size": 4}}, ["--gpus-per-node", "2"], "needs 4 GPUs in one pod"),
+        ({}, ["--kube-version", "1.12"], "unknown Kubernetes version '1.12'"),
+        ({}, ["--memory", "lots"], "--memory: 'lots' is not a Kubernetes quantity"),
+        ({}, ["--min-replicas", "5", "--max-replicas", "2"], "min_replicas (5) exceeds max_replicas (2)"),
+        ({}, ["--engines-from", "image"], "engines_from image needs engines_image"),
+    ],
+)
 def test_bad_input_one_message_exit_2_nothing_written(tmp_path, spec_sections, args, message):
     out = tmp_path / "k8s"
     spec = spec_file(tmp_path, **spec_sections)

@@ -58,8 +58,13 @@ def test_pod_command_serves_the_probes_and_exports_the_hpa_metric(tmp_path, tiny
     c = pod["spec"]["containers"][0]
 
     scratch = tmp_path / "scratch"
-    mapping = {f"{SPEC_DIR}/spec.yaml": str(spec), "0.0.0.0": "127.0.0.1", ENGINES_DIR: str(loaded.output_dir()),
-               REPO_DIR: str(scratch / "model_repo"), f"{SCRATCH_DIR}/tritonserver.log": str(scratch / "tritonserver.log")}
+    mapping = {
+        f"{SPEC_DIR}/spec.yaml": str(spec),
+        "0.0.0.0": "127.0.0.1",
+        ENGINES_DIR: str(loaded.output_dir()),
+        REPO_DIR: str(scratch / "model_repo"),
+        f"{SCRATCH_DIR}/tritonserver.log": str(scratch / "tritonserver.log"),
+    }
     assert set(mapping) <= set(c["command"]), "the pod command changed: update this mapping"
     argv = [mapping.get(a, a) for a in c["command"]]
     argv[0] = str(Path(sys.executable).with_name("trtspec"))
@@ -91,8 +96,12 @@ def test_pod_command_serves_the_probes_and_exports_the_hpa_metric(tmp_path, tiny
             assert any(line.startswith(f'{QUEUE_METRIC}{{model="{model}"') for line in text.splitlines()), (model, text[:2000])
 
         # the other series the README says to watch
-        for name in ("nv_inference_request_success", "nv_inference_request_failure",
-                     "nv_inference_queue_duration_us", "nv_inference_compute_infer_duration_us"):
+        for name in (
+            "nv_inference_request_success",
+            "nv_inference_request_failure",
+            "nv_inference_queue_duration_us",
+            "nv_inference_compute_infer_duration_us",
+        ):
             assert any(line.startswith(f'{name}{{model="{BLS}"') for line in text.splitlines()), name
 
         # Kubernetes stops a pod with SIGTERM: serve must stop the server and every stub in time.

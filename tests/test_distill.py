@@ -17,9 +17,16 @@ from trtspec.spec import load_spec
 
 runner = CliRunner()
 PROMPTS = [
-    "The quick brown fox", "Speculative decoding makes", "def fibonacci(n):", "Summarise the following text",
-    "Triton serves models", "Pack my box with", "Rewrite the paragraph", "TensorRT-LLM builds engines",
-    "A small draft model proposes", "The large target model checks",
+    "The quick brown fox",
+    "Speculative decoding makes",
+    "def fibonacci(n):",
+    "Summarise the following text",
+    "Triton serves models",
+    "Pack my box with",
+    "Rewrite the paragraph",
+    "TensorRT-LLM builds engines",
+    "A small draft model proposes",
+    "The large target model checks",
 ]
 
 
@@ -30,13 +37,13 @@ def prompts_file(folder: Path, prompts=PROMPTS) -> Path:
 
 
 def eagle_spec(folder: Path, target: Path) -> Path:
-    return write_spec(folder, {"target": target, "head": folder / "head"}, "head",
-                      **{"speculative.method": "eagle3"})
+    return write_spec(folder, {"target": target, "head": folder / "head"}, "head", **{"speculative.method": "eagle3"})
 
 
 def small_opts(folder: Path, **kw) -> DistillOptions:
-    base = dict(prompts=prompts_file(folder), max_steps=6, eval_every=3, max_tokens=12, draft_vocab=120,
-                batch_size=4, held_out=0.2)
+    base = dict(
+        prompts=prompts_file(folder), max_steps=6, eval_every=3, max_tokens=12, draft_vocab=120, batch_size=4, held_out=0.2
+    )
     base.update(kw)
     return DistillOptions(**base)
 
@@ -101,8 +108,9 @@ def test_a_trained_head_beats_an_untrained_one(tmp_path, tiny_ckpts):
     # The untrained head: the same initialisation, vocabulary and layers, no training step.
     d2t = load_file(str(tmp_path / "head" / "model.safetensors"))["d2t"]
     hf = AutoConfig.from_pretrained(target)
-    untrained, config = new_head(hf, target_lm_head(tmp_path / "engines" / "target"), (0, 1),
-                                 (torch.arange(len(d2t)) + d2t).tolist(), seed=0)
+    untrained, config = new_head(
+        hf, target_lm_head(tmp_path / "engines" / "target"), (0, 1), (torch.arange(len(d2t)) + d2t).tolist(), seed=0
+    )
     save_head(tmp_path / "head", untrained, config)
     before = acceptance(tmp_path / "head")
     assert trained > before + 0.3, (trained, before)
@@ -119,12 +127,15 @@ def test_existing_output_without_force(tmp_path, tiny_ckpts):
     assert "already exists; pass --force" in r.output
 
 
-@pytest.mark.parametrize("content, message", [
-    ("", "holds 0 prompt(s); distill needs at least 2"),
-    ('{"prompt": "only one"}\n', "holds 1 prompt(s)"),
-    (b"\xff\xfe\x00garbage", "is not UTF-8 text"),
-    ('{"text": "no prompt key"}\n', 'expected {"prompt": "<non-empty text>"}'),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("", "holds 0 prompt(s); distill needs at least 2"),
+        ('{"prompt": "only one"}\n', "holds 1 prompt(s)"),
+        (b"\xff\xfe\x00garbage", "is not UTF-8 text"),
+        ('{"text": "no prompt key"}\n', 'expected {"prompt": "<non-empty text>"}'),
+    ],
+)
 def test_bad_prompts_file(tmp_path, tiny_ckpts, content, message):
     spec = eagle_spec(tmp_path, tiny_ckpts["target"])
     path = tmp_path / "bad.jsonl"
@@ -135,12 +146,15 @@ def test_bad_prompts_file(tmp_path, tiny_ckpts, content, message):
     assert not (tmp_path / "head").exists()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--prompts", "missing.jsonl"], "does not exist"),
-    (["--resume"], "--resume: no checkpoint"),
-    (["--time-budget", "ten minutes"], "--time-budget takes a positive duration"),
-    (["--layers", "0,x"], "--layers takes comma-separated"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompts", "missing.jsonl"], "does not exist"),
+        (["--resume"], "--resume: no checkpoint"),
+        (["--time-budget", "ten minutes"], "--time-budget takes a positive duration"),
+        (["--layers", "0,x"], "--layers takes comma-separated"),
+    ],
+)
 def test_bad_flags(tmp_path, tiny_ckpts, args, message):
     spec = eagle_spec(tmp_path, tiny_ckpts["target"])
     r = runner.invoke(app, ["distill", str(spec), *args])

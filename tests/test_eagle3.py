@@ -23,12 +23,20 @@ runner = CliRunner()
 # The names TensorRT-LLM (modeling_speculative.py@00679c66), vLLM (llama_eagle3.py@00bd1493)
 # and SGLang (llama_eagle3.py@03d5a777) read from an EAGLE-3 head (../shared/reference/codesign.md).
 LOADER_TENSORS = {
-    "fc.weight", "norm.weight", "lm_head.weight", "d2t",
-    "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
+    "fc.weight",
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "midlayer.hidden_norm.weight",
+    "midlayer.input_layernorm.weight",
     "midlayer.post_attention_layernorm.weight",
-    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
-    "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
-    "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
 }
 DRAFT_IDS = list(range(7, 300, 2))  # a reduced, non-contiguous draft vocabulary
 
@@ -37,8 +45,9 @@ def random_head(target: Path, out: Path, seed: int = 0, scale: float = 0.3, draf
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(target)
-    head, config = new_head(hf, target_lm_head(target), default_layer_ids(hf.num_hidden_layers),
-                            list(draft_ids), seed, scale=scale)
+    head, config = new_head(
+        hf, target_lm_head(target), default_layer_ids(hf.num_hidden_layers), list(draft_ids), seed, scale=scale
+    )
     save_head(out, head, config)
     return out
 
@@ -143,16 +152,20 @@ def _edited_head(src: Path, dst: Path, **changes) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"trtspec__target_layer_ids": [0, 5], "eagle_aux_hidden_state_layer_ids": [1, 6]},
-     "reads layer id(s) [5], the target has layers 0..1"),
-    ({"vocab_size": 512}, "maps into a vocabulary of 512, the target's has 400"),
-    ({"trtspec__target_num_layers": 30}, "made for a target of 30 layers, this one has 2"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            {"trtspec__target_layer_ids": [0, 5], "eagle_aux_hidden_state_layer_ids": [1, 6]},
+            "reads layer id(s) [5], the target has layers 0..1",
+        ),
+        ({"vocab_size": 512}, "maps into a vocabulary of 512, the target's has 400"),
+        ({"trtspec__target_num_layers": 30}, "made for a target of 30 layers, this one has 2"),
+    ],
+)
 def test_check_refuses_a_head_for_another_target(tmp_path, tiny_ckpts, heads, changes, message):
     bad = _edited_head(heads["random"], tmp_path / "bad-head", **changes)
-    spec = write_spec(tmp_path, {"target": tiny_ckpts["target"], "head": bad}, "head",
-                      **{"speculative.method": "eagle3"})
+    spec = write_spec(tmp_path, {"target": tiny_ckpts["target"], "head": bad}, "head", **{"speculative.method": "eagle3"})
     r = runner.invoke(app, ["check", str(spec)])
     assert r.exit_code == 2, r.output
     assert "this EAGLE-3 head was made for another target" in r.output
@@ -164,8 +177,9 @@ def test_check_refuses_a_head_for_another_target(tmp_path, tiny_ckpts, heads, ch
 
 def test_check_refuses_a_head_for_a_wider_target(tmp_path, tiny_ckpts, heads):
     # The exact head was made for the one-hot bigram target (hidden 400), not the tiny one (64).
-    spec = write_spec(tmp_path, {"target": tiny_ckpts["target"], "head": heads["exact"]}, "head",
-                      **{"speculative.method": "eagle3"})
+    spec = write_spec(
+        tmp_path, {"target": tiny_ckpts["target"], "head": heads["exact"]}, "head", **{"speculative.method": "eagle3"}
+    )
     r = runner.invoke(app, ["check", str(spec)])
     assert r.exit_code == 2
     assert "it reads hidden size 400, the target's is 64" in r.output
@@ -179,8 +193,9 @@ def test_check_refuses_a_plain_model_as_head(tmp_path, tiny_ckpts):
 
 
 def test_check_accepts_a_head_made_for_the_target(tmp_path, tiny_ckpts, heads):
-    spec = write_spec(tmp_path, {"target": tiny_ckpts["target"], "head": heads["random"]}, "head",
-                      **{"speculative.method": "eagle3"})
+    spec = write_spec(
+        tmp_path, {"target": tiny_ckpts["target"], "head": heads["random"]}, "head", **{"speculative.method": "eagle3"}
+    )
     r = runner.invoke(app, ["check", str(spec), "--json"])
     assert r.exit_code == 0, r.output
     rows = {m["role"]: m for m in json.loads(r.stdout)["models"]}
@@ -259,8 +274,7 @@ def test_drafter_chain_equals_the_unrolled_training_steps(eagle_deploy):
     def unrolled(context, drafts):
         s = capture(target, context, drafts)
         with torch.no_grad():
-            lg = unrolled_logits(head.head, target.model.model.embed_tokens, collate([s], 1000), k,
-                                 target.cos, target.sin)
+            lg = unrolled_logits(head.head, target.model.model.embed_tokens, collate([s], 1000), k, target.cos, target.sin)
         n = len(context)
         return [int(head.head.to_target_ids(torch.argmax(lg[j][0, n - 2 + j]).view(1))) for j in range(k)]
 
@@ -301,8 +315,11 @@ def _eagle_orchestrator(dep, log=None):
     target = TorchEngine.load(engines / "target")
     target.capture_features(dep.head.cfg.layer_ids)
     lim = dep.spec.limits("target")
-    core = EngineCore(target.run, Limits(target.vocab_size, target.max_seq_len, dep.spec.speculative.max_draft_len,
-                                         max_batch_size=lim.max_batch_size), features_of=target.features_of)
+    core = EngineCore(
+        target.run,
+        Limits(target.vocab_size, target.max_seq_len, dep.spec.speculative.max_draft_len, max_batch_size=lim.max_batch_size),
+        features_of=target.features_of,
+    )
 
     def call(model, inputs, names):
         assert model == "tensorrt_llm"  # no draft engine model: the head runs in the orchestrator
@@ -315,9 +332,17 @@ def _eagle_orchestrator(dep, log=None):
 
     s = dep.spec
     settings = OrchestratorSettings(
-        mode="speculative", decoupled=False, target_model="tensorrt_llm", draft_model=None, method="eagle3",
-        default_draft_tokens=s.speculative.default_draft_tokens, max_ngram=3, min_ngram=1, limits=dep.limits,
-        eagle3_head_dir=str(engines / "draft"), eagle3_target_dir=str(engines / "target"),
+        mode="speculative",
+        decoupled=False,
+        target_model="tensorrt_llm",
+        draft_model=None,
+        method="eagle3",
+        default_draft_tokens=s.speculative.default_draft_tokens,
+        max_ngram=3,
+        min_ngram=1,
+        limits=dep.limits,
+        eagle3_head_dir=str(engines / "draft"),
+        eagle3_target_dir=str(engines / "target"),
     )
     orch = Orchestrator(settings, call, dep.tokenizer, dep.end_ids)
 
@@ -359,8 +384,9 @@ def test_compare_methods_over_one_target(eagle_deploy):
 
     dep = eagle_deploy("exact", target="bigram-target")
     reqs = [dep.request(dep.encode(p), 20, 0) for p in ["The quick brown fox", "Pack my box"]]
-    stats = compare_methods(dep.verifier(), {"eagle3": (dep.drafter, 4), "ngram": (NgramDrafter, 4)},
-                            reqs, dep.forget_prefixes, rounds=1)
+    stats = compare_methods(
+        dep.verifier(), {"eagle3": (dep.drafter, 4), "ngram": (NgramDrafter, 4)}, reqs, dep.forget_prefixes, rounds=1
+    )
     base, eagle, ngram = stats
     assert [s.name for s in stats] == ["target-only", "eagle3", "ngram"]
     assert base.tokens == eagle.tokens == ngram.tokens == 40
@@ -379,7 +405,24 @@ def test_verify_and_bench_commands_on_an_eagle3_spec(eagle_deploy, tmp_path):
     data = json.loads(report.read_text())
     assert data["identical"] and data["metrics"]["accepted"] == data["metrics"]["drafted"] > 0
     bench = tmp_path / "bench.json"
-    r = runner.invoke(app, ["bench", spec, "-p", "The quick brown fox", "--max-tokens", "12", "--sweep", "none",
-                            "-c", "1", "--out", str(tmp_path / "bench"), "--json-file", str(bench)])
+    r = runner.invoke(
+        app,
+        [
+            "bench",
+            spec,
+            "-p",
+            "The quick brown fox",
+            "--max-tokens",
+            "12",
+            "--sweep",
+            "none",
+            "-c",
+            "1",
+            "--out",
+            str(tmp_path / "bench"),
+            "--json-file",
+            str(bench),
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert json.loads(bench.read_text())["metrics"]["drafted"] > 0

@@ -37,8 +37,7 @@ def eagle_served(tmp_path_factory, tiny_ckpts):
     root = tmp_path_factory.mktemp("eagle-serve")
     target = make_bigram_target(root / "target", tiny_ckpts["target"])
     head = make_exact_head(target, root / "head")
-    loaded = load_spec(write_spec(root / "spec", {"target": target, "head": head}, "head",
-                                  **{"speculative.method": "eagle3"}))
+    loaded = load_spec(write_spec(root / "spec", {"target": target, "head": head}, "head", **{"speculative.method": "eagle3"}))
     build(loaded, loaded.output_dir())
     repo = write_repository(loaded, loaded.output_dir(), root / "repo")
     server = TritonServer.for_repository(repo, cache_root=root / "backend-cache")
@@ -57,9 +56,14 @@ def _bls(prompt: str, k: int, max_tokens: int = 30):
         x.set_data_from_numpy(arr)
         return x
 
-    return [t("text_input", prompt.encode(), "BYTES"), t("max_tokens", max_tokens, "INT32"),
-            t("num_draft_tokens", k, "INT32"), t("apply_chat_template", True, "BOOL"),
-            t("exclude_input_in_output", True, "BOOL"), t("return_perf_metrics", True, "BOOL")]
+    return [
+        t("text_input", prompt.encode(), "BYTES"),
+        t("max_tokens", max_tokens, "INT32"),
+        t("num_draft_tokens", k, "INT32"),
+        t("apply_chat_template", True, "BOOL"),
+        t("exclude_input_in_output", True, "BOOL"),
+        t("return_perf_metrics", True, "BOOL"),
+    ]
 
 
 @pytest.mark.server
@@ -92,8 +96,21 @@ def test_served_eagle3_equals_in_process_and_accepts_every_draft(eagle_served):
 def test_verify_url_on_eagle3(eagle_served, tmp_path):
     loaded, _, server, _ = eagle_served
     report = tmp_path / "report.json"
-    r = CliRunner().invoke(app, ["verify", str(loaded.path), "--url", server.grpc_endpoint, "-p", PROMPTS[0],
-                                 "--max-tokens", "16", "--json-file", str(report)])
+    r = CliRunner().invoke(
+        app,
+        [
+            "verify",
+            str(loaded.path),
+            "--url",
+            server.grpc_endpoint,
+            "-p",
+            PROMPTS[0],
+            "--max-tokens",
+            "16",
+            "--json-file",
+            str(report),
+        ],
+    )
     assert r.exit_code == 0, r.output
     data = json.loads(report.read_text())
     assert data["identical"] and data["metrics"]["drafted"] > 0

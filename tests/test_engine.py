@@ -38,10 +38,8 @@ def test_greedy_matches_transformers_generate(dep, hf_target):
     prompt = dep.encode("The quick brown fox", chat_template=False)
     (res,) = dep.generate([dep.request(prompt, 24)], speculative=False)
     with torch.no_grad():
-        out = hf_target.generate(
-            torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-    assert res.output_ids == out[0, len(prompt):].tolist()
+        out = hf_target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert res.output_ids == out[0, len(prompt) :].tolist()
 
 
 def test_prefix_cache_gives_same_logits_as_fresh(dep):

@@ -84,8 +84,10 @@ def test_engine_dry_run_refuses_custom_code_the_spec_does_not_trust(tmp_path):
     path.write_text(yaml.safe_dump(data))
     r = CliRunner().invoke(app, ["build", str(path), "--dry-run"])
     assert r.exit_code == 2
-    assert (f"target: {target} ships custom code (auto_map in config.json, configuration_evil.py) and the "
-            "spec does not trust it; TensorRT-LLM would run it.") in r.stderr
+    assert (
+        f"target: {target} ships custom code (auto_map in config.json, configuration_evil.py) and the "
+        "spec does not trust it; TensorRT-LLM would run it."
+    ) in r.stderr
     assert "set target.trust_remote_code: true" in r.stderr
 
 
@@ -179,8 +181,7 @@ class FakeTensorrtllm:
                 more["request_output_len"] = np.array([[want - len(ids)]], dtype=np.int32)
                 extra = self._one(model, more)
                 ids += extra["output_ids"].reshape(-1).tolist()[: int(extra["sequence_length"].reshape(-1)[0])]
-            return {"output_ids": np.array([[ids]], dtype=np.int32),
-                    "sequence_length": np.array([[len(ids)]], dtype=np.int32)}
+            return {"output_ids": np.array([[ids]], dtype=np.int32), "sequence_length": np.array([[len(ids)]], dtype=np.int32)}
         finally:
             with self.lock:
                 self.in_flight -= 1
@@ -204,10 +205,18 @@ def _trtllm_orchestrator(dep, mode, fake, per_row=True, continued=True):
 
     spec = dep.spec
     settings = OrchestratorSettings(
-        mode=mode, decoupled=False, target_model="tensorrt_llm", draft_model="tensorrt_llm_draft",
-        method=spec.speculative.method, default_draft_tokens=spec.speculative.default_draft_tokens,
-        max_ngram=spec.speculative.max_ngram, min_ngram=spec.speculative.min_ngram, limits=dep.limits,
-        draft_vocab_limit=dep.target.vocab_size, margins_supported=False, target_continues=continued,
+        mode=mode,
+        decoupled=False,
+        target_model="tensorrt_llm",
+        draft_model="tensorrt_llm_draft",
+        method=spec.speculative.method,
+        default_draft_tokens=spec.speculative.default_draft_tokens,
+        max_ngram=spec.speculative.max_ngram,
+        min_ngram=spec.speculative.min_ngram,
+        limits=dep.limits,
+        draft_vocab_limit=dep.target.vocab_size,
+        margins_supported=False,
+        target_continues=continued,
     )
     call = split_rows(fake.call_many) if per_row else fake.call
     return Orchestrator(settings, call, dep.tokenizer, dep.end_ids)
@@ -256,8 +265,7 @@ def test_speculative_keeps_what_the_target_decoded_after_a_rejection(built):
     calls = {}
     for continued in (False, True):
         fake = FakeTensorrtllm(_cores(dep))
-        answers = _trtllm_orchestrator(dep, "speculative", fake, continued=continued).run(
-            [_request(p, 32) for p in PROMPTS])
+        answers = _trtllm_orchestrator(dep, "speculative", fake, continued=continued).run([_request(p, 32) for p in PROMPTS])
         assert [_ids(a) for a in answers] == [_expected(dep, p, 32) for p in PROMPTS]
         calls[continued] = sum(1 for m, _, _ in fake.log if m == "tensorrt_llm")
     # tokens the target produced are no longer thrown away and asked for again

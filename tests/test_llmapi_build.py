@@ -45,25 +45,30 @@ def test_engine_runtime_names_the_versions_it_needs(tmp_path, tiny_ckpts):
         "(top level): trtllm.runtime engine needs TensorRT-LLM 1.2.x or older (trtllm-build and "
         "the tensorrtllm Triton backend were removed in 1.3); set trtllm.line: '1.2' or use "
         "trtllm.runtime: llmapi (needs TensorRT-LLM 1.2.x (trtllm.line: '1.2') or 1.3 and later "
-        "(trtllm.line: '1.3+'))")
+        "(trtllm.line: '1.3+'))"
+    )
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    ({"speculative.num_draft_tokens": 2}, "speculative.num_draft_tokens: the LLM API drafts max_draft_len"),
-    ({"speculative.use_draft_logits": True}, "speculative.use_draft_logits: trtspec certifies greedy"),
-    ({"draft.tp_size": 2, "target.tp_size": 2}, "draft.tp_size/pp_size/gpu_device_ids: under trtllm.runtime llmapi"),
-    ({"trtllm.max_num_tokens": 8}, "trtllm.max_num_tokens (8) is below build.max_input_len (256)"),
-    ({"trtllm.line": "1.4"}, "trtllm.line: Input should be '1.2' or '1.3+'"),
-    ({"trtllm.runtime": "tensorrt"}, "trtllm.runtime: Input should be 'llmapi' or 'engine'"),
-    ({"trtllm.speculative_model": "x"}, "trtllm.speculative_model: unknown key; remove or rename it (allowed: runtime, line"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        ({"speculative.num_draft_tokens": 2}, "speculative.num_draft_tokens: the LLM API drafts max_draft_len"),
+        ({"speculative.use_draft_logits": True}, "speculative.use_draft_logits: trtspec certifies greedy"),
+        ({"draft.tp_size": 2, "target.tp_size": 2}, "draft.tp_size/pp_size/gpu_device_ids: under trtllm.runtime llmapi"),
+        ({"trtllm.max_num_tokens": 8}, "trtllm.max_num_tokens (8) is below build.max_input_len (256)"),
+        ({"trtllm.line": "1.4"}, "trtllm.line: Input should be '1.2' or '1.3+'"),
+        ({"trtllm.runtime": "tensorrt"}, "trtllm.runtime: Input should be 'llmapi' or 'engine'"),
+        ({"trtllm.speculative_model": "x"}, "trtllm.speculative_model: unknown key; remove or rename it (allowed: runtime, line"),
+    ],
+)
 def test_llmapi_spec_refusals(tmp_path, tiny_ckpts, overrides, needle):
     assert needle in spec_error(tmp_path, tiny_ckpts, **overrides)
 
 
 def test_eagle3_needs_a_head_and_not_the_legacy_engine_runtime(tmp_path, tiny_ckpts):
     assert "method eagle3 needs `draft`: the EAGLE-3 head folder" in spec_error(
-        tmp_path / "a", tiny_ckpts, draft=None, **{"speculative.method": "eagle3"})
+        tmp_path / "a", tiny_ckpts, draft=None, **{"speculative.method": "eagle3"}
+    )
     # (backend torch runs eagle3 heads itself: tests/test_eagle3.py)
     engine_msg = spec_error(tmp_path / "c", tiny_ckpts, **{"speculative.method": "eagle3", "trtllm.runtime": "engine"})
     assert "speculative.method eagle3: trtllm.runtime engine builds draft_target pairs only" in engine_msg
@@ -83,13 +88,21 @@ def test_every_decoding_type_we_write_is_in_the_line_inventory():
 
 
 def test_the_inventory_check_catches_unknown_and_misspelt_keys():
-    args = {"model": "m", "max_batch_sizes": 4, "kv_cache_config": {"enable_block_reuse": True, "reuse": 1},
-            "speculative_config": {"decoding_type": "Draft_Target", "max_draft_len": 4}}
+    args = {
+        "model": "m",
+        "max_batch_sizes": 4,
+        "kv_cache_config": {"enable_block_reuse": True, "reuse": 1},
+        "speculative_config": {"decoding_type": "Draft_Target", "max_draft_len": 4},
+    }
     assert [str(u) for u in unknown_keys(args, "1.2")] == [
-        "max_batch_sizes (TensorRT-LLM 1.2)", "kv_cache_config.reuse (TensorRT-LLM 1.2)",
-        "speculative_config.decoding_type=Draft_Target (TensorRT-LLM 1.2)"]
+        "max_batch_sizes (TensorRT-LLM 1.2)",
+        "kv_cache_config.reuse (TensorRT-LLM 1.2)",
+        "speculative_config.decoding_type=Draft_Target (TensorRT-LLM 1.2)",
+    ]
     assert [str(u) for u in unknown_keys(args, "1.3+")] == [
-        "max_batch_sizes (TensorRT-LLM 1.3+)", "kv_cache_config.reuse (TensorRT-LLM 1.3+)"]
+        "max_batch_sizes (TensorRT-LLM 1.3+)",
+        "kv_cache_config.reuse (TensorRT-LLM 1.3+)",
+    ]
 
 
 @pytest.mark.parametrize("line", LINES)
@@ -163,8 +176,9 @@ def test_eagle3_takes_an_eagle3_head_and_refuses_a_plain_model(tmp_path, tiny_ck
     cfg = json.loads((head / "config.json").read_text())
     cfg["architectures"] = ["LlamaForCausalLMEagle3"]
     (head / "config.json").write_text(json.dumps(cfg))
-    loaded = load_spec(write_spec(tmp_path / "head-spec", {**tiny_ckpts, "head": head}, "head",
-                                  **(LLMAPI | {"speculative.method": "eagle3"})))
+    loaded = load_spec(
+        write_spec(tmp_path / "head-spec", {**tiny_ckpts, "head": head}, "head", **(LLMAPI | {"speculative.method": "eagle3"}))
+    )
     build(loaded, loaded.output_dir())
     sc = yaml.safe_load((loaded.output_dir() / "llmapi" / "speculative.yaml").read_text())["speculative_config"]
     assert sc == {"decoding_type": "Eagle", "max_draft_len": 8, "speculative_model": str(head)}

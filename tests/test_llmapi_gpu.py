@@ -43,8 +43,7 @@ def spec_path(request, tmp_path_factory) -> Path:
         "target": {"path": str(folders["target"]), "dtype": "float16"},
         "speculative": {"method": request.param, "max_draft_len": 4},
         "build": {"max_batch_size": 4, "max_input_len": 256, "max_seq_len": 512},
-        "verify": {"prompts": ["The quick brown fox", "def fibonacci(n):"], "max_tokens": 32,
-                   "chat_template": False},
+        "verify": {"prompts": ["The quick brown fox", "def fibonacci(n):"], "max_tokens": 32, "chat_template": False},
         "output_dir": str(tmp / "engines"),
         "serve": {"repo_dir": str(tmp / "repo")},
     }

@@ -30,9 +30,14 @@ MAX_TOKENS = 20
 @pytest.fixture(scope="session")
 def llmapi_built(tmp_path_factory, tiny_ckpts):
     folder = tmp_path_factory.mktemp("llmapi")
-    loaded = load_spec(write_spec(folder, tiny_ckpts, backend="trtllm",
-                                  **{"speculative.num_draft_tokens": None, "verify.max_tokens": MAX_TOKENS,
-                                     "trtllm.line": "1.3+"}))
+    loaded = load_spec(
+        write_spec(
+            folder,
+            tiny_ckpts,
+            backend="trtllm",
+            **{"speculative.num_draft_tokens": None, "verify.max_tokens": MAX_TOKENS, "trtllm.line": "1.3+"},
+        )
+    )
     build(loaded, loaded.output_dir())
     return loaded
 
@@ -45,27 +50,52 @@ def llmapi_dep(llmapi_built):
 # ------------------------------------------------------------------ the double is strict
 
 
-@pytest.mark.parametrize("line, kwargs, needle", [
-    ("1.2", {"model": "m", "max_batch_sizes": 2}, "LLM: max_batch_sizes: Extra inputs are not permitted (TensorRT-LLM 1.2)"),
-    ("1.3+", {"model": "m", "fail_fast_on_attention_window_too_large": True},
-     "fail_fast_on_attention_window_too_large: Extra inputs are not permitted (TensorRT-LLM 1.3+)"),
-    ("1.2", {"model": "m", "kv_cache_config": {"disk_cache_size": 1}}, "KvCacheConfig: disk_cache_size: Extra inputs"),
-])
+@pytest.mark.parametrize(
+    "line, kwargs, needle",
+    [
+        ("1.2", {"model": "m", "max_batch_sizes": 2}, "LLM: max_batch_sizes: Extra inputs are not permitted (TensorRT-LLM 1.2)"),
+        (
+            "1.3+",
+            {"model": "m", "fail_fast_on_attention_window_too_large": True},
+            "fail_fast_on_attention_window_too_large: Extra inputs are not permitted (TensorRT-LLM 1.3+)",
+        ),
+        ("1.2", {"model": "m", "kv_cache_config": {"disk_cache_size": 1}}, "KvCacheConfig: disk_cache_size: Extra inputs"),
+    ],
+)
 def test_double_llm_refuses_fields_its_line_lacks(line, kwargs, needle):
     with pytest.raises(ValueError, match="Extra inputs") as info:
         double_api(line).LLM(**kwargs)
     assert needle in str(info.value)
 
 
-@pytest.mark.parametrize("line, cfg, needle", [
-    ("1.2", {"decoding_type": "Draft_Target", "max_draft_len": 4, "speculative_model": "d"}, "Invalid decoding type: Draft_Target (TensorRT-LLM 1.2)"),
-    ("1.3+", {"decoding_type": "DraftTarget", "max_draft_len": 4, "speculative_model": "d"}, "Invalid decoding type: DraftTarget (TensorRT-LLM 1.3+)"),
-    ("1.2", {"decoding_type": "Eagle3", "max_draft_len": 4, "speculative_model": "d"}, "Invalid decoding type: Eagle3"),
-    ("1.3+", {"decoding_type": "Draft_Target", "max_draft_len": 4}, "speculative_model must be specified for Draft_Target"),
-    ("1.2", {"decoding_type": "NGram", "max_draft_len": 4}, "max_matching_ngram_size must be > 0 for NGram (TensorRT-LLM 1.2)"),
-    ("1.3+", {"decoding_type": "NGram", "max_draft_len": 0, "max_matching_ngram_size": 2}, "max_draft_len must be > 0 for NGram"),
-    ("1.3+", {"decoding_type": "NGram", "max_draft_len": 2, "num_draft_tokens": 2}, "num_draft_tokens: Extra inputs"),
-])
+@pytest.mark.parametrize(
+    "line, cfg, needle",
+    [
+        (
+            "1.2",
+            {"decoding_type": "Draft_Target", "max_draft_len": 4, "speculative_model": "d"},
+            "Invalid decoding type: Draft_Target (TensorRT-LLM 1.2)",
+        ),
+        (
+            "1.3+",
+            {"decoding_type": "DraftTarget", "max_draft_len": 4, "speculative_model": "d"},
+            "Invalid decoding type: DraftTarget (TensorRT-LLM 1.3+)",
+        ),
+        ("1.2", {"decoding_type": "Eagle3", "max_draft_len": 4, "speculative_model": "d"}, "Invalid decoding type: Eagle3"),
+        ("1.3+", {"decoding_type": "Draft_Target", "max_draft_len": 4}, "speculative_model must be specified for Draft_Target"),
+        (
+            "1.2",
+            {"decoding_type": "NGram", "max_draft_len": 4},
+            "max_matching_ngram_size must be > 0 for NGram (TensorRT-LLM 1.2)",
+        ),
+        (
+            "1.3+",
+            {"decoding_type": "NGram", "max_draft_len": 0, "max_matching_ngram_size": 2},
+            "max_draft_len must be > 0 for NGram",
+        ),
+        ("1.3+", {"decoding_type": "NGram", "max_draft_len": 2, "num_draft_tokens": 2}, "num_draft_tokens: Extra inputs"),
+    ],
+)
 def test_double_speculative_config_follows_each_lines_rules(line, cfg, needle):
     with pytest.raises(ValueError) as info:
         double_api(line).update_llm_args_with_extra_dict({}, {"model": "m", "speculative_config": cfg})
@@ -82,8 +112,13 @@ def test_double_sampling_params_refuse_unknown_and_non_greedy():
 
 def test_double_refuses_eagle3_instead_of_pretending(tiny_ckpts):
     a = double_api("1.3+")
-    args = a.update_llm_args_with_extra_dict({}, {"model": str(tiny_ckpts["target"]), "speculative_config": {
-        "decoding_type": "Eagle3", "max_draft_len": 3, "speculative_model": str(tiny_ckpts["draft"])}})
+    args = a.update_llm_args_with_extra_dict(
+        {},
+        {
+            "model": str(tiny_ckpts["target"]),
+            "speculative_config": {"decoding_type": "Eagle3", "max_draft_len": 3, "speculative_model": str(tiny_ckpts["draft"])},
+        },
+    )
     with pytest.raises(NotImplementedError, match="EAGLE-3 needs the target's hidden states"):
         a.LLM(**args)
 
@@ -164,10 +199,12 @@ def test_served_endpoints_match_in_process_token_ids(llmapi_served, llmapi_dep):
         got = {}
         for model in ("tensorrt_llm_bls", "target_only"):
             inputs = []
-            for name, value, dtype in (("text_input", np.array([[prompt.encode()]], dtype=np.object_), "BYTES"),
-                                       ("max_tokens", np.array([[MAX_TOKENS]], dtype=np.int32), "INT32"),
-                                       ("exclude_input_in_output", np.array([[True]]), "BOOL"),
-                                       ("return_perf_metrics", np.array([[True]]), "BOOL")):
+            for name, value, dtype in (
+                ("text_input", np.array([[prompt.encode()]], dtype=np.object_), "BYTES"),
+                ("max_tokens", np.array([[MAX_TOKENS]], dtype=np.int32), "INT32"),
+                ("exclude_input_in_output", np.array([[True]]), "BOOL"),
+                ("return_perf_metrics", np.array([[True]]), "BOOL"),
+            ):
                 t = grpcclient.InferInput(name, list(value.shape), dtype)
                 t.set_data_from_numpy(value)
                 inputs.append(t)
@@ -196,8 +233,10 @@ def test_a_bad_request_is_refused_and_the_server_carries_on(llmapi_served):
 
     def ask(max_tokens):
         inputs = []
-        for name, value, dtype in (("text_input", np.array([[b"hello"]], dtype=np.object_), "BYTES"),
-                                   ("max_tokens", np.array([[max_tokens]], dtype=np.int32), "INT32")):
+        for name, value, dtype in (
+            ("text_input", np.array([[b"hello"]], dtype=np.object_), "BYTES"),
+            ("max_tokens", np.array([[max_tokens]], dtype=np.int32), "INT32"),
+        ):
             t = grpcclient.InferInput(name, list(value.shape), dtype)
             t.set_data_from_numpy(value)
             inputs.append(t)

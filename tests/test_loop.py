@@ -63,10 +63,7 @@ class NoisyDrafter(PerfectDrafter):
         self.p, self.rng = p, random.Random(seed)
 
     def propose(self, contexts, ks):
-        return [
-            [t if self.rng.random() < self.p else (t + 1) % VOCAB for t in d]
-            for d in super().propose(contexts, ks)
-        ]
+        return [[t if self.rng.random() < self.p else (t + 1) % VOCAB for t in d] for d in super().propose(contexts, ks)]
 
 
 def run(drafter, k, max_tokens=40, end_ids=frozenset(), stops=(), prompt=(1, 2, 3)):

@@ -90,8 +90,9 @@ def joint_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     keep = e > 0
     chi2 = float(((o[keep] - e[keep]) ** 2 / e[keep]).sum())
     dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
-                                         torch.tensor(chi2 / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), torch.tensor(chi2 / 2, dtype=torch.float64))
+    )
 
 
 PARAMS = [SamplingParams(1.0, seed=1), SamplingParams(0.7, top_k=4, seed=2), SamplingParams(1.3, top_p=0.8, seed=3)]
@@ -99,8 +100,13 @@ PARAMS = [SamplingParams(1.0, seed=1), SamplingParams(0.7, top_k=4, seed=2), Sam
 
 @pytest.mark.parametrize(
     "drafter, params",
-    [(MarkovDrafter(), PARAMS[0]), (MarkovDrafter(), PARAMS[1]), (MarkovDrafter(), PARAMS[2]),
-     (LookupDrafter(), PARAMS[0]), (NoDrafter(), PARAMS[0])],
+    [
+        (MarkovDrafter(), PARAMS[0]),
+        (MarkovDrafter(), PARAMS[1]),
+        (MarkovDrafter(), PARAMS[2]),
+        (LookupDrafter(), PARAMS[0]),
+        (NoDrafter(), PARAMS[0]),
+    ],
     ids=["draft-t1", "draft-t0.7-topk4", "draft-t1.3-topp0.8", "point-mass-t1", "target-only-t1"],
 )
 def test_speculative_sampling_draws_the_target_joint(drafter, params):

@@ -43,10 +43,13 @@ from trtspec.triton.repository.writer import write_repository  # noqa: E402
 from trtspec.triton.server.install import find_tritonserver  # noqa: E402
 from trtspec.triton.server.process import TritonServer, free_ports  # noqa: E402
 
-PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Triton serves models over HTTP and gRPC.",
-           "Summarise the following text in one sentence."]
+PROMPTS = [
+    "The quick brown fox",
+    "def fibonacci(n):",
+    "Triton serves models over HTTP and gRPC.",
+    "Summarise the following text in one sentence.",
+]
 MAX_TOKENS = 24
-
 
 
 @pytest.fixture(scope="session")
@@ -92,16 +95,23 @@ def _t(name, value, datatype, shape=None):
     if datatype == "BYTES":
         arr = np.array(value if shape == "raw" else [[value]], dtype=np.object_)
     else:
-        arr = np.asarray(value if shape == "raw" else [[value]], dtype={"INT32": np.int32, "INT64": np.int64, "BOOL": np.bool_, "FP32": np.float32}[datatype])
+        arr = np.asarray(
+            value if shape == "raw" else [[value]],
+            dtype={"INT32": np.int32, "INT64": np.int64, "BOOL": np.bool_, "FP32": np.float32}[datatype],
+        )
     tensor = grpcclient.InferInput(name, list(arr.shape), datatype)
     tensor.set_data_from_numpy(arr)
     return tensor
 
 
 def _bls(prompt, max_tokens=MAX_TOKENS, k=None, **flags):
-    inputs = [_t("text_input", prompt.encode(), "BYTES"), _t("max_tokens", max_tokens, "INT32"),
-              _t("apply_chat_template", True, "BOOL"), _t("exclude_input_in_output", True, "BOOL"),
-              _t("return_perf_metrics", True, "BOOL")]
+    inputs = [
+        _t("text_input", prompt.encode(), "BYTES"),
+        _t("max_tokens", max_tokens, "INT32"),
+        _t("apply_chat_template", True, "BOOL"),
+        _t("exclude_input_in_output", True, "BOOL"),
+        _t("return_perf_metrics", True, "BOOL"),
+    ]
     if k is not None:
         inputs.append(_t("num_draft_tokens", k, "INT32"))
     inputs += [_t(name, v, "BOOL") for name, v in flags.items()]
@@ -237,8 +247,9 @@ def test_streaming_yields_the_unary_tokens_step_by_step(served, deployment):
 def test_concurrent_clients_all_match_target_only(served, deployment):
     _, dep = deployment
     expected = {p: _reference(dep, p, speculative=False).output_ids for p in PROMPTS}
-    jobs = [(kind, PROMPTS[i % len(PROMPTS)], [None, 1, 4, 8][i % 4])
-            for i, kind in enumerate(["unary", "stream", "control"] * 4)]  # 12 in flight
+    jobs = [
+        (kind, PROMPTS[i % len(PROMPTS)], [None, 1, 4, 8][i % 4]) for i, kind in enumerate(["unary", "stream", "control"] * 4)
+    ]  # 12 in flight
     outputs: dict[int, list[int]] = {}
     errors = []
     barrier = threading.Barrier(len(jobs))
@@ -268,8 +279,16 @@ def test_concurrent_clients_all_match_target_only(served, deployment):
 @pytest.mark.server
 def test_generate_endpoint_answers_json(served, deployment):
     _, dep = deployment
-    body = json.dumps({"text_input": PROMPTS[0], "max_tokens": 12, "stop_words": "", "exclude_input_in_output": True,
-                       "return_perf_metrics": True, "apply_chat_template": True}).encode()
+    body = json.dumps(
+        {
+            "text_input": PROMPTS[0],
+            "max_tokens": 12,
+            "stop_words": "",
+            "exclude_input_in_output": True,
+            "return_perf_metrics": True,
+            "apply_chat_template": True,
+        }
+    ).encode()
     req = urllib.request.Request(f"http://{served.http_endpoint}/v2/models/{BLS}/generate", data=body, method="POST")
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(req, timeout=60) as resp:
@@ -303,9 +322,11 @@ def _with_stops(dep, prompt, stop_ids):
 
 def _engine(ids=(5, 6, 7), lengths=None, out_len=2, draft=None, raw=None):
     raw = raw or {}
-    inputs = [raw.get("input_ids") or _t("input_ids", [list(ids)], "INT32", "raw"),
-              raw.get("input_lengths") or _t("input_lengths", [[len(ids) if lengths is None else lengths]], "INT32", "raw"),
-              _t("request_output_len", out_len, "INT32")]
+    inputs = [
+        raw.get("input_ids") or _t("input_ids", [list(ids)], "INT32", "raw"),
+        raw.get("input_lengths") or _t("input_lengths", [[len(ids) if lengths is None else lengths]], "INT32", "raw"),
+        _t("request_output_len", out_len, "INT32"),
+    ]
     if draft is not None:
         inputs.append(_t("draft_input_ids", [list(draft)], "INT32", "raw"))
     return inputs
@@ -339,7 +360,11 @@ BAD_REQUESTS = [
     (BLS, lambda: _bls("hi") + [_t("end_id", 123456, "INT32")], "end_id 123456 is outside the vocabulary"),
     (BLS, lambda: _bls("hi") + [_t("pad_id", -1, "INT32")], "pad_id -1 is outside the vocabulary"),
     (BLS, lambda: _bls("hi", stream=True), "stream=true needs the decoupled model"),
-    (BLS, lambda: [_t("text_input", [[b"a"]] * 5, "BYTES", "raw"), _t("max_tokens", [[4]] * 5, "INT32", "raw")], "batch-size must be <= 4"),
+    (
+        BLS,
+        lambda: [_t("text_input", [[b"a"]] * 5, "BYTES", "raw"), _t("max_tokens", [[4]] * 5, "INT32", "raw")],
+        "batch-size must be <= 4",
+    ),
     (BLS, lambda: [_t("text_input", [[b"a"], [b"b"]], "BYTES", "raw"), _t("max_tokens", [[4]], "INT32", "raw")], "batch size"),
     (BLS_STREAMING, lambda: _bls("hi"), "decoupled"),
     (TARGET, lambda: _engine(ids=(5, 6, 99999)), "token id 99999 is outside the vocabulary"),
@@ -388,19 +413,32 @@ def test_bad_requests_get_clear_errors_while_others_are_served(served, deploymen
 
 # What TensorRT-LLM's triton_backend client end_to_end_grpc_client.py requests (written here
 # from its behaviour, not copied): text_output, plus these with --return-perf-metrics.
-UPSTREAM_PERF_OUTPUTS = ["kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks",
-                         "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns",
-                         "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens"]
+UPSTREAM_PERF_OUTPUTS = [
+    "kv_cache_alloc_new_blocks",
+    "kv_cache_reused_blocks",
+    "kv_cache_alloc_total_blocks",
+    "arrival_time_ns",
+    "first_scheduled_time_ns",
+    "first_token_time_ns",
+    "last_token_time_ns",
+    "acceptance_rate",
+    "total_accepted_draft_tokens",
+    "total_draft_tokens",
+]
 
 
 def _as_upstream_client(endpoint, model, prompt, streaming=False, perf=False, max_tokens=MAX_TOKENS, **extra):
     """The tensors upstream's end_to_end_grpc_client sends with its defaults (beam_width 1,
     temperature 1.0, exclude_input_in_output false), always over the gRPC stream API, one
     [[value]] per input; returns the responses (or raises the first error)."""
-    arrays = {"text_input": np.array([[prompt]]).astype(object), "max_tokens": np.array([[max_tokens]], dtype=np.int32),
-              "stream": np.array([[streaming]], dtype=bool), "beam_width": np.array([[1]], dtype=np.int32),
-              "temperature": np.array([[1.0]], dtype=np.float32),
-              "exclude_input_in_output": np.array([[False]], dtype=bool)}
+    arrays = {
+        "text_input": np.array([[prompt]]).astype(object),
+        "max_tokens": np.array([[max_tokens]], dtype=np.int32),
+        "stream": np.array([[streaming]], dtype=bool),
+        "beam_width": np.array([[1]], dtype=np.int32),
+        "temperature": np.array([[1.0]], dtype=np.float32),
+        "exclude_input_in_output": np.array([[False]], dtype=bool),
+    }
     if perf:
         arrays["return_perf_metrics"] = np.array([[True]], dtype=bool)
     arrays |= extra
@@ -453,13 +491,16 @@ def test_upstream_client_streams_from_the_ensemble(served, deployment):
 
 
 @pytest.mark.server
-@pytest.mark.parametrize(("model", "extra", "message"), [
-    ("ensemble", {"beam_width": np.array([[2]], dtype=np.int32)}, "beam search (beam_width=2) is not supported"),
-    (BLS, {"top_k": np.array([[40]], dtype=np.int32)}, "sampling (top_k=40"),
-    (CONTROL, {"lora_task_id": np.array([[1]], dtype=np.uint64)}, "LoRA adapters (lora_task_id)"),
-    ("ensemble", {"repetition_penalty": np.array([[1.3]], dtype=np.float32)}, "repetition penalty"),
-    (BLS, {"guided_decoding_guide_type": np.array([[b"json"]], dtype=object)}, "guided decoding"),
-])
+@pytest.mark.parametrize(
+    ("model", "extra", "message"),
+    [
+        ("ensemble", {"beam_width": np.array([[2]], dtype=np.int32)}, "beam search (beam_width=2) is not supported"),
+        (BLS, {"top_k": np.array([[40]], dtype=np.int32)}, "sampling (top_k=40"),
+        (CONTROL, {"lora_task_id": np.array([[1]], dtype=np.uint64)}, "LoRA adapters (lora_task_id)"),
+        ("ensemble", {"repetition_penalty": np.array([[1.3]], dtype=np.float32)}, "repetition penalty"),
+        (BLS, {"guided_decoding_guide_type": np.array([[b"json"]], dtype=object)}, "guided decoding"),
+    ],
+)
 def test_upstream_fields_trtspec_lacks_are_named_errors(served, model, extra, message):
     with pytest.raises(InferenceServerException) as err:
         _as_upstream_client(served.grpc_endpoint, model, PROMPTS[0], **extra)
@@ -487,8 +528,9 @@ def openai_url(served, deployment):
 
     loaded, _ = deployment
     (port,) = free_ports(1)
-    server = uvicorn.Server(uvicorn.Config(make_app(loaded.base_dir / "repo", served.grpc_endpoint),
-                                           host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(make_app(loaded.base_dir / "repo", served.grpc_endpoint), host="127.0.0.1", port=port, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -504,8 +546,9 @@ def openai_url(served, deployment):
 def oai(openai_url):
     openai = pytest.importorskip("openai")
     # trust_env=False: never route loopback traffic through a proxy from the environment.
-    return openai.OpenAI(base_url=openai_url, api_key="unused", max_retries=0, timeout=120,
-                         http_client=openai.DefaultHttpxClient(trust_env=False))
+    return openai.OpenAI(
+        base_url=openai_url, api_key="unused", max_retries=0, timeout=120, http_client=openai.DefaultHttpxClient(trust_env=False)
+    )
 
 
 def _name(deployment):
@@ -543,8 +586,11 @@ def test_openai_chat_streams_the_same_text_with_usage(oai, deployment):
     ref = dep.generate([dep.request(dep.encode(prompt, chat_template=True), MAX_TOKENS)], speculative=True)[0]
     whole = oai.chat.completions.create(model=_name(deployment), messages=messages, max_tokens=MAX_TOKENS)
     assert whole.choices[0].message.content == dep.decode(ref.output_ids)
-    chunks = list(oai.chat.completions.create(model=_name(deployment), messages=messages, max_tokens=MAX_TOKENS,
-                                              stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        oai.chat.completions.create(
+            model=_name(deployment), messages=messages, max_tokens=MAX_TOKENS, stream=True, stream_options={"include_usage": True}
+        )
+    )
     deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
     assert "".join(deltas) == dep.decode(ref.output_ids)
     assert sum(1 for d in deltas if d) > 1  # really streamed, step by step
@@ -559,7 +605,7 @@ def test_openai_stop_ends_before_the_stop_text(oai, deployment, stream):
     _, dep = deployment
     prompt = PROMPTS[2]
     full = dep.decode(dep.generate([dep.request(dep.encode(prompt, chat_template=False), MAX_TOKENS)])[0].output_ids)
-    stop = full[len(full) // 2: len(full) // 2 + 3]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
     assert stop.strip(), "pick a stop string inside the text"
     kw = {"model": _name(deployment), "prompt": prompt, "max_tokens": MAX_TOKENS, "stop": [stop]}
     if stream:
@@ -574,15 +620,18 @@ def test_openai_stop_ends_before_the_stop_text(oai, deployment, stream):
 
 
 @pytest.mark.server
-@pytest.mark.parametrize(("kw", "status", "message"), [
-    ({"temperature": 0.8}, 400, "sampling (temperature=0.8) is not supported"),
-    ({"n": 2}, 400, "n=2 is not supported"),
-    ({"presence_penalty": 0.5}, 400, "presence_penalty is not supported"),
-    ({"logprobs": 2}, 400, "logprobs is not supported"),
-    ({"extra_body": {"guided_json": {}}}, 400, "guided_json is not supported by trtspec"),
-    ({"model": "gpt-4"}, 404, "model 'gpt-4' does not exist"),
-    ({"max_tokens": 10_000}, 400, "max_tokens"),
-])
+@pytest.mark.parametrize(
+    ("kw", "status", "message"),
+    [
+        ({"temperature": 0.8}, 400, "sampling (temperature=0.8) is not supported"),
+        ({"n": 2}, 400, "n=2 is not supported"),
+        ({"presence_penalty": 0.5}, 400, "presence_penalty is not supported"),
+        ({"logprobs": 2}, 400, "logprobs is not supported"),
+        ({"extra_body": {"guided_json": {}}}, 400, "guided_json is not supported by trtspec"),
+        ({"model": "gpt-4"}, 404, "model 'gpt-4' does not exist"),
+        ({"max_tokens": 10_000}, 400, "max_tokens"),
+    ],
+)
 def test_openai_errors_have_openai_shape_and_name_the_field(oai, deployment, kw, status, message):
     openai = pytest.importorskip("openai")
     args = {"model": _name(deployment), "prompt": PROMPTS[0], "max_tokens": 8} | kw
@@ -602,8 +651,22 @@ def test_verify_url_reports_identical(served, deployment, tmp_path, stream):
     loaded, _ = deployment
     report = tmp_path / "report.json"
     junit = tmp_path / "verify.xml"
-    args = ["verify", str(loaded.path), "--url", served.grpc_endpoint, "-p", PROMPTS[0], "-p", PROMPTS[1],
-            "--max-tokens", "16", "--json-file", str(report), "--junit", str(junit)] + (["--stream"] if stream else [])
+    args = [
+        "verify",
+        str(loaded.path),
+        "--url",
+        served.grpc_endpoint,
+        "-p",
+        PROMPTS[0],
+        "-p",
+        PROMPTS[1],
+        "--max-tokens",
+        "16",
+        "--json-file",
+        str(report),
+        "--junit",
+        str(junit),
+    ] + (["--stream"] if stream else [])
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     data = json.loads(report.read_text())
@@ -622,9 +685,27 @@ def test_verify_url_unreachable_is_one_clear_error(deployment):
 
 def test_bench_url_measures_served_repository(served, deployment, tmp_path):
     loaded, _ = deployment
-    result = CliRunner().invoke(app, ["bench", str(loaded.path), "--url", served.grpc_endpoint, "-p", PROMPTS[0],
-                                      "-p", PROMPTS[1], "--max-tokens", "8", "--sweep", "2", "-c", "1,2",
-                                      "--out", str(tmp_path)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            str(loaded.path),
+            "--url",
+            served.grpc_endpoint,
+            "-p",
+            PROMPTS[0],
+            "-p",
+            PROMPTS[1],
+            "--max-tokens",
+            "8",
+            "--sweep",
+            "2",
+            "-c",
+            "1,2",
+            "--out",
+            str(tmp_path),
+        ],
+    )
     assert result.exit_code == 0, result.output
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["complete"] and data["mode"] == f"grpc://{served.grpc_endpoint}"
@@ -713,8 +794,13 @@ def test_serve_detach_then_stop_leaves_nothing(deployment, tmp_path, backend_cac
 def test_serve_forwards_signals_and_stops_every_stub(deployment, tmp_path, backend_cache, sig, code):
     repo = _engine_only_repo(deployment, tmp_path)
     env = dict(os.environ, TRTSPEC_CACHE_DIR=str(backend_cache))
-    proc = subprocess.Popen([sys.executable, "-m", "trtspec", "serve", str(repo), *_port_args()],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trtspec", "serve", str(repo), *_port_args()],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     try:
         line = ""
         deadline = time.monotonic() + 120

@@ -26,8 +26,12 @@ def _cores(dep):
     t, d = dep.target, dep.draft
     lim = dep.spec.limits("target")
     return {
-        "tensorrt_llm": EngineCore(t.run, Limits(t.vocab_size, t.max_seq_len, dep.spec.speculative.max_draft_len, max_batch_size=lim.max_batch_size)),
-        "tensorrt_llm_draft": EngineCore(d.run, Limits(d.vocab_size, d.max_seq_len, 0, max_batch_size=lim.max_batch_size), min(t.vocab_size, d.vocab_size)),
+        "tensorrt_llm": EngineCore(
+            t.run, Limits(t.vocab_size, t.max_seq_len, dep.spec.speculative.max_draft_len, max_batch_size=lim.max_batch_size)
+        ),
+        "tensorrt_llm_draft": EngineCore(
+            d.run, Limits(d.vocab_size, d.max_seq_len, 0, max_batch_size=lim.max_batch_size), min(t.vocab_size, d.vocab_size)
+        ),
     }
 
 
@@ -46,9 +50,15 @@ def _call(cores, log=None):
 def _orchestrator(dep, mode="speculative", decoupled=False, log=None):
     spec = dep.spec
     settings = OrchestratorSettings(
-        mode=mode, decoupled=decoupled, target_model="tensorrt_llm", draft_model="tensorrt_llm_draft",
-        method=spec.speculative.method, default_draft_tokens=spec.speculative.default_draft_tokens,
-        max_ngram=spec.speculative.max_ngram, min_ngram=spec.speculative.min_ngram, limits=dep.limits,
+        mode=mode,
+        decoupled=decoupled,
+        target_model="tensorrt_llm",
+        draft_model="tensorrt_llm_draft",
+        method=spec.speculative.method,
+        default_draft_tokens=spec.speculative.default_draft_tokens,
+        max_ngram=spec.speculative.max_ngram,
+        min_ngram=spec.speculative.min_ngram,
+        limits=dep.limits,
         draft_vocab_limit=dep.target.vocab_size,
     )
     return Orchestrator(settings, _call(_cores(dep), log), dep.tokenizer, dep.end_ids)
@@ -92,8 +102,11 @@ def test_engine_decode_batches_ragged_jobs_and_stops_after_end_id(built):
 def test_engine_core_answers_each_request_or_its_own_error(built):
     dep = built()
     core = _cores(dep)["tensorrt_llm"]
-    good = {"input_ids": np.array([[5, 6, 7]], dtype=np.int32), "input_lengths": np.array([[3]], dtype=np.int32),
-            "request_output_len": np.array([[2]], dtype=np.int32)}
+    good = {
+        "input_ids": np.array([[5, 6, 7]], dtype=np.int32),
+        "input_lengths": np.array([[3]], dtype=np.int32),
+        "request_output_len": np.array([[2]], dtype=np.int32),
+    }
     bad = good | {"input_ids": np.array([[5, 6, 9999]], dtype=np.int32)}
     answers = core.infer([good, bad, good | {"exclude_input_in_output": np.array([[True]])}])
     assert answers[0]["output_ids"].shape == (1, 1, 5) and answers[0]["sequence_length"].tolist() == [[5]]

@@ -124,8 +124,10 @@ def test_load_models_requires_explicit_mode() -> None:
     with pytest.raises(ServerError, match="model_control_mode='explicit'"):
         ServerCommand(binary=Path("tritonserver"), model_repository=Path("r"), load_models=["a"])
     argv = ServerCommand(
-        binary=Path("tritonserver"), model_repository=Path("r"),
-        model_control_mode="explicit", load_models=["a"],
+        binary=Path("tritonserver"),
+        model_repository=Path("r"),
+        model_control_mode="explicit",
+        load_models=["a"],
     ).argv()
     assert "--load-model=a" in argv and "--http-address=127.0.0.1" in argv
 
@@ -153,7 +155,9 @@ def test_package_folder_named_triton_does_not_break_torch_dynamo() -> None:
     # A top-level folder named `triton` in the cwd shadows OpenAI Triton for torch._dynamo.
     subprocess.run(
         [sys.executable, "-c", "import trtspec.triton.server.process, torch._dynamo"],
-        cwd=REPO_ROOT, check=True, timeout=300,
+        cwd=REPO_ROOT,
+        check=True,
+        timeout=300,
     )
 
 
@@ -221,7 +225,6 @@ def _add_model(repo: Path, cfg: ModelConfig, source: str) -> None:
     pbtxt.write(cfg, repo / cfg.name / "config.pbtxt")
     (repo / cfg.name / "1").mkdir(parents=True, exist_ok=True)
     (repo / cfg.name / "1" / "model.py").write_text(textwrap.dedent(source))
-
 
 
 @pytest.fixture(scope="module")

@@ -34,8 +34,9 @@ def plan_for(name: str, tmp_path: Path):
     loaded = load_spec(SPECS / f"{name}.yaml")
     folders = {role: trtllm_build._config_folder(loaded, role) for role in loaded.spec.models()}
     configs = {role: trtllm_build._read_config(role, f, False) for role, f in folders.items()}
-    return trtllm_build.make_plan(loaded, tmp_path / name, False, folders, configs,
-                                  python="python3", examples="/opt/trtllm/examples")
+    return trtllm_build.make_plan(
+        loaded, tmp_path / name, False, folders, configs, python="python3", examples="/opt/trtllm/examples"
+    )
 
 
 def inventory(cmd: Command) -> dict:
@@ -88,15 +89,15 @@ def test_target_control_and_draft_flags(tmp_path):
         assert "--gather_generation_logits" not in flags  # greedy acceptance: no logits
         assert "--gather_context_logits" not in flags  # an error with max_draft_len > 0
     # the control is the target minus exactly the speculative flags
-    assert {k: v for k, v in target.items() if k not in ("--speculative_decoding_mode", "--max_draft_len", "--output_dir")} \
-        == {k: v for k, v in control.items() if k != "--output_dir"}
+    assert {k: v for k, v in target.items() if k not in ("--speculative_decoding_mode", "--max_draft_len", "--output_dir")} == {
+        k: v for k, v in control.items() if k != "--output_dir"
+    }
     assert "--speculative_decoding_mode" not in draft
 
 
 def test_draft_logits_are_refused_not_silently_built(tmp_path):
     """use_draft_logits once changed build flags but nothing at serving time: now refused."""
-    data = (SPECS / "trtllm-fp8.yaml").read_text().replace(
-        "speculative:\n", "speculative:\n  use_draft_logits: true\n")
+    data = (SPECS / "trtllm-fp8.yaml").read_text().replace("speculative:\n", "speculative:\n  use_draft_logits: true\n")
     path = tmp_path / "spec.yaml"
     path.write_text(data.replace("path: ../", f"path: {SPECS.parent}/"))
     with pytest.raises(SpecError, match="speculative.use_draft_logits: trtspec certifies greedy token identity"):
@@ -114,8 +115,7 @@ def test_tp_sharding_reaches_convert_and_workers(tmp_path):
 # -- bad input: exit 2, exact messages -------------------------------------------------------
 
 
-def write_spec(tmp_path: Path, target: str, draft: str, extra: str = "", target_extra: str = "",
-               draft_extra: str = "") -> Path:
+def write_spec(tmp_path: Path, target: str, draft: str, extra: str = "", target_extra: str = "", draft_extra: str = "") -> Path:
     text = (
         "name: bad\nbackend: trtllm\ntrtllm: {runtime: engine}\n"
         f"target:\n  path: {HF / target}\n  dtype: bfloat16\n{target_extra}"
@@ -144,8 +144,7 @@ def test_unsupported_family(tmp_path):
 def test_quantization_not_supported_by_family():
     spec = load_spec(SPECS / "trtllm-1gpu.yaml").spec
     spec = spec.model_copy(update={"target": spec.target.model_copy(update={"quantization": "int4_awq"})})
-    mixtral = SimpleNamespace(model_type="mixtral", num_attention_heads=32, num_key_value_heads=8,
-                              num_hidden_layers=32)
+    mixtral = SimpleNamespace(model_type="mixtral", num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=32)
     with pytest.raises(TrtspecError) as info:
         check_model(spec, "target", mixtral)
     assert info.value.exit_code == 2
@@ -156,17 +155,13 @@ def test_quantization_not_supported_by_family():
 
 
 def test_tp_not_dividing_heads(tmp_path):
-    err = dry_run_error(write_spec(tmp_path, "qwen2.5-7b-instruct", "qwen2.5-0.5b-instruct",
-                                   target_extra="  tp_size: 3\n"))
-    assert str(err) == (
-        "target.tp_size: 3 does not divide num_attention_heads (28); use one of 1, 2, 4, 7, 14, 28"
-    )
+    err = dry_run_error(write_spec(tmp_path, "qwen2.5-7b-instruct", "qwen2.5-0.5b-instruct", target_extra="  tp_size: 3\n"))
+    assert str(err) == ("target.tp_size: 3 does not divide num_attention_heads (28); use one of 1, 2, 4, 7, 14, 28")
 
 
 def test_tp_not_fitting_kv_heads(tmp_path):
     # Qwen2.5-7B: 28 heads (divisible by 14) but 4 KV heads (14 neither divides nor is a multiple)
-    err = dry_run_error(write_spec(tmp_path, "qwen2.5-7b-instruct", "qwen2.5-0.5b-instruct",
-                                   target_extra="  tp_size: 14\n"))
+    err = dry_run_error(write_spec(tmp_path, "qwen2.5-7b-instruct", "qwen2.5-0.5b-instruct", target_extra="  tp_size: 14\n"))
     assert str(err) == (
         "target.tp_size: 14 neither divides nor is a multiple of num_key_value_heads (4); "
         "use a tp_size among 1, 2, 4 or a multiple of 4"
@@ -174,14 +169,12 @@ def test_tp_not_fitting_kv_heads(tmp_path):
 
 
 def test_pp_not_dividing_layers(tmp_path):
-    err = dry_run_error(write_spec(tmp_path, "llama-3.1-8b-instruct", "llama-3.2-1b-instruct",
-                                   target_extra="  pp_size: 3\n"))
+    err = dry_run_error(write_spec(tmp_path, "llama-3.1-8b-instruct", "llama-3.2-1b-instruct", target_extra="  pp_size: 3\n"))
     assert str(err) == "target.pp_size: 3 does not divide num_hidden_layers (32); use one of 1, 2, 4, 8, 16, 32"
 
 
 def test_draft_spread_wider_than_target(tmp_path):
-    err = dry_run_error(write_spec(tmp_path, "llama-3.1-8b-instruct", "llama-3.2-1b-instruct",
-                                   draft_extra="  tp_size: 2\n"))
+    err = dry_run_error(write_spec(tmp_path, "llama-3.1-8b-instruct", "llama-3.2-1b-instruct", draft_extra="  tp_size: 2\n"))
     assert str(err) == (
         "draft.tp_size: the draft spans 2 GPU(s) (tp x pp) but the target only 1; the draft "
         "must be the smaller model: lower the draft's tp_size/pp_size or swap the roles"
@@ -189,35 +182,37 @@ def test_draft_spread_wider_than_target(tmp_path):
 
 
 def test_quantization_needs_half_precision(tmp_path):
-    path = write_spec(tmp_path, "llama-3.1-8b-instruct", "llama-3.2-1b-instruct",
-                      target_extra="  quantization: fp8\n")
+    path = write_spec(tmp_path, "llama-3.1-8b-instruct", "llama-3.2-1b-instruct", target_extra="  quantization: fp8\n")
     path.write_text(path.read_text().replace("dtype: bfloat16\n  quantization", "dtype: float32\n  quantization"))
     err = dry_run_error(path)
     assert str(err) == (
-        "target.dtype: quantization fp8 runs with float16 or bfloat16 activations, not float32; "
-        "set dtype: float16 or bfloat16"
+        "target.dtype: quantization fp8 runs with float16 or bfloat16 activations, not float32; set dtype: float16 or bfloat16"
     )
 
 
 def test_gpu_count_mismatch(tmp_path):
-    path = write_spec(tmp_path, "qwen2.5-7b-instruct", "qwen2.5-0.5b-instruct",
-                      target_extra="  tp_size: 2\n  gpu_device_ids: [0]\n")
+    path = write_spec(
+        tmp_path, "qwen2.5-7b-instruct", "qwen2.5-0.5b-instruct", target_extra="  tp_size: 2\n  gpu_device_ids: [0]\n"
+    )
     with pytest.raises(SpecError) as info:
         load_spec(path)
     assert info.value.exit_code == 2
     assert str(info.value) == (
-        f"{path}: target: gpu_device_ids lists 1 GPU(s) but tp_size x pp_size = 2; "
-        "list exactly 2 device id(s)"
+        f"{path}: target: gpu_device_ids lists 1 GPU(s) but tp_size x pp_size = 2; list exactly 2 device id(s)"
     )
 
 
-@pytest.mark.parametrize("value,reason", [
-    (0, "Input should be greater than or equal to 1 (got 0)"),
-    (17, "Input should be less than or equal to 16 (got 17)"),
-])
+@pytest.mark.parametrize(
+    "value,reason",
+    [
+        (0, "Input should be greater than or equal to 1 (got 0)"),
+        (17, "Input should be less than or equal to 16 (got 17)"),
+    ],
+)
 def test_max_draft_len_out_of_range(tmp_path, value, reason):
-    path = write_spec(tmp_path, "llama-3.1-8b-instruct", "llama-3.2-1b-instruct",
-                      extra=f"speculative:\n  max_draft_len: {value}\n")
+    path = write_spec(
+        tmp_path, "llama-3.1-8b-instruct", "llama-3.2-1b-instruct", extra=f"speculative:\n  max_draft_len: {value}\n"
+    )
     with pytest.raises(SpecError) as info:
         load_spec(path)
     assert info.value.exit_code == 2
@@ -226,8 +221,10 @@ def test_max_draft_len_out_of_range(tmp_path, value, reason):
 
 def test_ngram_is_refused_by_the_engine_runtime(tmp_path):
     path = tmp_path / "spec.yaml"
-    path.write_text(f"name: ng\nbackend: trtllm\ntrtllm: {{runtime: engine}}\ntarget:\n  path: {HF / 'llama-3.1-8b-instruct'}\n"
-                    "speculative:\n  method: ngram\n")
+    path.write_text(
+        f"name: ng\nbackend: trtllm\ntrtllm: {{runtime: engine}}\ntarget:\n  path: {HF / 'llama-3.1-8b-instruct'}\n"
+        "speculative:\n  method: ngram\n"
+    )
     with pytest.raises(SpecError) as info:
         load_spec(path)
     assert str(info.value) == (
@@ -254,7 +251,9 @@ def test_cli_dry_run_prints_every_command_without_tensorrt_llm(tmp_path, monkeyp
     result = CliRunner().invoke(app, ["build", str(SPECS / "trtllm-tp2.yaml"), "--dry-run", "-o", str(out)])
     assert result.exit_code == 0, result.output
     plan = trtllm_build.make_plan(
-        load_spec(SPECS / "trtllm-tp2.yaml"), out.resolve(), False,
+        load_spec(SPECS / "trtllm-tp2.yaml"),
+        out.resolve(),
+        False,
         *_sources_and_configs("trtllm-tp2"),
     )
     assert len(plan.commands) == 5
@@ -291,8 +290,9 @@ def test_cli_build_without_tensorrt_llm_is_one_line_exit_3(tmp_path, monkeypatch
 
 def test_failing_step_names_the_step_and_shows_the_log_tail(tmp_path):
     ok = Command("first step", "trtllm-build", (sys.executable, "-c", "print('fine')"))
-    bad = Command("second step", "trtllm-build", (
-        sys.executable, "-c", "import sys\nfor i in range(40): print('line', i)\nsys.exit(7)"))
+    bad = Command(
+        "second step", "trtllm-build", (sys.executable, "-c", "import sys\nfor i in range(40): print('line', i)\nsys.exit(7)")
+    )
     log = tmp_path / "build.log"
     with pytest.raises(TrtspecError) as info:
         trtllm_build.run_commands([ok, bad], log)

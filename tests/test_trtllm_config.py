@@ -28,8 +28,7 @@ GOLDEN = ROOT / "golden" / "trtllm"
 PARAMS = json.loads((ROOT / "data" / "trtllm" / "triton_params.json").read_text())["tensorrt_llm"]
 GOLDEN_SPECS = ["trtllm-1gpu", "trtllm-tp2", "trtllm-fp8"]
 UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"
-BOOLS = set(json.loads((ROOT / "data" / "trtllm" / "triton_params.json").read_text())
-            ["parameter_semantics"]["bool_accepted"])
+BOOLS = set(json.loads((ROOT / "data" / "trtllm" / "triton_params.json").read_text())["parameter_semantics"]["bool_accepted"])
 
 
 def engines_dir(name: str) -> Path:
@@ -37,8 +36,7 @@ def engines_dir(name: str) -> Path:
 
 
 def server(name: str) -> ServerCommand:
-    return ServerCommand(binary=Path("/opt/tritonserver/bin/tritonserver"),
-                         model_repository=Path("/model_repo") / name)
+    return ServerCommand(binary=Path("/opt/tritonserver/bin/tritonserver"), model_repository=Path("/model_repo") / name)
 
 
 def check_golden(path: Path, text: str) -> None:
@@ -53,8 +51,9 @@ def commands_text(name: str) -> str:
     loaded = load_spec(SPECS / f"{name}.yaml")
     folders = {r: trtllm_build._config_folder(loaded, r) for r in loaded.spec.models()}
     configs = {r: trtllm_build._read_config(r, f, False) for r, f in folders.items()}
-    plan = trtllm_build.make_plan(loaded, engines_dir(name), False, folders, configs,
-                                  python="python3", examples="/app/tensorrt_llm/examples")
+    plan = trtllm_build.make_plan(
+        loaded, engines_dir(name), False, folders, configs, python="python3", examples="/app/tensorrt_llm/examples"
+    )
     lines = []
     for cmd in plan.commands:
         lines += [f"# {cmd.step}", shlex.join(cmd.argv).replace(str(ROOT.parent), "<repo>")]
@@ -77,8 +76,7 @@ def test_golden_configs(name):
 def test_golden_launch(name):
     spec = load_spec(SPECS / f"{name}.yaml").spec
     launch = launch_for_spec(spec, server(name))
-    text = json.dumps({"argv": launch.argv, "env": launch.env, "world_size": launch.world_size},
-                      indent=2) + "\n"
+    text = json.dumps({"argv": launch.argv, "env": launch.env, "world_size": launch.world_size}, indent=2) + "\n"
     check_golden(GOLDEN / name / "launch.json", text)
 
 
@@ -115,8 +113,7 @@ def test_configs_parse_and_set_every_mandatory_parameter(name):
         assert params["exclude_input_in_output"] == "false"
         assert params["max_beam_width"] == "1"
         assert params["batch_scheduler_policy"] in allowed["batch_scheduler_policy"]
-        for key in ("enable_kv_cache_reuse", "exclude_input_in_output", "enable_chunked_context",
-                    "normalize_log_probs"):
+        for key in ("enable_kv_cache_reuse", "exclude_input_in_output", "enable_chunked_context", "normalize_log_probs"):
             assert params[key] in BOOLS
         assert 0 < float(params["kv_cache_free_gpu_mem_fraction"]) <= 0.9
         # keys the backend reads without a default: present, and empty to keep guided decoding off
@@ -124,8 +121,14 @@ def test_configs_parse_and_set_every_mandatory_parameter(name):
             assert key in params and params[key] == ""
         assert params["tokenizer_dir"]
         assert set(params) <= known, set(params) - known
-        assert {t.name for t in msg.input} >= {"input_ids", "input_lengths", "request_output_len",
-                                               "draft_input_ids", "end_id", "pad_id"}
+        assert {t.name for t in msg.input} >= {
+            "input_ids",
+            "input_lengths",
+            "request_output_len",
+            "draft_input_ids",
+            "end_id",
+            "pad_id",
+        }
         assert {t.name for t in msg.output} >= {"output_ids", "sequence_length"}
 
 

@@ -28,8 +28,7 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 if not Path(examples_dir(), "models/core/llama/convert_checkpoint.py").is_file():
-    pytest.skip(f"TensorRT-LLM examples not found at {examples_dir()}; set {EXAMPLES_ENV}",
-                allow_module_level=True)
+    pytest.skip(f"TensorRT-LLM examples not found at {examples_dir()}; set {EXAMPLES_ENV}", allow_module_level=True)
 if shutil.which("trtllm-build") is None or shutil.which("mpirun") is None:
     pytest.skip("trtllm-build or mpirun not on PATH", allow_module_level=True)
 
@@ -45,10 +44,19 @@ def _tiny_pair(out: Path) -> dict[str, Path]:
     tok = make_tokenizer()
     folders = {}
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+    )
     target = LlamaForCausalLM(cfg).eval()
     for name, noise in (("target", 0.0), ("draft", 0.02)):
         model = LlamaForCausalLM(cfg).eval()

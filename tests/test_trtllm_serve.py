@@ -34,13 +34,26 @@ def _fake_engines(loaded, out: Path, tokenizer_from: Path) -> None:
             (folder / "config.json").write_text(json.dumps({"pretrained_config": {"vocab_size": 400}}))
             for f in tokenizer_from.glob("tokenizer*"):
                 shutil.copy(f, folder / "tokenizer" / f.name)
-            write_manifest(folder, Manifest(
-                complete=True, name=spec.name, role=kind, backend="trtllm",
-                spec_hash=spec.build_hash(role_of(kind)), dtype="bfloat16", max_draft_len=0,
-                limits=spec.limits(role_of(kind)).model_dump(), model_type="qwen2",
-                architecture="Qwen2ForCausalLM", parameters=1,
-                source=SourceRecord(id="fake", weights={}), files={}, versions={}, created=now(),
-            ))
+            write_manifest(
+                folder,
+                Manifest(
+                    complete=True,
+                    name=spec.name,
+                    role=kind,
+                    backend="trtllm",
+                    spec_hash=spec.build_hash(role_of(kind)),
+                    dtype="bfloat16",
+                    max_draft_len=0,
+                    limits=spec.limits(role_of(kind)).model_dump(),
+                    model_type="qwen2",
+                    architecture="Qwen2ForCausalLM",
+                    parameters=1,
+                    source=SourceRecord(id="fake", weights={}),
+                    files={},
+                    versions={},
+                    created=now(),
+                ),
+            )
 
 
 @pytest.fixture

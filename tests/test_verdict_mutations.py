@@ -47,12 +47,12 @@ def mutate(module, original: str, mutant: str) -> types.ModuleType:
 LOOP_MUTANTS = {
     # Accepts the first disagreeing draft token too.
     "off_by_one_accepted_prefix": (
-        "            f\"verifier returned {len(target)} token(s) for a draft of {len(draft)}: \"\n"
-        "            \"it must include the target's next token after the accepted prefix\"\n"
+        '            f"verifier returned {len(target)} token(s) for a draft of {len(draft)}: "\n'
+        '            "it must include the target\'s next token after the accepted prefix"\n'
         "        )\n"
         "    return n\n",
-        "            f\"verifier returned {len(target)} token(s) for a draft of {len(draft)}: \"\n"
-        "            \"it must include the target's next token after the accepted prefix\"\n"
+        '            f"verifier returned {len(target)} token(s) for a draft of {len(draft)}: "\n'
+        '            "it must include the target\'s next token after the accepted prefix"\n'
         "        )\n"
         "    return min(n + 1, len(draft))\n",
     ),
@@ -119,9 +119,7 @@ def test_eos_inside_drafts_ignored_is_caught_as_algorithmic(dep, monkeypatch):
     # A step that emitted two or more tokens, whose first token is new to the output: that
     # token was an accepted draft with more tokens after it in the same step.
     eos = next(
-        res.output_ids[a]
-        for a, b in zip(starts, starts[1:])
-        if b - a >= 2 and res.output_ids.index(res.output_ids[a]) == a
+        res.output_ids[a] for a, b in zip(starts, starts[1:]) if b - a >= 2 and res.output_ids.index(res.output_ids[a]) == a
     )
     monkeypatch.setattr(dep, "end_ids", frozenset({eos}))
     assert gate(dep).results[0].identical  # the correct loop ends both paths alike

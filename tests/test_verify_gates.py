@@ -78,7 +78,9 @@ def test_numerical_divergence_fails_any_and_passes_algorithmic(spec_file, tmp_pa
 def test_same_flips_beyond_epsilon_are_algorithmic(spec_file, tmp_path, monkeypatch):
     near_tie_flips(monkeypatch, delta=2.0)
     j = tmp_path / "r.json"
-    r = runner.invoke(app, ["verify", str(spec_file), "--tie-epsilon", "0.001", "--fail-on", "algorithmic", "--json-file", str(j)])
+    r = runner.invoke(
+        app, ["verify", str(spec_file), "--tie-epsilon", "0.001", "--fail-on", "algorithmic", "--json-file", str(j)]
+    )
     assert r.exit_code == 1
     data = json.loads(j.read_text())
     assert data["verdicts"]["algorithmic"] == data["diverged"] > 0
@@ -86,8 +88,21 @@ def test_same_flips_beyond_epsilon_are_algorithmic(spec_file, tmp_path, monkeypa
 
 def test_acceptance_gate_passes_on_the_same_deployment(spec_file, baseline, tmp_path):
     j = tmp_path / "r.json"
-    r = runner.invoke(app, ["verify", str(spec_file), "--baseline", str(baseline), "--max-acceptance-drop", "5%",
-                            "--min-acceptance-length", "1.5", "--json-file", str(j)])
+    r = runner.invoke(
+        app,
+        [
+            "verify",
+            str(spec_file),
+            "--baseline",
+            str(baseline),
+            "--max-acceptance-drop",
+            "5%",
+            "--min-acceptance-length",
+            "1.5",
+            "--json-file",
+            str(j),
+        ],
+    )
     assert r.exit_code == 0, r.output
     gate = json.loads(j.read_text())["acceptance_gate"]
     assert gate["passed"] is True and len(gate["checks"]) == 2
@@ -131,8 +146,9 @@ def test_incomparable_baseline_exit_2(spec_file, baseline, args, message):
 
 def test_baseline_of_another_spec_exit_2(spec_file, tmp_path):
     other = tmp_path / "other.json"
-    other.write_text(json.dumps({"spec": "something-else", "metrics": {}, "prompt_set_sha256": "x",
-                                 "num_draft_tokens": 4, "max_tokens": 24}))
+    other.write_text(
+        json.dumps({"spec": "something-else", "metrics": {}, "prompt_set_sha256": "x", "num_draft_tokens": 4, "max_tokens": 24})
+    )
     r = runner.invoke(app, ["verify", str(spec_file), "--baseline", str(other), "--max-acceptance-drop", "5%"])
     assert r.exit_code == 2
     assert "was measured with another spec (something-else; this run: tiny-llama)" in r.stderr

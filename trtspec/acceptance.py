@@ -34,9 +34,7 @@ def parse_fraction(text: str) -> float:
     except ValueError:
         value = -1.0
     if not 0.0 <= value <= 1.0:
-        raise RequestError(
-            f"--max-acceptance-drop takes a percentage or a fraction in 0..1 (e.g. 5% or 0.05), not {text!r}"
-        )
+        raise RequestError(f"--max-acceptance-drop takes a percentage or a fraction in 0..1 (e.g. 5% or 0.05), not {text!r}")
     return value
 
 
@@ -72,7 +70,9 @@ def load_baseline(path: Path, current: dict) -> dict:
     except FileNotFoundError:
         raise RequestError(f"--baseline {path}: no such file; pass a report written by `trtspec verify --json`") from None
     except (OSError, ValueError) as err:
-        raise RequestError(f"--baseline {path}: not a JSON verify report ({err}); pass a file written by `trtspec verify --json`") from None
+        raise RequestError(
+            f"--baseline {path}: not a JSON verify report ({err}); pass a file written by `trtspec verify --json`"
+        ) from None
     if not isinstance(base, dict) or not isinstance(base.get("metrics"), dict) or any(k not in base for k in _SAME):
         raise RequestError(
             f"--baseline {path} is not a trtspec verify report with acceptance figures (or predates them); "

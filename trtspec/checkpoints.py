@@ -53,8 +53,7 @@ class Checkpoint:
             return AutoTokenizer.from_pretrained(self.folder, trust_remote_code=self.model.trust_remote_code)
         except (OSError, ValueError) as e:
             raise CheckpointError(
-                f"{self.role}: no usable tokenizer in {self.folder} ({e}); "
-                "the checkpoint must ship its tokenizer files"
+                f"{self.role}: no usable tokenizer in {self.folder} ({e}); the checkpoint must ship its tokenizer files"
             ) from e
 
     def load_state_dict(self) -> dict:
@@ -97,8 +96,7 @@ def resolve(loaded: LoadedSpec, role: str, allow_pickle: bool = False) -> Checkp
         return Checkpoint(role, model, converted, weights, False, {model.gguf_file: record})
     if not (folder / "config.json").is_file():
         raise CheckpointError(
-            f"{role}: {folder} has no config.json; it is not a Hugging Face checkpoint "
-            "(for a GGUF file set gguf_file)"
+            f"{role}: {folder} has no config.json; it is not a Hugging Face checkpoint (for a GGUF file set gguf_file)"
         )
     weights, pickled = _weight_files(role, folder, allow_pickle)
     return Checkpoint(role, model, folder, weights, pickled, {f.name: file_record(f) for f in weights})
@@ -213,7 +211,8 @@ def require_shared_tokenizer(target_tok, draft_tok) -> None:
     report = compare_tokenizers(target_tok, draft_tok)
     if not report.compatible:
         raise CheckpointError(
-            "draft and target tokenizers are incompatible: " + "; ".join(report.problems)
+            "draft and target tokenizers are incompatible: "
+            + "; ".join(report.problems)
             + ". Speculative decoding needs one shared vocabulary: pick a draft from the "
             "same model family"
         )

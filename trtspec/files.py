@@ -100,8 +100,7 @@ def ensure_writable(folder: Path) -> None:
             pass
     except OSError as e:
         raise TrtspecError(
-            f"output folder {folder} is not writable ({e.strerror}); pass --output DIR "
-            "or fix its permissions"
+            f"output folder {folder} is not writable ({e.strerror}); pass --output DIR or fix its permissions"
         ) from e
 
 

@@ -55,9 +55,7 @@ class Deployment:
             self.engines[role] = TorchEngine.load(folder, slots)
         self.target = self.engines["target"]
         self.draft = self.engines.get("draft")
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            self.target.folder, trust_remote_code=spec.target.trust_remote_code
-        )
+        self.tokenizer = AutoTokenizer.from_pretrained(self.target.folder, trust_remote_code=spec.target.trust_remote_code)
         self.end_ids = end_token_ids(self.tokenizer, self.target.folder)
         self.limits = Limits.from_spec(spec, self.target.vocab_size)
 
@@ -80,8 +78,9 @@ class Deployment:
         use = self.spec.verify.chat_template if chat_template is None else chat_template
         return encode_prompt(self.tokenizer, prompt, use)
 
-    def request(self, prompt_ids: list[int], max_tokens: int, num_draft_tokens: int | None = None,
-                sampling: SamplingParams | None = None):
+    def request(
+        self, prompt_ids: list[int], max_tokens: int, num_draft_tokens: int | None = None, sampling: SamplingParams | None = None
+    ):
         k = self.spec.speculative.default_draft_tokens if num_draft_tokens is None else num_draft_tokens
         return make_request(prompt_ids, max_tokens, k, self.limits, self.end_ids, sampling=sampling)
 
@@ -124,7 +123,8 @@ class LlmapiDeployment:
         self.speculative = make_llm(self.api, folder / llmapi.SPECULATIVE)
         self.control = make_llm(self.api, folder / llmapi.CONTROL)
         self.tokenizer = AutoTokenizer.from_pretrained(
-            manifest.checkpoints["target"], trust_remote_code=spec.target.trust_remote_code)
+            manifest.checkpoints["target"], trust_remote_code=spec.target.trust_remote_code
+        )
 
     def generate(self, prompt_ids: list[int], max_tokens: int, speculative: bool):
         from trtspec.speculative.llmapi import greedy_params

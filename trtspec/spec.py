@@ -70,20 +70,14 @@ class ModelSpec(_Strict):
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
         if (self.repo is None) == (self.path is None):
-            raise ValueError(
-                "give exactly one source: `repo` (a Hub repo id, with `revision`) "
-                "or `path` (a local folder)"
-            )
+            raise ValueError("give exactly one source: `repo` (a Hub repo id, with `revision`) or `path` (a local folder)")
         if self.repo is not None:
             if not self.revision:
                 raise ValueError(
-                    f"`repo: {self.repo}` needs a pinned `revision` (a commit sha or tag) "
-                    "so builds are reproducible"
+                    f"`repo: {self.repo}` needs a pinned `revision` (a commit sha or tag) so builds are reproducible"
                 )
             if self.revision.lower() in _UNPINNED_REVISIONS:
-                raise ValueError(
-                    f"revision '{self.revision}' is a moving branch; pin a commit sha or tag"
-                )
+                raise ValueError(f"revision '{self.revision}' is a moving branch; pin a commit sha or tag")
         elif self.revision is not None:
             raise ValueError("`revision` only applies to `repo`; remove it for a local `path`")
         if self.gguf_file is not None and not self.gguf_file.endswith(".gguf"):
@@ -193,8 +187,7 @@ class EngineSpec(_Strict):
     def _name_is_slug(cls, v: str) -> str:
         if not _NAME_RE.fullmatch(v):
             raise ValueError(
-                f"'{v}' is not a usable name; use lowercase letters, digits, '.', '_' or '-' "
-                "(it becomes folder and model names)"
+                f"'{v}' is not a usable name; use lowercase letters, digits, '.', '_' or '-' (it becomes folder and model names)"
             )
         return v
 
@@ -202,9 +195,7 @@ class EngineSpec(_Strict):
     def _cross_field(self) -> EngineSpec:
         method = self.speculative.method
         if method == "draft_target" and self.draft is None:
-            raise ValueError(
-                "method draft_target needs a `draft` model; add one or use method: ngram"
-            )
+            raise ValueError("method draft_target needs a `draft` model; add one or use method: ngram")
         if method == "eagle3" and self.draft is None:
             raise ValueError(
                 "method eagle3 needs `draft`: the EAGLE-3 head folder (path, or repo + revision "
@@ -221,8 +212,7 @@ class EngineSpec(_Strict):
                 raise ValueError("draft.gguf_file: an EAGLE-3 head is a safetensors folder; remove gguf_file")
         if self.verify.max_tokens >= self.build.max_seq_len:
             raise ValueError(
-                f"verify.max_tokens ({self.verify.max_tokens}) must be below build.max_seq_len "
-                f"({self.build.max_seq_len})"
+                f"verify.max_tokens ({self.verify.max_tokens}) must be below build.max_seq_len ({self.build.max_seq_len})"
             )
         for role, model in self.models().items():
             if self.backend == "torch":
@@ -276,8 +266,7 @@ class EngineSpec(_Strict):
 # What each runtime needs, in the words every message uses.
 NEEDS = {
     "llmapi": "TensorRT-LLM 1.2.x (trtllm.line: '1.2') or 1.3 and later (trtllm.line: '1.3+')",
-    "engine": "TensorRT-LLM 1.2.x or older (trtllm-build and the tensorrtllm Triton backend "
-              "were removed in 1.3)",
+    "engine": "TensorRT-LLM 1.2.x or older (trtllm-build and the tensorrtllm Triton backend were removed in 1.3)",
 }
 LLMAPI_METHODS = ("draft_target", "eagle3", "ngram")
 ENGINE_METHODS = ("draft_target",)

@@ -130,7 +130,9 @@ def classify(
     gap = logit(rep.control, target_id) - logit(rep.control, spec_id)
     evidence["control_gap"] = gap  # target-only token's logit minus the speculative one's
     if outcome(c_arg) != target_id:
-        why = f"the target alone, one token at a time, gives {_name(outcome(c_arg))}, not the target-only path's {_name(target_id)}"
+        why = (
+            f"the target alone, one token at a time, gives {_name(outcome(c_arg))}, not the target-only path's {_name(target_id)}"
+        )
         return DivergenceVerdict("algorithmic", why, epsilon, evidence)
     if outcome(v_arg) != spec_id:
         why = (

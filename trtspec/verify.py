@@ -121,8 +121,7 @@ class VerifyReport:
 
     def to_dict(self) -> dict:
         return {
-            **identity(self.spec_name, [r.prompt for r in self.results], self.prompt_set,
-                       self.num_draft_tokens, self.max_tokens),
+            **identity(self.spec_name, [r.prompt for r in self.results], self.prompt_set, self.num_draft_tokens, self.max_tokens),
             "mode": self.mode,
             "identical": self.identical,
             "diverged": sum(not r.identical for r in self.results),
@@ -247,9 +246,7 @@ class InProcessBackend:
         start = time.perf_counter()
         (res,) = self.dep.generate([req], speculative=speculative)
         seconds = time.perf_counter() - start
-        return PathRun(
-            res.output_ids, res.margins, res.metrics if speculative else None, seconds, ids, res.steps
-        )
+        return PathRun(res.output_ids, res.margins, res.metrics if speculative else None, seconds, ids, res.steps)
 
     def token_text(self, token_id: int) -> str:
         return self.dep.tokenizer.decode([token_id])
@@ -257,9 +254,7 @@ class InProcessBackend:
     def classify(self, target: PathRun, spec: PathRun, div: Divergence) -> DivergenceVerdict:
         steps = spec.steps or []
         if not any(s <= div.index <= s + k for s, k in steps):
-            return DivergenceVerdict(
-                "algorithmic", f"no speculative step produced token {div.index}", self.epsilon
-            )
+            return DivergenceVerdict("algorithmic", f"no speculative step produced token {div.index}", self.epsilon)
         engine = self.dep.target
         rep = replay(engine.run, engine.forget_prefixes, spec.prompt_ids, spec.output_ids, steps, div.index)
         return classify(rep, div.target_id, div.spec_id, self.dep.end_ids, self.epsilon)
@@ -292,9 +287,15 @@ class LlmapiBackend:
         return self.dep.tokenizer.decode([token_id])
 
 
-def open_backend(loaded, engines_dir: Path, url: str | None = None, stream: bool = False,
-                 num_draft_tokens: int | None = None, epsilon: float | None = None,
-                 llmapi_impl: str = "tensorrt_llm") -> tuple[VerifyBackend, str]:
+def open_backend(
+    loaded,
+    engines_dir: Path,
+    url: str | None = None,
+    stream: bool = False,
+    num_draft_tokens: int | None = None,
+    epsilon: float | None = None,
+    llmapi_impl: str = "tensorrt_llm",
+) -> tuple[VerifyBackend, str]:
     """The backend verify runs on, and its mode line: the engines in this process (for
     trtllm.runtime llmapi: the LLM API, real or the double), or a served repository over gRPC
     (token texts from the local tokenizer when there is one)."""
@@ -308,8 +309,7 @@ def open_backend(loaded, engines_dir: Path, url: str | None = None, stream: bool
             raise RequestError("--num-draft-tokens: the LLM API drafts max_draft_len tokens; drop the flag")
         with console.step(f"loading both LLM API configurations ({llmapi_impl})"):
             dep = LlmapiDeployment(loaded, engines_dir, llmapi_impl)
-        label = ("llmapi conformance double, not TensorRT-LLM" if dep.api.is_double
-                 else f"tensorrt_llm {dep.api.__version__}")
+        label = "llmapi conformance double, not TensorRT-LLM" if dep.api.is_double else f"tensorrt_llm {dep.api.__version__}"
         return LlmapiBackend(dep), f"in-process ({label})"
     if url is None:
         from trtspec.runtime import Deployment
@@ -361,10 +361,14 @@ def render_table(report: VerifyReport, console) -> None:
     console.print(table)
     m = report.metrics
     n_bad = sum(not r.identical for r in report.results)
-    verdict = "all identical" if report.identical else (
-        f"[red]{n_bad} of {len(report.results)} diverged[/red] ("
-        + ", ".join(f"{report.count(v)} {v}" for v in ("numerical", "algorithmic", "unclassified") if report.count(v))
-        + ")"
+    verdict = (
+        "all identical"
+        if report.identical
+        else (
+            f"[red]{n_bad} of {len(report.results)} diverged[/red] ("
+            + ", ".join(f"{report.count(v)} {v}" for v in ("numerical", "algorithmic", "unclassified") if report.count(v))
+            + ")"
+        )
     )
     console.print(
         f"{len(report.results)} prompts: {verdict} | acceptance rate {m.acceptance_rate:.3f} "
@@ -435,4 +439,3 @@ def write_junit(report: VerifyReport, path: Path, fail_on: str = "any") -> None:
     root.append(suite)
     data = ET.tostring(root, encoding="unicode", xml_declaration=True)
     write_text_atomic(path, data + "\n")
-

@@ -118,8 +118,9 @@ def chi_square_uniform(values: list[float], bins: int = BINS) -> tuple[list[int]
     expected = len(values) / bins
     chi2 = sum((c - expected) ** 2 / expected for c in counts)
     # P(chi2_{bins-1} >= chi2) = Q((bins-1)/2, chi2/2), the regularized upper gamma.
-    p = float(torch.special.gammaincc(torch.tensor((bins - 1) / 2, dtype=torch.float64),
-                                      torch.tensor(chi2 / 2, dtype=torch.float64)))
+    p = float(
+        torch.special.gammaincc(torch.tensor((bins - 1) / 2, dtype=torch.float64), torch.tensor(chi2 / 2, dtype=torch.float64))
+    )
     return counts, chi2, p
 
 
@@ -145,8 +146,12 @@ def run_sampling_check(
         ids = dep.encode(prompt, chat_template)
         for first in range(0, samples, batch):
             reqs = [
-                dep.request(ids, max_tokens, num_draft_tokens,
-                            sampling=SamplingParams(params.temperature, params.top_k, params.top_p, params.seed + s))
+                dep.request(
+                    ids,
+                    max_tokens,
+                    num_draft_tokens,
+                    sampling=SamplingParams(params.temperature, params.top_k, params.top_p, params.seed + s),
+                )
                 for s in range(first, min(first + batch, samples))
             ]
             for res in dep.generate(reqs, speculative=True):

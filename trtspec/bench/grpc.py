@@ -33,8 +33,9 @@ class GrpcBench:
             work.put(p)
 
         def worker() -> list[RequestTiming]:
-            backend = GrpcBackend(self.url, chat_template=self.chat_template, num_draft_tokens=k,
-                                  stream=speculative and self.streaming)
+            backend = GrpcBackend(
+                self.url, chat_template=self.chat_template, num_draft_tokens=k, stream=speculative and self.streaming
+            )
             out = []
             while True:
                 try:
@@ -53,9 +54,9 @@ class GrpcBench:
         start = time.perf_counter()
         first: list[float] = []
         ids, _, metrics = backend.generate(
-            prompt, max_tokens, speculative, on_tokens=lambda: first or first.append(time.perf_counter() - start))
-        return RequestTiming(len(ids), first[0] if first else None, time.perf_counter() - start,
-                             metrics if speculative else None)
+            prompt, max_tokens, speculative, on_tokens=lambda: first or first.append(time.perf_counter() - start)
+        )
+        return RequestTiming(len(ids), first[0] if first else None, time.perf_counter() - start, metrics if speculative else None)
 
 
 def measure_grpc_costs(url: str, k: int, repeats: int = 7, context: int = 64):
@@ -73,8 +74,11 @@ def measure_grpc_costs(url: str, k: int, repeats: int = 7, context: int = 64):
             x.set_data_from_numpy(arr.astype(np.int32))
             return x
 
-        inputs = [t("input_ids", np.array([ids])), t("input_lengths", np.array([[len(ids)]])),
-                  t("request_output_len", np.array([[out_len]]))]
+        inputs = [
+            t("input_ids", np.array([ids])),
+            t("input_lengths", np.array([[len(ids)]])),
+            t("request_output_len", np.array([[out_len]])),
+        ]
         if draft:
             inputs.append(t("draft_input_ids", np.array([draft])))
         start = time.perf_counter()

@@ -42,8 +42,9 @@ class RequestTiming:
 class BenchBackend(Protocol):
     """Runs a set of prompts at a concurrency level; in process or over gRPC."""
 
-    def run_batch(self, prompts: Sequence[str], max_tokens: int, speculative: bool, k: int,
-                  concurrency: int) -> tuple[list[RequestTiming], float]:
+    def run_batch(
+        self, prompts: Sequence[str], max_tokens: int, speculative: bool, k: int, concurrency: int
+    ) -> tuple[list[RequestTiming], float]:
         """Timings per request and the wall time of the whole set."""
         ...
 
@@ -183,7 +184,9 @@ class BenchReport:
             "speculative": self.speculative.to_dict() if self.speculative else None,
             "speedup": self.speedup,
             "metrics": self.metrics.to_dict(),
-            "costs": None if self.costs is None else {
+            "costs": None
+            if self.costs is None
+            else {
                 **asdict(self.costs),
                 "cost_ratio": self.costs.cost_ratio,
                 "verify_cost": self.costs.verify_cost,
@@ -271,8 +274,15 @@ def run_bench(
             timings += t
             secs += s
         stats, m = PathStats.of(timings, secs), _sum_metrics(timings)
-        report.sweep.append(SweepPoint(kk, stats.tokens_per_s, stats.tokens_per_s / base_tps if base_tps else 0.0,
-                                       m.acceptance_rate, m.mean_acceptance_length))
+        report.sweep.append(
+            SweepPoint(
+                kk,
+                stats.tokens_per_s,
+                stats.tokens_per_s / base_tps if base_tps else 0.0,
+                m.acceptance_rate,
+                m.mean_acceptance_length,
+            )
+        )
 
     for c in concurrency:
         progress(f"concurrency {c}")
@@ -322,12 +332,14 @@ class InProcessBench:
 
             results = self.dep.generate(reqs, speculative=speculative, on_step=on_step)
             for i, res in enumerate(results):
-                timings.append(RequestTiming(
-                    tokens=len(res.output_ids),
-                    ttft=first.get(i, done.get(i, 0.0)),
-                    latency=done.get(i, time.perf_counter() - start),
-                    metrics=res.metrics if speculative else None,
-                ))
+                timings.append(
+                    RequestTiming(
+                        tokens=len(res.output_ids),
+                        ttft=first.get(i, done.get(i, 0.0)),
+                        latency=done.get(i, time.perf_counter() - start),
+                        metrics=res.metrics if speculative else None,
+                    )
+                )
         return timings, time.perf_counter() - start_all
 
 
@@ -366,8 +378,13 @@ def render(report: BenchReport, console) -> None:
         t.add_column(col)
     for name, s in (("target-only", report.target), (f"speculative k={report.k}", report.speculative)):
         if s:
-            t.add_row(name, f"{s.tokens_per_s:.1f}", _ms_pair(s.ttft_p50, s.ttft_p95, 0),
-                      _ms_pair(s.itl_p50, s.itl_p95, 1), f"{s.latency_p50:.2f}/{s.latency_p95:.2f}")
+            t.add_row(
+                name,
+                f"{s.tokens_per_s:.1f}",
+                _ms_pair(s.ttft_p50, s.ttft_p95, 0),
+                _ms_pair(s.itl_p50, s.itl_p95, 1),
+                f"{s.latency_p50:.2f}/{s.latency_p95:.2f}",
+            )
     console.print(t)
     m = report.metrics
     console.print(
@@ -389,8 +406,13 @@ def render(report: BenchReport, console) -> None:
             st.add_column(col)
         for p in report.sweep:
             mark = " *" if p.k == report.recommended_k else ""
-            st.add_row(f"{p.k}{mark}", f"{p.tokens_per_s:.1f}", f"{p.speedup:.2f}x",
-                       f"{p.acceptance_rate:.3f}", f"{p.mean_acceptance_length:.2f}")
+            st.add_row(
+                f"{p.k}{mark}",
+                f"{p.tokens_per_s:.1f}",
+                f"{p.speedup:.2f}x",
+                f"{p.acceptance_rate:.3f}",
+                f"{p.mean_acceptance_length:.2f}",
+            )
         console.print(st)
         console.print(f"recommended k = {report.recommended_k} (highest tokens/s)")
     if report.concurrency:
@@ -399,9 +421,13 @@ def render(report: BenchReport, console) -> None:
             ct.add_column(col)
         base = report.concurrency[0].speculative.tokens_per_s
         for p in report.concurrency:
-            ct.add_row(str(p.concurrency), f"{p.target.tokens_per_s:.1f}", f"{p.speculative.tokens_per_s:.1f}",
-                       f"{p.speculative.latency_p50:.2f}/{p.speculative.latency_p95:.2f}",
-                       f"{p.speculative.tokens_per_s / base:.2f}x" if base else "-")
+            ct.add_row(
+                str(p.concurrency),
+                f"{p.target.tokens_per_s:.1f}",
+                f"{p.speculative.tokens_per_s:.1f}",
+                f"{p.speculative.latency_p50:.2f}/{p.speculative.latency_p95:.2f}",
+                f"{p.speculative.tokens_per_s / base:.2f}x" if base else "-",
+            )
         console.print(ct)
     if not report.complete:
         console.print("[yellow]interrupted: partial results[/yellow]")
@@ -460,7 +486,9 @@ def plot(report: BenchReport, out_dir: Path) -> list[Path]:
         ax.set_xlabel("concurrency")
         ax.set_ylabel("aggregate tokens/s")
         ax2 = ax.twinx()
-        ax2.plot(cs, [p.speculative.latency_p50 for p in report.concurrency], "^--", color="tab:red", label="spec latency p50 (s)")
+        ax2.plot(
+            cs, [p.speculative.latency_p50 for p in report.concurrency], "^--", color="tab:red", label="spec latency p50 (s)"
+        )
         ax2.set_ylabel("request latency p50 (s)")
         fig.legend(loc="upper left", fontsize=8)
         ax.set_title(f"{report.spec_name}: throughput and latency vs concurrency")

@@ -55,17 +55,23 @@ class MethodStats:
     def to_dict(self, base: MethodStats | None) -> dict:
         m = self.metrics
         d = {
-            "method": self.name, "tokens": self.tokens, "seconds": round(self.seconds, 3),
-            "tokens_per_s": round(self.tokens_per_s, 2), "identical_to_target_only": self.identical,
+            "method": self.name,
+            "tokens": self.tokens,
+            "seconds": round(self.seconds, 3),
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "identical_to_target_only": self.identical,
             "mismatched_prompts": self.mismatches,
         }
         if base is not None and base.tokens_per_s:
             d["speedup"] = round(self.tokens_per_s / base.tokens_per_s, 3)
         if m.drafted:
-            d |= {"acceptance_rate": round(m.acceptance_rate, 4),
-                  "mean_acceptance_length": round(m.mean_acceptance_length, 3),
-                  "per_position_acceptance": [round(x, 3) for x in m.per_position_rate],
-                  "drafted": m.drafted, "accepted": m.accepted}
+            d |= {
+                "acceptance_rate": round(m.acceptance_rate, 4),
+                "mean_acceptance_length": round(m.mean_acceptance_length, 3),
+                "per_position_acceptance": [round(x, 3) for x in m.per_position_rate],
+                "drafted": m.drafted,
+                "accepted": m.accepted,
+            }
             if base is not None and base.tokens:
                 per_target_token = base.seconds / base.tokens
                 d["draft_cost_c"] = round(self.draft_seconds / m.drafted / per_target_token, 4)
@@ -87,7 +93,7 @@ def compare_methods(
     for r in range(rounds):
         for i, req in enumerate(requests):
             outputs: dict[str, list[int]] = {}
-            order = names[(i + r) % len(names):] + names[: (i + r) % len(names)]
+            order = names[(i + r) % len(names) :] + names[: (i + r) % len(names)]
             for name in order:
                 progress(f"round {r + 1}/{rounds} prompt {i + 1}/{len(requests)}: {name}")
                 factory, k = (NoDrafter, 0) if name == "target-only" else drafters[name]

@@ -178,7 +178,7 @@ def hf_paths(dep: Deployment) -> tuple[list[PeerPath], dict]:
                     pad_token_id=pad,
                     **extra,
                 )
-            return Generation(_cut_at_end(out[0, len(ids):].tolist(), dep.end_ids))
+            return Generation(_cut_at_end(out[0, len(ids) :].tolist(), dep.end_ids))
 
         return run
 
@@ -343,8 +343,14 @@ def summarise(m: Measurement) -> list[PathSummary]:
             metrics = merged.to_dict()
         out.append(
             PathSummary(
-                key, label, tokens, seconds, tokens / seconds if seconds else 0.0,
-                sum(r.identical for r in runs), per_kind, metrics,
+                key,
+                label,
+                tokens,
+                seconds,
+                tokens / seconds if seconds else 0.0,
+                sum(r.identical for r in runs),
+                per_kind,
+                metrics,
             )
         )
     return out
@@ -397,8 +403,7 @@ def render_markdown(m: Measurement, summaries: list[PathSummary]) -> str:
         same = "reference" if s.key == REFERENCE else f"{s.identical}/{n}"
         mal = f"{s.metrics['mean_acceptance_length']:.2f}" if s.metrics else ""
         lines.append(
-            f"| {s.label} | {s.tokens} | {s.seconds:.2f} | {s.tokens_per_s:.1f} | {_x(vs_ours)} "
-            f"| {_x(vs_hf)} | {same} | {mal} |"
+            f"| {s.label} | {s.tokens} | {s.seconds:.2f} | {s.tokens_per_s:.1f} | {_x(vs_ours)} | {_x(vs_hf)} | {same} | {mal} |"
         )
     lines += ["", "Tokens/s by prompt kind:", ""]
     kinds = [k for k in KINDS if any(k in s.per_kind for s in summaries)]
@@ -442,9 +447,7 @@ def to_json(m: Measurement, summaries: list[PathSummary]) -> dict:
         "interrupted": m.interrupted,
         "load_average": m.load,
         "paths": [asdict(s) for s in summaries],
-        "comparisons": {
-            f"{a}/{b}": ratio(summaries, a, b) for a, b, _ in COMPARISONS if ratio(summaries, a, b) is not None
-        },
+        "comparisons": {f"{a}/{b}": ratio(summaries, a, b) for a, b, _ in COMPARISONS if ratio(summaries, a, b) is not None},
         "prompts": [
             {"prompt": p.text, "kind": p.kind, "prompt_tokens": len(p.ids), "runs": {k: r.to_dict() for k, r in runs.items()}}
             for p, runs in zip(m.prompts, m.runs)

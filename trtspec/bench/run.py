@@ -38,8 +38,9 @@ class BenchOptions:
     url: str | None = None  # HOST:PORT of a served repository; None: in process
 
 
-def run(loaded: LoadedSpec, engines_dir: Path, opts: BenchOptions,
-        progress: Callable[[str], None] | None = None) -> tuple[m.BenchReport, bool]:
+def run(
+    loaded: LoadedSpec, engines_dir: Path, opts: BenchOptions, progress: Callable[[str], None] | None = None
+) -> tuple[m.BenchReport, bool]:
     """Measure; returns the report and whether Ctrl-C cut it short (what was measured stays)."""
     if not opts.prompts:
         raise RequestError("no prompts: add verify.prompts to the spec or pass --prompt/--prompts-file")
@@ -59,11 +60,11 @@ def run(loaded: LoadedSpec, engines_dir: Path, opts: BenchOptions,
         backend = m.InProcessBench(dep)
         first = opts.prompts[0]
         measure_costs, mode = (lambda k: m.measure_engine_costs(dep, first, k)), "in-process"
-    report = m.BenchReport(loaded.spec.name, mode, m.machine_description(), len(opts.prompts),
-                           opts.max_tokens, opts.k)
+    report = m.BenchReport(loaded.spec.name, mode, m.machine_description(), len(opts.prompts), opts.max_tokens, opts.k)
     try:
-        m.run_bench(backend, report, opts.prompts, opts.sweep, opts.concurrency, measure_costs,
-                    progress=progress, rounds=opts.rounds)
+        m.run_bench(
+            backend, report, opts.prompts, opts.sweep, opts.concurrency, measure_costs, progress=progress, rounds=opts.rounds
+        )
     except KeyboardInterrupt:
         return report, True
     return report, False

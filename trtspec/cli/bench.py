@@ -19,14 +19,24 @@ def bench(
     spec: SpecArg,
     output: OutputOpt = None,
     url: UrlOpt = None,
-    prompt: Annotated[list[str] | None, typer.Option("--prompt", "-p", help="Prompt (repeatable); default: the spec's verify prompts.")] = None,
+    prompt: Annotated[
+        list[str] | None, typer.Option("--prompt", "-p", help="Prompt (repeatable); default: the spec's verify prompts.")
+    ] = None,
     prompts_file: Annotated[Path | None, typer.Option("--prompts-file", help='JSONL file of {"prompt": ...}.')] = None,
-    max_tokens: Annotated[int | None, typer.Option("--max-tokens", min=1, help="Tokens per request (default: verify.max_tokens).")] = None,
-    k: Annotated[int | None, typer.Option("--num-draft-tokens", "-k", help="Draft length for the main comparison (default: the spec's).")] = None,
+    max_tokens: Annotated[
+        int | None, typer.Option("--max-tokens", min=1, help="Tokens per request (default: verify.max_tokens).")
+    ] = None,
+    k: Annotated[
+        int | None, typer.Option("--num-draft-tokens", "-k", help="Draft length for the main comparison (default: the spec's).")
+    ] = None,
     sweep: Annotated[str, typer.Option("--sweep", help="Draft lengths to sweep, e.g. 1-8 or 2,4,6; 'none' to skip.")] = "1-8",
-    concurrency: Annotated[str | None, typer.Option("--concurrency", "-c", help="Concurrency levels (default 1,2,4 in process; 1,2,4,8 with --url).")] = None,
+    concurrency: Annotated[
+        str | None, typer.Option("--concurrency", "-c", help="Concurrency levels (default 1,2,4 in process; 1,2,4,8 with --url).")
+    ] = None,
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="Repeat the interleaved main comparison.")] = 1,
-    out: Annotated[Path | None, typer.Option("--out", help="Folder for bench.json and plots (default bench/results/<name>).")] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Folder for bench.json and plots (default bench/results/<name>).")
+    ] = None,
     as_json: JsonOpt = False,
     json_file: JsonFileOpt = None,
 ) -> None:
@@ -64,8 +74,9 @@ def bench(
         url=url,
     )
     with console.err.status("benchmarking") as status:
-        report, interrupted = run.run(loaded, loaded.output_dir(output), opts,
-                                      progress=lambda s: status.update(f"benchmarking: {s}"))
+        report, interrupted = run.run(
+            loaded, loaded.output_dir(output), opts, progress=lambda s: status.update(f"benchmarking: {s}")
+        )
     emit(report, lambda o: measure.render(report, o), as_json=as_json, json_file=json_file)
     for f in measure.write_outputs(report, out or Path("bench") / "results" / loaded.spec.name):
         console.info(f"wrote {f}")

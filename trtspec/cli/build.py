@@ -33,8 +33,12 @@ def build(
     out_dir = loaded.output_dir(output)
     if dry_run:
         plan = builder.dry_run(loaded, out_dir, force)
-        emit(plan, lambda out: [out.print(line, markup=False, highlight=False) for line in plan.lines()],
-             as_json=as_json, json_file=json_file)
+        emit(
+            plan,
+            lambda out: [out.print(line, markup=False, highlight=False) for line in plan.lines()],
+            as_json=as_json,
+            json_file=json_file,
+        )
         return
     result = builder.build(loaded, out_dir, force=force, allow_pickle=allow_pickle)
 

@@ -28,14 +28,19 @@ EnginesOpt = Annotated[
 ]
 LlmapiOpt = Annotated[
     str,
-    typer.Option("--llmapi", help="trtllm.runtime llmapi: run the files with `tensorrt_llm` (GPU) or `double`, "
-                 "trtspec's CPU conformance double (checks the files and request path; not a TensorRT-LLM result)."),
+    typer.Option(
+        "--llmapi",
+        help="trtllm.runtime llmapi: run the files with `tensorrt_llm` (GPU) or `double`, "
+        "trtspec's CPU conformance double (checks the files and request path; not a TensorRT-LLM result).",
+    ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout instead of the table.")]
 JsonFileOpt = Annotated[Path | None, typer.Option("--json-file", help="Also write the report as JSON to this file.")]
 UrlOpt = Annotated[
     str | None,
-    typer.Option("--url", help="A running `trtspec serve` at HOST:PORT (its gRPC port, e.g. 127.0.0.1:8001) instead of in process."),
+    typer.Option(
+        "--url", help="A running `trtspec serve` at HOST:PORT (its gRPC port, e.g. 127.0.0.1:8001) instead of in process."
+    ),
 ]
 
 
@@ -44,8 +49,13 @@ def parse_url(url: str | None) -> str | None:
     if url is None:
         return None
     host, sep, port = url.rpartition(":")
-    if url.startswith(("http://", "https://", "grpc://")) or not sep or not host or not port.isdigit() \
-            or not 0 < int(port) < 65536:
+    if (
+        url.startswith(("http://", "https://", "grpc://"))
+        or not sep
+        or not host
+        or not port.isdigit()
+        or not 0 < int(port) < 65536
+    ):
         raise RequestError(f"--url takes HOST:PORT (the gRPC port, e.g. 127.0.0.1:8001), not {url!r}")
     return url
 

@@ -37,19 +37,29 @@ def _layers(text: str | None) -> tuple[int, ...] | None:
 @handle_errors
 def distill(
     spec: SpecArg,
-    prompts: Path | None = typer.Option(None, "--prompts", help='JSONL prompts ({"prompt": ...} per line); default: the shipped set.'),
+    prompts: Path | None = typer.Option(
+        None, "--prompts", help='JSONL prompts ({"prompt": ...} per line); default: the shipped set.'
+    ),
     output: Path | None = typer.Option(None, "--output", "-o", help="Head folder (default: the spec's draft.path)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing head folder."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the last checkpoint of an interrupted run."),
     max_steps: int = typer.Option(2000, "--max-steps", min=1, help="Training steps at most."),
-    time_budget: str | None = typer.Option(None, "--time-budget", help="Stop training when the run (data included) reaches this: 600, 10m, 1h."),
+    time_budget: str | None = typer.Option(
+        None, "--time-budget", help="Stop training when the run (data included) reaches this: 600, 10m, 1h."
+    ),
     seed: int = typer.Option(0, "--seed", help="Seed of the split, the initialisation and the batches."),
-    draft_vocab: int = typer.Option(8192, "--draft-vocab", min=1, help="Draft vocabulary size (the target's most frequent outputs)."),
-    ttt_steps: int = typer.Option(3, "--ttt-steps", min=1, max=16, help="Unrolled drafting steps trained per position (training-time test)."),
+    draft_vocab: int = typer.Option(
+        8192, "--draft-vocab", min=1, help="Draft vocabulary size (the target's most frequent outputs)."
+    ),
+    ttt_steps: int = typer.Option(
+        3, "--ttt-steps", min=1, max=16, help="Unrolled drafting steps trained per position (training-time test)."
+    ),
     max_tokens: int = typer.Option(128, "--max-tokens", min=1, help="Target response length per prompt."),
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="Sequences per training step."),
     lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate."),
-    layers: str | None = typer.Option(None, "--layers", help="Target layer ids the head reads (default: TensorRT-LLM's {1, L//2-1, L-4})."),
+    layers: str | None = typer.Option(
+        None, "--layers", help="Target layer ids the head reads (default: TensorRT-LLM's {1, L//2-1, L-4})."
+    ),
     eval_every: int = typer.Option(50, "--eval-every", min=1, help="Held-out evaluation and checkpoint every N steps."),
     allow_pickle: AllowPickleOpt = False,
     as_json: JsonOpt = False,
@@ -70,14 +80,30 @@ def distill(
 
     loaded = load_spec(spec)
     opts = DistillOptions(
-        prompts=prompts, output=output, force=force, resume=resume, max_steps=max_steps,
-        time_budget_s=parse_duration(time_budget), seed=seed, draft_vocab=draft_vocab,
-        ttt_steps=ttt_steps, max_tokens=max_tokens, batch_size=batch_size, lr=lr,
-        eval_every=eval_every, layer_ids=_layers(layers), allow_pickle=allow_pickle,
+        prompts=prompts,
+        output=output,
+        force=force,
+        resume=resume,
+        max_steps=max_steps,
+        time_budget_s=parse_duration(time_budget),
+        seed=seed,
+        draft_vocab=draft_vocab,
+        ttt_steps=ttt_steps,
+        max_tokens=max_tokens,
+        batch_size=batch_size,
+        lr=lr,
+        eval_every=eval_every,
+        layer_ids=_layers(layers),
+        allow_pickle=allow_pickle,
     )
     result = run(loaded, opts)
-    emit(result, lambda out: out.print(
-        f"head written to {result.output}: {result.steps} steps ({result.stopped_by}), held-out "
-        f"acceptance length {result.metrics['held_out_acceptance_length']:.2f} at k={ttt_steps}, "
-        f"top-1 per step {', '.join(f'{a:.2f}' for a in result.metrics['held_out_top1'])}"),
-        as_json=as_json, json_file=json_file)
+    emit(
+        result,
+        lambda out: out.print(
+            f"head written to {result.output}: {result.steps} steps ({result.stopped_by}), held-out "
+            f"acceptance length {result.metrics['held_out_acceptance_length']:.2f} at k={ttt_steps}, "
+            f"top-1 per step {', '.join(f'{a:.2f}' for a in result.metrics['held_out_top1'])}"
+        ),
+        as_json=as_json,
+        json_file=json_file,
+    )

@@ -14,9 +14,13 @@ from trtspec.triton.server import serving
 
 @handle_errors
 def openai(
-    target: Annotated[Path, typer.Argument(help="Engine spec YAML or the model repository `trtspec serve` serves.", show_default=False)],
+    target: Annotated[
+        Path, typer.Argument(help="Engine spec YAML or the model repository `trtspec serve` serves.", show_default=False)
+    ],
     url: Annotated[str, typer.Option("--url", help="The Triton deployment's gRPC HOST:PORT.")] = "127.0.0.1:8001",
-    host: Annotated[str, typer.Option("--host", help="Address to bind. The API has no auth: keep it on loopback unless a proxy guards it.")] = "127.0.0.1",
+    host: Annotated[
+        str, typer.Option("--host", help="Address to bind. The API has no auth: keep it on loopback unless a proxy guards it.")
+    ] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=1, max=65535, help="HTTP port of the API.")] = 8080,
     engines: EnginesOpt = None,
 ) -> None:

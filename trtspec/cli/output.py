@@ -19,8 +19,7 @@ class Report(Protocol):
     def to_dict(self) -> dict: ...
 
 
-def emit(report: Report, human: Callable[[object], None], *, as_json: bool = False,
-         json_file: Path | None = None) -> None:
+def emit(report: Report, human: Callable[[object], None], *, as_json: bool = False, json_file: Path | None = None) -> None:
     """``human(console.out)`` or the report's JSON on stdout; the JSON file when asked."""
     data = report.to_dict()
     if as_json:

@@ -16,7 +16,9 @@ from trtspec.triton.repository.writer import write_repository
 @handle_errors
 def repo(
     spec: SpecArg,
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Repository folder (default: serve.repo_dir, else model_repo/<name>).")] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Repository folder (default: serve.repo_dir, else model_repo/<name>).")
+    ] = None,
     engines: EnginesOpt = None,
     llmapi_impl: LlmapiOpt = "tensorrt_llm",
 ) -> None:

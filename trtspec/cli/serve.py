@@ -15,18 +15,35 @@ from trtspec.triton.server import serving
 
 @handle_errors
 def serve(
-    target: Annotated[Path, typer.Argument(help="Engine spec YAML (its repository is written first) or a model repository folder.", show_default=False)],
-    host: Annotated[str | None, typer.Option("--host", help="Address to bind (default: serve.host, 127.0.0.1). The server has no auth.")] = None,
-    http_port: Annotated[int | None, typer.Option("--http-port", min=1, max=65535, help="Default: serve.http_port (8000).")] = None,
-    grpc_port: Annotated[int | None, typer.Option("--grpc-port", min=1, max=65535, help="Default: serve.grpc_port (8001).")] = None,
-    metrics_port: Annotated[int | None, typer.Option("--metrics-port", min=1, max=65535, help="Default: serve.metrics_port (8002).")] = None,
+    target: Annotated[
+        Path,
+        typer.Argument(
+            help="Engine spec YAML (its repository is written first) or a model repository folder.", show_default=False
+        ),
+    ],
+    host: Annotated[
+        str | None, typer.Option("--host", help="Address to bind (default: serve.host, 127.0.0.1). The server has no auth.")
+    ] = None,
+    http_port: Annotated[
+        int | None, typer.Option("--http-port", min=1, max=65535, help="Default: serve.http_port (8000).")
+    ] = None,
+    grpc_port: Annotated[
+        int | None, typer.Option("--grpc-port", min=1, max=65535, help="Default: serve.grpc_port (8001).")
+    ] = None,
+    metrics_port: Annotated[
+        int | None, typer.Option("--metrics-port", min=1, max=65535, help="Default: serve.metrics_port (8002).")
+    ] = None,
     engines: EnginesOpt = None,
     repo_dir: Annotated[Path | None, typer.Option("--repo", help="Where to write the repository (SPEC only).")] = None,
     timeout: Annotated[float, typer.Option("--timeout", min=1, help="Seconds to wait for readiness.")] = 300.0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command and environment; start nothing.")] = False,
-    detach: Annotated[bool, typer.Option("--detach", help="Return once ready; the server keeps running (stop it with `trtspec stop`).")] = False,
+    detach: Annotated[
+        bool, typer.Option("--detach", help="Return once ready; the server keeps running (stop it with `trtspec stop`).")
+    ] = False,
     pid_file: Annotated[Path, typer.Option("--pid-file", help="Detached server's pid file.")] = serving.DEFAULT_PID_FILE,
-    log_file: Annotated[Path | None, typer.Option("--log-file", help="Server log (default: beside the pid file when detached, else a temp file).")] = None,
+    log_file: Annotated[
+        Path | None, typer.Option("--log-file", help="Server log (default: beside the pid file when detached, else a temp file).")
+    ] = None,
     llmapi_impl: LlmapiOpt = "tensorrt_llm",
 ) -> None:
     """Serve SPEC (or a written REPO) on tritonserver and wait until every model is ready.

@@ -30,24 +30,78 @@ class FailOn(str, Enum):
 def verify(
     spec: SpecArg,
     output: OutputOpt = None,
-    prompt: Annotated[list[str] | None, typer.Option("--prompt", "-p", help="Prompt to verify (repeatable); default: the spec's verify prompts.")] = None,
-    max_tokens: Annotated[int | None, typer.Option("--max-tokens", min=1, help="Tokens per prompt (default: verify.max_tokens).")] = None,
-    num_draft_tokens: Annotated[int | None, typer.Option("--num-draft-tokens", "-k", min=0, help="Draft length k (default: the spec's).")] = None,
+    prompt: Annotated[
+        list[str] | None,
+        typer.Option("--prompt", "-p", help="Prompt to verify (repeatable); default: the spec's verify prompts."),
+    ] = None,
+    max_tokens: Annotated[
+        int | None, typer.Option("--max-tokens", min=1, help="Tokens per prompt (default: verify.max_tokens).")
+    ] = None,
+    num_draft_tokens: Annotated[
+        int | None, typer.Option("--num-draft-tokens", "-k", min=0, help="Draft length k (default: the spec's).")
+    ] = None,
     as_json: JsonOpt = False,
     json_file: JsonFileOpt = None,
-    junit_file: Annotated[Path | None, typer.Option("--junit", help="Also write a JUnit XML report (one testcase per prompt).")] = None,
+    junit_file: Annotated[
+        Path | None, typer.Option("--junit", help="Also write a JUnit XML report (one testcase per prompt).")
+    ] = None,
     url: UrlOpt = None,
-    stream: Annotated[bool, typer.Option("--stream", help="With --url: take the speculative path from the streaming endpoint.")] = False,
-    fail_on: Annotated[FailOn, typer.Option("--fail-on", help="Exit 1 on any divergence, or only on algorithmic ones (numerical near-tie flips are reported, not failed).")] = FailOn.any,
-    baseline: Annotated[Path | None, typer.Option("--baseline", help="A previous `verify --json` report of the same spec, prompts, k and max_tokens to gate acceptance against.")] = None,
-    max_acceptance_drop: Annotated[str | None, typer.Option("--max-acceptance-drop", help="With --baseline: exit 1 if the acceptance rate fell by more than this (5% or 0.05), relative.")] = None,
-    min_acceptance_length: Annotated[float | None, typer.Option("--min-acceptance-length", min=1.0, help="Exit 1 if the mean acceptance length (tokens per target forward) is below this.")] = None,
-    sampling: Annotated[int | None, typer.Option("--sampling", min=1, help="Also test speculative SAMPLING: N samples per prompt, checked against the target's exact distribution (chi-square, false-alarm rate 0.01). In process only.")] = None,
-    temperature: Annotated[float | None, typer.Option("--temperature", help="With --sampling: temperature (> 0; default 1).")] = None,
+    stream: Annotated[
+        bool, typer.Option("--stream", help="With --url: take the speculative path from the streaming endpoint.")
+    ] = False,
+    fail_on: Annotated[
+        FailOn,
+        typer.Option(
+            "--fail-on",
+            help="Exit 1 on any divergence, or only on algorithmic ones (numerical near-tie flips are reported, not failed).",
+        ),
+    ] = FailOn.any,
+    baseline: Annotated[
+        Path | None,
+        typer.Option(
+            "--baseline",
+            help="A previous `verify --json` report of the same spec, prompts, k and max_tokens to gate acceptance against.",
+        ),
+    ] = None,
+    max_acceptance_drop: Annotated[
+        str | None,
+        typer.Option(
+            "--max-acceptance-drop",
+            help="With --baseline: exit 1 if the acceptance rate fell by more than this (5% or 0.05), relative.",
+        ),
+    ] = None,
+    min_acceptance_length: Annotated[
+        float | None,
+        typer.Option(
+            "--min-acceptance-length",
+            min=1.0,
+            help="Exit 1 if the mean acceptance length (tokens per target forward) is below this.",
+        ),
+    ] = None,
+    sampling: Annotated[
+        int | None,
+        typer.Option(
+            "--sampling",
+            min=1,
+            help="Also test speculative SAMPLING: N samples per prompt, checked against the target's exact distribution (chi-square, false-alarm rate 0.01). In process only.",
+        ),
+    ] = None,
+    temperature: Annotated[
+        float | None, typer.Option("--temperature", help="With --sampling: temperature (> 0; default 1).")
+    ] = None,
     top_k: Annotated[int | None, typer.Option("--top-k", help="With --sampling: keep the k most likely tokens (0: all).")] = None,
     top_p: Annotated[float | None, typer.Option("--top-p", help="With --sampling: nucleus mass in (0, 1] (1: all).")] = None,
-    seed: Annotated[int | None, typer.Option("--seed", help="With --sampling: first seed (sample i uses seed + i; default 0).")] = None,
-    tie_epsilon: Annotated[float | None, typer.Option("--tie-epsilon", min=0.0, help="Logit gap below which a flip reproduced by the verifier's forward shape is numerical (default per target dtype: float32 0.01, float16 0.25, bfloat16 1.0).")] = None,
+    seed: Annotated[
+        int | None, typer.Option("--seed", help="With --sampling: first seed (sample i uses seed + i; default 0).")
+    ] = None,
+    tie_epsilon: Annotated[
+        float | None,
+        typer.Option(
+            "--tie-epsilon",
+            min=0.0,
+            help="Logit gap below which a flip reproduced by the verifier's forward shape is numerical (default per target dtype: float32 0.01, float16 0.25, bfloat16 1.0).",
+        ),
+    ] = None,
     llmapi_impl: LlmapiOpt = "tensorrt_llm",
 ) -> None:
     """Prove greedy speculative outputs are token-identical to target-only outputs.
@@ -71,7 +125,9 @@ def verify(
     prompts = list(prompt) if prompt else loaded.verify_prompts()
     drop = parse_fraction(max_acceptance_drop) if max_acceptance_drop is not None else None
     if (drop is None) != (baseline is None):
-        raise RequestError("--baseline and --max-acceptance-drop go together: pass both (e.g. --baseline previous.json --max-acceptance-drop 5%)")
+        raise RequestError(
+            "--baseline and --max-acceptance-drop go together: pass both (e.g. --baseline previous.json --max-acceptance-drop 5%)"
+        )
     if not prompts:
         raise RequestError("no prompts to verify: add verify.prompts to the spec or pass --prompt")
     n_tokens = max_tokens if max_tokens is not None else loaded.spec.verify.max_tokens
@@ -89,9 +145,14 @@ def verify(
     with Progress(console=console.err, transient=True) as bar:
         task = bar.add_task("verifying prompts", total=len(prompts))
         report = run_verify(
-            backend, prompts, n_tokens, loaded.spec.name, mode=mode,
+            backend,
+            prompts,
+            n_tokens,
+            loaded.spec.name,
+            mode=mode,
             progress=lambda i, n: bar.update(task, completed=i),
-            prompt_set=prompt_set, num_draft_tokens=k,
+            prompt_set=prompt_set,
+            num_draft_tokens=k,
         )
     gate = None
     if baseline is not None or min_acceptance_length is not None:
@@ -101,7 +162,12 @@ def verify(
         with Progress(console=console.err, transient=True) as bar:
             task = bar.add_task("sampling", total=sampling * len(prompts))
             sampled = run_sampling_check(
-                backend.dep, prompts, sampling, n_tokens, sampling_params, num_draft_tokens,
+                backend.dep,
+                prompts,
+                sampling,
+                n_tokens,
+                sampling_params,
+                num_draft_tokens,
                 progress=lambda i, n: bar.update(task, completed=i),
             )
 
@@ -135,7 +201,11 @@ class _WithGates:
 
 
 def _sampling_params(n, temperature, top_k, top_p, seed, url):
-    given = [name for name, v in (("--temperature", temperature), ("--top-k", top_k), ("--top-p", top_p), ("--seed", seed)) if v is not None]
+    given = [
+        name
+        for name, v in (("--temperature", temperature), ("--top-k", top_k), ("--top-p", top_p), ("--seed", seed))
+        if v is not None
+    ]
     if n is None:
         if given:
             raise RequestError(f"{', '.join(given)} only apply to sampling; add --sampling N (samples per prompt)")
@@ -160,4 +230,3 @@ def _prompt_set_name(loaded, prompt: list[str] | None) -> str:
     if loaded.spec.verify.prompts_file:
         where.append(loaded.spec.verify.prompts_file)
     return " + ".join(where)
-

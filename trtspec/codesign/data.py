@@ -66,8 +66,7 @@ def capture(target: TorchEngine, prompt_ids: list[int], output_ids: list[int]) -
     target.forget_prefixes()  # every position computed now, with its features
     logits = target.run([ForwardItem(tokens, len(tokens))])[0]  # [T, vocab]
     feats = target.features_of(tokens, 0, len(tokens))  # [T, n_layers * hidden]
-    return Sample(torch.tensor(tokens, dtype=torch.long), len(prompt_ids), feats,
-                  torch.argmax(logits, dim=-1))
+    return Sample(torch.tensor(tokens, dtype=torch.long), len(prompt_ids), feats, torch.argmax(logits, dim=-1))
 
 
 def collate(samples: list[Sample], max_len: int) -> Batch:
@@ -104,8 +103,13 @@ def save_samples(path: Path, samples: list[Sample]) -> None:
     from trtspec.files import write_bytes_atomic
 
     buf = io.BytesIO()
-    torch.save([{"tokens": s.tokens, "prompt_len": torch.tensor(s.prompt_len), "features": s.features,
-                 "labels": s.labels} for s in samples], buf)
+    torch.save(
+        [
+            {"tokens": s.tokens, "prompt_len": torch.tensor(s.prompt_len), "features": s.features, "labels": s.labels}
+            for s in samples
+        ],
+        buf,
+    )
     write_bytes_atomic(path, buf.getvalue())
 
 

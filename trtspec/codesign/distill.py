@@ -130,9 +130,19 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
     held_idx, train_idx = sorted(order[:held_n]), sorted(order[held_n:])
     if not train_idx:
         raise SpecError(f"--prompts: {prompts_path} leaves no training prompt after holding out {held_n}")
-    key = hashlib.sha256(json.dumps({
-        "target": target_hash, "prompts": sha256_file(prompts_path), "max_tokens": opts.max_tokens,
-        "layers": layer_ids, "chat": loaded.spec.verify.chat_template}, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        json.dumps(
+            {
+                "target": target_hash,
+                "prompts": sha256_file(prompts_path),
+                "max_tokens": opts.max_tokens,
+                "layers": layer_ids,
+                "chat": loaded.spec.verify.chat_template,
+            },
+            sort_keys=True,
+            default=str,
+        ).encode()
+    ).hexdigest()[:16]
     data_file = work / f"data-{key}.pt"
     if data_file.is_file():
         samples = load_samples(data_file)
@@ -217,14 +227,18 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
     manifest = {
         "format": 1,
         "method": "eagle3",
-        "target": {"spec": loaded.spec.name, "source": loaded.spec.target.source_id,
-                   "weights": target_hash},
+        "target": {"spec": loaded.spec.name, "source": loaded.spec.target.source_id, "weights": target_hash},
         "layer_ids": list(layer_ids),
         "draft_vocab_size": len(draft_ids),
-        "data": {"prompts_file": str(prompts_path), "prompts_sha256": sha256_file(prompts_path),
-                 "train_prompts": len(train_idx), "held_out_prompts": len(held_idx),
-                 "train_tokens": sum(len(s.tokens) for s in train_s),
-                 "held_out_tokens": sum(len(s.tokens) for s in held_s), "max_tokens": opts.max_tokens},
+        "data": {
+            "prompts_file": str(prompts_path),
+            "prompts_sha256": sha256_file(prompts_path),
+            "train_prompts": len(train_idx),
+            "held_out_prompts": len(held_idx),
+            "train_tokens": sum(len(s.tokens) for s in train_s),
+            "held_out_tokens": sum(len(s.tokens) for s in held_s),
+            "max_tokens": opts.max_tokens,
+        },
         "seed": opts.seed,
         "steps": step,
         "stopped_by": stopped_by,
@@ -267,8 +281,7 @@ def _evaluate(head: Eagle3Head, embed, batch, steps: int, cos, sin) -> dict:
     head.eval()
     a = agreement(head, embed, batch, steps, cos, sin)
     head.train(was)
-    return {"held_out_top1": a["top1"], "held_out_acceptance_length": a["acceptance_length"],
-            "held_out_chains": a["chains"]}
+    return {"held_out_top1": a["top1"], "held_out_acceptance_length": a["acceptance_length"], "held_out_chains": a["chains"]}
 
 
 @contextmanager
@@ -295,8 +308,17 @@ def _deferred_interrupt():
 
 def _checkpoint_bytes(head, optim, step, curve, key, seed) -> bytes:
     buf = io.BytesIO()
-    torch.save({"head": head.state_dict(), "optim": optim.state_dict(), "step": step,
-                "curve": json.dumps(curve), "key": key, "seed": seed}, buf)
+    torch.save(
+        {
+            "head": head.state_dict(),
+            "optim": optim.state_dict(),
+            "step": step,
+            "curve": json.dumps(curve),
+            "key": key,
+            "seed": seed,
+        },
+        buf,
+    )
     return buf.getvalue()
 
 
@@ -313,10 +335,20 @@ def _plot(curve: list[dict], path: Path) -> None:
     evals = [r for r in curve if "held_out_top1" in r]
     if evals:
         ax2 = ax.twinx()
-        ax2.plot([r["step"] for r in evals], [r["held_out_top1"][0] for r in evals], "o-", color="tab:green",
-                 label="held-out top-1 (step 0)")
-        ax2.plot([r["step"] for r in evals], [r["held_out_acceptance_length"] for r in evals], "s-",
-                 color="tab:red", label="held-out acceptance length")
+        ax2.plot(
+            [r["step"] for r in evals],
+            [r["held_out_top1"][0] for r in evals],
+            "o-",
+            color="tab:green",
+            label="held-out top-1 (step 0)",
+        )
+        ax2.plot(
+            [r["step"] for r in evals],
+            [r["held_out_acceptance_length"] for r in evals],
+            "s-",
+            color="tab:red",
+            label="held-out acceptance length",
+        )
         ax2.legend(loc="upper right")
     ax.legend(loc="upper left")
     fig.tight_layout()

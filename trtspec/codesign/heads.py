@@ -22,9 +22,15 @@ HEAD_WEIGHTS = "model.safetensors"
 HEAD_MANIFEST = "trtspec-head.json"  # how the head was made (target hash, data, seed, metrics)
 
 
-def new_head(target_hf, target_lm_head: torch.Tensor, layer_ids: tuple[int, ...],
-             draft_ids: list[int], seed: int, extra: dict | None = None,
-             scale: float = 0.02) -> tuple[Eagle3Head, dict]:
+def new_head(
+    target_hf,
+    target_lm_head: torch.Tensor,
+    layer_ids: tuple[int, ...],
+    draft_ids: list[int],
+    seed: int,
+    extra: dict | None = None,
+    scale: float = 0.02,
+) -> tuple[Eagle3Head, dict]:
     """A fresh head over ``draft_ids`` (ascending target ids) and its config.json dict."""
     raw = head_config_dict(target_hf, layer_ids, len(draft_ids), extra)
     cfg: HeadConfig = head_config_from_dict(raw, target_hf.num_hidden_layers)
@@ -42,8 +48,9 @@ def new_head(target_hf, target_lm_head: torch.Tensor, layer_ids: tuple[int, ...]
     return head, raw
 
 
-def save_head(out: Path, head: Eagle3Head, config: dict, manifest: dict | None = None,
-              extra_files: dict[str, Path] | None = None) -> None:
+def save_head(
+    out: Path, head: Eagle3Head, config: dict, manifest: dict | None = None, extra_files: dict[str, Path] | None = None
+) -> None:
     """Write config.json, safetensors, the manifest and extras into a temp folder beside
     ``out`` and rename it into place: an interrupted write leaves no head folder."""
     from safetensors.torch import save_file

@@ -25,8 +25,7 @@ def bigram_map(vocab: int, lo: int = 10, hi: int = 60) -> list[int]:
     return [lo + (7 * a + 3) % span for a in range(vocab)]
 
 
-def make_bigram_target(out: Path, tokenizer_from: Path, hidden: int | None = None, layers: int = 2,
-                       seed: int = 0) -> Path:
+def make_bigram_target(out: Path, tokenizer_from: Path, hidden: int | None = None, layers: int = 2, seed: int = 0) -> Path:
     """A target with greedy next token g(x), with the tokenizer of ``tokenizer_from``.
     hidden None: one-hot embeddings (hidden = vocab, exact); otherwise random embeddings of
     that width (g is then what they make it)."""
@@ -36,9 +35,16 @@ def make_bigram_target(out: Path, tokenizer_from: Path, hidden: int | None = Non
     vocab = 400
     width = hidden or vocab
     cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=width, intermediate_size=width, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        vocab_size=vocab,
+        hidden_size=width,
+        intermediate_size=width,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)

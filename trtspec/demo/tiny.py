@@ -22,8 +22,7 @@ Summarise the following text in one sentence. Rewrite the paragraph in plain Eng
 Triton serves models over HTTP and gRPC. TensorRT-LLM builds engines for NVIDIA GPUs.
 """
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|user|>{{ m['content'] }}<|end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    "{% for m in messages %}<|user|>{{ m['content'] }}<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>", "<|end|>"]
 

@@ -16,7 +16,6 @@ _STARTUP_NO_ENGINES_S = {"torch": 300, "trtllm": 1800}  # engines not on this ma
 _LOAD_BYTES_PER_S = 100 * 2**20
 
 
-
 def object_name(loaded: LoadedSpec, options: K8sOptions) -> str:
     if options.name is not None:
         return options.name

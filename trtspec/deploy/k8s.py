@@ -119,9 +119,19 @@ def server_container(name: str, loaded: LoadedSpec, options: K8sOptions, gpus: i
         # 0.0.0.0 inside the pod: kubelet probes, the Service and port-forward all reach it;
         # the Service is ClusterIP, nothing is exposed outside the cluster by default.
         "command": [
-            "trtspec", "serve", f"{SPEC_DIR}/spec.yaml", "--host", "0.0.0.0",
-            "--engines", ENGINES_DIR, "--repo", REPO_DIR, "--timeout", str(startup_s),
-            "--log-file", f"{SCRATCH_DIR}/tritonserver.log",
+            "trtspec",
+            "serve",
+            f"{SPEC_DIR}/spec.yaml",
+            "--host",
+            "0.0.0.0",
+            "--engines",
+            ENGINES_DIR,
+            "--repo",
+            REPO_DIR,
+            "--timeout",
+            str(startup_s),
+            "--log-file",
+            f"{SCRATCH_DIR}/tritonserver.log",
         ],
         "ports": [
             {"name": "http", "containerPort": s.http_port, "protocol": "TCP"},
@@ -163,34 +173,38 @@ def _env(*extra: dict) -> list[dict]:
 def init_containers(name: str, loaded: LoadedSpec, options: K8sOptions, gpus: int) -> list[dict]:
     mounts = [{"name": "engines", "mountPath": ENGINES_DIR}]
     if options.engines_from == "image":
-        return [{
-            "name": "engines",
-            "image": options.engines_image,
-            "imagePullPolicy": options.image_pull_policy,
-            "command": ["sh", "-c", f"cp -R /engines/. {ENGINES_DIR}/"],
-            "resources": {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "256Mi"}},
-            "securityContext": _security_context(),
-            "volumeMounts": mounts,
-        }]
+        return [
+            {
+                "name": "engines",
+                "image": options.engines_image,
+                "imagePullPolicy": options.image_pull_policy,
+                "command": ["sh", "-c", f"cp -R /engines/. {ENGINES_DIR}/"],
+                "resources": {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "256Mi"}},
+                "securityContext": _security_context(),
+                "volumeMounts": mounts,
+            }
+        ]
     if options.engines_from == "build":
         # `trtspec build` is a no-op when the engines on the claim are up to date, so only
         # the first start of each pod (or a changed spec) pays for the build.
         secret = {"secretKeyRef": {"name": options.hf_token_secret, "key": "HF_TOKEN", "optional": True}}
-        return [{
-            "name": "build",
-            "image": options.image or default_image(loaded.spec.backend),
-            "imagePullPolicy": options.image_pull_policy,
-            "command": ["trtspec", "build", f"{SPEC_DIR}/spec.yaml", "--output", ENGINES_DIR],
-            "env": _env({"name": "HF_HOME", "value": HF_HOME}, {"name": "HF_TOKEN", "valueFrom": secret}),
-            "resources": _resources(options, loaded.spec.backend, gpus),
-            "securityContext": _security_context(),
-            "volumeMounts": [
-                {"name": "spec", "mountPath": SPEC_DIR, "readOnly": True},
-                {"name": "engines", "mountPath": str(Path(ENGINES_DIR).parent)},  # engines/ + hf-cache/
-                {"name": "tmp", "mountPath": "/tmp"},
-                {"name": "scratch", "mountPath": SCRATCH_DIR},
-            ],
-        }]
+        return [
+            {
+                "name": "build",
+                "image": options.image or default_image(loaded.spec.backend),
+                "imagePullPolicy": options.image_pull_policy,
+                "command": ["trtspec", "build", f"{SPEC_DIR}/spec.yaml", "--output", ENGINES_DIR],
+                "env": _env({"name": "HF_HOME", "value": HF_HOME}, {"name": "HF_TOKEN", "valueFrom": secret}),
+                "resources": _resources(options, loaded.spec.backend, gpus),
+                "securityContext": _security_context(),
+                "volumeMounts": [
+                    {"name": "spec", "mountPath": SPEC_DIR, "readOnly": True},
+                    {"name": "engines", "mountPath": str(Path(ENGINES_DIR).parent)},  # engines/ + hf-cache/
+                    {"name": "tmp", "mountPath": "/tmp"},
+                    {"name": "scratch", "mountPath": SCRATCH_DIR},
+                ],
+            }
+        ]
     return []
 
 
@@ -298,14 +312,19 @@ def autoscaler(name: str, loaded: LoadedSpec, options: K8sOptions, kind: str) ->
         "pods": {
             "metric": {
                 "name": QUEUE_METRIC,
-                "selector": {"matchExpressions": [
-                    {"key": "model", "operator": "In", "values": endpoint_models(loaded)},
-                ]},
+                "selector": {
+                    "matchExpressions": [
+                        {"key": "model", "operator": "In", "values": endpoint_models(loaded)},
+                    ]
+                },
             },
             "target": {"type": "AverageValue", "averageValue": str(target)},
         },
     }
-    cpu = {"type": "Resource", "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": options.cpu_target}}}
+    cpu = {
+        "type": "Resource",
+        "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": options.cpu_target}},
+    }
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
@@ -318,7 +337,10 @@ def autoscaler(name: str, loaded: LoadedSpec, options: K8sOptions, kind: str) ->
             # Engines take minutes to load: scale up at once, scale down slowly.
             "behavior": {
                 "scaleUp": {"stabilizationWindowSeconds": 0, "policies": [{"type": "Pods", "value": 2, "periodSeconds": 60}]},
-                "scaleDown": {"stabilizationWindowSeconds": 600, "policies": [{"type": "Pods", "value": 1, "periodSeconds": 300}]},
+                "scaleDown": {
+                    "stabilizationWindowSeconds": 600,
+                    "policies": [{"type": "Pods", "value": 1, "periodSeconds": 300}],
+                },
             },
         },
     }

@@ -99,9 +99,7 @@ class K8sOptions(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> K8sOptions:
         if self.min_replicas > self.max_replicas:
-            raise ValueError(
-                f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})"
-            )
+            raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
         if self.engines_from == "image" and not self.engines_image:
             raise ValueError("engines_from image needs engines_image: an image holding /engines")
         if self.engines_from != "image" and self.engines_image:

@@ -93,8 +93,15 @@ def options_from(values: dict) -> K8sOptions:
         raise TrtspecError("\n".join(lines)) from e
 
 
-def deploy_k8s(loaded: LoadedSpec, options: K8sOptions, out: Path | None, *, force: bool = False,
-               dry_run: bool = False, engines_dir: Path | None = None) -> tuple[Plan, dict[str, str], Path | None]:
+def deploy_k8s(
+    loaded: LoadedSpec,
+    options: K8sOptions,
+    out: Path | None,
+    *,
+    force: bool = False,
+    dry_run: bool = False,
+    engines_dir: Path | None = None,
+) -> tuple[Plan, dict[str, str], Path | None]:
     """Plan, validate and (unless ``dry_run``) write the manifests; nothing is written on error."""
     plan = plan_manifests(loaded, options, engines_dir)
     files = rendered_files(plan, options.kube_version)

@@ -61,9 +61,7 @@ def validate(manifest: dict, version: str) -> None:
     except utils.ValidationError as e:
         where = ".".join(str(p) for p in e.path) or "(top level)"
         name = manifest.get("metadata", {}).get("name")
-        raise ManifestInvalid(
-            f"{manifest['kind']}/{name} is not valid Kubernetes {e.version}: {where}: {e.message}"
-        ) from e
+        raise ManifestInvalid(f"{manifest['kind']}/{name} is not valid Kubernetes {e.version}: {where}: {e.message}") from e
 
 
 def validate_all(manifests: Iterable[dict], version: str, no_schema: Iterable[str] = ()) -> list[str]:

@@ -82,8 +82,13 @@ class BuildPlan:
             "backend": self.backend,
             "output_dir": str(self.output_dir),
             "units": [
-                {"role": u.role, "source": u.source, "dtype": u.dtype, "state": u.state.value,
-                 "engines": {k: str(f) for k, f in u.folders.items()}}
+                {
+                    "role": u.role,
+                    "source": u.source,
+                    "dtype": u.dtype,
+                    "state": u.state.value,
+                    "engines": {k: str(f) for k, f in u.folders.items()},
+                }
                 for u in self.units
             ],
             "commands": [{"step": s, "command": c} for s, c in self.commands],
@@ -102,8 +107,11 @@ class BuildResult:
         return [kind for u in self.units if u.state != BuildState.UP_TO_DATE for kind in u.folders]
 
     def to_dict(self) -> dict:
-        return {"output_dir": str(self.output_dir), "built": self.built,
-                "up_to_date": [k for u in self.units if u.state == BuildState.UP_TO_DATE for k in u.folders]}
+        return {
+            "output_dir": str(self.output_dir),
+            "built": self.built,
+            "up_to_date": [k for u in self.units if u.state == BuildState.UP_TO_DATE for k in u.folders],
+        }
 
 
 class EngineBackend(Protocol):
@@ -146,8 +154,7 @@ def plan(loaded: LoadedSpec, output_dir: Path, force: bool = False) -> BuildPlan
     units = []
     for role, model in spec.models().items():
         folders = {kind: engine_folder(output_dir, kind) for kind in KINDS_OF_ROLE[spec.backend][role]}
-        units.append(UnitPlan(role, model.source_id, model.dtype, folders,
-                              _state(loaded, role, folders, force)))
+        units.append(UnitPlan(role, model.source_id, model.dtype, folders, _state(loaded, role, folders, force)))
     return BuildPlan(spec.name, spec.backend, output_dir, units)
 
 
@@ -172,13 +179,11 @@ def reconcile(plan: BuildPlan, checkpoints: dict[str, Checkpoint]) -> None:
     for unit in plan.units:
         if unit.state != BuildState.CHECK_SOURCES:
             continue
-        same = all(read_manifest(f).source.weights == checkpoints[unit.role].source_weights
-                   for f in unit.folders.values())
+        same = all(read_manifest(f).source.weights == checkpoints[unit.role].source_weights for f in unit.folders.values())
         if same:
             unit.state = BuildState.UP_TO_DATE
             where = ", ".join(str(f) for f in unit.folders.values())
-            console.info(f"{unit.role}: {where} is up to date (same spec and weights); "
-                         "nothing to do (use --force to rebuild)")
+            console.info(f"{unit.role}: {where} is up to date (same spec and weights); nothing to do (use --force to rebuild)")
         else:
             unit.state = BuildState.REBUILD
 
@@ -211,15 +216,15 @@ def check_pair(checkpoints: dict[str, Checkpoint], method: str = "draft_target")
 def resolve_pair(loaded: LoadedSpec, allow_pickle: bool = False, roles=None) -> dict[str, Checkpoint]:
     """Resolve both checkpoints (or only ``roles``) and check that they make a pair."""
     with console.step("resolving checkpoints"):
-        checkpoints = {role: resolve(loaded, role, allow_pickle)
-                       for role in loaded.spec.models() if roles is None or role in roles}
+        checkpoints = {
+            role: resolve(loaded, role, allow_pickle) for role in loaded.spec.models() if roles is None or role in roles
+        }
     with console.step("checking draft/target compatibility"):
         check_pair(checkpoints, loaded.spec.speculative.method)
     return checkpoints
 
 
-def build(loaded: LoadedSpec, output_dir: Path, force: bool = False, allow_pickle: bool = False,
-          roles=None) -> BuildResult:
+def build(loaded: LoadedSpec, output_dir: Path, force: bool = False, allow_pickle: bool = False, roles=None) -> BuildResult:
     """Build every role of the spec, or only ``roles`` (distill builds the target alone)."""
     if (llmapi := _llmapi(loaded)) is not None:
         return llmapi.build(loaded, output_dir, force=force, allow_pickle=allow_pickle)
@@ -277,8 +282,7 @@ def finish_engine(
         model_type=cfg.model_type,
         architecture=(cfg.architectures or [cfg.model_type])[0],
         parameters=parameters,
-        source=SourceRecord(id=model.source_id, revision=model.revision, gguf_file=model.gguf_file,
-                            weights=ckpt.source_weights),
+        source=SourceRecord(id=model.source_id, revision=model.revision, gguf_file=model.gguf_file, weights=ckpt.source_weights),
         files=files,
         versions=versions,
         commands=commands or [],

@@ -30,15 +30,24 @@ class CheckReport:
             table.add_column(col)
         for r in self.models:
             table.add_row(
-                r["role"], r["source"], r["architecture"], f"{r['parameters'] / 1e6:.1f}M",
-                f"{r['vocab']} (rows {r['embedding_rows']})", r["dtype"],
+                r["role"],
+                r["source"],
+                r["architecture"],
+                f"{r['parameters'] / 1e6:.1f}M",
+                f"{r['vocab']} (rows {r['embedding_rows']})",
+                r["dtype"],
                 f"{r['estimated_memory_bytes'] / 2**30:.2f} GiB",
             )
         out.print(table)
         out.print(
             f"OK: method {self.method}, max_draft_len {self.max_draft_len}"
-            + ("" if not self.paired else "; EAGLE-3 head made for this target"
-               if self.method == "eagle3" else "; tokenizers identical")
+            + (
+                ""
+                if not self.paired
+                else "; EAGLE-3 head made for this target"
+                if self.method == "eagle3"
+                else "; tokenizers identical"
+            )
         )
 
 
@@ -61,17 +70,20 @@ def check(loaded: LoadedSpec, allow_pickle: bool = False) -> CheckReport:
             backend.check_model(loaded, role, cfg)
         lim = spec.limits(role)
         params = parameter_count(ckpt.weight_files)
-        report.models.append({
-            "role": role,
-            "source": ckpt.model.source_id + (f"@{ckpt.model.revision}" if ckpt.model.revision else ""),
-            "architecture": (cfg.architectures or [cfg.model_type])[0],
-            "model_type": cfg.model_type,
-            "parameters": params,
-            # An EAGLE-3 head has no tokenizer: its vocabulary is the reduced draft vocabulary.
-            "vocab": (getattr(cfg, "draft_vocab_size", None) or cfg.vocab_size)
-            if role == "draft" and spec.speculative.method == "eagle3" else len(ckpt.tokenizer()),
-            "embedding_rows": cfg.vocab_size,
-            "dtype": ckpt.model.dtype,
-            "estimated_memory_bytes": estimate_memory(params, ckpt.model.dtype, cfg, lim.max_batch_size, lim.max_seq_len),
-        })
+        report.models.append(
+            {
+                "role": role,
+                "source": ckpt.model.source_id + (f"@{ckpt.model.revision}" if ckpt.model.revision else ""),
+                "architecture": (cfg.architectures or [cfg.model_type])[0],
+                "model_type": cfg.model_type,
+                "parameters": params,
+                # An EAGLE-3 head has no tokenizer: its vocabulary is the reduced draft vocabulary.
+                "vocab": (getattr(cfg, "draft_vocab_size", None) or cfg.vocab_size)
+                if role == "draft" and spec.speculative.method == "eagle3"
+                else len(ckpt.tokenizer()),
+                "embedding_rows": cfg.vocab_size,
+                "dtype": ckpt.model.dtype,
+                "estimated_memory_bytes": estimate_memory(params, ckpt.model.dtype, cfg, lim.max_batch_size, lim.max_seq_len),
+            }
+        )
     return report

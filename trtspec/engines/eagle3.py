@@ -86,8 +86,7 @@ class HeadConfig:
         return shapes
 
 
-def head_config_dict(target_hf, layer_ids: tuple[int, ...], draft_vocab_size: int,
-                     extra: dict | None = None) -> dict:
+def head_config_dict(target_hf, layer_ids: tuple[int, ...], draft_vocab_size: int, extra: dict | None = None) -> dict:
     """config.json of a new head for ``target_hf`` (a transformers config of the target)."""
     heads = target_hf.num_attention_heads
     head_dim = getattr(target_hf, "head_dim", None) or target_hf.hidden_size // heads
@@ -180,9 +179,7 @@ def head_config_from_dict(raw: dict, target_num_layers: int, where: str = "head 
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{where} lacks or garbles key {e}; re-export the head") from e
     if layers != 1:
-        raise CheckpointError(
-            f"{where}: the head has num_hidden_layers {layers}; trtspec runs one-layer EAGLE-3 heads"
-        )
+        raise CheckpointError(f"{where}: the head has num_hidden_layers {layers}; trtspec runs one-layer EAGLE-3 heads")
     return cfg
 
 
@@ -190,8 +187,7 @@ def _layer_ids(raw: dict, target_num_layers: int) -> tuple[int, ...]:
     own = (raw.get("trtspec") or {}).get("target_layer_ids")
     if own:
         return tuple(int(i) for i in own)
-    vllm = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids")
+    vllm = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if vllm:
         return tuple(int(i) - 1 for i in vllm)
     return default_layer_ids(target_num_layers)
@@ -207,7 +203,8 @@ def check_head_for_target(head: HeadConfig, target_hf, role: str = "draft") -> N
     if head.hidden_size != target_hf.hidden_size:
         problems.append(
             f"its hidden size {head.hidden_size} differs from the target's {target_hf.hidden_size} "
-            "(it shares the target's token embeddings)")
+            "(it shares the target's token embeddings)"
+        )
     if head.vocab_size != target_hf.vocab_size:
         problems.append(f"it maps into a vocabulary of {head.vocab_size}, the target's has {target_hf.vocab_size}")
     bad = [i for i in head.layer_ids if not 0 <= i < n_layers]
@@ -229,13 +226,14 @@ def check_head_tensors(head: HeadConfig, shapes: dict[str, tuple[int, ...]], rol
     missing = [k for k in want if k not in shapes]
     if missing:
         raise CheckpointError(
-            f"{role}: the head lacks tensor(s) {', '.join(missing[:4])}; an EAGLE-3 head needs "
-            f"{', '.join(want)}")
+            f"{role}: the head lacks tensor(s) {', '.join(missing[:4])}; an EAGLE-3 head needs {', '.join(want)}"
+        )
     wrong = [f"{k} {tuple(shapes[k])} (expected {v})" for k, v in want.items() if tuple(shapes[k]) != v]
     if wrong:
         raise CheckpointError(
             f"{role}: head tensor shapes do not match its config: {'; '.join(wrong[:3])}; "
-            "config.json and the weights must come from the same head")
+            "config.json and the weights must come from the same head"
+        )
 
 
 def check_d2t(head: HeadConfig, d2t, role: str = "draft") -> None:

@@ -94,7 +94,6 @@ def check_manifest(folder: Path, role: str, spec_hash: str) -> Manifest:
         raise EngineError(f"{folder} is a {manifest.role} engine, expected {role}")
     if manifest.spec_hash != spec_hash:
         raise EngineError(
-            f"{folder} was built from a different spec (hash {manifest.spec_hash[:12]}); "
-            "run `trtspec build SPEC` to rebuild it"
+            f"{folder} was built from a different spec (hash {manifest.spec_hash[:12]}); run `trtspec build SPEC` to rebuild it"
         )
     return manifest

@@ -40,8 +40,9 @@ class FrontSettings:
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
@@ -69,10 +70,13 @@ def create_app(backend: TritonText, tokenizer, settings: FrontSettings) -> FastA
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": settings.created, "owned_by": "trtspec"}
-            for name in (settings.model, settings.model + CONTROL_SUFFIX)
-        ]}
+        return {
+            "object": "list",
+            "data": [
+                {"id": name, "object": "model", "created": settings.created, "owned_by": "trtspec"}
+                for name in (settings.model, settings.model + CONTROL_SUFFIX)
+            ],
+        }
 
     @app.get("/health")
     async def health():
@@ -112,8 +116,11 @@ class _Front:
             return False
         if model == self.s.model + CONTROL_SUFFIX:
             return True
-        raise ApiError(404, f"model {model!r} does not exist; GET /v1/models lists "
-                            f"{self.s.model!r} and {self.s.model + CONTROL_SUFFIX!r}", code="model_not_found")
+        raise ApiError(
+            404,
+            f"model {model!r} does not exist; GET /v1/models lists {self.s.model!r} and {self.s.model + CONTROL_SUFFIX!r}",
+            code="model_not_found",
+        )
 
     def render(self, messages: list[dict[str, str]]) -> str:
         """Messages to prompt text through the target's chat template. The deployment encodes
@@ -129,21 +136,26 @@ class _Front:
         for candidate in (text, text.removeprefix(tok.bos_token or "")):
             if list(tok(candidate, add_special_tokens=True)["input_ids"]) == want:
                 return candidate
-        raise ApiError(400, "these messages do not re-encode to the chat template's tokens; send them as a "
-                            "single prompt to /v1/completions")
+        raise ApiError(
+            400, "these messages do not re-encode to the chat template's tokens; send them as a single prompt to /v1/completions"
+        )
 
     def generation(self, body, text: str, chat: bool) -> Generation:
         control = self.control(body.model)
         n_prompt = len(self.tokenizer(text, add_special_tokens=True)["input_ids"])
         room = self.s.max_seq_len - n_prompt
         if room < 1:
-            raise ApiError(400, f"the prompt has {n_prompt} tokens; this model holds {self.s.max_seq_len} in all",
-                           code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"the prompt has {n_prompt} tokens; this model holds {self.s.max_seq_len} in all",
+                code="context_length_exceeded",
+            )
         # Chat without a limit runs to the end of the context, as OpenAI's; a limit past it is
         # refused by the deployment with its own message.
         limit = body.limit(room) if chat else (body.max_tokens or 16)
-        return Generation(text=text, max_tokens=limit, stop=_checked(body.stops),
-                          num_draft_tokens=body.num_draft_tokens, control=control)
+        return Generation(
+            text=text, max_tokens=limit, stop=_checked(body.stops), num_draft_tokens=body.num_draft_tokens, control=control
+        )
 
     async def answer(self, body, g: Generation, chat: bool):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -165,8 +177,14 @@ class _Front:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": body.model, "choices": [choice], "usage": _usage(piece)}
+        return {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": body.model,
+            "choices": [choice],
+            "usage": _usage(piece),
+        }
 
     async def events(self, body, g: Generation, chat: bool, rid: str, created: int) -> AsyncIterator[bytes]:
         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -245,8 +263,13 @@ def _usage(piece: Piece) -> dict:
         "prompt_tokens": piece.prompt_tokens,
         "completion_tokens": piece.completion_tokens,
         "total_tokens": piece.prompt_tokens + piece.completion_tokens,
-        "completion_tokens_details": {"accepted_prediction_tokens": piece.accepted_draft_tokens,
-                                      "rejected_prediction_tokens": rejected},
-        "speculative": {"draft_tokens": piece.draft_tokens, "accepted_draft_tokens": piece.accepted_draft_tokens,
-                        "acceptance_rate": piece.acceptance_rate},
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": piece.accepted_draft_tokens,
+            "rejected_prediction_tokens": rejected,
+        },
+        "speculative": {
+            "draft_tokens": piece.draft_tokens,
+            "accepted_draft_tokens": piece.accepted_draft_tokens,
+            "acceptance_rate": piece.acceptance_rate,
+        },
     }

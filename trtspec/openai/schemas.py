@@ -46,7 +46,8 @@ class _Body(BaseModel):
         if self.temperature is not None and self.temperature > 0:
             raise RequestError(
                 f"sampling (temperature={self.temperature:g}) is not supported by trtspec: it decodes greedily; "
-                "send temperature 0 or leave it out")
+                "send temperature 0 or leave it out"
+            )
         if self.n > 1:
             raise RequestError(f"n={self.n} is not supported: greedy decoding has one answer per prompt; send n 1")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -20,11 +20,12 @@ def front_settings(repo_dir: Path):
     info = read_repo_info(repo_dir)
     config = repo_dir / BLS_MODEL / "config.pbtxt"
     if info is None or not config.is_file():
-        raise SpecError(f"{repo_dir} is not a trtspec model repository; give the folder `trtspec serve` uses "
-                        "(model_repo/<spec name>) or the spec")
+        raise SpecError(
+            f"{repo_dir} is not a trtspec model repository; give the folder `trtspec serve` uses "
+            "(model_repo/<spec name>) or the spec"
+        )
     params = pbtxt.parse(config.read_text()).parameters
-    settings = FrontSettings(model=info["spec"], max_seq_len=int(params["max_seq_len"].string_value),
-                             created=int(time.time()))
+    settings = FrontSettings(model=info["spec"], max_seq_len=int(params["max_seq_len"].string_value), created=int(time.time()))
     return settings, tokenizer_folder(Path(info["engines_dir"]), info["backend"])
 
 

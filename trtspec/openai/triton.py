@@ -17,8 +17,15 @@ import numpy as np
 from trtspec.errors import RequestError
 from trtspec.layout import BLS_MODEL, BLS_STREAMING_MODEL, CONTROL_MODEL
 
-WANTED = ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "acceptance_rate",
-          "total_accepted_draft_tokens", "total_draft_tokens"]
+WANTED = [
+    "text_output",
+    "finish_reason",
+    "num_input_tokens",
+    "num_output_tokens",
+    "acceptance_rate",
+    "total_accepted_draft_tokens",
+    "total_draft_tokens",
+]
 
 
 @dataclass
@@ -107,8 +114,7 @@ class TritonText:
 
         outputs = [grpcclient.InferRequestedOutput(n) for n in WANTED]
         try:
-            result = await self.client.infer(CONTROL_MODEL if g.control else BLS_MODEL, self._inputs(g, False),
-                                             outputs=outputs)
+            result = await self.client.infer(CONTROL_MODEL if g.control else BLS_MODEL, self._inputs(g, False), outputs=outputs)
         except InferenceServerException as err:
             raise _as_error(err) from None
         return _piece(result, final=True)

@@ -44,8 +44,13 @@ def load_api(impl: str, line: str) -> SimpleNamespace:
         from tensorrt_llm.llmapi.llm_utils import update_llm_args_with_extra_dict
     except ImportError:
         from tensorrt_llm.llmapi.llm_args import update_llm_args_with_extra_dict
-    return SimpleNamespace(__version__=tensorrt_llm.__version__, LLM=LLM, SamplingParams=SamplingParams,
-                           update_llm_args_with_extra_dict=update_llm_args_with_extra_dict, is_double=False)
+    return SimpleNamespace(
+        __version__=tensorrt_llm.__version__,
+        LLM=LLM,
+        SamplingParams=SamplingParams,
+        update_llm_args_with_extra_dict=update_llm_args_with_extra_dict,
+        is_double=False,
+    )
 
 
 def read_config(path: Path) -> dict:

@@ -40,8 +40,7 @@ def _refuse_unknown(what: str, given, allowed, line: str) -> None:
     extra = sorted(set(given) - set(allowed))
     if extra:
         # pydantic's wording upstream: "Extra inputs are not permitted"
-        raise ValueError(f"{what}: {', '.join(extra)}: Extra inputs are not permitted "
-                         f"(TensorRT-LLM {line})")
+        raise ValueError(f"{what}: {', '.join(extra)}: Extra inputs are not permitted (TensorRT-LLM {line})")
 
 
 class KvCacheConfig:
@@ -130,8 +129,7 @@ class RequestOutput:
     finished: bool = True
 
 
-def update_llm_args_with_extra_dict(line: str, llm_args: dict, extra: dict,
-                                    extra_llm_api_options: str | None = None) -> dict:
+def update_llm_args_with_extra_dict(line: str, llm_args: dict, extra: dict, extra_llm_api_options: str | None = None) -> dict:
     """Merge a YAML mapping into LLM kwargs, turning the nested dicts into config objects."""
     merged = dict(llm_args)
     for key, value in extra.items():
@@ -172,7 +170,8 @@ class LLM:
         if spec is not None and spec.decoding_type in ("Eagle", "Eagle3"):
             raise NotImplementedError(
                 "the conformance double runs draft-target and NGram; EAGLE-3 needs the target's "
-                "hidden states: verify it with the real tensorrt_llm on a GPU")
+                "hidden states: verify it with the real tensorrt_llm on a GPU"
+            )
         if spec is not None and spec.decoding_type in ("DraftTarget", "Draft_Target"):
             draft_dir = _local_folder(spec.fields["speculative_model"], "speculative_model")
             self.draft = _engine(draft_dir, dtype, self.max_seq_len, self.max_batch_size, trust)
@@ -219,8 +218,7 @@ class LLM:
                 text = self.tokenizer.decode(res.output_ids, skip_special_tokens=sp.skip_special_tokens)
                 reason = "length" if res.finish_reason == "length" else "stop"
                 out = CompletionOutput(0, text, list(res.output_ids), reason, perf)
-                outs.append(RequestOutput(self._next_id, prompt if isinstance(prompt, str) else None,
-                                          req.prompt_ids, [out]))
+                outs.append(RequestOutput(self._next_id, prompt if isinstance(prompt, str) else None, req.prompt_ids, [out]))
                 self._next_id += 1
         return outs[0] if single else outs
 
@@ -228,11 +226,12 @@ class LLM:
         if not ids:
             raise ValueError("The prompt is empty")
         if len(ids) > self.max_input_len or len(ids) > self.max_num_tokens:
-            raise ValueError(f"The prompt length ({len(ids)}) exceeds max_input_len "
-                             f"({self.max_input_len}) or max_num_tokens ({self.max_num_tokens})")
+            raise ValueError(
+                f"The prompt length ({len(ids)}) exceeds max_input_len "
+                f"({self.max_input_len}) or max_num_tokens ({self.max_num_tokens})"
+            )
         if len(ids) + max_tokens > self.max_seq_len:
-            raise ValueError(f"prompt ({len(ids)}) + max_tokens ({max_tokens}) exceeds "
-                             f"max_seq_len ({self.max_seq_len})")
+            raise ValueError(f"prompt ({len(ids)}) + max_tokens ({max_tokens}) exceeds max_seq_len ({self.max_seq_len})")
         vocab = self.target.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"token id outside the vocabulary (0..{vocab - 1})")
@@ -244,8 +243,7 @@ class LLM:
 def _local_folder(value, what: str) -> Path:
     p = Path(str(value))
     if not (p / "config.json").is_file():
-        raise NotImplementedError(f"{what} {value}: the conformance double loads local "
-                                  "Hugging Face checkpoint folders only")
+        raise NotImplementedError(f"{what} {value}: the conformance double loads local Hugging Face checkpoint folders only")
     return p
 
 

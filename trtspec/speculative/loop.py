@@ -51,8 +51,7 @@ class Verdict:
 
 
 class Verifier(Protocol):
-    def verify(self, contexts: Sequence[list[int]], drafts: Sequence[list[int]]) -> list[Verdict]:
-        ...
+    def verify(self, contexts: Sequence[list[int]], drafts: Sequence[list[int]]) -> list[Verdict]: ...
 
 
 @dataclass
@@ -138,10 +137,7 @@ def generate(
     while active := [i for i, r in enumerate(results) if not r.done]:
         contexts = [requests[i].prompt_ids + results[i].output_ids for i in active]
         # Never draft past the token budget: n accepted + 1 target token <= tokens left.
-        ks = [
-            max(0, min(requests[i].num_draft_tokens, requests[i].max_tokens - len(results[i].output_ids) - 1))
-            for i in active
-        ]
+        ks = [max(0, min(requests[i].num_draft_tokens, requests[i].max_tokens - len(results[i].output_ids) - 1)) for i in active]
         drafts: list[list[int]] = [[] for _ in active]
         qs: list[torch.Tensor | None] = [None for _ in active]  # draft distributions [k, vocab]
         wants = [j for j, k in enumerate(ks) if k > 0 and requests[active[j]].sampling is None]
@@ -151,8 +147,16 @@ def generate(
                 drafts[j] = list(d[: ks[j]])
         sampled = [j for j, k in enumerate(ks) if k > 0 and requests[active[j]].sampling is not None]
         if sampled:
-            _propose_sampled(drafter, sampled, contexts, ks, [requests[active[j]] for j in sampled],
-                             [gens[active[j]] for j in sampled], drafts, qs)
+            _propose_sampled(
+                drafter,
+                sampled,
+                contexts,
+                ks,
+                [requests[active[j]] for j in sampled],
+                [gens[active[j]] for j in sampled],
+                drafts,
+                qs,
+            )
         verdicts = verifier.verify(contexts, drafts)
         for j, i in enumerate(active):
             req = requests[i]
@@ -230,4 +234,4 @@ def _emit(req: GenerationRequest, res: GenerationResult, new: list[int], margins
 
 
 def _ends_with(seq: list[int], suffix: tuple[int, ...]) -> bool:
-    return len(suffix) > 0 and len(seq) >= len(suffix) and tuple(seq[-len(suffix):]) == suffix
+    return len(suffix) > 0 and len(seq) >= len(suffix) and tuple(seq[-len(suffix) :]) == suffix

@@ -44,10 +44,7 @@ class Limits:
 
     def check_batch(self, rows: int, what: str = "sequences") -> None:
         if self.max_batch_size is not None and rows > self.max_batch_size:
-            raise RequestError(
-                f"batch of {rows} {what} exceeds max_batch_size {self.max_batch_size}; "
-                "send fewer at once"
-            )
+            raise RequestError(f"batch of {rows} {what} exceeds max_batch_size {self.max_batch_size}; send fewer at once")
 
 
 def make_request(
@@ -102,8 +99,6 @@ def end_token_ids(tokenizer, engine_folder: Path) -> frozenset[int]:
 def encode_prompt(tokenizer, prompt: str, chat_template: bool) -> list[int]:
     """Prompt text to ids, through the tokenizer's chat template when asked and present."""
     if chat_template and getattr(tokenizer, "chat_template", None):
-        enc = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-        )
+        enc = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
         return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
     return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])

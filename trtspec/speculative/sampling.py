@@ -33,8 +33,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not self.temperature > 0:
             raise RequestError(
-                f"temperature must be > 0 to sample (got {self.temperature}); for greedy "
-                "decoding leave sampling off"
+                f"temperature must be > 0 to sample (got {self.temperature}); for greedy decoding leave sampling off"
             )
         if self.top_k < 0:
             raise RequestError(f"top_k must be 0 (off) or a positive count (got {self.top_k})")

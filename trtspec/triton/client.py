@@ -31,8 +31,15 @@ def _input(name: str, value, datatype: str):
 
 
 class GrpcBackend:
-    def __init__(self, url: str, tokenizer=None, chat_template: bool = True,
-                 num_draft_tokens: int | None = None, stream: bool = False, timeout: float = 600.0):
+    def __init__(
+        self,
+        url: str,
+        tokenizer=None,
+        chat_template: bool = True,
+        num_draft_tokens: int | None = None,
+        stream: bool = False,
+        timeout: float = 600.0,
+    ):
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
 

@@ -76,7 +76,11 @@ def build_torch_engine(loaded: LoadedSpec, ckpt: Checkpoint, folder: Path) -> No
             hf_config.dtype = ckpt.model.dtype
             hf_config.save_pretrained(tmp)
             finish_engine(
-                loaded, ckpt, role, tmp, folder,
+                loaded,
+                ckpt,
+                role,
+                tmp,
+                folder,
                 backend="torch",
                 parameters=sum(t.numel() for t in state.values()),
                 versions=versions(),

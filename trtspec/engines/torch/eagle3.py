@@ -31,9 +31,16 @@ from trtspec.errors import EngineError
 def decoder_config(cfg: HeadConfig) -> DecoderConfig:
     """The head's layer as a DecoderConfig (for the shared Attention, MLP and KV cache)."""
     return DecoderConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_layers=1, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-        rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=False, sliding_window=None,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_layers=1,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=False,
+        sliding_window=None,
     )
 
 
@@ -117,8 +124,16 @@ class HeadEngine:
     process, loaded alone inside the Triton orchestrator), and the head's own KV cache
     (``slots`` x max_seq_len positions)."""
 
-    def __init__(self, head: Eagle3Head, embed: nn.Embedding, cos: torch.Tensor, sin: torch.Tensor,
-                 max_seq_len: int, dtype: torch.dtype, slots: int):
+    def __init__(
+        self,
+        head: Eagle3Head,
+        embed: nn.Embedding,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        max_seq_len: int,
+        dtype: torch.dtype,
+        slots: int,
+    ):
         self.head = head
         self.cfg = head.cfg
         self.dtype = dtype
@@ -143,8 +158,15 @@ class HeadEngine:
         """In process: share the loaded target's embeddings and RoPE tables."""
         c = target.config
         head, dtype = cls._head(folder, c.num_layers, c.hidden_size, target.vocab_size)
-        return cls(head, target.model.model.embed_tokens, target.cos, target.sin, target.max_seq_len,
-                   dtype, slots or target.max_batch_size)
+        return cls(
+            head,
+            target.model.model.embed_tokens,
+            target.cos,
+            target.sin,
+            target.max_seq_len,
+            dtype,
+            slots or target.max_batch_size,
+        )
 
     @classmethod
     def load_beside(cls, folder: Path, target_folder: Path, slots: int) -> HeadEngine:
@@ -188,9 +210,14 @@ class HeadEngine:
         if b > 1 or q > 1:
             keys = torch.arange(span)
             mask = (keys.view(1, 1, span) <= positions.unsqueeze(-1)).unsqueeze(1)  # [b, 1, q, S]
-        step = StepInputs(tokens=tokens, positions=positions,
-                          slots=torch.tensor([r.slot for r in rows], dtype=torch.long),
-                          mask=mask, rows=spans, span=span)
+        step = StepInputs(
+            tokens=tokens,
+            positions=positions,
+            slots=torch.tensor([r.slot for r in rows], dtype=torch.long),
+            mask=mask,
+            rows=spans,
+            span=span,
+        )
         embeds = self.embed(tokens).to(self.dtype)  # [b, q, hidden]
         cos = self.cos[positions].to(self.dtype).unsqueeze(1)  # [b, 1, q, head_dim]
         sin = self.sin[positions].to(self.dtype).unsqueeze(1)

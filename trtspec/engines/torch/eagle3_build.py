@@ -24,14 +24,17 @@ def build_head_engine(loaded: LoadedSpec, ckpt: Checkpoint, folder: Path) -> Non
         with console.step(f"draft: EAGLE-3 head {ckpt.model.source_id} as {ckpt.model.dtype}"):
             dtype = DTYPES[ckpt.model.dtype]
             # d2t is an integer map: it keeps its dtype.
-            state = {k: (v if k == "d2t" else v.to(dtype)).contiguous()
-                     for k, v in ckpt.load_state_dict().items() if k != "t2d"}
+            state = {k: (v if k == "d2t" else v.to(dtype)).contiguous() for k, v in ckpt.load_state_dict().items() if k != "t2d"}
             save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
             config = json.loads((ckpt.folder / "config.json").read_text(encoding="utf-8"))
             config["torch_dtype"] = ckpt.model.dtype
             (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
             finish_engine(
-                loaded, ckpt, "draft", tmp, folder,
+                loaded,
+                ckpt,
+                "draft",
+                tmp,
+                folder,
                 backend="torch",
                 parameters=sum(t.numel() for t in state.values()),
                 versions=versions(),

@@ -76,8 +76,7 @@ class SlotPool:
                 if n > 0 and n >= len(cached) - self.rollback and n > best_len:
                     best, best_len = s, n  # the longest continuation
             if best < 0:  # a new sequence: the least recently used free slot
-                best = min((s for s in range(len(self.tokens)) if s not in taken),
-                           key=lambda s: self.last_used[s])
+                best = min((s for s in range(len(self.tokens)) if s not in taken), key=lambda s: self.last_used[s])
                 best_len = common_prefix_len(seq, self.tokens[best])
             taken.add(best)
             out.append((best, best_len))
@@ -140,10 +139,7 @@ class TorchEngine:
     def capture_features(self, layers: tuple[int, ...]) -> None:
         """Keep the outputs of ``layers`` (ascending ids) for every position computed from now on."""
         if list(layers) != sorted(set(layers)) or not all(0 <= i < self.config.num_layers for i in layers):
-            raise EngineError(
-                f"feature layers {list(layers)} must be distinct ascending ids in "
-                f"0..{self.config.num_layers - 1}"
-            )
+            raise EngineError(f"feature layers {list(layers)} must be distinct ascending ids in 0..{self.config.num_layers - 1}")
         with self._lock:
             self.capture = tuple(layers)
             width = len(layers) * self.config.hidden_size
@@ -172,16 +168,13 @@ class TorchEngine:
             return []
         if len(items) > self.max_batch_size:
             raise RequestError(
-                f"batch of {len(items)} exceeds the engine's max_batch_size "
-                f"{self.max_batch_size}; send fewer sequences at once"
+                f"batch of {len(items)} exceeds the engine's max_batch_size {self.max_batch_size}; send fewer sequences at once"
             )
         for it in items:
             if not 1 <= it.n_logits <= len(it.tokens):
                 raise RequestError(f"n_logits {it.n_logits} not in 1..{len(it.tokens)}")
             if len(it.tokens) > self.max_seq_len:
-                raise RequestError(
-                    f"sequence of {len(it.tokens)} tokens exceeds max_seq_len {self.max_seq_len}"
-                )
+                raise RequestError(f"sequence of {len(it.tokens)} tokens exceeds max_seq_len {self.max_seq_len}")
             check_token_ids(it.tokens, self.vocab_size)
         with self._lock:
             return self._run_locked(items)

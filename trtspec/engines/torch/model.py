@@ -203,9 +203,7 @@ class _Body(nn.Module):
     def __init__(self, cfg: DecoderConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, qkv_bias, o_bias, mlp_bias) for _ in range(cfg.num_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(cfg, qkv_bias, o_bias, mlp_bias) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -252,7 +250,12 @@ class DecoderLM(nn.Module):
 
     @torch.inference_mode()
     def hidden_states(
-        self, step: StepInputs, cos_table, sin_table, cache: KVCache, capture: tuple[int, ...] = (),
+        self,
+        step: StepInputs,
+        cos_table,
+        sin_table,
+        cache: KVCache,
+        capture: tuple[int, ...] = (),
         captured: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Final-norm hidden states [b, q, hidden] for the step's tokens; fills the cache.

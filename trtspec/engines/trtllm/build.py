@@ -74,8 +74,15 @@ def make_layout(output_dir: Path, sources: dict[str, Path], python: str, example
     )
 
 
-def make_plan(loaded: LoadedSpec, output_dir: Path, force: bool, sources: dict[str, Path],
-              configs: dict, python: str | None = None, examples: str | None = None) -> Plan:
+def make_plan(
+    loaded: LoadedSpec,
+    output_dir: Path,
+    force: bool,
+    sources: dict[str, Path],
+    configs: dict,
+    python: str | None = None,
+    examples: str | None = None,
+) -> Plan:
     """Check every role and list the commands for the units that need building."""
     spec = loaded.spec
     families = {role: check_model(spec, role, configs[role]) for role in spec.models()}
@@ -110,8 +117,7 @@ def _config_folder(loaded: LoadedSpec, role: str) -> Path:
         folder = loaded.resolve(model.path)
         if not (folder / "config.json").is_file():
             raise CheckpointError(
-                f"{role}.path: {folder} has no config.json; point it at a Hugging Face "
-                "checkpoint folder or fix the path"
+                f"{role}.path: {folder} has no config.json; point it at a Hugging Face checkpoint folder or fix the path"
             )
         return folder
     from huggingface_hub import snapshot_download
@@ -166,10 +172,7 @@ def require_tensorrt_llm() -> str:
         )
     version = _dist_version("tensorrt_llm") or _dist_version("tensorrt-llm") or "unknown"
     if not version.startswith(TRTLLM_SERIES):
-        console.info(
-            f"warning: tensorrt_llm {version} is installed; trtspec targets {TRTLLM_RELEASE} "
-            "and its flags may differ"
-        )
+        console.info(f"warning: tensorrt_llm {version} is installed; trtspec targets {TRTLLM_RELEASE} and its flags may differ")
     return version
 
 
@@ -187,13 +190,11 @@ class TrtllmBackend:
         folders = {role: _config_folder(loaded, role) for role in spec.models()}
         for role, folder in folders.items():
             refuse_untrusted_code(role, folder, spec.models()[role].trust_remote_code)
-        configs = {role: _read_config(role, folder, spec.models()[role].trust_remote_code)
-                   for role, folder in folders.items()}
+        configs = {role: _read_config(role, folder, spec.models()[role].trust_remote_code) for role, folder in folders.items()}
         tplan = make_plan(loaded, bplan.output_dir, False, folders, configs)
         tplan.units = bplan.units  # the neutral plan decided each unit's state
         tplan.commands = _commands(spec, tplan.families, tplan.layout, bplan.units)
-        bplan.header = (f"plan for {spec.name} (backend trtllm, TensorRT-LLM {TRTLLM_RELEASE}) "
-                        f"-> {bplan.output_dir}")
+        bplan.header = f"plan for {spec.name} (backend trtllm, TensorRT-LLM {TRTLLM_RELEASE}) -> {bplan.output_dir}"
         for role, model in spec.models().items():
             bplan.details[role] = (
                 f"{model.source_id} [{tplan.families[role].name}, {model.dtype}, "
@@ -225,8 +226,7 @@ class TrtllmBackend:
                 pairs = []
                 for kind, folder in unit.folders.items():
                     used = [c for c in commands if _belongs(c, unit.role, kind, tplan.layout)]
-                    _finish_engine(loaded, ckpts[unit.role], kind, tplan.layout.engines[kind],
-                                   folder, used, trtllm_version)
+                    _finish_engine(loaded, ckpts[unit.role], kind, tplan.layout.engines[kind], folder, used, trtllm_version)
                     pairs.append((tplan.layout.engines[kind], folder))
                 # target and control are one unit: never a new target beside an old control
                 swap_unit_into_place(pairs)
@@ -274,21 +274,29 @@ def run_commands(commands: list[Command], log_path: Path) -> None:
             log.flush()
             tail: deque[str] = deque(maxlen=_LOG_TAIL)
             # _stream calls show() only within this iteration, so the closure sees this task.
-            rc = _stream(cmd, log, tail, lambda line, task=task, label=label: progress.update(
-                task, description=escape(f"{label}: {line[:90]}")))
+            rc = _stream(
+                cmd,
+                log,
+                tail,
+                lambda line, task=task, label=label: progress.update(task, description=escape(f"{label}: {line[:90]}")),
+            )
             if rc != 0:
                 shown = "\n".join(f"  {line}" for line in tail)
-                raise RuntimeFailure(
-                    f"step '{cmd.step}' failed (exit {rc}); full log: {log_path}\n"
-                    f"last lines:\n{shown}"
-                )
+                raise RuntimeFailure(f"step '{cmd.step}' failed (exit {rc}); full log: {log_path}\nlast lines:\n{shown}")
             progress.update(task, description=escape(f"{label} done"), total=1, completed=1)
 
 
 def _stream(cmd: Command, log, tail: deque[str], show) -> int:
     try:
-        proc = subprocess.Popen(list(cmd.argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, text=True, errors="replace", bufsize=1)
+        proc = subprocess.Popen(
+            list(cmd.argv),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            errors="replace",
+            bufsize=1,
+        )
     except OSError as e:
         raise RuntimeFailure(f"step '{cmd.step}' could not start {cmd.argv[0]}: {e.strerror}") from e
     try:
@@ -308,11 +316,16 @@ def _stream(cmd: Command, log, tail: deque[str], show) -> int:
         raise
 
 
-def _finish_engine(loaded: LoadedSpec, ckpt: Checkpoint, kind: str, tmp: Path, folder: Path,
-                   commands: list[Command], trtllm_version: str) -> None:
+def _finish_engine(
+    loaded: LoadedSpec, ckpt: Checkpoint, kind: str, tmp: Path, folder: Path, commands: list[Command], trtllm_version: str
+) -> None:
     """Finish a built engine folder: tokenizer in its own subfolder, manifest, rename."""
     finish_engine(
-        loaded, ckpt, kind, tmp, folder,
+        loaded,
+        ckpt,
+        kind,
+        tmp,
+        folder,
         backend="trtllm",
         parameters=parameter_count(ckpt.weight_files),
         versions=tool_versions(trtllm_version),

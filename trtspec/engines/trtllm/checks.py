@@ -63,10 +63,7 @@ def check_model(spec: EngineSpec, role: str, hf_config) -> Family:
 
 def _check_split(role: str, field: str, size: int, what: str, total: int) -> None:
     if total % size:
-        raise TrtspecError(
-            f"{role}.{field}: {size} does not divide {what} ({total}); use one of "
-            f"{_divisors(total)}"
-        )
+        raise TrtspecError(f"{role}.{field}: {size} does not divide {what} ({total}); use one of {_divisors(total)}")
 
 
 def _divisors(n: int) -> str:
@@ -97,4 +94,3 @@ def refuse_untrusted_code(role: str, folder: Path, trusted: bool) -> None:
             f"trust it; TensorRT-LLM would run it. Review the code and set "
             f"{role}.trust_remote_code: true, or use a checkpoint without custom code"
         )
-

@@ -75,16 +75,37 @@ def convert_command(role: str, model: ModelSpec, family: Family, layout: Layout)
     parallel = ["--tp_size", str(model.tp_size), "--pp_size", str(model.pp_size)]
     if model.quantization in ("fp8", "int4_awq"):
         script = f"{layout.examples}/{QUANTIZE_SCRIPT}"
-        argv = [layout.python, script, "--model_dir", src, "--output_dir", out,
-                "--dtype", model.dtype, "--qformat", model.quantization,
-                "--calib_size", str(CALIB_SIZE), *parallel]
+        argv = [
+            layout.python,
+            script,
+            "--model_dir",
+            src,
+            "--output_dir",
+            out,
+            "--dtype",
+            model.dtype,
+            "--qformat",
+            model.quantization,
+            "--calib_size",
+            str(CALIB_SIZE),
+            *parallel,
+        ]
         if model.quantization == "fp8":
             argv += ["--kv_cache_dtype", "fp8"]
         else:
             argv += ["--awq_block_size", str(AWQ_BLOCK_SIZE)]
         return Command(f"quantize {role} checkpoint ({model.quantization})", "quantize", tuple(argv))
-    argv = [layout.python, f"{layout.examples}/{family.converter}", "--model_dir", src,
-            "--output_dir", out, "--dtype", model.dtype, *parallel]
+    argv = [
+        layout.python,
+        f"{layout.examples}/{family.converter}",
+        "--model_dir",
+        src,
+        "--output_dir",
+        out,
+        "--dtype",
+        model.dtype,
+        *parallel,
+    ]
     if model.quantization == "int8_wo":
         argv += ["--use_weight_only", "--weight_only_precision", "int8"]
     suffix = " (int8 weight-only)" if model.quantization == "int8_wo" else ""
@@ -117,14 +138,20 @@ def build_command(spec: EngineSpec, kind: EngineKind, layout: Layout) -> Command
     role = role_of(kind)
     model = spec.models()[role]
     k = spec.speculative.max_draft_len
-    argv = [TRTLLM_BUILD, "--checkpoint_dir", str(layout.checkpoints[role]),
-            "--output_dir", str(layout.engines[kind])]
+    argv = [TRTLLM_BUILD, "--checkpoint_dir", str(layout.checkpoints[role]), "--output_dir", str(layout.engines[kind])]
     for name, value in engine_limits(spec.limits(role), k).items():
         argv += [f"--{name}", str(value)]
-    argv += ["--max_beam_width", "1", "--gemm_plugin", "auto",
-             # paged context FMHA is what lets KV-cache blocks be reused across requests
-             "--use_paged_context_fmha", "enable",
-             "--workers", str(model.tp_size * model.pp_size)]
+    argv += [
+        "--max_beam_width",
+        "1",
+        "--gemm_plugin",
+        "auto",
+        # paged context FMHA is what lets KV-cache blocks be reused across requests
+        "--use_paged_context_fmha",
+        "enable",
+        "--workers",
+        str(model.tp_size * model.pp_size),
+    ]
     if kind == "target":
         argv += ["--speculative_decoding_mode", "draft_tokens_external", "--max_draft_len", str(k)]
     steps = {
@@ -135,15 +162,15 @@ def build_command(spec: EngineSpec, kind: EngineKind, layout: Layout) -> Command
     return Command(steps[kind], "trtllm-build", tuple(argv))
 
 
-def plan_commands(spec: EngineSpec, families: dict[str, Family], layout: Layout,
-                  units: tuple[str, ...] = ("target", "draft")) -> list[Command]:
+def plan_commands(
+    spec: EngineSpec, families: dict[str, Family], layout: Layout, units: tuple[str, ...] = ("target", "draft")
+) -> list[Command]:
     """Every command, in order, for the build units that need building.
 
     Unit "target" makes the target and control engines from one converted checkpoint; unit
     "draft" makes the draft engine.
     """
-    commands = [convert_command(role, spec.models()[role], families[role], layout)
-                for role in units if role in spec.models()]
+    commands = [convert_command(role, spec.models()[role], families[role], layout) for role in units if role in spec.models()]
     if "target" in units:
         commands += [build_command(spec, "target", layout), build_command(spec, "control", layout)]
     if "draft" in units and spec.draft is not None:

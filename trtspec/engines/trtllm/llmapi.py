@@ -91,8 +91,7 @@ def speculative_config(spec: EngineSpec, draft_dir: Path | None, line: str) -> d
     return cfg
 
 
-def llm_args(spec: EngineSpec, target_dir: Path, draft_dir: Path | None, speculative: bool,
-             line: str | None = None) -> dict:
+def llm_args(spec: EngineSpec, target_dir: Path, draft_dir: Path | None, speculative: bool, line: str | None = None) -> dict:
     """LLM API keyword arguments, as YAML-able data (BaseLlmArgs field names)."""
     line = line or spec.trtllm.line
     t, lim = spec.target, spec.limits("target")
@@ -130,8 +129,9 @@ def check_keys(args: dict, what: str) -> None:
             spec_cfg["decoding_type"] = DECODING_TYPE[(method, line)]
         missing += unknown_keys(probe, line)
     if missing:
-        raise EngineError(f"{what}: keys not in the LLM API inventory: "
-                          f"{', '.join(map(str, missing))}; this is a trtspec bug, report it")
+        raise EngineError(
+            f"{what}: keys not in the LLM API inventory: {', '.join(map(str, missing))}; this is a trtspec bug, report it"
+        )
 
 
 def render(args: dict, header: str) -> str:
@@ -146,8 +146,10 @@ def plan_files(spec: EngineSpec, ckpt_dirs: dict[str, Path]) -> dict[str, str]:
         args = llm_args(spec, ckpt_dirs["target"], ckpt_dirs.get("draft"), speculative)
         check_keys(args, name)
         kind = "speculative" if speculative else "control (target only)"
-        header = (f"trtspec {spec.name}: LLM API arguments, {kind}, TensorRT-LLM {line}. "
-                  "Read by trtllm-serve/trtllm-bench --extra_llm_api_options and Triton model.yaml.")
+        header = (
+            f"trtspec {spec.name}: LLM API arguments, {kind}, TensorRT-LLM {line}. "
+            "Read by trtllm-serve/trtllm-bench --extra_llm_api_options and Triton model.yaml."
+        )
         files[name] = render(args, header)
     return files
 
@@ -168,12 +170,13 @@ def check_checkpoints(spec: EngineSpec, ckpts: dict[str, Checkpoint]) -> None:
         refuse_untrusted_code(role, c.folder, c.model.trust_remote_code)
     target = ckpts["target"]
     cfg = target.hf_config()
-    for field, size, what in (("tp_size", spec.target.tp_size, "num_attention_heads"),
-                              ("pp_size", spec.target.pp_size, "num_hidden_layers")):
+    for field, size, what in (
+        ("tp_size", spec.target.tp_size, "num_attention_heads"),
+        ("pp_size", spec.target.pp_size, "num_hidden_layers"),
+    ):
         total = getattr(cfg, what)
         if total % size:
-            raise CheckpointError(f"target.{field}: {size} does not divide {what} ({total}); "
-                                  f"pick a {field} that divides it")
+            raise CheckpointError(f"target.{field}: {size} does not divide {what} ({total}); pick a {field} that divides it")
     tok = target.tokenizer()
     check_embedding_rows("target", cfg, tok)
     if spec.target.quantization != "none" and not _declares_quantization(target.folder):
@@ -216,8 +219,7 @@ def resolve_and_check(loaded: LoadedSpec, allow_pickle: bool = False) -> dict[st
     return ckpts
 
 
-def build(loaded: LoadedSpec, output_dir: Path, force: bool = False,
-          allow_pickle: bool = False) -> BuildResult:
+def build(loaded: LoadedSpec, output_dir: Path, force: bool = False, allow_pickle: bool = False) -> BuildResult:
     """Resolve and check the checkpoints, write the argument files and manifest atomically."""
     spec = loaded.spec
     ensure_writable(output_dir)
@@ -231,8 +233,7 @@ def build(loaded: LoadedSpec, output_dir: Path, force: bool = False,
         unit.state = BuildState.REBUILD
         if not force and _up_to_date(folder, spec, sources):
             unit.state = BuildState.UP_TO_DATE
-            console.info(f"llmapi: {folder} is up to date (same spec and weights); nothing to do "
-                         "(use --force to rebuild)")
+            console.info(f"llmapi: {folder} is up to date (same spec and weights); nothing to do (use --force to rebuild)")
             return result
     files = plan_files(spec, {r: c.folder for r, c in ckpts.items()})
     tmp = Path(tempfile.mkdtemp(prefix=f".{FOLDER}.tmp-", dir=output_dir))
@@ -244,10 +245,16 @@ def build(loaded: LoadedSpec, output_dir: Path, force: bool = False,
                 raise EngineError(f"{name} did not read back as written; this is a trtspec bug")
             check_keys(parsed, name)
         manifest = LlmapiManifest(
-            complete=True, name=spec.name, spec_hash=spec.build_hash("target"),
-            line=spec.trtllm.line, method=spec.speculative.method,
-            checkpoints={r: str(c.folder) for r, c in ckpts.items()}, sources=sources,
-            files={n: file_record(tmp / n) for n in files}, versions=versions(), created=now(),
+            complete=True,
+            name=spec.name,
+            spec_hash=spec.build_hash("target"),
+            line=spec.trtllm.line,
+            method=spec.speculative.method,
+            checkpoints={r: str(c.folder) for r, c in ckpts.items()},
+            sources=sources,
+            files={n: file_record(tmp / n) for n in files},
+            versions=versions(),
+            created=now(),
         )
         write_json_atomic(tmp / MANIFEST, manifest.model_dump(mode="json"))
         swap_into_place(tmp, folder)
@@ -259,8 +266,7 @@ def build(loaded: LoadedSpec, output_dir: Path, force: bool = False,
 
 
 def _source(c: Checkpoint) -> SourceRecord:
-    return SourceRecord(id=c.model.source_id, revision=c.model.revision,
-                        gguf_file=c.model.gguf_file, weights=c.source_weights)
+    return SourceRecord(id=c.model.source_id, revision=c.model.revision, gguf_file=c.model.gguf_file, weights=c.source_weights)
 
 
 def _up_to_date(folder: Path, spec: EngineSpec, sources: dict[str, SourceRecord]) -> bool:
@@ -302,13 +308,36 @@ def serve_commands(spec: EngineSpec, folder: Path, host: str = "127.0.0.1", port
     model = m.checkpoints["target"]
     out = {}
     for label, name in (("speculative", SPECULATIVE), ("control", CONTROL)):
-        out[f"serve {label}"] = shlex.join([
-            "trtllm-serve", model, "--host", host, "--port", str(port), "--backend", "pytorch",
-            "--extra_llm_api_options", str(folder / name)])
-        out[f"bench {label}"] = shlex.join([
-            "trtllm-bench", "--model", spec.target.source_id, "--model_path", model, "throughput",
-            "--backend", "pytorch", "--dataset", "DATASET.jsonl",
-            "--extra_llm_api_options", str(folder / name)])
+        out[f"serve {label}"] = shlex.join(
+            [
+                "trtllm-serve",
+                model,
+                "--host",
+                host,
+                "--port",
+                str(port),
+                "--backend",
+                "pytorch",
+                "--extra_llm_api_options",
+                str(folder / name),
+            ]
+        )
+        out[f"bench {label}"] = shlex.join(
+            [
+                "trtllm-bench",
+                "--model",
+                spec.target.source_id,
+                "--model_path",
+                model,
+                "throughput",
+                "--backend",
+                "pytorch",
+                "--dataset",
+                "DATASET.jsonl",
+                "--extra_llm_api_options",
+                str(folder / name),
+            ]
+        )
     return out
 
 
@@ -328,8 +357,7 @@ def dry_run(loaded: LoadedSpec, output_dir: Path, force: bool = False) -> BuildP
     unit = UnitPlan("target", spec.target.source_id, spec.target.dtype, {FOLDER: folder}, state)
     dirs = {r: Path(f"<{r} checkpoint: {m.source_id}>") for r, m in spec.models().items()}
     plan = BuildPlan(spec.name, spec.backend, output_dir, [unit])
-    plan.header = (f"plan for {spec.name} (backend trtllm, runtime llmapi, TensorRT-LLM "
-                   f"{spec.trtllm.line}) -> {folder}")
+    plan.header = f"plan for {spec.name} (backend trtllm, runtime llmapi, TensorRT-LLM {spec.trtllm.line}) -> {folder}"
     plan.details["target"] = "LLM API arguments (speculative and control), no engine compile"
     for name, text in plan_files(spec, dirs).items():
         plan.notes.append(f"--- {name}")

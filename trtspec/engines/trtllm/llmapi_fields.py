@@ -37,69 +37,166 @@ SOURCES = {
 # BaseLlmArgs, read from its first field through max_num_tokens and a few beyond (partial:
 # TorchLlmArgs' own fields such as cuda_graph_config were not inventoried).
 _LLM_ARGS_COMMON = {
-    "model", "tokenizer", "tokenizer_mode", "custom_tokenizer", "skip_tokenizer_init",
-    "trust_remote_code", "tensor_parallel_size", "dtype", "revision", "tokenizer_revision",
-    "pipeline_parallel_size", "context_parallel_size", "gpus_per_node",
-    "moe_cluster_parallel_size", "moe_tensor_parallel_size", "moe_expert_parallel_size",
-    "enable_attention_dp", "enable_lm_head_tp_in_adp", "pp_partition", "cp_config",
-    "load_format", "enable_lora", "lora_config", "kv_cache_config", "enable_chunked_prefill",
-    "guided_decoding_backend", "batched_logits_processor", "iter_stats_max_iterations",
-    "request_stats_max_iterations", "peft_cache_config", "scheduler_config",
-    "cache_transceiver_config", "sparse_attention_config", "speculative_config",
-    "max_batch_size", "max_input_len", "max_seq_len", "max_beam_width", "max_num_tokens",
-    "gather_generation_logits", "num_postprocess_workers", "postprocess_tokenizer_dir",
+    "model",
+    "tokenizer",
+    "tokenizer_mode",
+    "custom_tokenizer",
+    "skip_tokenizer_init",
+    "trust_remote_code",
+    "tensor_parallel_size",
+    "dtype",
+    "revision",
+    "tokenizer_revision",
+    "pipeline_parallel_size",
+    "context_parallel_size",
+    "gpus_per_node",
+    "moe_cluster_parallel_size",
+    "moe_tensor_parallel_size",
+    "moe_expert_parallel_size",
+    "enable_attention_dp",
+    "enable_lm_head_tp_in_adp",
+    "pp_partition",
+    "cp_config",
+    "load_format",
+    "enable_lora",
+    "lora_config",
+    "kv_cache_config",
+    "enable_chunked_prefill",
+    "guided_decoding_backend",
+    "batched_logits_processor",
+    "iter_stats_max_iterations",
+    "request_stats_max_iterations",
+    "peft_cache_config",
+    "scheduler_config",
+    "cache_transceiver_config",
+    "sparse_attention_config",
+    "speculative_config",
+    "max_batch_size",
+    "max_input_len",
+    "max_seq_len",
+    "max_beam_width",
+    "max_num_tokens",
+    "gather_generation_logits",
+    "num_postprocess_workers",
+    "postprocess_tokenizer_dir",
     "reasoning_parser",
 }
 LLM_ARGS = {
     "1.2": frozenset(_LLM_ARGS_COMMON | {"fail_fast_on_attention_window_too_large"}),
-    "1.3+": frozenset(_LLM_ARGS_COMMON | {
-        "post_processor_hook", "model_kwargs", "kv_cache_compression_config",
-        "num_serve_frontends", "decoding_config", "otlp_traces_endpoint", "backend",
-        "return_perf_metrics", "perf_metrics_output_dir",
-    }),
+    "1.3+": frozenset(
+        _LLM_ARGS_COMMON
+        | {
+            "post_processor_hook",
+            "model_kwargs",
+            "kv_cache_compression_config",
+            "num_serve_frontends",
+            "decoding_config",
+            "otlp_traces_endpoint",
+            "backend",
+            "return_perf_metrics",
+            "perf_metrics_output_dir",
+        }
+    ),
 }
 
 # KvCacheConfig: complete in both.
 _KV_COMMON = {
-    "enable_block_reuse", "max_tokens", "max_attention_window", "sink_token_length",
-    "free_gpu_memory_fraction", "host_cache_size", "cross_kv_cache_fraction",
-    "secondary_offload_min_priority", "event_buffer_max_size",
-    "attention_dp_events_gather_period_ms", "enable_partial_reuse", "copy_on_partial_reuse",
-    "use_uvm", "max_gpu_total_bytes", "dtype", "mamba_ssm_cache_dtype", "tokens_per_block",
+    "enable_block_reuse",
+    "max_tokens",
+    "max_attention_window",
+    "sink_token_length",
+    "free_gpu_memory_fraction",
+    "host_cache_size",
+    "cross_kv_cache_fraction",
+    "secondary_offload_min_priority",
+    "event_buffer_max_size",
+    "attention_dp_events_gather_period_ms",
+    "enable_partial_reuse",
+    "copy_on_partial_reuse",
+    "use_uvm",
+    "max_gpu_total_bytes",
+    "dtype",
+    "mamba_ssm_cache_dtype",
+    "tokens_per_block",
 }
 KV_CACHE_CONFIG = {
     "1.2": frozenset(_KV_COMMON | {"onboard_blocks"}),
-    "1.3+": frozenset(_KV_COMMON | {
-        "disk_cache_size", "disk_cache_path", "kv_events_config", "iteration_stats_interval",
-        "mamba_ssm_stochastic_rounding", "mamba_ssm_philox_rounds", "mamba_state_cache_interval",
-        "mamba_state_config", "use_kv_cache_manager_v2", "enable_swa_scratch_reuse",
-        "kv_cache_event_hash_algo", "max_util_for_resume", "enable_kv_pool_rebalance",
-        "kv_pool_rebalance_min_sampled_kv_caches", "kv_pool_rebalance_cooldown_secs",
-        "kv_pool_rebalance_target_ratio_update_interval", "kv_pool_rebalance_ratio_threshold",
-    }),
+    "1.3+": frozenset(
+        _KV_COMMON
+        | {
+            "disk_cache_size",
+            "disk_cache_path",
+            "kv_events_config",
+            "iteration_stats_interval",
+            "mamba_ssm_stochastic_rounding",
+            "mamba_ssm_philox_rounds",
+            "mamba_state_cache_interval",
+            "mamba_state_config",
+            "use_kv_cache_manager_v2",
+            "enable_swa_scratch_reuse",
+            "kv_cache_event_hash_algo",
+            "max_util_for_resume",
+            "enable_kv_pool_rebalance",
+            "kv_pool_rebalance_min_sampled_kv_caches",
+            "kv_pool_rebalance_cooldown_secs",
+            "kv_pool_rebalance_target_ratio_update_interval",
+            "kv_pool_rebalance_ratio_threshold",
+        }
+    ),
 }
 
 # DecodingBaseConfig fields (complete). In 1.2 `decoding_type` is a ClassVar read by
 # DecodingBaseConfig.from_dict; in 1.3+ it is the pydantic discriminator field.
 # `speculative_model_dir` is a validation alias of speculative_model in both.
 DECODING_BASE = {
-    "1.2": frozenset({
-        "decoding_type", "max_draft_len", "max_total_draft_tokens", "speculative_model",
-        "speculative_model_dir", "max_concurrency", "draft_len_schedule", "load_format",
-        "acceptance_window", "acceptance_length_threshold", "allow_advanced_sampling",
-    }),
-    "1.3+": frozenset({
-        "decoding_type", "max_draft_len", "max_total_draft_tokens", "speculative_model",
-        "speculative_model_dir", "max_concurrency", "draft_len_schedule", "load_format",
-        "acceptance_rate_window_size", "acceptance_rate_threshold", "use_rejection_sampling",
-        "allow_advanced_sampling", "advanced_sampling_mode", "enable_penalty",
-    }),
+    "1.2": frozenset(
+        {
+            "decoding_type",
+            "max_draft_len",
+            "max_total_draft_tokens",
+            "speculative_model",
+            "speculative_model_dir",
+            "max_concurrency",
+            "draft_len_schedule",
+            "load_format",
+            "acceptance_window",
+            "acceptance_length_threshold",
+            "allow_advanced_sampling",
+        }
+    ),
+    "1.3+": frozenset(
+        {
+            "decoding_type",
+            "max_draft_len",
+            "max_total_draft_tokens",
+            "speculative_model",
+            "speculative_model_dir",
+            "max_concurrency",
+            "draft_len_schedule",
+            "load_format",
+            "acceptance_rate_window_size",
+            "acceptance_rate_threshold",
+            "use_rejection_sampling",
+            "allow_advanced_sampling",
+            "advanced_sampling_mode",
+            "enable_penalty",
+        }
+    ),
 }
-_EAGLE = frozenset({
-    "eagle_choices", "greedy_sampling", "posterior_threshold", "use_dynamic_tree",
-    "dynamic_tree_max_topK", "num_eagle_layers", "max_non_leaves_per_layer", "eagle3_one_model",
-    "eagle3_layers_to_capture", "eagle3_model_arch",
-})
+_EAGLE = frozenset(
+    {
+        "eagle_choices",
+        "greedy_sampling",
+        "posterior_threshold",
+        "use_dynamic_tree",
+        "dynamic_tree_max_topK",
+        "num_eagle_layers",
+        "max_non_leaves_per_layer",
+        "eagle3_one_model",
+        "eagle3_layers_to_capture",
+        "eagle3_model_arch",
+    }
+)
 _NGRAM = frozenset({"max_matching_ngram_size", "is_keep_all", "is_use_oldest", "is_public_pool"})
 
 # decoding_type spelling -> the fields that class takes (inventoried classes only).
@@ -118,25 +215,74 @@ DECODING_TYPES = {
 }
 # Spellings the other line uses, named in errors (1.2 has no Eagle3/Draft_Target key).
 ALL_DECODING_TYPES = {
-    "1.2": frozenset({"MTP", "Medusa", "Eagle", "Lookahead", "NGram", "DraftTarget",
-                      "SaveState", "UserProvided", "AUTO"}),
-    "1.3+": frozenset({"Draft_Target", "Eagle3", "Eagle", "MTP", "NGram", "SA",
-                       "User_Provided", "SaveState", "PARD", "DFlash", "DSpark", "AUTO"}),
+    "1.2": frozenset({"MTP", "Medusa", "Eagle", "Lookahead", "NGram", "DraftTarget", "SaveState", "UserProvided", "AUTO"}),
+    "1.3+": frozenset(
+        {
+            "Draft_Target",
+            "Eagle3",
+            "Eagle",
+            "MTP",
+            "NGram",
+            "SA",
+            "User_Provided",
+            "SaveState",
+            "PARD",
+            "DFlash",
+            "DSpark",
+            "AUTO",
+        }
+    ),
 }
 
 # SamplingParams (complete, both lines; 1.2.1 also has prompt_ignore_length).
 _SAMPLING = {
-    "end_id", "pad_id", "max_tokens", "bad", "bad_token_ids", "stop", "stop_token_ids",
-    "include_stop_str_in_output", "embedding_bias", "logits_processor",
-    "apply_batched_logits_processor", "n", "best_of", "use_beam_search", "top_k", "top_p",
-    "top_p_min", "top_p_reset_ids", "top_p_decay", "seed", "temperature", "min_tokens",
-    "beam_search_diversity_rate", "repetition_penalty", "presence_penalty",
-    "frequency_penalty", "length_penalty", "early_stopping", "no_repeat_ngram_size", "min_p",
-    "beam_width_array", "logprobs", "prompt_logprobs", "return_context_logits",
-    "return_generation_logits", "exclude_input_from_output", "return_encoder_output",
-    "return_perf_metrics", "additional_model_outputs", "lookahead_config", "guided_decoding",
-    "ignore_eos", "detokenize", "add_special_tokens", "truncate_prompt_tokens",
-    "skip_special_tokens", "spaces_between_special_tokens",
+    "end_id",
+    "pad_id",
+    "max_tokens",
+    "bad",
+    "bad_token_ids",
+    "stop",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "embedding_bias",
+    "logits_processor",
+    "apply_batched_logits_processor",
+    "n",
+    "best_of",
+    "use_beam_search",
+    "top_k",
+    "top_p",
+    "top_p_min",
+    "top_p_reset_ids",
+    "top_p_decay",
+    "seed",
+    "temperature",
+    "min_tokens",
+    "beam_search_diversity_rate",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "length_penalty",
+    "early_stopping",
+    "no_repeat_ngram_size",
+    "min_p",
+    "beam_width_array",
+    "logprobs",
+    "prompt_logprobs",
+    "return_context_logits",
+    "return_generation_logits",
+    "exclude_input_from_output",
+    "return_encoder_output",
+    "return_perf_metrics",
+    "additional_model_outputs",
+    "lookahead_config",
+    "guided_decoding",
+    "ignore_eos",
+    "detokenize",
+    "add_special_tokens",
+    "truncate_prompt_tokens",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
 }
 SAMPLING_PARAMS = {"1.2": frozenset(_SAMPLING | {"prompt_ignore_length"}), "1.3+": frozenset(_SAMPLING)}
 

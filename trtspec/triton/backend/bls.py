@@ -81,8 +81,7 @@ def _until_outside(draft: list[int], limit: int) -> list[int]:
 class BlsVerifier:
     """One target request per distinct draft length (normally one per loop step)."""
 
-    def __init__(self, call: EngineCall, model: str, want_margins: bool = False, pad_id: int = 0,
-                 continued: bool = False):
+    def __init__(self, call: EngineCall, model: str, want_margins: bool = False, pad_id: int = 0, continued: bool = False):
         self.call = call
         self.model = model
         self.want_margins = want_margins
@@ -135,15 +134,13 @@ class BlsFeatures:
         out = self.call(self.model, inputs, ["hidden_states", "hidden_states_length"])
         feats = np.asarray(out["hidden_states"])  # [b, N, n_layers * hidden]
         got = np.asarray(out["hidden_states_length"]).reshape(len(wants))
-        return [None if got[r] < 0 else torch.from_numpy(np.ascontiguousarray(feats[r, : got[r]]))
-                for r in range(len(wants))]
+        return [None if got[r] < 0 else torch.from_numpy(np.ascontiguousarray(feats[r, : got[r]])) for r in range(len(wants))]
 
 
 class BlsDecoder:
     """Target-only: one request per prompt for all its tokens (request_output_len = max_tokens)."""
 
-    def __init__(self, call: EngineCall, model: str, eos_id: int | None, want_margins: bool = False,
-                 pad_id: int = 0):
+    def __init__(self, call: EngineCall, model: str, eos_id: int | None, want_margins: bool = False, pad_id: int = 0):
         self.call = call
         self.model = model
         self.eos_id = eos_id
@@ -203,9 +200,14 @@ def split_rows(call_many: EngineCallMany) -> EngineCall:
                 continue
             width = max(p.shape[-1] for p in parts)
             fill = np.nan if name == "output_margins" else 0
-            rows_out = [np.pad(p.reshape(1, 1, -1).astype(np.float32 if fill is np.nan else p.dtype),
-                               ((0, 0), (0, 0), (0, width - p.shape[-1])), constant_values=fill)
-                        for p in parts]
+            rows_out = [
+                np.pad(
+                    p.reshape(1, 1, -1).astype(np.float32 if fill is np.nan else p.dtype),
+                    ((0, 0), (0, 0), (0, width - p.shape[-1])),
+                    constant_values=fill,
+                )
+                for p in parts
+            ]
             merged[name] = np.concatenate(rows_out)
         return merged
 

@@ -125,8 +125,13 @@ BLS_OUTPUTS = UPSTREAM_BLS_OUTPUTS + TRTSPEC_BLS_OUTPUTS
 # Upstream's `ensemble` takes the BLS inputs less the multimodal and draft ones, each with
 # dims [1] / [-1] and no reshape, and returns the same outputs.
 _NOT_IN_ENSEMBLE = {
-    "image_input", "image_bytes_input", "image_url_input", "image_sizes_input", "video_bytes_input",
-    "num_draft_tokens", "use_draft_logits",
+    "image_input",
+    "image_bytes_input",
+    "image_url_input",
+    "image_sizes_input",
+    "video_bytes_input",
+    "num_draft_tokens",
+    "use_draft_logits",
 }
 UPSTREAM_ENSEMBLE_INPUTS: tuple[Tensor, ...] = tuple(
     t._replace(reshape=None) for t in UPSTREAM_BLS_INPUTS if t.name not in _NOT_IN_ENSEMBLE
@@ -193,27 +198,33 @@ def check_supported(inputs: Mapping[str, np.ndarray]) -> None:
     for name in ("return_context_logits", "return_generation_logits"):
         flag = _values(inputs, name)
         if flag is not None and flag.astype(bool).any():
-            raise unsupported(f"returning logits ({name})", f"send {name} false; return_log_probs gives the "
-                              "target's log probs of the emitted tokens")
+            raise unsupported(
+                f"returning logits ({name})",
+                f"send {name} false; return_log_probs gives the target's log probs of the emitted tokens",
+            )
     draft_logits = _values(inputs, "use_draft_logits")
     if draft_logits is not None and draft_logits.astype(bool).any():
-        raise unsupported("draft-logit (probabilistic) acceptance (use_draft_logits)",
-                          "send use_draft_logits false: drafts are accepted when they match the target's greedy tokens")
+        raise unsupported(
+            "draft-logit (probabilistic) acceptance (use_draft_logits)",
+            "send use_draft_logits false: drafts are accepted when they match the target's greedy tokens",
+        )
     check_greedy(inputs)
     n = _values(inputs, "num_return_sequences")
     if n is not None and (n < 1).any():
         raise RequestError("num_return_sequences must be >= 1")
     if n is not None and (n > 1).any():
-        raise unsupported(f"num_return_sequences={int(n.max())}",
-                          "greedy decoding has one answer per prompt; send num_return_sequences 1")
+        raise unsupported(
+            f"num_return_sequences={int(n.max())}", "greedy decoding has one answer per prompt; send num_return_sequences 1"
+        )
     log_probs = _values(inputs, "return_log_probs")
     if log_probs is not None and log_probs.astype(bool).any():
         raise unsupported("log probs (return_log_probs)", "send return_log_probs false")
     for name, neutral in _NEUTRAL.items():
         v = _values(inputs, name)
         if v is not None and (v != neutral).any():
-            raise unsupported(f"{name.replace('_', ' ')} ({name}={float(v[v != neutral][0]):g})",
-                              f"send {name} {neutral:g} or leave it out")
+            raise unsupported(
+                f"{name.replace('_', ' ')} ({name}={float(v[v != neutral][0]):g})", f"send {name} {neutral:g} or leave it out"
+            )
     min_tokens = _values(inputs, "min_tokens")
     if min_tokens is not None and (min_tokens > 1).any():
         raise unsupported(f"min_tokens={int(min_tokens.max())}", "send min_tokens 1 or leave it out")
@@ -223,8 +234,7 @@ def check_supported(inputs: Mapping[str, np.ndarray]) -> None:
     weights = _values(inputs, "embedding_bias_weights")
     words = _values(inputs, "embedding_bias_words")
     if (weights is not None and (weights != 0).any()) or (words is not None and any(_strings(words)) and weights is None):
-        raise unsupported("embedding bias (embedding_bias_words / embedding_bias_weights)",
-                          "leave both out or send zero weights")
+        raise unsupported("embedding bias (embedding_bias_words / embedding_bias_weights)", "leave both out or send zero weights")
 
 
 def check_greedy(inputs: Mapping[str, np.ndarray]) -> None:

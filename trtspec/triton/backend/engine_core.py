@@ -70,8 +70,9 @@ def run_jobs(run: RunFn, jobs: Sequence[EngineJob], vocab_limit: int | None = No
     if decode:
         # The end id is emitted (as TensorRT-LLM's engines do), so it is a stop sequence here.
         requests = [
-            GenerationRequest(jobs[i].tokens, jobs[i].max_new,
-                              stop_sequences=() if jobs[i].end_id is None else ((jobs[i].end_id,),))
+            GenerationRequest(
+                jobs[i].tokens, jobs[i].max_new, stop_sequences=() if jobs[i].end_id is None else ((jobs[i].end_id,),)
+            )
             for i in decode
         ]
         for i, res in zip(decode, generate(requests, NoDrafter(), verifier)):
@@ -137,9 +138,7 @@ def parse_engine_request(
         if drafts.shape[1] > 0 and limits.max_draft_len == 0:
             raise RequestError("draft_input_ids given to an engine built without speculative decoding (max_draft_len 0)")
         if drafts.shape[1] > limits.max_draft_len:
-            raise RequestError(
-                f"{drafts.shape[1]} draft tokens exceed max_draft_len {limits.max_draft_len}; send fewer"
-            )
+            raise RequestError(f"{drafts.shape[1]} draft tokens exceed max_draft_len {limits.max_draft_len}; send fewer")
     jobs = []
     for r in range(rows):
         n = int(lengths[r])
@@ -155,9 +154,7 @@ def parse_engine_request(
             raise RequestError(f"request_output_len {k} must be at least len(draft_input_ids) + 1 = {len(draft) + 1}")
         total = n + max(k, len(draft) + 1 if draft else 0)
         if total > limits.max_seq_len:
-            raise RequestError(
-                f"input ({n} tokens) + request_output_len ({k}) exceeds max_seq_len {limits.max_seq_len}"
-            )
+            raise RequestError(f"input ({n} tokens) + request_output_len ({k}) exceeds max_seq_len {limits.max_seq_len}")
         end = None if end_ids is None else int(end_ids[r])
         jobs.append(EngineJob(tokens, k, draft, end))
     pad = 0 if pad_ids is None else int(pad_ids[0])
@@ -167,8 +164,11 @@ def parse_engine_request(
 
 
 def pack_engine_response(
-    jobs: Sequence[EngineJob], results: Sequence[JobResult], exclude: Sequence[bool],
-    want_margins: Sequence[bool], pad: int,
+    jobs: Sequence[EngineJob],
+    results: Sequence[JobResult],
+    exclude: Sequence[bool],
+    want_margins: Sequence[bool],
+    pad: int,
 ) -> dict[str, np.ndarray]:
     seqs = [r.ids if ex else j.tokens + r.ids for j, r, ex in zip(jobs, results, exclude)]
     width = max(1, max(len(s) for s in seqs))
@@ -228,8 +228,9 @@ def answer_features(inputs: Mapping[str, np.ndarray], features_of, limits: Limit
 class EngineCore:
     """Serve a list of requests (each a dict of input arrays) with one batched engine run."""
 
-    def __init__(self, run: RunFn, limits: Limits, vocab_limit: int | None = None, exclude_default: bool = False,
-                 features_of=None):
+    def __init__(
+        self, run: RunFn, limits: Limits, vocab_limit: int | None = None, exclude_default: bool = False, features_of=None
+    ):
         self.run = run
         self.limits = limits
         self.vocab_limit = vocab_limit

@@ -163,17 +163,19 @@ class Orchestrator:
             req = make_request(ids, int(max_tokens[r]), n_draft, self.s.limits, ends, self._stop_sequences(stops, r, rows))
             if self.s.mode == "target_only":
                 req.num_draft_tokens = 0
-            out.append(Row(
-                request=req,
-                exclude_input=False if exclude is None else bool(exclude[r]),
-                want_metrics=False if metrics is None else bool(metrics[r]),
-                want_margins=False if margins is None else bool(margins[r]),
-                stream=wants_stream,
-                pad_id=pad,
-                want_counts=(n_in is not None and bool(n_in[r]), n_out is not None and bool(n_out[r])),
-                batch_index=r,
-                times={"arrival_time_ns": arrival},
-            ))
+            out.append(
+                Row(
+                    request=req,
+                    exclude_input=False if exclude is None else bool(exclude[r]),
+                    want_metrics=False if metrics is None else bool(metrics[r]),
+                    want_margins=False if margins is None else bool(margins[r]),
+                    stream=wants_stream,
+                    pad_id=pad,
+                    want_counts=(n_in is not None and bool(n_in[r]), n_out is not None and bool(n_out[r])),
+                    batch_index=r,
+                    times={"arrival_time_ns": arrival},
+                )
+            )
         return out
 
     def _stop_sequences(self, stops, row: int, rows: int) -> tuple[tuple[int, ...], ...]:
@@ -208,8 +210,7 @@ class Orchestrator:
         from trtspec.triton.backend.bls import BlsFeatures
 
         if getattr(self, "_head", None) is None:
-            self._head = HeadEngine.load_beside(self.s.eagle3_head_dir, self.s.eagle3_target_dir,
-                                                self.s.limits.max_batch_size)
+            self._head = HeadEngine.load_beside(self.s.eagle3_head_dir, self.s.eagle3_target_dir, self.s.limits.max_batch_size)
         return Eagle3Drafter(self._head, BlsFeatures(self.call, self.s.target_model))
 
     def run(self, requests: Sequence[Mapping[str, np.ndarray]], send: Sender | None = None) -> list[dict | Exception | None]:
@@ -260,8 +261,7 @@ class Orchestrator:
                         row.times.setdefault("first_token_time_ns", done)
                         row.times["last_token_time_ns"] = done
             else:
-                verifier = BlsVerifier(self.call, self.s.target_model, margins,
-                                       continued=self.s.target_continues)
+                verifier = BlsVerifier(self.call, self.s.target_model, margins, continued=self.s.target_continues)
                 results = generate([r.request for r in rows], self.drafter(), verifier, on_step)
         except Exception as err:  # an engine failure fails these requests, not the server
             for i in parsed:
@@ -281,8 +281,9 @@ class Orchestrator:
         return answers
 
     def pack(self, rows: Sequence[Row], results: Sequence[GenerationResult]) -> dict[str, np.ndarray]:
-        seqs = [res.output_ids if row.exclude_input else row.request.prompt_ids + res.output_ids
-                for row, res in zip(rows, results)]
+        seqs = [
+            res.output_ids if row.exclude_input else row.request.prompt_ids + res.output_ids for row, res in zip(rows, results)
+        ]
         width = max(1, max(len(s) for s in seqs))
         ids = np.full((len(seqs), width), rows[0].pad_id, dtype=np.int32)  # [b, T]
         for r, s in enumerate(seqs):
@@ -311,6 +312,7 @@ NOT_MEASURED = -1
 
 def _row_tensors(rows: Sequence[Row], results: Sequence[GenerationResult]) -> dict[str, np.ndarray]:
     """Per-row outputs of upstream's contract: indices, token counts, perf metrics."""
+
     def col(values, dtype):
         return np.array([[v] for v in values], dtype=dtype)  # [b, 1]
 

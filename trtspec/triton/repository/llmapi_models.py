@@ -32,16 +32,18 @@ def model_yaml(args_file: Path, batch: int) -> str:
     args = read_config(args_file)
     llmapi.check_keys(args, str(args_file))
     data = dict(args) | {TRITON_CONFIG: {"max_batch_size": batch, "decoupled": False}}
-    text = ("# LLM API arguments (from " + args_file.name + ") and Triton's triton_config block,\n"
-            "# laid out as TensorRT-LLM's triton_backend/all_models/llmapi model.yaml.\n"
-            + yaml.safe_dump(data, sort_keys=False))
+    text = (
+        "# LLM API arguments (from " + args_file.name + ") and Triton's triton_config block,\n"
+        "# laid out as TensorRT-LLM's triton_backend/all_models/llmapi model.yaml.\n" + yaml.safe_dump(data, sort_keys=False)
+    )
     if yaml.safe_load(text) != data:
         raise EngineError(f"model.yaml for {args_file} did not read back as written; trtspec bug")
     return text
 
 
-def plan(loaded: LoadedSpec, engines_dir: Path, impl: str, endpoint_inputs, endpoint_outputs,
-         names: dict[str, str]) -> tuple[dict, dict, Path, int]:
+def plan(
+    loaded: LoadedSpec, engines_dir: Path, impl: str, endpoint_inputs, endpoint_outputs, names: dict[str, str]
+) -> tuple[dict, dict, Path, int]:
     """(models, extra files, tokenizer dir, vocab) for write_repository."""
     if impl not in IMPLS:
         raise TrtspecError(f"--llmapi {impl!r}: use one of {', '.join(IMPLS)}")
@@ -74,9 +76,14 @@ def plan(loaded: LoadedSpec, engines_dir: Path, impl: str, endpoint_inputs, endp
         if spec.target.gpu_device_ids:
             params["gpu_device_ids"] = ",".join(map(str, spec.target.gpu_device_ids))
         cfg = ModelConfig(
-            name=name, backend="python", max_batch_size=lim.max_batch_size,
-            inputs=endpoint_inputs, outputs=endpoint_outputs, parameters=params,
-            instance_count=1, decoupled=False,
+            name=name,
+            backend="python",
+            max_batch_size=lim.max_batch_size,
+            inputs=endpoint_inputs,
+            outputs=endpoint_outputs,
+            parameters=params,
+            instance_count=1,
+            decoupled=False,
             dynamic_batching=DynamicBatching(max_queue_delay_microseconds=0),
         )
         models[name] = (cfg, LLMAPI_SHIM)

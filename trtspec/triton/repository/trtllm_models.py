@@ -169,20 +169,22 @@ def engine_model_configs(
         }
         if not spawn_processes:
             params["participant_ids"] = ",".join(str(r) for r in ranks[kind])
-        configs.append(ModelConfig(
-            name=repo_names[kind],
-            backend="tensorrtllm",
-            max_batch_size=limits.max_batch_size,
-            inputs=engine_inputs(_ACTIVATION_DTYPE[role_model.dtype]),
-            outputs=ENGINE_OUTPUTS,
-            parameters=params,
-            instance_count=1,
-            instance_kind="KIND_CPU",  # the backend places the engine on gpu_device_ids itself
-            # Never decoupled: the orchestrator calls engines step by step over BLS (one
-            # response per call) and streams at the endpoint, for the control path too.
-            decoupled=False,
-            dynamic_batching=DynamicBatching(0, (limits.max_batch_size,)),
-            extra_pbtxt="dynamic_batching { default_queue_policy { max_queue_size: 0 } }",
-            empty_parameters=EMPTY_BY_DESIGN,
-        ))
+        configs.append(
+            ModelConfig(
+                name=repo_names[kind],
+                backend="tensorrtllm",
+                max_batch_size=limits.max_batch_size,
+                inputs=engine_inputs(_ACTIVATION_DTYPE[role_model.dtype]),
+                outputs=ENGINE_OUTPUTS,
+                parameters=params,
+                instance_count=1,
+                instance_kind="KIND_CPU",  # the backend places the engine on gpu_device_ids itself
+                # Never decoupled: the orchestrator calls engines step by step over BLS (one
+                # response per call) and streams at the endpoint, for the control path too.
+                decoupled=False,
+                dynamic_batching=DynamicBatching(0, (limits.max_batch_size,)),
+                extra_pbtxt="dynamic_batching { default_queue_policy { max_queue_size: 0 } }",
+                empty_parameters=EMPTY_BY_DESIGN,
+            )
+        )
     return configs

@@ -81,8 +81,14 @@ ENGINE_OUTPUTS = [
 def tensor_specs(table: Sequence[Tensor], outputs: bool = False) -> list[TensorSpec]:
     """contract.py's tables as pbtxt TensorSpecs (outputs are never optional or ragged)."""
     return [
-        TensorSpec(t.name, t.data_type, list(t.dims), optional=t.optional and not outputs,
-                   reshape=None if t.reshape is None else list(t.reshape), allow_ragged_batch=t.ragged)
+        TensorSpec(
+            t.name,
+            t.data_type,
+            list(t.dims),
+            optional=t.optional and not outputs,
+            reshape=None if t.reshape is None else list(t.reshape),
+            allow_ragged_batch=t.ragged,
+        )
         for t in table
     ]
 
@@ -99,8 +105,9 @@ def ensemble_config(step_model: str, batch: int) -> ModelConfig:
     maps = "".join(f'  input_map {{ key: "{t.name}" value: "{t.name}" }}\n' for t in inputs)
     maps += "".join(f'  output_map {{ key: "{t.name}" value: "{t.name}" }}\n' for t in outputs)
     step = f'ensemble_scheduling {{ step {{\n  model_name: "{step_model}"\n  model_version: -1\n{maps}}} }}\n'
-    return ModelConfig(name=ENSEMBLE_MODEL, platform="ensemble", max_batch_size=batch,
-                       inputs=inputs, outputs=outputs, extra_pbtxt=step)
+    return ModelConfig(
+        name=ENSEMBLE_MODEL, platform="ensemble", max_batch_size=batch, inputs=inputs, outputs=outputs, extra_pbtxt=step
+    )
 
 
 # method eagle3 (trtspec extension): the orchestrator's head asks the target model for the
@@ -142,12 +149,17 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path, llmapi_impl: str = "t
         from trtspec.triton.repository import llmapi_models
 
         models, extra, _, _ = llmapi_models.plan(
-            loaded, engines_dir, llmapi_impl, BLS_INPUTS, BLS_OUTPUTS,
-            {"bls": BLS_MODEL, "control": CONTROL_MODEL})
+            loaded, engines_dir, llmapi_impl, BLS_INPUTS, BLS_OUTPUTS, {"bls": BLS_MODEL, "control": CONTROL_MODEL}
+        )
         info = {
-            "spec": spec.name, "spec_path": str(loaded.path), "engines_dir": str(engines_dir),
-            "backend": spec.backend, "runtime": "llmapi", "llmapi_impl": llmapi_impl,
-            "serve": spec.serve.model_dump(mode="json"), "models": sorted(models),
+            "spec": spec.name,
+            "spec_path": str(loaded.path),
+            "engines_dir": str(engines_dir),
+            "backend": spec.backend,
+            "runtime": "llmapi",
+            "llmapi_impl": llmapi_impl,
+            "serve": spec.serve.model_dump(mode="json"),
+            "models": sorted(models),
         }
         return RepoPlan(models, info, extra)
     for kind in engine_kinds(spec.backend, spec.models()):  # trtllm: target + control engines
@@ -184,8 +196,13 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path, llmapi_impl: str = "t
                 params["capture_layers"] = ",".join(str(i) for i in _head_layers(engines_dir))
                 inputs, outputs = ENGINE_INPUTS + EAGLE3_INPUTS, ENGINE_OUTPUTS + EAGLE3_OUTPUTS
             cfg = ModelConfig(
-                name=name, backend="python", max_batch_size=spec.limits(role).max_batch_size,
-                inputs=inputs, outputs=outputs, parameters=params, instance_count=1,
+                name=name,
+                backend="python",
+                max_batch_size=spec.limits(role).max_batch_size,
+                inputs=inputs,
+                outputs=outputs,
+                parameters=params,
+                instance_count=1,
                 dynamic_batching=DynamicBatching(max_queue_delay_microseconds=0),
             )
             models[name] = (cfg, ENGINE_SHIM)
@@ -229,8 +246,14 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path, llmapi_impl: str = "t
             params["eagle3_head_dir"] = str(engines_dir / "draft")
             params["eagle3_target_dir"] = str(engines_dir / "target")
         cfg = ModelConfig(
-            name=name, backend="python", max_batch_size=batch, inputs=BLS_INPUTS, outputs=BLS_OUTPUTS,
-            parameters=params, instance_count=spec.serve.instance_count, decoupled=decoupled,
+            name=name,
+            backend="python",
+            max_batch_size=batch,
+            inputs=BLS_INPUTS,
+            outputs=BLS_OUTPUTS,
+            parameters=params,
+            instance_count=spec.serve.instance_count,
+            decoupled=decoupled,
             dynamic_batching=DynamicBatching(max_queue_delay_microseconds=0, max_queue_size=spec.serve.max_queue),
         )
         models[name] = (cfg, ORCHESTRATOR_SHIM)
@@ -248,8 +271,7 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path, llmapi_impl: str = "t
     return RepoPlan(models, info)
 
 
-def write_repository(loaded: LoadedSpec, engines_dir: Path, repo_dir: Path,
-                     llmapi_impl: str = "tensorrt_llm") -> Path:
+def write_repository(loaded: LoadedSpec, engines_dir: Path, repo_dir: Path, llmapi_impl: str = "tensorrt_llm") -> Path:
     """Write the repository atomically (temp folder + rename); return its path."""
     plan = plan_repository(loaded, engines_dir, llmapi_impl)
     repo_dir = Path(repo_dir).resolve()

@@ -28,7 +28,6 @@ STUB_NAME = "triton_python_backend_stub"
 _OPT_BINARY = Path("/opt/tritonserver/bin/tritonserver")
 
 
-
 @dataclass(frozen=True)
 class TritonInstall:
     """Where a tritonserver and its companions live.
@@ -100,12 +99,14 @@ def python_env(venv: str | os.PathLike[str] | None = None) -> PythonEnv:
     if not os.access(python, os.X_OK):
         raise ServerError(f"{venv} is not a Python environment (no executable bin/python)")
     # Inside a venv, sysconfig's LIBDIR already names the *base* interpreter's lib directory.
-    probe = "import sys, sysconfig; print(sys.prefix); print('%d.%d' % sys.version_info[:2]); " \
+    probe = (
+        "import sys, sysconfig; print(sys.prefix); print('%d.%d' % sys.version_info[:2]); "
         "print(sysconfig.get_config_var('LIBDIR'))"
+    )
     try:
-        out = subprocess.run(
-            [str(python), "-c", probe], capture_output=True, text=True, timeout=60, check=True
-        ).stdout.split("\n")
+        out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=60, check=True).stdout.split(
+            "\n"
+        )
     except (OSError, subprocess.SubprocessError) as err:
         raise ServerError(f"could not query the interpreter {python}: {err}") from err
     return PythonEnv(prefix=Path(out[0]), version=out[1], libdir=Path(out[2]))
@@ -116,9 +117,7 @@ def default_cache_dir() -> Path:
     return cache_root()
 
 
-def prepare_backend_dir(
-    install: TritonInstall, python_version: str, cache_root: Path | None = None
-) -> Path | None:
+def prepare_backend_dir(install: TritonInstall, python_version: str, cache_root: Path | None = None) -> Path | None:
     """Return a ``--backend-directory`` whose python/ backend holds the stub for ``python_version``.
 
     Installs that already carry a stub (containers) are used as they are. For the pytriton
@@ -136,9 +135,7 @@ def prepare_backend_dir(
         )
     source = install.backend_dir / "python"
     # Key by the source files' identity so a pytriton upgrade gets a fresh copy.
-    fingerprint = "|".join(
-        f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in (stub, source / "libtriton_python.so")
-    )
+    fingerprint = "|".join(f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in (stub, source / "libtriton_python.so"))
     key = hashlib.sha256(fingerprint.encode()).hexdigest()[:12]
     parent = (cache_root or default_cache_dir()) / "tritonserver-backends"
     target = parent / f"py{python_version}-{key}"

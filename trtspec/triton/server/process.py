@@ -10,6 +10,7 @@ Process model: the server runs in its own session (process group == its pid). Th
 backend's ``triton_python_backend_stub`` processes are its children in the same group, so
 stopping signals the whole group and then checks /proc until no member is left.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -39,9 +40,7 @@ _LOG_EXCERPT_LINES = 30
 _LOG_EXCERPT_WIDTH = 400
 # Lines worth showing when the server fails: glog error lines (E1130 ...), Python tracebacks
 # from a model's initialize(), loader failures, dynamic-linker errors.
-_RELEVANT = re.compile(
-    r"^E\d{4} |error|fail|traceback|exception|undefined symbol|cannot open shared object", re.I
-)
+_RELEVANT = re.compile(r"^E\d{4} |error|fail|traceback|exception|undefined symbol|cannot open shared object", re.I)
 # Noise every CPU-only start prints (no CUDA driver, no NVML/DCGM): never the cause.
 _HARMLESS = re.compile(r"CudaDriverHelper|NVML|DCGM|pinned system memory|CUDA driver version", re.I)
 _LOAD_FAILURE = re.compile(r"failed to load '([^']+)'")
@@ -64,7 +63,6 @@ _HINTS: tuple[tuple[re.Pattern[str], str], ...] = (
 )
 
 
-
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free right now on ``host`` (another process may still take it later)."""
     return free_ports(1, host)[0]
@@ -82,7 +80,6 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
-
 
 
 @dataclass(frozen=True)
@@ -111,9 +108,7 @@ class ServerCommand:
 
     def __post_init__(self) -> None:
         if self.load_models and self.model_control_mode != "explicit":
-            raise ServerError(
-                "load_models needs model_control_mode='explicit' (tritonserver refuses --load-model otherwise)"
-            )
+            raise ServerError("load_models needs model_control_mode='explicit' (tritonserver refuses --load-model otherwise)")
         ports = [self.http_port, self.grpc_port] + ([self.metrics_port] if self.allow_metrics else [])
         if len(set(ports)) != len(ports) or not all(0 < p < 65536 for p in ports):
             raise ServerError(f"ports must be distinct and in 1..65535, got {ports}")
@@ -166,8 +161,9 @@ def _die_with_parent() -> None:
 class TritonServer:
     """One tritonserver subprocess: start, wait until ready, stop with all its stubs."""
 
-    def __init__(self, command: ServerCommand, env: Mapping[str, str] | None = None,
-                 launcher: Sequence[str] | None = None) -> None:
+    def __init__(
+        self, command: ServerCommand, env: Mapping[str, str] | None = None, launcher: Sequence[str] | None = None
+    ) -> None:
         self.command = command
         self.env = dict(env) if env is not None else None
         # A full argv that wraps the server (mpirun with one rank per GPU for TensorRT-LLM);

@@ -121,4 +121,3 @@ def end_pids(pids: list[int], grace: float) -> None:
         time.sleep(0.05)
     if left:
         raise ServerError(f"processes {left} of the server's process tree survived SIGKILL")
-

@@ -28,8 +28,9 @@ class ServeTarget:
     loaded: LoadedSpec | None  # None when a repository was given
 
 
-def serve_target(path: Path, engines: Path | None = None, repo_out: Path | None = None, write: bool = True,
-                 llmapi_impl: str = "tensorrt_llm") -> ServeTarget:
+def serve_target(
+    path: Path, engines: Path | None = None, repo_out: Path | None = None, write: bool = True, llmapi_impl: str = "tensorrt_llm"
+) -> ServeTarget:
     """A folder is a model repository; a file is a spec whose repository is (re)written."""
     path = Path(path)
     if path.is_dir():
@@ -48,8 +49,9 @@ def serve_target(path: Path, engines: Path | None = None, repo_out: Path | None 
     return ServeTarget(repo_dir, loaded.spec.serve, loaded)
 
 
-def server_for(target: ServeTarget, host: str | None, http_port: int | None, grpc_port: int | None,
-               metrics_port: int | None) -> TritonServer:
+def server_for(
+    target: ServeTarget, host: str | None, http_port: int | None, grpc_port: int | None, metrics_port: int | None
+) -> TritonServer:
     s = target.serve
     server = TritonServer.for_repository(
         target.repo_dir,
@@ -60,8 +62,7 @@ def server_for(target: ServeTarget, host: str | None, http_port: int | None, grp
     )
     # trtllm.runtime llmapi: one plain tritonserver, as upstream; the LLM API starts its own
     # workers for tensor_parallel_size > 1.
-    if (target.loaded is not None and target.loaded.spec.backend == "trtllm"
-            and target.loaded.spec.trtllm.runtime == "engine"):
+    if target.loaded is not None and target.loaded.spec.backend == "trtllm" and target.loaded.spec.trtllm.runtime == "engine":
         # TensorRT-LLM engines: one rank per GPU under mpirun, orchestrator mode when several
         # tensorrtllm models share the server (trtllm_launch.launch_for_spec).
         from trtspec.triton.server.trtllm_launch import launch_for_spec

@@ -69,15 +69,16 @@ def launch_command(
         if rank == 0:
             cmd = dataclasses.replace(server, extra_args=(*server.extra_args, *rank0_extra, *extra))
         else:  # worker ranks load only the engine models; they never serve requests
-            cmd = dataclasses.replace(server, model_control_mode="explicit", load_models=tuple(names),
-                                      extra_args=(*server.extra_args, *extra))
+            cmd = dataclasses.replace(
+                server, model_control_mode="explicit", load_models=tuple(names), extra_args=(*server.extra_args, *extra)
+            )
         argv += ["-n", "1", *cmd.argv(), ":"]
     return Launch(argv=argv[:-1], env=env, world_size=world, orchestrator=orchestrator, server=server)
 
 
-def launch_for_spec(spec: EngineSpec, server: ServerCommand,
-                    repo_names: Mapping[str, str] = ENGINE_MODELS, *,
-                    spawn_processes: bool = True) -> Launch:
+def launch_for_spec(
+    spec: EngineSpec, server: ServerCommand, repo_names: Mapping[str, str] = ENGINE_MODELS, *, spawn_processes: bool = True
+) -> Launch:
     """:func:`launch_command` for the three engine models of a trtllm spec."""
     models = [(repo_names[k], len(gpu_ids(spec, k))) for k in ENGINE_KINDS]
     gpus = sorted({g for k in ENGINE_KINDS for g in gpu_ids(spec, k)})

@@ -36,9 +36,14 @@ class TritonPythonModel:
         tokenizer_dir = Path(p["tokenizer_dir"])
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         settings = OrchestratorSettings(
-            mode=p["mode"], decoupled=False, target_model="", draft_model=None,
-            method=p["method"], default_draft_tokens=int(p["num_draft_tokens"]),
-            max_ngram=0, min_ngram=1,
+            mode=p["mode"],
+            decoupled=False,
+            target_model="",
+            draft_model=None,
+            method=p["method"],
+            default_draft_tokens=int(p["num_draft_tokens"]),
+            max_ngram=0,
+            min_ngram=1,
             limits=Limits(
                 vocab_size=int(p["vocab_size"]),
                 max_seq_len=int(p["max_seq_len"]),

@@ -62,14 +62,16 @@ def bls_call_many(model: str, requests, output_names) -> list[dict[str, np.ndarr
     import asyncio
 
     async def all_replies():
-        return await asyncio.gather(*[
-            pb_utils.InferenceRequest(
-                model_name=model,
-                requested_output_names=list(output_names),
-                inputs=[pb_utils.Tensor(k, np.ascontiguousarray(v)) for k, v in inputs.items()],
-            ).async_exec()
-            for inputs in requests
-        ])
+        return await asyncio.gather(
+            *[
+                pb_utils.InferenceRequest(
+                    model_name=model,
+                    requested_output_names=list(output_names),
+                    inputs=[pb_utils.Tensor(k, np.ascontiguousarray(v)) for k, v in inputs.items()],
+                ).async_exec()
+                for inputs in requests
+            ]
+        )
 
     outs = []
     for reply in asyncio.run(all_replies()):
@@ -83,4 +85,3 @@ def bls_call_many(model: str, requests, output_names) -> list[dict[str, np.ndarr
             out[name] = tensor.as_numpy()
         outs.append(out)
     return outs
-
