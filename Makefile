@@ -8,7 +8,7 @@ TRTSPEC := $(VENV)/bin/trtspec
 TORCH_PIN ?= torch==2.13.0
 DEMO_SPEC := engine_specs/smollm2-135m-cpu.yaml
 EAGLE3_SPEC := engine_specs/smollm2-135m-eagle3.yaml
-# make demo trains the EAGLE-3 head once (cached in weights/); the committed figures used 30m.
+# make demo-eagle3 trains the EAGLE-3 head once (cached in weights/); no SmolLM2 figures are committed yet.
 DISTILL_BUDGET ?= 10m
 
 .PHONY: install demo demo-eagle3 lint test test-fast test-gpu bench bench-eagle3 clean
@@ -37,11 +37,11 @@ demo: install weights/smollm2-135m
 	$(TRTSPEC) verify $(DEMO_SPEC) --json-file .trtspec/demo-verify.json
 	$(TRTSPEC) serve $(DEMO_SPEC) --detach --pid-file .trtspec/demo.json
 	$(TRTSPEC) verify $(DEMO_SPEC) --url 127.0.0.1:8001 --stream --junit .trtspec/demo-verify.xml; \
-	  rc=$$?; $(TRTSPEC) stop --pid-file .trtspec/demo.json; [ $$rc -eq 0 ] || exit $$rc
-	$(MAKE) demo-eagle3
+	  rc=$$?; $(TRTSPEC) stop --pid-file .trtspec/demo.json; exit $$rc
 
 # The co-designed pair: an EAGLE-3 head trained for the target (once), built, verified, and
-# compared with the off-the-shelf pair and n-gram drafting on the same target.
+# compared with the off-the-shelf pair and n-gram drafting on the same target. Not part of
+# `make demo` yet: the SmolLM2 distillation has not been run end to end on a quiet machine.
 weights/smollm2-135m-eagle3-head: | weights/smollm2-135m
 	$(TRTSPEC) distill $(EAGLE3_SPEC) --time-budget $(DISTILL_BUDGET) --max-tokens 96 --batch-size 4 --draft-vocab 4096 --max-steps 100000
 
