@@ -37,14 +37,16 @@ def error_response(err: Exception):
     return pb_utils.InferenceResponse(output_tensors=[], error=error)
 
 
-def bls_call(model: str, inputs: Mapping[str, np.ndarray], output_names) -> dict[str, np.ndarray]:
-    """One synchronous BLS request to another model of this server."""
-    request = pb_utils.InferenceRequest(
+def _request(model: str, inputs: Mapping[str, np.ndarray], output_names):
+    return pb_utils.InferenceRequest(
         model_name=model,
         requested_output_names=list(output_names),
         inputs=[pb_utils.Tensor(k, np.ascontiguousarray(v)) for k, v in inputs.items()],
     )
-    reply = request.exec()
+
+
+def _outputs(model: str, reply, output_names) -> dict[str, np.ndarray]:
+    """The named output arrays of a BLS reply; RuntimeError on an error reply or a missing one."""
     if reply.has_error():
         raise RuntimeError(f"{model}: {reply.error().message()}")
     out = {}
@@ -56,32 +58,17 @@ def bls_call(model: str, inputs: Mapping[str, np.ndarray], output_names) -> dict
     return out
 
 
+def bls_call(model: str, inputs: Mapping[str, np.ndarray], output_names) -> dict[str, np.ndarray]:
+    """One synchronous BLS request to another model of this server."""
+    return _outputs(model, _request(model, inputs, output_names).exec(), output_names)
+
+
 def bls_call_many(model: str, requests, output_names) -> list[dict[str, np.ndarray]]:
     """Several single-row BLS requests to ``model``, all in flight at once (async_exec), so
     a non-decoupled TensorRT-LLM model batches them in flight instead of refusing a batch."""
     import asyncio
 
     async def all_replies():
-        return await asyncio.gather(
-            *[
-                pb_utils.InferenceRequest(
-                    model_name=model,
-                    requested_output_names=list(output_names),
-                    inputs=[pb_utils.Tensor(k, np.ascontiguousarray(v)) for k, v in inputs.items()],
-                ).async_exec()
-                for inputs in requests
-            ]
-        )
+        return await asyncio.gather(*[_request(model, inputs, output_names).async_exec() for inputs in requests])
 
-    outs = []
-    for reply in asyncio.run(all_replies()):
-        if reply.has_error():
-            raise RuntimeError(f"{model}: {reply.error().message()}")
-        out = {}
-        for name in output_names:
-            tensor = pb_utils.get_output_tensor_by_name(reply, name)
-            if tensor is None:
-                raise RuntimeError(f"{model} returned no {name}")
-            out[name] = tensor.as_numpy()
-        outs.append(out)
-    return outs
+    return [_outputs(model, reply, output_names) for reply in asyncio.run(all_replies())]
