@@ -50,7 +50,8 @@ demo-eagle3: install weights/smollm2-135m-eagle3-head
 	$(TRTSPEC) build $(EAGLE3_SPEC)
 	$(TRTSPEC) verify $(EAGLE3_SPEC) --json-file .trtspec/demo-eagle3-verify.json
 	$(TRTSPEC) build $(DEMO_SPEC)
-	$(PY) bench/codesign.py --limit 3 --max-tokens 48 --out .trtspec/demo-codesign.json
+	$(TRTSPEC) bench $(EAGLE3_SPEC) --methods eagle3,draft_target,ngram --draft-from $(DEMO_SPEC) \
+	  --sweep none -c 1 --max-tokens 48 --out .trtspec/demo-eagle3-bench
 
 # The committed benchmarks (minutes on 2 cores; run on a quiet machine).
 bench: install weights/smollm2-135m
@@ -62,7 +63,9 @@ bench: install weights/smollm2-135m
 bench-eagle3: install weights/smollm2-135m-eagle3-head
 	$(TRTSPEC) build $(EAGLE3_SPEC)
 	$(TRTSPEC) build $(DEMO_SPEC)
-	$(PY) bench/codesign.py --max-tokens 64
+	$(TRTSPEC) bench $(EAGLE3_SPEC) --methods eagle3,draft_target,ngram --draft-from $(DEMO_SPEC) \
+	  --sweep 1-6 -c 1,2,4 --rounds 2 --out bench/results/smollm2-135m-eagle3
+	$(PY) bench/peers.py --spec $(EAGLE3_SPEC) --draft-from $(DEMO_SPEC) --repeats 2 --out bench/results/peers-eagle3.md
 
 # The guard rails of the layout: one-way layers (import-linter contracts in pyproject.toml)
 # and ruff's lint rules.

@@ -3,6 +3,8 @@
     python bench/peers.py                                   # the CPU demo pair, all prompts
     python bench/peers.py --limit 3 --max-tokens 16         # a quick look
     python bench/peers.py --spec engine_specs/tiny-llama.yaml --out bench/results/tiny.md
+    python bench/peers.py --spec engine_specs/smollm2-135m-eagle3.yaml \
+        --draft-from engine_specs/smollm2-135m-cpu.yaml --out bench/results/peers-eagle3.md
 
 Build the spec's engines first (`trtspec build SPEC`). Progress goes to stderr; the markdown
 table goes to stdout and to --out, with the full measurements as JSON beside it (same name,
@@ -42,6 +44,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     ap.add_argument("--repeats", type=int, default=1, help="runs per prompt and path; the fastest counts (a busy machine)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "peers.md")
+    ap.add_argument(
+        "--draft-from",
+        type=Path,
+        default=None,
+        help="a built spec with the same target whose draft adds our path with it and, for an eagle3 "
+        "--spec, transformers' assisted generation with it (HF's best path on this target)",
+    )
     args = ap.parse_args(argv)
     if args.max_tokens < 1:
         ap.error("--max-tokens must be at least 1")
@@ -66,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = encode_prompts(dep, rows)
         for p in prompts:
             dep.request(p.ids, args.max_tokens)  # RequestError now, not halfway through the run
-        paths, settings = peer_paths(dep)
+        paths, settings = peer_paths(dep, load_spec(args.draft_from) if args.draft_from else None)
     except TrtspecError as e:
         print(f"Error: {e}", file=sys.stderr)
         return e.exit_code

@@ -426,3 +426,55 @@ def test_verify_and_bench_commands_on_an_eagle3_spec(eagle_deploy, tmp_path):
     )
     assert r.exit_code == 0, r.output
     assert json.loads(bench.read_text())["metrics"]["drafted"] > 0
+
+
+def test_bench_methods_compares_eagle3_draft_target_ngram_on_one_target(eagle_deploy, built, tmp_path):
+    """`trtspec bench --methods` on an eagle3 spec, the draft_target draft taken from another
+    built spec with the same target: every method identical, every row measured."""
+    dep = eagle_deploy("random")
+    pair = built("draft")  # the tiny draft_target spec, same target checkpoint
+    bench = tmp_path / "bench.json"
+    args = ["bench", str(dep.loaded.path), "-p", "The quick brown fox", "-p", "Pack my box", "--max-tokens", "12"]
+    args += ["--sweep", "none", "-c", "1", "--out", str(tmp_path / "out"), "--json-file", str(bench)]
+    r = runner.invoke(app, [*args, "--methods", "eagle3,draft_target,ngram", "--draft-from", str(pair.loaded.path)])
+    assert r.exit_code == 0, r.output
+    assert "drafting methods" in r.stdout
+    data = json.loads(bench.read_text())
+    rows = {row["method"].split()[0]: row for row in data["methods"]}
+    assert list(rows) == ["target-only", "eagle3", "draft_target", "ngram"]
+    assert {row["tokens"] for row in rows.values()} == {rows["target-only"]["tokens"]} and rows["eagle3"]["tokens"] > 0
+    assert all(row["identical_to_target_only"] for row in rows.values())
+    assert rows["eagle3"]["drafted"] > 0 and rows["draft_target"]["drafted"] > 0
+    assert data["costs"]["draft_step"] > 0  # the head's own step cost, not "no draft model"
+    assert (tmp_path / "out" / "methods.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_methods_refuses_what_it_cannot_compare(eagle_deploy, built, tmp_path):
+    dep = eagle_deploy("exact", target="bigram-target")  # another target's weights
+    pair = built("draft")
+    base = ["bench", str(dep.loaded.path), "-p", "x y", "--max-tokens", "4", "--sweep", "none", "-c", "1"]
+    base += ["--out", str(tmp_path)]
+    r = runner.invoke(app, [*base, "--methods", "eagle3,draft_target"])
+    assert r.exit_code == 2 and "--draft-from" in r.output
+    r = runner.invoke(app, [*base, "--methods", "draft_target", "--draft-from", str(pair.loaded.path)])
+    assert r.exit_code == 2 and "target weights differ" in r.output
+    r = runner.invoke(app, [*base, "--methods", "medusa"])
+    assert r.exit_code == 2 and "unknown method 'medusa'" in r.output
+
+
+def test_peers_on_an_eagle3_spec_add_hf_assisted_with_the_pair_draft(eagle_deploy, built):
+    """bench/peers.py --draft-from: an eagle3 spec gets our eagle3 and draft_target paths and
+    transformers' assisted generation with the draft_target spec's draft, on the same target."""
+    from trtspec.bench.peers import encode_prompts, measure, peer_paths
+
+    dep = eagle_deploy("random")
+    pair = built("draft")
+    paths, settings = peer_paths(dep, pair.loaded)
+    keys = [p.key for p in paths]
+    assert keys[:4] == ["ours_target", "ours_eagle3", "ours_draft_target", "ours_ngram"]
+    assert {"hf_target", "hf_assisted", "hf_prompt_lookup"} <= set(keys) and "assisted" in settings
+    m = measure(paths, encode_prompts(dep, [("The quick brown fox", "chat")]), max_tokens=8)
+    runs = m.runs[0]
+    for key in ("ours_eagle3", "ours_draft_target", "ours_ngram", "hf_target", "hf_assisted"):
+        assert runs[key].identical, (key, runs[key].first_difference)
+    assert runs["ours_eagle3"].metrics.drafted > 0 and runs["ours_draft_target"].metrics.drafted > 0

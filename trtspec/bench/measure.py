@@ -139,6 +139,7 @@ class BenchReport:
     costs: Costs | None = None
     sweep: list[SweepPoint] = field(default_factory=list)
     concurrency: list[ConcurrencyPoint] = field(default_factory=list)
+    methods: list[dict] = field(default_factory=list)  # bench --methods: bench/methods.py rows
     complete: bool = False
 
     @property
@@ -201,6 +202,7 @@ class BenchReport:
                 {"concurrency": p.concurrency, "target": p.target.to_dict(), "speculative": p.speculative.to_dict()}
                 for p in self.concurrency
             ],
+            "methods": self.methods,
         }
 
 
@@ -364,7 +366,26 @@ def measure_engine_costs(deployment, prompt: str, k: int, repeats: int = 7) -> C
     target_step = timed(deployment.target, 1)
     verify_step = timed(deployment.target, k + 1)
     draft_step = timed(deployment.draft, 1) if deployment.draft is not None else None
+    if getattr(deployment, "head", None) is not None:
+        draft_step = _head_step(deployment, ctx, k, repeats)
     return Costs(target_step, draft_step, verify_step, k)
+
+
+def _head_step(deployment, ctx: list[int], k: int, repeats: int) -> float:
+    """Median seconds per drafted token of an EAGLE-3 head (feature fetch included): k chained
+    head steps after a context the target and the head have both seen."""
+    from trtspec.engines.torch.engine import ForwardItem
+
+    drafter = deployment.drafter()
+    times = []
+    for r in range(repeats):
+        base = ctx + [(13 * r + j) % 100 + 10 for j in range(4)]
+        deployment.target.run([ForwardItem(base, 1)])  # the target's features for every position
+        drafter.propose([base[:-1]], [1])  # the head has caught up on the context
+        t0 = time.perf_counter()
+        drafter.propose([base], [k])
+        times.append((time.perf_counter() - t0) / k)
+    return statistics.median(times)
 
 
 # ---------------------------------------------------------------------- output
@@ -429,6 +450,21 @@ def render(report: BenchReport, console) -> None:
                 f"{p.speculative.tokens_per_s / base:.2f}x" if base else "-",
             )
         console.print(ct)
+    if report.methods:
+        mt = Table(title="drafting methods over the same target (tokens/s incl. prefill)")
+        for col in ("method", "tok/s", "speedup", "acceptance", "mean acc. len", "draft cost c", "identical"):
+            mt.add_column(col)
+        for r in report.methods:
+            mt.add_row(
+                r["method"],
+                f"{r['tokens_per_s']:.1f}",
+                f"{r.get('speedup', 1.0):.2f}x",
+                f"{r['acceptance_rate']:.3f}" if "acceptance_rate" in r else "-",
+                f"{r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else "1.00",
+                f"{r['draft_cost_c']:.3f}" if "draft_cost_c" in r else "-",
+                "yes" if r["identical_to_target_only"] else f"NO (prompts {r['mismatched_prompts']})",
+            )
+        console.print(mt)
     if not report.complete:
         console.print("[yellow]interrupted: partial results[/yellow]")
 
@@ -493,6 +529,18 @@ def plot(report: BenchReport, out_dir: Path) -> list[Path]:
         fig.legend(loc="upper left", fontsize=8)
         ax.set_title(f"{report.spec_name}: throughput and latency vs concurrency")
         files.append(_save(fig, out_dir / "concurrency.png"))
+    if report.methods:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        names = [r["method"] for r in report.methods]
+        bars = ax.bar(names, [r.get("speedup", 1.0) for r in report.methods], color="tab:blue")
+        for bar, r in zip(bars, report.methods):
+            label = f"len {r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else ""
+            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_ylabel("speedup vs target-only (x)")
+        ax.set_title(f"{report.spec_name}: drafting methods, one target ({report.machine.split(',')[0]})")
+        ax.tick_params(axis="x", labelsize=8)
+        files.append(_save(fig, out_dir / "methods.png"))
     return files
 
 

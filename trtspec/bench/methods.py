@@ -113,3 +113,102 @@ def compare_methods(
                     stats[name].identical = False
                     stats[name].mismatches.append(i)
     return [stats[n] for n in names]
+
+
+# ---------------------------------------------------------------- the drafters of `bench --methods`
+
+METHODS = ("eagle3", "draft_target", "ngram")
+
+
+@dataclass
+class MethodSet:
+    """Drafters for ``compare_methods`` over one deployment's target, and how to empty every
+    cache they own (each timed run starts cold)."""
+
+    drafters: dict[str, tuple[Callable[[], Drafter], int]]
+    forget: Callable[[], None]
+
+
+def method_set(dep, methods: Sequence[str], k: int, other=None, other_k: int | None = None) -> MethodSet:
+    """The drafters for ``methods`` over ``dep``'s target (the verifier of every method).
+
+    A method is the spec's own (its draft engine or EAGLE-3 head), ``ngram`` (prompt lookup
+    with the spec's n-gram sizes), or the method of ``other`` (a LoadedSpec with the same
+    target weights, e.g. the draft_target demo beside the eagle3 one): only its draft engine or
+    head is loaded, next to ``dep``'s target. RequestError names a method that has no source.
+    """
+    from trtspec.errors import RequestError
+    from trtspec.speculative.drafters import make_drafter
+
+    s = dep.spec.speculative
+    drafters: dict[str, tuple[Callable[[], Drafter], int]] = {}
+    forgets: list[Callable[[], None]] = [dep.forget_prefixes]
+    extra = None
+    if other is not None:
+        extra, forget_other = other_drafter(dep, other)
+        forgets.append(forget_other)
+    for name in methods:
+        if name not in METHODS:
+            raise RequestError(f"--methods: unknown method '{name}'; choose from {', '.join(METHODS)}")
+        if name == s.method:
+            drafters[f"{name} k={k}"] = (dep.drafter, k)
+        elif name == "ngram":
+            drafters[f"ngram k={k}"] = (lambda: make_drafter("ngram", max_ngram=s.max_ngram, min_ngram=s.min_ngram), k)
+        elif other is not None and name == other.spec.speculative.method:
+            kk = other_k or other.spec.speculative.default_draft_tokens
+            drafters[f"{name} k={kk}"] = (extra, kk)
+        else:
+            raise RequestError(
+                f"--methods: {name} needs a {name} draft for this target; this spec's method is {s.method}: "
+                f"pass --draft-from SPEC of a built {name} spec with the same target weights"
+            )
+
+    def forget() -> None:
+        for f in forgets:
+            f()
+
+    return MethodSet(drafters, forget)
+
+
+def other_drafter(dep, other) -> tuple[Callable[[], Drafter], Callable[[], None]]:
+    """The draft of another built spec, loaded beside ``dep``'s target."""
+    from trtspec.engines.manifest import check_manifest
+    from trtspec.errors import RequestError
+    from trtspec.layout import engine_folder
+
+    method = other.spec.speculative.method
+    if other.spec.backend != "torch" or method not in ("draft_target", "eagle3"):
+        raise RequestError(
+            f"--draft-from {other.path}: needs a torch spec with method draft_target or eagle3 (got "
+            f"{other.spec.backend}/{method})"
+        )
+    if method == dep.spec.speculative.method:
+        raise RequestError(f"--draft-from {other.path}: its method {method} is this spec's own; pass a spec of another method")
+    out = other.output_dir()
+    target_manifest = check_manifest(engine_folder(out, "target"), "target", other.spec.build_hash("target"))
+    if target_manifest.source.weights != dep.target.manifest.source.weights:
+        raise RequestError(
+            f"--draft-from {other.path}: its target weights differ from {dep.loaded.path}'s; methods are "
+            "compared on ONE target, so pass a spec built from the same target checkpoint"
+        )
+    folder = engine_folder(out, "draft")
+    check_manifest(folder, "draft", other.spec.build_hash("draft"))
+    if method == "draft_target":
+        from trtspec.engines.torch.engine import TorchEngine
+        from trtspec.speculative.drafters import ModelDrafter
+
+        engine = TorchEngine.load(folder, dep.target.max_batch_size)
+        vocab = min(engine.vocab_size, dep.target.vocab_size)
+        return (lambda: ModelDrafter(engine.run, vocab)), engine.forget_prefixes
+    from trtspec.engines.torch.eagle3 import HeadEngine
+    from trtspec.speculative.eagle3 import Eagle3Drafter, engine_features
+
+    head = HeadEngine.load(folder, dep.target, dep.target.max_batch_size)
+    dep.target.capture_features(head.cfg.layer_ids)  # every method then pays the same capture
+    return (lambda: Eagle3Drafter(head, engine_features(dep.target))), head.pool.forget
+
+
+def methods_table(stats: Sequence[MethodStats]) -> list[dict]:
+    """Report rows, target-only first (the base of every speedup and cost ratio)."""
+    base = stats[0]
+    return [s.to_dict(base) for s in stats]

@@ -3,6 +3,7 @@
 Paths (batch 1, greedy, the same prompt ids and max_tokens for all):
   ours_target          trtspec target-only (the loop with no drafter)
   ours_draft_target    trtspec with the spec's draft model, k = the spec's draft length
+  ours_eagle3          trtspec with the spec's EAGLE-3 head (an eagle3 spec), same k
   ours_ngram           trtspec prompt lookup (NgramDrafter with the spec's n-gram sizes), same k
   hf_target            transformers generate(do_sample=False) on the target checkpoint
   hf_assisted          generate(assistant_model=draft) drafting exactly k tokens per step
@@ -117,13 +118,18 @@ def encode_prompts(dep: Deployment, rows: list[tuple[str, str]]) -> list[Prompt]
 # ---- paths -----------------------------------------------------------------------------
 
 
-def trtspec_paths(dep: Deployment) -> list[PeerPath]:
+def trtspec_paths(dep: Deployment, other_draft: tuple[str, Callable, Callable[[], None]] | None = None) -> list[PeerPath]:
+    """Our paths over the spec's target engine: target-only, the spec's own method (draft_target
+    or eagle3), ``other_draft`` (method name, drafter factory, forget: another spec's draft
+    loaded beside this target), and prompt lookup."""
     spec = dep.spec.speculative
     k = spec.default_draft_tokens
+    forget_other = other_draft[2] if other_draft else (lambda: None)
 
     def run_with(drafter_factory):
         def run(ids: list[int], max_tokens: int) -> Generation:
             dep.forget_prefixes()  # HF recomputes the prefill on every call; so do we
+            forget_other()
             req = dep.request(ids, max_tokens, k if drafter_factory else 0)
             if drafter_factory is None:
                 (res,) = dep.generate([req], speculative=False)
@@ -134,8 +140,11 @@ def trtspec_paths(dep: Deployment) -> list[PeerPath]:
         return run
 
     paths = [PeerPath("ours_target", "trtspec target-only", run_with(None))]
-    if dep.draft is not None:
-        paths.append(PeerPath("ours_draft_target", f"trtspec draft_target k={k}", run_with(dep.drafter)))
+    if spec.method in ("draft_target", "eagle3"):
+        paths.append(PeerPath(f"ours_{spec.method}", f"trtspec {spec.method} k={k}", run_with(dep.drafter)))
+    if other_draft is not None:
+        name, factory, _ = other_draft
+        paths.append(PeerPath(f"ours_{name}", f"trtspec {name} k={k}", run_with(factory)))
     # The same target engine with the prompt-lookup drafter a method: ngram spec would use.
     paths.append(
         PeerPath(
@@ -154,8 +163,10 @@ def load_hf(folder: Path, dtype: str):
     return model.eval()
 
 
-def hf_paths(dep: Deployment) -> tuple[list[PeerPath], dict]:
-    """The transformers paths on the deployment's own checkpoints, and their settings."""
+def hf_paths(dep: Deployment, assistant: tuple[Path, str] | None = None) -> tuple[list[PeerPath], dict]:
+    """The transformers paths on the deployment's own checkpoints, and their settings.
+    ``assistant`` (folder, dtype): the draft model for assisted generation when the spec has
+    none of its own (an eagle3 spec: transformers cannot run EAGLE heads)."""
     from transformers import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # generate() warns about unused sampling flags per call
@@ -185,7 +196,9 @@ def hf_paths(dep: Deployment) -> tuple[list[PeerPath], dict]:
     paths = [PeerPath("hf_target", "HF target-only", run_with())]
     settings: dict = {"prompt_lookup": {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": spec.max_ngram}}
     if dep.draft is not None:
-        draft = load_hf(dep.draft.folder, dep.draft.manifest.dtype)
+        assistant = (dep.draft.folder, dep.draft.manifest.dtype)
+    if assistant is not None:
+        draft = load_hf(*assistant)
         # HF reads the drafting schedule from the assistant's generation_config.
         defaults = copy.deepcopy(draft.generation_config)
         same_rule = copy.deepcopy(defaults)
@@ -240,10 +253,23 @@ def _cut_at_end(ids: list[int], end_ids: frozenset[int]) -> list[int]:
     return ids
 
 
-def peer_paths(dep: Deployment) -> tuple[list[PeerPath], dict]:
-    """All paths in table order: ours first, then transformers'."""
-    hf, settings = hf_paths(dep)
-    return trtspec_paths(dep) + hf, settings
+def peer_paths(dep: Deployment, draft_from=None) -> tuple[list[PeerPath], dict]:
+    """All paths in table order: ours first, then transformers'. ``draft_from`` (a LoadedSpec
+    with the same target weights) adds its draft: our path with it, and transformers' assisted
+    generation with it when this spec has no draft model of its own (an eagle3 spec)."""
+    other, assistant = None, None
+    if draft_from is not None:
+        from trtspec.bench.methods import other_drafter
+        from trtspec.engines.manifest import read_manifest
+        from trtspec.layout import engine_folder
+
+        factory, forget = other_drafter(dep, draft_from)
+        other = (draft_from.spec.speculative.method, factory, forget)
+        folder = engine_folder(draft_from.output_dir(), "draft")
+        if draft_from.spec.speculative.method == "draft_target" and dep.draft is None:
+            assistant = (folder, read_manifest(folder).dtype)
+    hf, settings = hf_paths(dep, assistant)
+    return trtspec_paths(dep, other) + hf, settings
 
 
 # ---- measuring -------------------------------------------------------------------------
@@ -360,6 +386,9 @@ def summarise(m: Measurement) -> list[PathSummary]:
 COMPARISONS = [
     ("ours_draft_target", "hf_assisted", 1.2),
     ("ours_draft_target", "hf_assisted_default", 1.2),
+    ("ours_eagle3", "hf_assisted", 1.0),  # the co-designed head ahead of HF's best path (issue 9)
+    ("ours_eagle3", "hf_assisted_default", 1.0),
+    ("ours_eagle3", "ours_draft_target", 1.15),
     ("ours_ngram", "hf_prompt_lookup", None),
     ("ours_target", "hf_target", None),
 ]

@@ -4,7 +4,7 @@ repository), measure, and return the report; the CLI only parses and prints."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from trtspec import console
@@ -36,6 +36,8 @@ class BenchOptions:
     concurrency: list[int]
     rounds: int = 1
     url: str | None = None  # HOST:PORT of a served repository; None: in process
+    methods: list[str] = field(default_factory=list)  # also compare these drafting methods (in process)
+    draft_from: LoadedSpec | None = None  # the source of a method that is not the spec's own
 
 
 def run(
@@ -45,6 +47,10 @@ def run(
     if not opts.prompts:
         raise RequestError("no prompts: add verify.prompts to the spec or pass --prompt/--prompts-file")
     m.validate_args(opts.k, opts.sweep, opts.concurrency, loaded.spec.speculative.max_draft_len)
+    if (opts.methods or opts.draft_from) and opts.url:
+        raise RequestError(
+            "--methods compares drafters over one target in process; drop --url (a served repository runs one method)"
+        )
     if opts.url:
         from trtspec.bench.grpc import GrpcBench, measure_grpc_costs
 
@@ -61,10 +67,26 @@ def run(
         first = opts.prompts[0]
         measure_costs, mode = (lambda k: m.measure_engine_costs(dep, first, k)), "in-process"
     report = m.BenchReport(loaded.spec.name, mode, m.machine_description(), len(opts.prompts), opts.max_tokens, opts.k)
+    methods = None
+    if opts.methods:
+        from trtspec.bench.methods import method_set
+
+        methods = method_set(dep, opts.methods, opts.k, opts.draft_from)
     try:
         m.run_bench(
             backend, report, opts.prompts, opts.sweep, opts.concurrency, measure_costs, progress=progress, rounds=opts.rounds
         )
+        if methods is not None:
+            _compare(dep, methods, opts, report, progress)
     except KeyboardInterrupt:
         return report, True
     return report, False
+
+
+def _compare(dep, methods, opts: BenchOptions, report: m.BenchReport, progress) -> None:
+    """Every method over the same target and prompts, interleaved per prompt (bench/methods.py)."""
+    from trtspec.bench.methods import compare_methods, methods_table
+
+    requests = [dep.request(dep.encode(p), opts.max_tokens, 0) for p in opts.prompts]
+    stats = compare_methods(dep.verifier(), methods.drafters, requests, methods.forget, opts.rounds, progress or (lambda s: None))
+    report.methods = methods_table(stats)

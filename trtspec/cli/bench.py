@@ -34,6 +34,22 @@ def bench(
         str | None, typer.Option("--concurrency", "-c", help="Concurrency levels (default 1,2,4 in process; 1,2,4,8 with --url).")
     ] = None,
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="Repeat the interleaved main comparison.")] = 1,
+    methods: Annotated[
+        str | None,
+        typer.Option(
+            "--methods",
+            help="Also compare drafting methods over the same target, e.g. eagle3,draft_target,ngram "
+            "(in process; target-only is always included).",
+        ),
+    ] = None,
+    draft_from: Annotated[
+        Path | None,
+        typer.Option(
+            "--draft-from",
+            help="A built spec with the same target weights whose draft (engine or EAGLE-3 head) "
+            "supplies a method this spec lacks.",
+        ),
+    ] = None,
     out: Annotated[
         Path | None, typer.Option("--out", help="Folder for bench.json and plots (default bench/results/<name>).")
     ] = None,
@@ -50,6 +66,8 @@ def bench(
     Examples:
       trtspec bench engine_specs/smollm2-135m-cpu.yaml
       trtspec bench engine_specs/smollm2-135m-cpu.yaml --url 127.0.0.1:8001 -c 1,4
+      trtspec bench engine_specs/smollm2-135m-eagle3.yaml --methods eagle3,draft_target,ngram \\
+        --draft-from engine_specs/smollm2-135m-cpu.yaml
     """
     from trtspec.bench import measure, run
 
@@ -72,6 +90,8 @@ def bench(
         concurrency=run.int_list(concurrency if concurrency is not None else ("1,2,4,8" if url else "1,2,4"), "--concurrency"),
         rounds=rounds,
         url=url,
+        methods=[x.strip() for x in methods.split(",") if x.strip()] if methods else [],
+        draft_from=load_spec(draft_from) if draft_from else None,
     )
     with console.err.status("benchmarking") as status:
         report, interrupted = run.run(
