@@ -50,7 +50,7 @@ class TritonPythonModel:
         )
         call = pb.bls_call
         if p.get("engine_requests", "batched") == "per_row":
-            from trtspec.triton.bls import split_rows
+            from trtspec.triton.backend.bls import split_rows
 
             call = split_rows(pb.bls_call_many)
         self.core = Orchestrator(settings, call, tokenizer, end_token_ids(tokenizer, tokenizer_dir))
