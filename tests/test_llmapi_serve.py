@@ -110,17 +110,94 @@ def test_double_sampling_params_refuse_unknown_and_non_greedy():
         sp(max_tokens=4, top_k=5)
 
 
-def test_double_refuses_eagle3_instead_of_pretending(tiny_ckpts):
+def test_double_runs_eagle3_heads_in_upstreams_layout(tiny_ckpts, tmp_path):
+    """Eagle3 (1.3+) / Eagle (1.2) with a head folder as upstream loads it: outputs identical to
+    the control, drafts made; a head trained on other layers than captured is refused."""
+    from test_eagle3 import random_head
+
+    head = random_head(tiny_ckpts["target"], tmp_path / "head")
+    ids = [5, 17, 42, 99, 7]
+    for line, kind in (("1.3+", "Eagle3"), ("1.2", "Eagle")):
+        a = double_api(line)
+        base = {"model": str(tiny_ckpts["target"]), "dtype": "float32"}
+        eagle = {"decoding_type": kind, "max_draft_len": 3, "speculative_model": str(head)}
+        with pytest.raises(ValueError, match="Not enough hidden layers for default EAGLE3 capture"):
+            a.LLM(**a.update_llm_args_with_extra_dict({}, base | {"speculative_config": eagle}))  # 2 layers: no default
+        eagle["eagle3_layers_to_capture"] = [0, 1]
+        spec = a.LLM(**a.update_llm_args_with_extra_dict({}, base | {"speculative_config": eagle}))
+        ctrl = a.LLM(**a.update_llm_args_with_extra_dict({}, base))
+        params = a.SamplingParams(max_tokens=24, return_perf_metrics=True)
+        got = spec.generate([ids], params)[0].outputs[0]
+        assert got.token_ids == ctrl.generate([ids], params)[0].outputs[0].token_ids and len(got.token_ids) == 24
+        assert got.request_perf_metrics.speculative_decoding.total_draft_tokens > 0
     a = double_api("1.3+")
-    args = a.update_llm_args_with_extra_dict(
-        {},
-        {
-            "model": str(tiny_ckpts["target"]),
-            "speculative_config": {"decoding_type": "Eagle3", "max_draft_len": 3, "speculative_model": str(tiny_ckpts["draft"])},
-        },
-    )
-    with pytest.raises(NotImplementedError, match="EAGLE-3 needs the target's hidden states"):
-        a.LLM(**args)
+    with pytest.raises(ValueError, match="eagle3_layers_to_capture \\[1\\] differs"):
+        a.LLM(
+            **a.update_llm_args_with_extra_dict(
+                {},
+                {
+                    "model": str(tiny_ckpts["target"]),
+                    "speculative_config": {
+                        "decoding_type": "Eagle3",
+                        "max_draft_len": 3,
+                        "speculative_model": str(head),
+                        "eagle3_layers_to_capture": [1],
+                    },
+                },
+            )
+        )
+
+
+def _stop_word(tok, ids: list[int], start: int) -> str:
+    """A 2-token piece of ``ids`` at or after ``start`` whose text encodes back to those
+    tokens and does not occur earlier: a stop word that ends generation exactly there."""
+    for i in range(start, len(ids) - 2):
+        word = tok.decode(ids[i : i + 2])
+        seq = tok.encode(word, add_special_tokens=False)
+        if seq == ids[i : i + 2] and not any(ids[j : j + 2] == seq for j in range(i)):
+            return word
+    raise AssertionError("no round-tripping stop word in this output")
+
+
+def test_double_stop_strings_and_streaming_follow_upstream(llmapi_dep):
+    """stop strings become token sequences and are cut unless include_stop_str_in_output;
+    generate_async(streaming=True) yields each step's tokens, adding up to generate()'s;
+    abort() ends a stream as 'cancelled'."""
+    api, llm = llmapi_dep.api, llmapi_dep.speculative
+    ids = llmapi_dep.tokenizer(PROMPTS[0])["input_ids"]
+    full = llm.generate([ids], api.SamplingParams(max_tokens=MAX_TOKENS))[0].outputs[0]
+    word = _stop_word(llmapi_dep.tokenizer, full.token_ids, 5)
+    stop_ids = llmapi_dep.tokenizer.encode(word, add_special_tokens=False)
+    cut = llm.generate([ids], api.SamplingParams(max_tokens=MAX_TOKENS, stop=[word]))[0].outputs[0]
+    kept = llm.generate([ids], api.SamplingParams(max_tokens=MAX_TOKENS, stop=word, include_stop_str_in_output=True))
+    kept = kept[0].outputs[0]
+    end = next(i for i in range(len(full.token_ids)) if full.token_ids[: i + 1][-len(stop_ids) :] == stop_ids) + 1
+    assert kept.token_ids == full.token_ids[:end] and kept.stop_reason == word and kept.finish_reason == "stop"
+    assert cut.token_ids == full.token_ids[: end - len(stop_ids)]
+    steps, result = [], llm.generate_async(ids, api.SamplingParams(max_tokens=MAX_TOKENS), streaming=True)
+    for r in result:
+        steps.append(list(r.outputs[0].token_ids_diff))
+    assert len(steps) > 2 and sum(steps, []) == full.token_ids and result.outputs[0].finish_reason == "length"
+    result = llm.generate_async(ids, api.SamplingParams(max_tokens=MAX_TOKENS), streaming=True)
+    result.abort()
+    assert list(result)[-1].outputs[0].finish_reason == "cancelled"
+
+
+def test_llmapi_eagle3_spec_builds_and_verifies_through_the_double(tmp_path, tiny_ckpts):
+    from test_eagle3 import random_head
+
+    ck = {"target": tiny_ckpts["target"], "head": random_head(tiny_ckpts["target"], tmp_path / "head")}
+    over = {"speculative.method": "eagle3", "speculative.num_draft_tokens": None, "verify.max_tokens": 16, "trtllm.line": "1.3+"}
+    loaded = load_spec(write_spec(tmp_path, ck, "head", backend="trtllm", **over))
+    build(loaded, loaded.output_dir())
+    cfg = yaml.safe_load((loaded.output_dir() / "llmapi" / "speculative.yaml").read_text())["speculative_config"]
+    # 2 layers: upstream has no default capture for 2-5 layers, so the head's layers are written
+    assert cfg["decoding_type"] == "Eagle3" and cfg["eagle3_layers_to_capture"] == [0, 1]
+    report = tmp_path / "r.json"
+    r = CliRunner().invoke(app, ["verify", str(loaded.path), "--llmapi", "double", "--json-file", str(report)])
+    assert r.exit_code == 0, r.output
+    data = json.loads(report.read_text())
+    assert data["identical"] and data["metrics"]["drafted"] > 0
 
 
 # ------------------------------------------------------------------ in process
@@ -179,7 +256,13 @@ def test_repository_model_yaml_is_upstreams_layout(llmapi_built, tmp_path):
     from trtspec.triton.repository.writer import write_repository
 
     repo = write_repository(llmapi_built, llmapi_built.output_dir(), tmp_path / "repo", "double")
-    assert sorted(p.name for p in repo.iterdir() if p.is_dir()) == ["target_only", "tensorrt_llm_bls"]
+    assert sorted(p.name for p in repo.iterdir() if p.is_dir()) == [
+        "target_only",
+        "tensorrt_llm_bls",
+        "tensorrt_llm_bls_streaming",
+    ]
+    streaming = yaml.safe_load((repo / "tensorrt_llm_bls_streaming" / "1" / "model.yaml").read_text())
+    assert streaming.pop("triton_config") == {"max_batch_size": 4, "decoupled": True}
     spec_yaml = yaml.safe_load((repo / "tensorrt_llm_bls" / "1" / "model.yaml").read_text())
     ctrl_yaml = yaml.safe_load((repo / "target_only" / "1" / "model.yaml").read_text())
     built = yaml.safe_load((llmapi_built.output_dir() / "llmapi" / "speculative.yaml").read_text())
@@ -245,3 +328,112 @@ def test_a_bad_request_is_refused_and_the_server_carries_on(llmapi_served):
     with pytest.raises(InferenceServerException, match="exceeds max_seq_len"):
         ask(10_000)
     assert ask(3).as_numpy("sequence_length")[0][0] > 0
+
+
+def _stream(server, model: str, prompt: str, max_tokens: int, stop: list[str] | None = None, cancel_after: int | None = None):
+    """Responses of one gRPC stream: (output_ids per response, final tensors or error)."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_endpoint)
+    got: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    inputs = []
+    values = [
+        ("text_input", np.array([[prompt.encode()]], dtype=np.object_), "BYTES"),
+        ("max_tokens", np.array([[max_tokens]], dtype=np.int32), "INT32"),
+        ("stream", np.array([[True]]), "BOOL"),
+        ("return_perf_metrics", np.array([[True]]), "BOOL"),
+    ]
+    if stop:
+        values.append(("stop_words", np.array([[w.encode() for w in stop]], dtype=np.object_), "BYTES"))
+    for name, value, dtype in values:
+        t = grpcclient.InferInput(name, list(value.shape), dtype)
+        t.set_data_from_numpy(value)
+        inputs.append(t)
+    client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+    steps, final = [], None
+    while True:
+        result, error = got.get(timeout=120)
+        if error is not None:
+            final = error
+            break
+        resp = result.get_response()
+        if result.as_numpy("output_ids") is not None:
+            steps.append([int(x) for x in result.as_numpy("output_ids").reshape(-1)])
+        if cancel_after is not None and len(steps) >= cancel_after:
+            client.stop_stream(cancel_requests=True)
+            return steps, "cancelled"
+        if resp.parameters.get("triton_final_response") and resp.parameters["triton_final_response"].bool_param:
+            final = result
+            break
+    client.stop_stream()
+    return steps, final
+
+
+def test_streaming_endpoint_streams_the_unary_tokens_step_by_step(llmapi_served, llmapi_dep):
+    _, server = llmapi_served
+    ids = llmapi_dep.tokenizer(PROMPTS[1])["input_ids"]
+    want = llmapi_dep.generate(ids, MAX_TOKENS, speculative=False).token_ids
+    steps, final = _stream(server, "tensorrt_llm_bls_streaming", PROMPTS[1], MAX_TOKENS)
+    assert sum(steps, []) == want and len([s for s in steps if s]) > 2
+    assert int(final.as_numpy("total_draft_tokens")[0][0]) > 0
+
+
+def test_stop_words_on_llmapi_endpoints_end_where_the_loop_does(llmapi_served, llmapi_dep):
+    """Served stop_words stop the speculative, streaming and control endpoints at the same
+    token, the stop sequence kept, as the torch endpoints emit it."""
+    import tritonclient.grpc as grpcclient
+
+    from trtspec.speculative.loop import GenerationRequest, NoDrafter, generate
+    from trtspec.speculative.verifier import LogitsVerifier
+
+    _, server = llmapi_served
+    tok = llmapi_dep.tokenizer
+    ids = tok(PROMPTS[2])["input_ids"]
+    full = llmapi_dep.generate(ids, MAX_TOKENS, speculative=False).token_ids
+    word = _stop_word(tok, full, 6)
+    seq = tuple(tok(word, add_special_tokens=False)["input_ids"])
+    (ref,) = generate(
+        [GenerationRequest(ids, MAX_TOKENS, 0, frozenset({tok.eos_token_id}), (seq,))],
+        NoDrafter(),
+        LogitsVerifier(llmapi_dep.control.target.run),
+    )
+    assert ref.finish_reason == "stop" and len(ref.output_ids) < MAX_TOKENS
+    client = grpcclient.InferenceServerClient(server.grpc_endpoint)
+    for model in ("tensorrt_llm_bls", "target_only"):
+        inputs = []
+        for name, value, dtype in (
+            ("text_input", np.array([[PROMPTS[2].encode()]], dtype=np.object_), "BYTES"),
+            ("max_tokens", np.array([[MAX_TOKENS]], dtype=np.int32), "INT32"),
+            ("exclude_input_in_output", np.array([[True]]), "BOOL"),
+            ("stop_words", np.array([[word.encode()]], dtype=np.object_), "BYTES"),
+        ):
+            t = grpcclient.InferInput(name, list(value.shape), dtype)
+            t.set_data_from_numpy(value)
+            inputs.append(t)
+        res = client.infer(model, inputs)
+        got = [int(x) for x in res.as_numpy("output_ids")[0][: int(res.as_numpy("sequence_length")[0][0])]]
+        assert got == ref.output_ids, model
+    steps, _ = _stream(server, "tensorrt_llm_bls_streaming", PROMPTS[2], MAX_TOKENS, stop=[word])
+    assert sum(steps, []) == ref.output_ids
+
+
+def test_a_cancelled_stream_frees_the_llm_for_the_next_request(llmapi_served, llmapi_dep):
+    _, server = llmapi_served
+    steps, final = _stream(server, "tensorrt_llm_bls_streaming", PROMPTS[0], 200, cancel_after=2)
+    assert final == "cancelled"
+    ids = llmapi_dep.tokenizer(PROMPTS[0])["input_ids"]
+    want = llmapi_dep.generate(ids, MAX_TOKENS, speculative=False).token_ids
+    steps, final = _stream(server, "tensorrt_llm_bls_streaming", PROMPTS[0], MAX_TOKENS)
+    assert sum(steps, []) == want
+
+
+def test_verify_over_grpc_streams_through_the_llmapi_streaming_model(llmapi_served, llmapi_built, tmp_path):
+    _, server = llmapi_served
+    report = tmp_path / "r.json"
+    args = ["verify", str(llmapi_built.path), "--url", server.grpc_endpoint, "--stream", "--json-file", str(report)]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert json.loads(report.read_text())["identical"]

@@ -5,20 +5,28 @@ and the request path that reads them (in-process verify, the Triton llmapi model
 It is strict where upstream is strict: every constructor refuses a name the field inventory
 of its TensorRT-LLM line lacks (engines/trtllm/llmapi_fields.py, read from upstream at recorded commits),
 decoding_type is spelt as that line spells it, and required fields are required. It is not
-TensorRT-LLM: greedy only, one rank, local checkpoints only, and EAGLE-3 is refused (it needs
-the target's hidden states, which the torch engines do not expose). Results produced with
-it are labelled as such by every caller.
+TensorRT-LLM: greedy only, one rank, local checkpoints only, one request batch at a time.
+EAGLE-3 (decoding type Eagle on 1.2, Eagle3 on 1.3+) runs a head folder in the layout upstream
+loads, reading the target engine's captured layer outputs. Results produced with it are
+labelled as such by every caller.
 
 Surface mirrored (names as upstream): LLM(**kwargs).generate(inputs, sampling_params) ->
 RequestOutput(.prompt_token_ids, .outputs[i] CompletionOutput(.text, .token_ids,
 .finish_reason, .request_perf_metrics.speculative_decoding.{acceptance_rate,
 total_accepted_draft_tokens, total_draft_tokens}), .finished), LLM.shutdown(),
-SamplingParams(**kwargs), and update_llm_args_with_extra_dict(llm_args, extra, path=None)
+LLM.generate_async(inputs, sampling_params, streaming=True) -> a result that iterates once per
+step (.outputs[0].token_ids_diff / .text_diff, .finished) and .abort(), SamplingParams(**kwargs)
+with stop / stop_token_ids / include_stop_str_in_output as upstream applies them (stop strings
+become token sequences via tokenizer.encode(s, add_special_tokens=False); with
+include_stop_str_in_output False the matched stop tokens are cut from token_ids:
+tensorrt_llm/sampling_params.py@000a01de _setup, executor/result.py@005bc848
+_handle_sequence), and update_llm_args_with_extra_dict(llm_args, extra, path=None)
 (upstream: tensorrt_llm/llmapi/llm_utils.py, used by its Triton llmapi model.py).
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,6 +102,9 @@ class SamplingParams:
         self.return_perf_metrics = kwargs.get("return_perf_metrics", False)
         self.skip_special_tokens = kwargs.get("skip_special_tokens", True)
         self.stop_token_ids = kwargs.get("stop_token_ids")
+        stop = kwargs.get("stop")
+        self.stop = [stop] if isinstance(stop, str) else list(stop or [])
+        self.include_stop_str_in_output = bool(kwargs.get("include_stop_str_in_output", False))
         # upstream's _greedy_decoding: top_k None or 1 and top_p None or 0
         if self.top_k not in (None, 1) or self.top_p not in (None, 0.0):
             raise NotImplementedError("the conformance double decodes greedily only (top_k 1)")
@@ -116,8 +127,11 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str
+    finish_reason: str | None
     request_perf_metrics: RequestPerfMetrics | None = None
+    stop_reason: str | int | None = None
+    token_ids_diff: list[int] = field(default_factory=list)  # streaming: this step's tokens
+    text_diff: str = ""
 
 
 @dataclass
@@ -167,11 +181,11 @@ class LLM:
         self.max_seq_len = int(kwargs.get("max_seq_len") or _max_positions(target_dir, trust))
         self.target = _engine(target_dir, dtype, self.max_seq_len, self.max_batch_size, trust)
         self.draft = None
+        self.head = None
         if spec is not None and spec.decoding_type in ("Eagle", "Eagle3"):
-            raise NotImplementedError(
-                "the conformance double runs draft-target and NGram; EAGLE-3 needs the target's "
-                "hidden states: verify it with the real tensorrt_llm on a GPU"
-            )
+            # 1.2's "Eagle" is what trtspec writes for EAGLE-3 there (engines/trtllm/llmapi.py)
+            head_dir = _local_folder(spec.fields["speculative_model"], "speculative_model")
+            self.head = _eagle3_head(head_dir, self.target, dtype, spec.fields.get("eagle3_layers_to_capture"))
         if spec is not None and spec.decoding_type in ("DraftTarget", "Draft_Target"):
             draft_dir = _local_folder(spec.fields["speculative_model"], "speculative_model")
             self.draft = _engine(draft_dir, dtype, self.max_seq_len, self.max_batch_size, trust)
@@ -183,44 +197,77 @@ class LLM:
 
     def generate(self, inputs, sampling_params=None, use_tqdm: bool = False):
         """One RequestOutput per input (a list in, a list out), as upstream's LLM.generate."""
-        from trtspec.speculative.drafters import ModelDrafter, NgramDrafter
-        from trtspec.speculative.loop import GenerationRequest, NoDrafter, generate
-        from trtspec.speculative.verifier import LogitsVerifier
-
         single = isinstance(inputs, str) or (isinstance(inputs, list) and inputs and isinstance(inputs[0], int))
         batch = [inputs] if single else list(inputs)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(batch)
         params = [p if p is not None else SamplingParams(self.line) for p in params]
-        requests = []
-        for prompt, sp in zip(batch, params):
-            ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else [int(t) for t in prompt]
-            self._check(ids, sp.max_tokens)
-            end = sp.end_id if sp.end_id is not None else self.tokenizer.eos_token_id
-            k = self.speculative_config.fields["max_draft_len"] if self.speculative_config else 0
-            stops = tuple((int(t),) for t in (sp.stop_token_ids or ()))
-            requests.append(GenerationRequest(ids, sp.max_tokens, k, frozenset({int(end)}), stops))
+        requests = [self._request(prompt, sp) for prompt, sp in zip(batch, params)]
+        with self._lock:
+            results = self._run(requests)
+            outs = [self._output(prompt, req, sp, res) for prompt, req, sp, res in zip(batch, requests, params, results)]
+        return outs[0] if single else outs
+
+    def generate_async(self, inputs, sampling_params=None, streaming: bool = False):
+        """A result to iterate (streaming: once per step, with token_ids_diff/text_diff) or to
+        call .result() on; .abort() stops it at the next step (finish_reason 'cancelled')."""
+        sp = sampling_params if sampling_params is not None else SamplingParams(self.line)
+        return _AsyncResult(self, inputs, sp, self._request(inputs, sp), streaming)
+
+    def _request(self, prompt, sp: SamplingParams):
+        from trtspec.speculative.loop import GenerationRequest
+
+        ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else [int(t) for t in prompt]
+        self._check(ids, sp.max_tokens)
+        end = sp.end_id if sp.end_id is not None else self.tokenizer.eos_token_id
+        k = self.speculative_config.fields["max_draft_len"] if self.speculative_config else 0
+        return GenerationRequest(ids, sp.max_tokens, k, frozenset({int(end)}), tuple(w for _, w in self._stops(sp)))
+
+    def _stops(self, sp: SamplingParams) -> list[tuple[str | int, tuple[int, ...]]]:
+        """(stop reason, token sequence) pairs, as upstream's _get_stop_reasons_and_words."""
+        pairs: list[tuple[str | int, tuple[int, ...]]] = [(int(t), (int(t),)) for t in (sp.stop_token_ids or ())]
+        pairs += [(w, tuple(self.tokenizer.encode(w, add_special_tokens=False))) for w in sp.stop]
+        return [(r, w) for r, w in pairs if w]
+
+    def _drafter(self):
+        from trtspec.speculative.drafters import ModelDrafter, NgramDrafter
+        from trtspec.speculative.loop import NoDrafter
+
         spec = self.speculative_config
         if spec is None:
-            drafter = NoDrafter()
-        elif self.draft is not None:
-            drafter = ModelDrafter(self.draft.run, min(self.draft.vocab_size, self.target.vocab_size))
-        else:
-            drafter = NgramDrafter(int(spec.fields["max_matching_ngram_size"]), 1)
-        with self._lock:
-            results = generate(requests, drafter, LogitsVerifier(self.target.run))
-            outs = []
-            for prompt, req, sp, res in zip(batch, requests, params, results):
-                m = res.metrics
-                perf = None
-                if sp.return_perf_metrics:
-                    rate = m.accepted / m.drafted if m.drafted else 0.0
-                    perf = RequestPerfMetrics(SpeculativeDecodingStats(rate, m.accepted, m.drafted))
-                text = self.tokenizer.decode(res.output_ids, skip_special_tokens=sp.skip_special_tokens)
-                reason = "length" if res.finish_reason == "length" else "stop"
-                out = CompletionOutput(0, text, list(res.output_ids), reason, perf)
-                outs.append(RequestOutput(self._next_id, prompt if isinstance(prompt, str) else None, req.prompt_ids, [out]))
-                self._next_id += 1
-        return outs[0] if single else outs
+            return NoDrafter()
+        if self.draft is not None:
+            return ModelDrafter(self.draft.run, min(self.draft.vocab_size, self.target.vocab_size))
+        if self.head is not None:
+            from trtspec.speculative.eagle3 import Eagle3Drafter, engine_features
+
+            return Eagle3Drafter(self.head, engine_features(self.target))
+        return NgramDrafter(int(spec.fields["max_matching_ngram_size"]), 1)
+
+    def _run(self, requests, on_step=None):
+        from trtspec.speculative.loop import generate
+        from trtspec.speculative.verifier import LogitsVerifier
+
+        return generate(requests, self._drafter(), LogitsVerifier(self.target.run), on_step)
+
+    def _output(self, prompt, req, sp: SamplingParams, res, cancelled: bool = False) -> RequestOutput:
+        m = res.metrics
+        perf = None
+        if sp.return_perf_metrics:
+            rate = m.accepted / m.drafted if m.drafted else 0.0
+            perf = RequestPerfMetrics(SpeculativeDecodingStats(rate, m.accepted, m.drafted))
+        ids, stop_reason = list(res.output_ids), None
+        if res.finish_reason == "stop":  # a stop sequence ended it: which one, and cut it?
+            for reason, words in self._stops(sp):
+                if tuple(ids[-len(words) :]) == words:
+                    stop_reason = reason
+                    if not sp.include_stop_str_in_output:
+                        ids = ids[: -len(words)]
+                    break
+        reason = "cancelled" if cancelled else ("length" if res.finish_reason == "length" else "stop")
+        text = self.tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
+        out = CompletionOutput(0, text, ids, reason, perf, stop_reason)
+        self._next_id += 1
+        return RequestOutput(self._next_id - 1, prompt if isinstance(prompt, str) else None, req.prompt_ids, [out])
 
     def _check(self, ids: list[int], max_tokens: int) -> None:
         if not ids:
@@ -237,7 +284,118 @@ class LLM:
             raise ValueError(f"token id outside the vocabulary (0..{vocab - 1})")
 
     def shutdown(self) -> None:
-        self.target = self.draft = None
+        self.target = self.draft = self.head = None
+
+
+class _Cancelled(Exception):
+    pass
+
+
+class _AsyncResult:
+    """generate_async's result: the generation runs in a thread; iterating yields this object
+    once per step (streaming) or once at the end, its ``outputs[0]`` updated each time."""
+
+    def __init__(self, llm: LLM, prompt, sp: SamplingParams, request, streaming: bool):
+        self._llm, self._sp, self._streaming = llm, sp, streaming
+        self._steps: queue.Queue = queue.Queue()
+        self._aborted = threading.Event()
+        self.request_id = -1
+        self.prompt = prompt if isinstance(prompt, str) else None
+        self.prompt_token_ids = request.prompt_ids
+        self.outputs = [CompletionOutput(0, "", [], None)]
+        self.finished = False
+        threading.Thread(target=self._work, args=(prompt, request), daemon=True).start()
+
+    def _work(self, prompt, request) -> None:
+        def on_step(i, emitted, done):
+            if self._aborted.is_set():
+                raise _Cancelled
+            if self._streaming and not done:
+                self._steps.put(("step", list(emitted)))
+
+        try:
+            with self._llm._lock:
+                try:
+                    (res,) = self._llm._run([request], on_step)
+                    final = self._llm._output(prompt, request, self._sp, res)
+                except _Cancelled:
+                    final = None
+            self._steps.put(("final", final))
+        except Exception as err:  # surfaced to the caller's iteration
+            self._steps.put(("error", err))
+
+    def abort(self) -> None:
+        self._aborted.set()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.finished:
+            raise StopIteration
+        kind, value = self._steps.get()
+        out = self.outputs[0]
+        if kind == "error":
+            self.finished = True
+            raise value
+        if kind == "step":
+            before = out.text
+            out.token_ids = out.token_ids + value
+            out.token_ids_diff = value
+            out.text = self._llm.tokenizer.decode(out.token_ids, skip_special_tokens=self._sp.skip_special_tokens)
+            out.text_diff = out.text[len(before) :] if out.text.startswith(before) else out.text
+            return self
+        self.finished = True
+        if value is None:  # aborted
+            out.finish_reason, out.token_ids_diff, out.text_diff = "cancelled", [], ""
+            return self
+        final = value.outputs[0]
+        self.request_id = value.request_id
+        final.token_ids_diff = final.token_ids[len(out.token_ids) :]
+        final.text_diff = final.text[len(out.text) :] if final.text.startswith(out.text) else final.text
+        self.outputs = [final]
+        return self
+
+    def result(self):
+        for _ in self:
+            pass
+        return self
+
+
+def _eagle3_head(folder: Path, target, dtype: str, layers):
+    """The head of an EAGLE-3 checkpoint folder beside the target engine, which then captures
+    the layers it reads (``eagle3_layers_to_capture``; upstream's default when unset)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from trtspec.engines.eagle3 import default_layer_ids, read_head_config
+    from trtspec.engines.torch.eagle3 import Eagle3Head, HeadEngine
+
+    n_layers = target.config.num_layers
+    cfg = read_head_config(folder, n_layers, role="speculative_model")
+    if layers:
+        want = tuple(sorted(layers))
+    elif n_layers == 1:
+        want = (0,)
+    elif n_layers <= 5:  # upstream has no default for 2-5 layers (Eagle3SpecMetadata.__post_init__)
+        raise ValueError("Not enough hidden layers for default EAGLE3 capture; set eagle3_layers_to_capture")
+    else:
+        want = tuple(default_layer_ids(n_layers))  # (1, L//2-1, L-4), upstream's default
+    if want != tuple(cfg.layer_ids):
+        raise ValueError(
+            f"eagle3_layers_to_capture {list(want)} differs from the layers the head at {folder} reads "
+            f"{list(cfg.layer_ids)}; set eagle3_layers_to_capture to the head's layers"
+        )
+    torch_dtype = target.cache.k[0].dtype if dtype == "auto" else getattr(torch, dtype)
+    state: dict = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    state = {k: (v if k == "d2t" else v.to(torch_dtype)) for k, v in state.items() if k != "t2d"}
+    head = Eagle3Head.from_state_dict(cfg, state)
+    target.capture_features(cfg.layer_ids)
+    return HeadEngine(
+        head, target.model.model.embed_tokens, target.cos, target.sin, target.max_seq_len, torch_dtype, target.max_batch_size
+    )
 
 
 def _local_folder(value, what: str) -> Path:

@@ -85,10 +85,34 @@ def speculative_config(spec: EngineSpec, draft_dir: Path | None, line: str) -> d
     cfg: dict = {"decoding_type": DECODING_TYPE[(s.method, line)], "max_draft_len": s.max_draft_len}
     if s.method in ("draft_target", "eagle3"):
         cfg["speculative_model"] = str(draft_dir)
+        if s.method == "eagle3" and (layers := _head_layers_if_not_default(draft_dir)) is not None:
+            # upstream captures {1, L//2-1, L-4} unless told; a head trained on other layers says so
+            cfg["eagle3_layers_to_capture"] = layers
     else:
         # 1.2.1 defaults this to 0 and asserts > 0; main defaults to 2: always write it.
         cfg["max_matching_ngram_size"] = s.max_ngram
     return cfg
+
+
+def _head_layers_if_not_default(head_dir: Path | None) -> list[int] | None:
+    """The target layers a trtspec head reads, unless they are what upstream captures by
+    default: (1, L//2-1, L-4) for L > 5 layers, (L-1,) for one; for 2-5 layers upstream has no
+    default and raises (tensorrt_llm/_torch/speculative/eagle3.py, Eagle3SpecMetadata
+    .__post_init__), so they are always written. A Hub head without trtspec's record: None."""
+    from trtspec.engines.eagle3 import default_layer_ids
+
+    if head_dir is None:
+        return None
+    try:
+        own = json.loads((Path(head_dir) / "config.json").read_text(encoding="utf-8")).get("trtspec") or {}
+        layers = [int(i) for i in own.get("target_layer_ids") or []]
+        n_target = int(own["target_num_layers"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if not layers:
+        return None
+    upstream_default = (0,) if n_target == 1 else (tuple(default_layer_ids(n_target)) if n_target > 5 else None)
+    return None if tuple(layers) == upstream_default else layers
 
 
 def llm_args(spec: EngineSpec, target_dir: Path, draft_dir: Path | None, speculative: bool, line: str | None = None) -> dict:

@@ -7,11 +7,22 @@ acceptance_rate / total_accepted_draft_tokens / total_draft_tokens), so clients 
 own parse() and pack(); generation is one LLM.generate call for every valid row of the
 batch, which the LLM API batches in flight. Beyond upstream's llmapi model: output_ids (token
 identity can be checked) and batching.
+
+stop_words go to SamplingParams.stop with include_stop_str_in_output=True: the LLM API turns
+each string into tokens (tokenizer.encode, no special tokens) and stops when the output ends
+with them, as our other endpoints do, and keeps them in the output as those endpoints do
+(upstream would cut them otherwise: executor/result.py@005bc848).
+
+Streaming (the decoupled model, `tensorrt_llm_bls_streaming`): one LLM.generate_async(...,
+streaming=True) per request, one response per step with that step's tokens and text delta
+(the same incremental decoder as the orchestrator's streams), the last flagged final with the
+whole request's metrics; a request Triton reports cancelled is aborted at the next step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -19,13 +30,21 @@ from trtspec.errors import RequestError
 from trtspec.speculative.llmapi import acceptance, greedy_params
 from trtspec.speculative.loop import GenerationResult
 from trtspec.speculative.metrics import SpecMetrics
-from trtspec.triton.backend.orchestrator_core import Orchestrator, OrchestratorSettings
+from trtspec.triton.backend.orchestrator_core import (
+    Orchestrator,
+    OrchestratorSettings,
+    Row,
+    _row_tensors,
+    _Stream,
+    stop_words,
+)
+
+# send(tensors, final) for one streamed request; cancelled() asks Triton whether it was.
+StreamSend = Callable[[dict[str, np.ndarray], bool], None]
 
 
 class LlmapiEndpoint:
     def __init__(self, settings: OrchestratorSettings, tokenizer, end_ids: frozenset[int], llm, api):
-        if settings.decoupled:
-            raise ValueError("llmapi endpoints are unary; streaming is not provided yet")
         self.orch = Orchestrator(settings, call=None, tokenizer=tokenizer, end_ids=end_ids)
         self.default_end_ids = end_ids
         self.llm = llm
@@ -35,23 +54,18 @@ class LlmapiEndpoint:
     def run(self, requests: Sequence[Mapping[str, np.ndarray]]) -> list[dict | Exception]:
         answers: list[dict | Exception | None] = [None] * len(requests)
         parsed = {}
+        words: dict[int, list[list[str]]] = {}
         for i, inputs in enumerate(requests):
             try:
-                if inputs.get("stop_words") is not None and np.asarray(inputs["stop_words"]).size:
-                    raise RequestError("stop_words is not supported by the llmapi endpoints; drop it")
                 parsed[i] = self.orch.parse(inputs)
+                words[i] = [stop_words(inputs.get("stop_words"), r, len(parsed[i])) for r in range(len(parsed[i]))]
             except RequestError as err:
                 answers[i] = err
         owners = [(i, r) for i in parsed for r in range(len(parsed[i]))]
         rows = [parsed[i][r] for i, r in owners]
         if not rows:
             return answers
-        params = []
-        for row in rows:
-            ends = row.request.end_ids
-            # the request's own end_id; else the LLM API's default (the tokenizer's EOS)
-            end = next(iter(ends)) if ends != self.default_end_ids and len(ends) == 1 else None
-            params.append(greedy_params(self.api, row.request.max_tokens, self.speculative, end))
+        params = [self._params(row, words[i][r]) for (i, r), row in zip(owners, rows)]
         try:
             outs = self.llm.generate([row.request.prompt_ids for row in rows], params)
         except ValueError as err:  # the LLM API's refusal of a request
@@ -67,6 +81,48 @@ class LlmapiEndpoint:
             mine = [j for j, (owner, _) in enumerate(owners) if owner == i]
             answers[i] = self.orch.pack([rows[j] for j in mine], [results[j] for j in mine])
         return answers
+
+    def _params(self, row: Row, stops: list[str]):
+        ends = row.request.end_ids
+        # the request's own end_id; else the LLM API's default (the tokenizer's EOS)
+        end = next(iter(ends)) if ends != self.default_end_ids and len(ends) == 1 else None
+        return greedy_params(self.api, row.request.max_tokens, self.speculative, end, stops)
+
+    def stream(self, inputs: Mapping[str, np.ndarray], send: StreamSend, cancelled: Callable[[], bool]) -> bool:
+        """Answer one request of the decoupled model through ``send``; True once the final
+        response went out, False when the client cancelled (the generation is aborted). Errors
+        are raised, for the caller to send as the final response."""
+        rows = self.orch.parse(inputs)
+        if len(rows) != 1:
+            raise RequestError("the streaming model takes one prompt per request; send the prompts as separate requests")
+        (row,) = rows
+        row.times["first_scheduled_time_ns"] = time.time_ns()
+        params = self._params(row, stop_words(inputs.get("stop_words"), 0, 1))
+        try:
+            result = self.llm.generate_async(row.request.prompt_ids, params, streaming=row.stream)
+        except ValueError as err:  # the LLM API's refusal of a request
+            raise RequestError(str(err)) from None
+        text = _Stream(self.orch.tokenizer)
+        for step in result:
+            if cancelled():
+                result.abort()  # frees the request's slot; Triton drops what we would send
+                return False
+            out = step.outputs[0]
+            if out.token_ids_diff or step.finished:
+                now = time.time_ns()
+                row.times.setdefault("first_token_time_ns", now)
+                row.times["last_token_time_ns"] = now
+            if not step.finished:
+                if out.token_ids_diff and row.stream:
+                    send(text.step(list(out.token_ids_diff), False), False)
+                continue
+            final = self._result(out)
+            if not row.stream:
+                send(self.orch.pack(rows, [final]), True)
+                return True
+            send(text.step(list(out.token_ids_diff), True) | _row_tensors(rows, [final]), True)
+            return True
+        raise RuntimeError("the LLM API ended the request without a final output")
 
     @staticmethod
     def _result(output) -> GenerationResult:

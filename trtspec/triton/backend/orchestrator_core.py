@@ -102,6 +102,15 @@ def _text(value) -> str:
     return text
 
 
+def stop_words(stops, row: int, rows: int) -> list[str]:
+    """The non-empty stop_words strings of one batch row (BYTES [b, n], or [n] for every row)."""
+    if stops is None:
+        return []
+    words = np.asarray(stops)
+    words = words.reshape(rows, -1)[row] if words.size and words.size % rows == 0 else words.reshape(-1)
+    return [w for w in (_text(x) for x in words) if w]
+
+
 class Orchestrator:
     def __init__(self, settings: OrchestratorSettings, call: EngineCall, tokenizer, end_ids: frozenset[int]):
         self.s = settings
@@ -179,15 +188,7 @@ class Orchestrator:
         return out
 
     def _stop_sequences(self, stops, row: int, rows: int) -> tuple[tuple[int, ...], ...]:
-        if stops is None:
-            return ()
-        words = np.asarray(stops)
-        words = words.reshape(rows, -1)[row] if words.size and words.size % rows == 0 else words.reshape(-1)
-        seqs = []
-        for w in words:
-            word = _text(w)
-            if word:
-                seqs.append(tuple(self.tokenizer(word, add_special_tokens=False)["input_ids"]))
+        seqs = [tuple(self.tokenizer(word, add_special_tokens=False)["input_ids"]) for word in stop_words(stops, row, rows)]
         return tuple(s for s in seqs if s)
 
     # -- running -------------------------------------------------------------------------

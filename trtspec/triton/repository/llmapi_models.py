@@ -1,14 +1,15 @@
 """Model repository for trtllm.runtime llmapi: Python-backend models that run the LLM API.
 
-  tensorrt_llm_bls   speculative endpoint: model.yaml = the build's speculative.yaml
-  target_only        control endpoint: model.yaml = the build's control.yaml
+  tensorrt_llm_bls             speculative endpoint: model.yaml = the build's speculative.yaml
+  tensorrt_llm_bls_streaming   the same, decoupled (serve.streaming): one response per step
+  target_only                  control endpoint: model.yaml = the build's control.yaml
 
 Each model folder holds config.pbtxt (trtspec's text contract, repository.BLS_INPUTS/OUTPUTS),
 1/model.py (a shim into trtspec.triton.models.llmapi_model) and 1/model.yaml laid out as
 upstream's llmapi model expects it (TensorRT-LLM triton_backend/all_models/llmapi/
 tensorrt_llm/1/model.yaml@0ebb1536): top-level LLM API arguments plus a reserved
 `triton_config` block (max_batch_size, decoupled). The LLM arguments are checked against the
-field inventory again and the file is parsed back. No decoupled streaming model yet.
+field inventory again and the file is parsed back.
 Multi-GPU as upstream: one plain tritonserver; the LLM API starts its own MPI workers for
 tensor_parallel_size > 1 (no mpirun around the server).
 """
@@ -28,10 +29,10 @@ from trtspec.triton.repository.pbtxt import DynamicBatching, ModelConfig
 LLMAPI_SHIM = "from trtspec.triton.backend.models.llmapi_model import TritonPythonModel  # noqa: F401\n"
 
 
-def model_yaml(args_file: Path, batch: int) -> str:
+def model_yaml(args_file: Path, batch: int, decoupled: bool = False) -> str:
     args = read_config(args_file)
     llmapi.check_keys(args, str(args_file))
-    data = dict(args) | {TRITON_CONFIG: {"max_batch_size": batch, "decoupled": False}}
+    data = dict(args) | {TRITON_CONFIG: {"max_batch_size": batch, "decoupled": decoupled}}
     text = (
         "# LLM API arguments (from " + args_file.name + ") and Triton's triton_config block,\n"
         "# laid out as TensorRT-LLM's triton_backend/all_models/llmapi model.yaml.\n" + yaml.safe_dump(data, sort_keys=False)
@@ -56,10 +57,13 @@ def plan(
     vocab = int(json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"])
     lim = spec.limits("target")
     models, extra = {}, {}
-    for name, (mode, args_file) in {
-        names["bls"]: ("speculative", llmapi.SPECULATIVE),
-        names["control"]: ("target_only", llmapi.CONTROL),
-    }.items():
+    endpoints = {
+        names["bls"]: ("speculative", llmapi.SPECULATIVE, False),
+        names["control"]: ("target_only", llmapi.CONTROL, False),
+    }
+    if spec.serve.streaming:
+        endpoints[names["streaming"]] = ("speculative", llmapi.SPECULATIVE, True)
+    for name, (mode, args_file, decoupled) in endpoints.items():
         params = {
             "mode": mode,
             "llmapi_impl": impl,
@@ -83,9 +87,9 @@ def plan(
             outputs=endpoint_outputs,
             parameters=params,
             instance_count=1,
-            decoupled=False,
+            decoupled=decoupled,
             dynamic_batching=DynamicBatching(max_queue_delay_microseconds=0),
         )
         models[name] = (cfg, LLMAPI_SHIM)
-        extra[f"{name}/1/model.yaml"] = model_yaml(folder / args_file, lim.max_batch_size)
+        extra[f"{name}/1/model.yaml"] = model_yaml(folder / args_file, lim.max_batch_size, decoupled)
     return models, extra, tokenizer_dir, vocab

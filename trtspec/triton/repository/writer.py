@@ -149,7 +149,12 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path, llmapi_impl: str = "t
         from trtspec.triton.repository import llmapi_models
 
         models, extra, _, _ = llmapi_models.plan(
-            loaded, engines_dir, llmapi_impl, BLS_INPUTS, BLS_OUTPUTS, {"bls": BLS_MODEL, "control": CONTROL_MODEL}
+            loaded,
+            engines_dir,
+            llmapi_impl,
+            BLS_INPUTS,
+            BLS_OUTPUTS,
+            {"bls": BLS_MODEL, "control": CONTROL_MODEL, "streaming": BLS_STREAMING_MODEL},
         )
         info = {
             "spec": spec.name,

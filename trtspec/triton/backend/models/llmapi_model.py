@@ -1,4 +1,5 @@
-"""`tensorrt_llm_bls` / `target_only` for trtllm.runtime llmapi: the LLM API inside Triton.
+"""`tensorrt_llm_bls`, `tensorrt_llm_bls_streaming` (decoupled) and `target_only` for
+trtllm.runtime llmapi: the LLM API inside Triton.
 
 Reads its LLM arguments from model.yaml (env LLM_CONFIG_PATH, else <model>/<version>/
 model.yaml) as upstream's llmapi model does: `triton_config` is Triton's block, everything
@@ -35,9 +36,10 @@ class TritonPythonModel:
         self.llm = make_llm(self.api, yaml_path)
         tokenizer_dir = Path(p["tokenizer_dir"])
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
         settings = OrchestratorSettings(
             mode=p["mode"],
-            decoupled=False,
+            decoupled=self.decoupled,
             target_model="",
             draft_model=None,
             method=p["method"],
@@ -57,8 +59,33 @@ class TritonPythonModel:
         self.core = LlmapiEndpoint(settings, tokenizer, end_token_ids(tokenizer, tokenizer_dir), self.llm, self.api)
 
     def execute(self, requests):
-        answers = self.core.run([pb.inputs_of(r) for r in requests])
-        return [pb.error_response(a) if isinstance(a, Exception) else pb.response(a) for a in answers]
+        if not self.decoupled:
+            answers = self.core.run([pb.inputs_of(r) for r in requests])
+            return [pb.error_response(a) if isinstance(a, Exception) else pb.response(a) for a in answers]
+        import threading
+
+        for request in requests:  # each stream runs in its own thread; the LLM API batches them
+            threading.Thread(target=self._stream, args=(request,), daemon=True).start()
+        return None
+
+    def _stream(self, request) -> None:
+        import triton_python_backend_utils as pb_utils
+
+        sender = request.get_response_sender()
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+        def send(tensors, last):
+            sender.send(pb.response(tensors), flags=final if last else 0)
+
+        try:
+            finished = self.core.stream(pb.inputs_of(request), send, request.is_cancelled)
+        except Exception as err:  # this request fails, the server carries on
+            sender.send(pb.error_response(err), flags=final)
+            return
+        # Never ask is_cancelled() after the final response: Triton has released the request
+        # then (tritonserver 2.51 segfaults in TRITONBACKEND_ResponseFactoryIsCancelled).
+        if not finished:  # aborted: close the stream so Triton releases the request
+            sender.send(flags=final)
 
     def finalize(self):
         self.llm.shutdown()
