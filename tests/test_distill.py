@@ -77,6 +77,37 @@ def test_resume_after_an_interrupt_equals_an_uninterrupted_run(tmp_path, tiny_ck
     assert (b / "head" / "training-curve.png").stat().st_size > 0
 
 
+def test_an_interrupt_while_generating_keeps_the_finished_responses(tmp_path, tiny_ckpts, monkeypatch):
+    """Ctrl-C during data generation keeps every finished batch; the rerun generates only the
+    rest and trains on data equal to an uninterrupted run's (same head, bit for bit)."""
+    import trtspec.codesign.data as data
+
+    straight = distill(load_spec(eagle_spec(tmp_path / "a", tiny_ckpts["target"])), small_opts(tmp_path / "a"))
+    b = tmp_path / "b"
+    loaded = load_spec(eagle_spec(b, tiny_ckpts["target"]))
+    real, calls = data.generate, []
+
+    def generate_then_interrupt(*args, **kwargs):
+        calls.append(len(args[0]))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(data, "generate", generate_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        distill(loaded, small_opts(b))
+    (log,) = (b / ".head.distill").glob("responses-*.jsonl")
+    kept = len(log.read_text().splitlines())
+    assert kept == calls[0] > 0  # the first batch survived
+    rerun: list[int] = []
+    monkeypatch.setattr(data, "generate", lambda *a, **k: rerun.append(len(a[0])) or real(*a, **k))
+    resumed = distill(loaded, small_opts(b))
+    assert sum(rerun) == 10 - kept  # only the prompts without a response were generated
+    wa = load_file(str(tmp_path / "a" / "head" / "model.safetensors"))
+    wb = load_file(str(b / "head" / "model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa) and resumed.metrics == straight.metrics
+
+
 @pytest.mark.slow
 def test_a_trained_head_beats_an_untrained_one(tmp_path, tiny_ckpts):
     """Trained on the target's responses to 8 prompts; measured through the runtime on the

@@ -7,6 +7,8 @@ batches of the engine's slots. Capture is one teacher-forced target forward per 
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,16 +50,48 @@ def read_prompts(path: Path) -> list[str]:
     return [r["prompt"] for r in rows]
 
 
-def responses(target: TorchEngine, requests: list[GenerationRequest], on_batch=None) -> list[list[int]]:
-    """The target's greedy output ids for each request, batched over the engine's slots."""
-    out: list[list[int]] = []
+def responses(target: TorchEngine, requests: list[GenerationRequest], on_batch=None, log: Path | None = None) -> list[list[int]]:
+    """The target's greedy output ids for each request, batched over the engine's slots.
+
+    With ``log``, every finished batch is appended there (one JSON line per response, flushed
+    and synced) and a later call continues after the responses it holds: an interrupted
+    generation loses at most the batch in flight. A torn last line is ignored."""
+    done = _read_log(log, len(requests)) if log is not None else {}
+    todo = [i for i in range(len(requests)) if i not in done]
     size = target.max_batch_size
-    for i in range(0, len(requests), size):
-        results = generate(requests[i : i + size], NoDrafter(), LogitsVerifier(target.run))
-        out += [r.output_ids for r in results]
-        if on_batch:
-            on_batch(min(i + size, len(requests)), len(requests))
-    return out
+    sink = open(log, "a", encoding="utf-8") if log is not None else None  # noqa: SIM115
+    try:
+        for n in range(0, len(todo), size):
+            batch = todo[n : n + size]
+            results = generate([requests[i] for i in batch], NoDrafter(), LogitsVerifier(target.run))
+            for i, r in zip(batch, results):
+                done[i] = r.output_ids
+                if sink is not None:
+                    sink.write(json.dumps({"i": i, "ids": r.output_ids}) + "\n")
+            if sink is not None:
+                sink.flush()
+                os.fsync(sink.fileno())
+            if on_batch:
+                on_batch(len(done), len(requests))
+    finally:
+        if sink is not None:
+            sink.close()
+    return [done[i] for i in range(len(requests))]
+
+
+def _read_log(path: Path, n: int) -> dict[int, list[int]]:
+    done: dict[int, list[int]] = {}
+    if not path.is_file():
+        return done
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+            i, ids = int(row["i"]), [int(t) for t in row["ids"]]
+        except (ValueError, KeyError, TypeError):
+            continue  # a line torn by an interrupted write
+        if 0 <= i < n:
+            done[i] = ids
+    return done
 
 
 def capture(target: TorchEngine, prompt_ids: list[int], output_ids: list[int]) -> Sample:

@@ -149,7 +149,8 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
         console.info(f"data: {len(samples)} captured sequences from {data_file}")
     else:
         tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=loaded.spec.target.trust_remote_code)
-        samples = _generate(loaded, target, tok, prompts, opts.max_tokens)
+        work.mkdir(parents=True, exist_ok=True)
+        samples = _generate(loaded, target, tok, prompts, opts.max_tokens, work / f"responses-{key}.jsonl")
         save_samples(data_file, samples)
     train_s = [samples[i] for i in train_idx]
     held_s = [samples[i] for i in held_idx]
@@ -254,7 +255,9 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
     return DistillResult(out, step, final, curve, stopped_by)
 
 
-def _generate(loaded: LoadedSpec, target: TorchEngine, tok, prompts: list[str], max_tokens: int) -> list[Sample]:
+def _generate(loaded: LoadedSpec, target: TorchEngine, tok, prompts: list[str], max_tokens: int, log: Path) -> list[Sample]:
+    """Samples of the target's responses; finished responses are kept in ``log`` as they come,
+    so an interrupted run (Ctrl-C, --time-budget, a crash) continues where it stopped."""
     limits = Limits.from_spec(loaded.spec, target.vocab_size)
     end_ids = end_token_ids(tok, target.folder)
     reqs = []
@@ -266,12 +269,17 @@ def _generate(loaded: LoadedSpec, target: TorchEngine, tok, prompts: list[str], 
         reqs.append(make_request(ids, budget, 0, limits, end_ids))
     t0 = time.monotonic()
 
+    first: list[int] = []
+
     def progress(done: int, total: int) -> None:
-        eta = (time.monotonic() - t0) / done * (total - done)
+        if not first:
+            first.append(done)  # responses this call found in the log: not timed here
+        made = done - first[0] + 1
+        eta = (time.monotonic() - t0) / max(made, 1) * (total - done)
         console.info(f"target responses {done}/{total}  ETA {eta:.0f}s")
 
     with console.step(f"generating the target's responses to {len(prompts)} prompts"):
-        outs = responses(target, reqs, progress)
+        outs = responses(target, reqs, progress, log)
     with console.step("capturing features and labels"):
         return [capture(target, r.prompt_ids, o) for r, o in zip(reqs, outs)]
 
