@@ -437,3 +437,20 @@ def test_verify_over_grpc_streams_through_the_llmapi_streaming_model(llmapi_serv
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
     assert json.loads(report.read_text())["identical"]
+
+
+def test_bench_in_process_through_the_double(llmapi_built, tmp_path):
+    """`trtspec bench` on an llmapi spec: both paths measured through the LLM API (streamed, so
+    TTFT is real), whole-request acceptance, concurrency; a sweep is refused with the fix."""
+    out = tmp_path / "bench.json"
+    args = ["bench", str(llmapi_built.path), "--llmapi", "double", "-p", PROMPTS[0], "-p", PROMPTS[1], "--max-tokens", "12"]
+    r = CliRunner().invoke(app, [*args, "-c", "1,2", "--out", str(tmp_path / "o"), "--json-file", str(out)])
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    assert data["mode"] == "in-process (llmapi conformance double, not TensorRT-LLM)" and data["complete"]
+    assert data["target"]["tokens"] == data["speculative"]["tokens"] == 24
+    assert data["metrics"]["drafted"] > 0 and data["costs"] is None and data["sweep"] == []
+    assert [p["concurrency"] for p in data["concurrency"]] == [1, 2]
+    assert data["speculative"]["ttft_p50"] < data["speculative"]["latency_p50"]
+    r = CliRunner().invoke(app, [*args, "--sweep", "1-2"])
+    assert r.exit_code == 2 and "--sweep none" in r.output

@@ -36,6 +36,7 @@ class BenchOptions:
     concurrency: list[int]
     rounds: int = 1
     url: str | None = None  # HOST:PORT of a served repository; None: in process
+    llmapi_impl: str = "tensorrt_llm"  # trtllm.runtime llmapi in process: the library or "double"
     methods: list[str] = field(default_factory=list)  # also compare these drafting methods (in process)
     draft_from: LoadedSpec | None = None  # the source of a method that is not the spec's own
 
@@ -51,6 +52,8 @@ def run(
         raise RequestError(
             "--methods compares drafters over one target in process; drop --url (a served repository runs one method)"
         )
+    if loaded.spec.backend == "trtllm" and loaded.spec.trtllm.runtime == "llmapi" and not opts.url:
+        return _run_llmapi(loaded, engines_dir, opts, progress)
     if opts.url:
         from trtspec.bench.grpc import GrpcBench, measure_grpc_costs
 
@@ -90,3 +93,31 @@ def _compare(dep, methods, opts: BenchOptions, report: m.BenchReport, progress) 
     requests = [dep.request(dep.encode(p), opts.max_tokens, 0) for p in opts.prompts]
     stats = compare_methods(dep.verifier(), methods.drafters, requests, methods.forget, opts.rounds, progress or (lambda s: None))
     report.methods = methods_table(stats)
+
+
+def _run_llmapi(loaded: LoadedSpec, engines_dir: Path, opts: BenchOptions, progress) -> tuple[m.BenchReport, bool]:
+    """In process through the LLM API: no step costs and no sweep (bench/llmapi.py says why)."""
+    from trtspec.bench.llmapi import LlmapiBench
+    from trtspec.runtime import LlmapiDeployment
+
+    k = loaded.spec.speculative.max_draft_len
+    if opts.sweep or opts.methods or opts.draft_from:
+        raise RequestError(
+            "an llmapi build drafts a fixed k (speculative_config.max_draft_len) and one method: "
+            "pass --sweep none and no --methods/--draft-from"
+        )
+    if opts.k != k:
+        raise RequestError(f"-k {opts.k}: this llmapi build drafts {k} (speculative.max_draft_len); pass -k {k} or rebuild")
+    with console.step("loading the LLM API (speculative and control)"):
+        dep = LlmapiDeployment(loaded, engines_dir, opts.llmapi_impl)
+    label = "llmapi conformance double, not TensorRT-LLM" if opts.llmapi_impl == "double" else "TensorRT-LLM LLM API"
+    report = m.BenchReport(
+        loaded.spec.name, f"in-process ({label})", m.machine_description(), len(opts.prompts), opts.max_tokens, k
+    )
+    try:
+        m.run_bench(LlmapiBench(dep), report, opts.prompts, [], opts.concurrency, None, progress=progress, rounds=opts.rounds)
+    except KeyboardInterrupt:
+        return report, True
+    finally:
+        dep.shutdown()
+    return report, False

@@ -8,9 +8,9 @@ from typing import Annotated
 import typer
 
 from trtspec import console
-from trtspec.cli.common import JsonFileOpt, JsonOpt, OutputOpt, SpecArg, UrlOpt, handle_errors, parse_url
+from trtspec.cli.common import JsonFileOpt, JsonOpt, LlmapiOpt, OutputOpt, SpecArg, UrlOpt, handle_errors, parse_url
 from trtspec.cli.output import emit
-from trtspec.errors import EXIT_INTERRUPTED, RequestError
+from trtspec.errors import EXIT_INTERRUPTED
 from trtspec.spec import load_spec, read_prompts_file
 
 
@@ -29,7 +29,10 @@ def bench(
     k: Annotated[
         int | None, typer.Option("--num-draft-tokens", "-k", help="Draft length for the main comparison (default: the spec's).")
     ] = None,
-    sweep: Annotated[str, typer.Option("--sweep", help="Draft lengths to sweep, e.g. 1-8 or 2,4,6; 'none' to skip.")] = "1-8",
+    sweep: Annotated[
+        str | None,
+        typer.Option("--sweep", help="Draft lengths to sweep, e.g. 1-8 or 2,4,6; 'none' to skip (default 1-8; none for llmapi)."),
+    ] = None,
     concurrency: Annotated[
         str | None, typer.Option("--concurrency", "-c", help="Concurrency levels (default 1,2,4 in process; 1,2,4,8 with --url).")
     ] = None,
@@ -55,13 +58,16 @@ def bench(
     ] = None,
     as_json: JsonOpt = False,
     json_file: JsonFileOpt = None,
+    llmapi_impl: LlmapiOpt = "tensorrt_llm",
 ) -> None:
     """Measure speculative vs target-only on SPEC's pair, prompts and load.
 
     Reports tokens/s, TTFT, ITL, latency p50/p95, acceptance (rate, mean acceptance length,
     per position), the cost ratio c and the analytic speedup bound with efficiency, a k sweep
     with a recommended k, and concurrency scaling. Writes bench.json and PNG plots. Ctrl-C
-    keeps what was measured so far.
+    keeps what was measured so far. An llmapi spec runs in process through the LLM API
+    (--llmapi): tokens/s, TTFT, latency, whole-request acceptance and concurrency; no step
+    costs and no sweep (the LLM API exposes neither; its draft length is fixed at build).
 
     Examples:
       trtspec bench engine_specs/smollm2-135m-cpu.yaml
@@ -72,13 +78,8 @@ def bench(
     from trtspec.bench import measure, run
 
     loaded = load_spec(spec)
-    if loaded.spec.backend == "trtllm" and loaded.spec.trtllm.runtime == "llmapi":
-        raise RequestError(
-            "trtspec bench measures engine step costs, which the LLM API does not expose; for "
-            "trtllm.runtime llmapi run trtllm-bench with the built speculative.yaml and "
-            "control.yaml (README), and `trtspec verify` for token identity"
-        )
     url = parse_url(url)
+    llmapi_spec = loaded.spec.backend == "trtllm" and loaded.spec.trtllm.runtime == "llmapi"
     prompts = list(prompt or [])
     if prompts_file:
         prompts += read_prompts_file(prompts_file)
@@ -86,12 +87,13 @@ def bench(
         prompts=prompts or loaded.verify_prompts(),
         max_tokens=max_tokens or loaded.spec.verify.max_tokens,
         k=k if k is not None else loaded.spec.speculative.default_draft_tokens,
-        sweep=run.int_list(sweep, "--sweep"),
+        sweep=run.int_list(sweep if sweep is not None else ("none" if llmapi_spec else "1-8"), "--sweep"),
         concurrency=run.int_list(concurrency if concurrency is not None else ("1,2,4,8" if url else "1,2,4"), "--concurrency"),
         rounds=rounds,
         url=url,
         methods=[x.strip() for x in methods.split(",") if x.strip()] if methods else [],
         draft_from=load_spec(draft_from) if draft_from else None,
+        llmapi_impl=llmapi_impl,
     )
     with console.err.status("benchmarking") as status:
         report, interrupted = run.run(
