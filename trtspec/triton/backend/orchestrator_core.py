@@ -42,6 +42,7 @@ from trtspec.tokens import check_token_ids
 from trtspec.triton.backend.bls import BlsDecoder, BlsDrafter, BlsVerifier, EngineCall
 from trtspec.triton.backend.contract import check_supported
 from trtspec.triton.backend.engine_core import per_row
+from trtspec.triton.backend.metrics import EndpointMetrics, MeteredVerifier
 
 
 @dataclass(frozen=True)
@@ -112,11 +113,19 @@ def stop_words(stops, row: int, rows: int) -> list[str]:
 
 
 class Orchestrator:
-    def __init__(self, settings: OrchestratorSettings, call: EngineCall, tokenizer, end_ids: frozenset[int]):
+    def __init__(
+        self,
+        settings: OrchestratorSettings,
+        call: EngineCall,
+        tokenizer,
+        end_ids: frozenset[int],
+        metrics: EndpointMetrics | None = None,
+    ):
         self.s = settings
         self.call = call
         self.tokenizer = tokenizer
         self.end_ids = end_ids
+        self.metrics = metrics  # Prometheus (triton/backend/metrics.py); None: not reported
 
     # -- parsing -------------------------------------------------------------------------
 
@@ -247,6 +256,8 @@ class Orchestrator:
                 send(owners[j][0], tensors, False)
 
         margins = self.s.margins_supported and any(r.want_margins for r in rows)
+        if self.metrics is not None:
+            self.metrics.load(active=len(rows), queued=0)  # every row starts now, none waits here
         try:
             scheduled = time.time_ns()
             for row in rows:
@@ -263,11 +274,15 @@ class Orchestrator:
                         row.times["last_token_time_ns"] = done
             else:
                 verifier = BlsVerifier(self.call, self.s.target_model, margins, continued=self.s.target_continues)
+                if self.metrics is not None:
+                    verifier = MeteredVerifier(verifier, self.metrics, max(r.request.num_draft_tokens for r in rows))
                 results = generate([r.request for r in rows], self.drafter(), verifier, on_step)
         except Exception as err:  # an engine failure fails these requests, not the server
+            self._report_finished([None] * len(rows))
             for i in parsed:
                 answers[i] = err if isinstance(err, RequestError) else RuntimeError(f"generation failed: {err}")
             return answers
+        self._report_finished(results)
         for j in streams:
             send(owners[j][0], last[j] | _row_tensors([rows[j]], [results[j]]), True)
         for i in parsed:
@@ -280,6 +295,14 @@ class Orchestrator:
             else:
                 answers[i] = tensors
         return answers
+
+    def _report_finished(self, results: Sequence[GenerationResult | None]) -> None:
+        """Every row has ended (None: failed): count them by reason; nothing is active now."""
+        if self.metrics is None:
+            return
+        for res in results:
+            self.metrics.finished(None if res is None else res.finish_reason, 0 if res is None else len(res.output_ids))
+        self.metrics.load(active=0, queued=0)
 
     def pack(self, rows: Sequence[Row], results: Sequence[GenerationResult]) -> dict[str, np.ndarray]:
         seqs = [

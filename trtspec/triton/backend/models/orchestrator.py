@@ -12,6 +12,7 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from trtspec.speculative.requests import Limits, end_token_ids
+from trtspec.triton.backend.metrics import EndpointMetrics, TritonSink
 from trtspec.triton.backend.models import pb
 from trtspec.triton.backend.orchestrator_core import Orchestrator, OrchestratorSettings
 
@@ -53,7 +54,12 @@ class TritonPythonModel:
             from trtspec.triton.backend.bls import split_rows
 
             call = split_rows(pb.bls_call_many)
-        self.core = Orchestrator(settings, call, tokenizer, end_token_ids(tokenizer, tokenizer_dir))
+        # Prometheus metrics on Triton's metrics port (README: Monitoring).
+        self.sink = TritonSink(pb_utils)
+        metrics = EndpointMetrics(
+            self.sink, args["model_name"], settings.mode, args["model_instance_name"], settings.limits.max_draft_len
+        )
+        self.core = Orchestrator(settings, call, tokenizer, end_token_ids(tokenizer, tokenizer_dir), metrics)
 
     def execute(self, requests):
         inputs = [pb.inputs_of(r) for r in requests]
@@ -70,3 +76,7 @@ class TritonPythonModel:
             if err is not None:
                 senders[i].send(pb.error_response(err), flags=final)
         return None
+
+    def finalize(self):
+        self.core.metrics = None
+        self.sink.close()

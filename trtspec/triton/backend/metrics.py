@@ -1,0 +1,242 @@
+"""Prometheus metrics of the text endpoints, served on Triton's metrics port (default 8002).
+
+They go through the Python backend's custom-metrics API (``pb_utils.MetricFamily``), so
+Triton's own /metrics page carries them next to its nv_* metrics; nothing opens another port.
+Every metric has the labels ``model`` (the Triton model: tensorrt_llm_bls, ..., target_only),
+``mode`` (speculative | target_only) and ``instance`` (the model instance: each instance runs
+its own loop, so gauges are per instance; sum them by model for the endpoint).
+
+Definitions (one "step" = one target forward of one sequence, as in speculative/metrics.py):
+  trtspec_draft_tokens_total            counter: draft tokens proposed to the target
+  trtspec_accepted_draft_tokens_total   counter: of those, the ones the target agreed with
+  trtspec_acceptance_length             histogram: tokens one step yielded = accepted drafts + 1
+                                        (the target's own token); a step without drafts yields 1
+  trtspec_output_tokens_total           counter: tokens answered to clients (after EOS / stop /
+                                        max_tokens truncation)
+  trtspec_requests_finished_total       counter, label ``reason``: sequences that ended, by why
+                                        (length | eos | stop | error)
+  trtspec_active_sequences              gauge: sequences in the loop (in the last step)
+  trtspec_queue_depth                   gauge: requests this instance holds but has not started
+  trtspec_draft_length                  gauge: the draft length k the last step asked for
+
+acceptance rate = rate(accepted) / rate(drafted); mean acceptance length =
+rate(acceptance_length_sum) / rate(acceptance_length_count).
+
+``EndpointMetrics`` is the plain-Python core (tests run it against ``MemorySink``); inside
+tritonserver it writes to ``TritonSink`` over ``triton_python_backend_utils``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from trtspec.speculative.loop import Verdict, Verifier, accepted_prefix
+
+PREFIX = "trtspec_"
+FINISH_REASONS = ("length", "eos", "stop", "error")
+
+
+@dataclass
+class StepCounts:
+    """What one loop step did, over all its sequences (the fields monitoring reads)."""
+
+    sequences: int  # sequences in the step: one target forward each
+    drafted: int  # draft tokens proposed, all sequences
+    accepted: int  # of those, accepted by the target
+    accepted_each: list[int] = field(default_factory=list)  # per sequence that drafted
+    k: int = 0  # the largest draft length asked this step (0: nobody drafted)
+    # Further forwards of a target that kept decoding past a rejection (Verdict.continued):
+    # each yielded one token, as SpecMetrics counts them.
+    extra_forwards: int = 0
+
+
+class Counter(Protocol):
+    def increment(self, value: float) -> None: ...
+
+
+class Gauge(Protocol):
+    def set(self, value: float) -> None: ...
+
+
+class Histogram(Protocol):
+    def observe(self, value: float) -> None: ...
+
+
+class Sink(Protocol):
+    """Where metrics live: Triton's registry (TritonSink) or memory (MemorySink, tests)."""
+
+    def counter(self, name: str, description: str, labels: Mapping[str, str]) -> Counter: ...
+
+    def gauge(self, name: str, description: str, labels: Mapping[str, str]) -> Gauge: ...
+
+    def histogram(self, name: str, description: str, labels: Mapping[str, str], buckets: Sequence[float]) -> Histogram: ...
+
+
+def acceptance_buckets(max_draft_len: int) -> list[float]:
+    """Upper bounds 1, 2, ..., max_draft_len + 1: one bucket per possible step length."""
+    return [float(n) for n in range(1, max_draft_len + 2)]
+
+
+class EndpointMetrics:
+    """The metrics of one endpoint instance. Call ``step`` after every loop step,
+    ``finished`` for every sequence that ends, ``load`` when the number of active or queued
+    sequences changes outside a step (admission, the end of a batch)."""
+
+    def __init__(self, sink: Sink, model: str, mode: str, instance: str, max_draft_len: int):
+        labels = {"model": model, "mode": mode, "instance": instance}
+        self.drafted = sink.counter(PREFIX + "draft_tokens_total", "Draft tokens proposed to the target.", labels)
+        self.accepted = sink.counter(
+            PREFIX + "accepted_draft_tokens_total", "Draft tokens the target accepted (longest agreeing prefix).", labels
+        )
+        self.lengths = sink.histogram(
+            PREFIX + "acceptance_length",
+            "Tokens per target forward of one sequence: accepted drafts + 1.",
+            labels,
+            acceptance_buckets(max_draft_len),
+        )
+        self.output_tokens = sink.counter(PREFIX + "output_tokens_total", "Tokens answered to clients.", labels)
+        self.reasons = {
+            reason: sink.counter(
+                PREFIX + "requests_finished_total", "Sequences that ended, by finish reason.", labels | {"reason": reason}
+            )
+            for reason in FINISH_REASONS
+        }
+        self.active = sink.gauge(PREFIX + "active_sequences", "Sequences in the decoding loop.", labels)
+        self.queued = sink.gauge(PREFIX + "queue_depth", "Requests held by this instance, not started yet.", labels)
+        self.k = sink.gauge(PREFIX + "draft_length", "Draft length k the last step asked for.", labels)
+
+    def step(self, counts: StepCounts) -> None:
+        """One loop step. ``counts`` may be any object with StepCounts' fields."""
+        if counts.drafted:
+            self.drafted.increment(counts.drafted)
+        if counts.accepted:
+            self.accepted.increment(counts.accepted)
+        for n in counts.accepted_each:
+            self.lengths.observe(n + 1)
+        singles = counts.sequences - len(counts.accepted_each) + getattr(counts, "extra_forwards", 0)
+        for _ in range(singles):
+            self.lengths.observe(1)  # a forward without drafts yields the target's token only
+        self.active.set(counts.sequences)
+        self.k.set(counts.k)
+
+    def finished(self, reason: str | None, tokens: int) -> None:
+        """One sequence ended with ``tokens`` output tokens; ``reason`` None counts as error."""
+        self.reasons[reason if reason in self.reasons else "error"].increment(1)
+        if tokens:
+            self.output_tokens.increment(tokens)
+
+    def load(self, active: int, queued: int) -> None:
+        self.active.set(active)
+        self.queued.set(queued)
+
+
+class MeteredVerifier:
+    """A verifier that reports each step to ``metrics``: the loop calls verify() exactly
+    once per step, with every active sequence's context and draft (greedy requests: the
+    accepted count is the loop's own rule, loop.accepted_prefix)."""
+
+    def __init__(self, inner: Verifier, metrics: EndpointMetrics, k: int):
+        self.inner = inner
+        self.metrics = metrics
+        self.k = k  # the draft length the batch's requests ask for
+
+    def verify(self, contexts: Sequence[list[int]], drafts: Sequence[list[int]]) -> list[Verdict]:
+        verdicts = self.inner.verify(contexts, drafts)
+        each, extra = [], 0
+        for d, v in zip(drafts, verdicts):
+            n = accepted_prefix(d, v)
+            if d:
+                each.append(n)
+            if v.continued:  # the loop keeps these tokens, one target decode step each
+                extra += len(v.target_ids) - (n + 1)
+        drafted = sum(len(d) for d in drafts)
+        self.metrics.step(StepCounts(len(contexts), drafted, sum(each), each, self.k if drafted else 0, extra))
+        return verdicts
+
+    def __getattr__(self, name: str):  # whatever else the loop reads from the verifier
+        return getattr(self.inner, name)
+
+
+# -- sinks ------------------------------------------------------------------------------------
+
+
+class TritonSink:
+    """Metrics in Triton's registry, through ``pb_utils`` (the module is passed in, so this
+    file imports without tritonserver). Families are created once per name; Triton merges
+    families of the same name across models, and labels tell the models apart."""
+
+    def __init__(self, pb_utils):
+        self.pb = pb_utils
+        self.families: dict[str, object] = {}
+        self.metrics: list[object] = []
+
+    def _family(self, name: str, description: str, kind):
+        if name not in self.families:
+            self.families[name] = self.pb.MetricFamily(name=name, description=description, kind=kind)
+        return self.families[name]
+
+    def _metric(self, family, **kwargs):
+        metric = family.Metric(**kwargs)
+        self.metrics.append(metric)
+        return metric
+
+    def counter(self, name, description, labels):
+        return self._metric(self._family(name, description, self.pb.MetricFamily.COUNTER), labels=dict(labels))
+
+    def gauge(self, name, description, labels):
+        return self._metric(self._family(name, description, self.pb.MetricFamily.GAUGE), labels=dict(labels))
+
+    def histogram(self, name, description, labels, buckets):
+        family = self._family(name, description, self.pb.MetricFamily.HISTOGRAM)
+        return self._metric(family, labels=dict(labels), buckets=list(buckets))
+
+    def close(self) -> None:
+        """Metrics go before their families (the stub refuses the other order)."""
+        self.metrics.clear()
+        self.families.clear()
+
+
+class MemorySink:
+    """Metrics in memory, keyed by (name, sorted labels): what the tests read."""
+
+    def __init__(self):
+        self.values: dict[tuple[str, tuple[tuple[str, str], ...]], _Value] = {}
+
+    def _get(self, name: str, labels: Mapping[str, str], buckets: Sequence[float] = ()) -> _Value:
+        key = (name, tuple(sorted(labels.items())))
+        if key in self.values:
+            raise ValueError(f"metric {name} with labels {dict(labels)} created twice")
+        self.values[key] = _Value(list(buckets))
+        return self.values[key]
+
+    def counter(self, name, description, labels):
+        return self._get(name, labels)
+
+    def gauge(self, name, description, labels):
+        return self._get(name, labels)
+
+    def histogram(self, name, description, labels, buckets):
+        return self._get(name, labels, buckets)
+
+    def value(self, name: str, **labels: str) -> _Value:
+        return self.values[(name, tuple(sorted(labels.items())))]
+
+
+@dataclass
+class _Value:
+    buckets: list[float]
+    value: float = 0.0
+    observations: list[float] = field(default_factory=list)
+
+    def increment(self, value: float) -> None:
+        if value < 0:
+            raise ValueError("a counter only goes up")
+        self.value += value
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+    def observe(self, value: float) -> None:
+        self.observations.append(value)
