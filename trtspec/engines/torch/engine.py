@@ -8,7 +8,6 @@ common prefix with the slot's tokens is what stays valid.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from trtspec.engines.manifest import Manifest, read_manifest
+from trtspec.engines.torch.kernels import KernelChoice, choose_kernels
 from trtspec.engines.torch.model import DecoderConfig, DecoderLM, KVCache, StepInputs, rope_tables
 from trtspec.errors import EngineError, RequestError
 from trtspec.tokens import check_token_ids
@@ -118,6 +118,7 @@ class TorchEngine:
         # features of any cached prefix (capture_features turns it on).
         self.capture: tuple[int, ...] = ()
         self.features: torch.Tensor | None = None  # [slots, max_seq, len(capture) * hidden]
+        self.kernels: KernelChoice | None = None  # how load() chose the Linear kernels
 
     @classmethod
     def load(cls, folder: Path, slots: int | None = None) -> TorchEngine:
@@ -131,10 +132,11 @@ class TorchEngine:
         cfg = DecoderConfig.from_hf(hf_config)
         state = load_file(str(folder / WEIGHTS))
         model = DecoderLM.from_state_dict(cfg, state)
-        if os.environ.get("TRTSPEC_ONEDNN", "1") != "0":  # TRTSPEC_ONEDNN=0: PyTorch's kernels
-            model.pack_linears_for_onednn()
         n = slots if slots is not None else manifest.limits["max_batch_size"]
-        return cls(folder, manifest, model, hf_config, n)
+        engine = cls(folder, manifest, model, hf_config, n)
+        # The Linear kernels: whichever is faster on this CPU, measured once per machine.
+        engine.kernels = choose_kernels(model, engine.cos, engine.sin, verify_tokens=manifest.max_draft_len + 1)
+        return engine
 
     def capture_features(self, layers: tuple[int, ...]) -> None:
         """Keep the outputs of ``layers`` (ascending ids) for every position computed from now on."""

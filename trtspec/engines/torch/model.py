@@ -238,7 +238,8 @@ class DecoderLM(nn.Module):
         Measured on the demo target (SmolLM2-135M, 2-core AVX-512 CPU): one decode step
         38 -> 31 ms, a 6-token verify forward 62 -> 40 ms. Only float32: for bfloat16 on CPUs
         without native bf16 it was slower (23 -> 29 ms), so other dtypes keep PyTorch's
-        default kernels. Returns whether it packed anything.
+        default kernels. Whether it is faster depends on the CPU: engines/torch/kernels.py
+        measures and decides at load. Returns whether it packed anything.
         """
         if not torch.backends.mkldnn.is_available() or self.lm_head.weight.dtype != torch.float32:
             return False

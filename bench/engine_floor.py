@@ -1,0 +1,181 @@
+"""Engine speed floor: trtspec target-only vs transformers' eager forward, same weights, same
+prompts, same machine, one run.
+
+    python bench/engine_floor.py --spec engine_specs/tiny-llama.yaml
+    python bench/engine_floor.py --spec engine_specs/smollm2-135m-cpu.yaml --limit 3 --max-tokens 32
+    # an AVX2-only CPU, emulated on a newer one (ATen, oneDNN and MKL capped at AVX2):
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python bench/engine_floor.py ...
+
+Build the spec's engines first (`trtspec build SPEC`). Paths, batch 1, greedy, each prompt's
+paths in an order rotated per prompt (machine noise hits all alike), one warm-up each:
+  ours          the target engine as it loads: Linear kernels chosen by measurement
+                (engines/torch/kernels.py; the choice and its timings are printed)
+  ours_dense    the same engine forced to PyTorch's kernels (TRTSPEC_ONEDNN=0)
+  ours_onednn   forced to oneDNN's blocked weights (TRTSPEC_ONEDNN=1)
+  hf            transformers AutoModelForCausalLM.generate(do_sample=False), eager PyTorch
+tokens/s = generated tokens (EOS excluded) / wall seconds, prefill included, summed over the
+prompts; each trtspec run starts with an empty prefix cache, as each HF call does. The floor
+holds when ours / hf >= 1. Token ids are compared with ours on every path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--spec", type=Path, default=ROOT / "engine_specs" / "tiny-llama.yaml")
+    ap.add_argument("--prompts", type=Path, default=ROOT / "bench" / "prompts.jsonl")
+    ap.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=1, help="runs per prompt and path; the fastest counts")
+    ap.add_argument("--out", type=Path, default=None, help="JSON results (default: print only)")
+    args = ap.parse_args(argv)
+    if args.max_tokens < 1 or args.repeats < 1 or (args.limit is not None and args.limit < 1):
+        ap.error("--max-tokens, --repeats and --limit must be at least 1")
+    return args
+
+
+def load_engine(folder: Path, force: str | None):
+    """The target engine; ``force`` '0'/'1' sets TRTSPEC_ONEDNN for this load only."""
+    from trtspec.engines.torch.engine import TorchEngine
+
+    saved = os.environ.pop("TRTSPEC_ONEDNN", None)
+    try:
+        if force is not None:
+            os.environ["TRTSPEC_ONEDNN"] = force
+        return TorchEngine.load(folder, slots=1)
+    finally:
+        os.environ.pop("TRTSPEC_ONEDNN", None)
+        if saved is not None:
+            os.environ["TRTSPEC_ONEDNN"] = saved
+
+
+def main(argv=None) -> int:
+    from trtspec.bench.measure import machine_description
+    from trtspec.bench.peers import _cut_at_end, encode_prompts, load_hf, read_prompts
+    from trtspec.engines.torch.kernels import cpu_signature
+    from trtspec.runtime import Deployment
+    from trtspec.spec import load_spec
+    from trtspec.speculative.loop import NoDrafter, generate
+    from trtspec.speculative.verifier import LogitsVerifier
+
+    args = parse_args(argv)
+    loaded = load_spec(args.spec)
+    dep = Deployment(loaded, loaded.output_dir(), slots=1)
+    prompts = encode_prompts(dep, read_prompts(args.prompts))
+    room = dep.limits.max_input_len or dep.limits.max_seq_len
+    fits = [p for p in prompts if len(p.ids) <= room and len(p.ids) + args.max_tokens <= dep.limits.max_seq_len]
+    if len(fits) < len(prompts):
+        print(f"{len(prompts) - len(fits)} prompts skipped: longer than the engines' build limits", file=sys.stderr)
+    prompts = fits[: args.limit] if args.limit else fits
+    if not prompts:
+        sys.exit("Error: no prompt fits the engines' build.max_input_len; use shorter --prompts")
+    engines = {
+        "ours": dep.target,
+        "ours_dense": load_engine(dep.target.folder, "0"),
+        "ours_onednn": load_engine(dep.target.folder, "1"),
+    }
+    hf = load_hf(dep.target.folder, dep.target.manifest.dtype)
+    end_ids = sorted(dep.end_ids)
+    pad = dep.tokenizer.pad_token_id if dep.tokenizer.pad_token_id is not None else end_ids[0]
+
+    def ours(engine):
+        def run(ids: list[int]) -> list[int]:
+            engine.forget_prefixes()
+            req = dep.request(ids, args.max_tokens, 0)
+            (res,) = generate([req], NoDrafter(), LogitsVerifier(engine.run))
+            return res.output_ids
+
+        return run
+
+    def hf_run(ids: list[int]) -> list[int]:
+        x = torch.tensor([ids], dtype=torch.long)
+        with torch.inference_mode():
+            out = hf.generate(
+                input_ids=x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=args.max_tokens,
+                do_sample=False,
+                eos_token_id=end_ids,
+                pad_token_id=pad,
+            )
+        return _cut_at_end(out[0, len(ids) :].tolist(), dep.end_ids)
+
+    paths = {name: ours(engine) for name, engine in engines.items()} | {"hf": hf_run}
+    names = list(paths)
+    for name in names:  # warm-up, not timed
+        paths[name](prompts[0].ids)
+    tokens = dict.fromkeys(names, 0)
+    seconds = dict.fromkeys(names, 0.0)
+    identical = dict.fromkeys(names, 0)
+    for n, prompt in enumerate(prompts):
+        order = names[n % len(names) :] + names[: n % len(names)]
+        outs = {}
+        for name in order:
+            best = None
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                ids = paths[name](prompt.ids)
+                dt = time.perf_counter() - t0
+                best = dt if best is None else min(best, dt)
+            outs[name], seconds[name] = ids, seconds[name] + best
+            tokens[name] += len(ids)
+        for name in names:
+            identical[name] += outs[name] == outs["ours"]
+        print(f"prompt {n + 1}/{len(prompts)}: {len(outs['ours'])} tokens", file=sys.stderr, flush=True)
+
+    rate = {name: tokens[name] / seconds[name] for name in names}
+    choice = dep.target.kernels
+    sig = cpu_signature()
+    print(f"machine: {machine_description()}")
+    print(f"cpu: {sig['cpu']}; ATen capability {sig['capability']}; ISA caps: {sig['isa_env'] or 'none'}")
+    print(
+        f"kernels chosen at load: {choice.layout} ({choice.source}; "
+        + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in choice.seconds.items())
+        + " per decode + verify step)"
+    )
+    print(f"{len(prompts)} prompts x up to {args.max_tokens} tokens, spec {loaded.spec.name}, target {dep.target.manifest.dtype}")
+    print("| path | tokens | seconds | tokens/s | vs hf | identical to ours |")
+    print("|---|---|---|---|---|---|")
+    for name in names:
+        print(
+            f"| {name} | {tokens[name]} | {seconds[name]:.2f} | {rate[name]:.1f} | "
+            f"{rate[name] / rate['hf']:.3f}x | {identical[name]}/{len(prompts)} |"
+        )
+    floor = rate["ours"] / rate["hf"]
+    print(f"floor (ours / hf tokens/s): {floor:.3f} -> {'held' if floor >= 1 else 'MISSED'}")
+    if args.out:
+        from trtspec.files import write_json_atomic
+
+        write_json_atomic(
+            args.out,
+            {
+                "machine": machine_description(),
+                "cpu": sig,
+                "kernels": {"layout": choice.layout, "source": choice.source, "seconds": choice.seconds},
+                "spec": loaded.spec.name,
+                "prompts": len(prompts),
+                "max_tokens": args.max_tokens,
+                "tokens": tokens,
+                "seconds": seconds,
+                "tokens_per_s": rate,
+                "identical_to_ours": identical,
+                "floor": floor,
+                "load_average": os.getloadavg()[0],
+            },
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""The torch engine's Linear kernels: chosen per machine by measuring both layouts, cached,
+and interchangeable (the same greedy tokens whichever runs)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from trtspec.engines.torch import kernels
+from trtspec.engines.torch.engine import TorchEngine
+from trtspec.engines.torch.kernels import choose_kernels
+from trtspec.engines.torch.model import OneDnnLinear
+from trtspec.runtime import Deployment
+
+PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Summarise the following text in one sentence."]
+
+
+def _layout_of(model) -> str:
+    linears = [c for m in model.modules() for c in m.children() if isinstance(c, nn.Linear | OneDnnLinear)]
+    kinds = {type(c) for c in linears}
+    assert len(kinds) == 1, f"mixed layouts: {kinds}"
+    return "onednn" if kinds == {OneDnnLinear} else "dense"
+
+
+def _dense(folder, monkeypatch) -> TorchEngine:
+    """A fresh dense (unpacked) engine; the environment forces nothing after."""
+    monkeypatch.setenv("TRTSPEC_ONEDNN", "0")
+    engine = TorchEngine.load(folder)
+    monkeypatch.delenv("TRTSPEC_ONEDNN")
+    return engine
+
+
+@pytest.fixture
+def dense_engine(built, monkeypatch):
+    return _dense(built().target.folder, monkeypatch)
+
+
+def _choose(engine, tmp_path, **kw):
+    return choose_kernels(engine.model, engine.cos, engine.sin, verify_tokens=4, cache_dir=tmp_path, **kw)
+
+
+def _fake_timer(faster: str, calls: list[str]):
+    """A step timer that reports ``faster`` as 1 ms and the other layout as 3 ms."""
+
+    def make(model, cos, sin, verify_tokens):
+        def timed() -> float:
+            layout = _layout_of(model)
+            calls.append(layout)
+            return 0.001 if layout == faster else 0.003
+
+        return timed
+
+    return make
+
+
+@pytest.mark.parametrize("faster", ["dense", "onednn"])
+def test_selection_measures_both_layouts_and_keeps_the_faster(dense_engine, tmp_path, monkeypatch, faster):
+    calls: list[str] = []
+    monkeypatch.setattr(kernels, "step_timer", _fake_timer(faster, calls))
+    choice = _choose(dense_engine, tmp_path)
+    assert (choice.layout, choice.source) == (faster, "measured")
+    assert set(calls) == {"dense", "onednn"}  # both were timed, on the real model
+    assert calls.count("dense") == calls.count("onednn")
+    assert choice.seconds == {faster: 0.001, ({"dense", "onednn"} - {faster}).pop(): 0.003}
+    assert _layout_of(dense_engine.model) == faster  # the model runs what was chosen
+
+
+def test_real_measurement_times_both_and_the_choice_is_the_lower_median(dense_engine, tmp_path):
+    choice = _choose(dense_engine, tmp_path)
+    assert choice.source == "measured" and set(choice.seconds) == {"dense", "onednn"}
+    assert all(s > 0 for s in choice.seconds.values())
+    assert choice.layout == min(choice.seconds, key=lambda k: (choice.seconds[k], k != "dense"))
+    assert _layout_of(dense_engine.model) == choice.layout
+
+
+def test_the_choice_is_cached_per_machine_and_measured_again_elsewhere(built, dense_engine, tmp_path, monkeypatch):
+    calls: list[str] = []
+    monkeypatch.setattr(kernels, "step_timer", _fake_timer("onednn", calls))
+    first = _choose(dense_engine, tmp_path)
+    measured = len(calls)
+    entries = json.loads((tmp_path / kernels.CACHE_FILE).read_text())
+    assert entries[first.key]["layout"] == "onednn"
+    second = _dense(built().target.folder, monkeypatch)  # the same shape on the same machine
+    cached = _choose(second, tmp_path)
+    assert (cached.layout, cached.source, len(calls)) == ("onednn", "cached", measured)  # not timed again
+    assert _layout_of(second.model) == "onednn"
+    # Another CPU capability (here: an instruction-set cap in the environment) is another key.
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    third = _choose(_dense(built().target.folder, monkeypatch), tmp_path)
+    assert third.source == "measured" and third.key != first.key and len(calls) > measured
+
+
+def test_a_damaged_cache_is_measured_again_and_rewritten(dense_engine, tmp_path, monkeypatch):
+    (tmp_path / kernels.CACHE_FILE).write_text("{not json")
+    monkeypatch.setattr(kernels, "step_timer", _fake_timer("dense", []))
+    choice = _choose(dense_engine, tmp_path)
+    assert choice.source == "measured"
+    assert json.loads((tmp_path / kernels.CACHE_FILE).read_text())[choice.key]["layout"] == "dense"
+
+
+@pytest.mark.parametrize(("env", "layout"), [("0", "dense"), ("1", "onednn")])
+def test_the_environment_can_force_a_layout_without_measuring(dense_engine, tmp_path, monkeypatch, env, layout):
+    monkeypatch.setattr(kernels, "step_timer", lambda *a: pytest.fail("measured despite TRTSPEC_ONEDNN"))
+    monkeypatch.setenv("TRTSPEC_ONEDNN", env)
+    choice = _choose(dense_engine, tmp_path)
+    assert (choice.layout, choice.source) == (layout, "forced")
+    assert _layout_of(dense_engine.model) == layout
+    assert not (tmp_path / kernels.CACHE_FILE).exists()
+
+
+def test_a_failed_measurement_falls_back_to_dense(dense_engine, tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def broken(model, cos, sin, verify_tokens):
+        def timed():
+            calls.append(_layout_of(model))
+            if len(calls) == 2:  # fails while the model is on the packed layout
+                raise RuntimeError("oneDNN kernel exploded")
+            return 0.001
+
+        return timed
+
+    monkeypatch.setattr(kernels, "step_timer", broken)
+    choice = _choose(dense_engine, tmp_path)
+    assert (choice.layout, choice.source) == ("dense", "fallback")
+    assert calls == ["dense", "onednn"]
+    assert _layout_of(dense_engine.model) == "dense"
+    assert "kernel measurement failed" in capsys.readouterr().err
+
+
+def test_non_float32_weights_keep_dense_without_measuring(dense_engine, tmp_path, monkeypatch):
+    monkeypatch.setattr(kernels, "step_timer", lambda *a: pytest.fail("measured a bfloat16 model"))
+    dense_engine.model.to(torch.bfloat16)
+    choice = _choose(dense_engine, tmp_path)
+    assert (choice.layout, choice.source) == ("dense", "fallback")
+
+
+def test_both_layouts_decode_the_same_greedy_tokens(built, monkeypatch):
+    """Target-only and speculative, every prompt: identical token ids whichever kernels run."""
+    dep = built()
+    outs = {}
+    for env, layout in (("0", "dense"), ("1", "onednn")):
+        monkeypatch.setenv("TRTSPEC_ONEDNN", env)
+        d = Deployment(dep.loaded, dep.loaded.output_dir())
+        assert d.target.kernels.layout == layout and _layout_of(d.target.model) == layout
+        reqs = [d.request(d.encode(p), 32, 4) for p in PROMPTS]
+        outs[layout] = (
+            [r.output_ids for r in d.generate(reqs, speculative=False)],
+            [r.output_ids for r in d.generate(reqs, speculative=True)],
+        )
+    assert outs["dense"] == outs["onednn"]
+    assert all(len(ids) > 0 for ids in outs["dense"][0])

@@ -1,0 +1,252 @@
+"""Which kernels run a float32 engine's Linear layers on this CPU, chosen by measurement.
+
+Candidates (the weights and the arithmetic are the same; the greedy tokens are identical, tested):
+  dense    PyTorch's own linear on the row-major weight (what transformers runs)
+  onednn   the weight re-laid once in oneDNN's blocked format, run by mkldnn_linear
+
+Which is faster depends on the CPU: on a 2-core AVX-512 EPYC onednn made a SmolLM2 decode
+step 38 -> 31 ms; on an AVX2-only CPU the engine with onednn was slower than transformers
+(8.0 vs 8.6 tok/s). So the engine measures instead of assuming: at load, a decode step
+(1 token) and a verify step (max_draft_len + 1 tokens) at a short context, each candidate
+up to ``ROUNDS`` times in alternating order (3 when one is faster in every sample), the
+median of each; the lower sum wins (a tie keeps
+dense). The choice is cached per machine in ``$TRTSPEC_CACHE/kernels.json`` under a key made
+of the CPU (model name, ISA flags, ATen's CPU capability, ISA caps set in the environment),
+the thread count, the torch version and the model's shape, so each machine measures each
+model shape once; engines loading at the same time (Triton's stubs) measure one after another
+under a file lock, not on top of each other.
+
+``TRTSPEC_ONEDNN=0`` forces dense and ``=1`` forces onednn (no measurement). Other dtypes,
+a torch without oneDNN, or a failed measurement use dense, the transformers kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trtspec.cache import cache_root
+from trtspec.engines.torch.model import DecoderLM, KVCache, OneDnnLinear, StepInputs
+from trtspec.files import write_json_atomic
+
+LAYOUTS = ("dense", "onednn")
+ROUNDS = 7
+MIN_ROUNDS = 3  # fewer when every sample of one layout beats every sample of the other
+PREFILL = 32  # context before the timed steps: a short prompt, as in decoding
+CACHE_FILE = "kernels.json"
+# Environment variables that cap the instruction sets the kernels may use: part of the key.
+ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
+
+
+@dataclass
+class KernelChoice:
+    layout: str  # dense | onednn
+    source: str  # measured | cached | forced | fallback
+    seconds: dict[str, float] = field(default_factory=dict)  # per layout: decode + verify step
+    key: str = ""
+    reason: str = ""  # for forced / fallback
+
+
+def cpu_signature() -> dict[str, str]:
+    """What identifies this CPU's kernels: model name and ISA flags, as the OS reports them."""
+    name, flags = platform.processor() or platform.machine(), ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and name in ("", platform.machine(), platform.processor()):
+                name = value.strip()
+            elif key == "flags" and not flags:
+                flags = " ".join(sorted(value.split()))
+    return {
+        "cpu": name,
+        "flags": hashlib.sha256(flags.encode()).hexdigest()[:16],
+        "capability": str(torch.backends.cpu.get_cpu_capability()),
+        "isa_env": ",".join(f"{k}={os.environ[k]}" for k in ISA_ENV if k in os.environ),
+    }
+
+
+def choice_key(model: DecoderLM, verify_tokens: int) -> str:
+    cfg = model.cfg
+    parts = cpu_signature() | {
+        "threads": str(torch.get_num_threads()),
+        "torch": torch.__version__,
+        "shape": f"{cfg.hidden_size}x{cfg.intermediate_size}x{cfg.num_layers}x{cfg.vocab_size}"
+        f"/{cfg.num_heads}/{cfg.num_kv_heads}/{cfg.head_dim}",
+        "dtype": str(model.model.embed_tokens.weight.dtype),
+        "verify_tokens": str(verify_tokens),
+    }
+    return json.dumps(parts, sort_keys=True)
+
+
+# -- switching layouts ----------------------------------------------------------------------------
+
+
+class _Layouts:
+    """Both layouts of every Linear, so measurement can switch back and forth; ``keep``
+    leaves the model on one and drops the other's weights."""
+
+    def __init__(self, model: DecoderLM):
+        self.places = [
+            (module, name, child)
+            for module in list(model.modules())
+            for name, child in list(module.named_children())
+            if isinstance(child, nn.Linear)
+        ]
+        self.packed = [OneDnnLinear(child) for _, _, child in self.places]
+
+    def use(self, layout: str) -> None:
+        for (module, name, dense), packed in zip(self.places, self.packed):
+            setattr(module, name, packed if layout == "onednn" else dense)
+
+    def keep(self, layout: str) -> None:
+        self.use(layout)
+        self.places, self.packed = [], []
+
+
+# -- measuring --------------------------------------------------------------------------------
+
+
+def _step(tokens: int, start: int, vocab: int) -> StepInputs:
+    positions = torch.arange(start, start + tokens).view(1, tokens)  # [1, q]
+    span = start + tokens
+    mask = None
+    if tokens > 1:  # causal within the new tokens, as the engine masks a verify step
+        mask = (torch.arange(span).view(1, 1, span) <= positions.unsqueeze(-1)).unsqueeze(1)  # [1, 1, q, S]
+    ids = (torch.arange(tokens) * 7 + start) % vocab  # any valid ids; the timing does not depend on them
+    return StepInputs(ids.view(1, tokens), positions, torch.zeros(1, dtype=torch.long), mask, [(0, start, tokens)], span)
+
+
+def step_timer(model: DecoderLM, cos: torch.Tensor, sin: torch.Tensor, verify_tokens: int) -> Callable[[], float]:
+    """A function that times one decode step plus one verify step (seconds) at position
+    PREFILL of a private one-slot cache. The keys before it are never written (zeros): the
+    work, and so the time, does not depend on their values."""
+    cache = KVCache(model.cfg, 1, PREFILL + verify_tokens + 1, model.model.embed_tokens.weight.dtype)
+    vocab = model.cfg.vocab_size
+    decode, verify = _step(1, PREFILL, vocab), _step(verify_tokens, PREFILL, vocab)
+
+    def run(step: StepInputs) -> None:
+        hidden = model.hidden_states(step, cos, sin, cache)  # [1, q, hidden]
+        model.logits(hidden[:, -step.rows[0][2] :])
+
+    def timed() -> float:
+        t0 = time.perf_counter()
+        run(decode)
+        if verify_tokens > 1:
+            run(verify)
+        return time.perf_counter() - t0
+
+    return timed
+
+
+def measure_layouts(model: DecoderLM, cos: torch.Tensor, sin: torch.Tensor, verify_tokens: int) -> tuple[str, dict[str, float]]:
+    """Time both layouts on this model, interleaved; returns (the faster, median seconds per layout)."""
+    layouts = _Layouts(model)
+    timed = step_timer(model, cos, sin, verify_tokens)
+    samples: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+    try:
+        for layout in LAYOUTS:  # warm-up: first calls pay for allocation and kernel setup
+            layouts.use(layout)
+            timed()
+        for r in range(ROUNDS):
+            for layout in LAYOUTS if r % 2 == 0 else reversed(LAYOUTS):
+                layouts.use(layout)
+                samples[layout].append(timed())
+            if r + 1 >= MIN_ROUNDS and _separated(samples):
+                break
+    except BaseException:
+        layouts.keep("dense")
+        raise
+    seconds = {name: statistics.median(s) for name, s in samples.items()}
+    best = "onednn" if seconds["onednn"] < seconds["dense"] else "dense"
+    layouts.keep(best)
+    return best, seconds
+
+
+def _separated(samples: dict[str, list[float]]) -> bool:
+    a, b = samples.values()
+    return max(a) < min(b) or max(b) < min(a)
+
+
+# -- choosing (cache, lock, overrides) ---------------------------------------------------------------
+
+
+def choose_kernels(
+    model: DecoderLM,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    verify_tokens: int,
+    cache_dir: Path | None = None,
+) -> KernelChoice:
+    """Put ``model`` on the faster layout for this machine and say how it was chosen."""
+    forced = os.environ.get("TRTSPEC_ONEDNN", "").strip()
+    if forced in ("0", "1"):
+        layout = "onednn" if forced == "1" else "dense"
+        if layout == "onednn" and not _onednn_possible(model):
+            return KernelChoice("dense", "fallback", reason="TRTSPEC_ONEDNN=1 but oneDNN cannot run this model")
+        if layout == "onednn":
+            model.pack_linears_for_onednn()
+        return KernelChoice(layout, "forced", reason=f"TRTSPEC_ONEDNN={forced}")
+    if not _onednn_possible(model):
+        return KernelChoice("dense", "fallback", reason="only float32 weights with oneDNN available have a choice")
+    key = choice_key(model, verify_tokens)
+    path = (cache_dir or cache_root()) / CACHE_FILE
+    try:
+        with _locked(path):
+            cached = _read(path).get(key)
+            if cached is not None and cached.get("layout") in LAYOUTS:
+                if cached["layout"] == "onednn":
+                    model.pack_linears_for_onednn()
+                return KernelChoice(cached["layout"], "cached", dict(cached.get("seconds", {})), key)
+            best, seconds = measure_layouts(model, cos, sin, verify_tokens)
+            choice = KernelChoice(best, "measured", seconds, key)
+            entries = _read(path)
+            entries[key] = {"layout": best, "seconds": seconds, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            with contextlib.suppress(OSError):  # a read-only cache: measure again next time
+                write_json_atomic(path, entries)
+            return choice
+    except Exception as err:  # never fail a load over a speed choice: transformers' kernels
+        # (measure_layouts has put the model back on dense before raising)
+        print(f"trtspec: kernel measurement failed ({type(err).__name__}: {err}); using dense", file=sys.stderr)
+        return KernelChoice("dense", "fallback", reason=f"measurement failed: {err}")
+
+
+def _onednn_possible(model: DecoderLM) -> bool:
+    weight = getattr(model.lm_head, "weight", None)
+    return torch.backends.mkldnn.is_available() and weight is not None and weight.dtype == torch.float32
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # missing or damaged: measured again and rewritten
+    return data if isinstance(data, dict) else {}
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock beside the cache file (POSIX); without one, measure unlocked."""
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path.with_suffix(".lock"), "a")  # noqa: SIM115 (held across the yield)
+    except (ImportError, OSError):
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
