@@ -244,6 +244,9 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path, llmapi_impl: str = "t
             "tokenizer_dir": str(tokenizer_dir),
             "apply_chat_template": "false",  # raw text in, as upstream's preprocessing
             "engine_margins": "true" if margins else "false",
+            # The speculative endpoints queue requests themselves (continuous batching:
+            # execute() returns at once), so Triton's queue bound is applied there too.
+            "max_queue": str(spec.serve.max_queue),
         } | engine_params
         if has_draft:
             params["tensorrt_llm_draft_model_name"] = DRAFT_MODEL
