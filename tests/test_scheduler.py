@@ -152,6 +152,18 @@ def test_a_cancelled_waiting_request_frees_its_queue_place(built):
     assert again.ids() == _target_only(dep, PROMPTS[1], 4)
 
 
+def test_a_burst_fills_the_free_places_before_the_queue(built):
+    dep = built()
+    scheduler = Scheduler(_orchestrator(dep), max_active=2, max_queue=1)
+    replies = [ListReply() for _ in range(4)]
+    for r in replies:  # all before the worker's next step
+        scheduler.submit(_request(PROMPTS[0], max_tokens=3), r)
+    assert [r.error for r in replies[:3]] == [None] * 3  # two places free, one queue place
+    assert isinstance(replies[3].error, Unavailable)
+    _step_until(scheduler, lambda: not scheduler.busy)
+    assert all(r.ids() == _target_only(dep, PROMPTS[0], 3) for r in replies[:3])
+
+
 def test_an_expired_timeout_frees_the_slot(built):
     dep = built()
     scheduler = Scheduler(_orchestrator(dep), max_active=4, max_queue=8)

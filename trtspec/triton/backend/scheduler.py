@@ -136,7 +136,9 @@ class Scheduler:
             if self._stopping:
                 reply.fail(Unavailable("the model is unloading; retry on another instance or later"))
                 return
-            if len(self.waiting) >= self.max_queue:
+            # Requests that will get a place at the next step are not waiting for one.
+            free = self.max_active - sum(len(j.rows) for j in self.active)
+            if len(self.waiting) >= self.max_queue + max(free, 0):
                 reply.fail(
                     Unavailable(
                         f"the queue is full ({self.max_queue} requests waiting); retry later, "
@@ -205,7 +207,8 @@ class Scheduler:
             if err is not None:
                 for key in job.keys:
                     self.batch.cancel(key)  # its sequence leaves before the next step
-                self.active.remove(job)
+                with self._cv:
+                    self.active.remove(job)
                 job.reply.fail(err)
                 gone += 1
         with self._cv:
@@ -238,7 +241,8 @@ class Scheduler:
             for row in job.rows:
                 row.times["first_scheduled_time_ns"] = scheduled
                 job.keys.append(self.batch.add(row.request))
-            self.active.append(job)
+            with self._cv:
+                self.active.append(job)
             room -= len(job.rows)
 
     def _answer(self, emitted: dict[int, list[int]]) -> int:
@@ -265,14 +269,16 @@ class Scheduler:
                 elif done:
                     job.reply.send(self.orch.pack(job.rows, [self.batch.pop(k) for k in job.keys]), True)
             if done:
-                self.active.remove(job)
+                with self._cv:
+                    self.active.remove(job)
                 answered += 1
         return answered
 
     def _fail_active(self, err: Exception) -> None:
-        for job in self.active:
+        with self._cv:
+            failed, self.active = self.active, []
+        for job in failed:
             job.reply.fail(err)
-        self.active = []
 
     def _fail_all(self, err: Exception) -> None:
         self._fail_active(err)
