@@ -126,6 +126,8 @@ def test_a_cancelled_request_leaves_within_one_step(built):
     gone.cancel()
     stats = scheduler.step()
     assert isinstance(gone.error, Cancelled) and stats.cancelled == 1
+    streamed = sum(t["output_ids"].shape[1] for t, _ in gone.sent)
+    assert stats.ended == [(None, streamed)]  # no finish reason; the tokens it had streamed
     assert stats.sequences == 2 and stats.queued == 0  # its place went to the waiting request
     assert len(scheduler.batch.results) == 2  # its sequence is gone from the batch
     _step_until(scheduler, lambda: not scheduler.busy)
@@ -224,6 +226,8 @@ def test_step_stats_count_what_the_loop_did(built, k):
     assert sum(s.drafted for s in seen) == ref.metrics.drafted
     assert sum(s.accepted for s in seen) == ref.metrics.accepted
     assert sum(s.finished for s in seen) == 1 and seen[-1].finished == 1
+    assert seen[-1].ended == [(ref.finish_reason, len(ref.output_ids))] and seen[-1].held == 0
+    assert all(s.held == 1 and s.sequences == 1 for s in seen[:-1])
     expected = list(ref.metrics.histogram)
     expected[0] -= sum(1 for _, drafted in ref.steps if drafted == 0)  # steps that drafted nothing
     got = np.bincount([a for s in seen for a in s.accepted_each], minlength=len(expected)).tolist()

@@ -132,6 +132,9 @@ class StepReport:
     accepted: int = 0  # of those, accepted by the target
     k: int = 0  # the largest draft length asked this step (0: no sequence drafted)
     accepted_each: list[int] = field(default_factory=list)  # per sequence that drafted
+    # Further forwards of a target that kept decoding past a rejection (Verdict.continued):
+    # each yielded one token, as SpecMetrics counts them.
+    extra_forwards: int = 0
     emitted: dict[int, list[int]] = field(default_factory=dict)  # key -> tokens appended this step
     finished: list[int] = field(default_factory=list)  # keys whose generation ended this step
 
@@ -244,6 +247,7 @@ class Batch:
             results[i].steps.append((len(results[i].output_ids), len(drafts[j])))
             emitted = _emit(req, results[i], new, margins)
             report.drafted += len(drafts[j])
+            report.extra_forwards += extra
             report.accepted += n
             if drafts[j]:
                 report.accepted_each.append(n)

@@ -64,16 +64,23 @@ class Reply(Protocol):
 
 @dataclass
 class StepStats:
-    """One scheduling step of one endpoint: what monitoring reads."""
+    """One scheduling step of one endpoint instance: what monitoring reads, in one place.
+    The step's fields are the loop's (speculative.loop.StepReport); the rest is the
+    scheduler's load."""
 
-    sequences: int  # sequences in the step (each got one target forward)
-    queued: int  # requests still waiting after admission
-    drafted: int  # draft tokens proposed, all sequences
-    accepted: int  # of those, accepted by the target
-    accepted_each: list[int]  # accepted drafts per sequence that drafted (acceptance lengths - 1)
-    k: int  # the largest draft length asked this step
-    finished: int  # requests answered this step
-    cancelled: int  # requests dropped this step (cancelled or timed out)
+    sequences: int = 0  # sequences in the step (each got one target forward)
+    drafted: int = 0  # draft tokens proposed, all sequences
+    accepted: int = 0  # of those, accepted by the target
+    accepted_each: list[int] = field(default_factory=list)  # per sequence that drafted
+    k: int = 0  # the largest draft length asked this step (0: nobody drafted)
+    extra_forwards: int = 0  # further one-token forwards of a target that kept decoding
+    queued: int = 0  # requests waiting for a place after this step's admissions
+    held: int = 0  # sequences holding a place after the step (0 when idle)
+    finished: int = 0  # requests answered this step
+    cancelled: int = 0  # requests dropped this step (cancelled, disconnected, timed out)
+    # Per sequence that left this step: (finish reason, output tokens); reason None when it
+    # was cancelled or failed.
+    ended: list[tuple[str | None, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -174,43 +181,44 @@ class Scheduler:
 
     def step(self) -> StepStats:
         """One round: drop cancelled, admit, one loop step, stream and answer."""
-        dropped = self._drop_cancelled()
+        stats = StepStats()
+        self._drop_cancelled(stats)
         self._admit()
-        with self._cv:
-            queued = len(self.waiting)
-        stats = StepStats(0, queued, 0, 0, [], 0, 0, dropped)
         if self.batch.active:
             try:
                 report = self.batch.step()
             except Exception as err:  # an engine failure fails the running requests, not the server
                 failure = err if isinstance(err, RequestError) else RuntimeError(f"generation failed: {err}")
-                self._fail_active(failure)
+                self._fail_active(failure, stats)
                 self.batch = self._new_batch()
-                return stats
-            stats.sequences, stats.drafted, stats.accepted, stats.k = (
-                report.sequences,
-                report.drafted,
-                report.accepted,
-                report.k,
-            )
-            stats.accepted_each = list(report.accepted_each)
-            stats.finished = self._answer(report.emitted)
+            else:
+                stats.sequences, stats.drafted, stats.accepted, stats.k = (
+                    report.sequences,
+                    report.drafted,
+                    report.accepted,
+                    report.k,
+                )
+                stats.accepted_each, stats.extra_forwards = list(report.accepted_each), report.extra_forwards
+                self._answer(report.emitted, stats)
+        with self._cv:
+            stats.queued = len(self.waiting)
+            stats.held = sum(len(j.keys) for j in self.active)
         if self.observe is not None:
             self.observe(stats)
         return stats
 
-    def _drop_cancelled(self) -> int:
+    def _drop_cancelled(self, stats: StepStats) -> None:
         now = time.monotonic_ns()
-        gone = 0
         for job in list(self.active):
             err = self._why_dropped(job, now)
             if err is not None:
                 for key in job.keys:
-                    self.batch.cancel(key)  # its sequence leaves before the next step
+                    res = self.batch.cancel(key)  # its sequence leaves before the next step
+                    stats.ended.append((None, len(res.output_ids)))
                 with self._cv:
                     self.active.remove(job)
                 job.reply.fail(err)
-                gone += 1
+                stats.cancelled += 1
         with self._cv:
             waiting = list(self.waiting)
         for job in waiting:
@@ -219,8 +227,7 @@ class Scheduler:
                 with self._cv:
                     self.waiting.remove(job)
                 job.reply.fail(err)
-                gone += 1
-        return gone
+                stats.cancelled += 1
 
     def _why_dropped(self, job: _Job, now: int) -> Exception | None:
         if job.reply.cancelled():
@@ -245,9 +252,8 @@ class Scheduler:
                 self.active.append(job)
             room -= len(job.rows)
 
-    def _answer(self, emitted: dict[int, list[int]]) -> int:
+    def _answer(self, emitted: dict[int, list[int]], stats: StepStats) -> None:
         now = time.time_ns()
-        answered = 0
         results = self.batch.results
         for job in list(self.active):
             for row, key in zip(job.rows, job.keys):
@@ -256,6 +262,9 @@ class Scheduler:
                     row.times.setdefault("first_token_time_ns", now)
                     row.times["last_token_time_ns"] = now
             done = all(results[key].done for key in job.keys)
+            if done:
+                ended = [self.batch.pop(key) for key in job.keys]
+                stats.ended += [(res.finish_reason, len(res.output_ids)) for res in ended]
             with self.tokenizer_lock:
                 if job.stream is not None:
                     key = job.keys[0]
@@ -264,20 +273,20 @@ class Scheduler:
                         if not done:
                             job.reply.send(tensors, False)
                         else:
-                            res = self.batch.pop(key)
-                            job.reply.send(tensors | row_tensors(job.rows, [res]), True)
+                            job.reply.send(tensors | row_tensors(job.rows, ended), True)
                 elif done:
-                    job.reply.send(self.orch.pack(job.rows, [self.batch.pop(k) for k in job.keys]), True)
+                    job.reply.send(self.orch.pack(job.rows, ended), True)
             if done:
                 with self._cv:
                     self.active.remove(job)
-                answered += 1
-        return answered
+                stats.finished += 1
 
-    def _fail_active(self, err: Exception) -> None:
+    def _fail_active(self, err: Exception, stats: StepStats | None = None) -> None:
         with self._cv:
             failed, self.active = self.active, []
         for job in failed:
+            if stats is not None:
+                stats.ended += [(None, len(self.batch.results[k].output_ids)) for k in job.keys if k in self.batch.results]
             job.reply.fail(err)
 
     def _fail_all(self, err: Exception) -> None:
