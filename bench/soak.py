@@ -11,7 +11,10 @@ of streamed responses. It reports and checks:
 
   failed        requests that were not cancelled and did not complete (must be 0)
   mismatched    completed outputs that differ from target-only (must be 0)
-  rss growth    server + stub processes' resident memory, after the warm-up vs at the end
+  rss growth    server + stub processes' resident memory: from the end of --warmup seconds of
+                the same load (the engines' static KV buffers are touched page by page as
+                slots and positions are first used: that is not a leak) to the end; the
+                growth from before any load and a sample every 10 s are reported too
   held after    sequences still holding a place and requests still queued, read from the
                 trtspec_active_sequences / trtspec_queue_depth gauges on /metrics when the
                 server exports them; and a probe: max_batch_size fresh streams per instance
@@ -137,6 +140,7 @@ def main() -> int:
     ap.add_argument("--cancel", type=float, default=0.2, help="fraction of streams cancelled (default 0.2)")
     ap.add_argument("--max-tokens", default="16,48", help="max_tokens values drawn from (default 16,48)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup", type=float, default=30.0, help="seconds of load before the RSS baseline (default 30)")
     ap.add_argument("--max-rss-growth", type=float, default=5.0, help="percent (default 5)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -166,8 +170,9 @@ def main() -> int:
         for p in prompts:  # warm-up of both speculative endpoints, checked too
             assert stream(url, p, lengths[0], chat, None) == expected[(p, lengths[0])], p
             assert unary(url, UNARY, p, lengths[0], chat) == expected[(p, lengths[0])], p
-        rss_start = server_rss_kib(server.pid)
-        stop_at = time.monotonic() + args.duration
+        rss_cold = server_rss_kib(server.pid)
+        stop_at = time.monotonic() + args.warmup + args.duration
+        samples: list[tuple[float, int]] = []
 
         def worker(seed: int) -> None:
             rng = random.Random(seed)
@@ -196,12 +201,17 @@ def main() -> int:
                         counts["tokens"] += len(got)
 
         threads = [threading.Thread(target=worker, args=(args.seed + i,)) for i in range(args.concurrency)]
-        start = time.monotonic()
+        begin = time.monotonic()
         for t in threads:
             t.start()
+        time.sleep(args.warmup)  # requests of the warm-up count like the rest
+        rss_start = server_rss_kib(server.pid)
+        while any(t.is_alive() for t in threads):
+            samples.append((round(time.monotonic() - begin, 1), server_rss_kib(server.pid)))
+            time.sleep(10)
         for t in threads:
             t.join()
-        seconds = time.monotonic() - start
+        seconds = time.monotonic() - begin
         time.sleep(1.0)  # the last cancellations reach the scheduler within a step
         rss_end = server_rss_kib(server.pid)
         held = gauges(server.metrics_url)
@@ -227,7 +237,7 @@ def main() -> int:
     held_after = None if held is None else int(held.get("trtspec_active_sequences", 0) + held.get("trtspec_queue_depth", 0))
     report = {
         "spec": loaded.spec.name,
-        "duration_s": round(seconds, 1),
+        "load_s": round(seconds, 1),  # warm-up included: every count covers it
         "concurrency": args.concurrency,
         "cancel_fraction": args.cancel,
         "completed": counts["completed"],
@@ -235,6 +245,10 @@ def main() -> int:
         "failed": counts["failed"],
         "mismatched": counts["mismatched"],
         "output_tokens": counts["tokens"],
+        "warmup_s": args.warmup,
+        "rss_before_load_mib": round(rss_cold / 1024, 1),
+        "rss_growth_from_before_load_pct": round(100.0 * (rss_end - rss_cold) / rss_cold, 2),
+        "rss_samples_mib": [(t, round(k / 1024, 1)) for t, k in samples],
         "rss_start_mib": round(rss_start / 1024, 1),
         "rss_end_mib": round(rss_end / 1024, 1),
         "rss_growth_pct": round(growth, 2),
