@@ -232,3 +232,20 @@ def test_step_stats_count_what_the_loop_did(built, k):
     expected[0] -= sum(1 for _, drafted in ref.steps if drafted == 0)  # steps that drafted nothing
     got = np.bincount([a for s in seen for a in s.accepted_each], minlength=len(expected)).tolist()
     assert got == expected
+
+
+def test_a_client_whose_sender_fails_leaves_and_the_others_are_served(built):
+    dep = built()
+    scheduler = Scheduler(_orchestrator(dep, decoupled=True), max_active=4, max_queue=8)
+
+    class GoneReply(ListReply):
+        def send(self, tensors, final):
+            raise RuntimeError("Response sender has been closed")  # the stub's words
+
+    gone, kept = GoneReply(), ListReply()
+    scheduler.submit(_request(PROMPTS[0], max_tokens=30, stream=True), gone)
+    scheduler.submit(_request(PROMPTS[1], max_tokens=12), kept)
+    stats = scheduler.step()
+    assert stats.cancelled == 1 and stats.held == 1  # its place is free after the first step
+    _step_until(scheduler, lambda: not scheduler.busy)
+    assert kept.ids() == _target_only(dep, PROMPTS[1], 12)

@@ -171,7 +171,11 @@ class Scheduler:
                     self._cv.wait()
                 if self._stopping:
                     break
-            self.step()
+            try:
+                self.step()
+            except Exception as err:  # a bug here must not leave every later request hanging
+                self._fail_active(RuntimeError(f"the scheduler failed: {type(err).__name__}: {err}"))
+                self.batch = self._new_batch()
         self._fail_all(Unavailable("the model is unloading; retry later"))
 
     def stop(self) -> None:
@@ -265,17 +269,25 @@ class Scheduler:
             if done:
                 ended = [self.batch.pop(key) for key in job.keys]
                 stats.ended += [(res.finish_reason, len(res.output_ids)) for res in ended]
-            with self.tokenizer_lock:
-                if job.stream is not None:
-                    key = job.keys[0]
-                    if emitted.get(key) or done:
-                        tensors = job.stream.step(emitted.get(key, []), done)
-                        if not done:
-                            job.reply.send(tensors, False)
-                        else:
-                            job.reply.send(tensors | row_tensors(job.rows, ended), True)
-                elif done:
-                    job.reply.send(self.orch.pack(job.rows, ended), True)
+            try:
+                with self.tokenizer_lock:
+                    if job.stream is not None:
+                        key = job.keys[0]
+                        if emitted.get(key) or done:
+                            tensors = job.stream.step(emitted.get(key, []), done)
+                            if not done:
+                                job.reply.send(tensors, False)
+                            else:
+                                job.reply.send(tensors | row_tensors(job.rows, ended), True)
+                    elif done:
+                        job.reply.send(self.orch.pack(job.rows, ended), True)
+            except Exception:  # the client is gone (its sender closed): it leaves like a cancel
+                if not done:
+                    stats.ended += [(None, len(self.batch.cancel(key).output_ids)) for key in job.keys]
+                    stats.cancelled += 1
+                    with self._cv:
+                        self.active.remove(job)
+                    continue
             if done:
                 with self._cv:
                     self.active.remove(job)
