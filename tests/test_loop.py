@@ -8,6 +8,7 @@ import pytest
 
 from trtspec.speculative.drafters import NgramDrafter
 from trtspec.speculative.loop import (
+    Batch,
     GenerationRequest,
     NoDrafter,
     Verdict,
@@ -95,17 +96,41 @@ def test_perfect_drafter_accepts_everything():
     res = run(PerfectDrafter(), 4, max_tokens=40)
     m = res.metrics
     assert m.acceptance_rate == 1.0
-    assert m.target_forwards == 8  # 40 tokens / (4 drafts + bonus)
-    assert m.mean_acceptance_length == 5.0
-    assert m.histogram == [0, 0, 0, 0, 8]
+    # The prefill step (no drafts, 1 token), 7 steps of 4 drafts + bonus (35 tokens), and a
+    # last step of 3 drafts + bonus for the 4 tokens left.
+    assert m.target_forwards == 9
+    assert m.mean_acceptance_length == 40 / 9
+    assert m.histogram == [1, 0, 0, 1, 7]
     assert m.per_position_rate == [1.0, 1.0, 1.0, 1.0]
+    assert res.steps[:3] == [(0, 0), (1, 4), (6, 4)]
+
+
+def test_first_step_drafts_nothing_so_the_first_token_is_the_prefills():
+    calls = []
+
+    class Recording(PerfectDrafter):
+        def propose(self, contexts, ks):
+            calls.append(list(ks))
+            return super().propose(contexts, ks)
+
+    verifier = OracleVerifier()
+    batch = Batch(Recording(), verifier)
+    batch.add(GenerationRequest([1, 2, 3], 10, 4))
+    report = batch.step()
+    assert calls == [] and verifier.calls == 1  # one target forward, no draft call
+    assert (report.sequences, report.drafted, report.k) == (1, 0, 0)
+    assert report.emitted == {0: reference(1)}
+    batch.step()
+    assert calls == [[4]]  # the drafter joins on the second step
 
 
 def test_max_tokens_smaller_than_k():
     res = run(PerfectDrafter(), 8, max_tokens=3)
     assert res.output_ids == reference(3)
     assert res.finish_reason == "length"
-    assert res.metrics.drafted == 2  # never drafts beyond the budget (k <= remaining - 1)
+    # Prefill step (1 token), then 1 draft + bonus: never drafts beyond the budget
+    # (k <= remaining - 1).
+    assert res.metrics.drafted == 1
 
 
 def test_eos_inside_a_draft_stops_where_target_only_would():
@@ -193,3 +218,35 @@ def test_analytic_bound():
     assert expected_tokens_per_forward(0.0, 4) == 1.0
     assert abs(expected_tokens_per_forward(0.5, 2) - 1.75) < 1e-12
     assert abs(speedup_bound(0.5, 2, 0.5, 1.0) - 1.75 / 2.0) < 1e-12
+
+
+def test_a_late_request_joins_a_running_batch_and_each_leaves_when_done():
+    verifier = OracleVerifier()
+    batch = Batch(NoisyDrafter(0.7, seed=1), verifier)
+    long = batch.add(GenerationRequest([1, 2, 3], 30, 4))
+    for _ in range(3):
+        batch.step()
+    short = batch.add(GenerationRequest([4, 5], 6, 2))  # joins between steps
+    report = batch.step()
+    assert report.sequences == 2 and set(report.emitted) == {long, short}
+    assert report.emitted[short] == reference(1, prompt=[4, 5])  # its prefill token
+    while short not in report.finished:
+        report = batch.step()
+    assert batch.active == [long]  # the short one ended first; the long one runs on
+    assert batch.pop(short).output_ids == reference(6, prompt=[4, 5])
+    while batch.active:
+        batch.step()
+    assert batch.pop(long).output_ids == reference(30)
+    assert batch.results == {}
+
+
+def test_a_cancelled_sequence_leaves_the_next_step():
+    batch = Batch(NoisyDrafter(0.7), OracleVerifier())
+    a = batch.add(GenerationRequest([1, 2, 3], 30, 4))
+    b = batch.add(GenerationRequest([7, 8], 30, 4))
+    batch.step()
+    partial = batch.cancel(a)
+    assert partial.output_ids == reference(1) and not partial.done
+    assert batch.step().sequences == 1 and batch.active == [b]
+    with pytest.raises(ValueError, match="has not finished"):
+        batch.pop(b)

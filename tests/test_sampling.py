@@ -16,7 +16,9 @@ from trtspec.speculative.sampling import SamplingParams, accept_all, warp
 from trtspec.verify_sampling import chi_square_uniform
 
 V = 6  # vocabulary
-T = 2  # tokens per generation
+# Tokens per generation: the first comes from the target's prefill (a sequence's first step
+# drafts nothing), so 3 tokens give one drafted step (1 draft + the bonus) to test.
+T = 3
 
 
 def markov(seed: int, peak: float) -> torch.Tensor:
@@ -76,7 +78,7 @@ def joint_counts(drafter, n: int, params: SamplingParams, k: int = 3) -> torch.T
 
 def exact_joint(params: SamplingParams) -> torch.Tensor:
     p = warp(TARGET, params)  # [V, V] rows: p(next | prev)
-    return p[0][:, None] * p  # P(x1, x2) = p(x1 | 0) p(x2 | x1)
+    return p[0][:, None, None] * p[:, :, None] * p[None, :, :]  # P(x1, x2, x3) = p(x1|0) p(x2|x1) p(x3|x2)
 
 
 def joint_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:

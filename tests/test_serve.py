@@ -163,7 +163,12 @@ def test_repository_configs_parse_back_and_name_both_engines(deployment, tmp_pat
         assert "from trtspec.triton.backend.models." in (repo / name / "1" / "model.py").read_text()
     bls = pbtxt.parse((repo / BLS / "config.pbtxt").read_text())
     assert bls.instance_group[0].count == 2 and not bls.model_transaction_policy.decoupled
-    assert bls.dynamic_batching.default_queue_policy.max_queue_size == loaded.spec.serve.max_queue == 64
+    # The speculative endpoints bound their own queue (their execute() returns at once); the
+    # control, which answers inside execute(), is bounded by Triton's queue policy.
+    assert bls.parameters["max_queue"].string_value == str(loaded.spec.serve.max_queue) == "64"
+    assert not bls.dynamic_batching.default_queue_policy.max_queue_size
+    control_cfg = pbtxt.parse((repo / CONTROL / "config.pbtxt").read_text())
+    assert control_cfg.dynamic_batching.default_queue_policy.max_queue_size == 64
     assert pbtxt.parse((repo / BLS_STREAMING / "config.pbtxt").read_text()).model_transaction_policy.decoupled
     assert bls.parameters["tensorrt_llm_draft_model_name"].string_value == DRAFT
     control = pbtxt.parse((repo / CONTROL / "config.pbtxt").read_text()).parameters

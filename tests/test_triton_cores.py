@@ -221,6 +221,6 @@ def test_streamed_text_is_never_sent_twice_when_decoding_rewrites_earlier_text()
 
 
 def orchestrator_core_stream(tokenizer):
-    from trtspec.triton.backend.orchestrator_core import _Stream
+    from trtspec.triton.backend.responses import TextStream
 
-    return _Stream(tokenizer)
+    return TextStream(tokenizer)

@@ -5,7 +5,12 @@ over [context + drafts] and returns the target's greedy tokens; the longest pref
 drafts that agrees with them is accepted, plus the target's own next token (the bonus after a
 fully accepted draft, or the correction at the first disagreement). Target-only decoding is
 the same loop with a drafter that proposes nothing (k = 0), so both paths share every rule
-for EOS, stop sequences and max_tokens.
+for EOS, stop sequences and max_tokens. A sequence's first step drafts nothing: its first
+token comes from the target's prefill, at target-only speed, and the drafter joins on the
+next step.
+
+``Batch`` is the loop as an object whose sequences join and leave between steps (the Triton
+orchestrator's continuous batching); ``generate`` runs one to the end.
 
 Drafter and verifier are plain interfaces: in process they call torch engines; inside the
 Triton orchestrator they call the engine models over BLS. The loop never drafts or scores.
@@ -118,37 +123,97 @@ def accepted_prefix(draft: list[int], verdict: Verdict) -> int:
     return n
 
 
-def generate(
-    requests: Sequence[GenerationRequest],
-    drafter: Drafter,
-    verifier: Verifier,
-    on_step: StepCallback | None = None,
-) -> list[GenerationResult]:
-    """Generation for a batch of requests. Greedy requests: identical tokens whatever the
-    drafter. Sampled requests (``sampling`` set): rejection sampling, so every token follows
-    the target's distribution whatever the drafter (speculative/sampling.py)."""
-    results = [GenerationResult() for _ in requests]
-    gens = {i: r.sampling.generator() for i, r in enumerate(requests) if r.sampling is not None}
-    for i, req in enumerate(requests):
-        if req.max_tokens <= 0:
-            results[i].finish_reason = "length"
-            if on_step:
-                on_step(i, [], True)
-    while active := [i for i, r in enumerate(results) if not r.done]:
+@dataclass
+class StepReport:
+    """What one step did: the counts monitoring reads, in one place."""
+
+    sequences: int = 0  # sequences the step ran (one target forward each)
+    drafted: int = 0  # draft tokens proposed this step, all sequences
+    accepted: int = 0  # of those, accepted by the target
+    k: int = 0  # the largest draft length asked this step (0: no sequence drafted)
+    accepted_each: list[int] = field(default_factory=list)  # per sequence that drafted
+    # Further forwards of a target that kept decoding past a rejection (Verdict.continued):
+    # each yielded one token, as SpecMetrics counts them.
+    extra_forwards: int = 0
+    emitted: dict[int, list[int]] = field(default_factory=dict)  # key -> tokens appended this step
+    finished: list[int] = field(default_factory=list)  # keys whose generation ended this step
+
+
+class Batch:
+    """The loop as an object, so sequences can join and leave between steps (continuous
+    batching): ``add`` a request, ``step`` runs ONE draft + verify over every unfinished
+    sequence, ``cancel`` drops one, ``pop`` hands a finished result over.
+
+    A sequence's first step drafts nothing: its first token comes from the target's prefill
+    alone (time to first token at target speed), and the drafter catches up on the next
+    step. The target still decides every token, so outputs are unchanged.
+    """
+
+    def __init__(self, drafter: Drafter, verifier: Verifier, on_step: StepCallback | None = None):
+        self.drafter = drafter
+        self.verifier = verifier
+        self.on_step = on_step
+        self.requests: dict[int, GenerationRequest] = {}
+        self.results: dict[int, GenerationResult] = {}
+        self.gens: dict[int, torch.Generator] = {}  # sampled requests' random streams
+        self._next = 0
+
+    def add(self, request: GenerationRequest) -> int:
+        """Queue ``request`` for the next step; returns its key (0, 1, ... in call order)."""
+        key, self._next = self._next, self._next + 1
+        self.requests[key] = request
+        self.results[key] = GenerationResult()
+        if request.sampling is not None:
+            self.gens[key] = request.sampling.generator()
+        if request.max_tokens <= 0:
+            self.results[key].finish_reason = "length"
+            if self.on_step:
+                self.on_step(key, [], True)
+        return key
+
+    @property
+    def active(self) -> list[int]:
+        """Keys of the sequences the next step runs, in the order they were added."""
+        return [key for key, res in self.results.items() if not res.done]
+
+    def cancel(self, key: int) -> GenerationResult:
+        """Stop ``key`` now (its tokens so far stay in the result) and forget it."""
+        self.gens.pop(key, None)
+        del self.requests[key]
+        return self.results.pop(key)
+
+    def pop(self, key: int) -> GenerationResult:
+        """The result of a finished sequence, forgotten here."""
+        if not self.results[key].done:
+            raise ValueError(f"sequence {key} has not finished; cancel it instead")
+        return self.cancel(key)
+
+    def step(self) -> StepReport:
+        report = StepReport()
+        active = self.active
+        if not active:
+            return report
+        requests, results, gens = self.requests, self.results, self.gens
         contexts = [requests[i].prompt_ids + results[i].output_ids for i in active]
-        # Never draft past the token budget: n accepted + 1 target token <= tokens left.
-        ks = [max(0, min(requests[i].num_draft_tokens, requests[i].max_tokens - len(results[i].output_ids) - 1)) for i in active]
+        # Never draft past the token budget: n accepted + 1 target token <= tokens left. A
+        # sequence's first step drafts nothing (its first token is the target's prefill).
+        ks = [
+            0
+            if not results[i].steps
+            else max(0, min(requests[i].num_draft_tokens, requests[i].max_tokens - len(results[i].output_ids) - 1))
+            for i in active
+        ]
         drafts: list[list[int]] = [[] for _ in active]
         qs: list[torch.Tensor | None] = [None for _ in active]  # draft distributions [k, vocab]
         wants = [j for j, k in enumerate(ks) if k > 0 and requests[active[j]].sampling is None]
         if wants:
-            proposed = drafter.propose([contexts[j] for j in wants], [ks[j] for j in wants])
+            proposed = self.drafter.propose([contexts[j] for j in wants], [ks[j] for j in wants])
             for j, d in zip(wants, proposed):
                 drafts[j] = list(d[: ks[j]])
         sampled = [j for j, k in enumerate(ks) if k > 0 and requests[active[j]].sampling is not None]
         if sampled:
             _propose_sampled(
-                drafter,
+                self.drafter,
                 sampled,
                 contexts,
                 ks,
@@ -157,7 +222,8 @@ def generate(
                 drafts,
                 qs,
             )
-        verdicts = verifier.verify(contexts, drafts)
+        verdicts = self.verifier.verify(contexts, drafts)
+        report.sequences, report.k = len(active), max(ks)
         for j, i in enumerate(active):
             req = requests[i]
             extra = 0
@@ -180,9 +246,33 @@ def generate(
                 results[i].metrics.record_step(0, 0)
             results[i].steps.append((len(results[i].output_ids), len(drafts[j])))
             emitted = _emit(req, results[i], new, margins)
-            if on_step:
-                on_step(i, emitted, results[i].done)
-    return results
+            report.drafted += len(drafts[j])
+            report.extra_forwards += extra
+            report.accepted += n
+            if drafts[j]:
+                report.accepted_each.append(n)
+            report.emitted[i] = emitted
+            if results[i].done:
+                report.finished.append(i)
+            if self.on_step:
+                self.on_step(i, emitted, results[i].done)
+        return report
+
+
+def generate(
+    requests: Sequence[GenerationRequest],
+    drafter: Drafter,
+    verifier: Verifier,
+    on_step: StepCallback | None = None,
+) -> list[GenerationResult]:
+    """Generation for a batch of requests. Greedy requests: identical tokens whatever the
+    drafter. Sampled requests (``sampling`` set): rejection sampling, so every token follows
+    the target's distribution whatever the drafter (speculative/sampling.py)."""
+    batch = Batch(drafter, verifier, on_step)
+    keys = [batch.add(r) for r in requests]  # key i is requests[i]: on_step's index
+    while batch.active:
+        batch.step()
+    return [batch.pop(k) for k in keys]
 
 
 def _propose_sampled(drafter, sampled, contexts, ks, reqs, gens, drafts, qs) -> None:

@@ -30,14 +30,8 @@ from trtspec.errors import RequestError
 from trtspec.speculative.llmapi import acceptance, greedy_params
 from trtspec.speculative.loop import GenerationResult
 from trtspec.speculative.metrics import SpecMetrics
-from trtspec.triton.backend.orchestrator_core import (
-    Orchestrator,
-    OrchestratorSettings,
-    Row,
-    _row_tensors,
-    _Stream,
-    stop_words,
-)
+from trtspec.triton.backend.orchestrator_core import Orchestrator, OrchestratorSettings, stop_words
+from trtspec.triton.backend.responses import Row, TextStream, row_tensors
 
 # send(tensors, final) for one streamed request; cancelled() asks Triton whether it was.
 StreamSend = Callable[[dict[str, np.ndarray], bool], None]
@@ -102,7 +96,7 @@ class LlmapiEndpoint:
             result = self.llm.generate_async(row.request.prompt_ids, params, streaming=row.stream)
         except ValueError as err:  # the LLM API's refusal of a request
             raise RequestError(str(err)) from None
-        text = _Stream(self.orch.tokenizer)
+        text = TextStream(self.orch.tokenizer)
         for step in result:
             if cancelled():
                 result.abort()  # frees the request's slot; Triton drops what we would send
@@ -120,7 +114,7 @@ class LlmapiEndpoint:
             if not row.stream:
                 send(self.orch.pack(rows, [final]), True)
                 return True
-            send(text.step(list(out.token_ids_diff), True) | _row_tensors(rows, [final]), True)
+            send(text.step(list(out.token_ids_diff), True) | row_tensors(rows, [final]), True)
             return True
         raise RuntimeError("the LLM API ended the request without a final output")
 

@@ -14,7 +14,7 @@ Definitions (one "step" = one target forward of one sequence, as in speculative/
   trtspec_output_tokens_total           counter: tokens answered to clients (after EOS / stop /
                                         max_tokens truncation)
   trtspec_requests_finished_total       counter, label ``reason``: sequences that ended, by why
-                                        (length | eos | stop | error)
+                                        (length | eos | stop | cancelled | error)
   trtspec_active_sequences              gauge: sequences in the loop (in the last step)
   trtspec_queue_depth                   gauge: requests this instance holds but has not started
   trtspec_draft_length                  gauge: the draft length k the last step asked for
@@ -35,7 +35,7 @@ from typing import Protocol
 from trtspec.speculative.loop import Verdict, Verifier, accepted_prefix
 
 PREFIX = "trtspec_"
-FINISH_REASONS = ("length", "eos", "stop", "error")
+FINISH_REASONS = ("length", "eos", "stop", "cancelled", "error")
 
 
 @dataclass

@@ -29,20 +29,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from trtspec.errors import RequestError
 from trtspec.speculative.drafters import make_drafter
-from trtspec.speculative.loop import GenerationRequest, GenerationResult, NoDrafter, generate
-from trtspec.speculative.metrics import metrics_json
+from trtspec.speculative.loop import Batch, GenerationResult, NoDrafter
 from trtspec.speculative.requests import Limits, encode_prompt, make_request
 from trtspec.tokens import check_token_ids
 from trtspec.triton.backend.bls import BlsDecoder, BlsDrafter, BlsVerifier, EngineCall
 from trtspec.triton.backend.contract import check_supported
 from trtspec.triton.backend.engine_core import per_row
-from trtspec.triton.backend.metrics import EndpointMetrics, MeteredVerifier
+from trtspec.triton.backend.metrics import EndpointMetrics
+from trtspec.triton.backend.responses import Row, pack
+from trtspec.triton.backend.scheduler import Scheduler, StepStats
 
 
 @dataclass(frozen=True)
@@ -66,19 +67,6 @@ class OrchestratorSettings:
     # TensorRT-LLM targets keep decoding to request_output_len after a rejected draft; the
     # verifier then keeps those tokens (bls.BlsVerifier).
     target_continues: bool = False
-
-
-@dataclass
-class Row:
-    request: GenerationRequest
-    exclude_input: bool
-    want_metrics: bool
-    want_margins: bool
-    stream: bool
-    pad_id: int
-    want_counts: tuple[bool, bool] = (False, False)  # return_num_input_tokens, return_num_output_tokens
-    batch_index: int = 0
-    times: dict[str, int] = field(default_factory=dict)  # *_time_ns events, time.time_ns()
 
 
 # Sends tensors for request i; final=True ends that request's stream.
@@ -223,9 +211,19 @@ class Orchestrator:
             self._head = HeadEngine.load_beside(self.s.eagle3_head_dir, self.s.eagle3_target_dir, self.s.limits.max_batch_size)
         return Eagle3Drafter(self._head, BlsFeatures(self.call, self.s.target_model))
 
+    def verifier(self, margins: bool) -> BlsVerifier:
+        return BlsVerifier(self.call, self.s.target_model, margins, continued=self.s.target_continues)
+
+    def new_batch(self) -> Batch:
+        """A loop Batch for this endpoint. Margins come back whenever the engine gives them
+        (requests that want them join a batch already running)."""
+        return Batch(self.drafter(), self.verifier(self.s.margins_supported))
+
     def run(self, requests: Sequence[Mapping[str, np.ndarray]], send: Sender | None = None) -> list[dict | Exception | None]:
-        """Answer every request. Unary: returns the tensors (or error) per request. With
-        ``send`` (decoupled): streams through it and returns only errors (None = sent)."""
+        """Answer every request, here and now (the control endpoint; tests). Unary: returns
+        the tensors (or error) per request. With ``send`` (decoupled): streams through it and
+        returns only errors (None = sent). The speculative endpoints serve through a
+        scheduler.Scheduler on a worker thread instead; this runs the same one to the end."""
         answers: list[dict | Exception | None] = [None] * len(requests)
         parsed: dict[int, list[Row]] = {}
         for i, inputs in enumerate(requests):
@@ -235,66 +233,59 @@ class Orchestrator:
                 answers[i] = err
             except Exception as err:  # a tokenizer or chat-template failure: this request only
                 answers[i] = RuntimeError(f"could not prepare the request: {type(err).__name__}: {err}")
-        owners = [(i, r) for i in parsed for r in range(len(parsed[i]))]
-        rows = [parsed[i][r] for i, r in owners]
-        if not rows:
+        rows = [row for i in parsed for row in parsed[i]]
+        greedy = all(r.request.sampling is None and not r.stream for r in rows)
+        if rows and self.s.mode == "target_only" and greedy:
+            self._decode_in_one_request(parsed, answers)
             return answers
-        streams = {j: _Stream(self.tokenizer) for j, row in enumerate(rows) if row.stream and send}
-        last: dict[int, dict[str, np.ndarray]] = {}
-
-        def on_step(j: int, emitted: list[int], done: bool) -> None:
-            if emitted or done:  # done without tokens: EOS came (the engine did produce it)
-                now = time.time_ns()
-                rows[j].times.setdefault("first_token_time_ns", now)
-                rows[j].times["last_token_time_ns"] = now
-            if j not in streams or not (emitted or done):
-                return
-            tensors = streams[j].step(emitted, done)
-            if done:  # sent below with the whole generation's metrics, flagged final
-                last[j] = tensors
-            else:
-                send(owners[j][0], tensors, False)
-
-        margins = self.s.margins_supported and any(r.want_margins for r in rows)
-        if self.metrics is not None:
-            self.metrics.load(active=len(rows), queued=0)  # every row starts now, none waits here
         try:
-            scheduled = time.time_ns()
-            for row in rows:
-                row.times["first_scheduled_time_ns"] = scheduled
-            if self.s.mode == "target_only" and not streams and all(r.request.sampling is None for r in rows):
-                # The control answers each greedy prompt in one engine request, as a user's
-                # request would: what verify certifies and what bench's baseline measures.
-                decoder = BlsDecoder(self.call, self.s.target_model, self.tokenizer.eos_token_id, margins)
-                results = decoder.decode([r.request for r in rows])
-                done = time.time_ns()  # one request: every token arrives with the answer
-                for row, res in zip(rows, results):
-                    if res.output_ids or res.finish_reason == "eos":
-                        row.times.setdefault("first_token_time_ns", done)
-                        row.times["last_token_time_ns"] = done
-            else:
-                verifier = BlsVerifier(self.call, self.s.target_model, margins, continued=self.s.target_continues)
-                if self.metrics is not None:
-                    verifier = MeteredVerifier(verifier, self.metrics, max(r.request.num_draft_tokens for r in rows))
-                results = generate([r.request for r in rows], self.drafter(), verifier, on_step)
+            scheduler = Scheduler(self, max_active=max(1, len(rows)), max_queue=max(1, len(parsed)), observe=self.observe_step)
+        except Exception as err:  # no drafter (engine failure): these requests, not the server
+            for i in parsed:
+                answers[i] = RuntimeError(f"generation failed: {err}")
+            return answers
+        for i, own in parsed.items():
+            scheduler.enqueue(own, _Collect(i, answers, send))
+        while scheduler.busy:
+            scheduler.step()
+        return answers
+
+    def _decode_in_one_request(self, parsed: dict[int, list[Row]], answers: list) -> None:
+        """The control answers each greedy prompt in one engine request, as a user's request
+        would: what verify certifies and what bench's baseline measures."""
+        rows = [row for i in parsed for row in parsed[i]]
+        margins = self.s.margins_supported and any(r.want_margins for r in rows)
+        scheduled = time.time_ns()
+        for row in rows:
+            row.times["first_scheduled_time_ns"] = scheduled
+        try:
+            decoder = BlsDecoder(self.call, self.s.target_model, self.tokenizer.eos_token_id, margins)
+            results = decoder.decode([r.request for r in rows])
         except Exception as err:  # an engine failure fails these requests, not the server
             self._report_finished([None] * len(rows))
             for i in parsed:
                 answers[i] = err if isinstance(err, RequestError) else RuntimeError(f"generation failed: {err}")
-            return answers
+            return
         self._report_finished(results)
-        for j in streams:
-            send(owners[j][0], last[j] | _row_tensors([rows[j]], [results[j]]), True)
-        for i in parsed:
-            mine = [j for j, (owner, _) in enumerate(owners) if owner == i]
-            if send is not None and rows[mine[0]].stream:
-                continue  # already streamed
-            tensors = self.pack([rows[j] for j in mine], [results[j] for j in mine])
-            if send is not None:
-                send(i, tensors, True)
-            else:
-                answers[i] = tensors
-        return answers
+        done = time.time_ns()  # one request: every token arrives with the answer
+        for row, res in zip(rows, results):
+            if res.output_ids or res.finish_reason == "eos":
+                row.times.setdefault("first_token_time_ns", done)
+                row.times["last_token_time_ns"] = done
+        at = 0
+        for i, own in parsed.items():
+            answers[i] = self.pack(own, results[at : at + len(own)])
+            at += len(own)
+
+    def observe_step(self, stats: StepStats) -> None:
+        """A scheduler step, for monitoring: the loop's counts, the load, who ended and why."""
+        if self.metrics is None:
+            return
+        if stats.sequences:
+            self.metrics.step(stats)  # StepStats carries StepCounts' fields
+        self.metrics.load(active=stats.held, queued=stats.queued)
+        for reason, tokens in stats.ended:
+            self.metrics.finished(reason, tokens)  # None (failed) counts as error
 
     def _report_finished(self, results: Sequence[GenerationResult | None]) -> None:
         """Every row has ended (None: failed): count them by reason; nothing is active now."""
@@ -305,94 +296,24 @@ class Orchestrator:
         self.metrics.load(active=0, queued=0)
 
     def pack(self, rows: Sequence[Row], results: Sequence[GenerationResult]) -> dict[str, np.ndarray]:
-        seqs = [
-            res.output_ids if row.exclude_input else row.request.prompt_ids + res.output_ids for row, res in zip(rows, results)
-        ]
-        width = max(1, max(len(s) for s in seqs))
-        ids = np.full((len(seqs), width), rows[0].pad_id, dtype=np.int32)  # [b, T]
-        for r, s in enumerate(seqs):
-            ids[r, : len(s)] = s
-        texts = [self.tokenizer.decode(s, skip_special_tokens=True).encode() for s in seqs]
-        tensors = {
-            # [b], not [b, 1]: upstream's text_output is flat, its clients read output[0].decode().
-            "text_output": np.array(texts, dtype=np.object_).reshape(len(seqs)),
-            "output_ids": ids,
-            "sequence_length": np.array([[len(s)] for s in seqs], dtype=np.int32),
-        }
-        if any(r.want_margins for r in rows):
-            m = np.full((len(seqs), width), np.nan, dtype=np.float32)  # [b, T]
-            for r, (row, res) in enumerate(zip(rows, results)):
-                off = 0 if row.exclude_input else len(row.request.prompt_ids)
-                vals = [np.nan if x is None else x for x in res.margins]
-                m[r, off : off + len(vals)] = vals
-            tensors["output_margins"] = m
-        return tensors | _row_tensors(rows, results)
+        return pack(self.tokenizer, rows, results)
 
 
-# Upstream reports paged KV-cache block counts; the engines trtspec drives do not report them
-# to the orchestrator, so they are -1 ("not measured"), never a made-up count.
-NOT_MEASURED = -1
+class _Collect:
+    """A scheduler Reply that keeps a request's answer in ``answers[i]`` (unary) or streams
+    it through ``send`` (decoupled; errors still land in ``answers``)."""
 
+    def __init__(self, i: int, answers: list, send: Sender | None):
+        self.i, self.answers, self.sender = i, answers, send
 
-def _row_tensors(rows: Sequence[Row], results: Sequence[GenerationResult]) -> dict[str, np.ndarray]:
-    """Per-row outputs of upstream's contract: indices, token counts, perf metrics."""
+    def send(self, tensors: dict[str, np.ndarray], final: bool) -> None:
+        if self.sender is not None:
+            self.sender(self.i, tensors, final)
+        elif final:
+            self.answers[self.i] = tensors
 
-    def col(values, dtype):
-        return np.array([[v] for v in values], dtype=dtype)  # [b, 1]
+    def fail(self, err: Exception) -> None:
+        self.answers[self.i] = err
 
-    tensors = {
-        "batch_index": col([r.batch_index for r in rows], np.int32),
-        "sequence_index": col([0] * len(rows), np.int32),
-        "finish_reason": col([(res.finish_reason or "").encode() for res in results], np.object_),
-    }
-    if any(r.want_counts[0] for r in rows):
-        tensors["num_input_tokens"] = col([len(r.request.prompt_ids) for r in rows], np.int32)
-    if any(r.want_counts[1] for r in rows):
-        tensors["num_output_tokens"] = col([len(res.output_ids) for res in results], np.int32)
-    if not any(r.want_metrics for r in rows):
-        return tensors
-    ms = [res.metrics for res in results]
-    tensors |= {
-        "acceptance_rate": col([m.acceptance_rate for m in ms], np.float32),
-        "total_accepted_draft_tokens": col([m.accepted for m in ms], np.int32),
-        "total_draft_tokens": col([m.drafted for m in ms], np.int32),
-        "perf_metrics_json": col([metrics_json(m).encode() for m in ms], np.object_),
-    }
-    for name in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns"):
-        # Only max_tokens 0 produces no token event; its token times are then the schedule time.
-        tensors[name] = col([r.times.get(name, r.times.get("first_scheduled_time_ns", 0)) for r in rows], np.int64)
-    for name in ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks"):
-        tensors[name] = col([NOT_MEASURED] * len(rows), np.int32)
-    return tensors
-
-
-class _Stream:
-    """Per-stream text deltas, decoded incrementally as inference servers do (vLLM, TGI).
-
-    Each step decodes from ``prefix`` (a few tokens of context before the unsent ones, so
-    word boundaries and spaces come out as in a full decode) and sends only what lies past
-    the text of ``ids[prefix:read]``. Text once sent is never sent again, even where decoding
-    more tokens rewrites earlier characters; a character split across tokens (U+FFFD until it
-    completes) is held back until it is whole.
-    """
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.prefix = 0  # ids[prefix:read]: already sent, decoded again as context
-        self.read = 0  # ids[read:]: not sent yet
-
-    def step(self, emitted: list[int], done: bool) -> dict[str, np.ndarray]:
-        self.ids += emitted
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        sent = decode(self.ids[self.prefix : self.read])
-        text = decode(self.ids[self.prefix :])
-        delta = ""
-        if len(text) > len(sent) and (done or not text.endswith("\ufffd")):
-            delta = text[len(sent) :]
-            self.prefix, self.read = self.read, len(self.ids)
-        return {
-            "text_output": np.array([delta.encode()], dtype=np.object_),  # [1], as upstream
-            "output_ids": np.array([emitted], dtype=np.int32).reshape(1, len(emitted)),
-            "sequence_length": np.array([[len(emitted)]], dtype=np.int32),
-        }
+    def cancelled(self) -> bool:
+        return False

@@ -244,6 +244,7 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path, llmapi_impl: str = "t
             "tokenizer_dir": str(tokenizer_dir),
             "apply_chat_template": "false",  # raw text in, as upstream's preprocessing
             "engine_margins": "true" if margins else "false",
+            "max_queue": str(spec.serve.max_queue),  # the speculative endpoints' scheduler
         } | engine_params
         if has_draft:
             params["tensorrt_llm_draft_model_name"] = DRAFT_MODEL
@@ -259,7 +260,12 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path, llmapi_impl: str = "t
             parameters=params,
             instance_count=spec.serve.instance_count,
             decoupled=decoupled,
-            dynamic_batching=DynamicBatching(max_queue_delay_microseconds=0, max_queue_size=spec.serve.max_queue),
+            # The control answers inside execute(), so Triton's queue is where its requests
+            # wait; the speculative endpoints' execute() returns at once and their scheduler
+            # bounds the queue (a Triton bound too would refuse a burst that has free places).
+            dynamic_batching=DynamicBatching(
+                max_queue_delay_microseconds=0, max_queue_size=spec.serve.max_queue if mode == "target_only" else None
+            ),
         )
         models[name] = (cfg, ORCHESTRATOR_SHIM)
     # The streaming endpoint answers stream=false with one response too, so upstream's

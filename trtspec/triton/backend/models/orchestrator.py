@@ -1,12 +1,18 @@
 """`tensorrt_llm_bls`, `tensorrt_llm_bls_streaming` and `target_only`: the text endpoints.
 
-The loop is trtspec.speculative.loop.generate, run by orchestrator_core.Orchestrator with a
-drafter and verifier that call the engine models over BLS. Errors become TritonError
-responses for the request at fault; the server and the other requests carry on.
+The speculative endpoints batch continuously: execute() parses and queues each request and
+returns None at once; a worker thread runs the one loop (trtspec.speculative.loop.Batch)
+step by step through scheduler.Scheduler, with a drafter and verifier that call the engine
+models over BLS. Requests join between steps and each is answered through its response
+sender the moment it ends (the unary endpoint too: one final response per request). The
+target-only control answers inside execute(), each greedy prompt in one engine request (what
+verify certifies). Errors become TritonError responses for the request at fault; the server
+and the other requests carry on.
 """
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
@@ -15,6 +21,7 @@ from trtspec.speculative.requests import Limits, end_token_ids
 from trtspec.triton.backend.metrics import EndpointMetrics, TritonSink
 from trtspec.triton.backend.models import pb
 from trtspec.triton.backend.orchestrator_core import Orchestrator, OrchestratorSettings
+from trtspec.triton.backend.scheduler import Scheduler
 
 
 class TritonPythonModel:
@@ -60,8 +67,20 @@ class TritonPythonModel:
             self.sink, args["model_name"], settings.mode, args["model_instance_name"], settings.limits.max_draft_len
         )
         self.core = Orchestrator(settings, call, tokenizer, end_token_ids(tokenizer, tokenizer_dir), metrics)
+        self.scheduler = None
+        if settings.mode == "speculative":
+            # Each instance holds up to max_batch_size live sequences: the engines have that
+            # many KV slots per calling instance (triton/repository/writer.py).
+            max_queue = int(p.get("max_queue", "64"))
+            self.scheduler = Scheduler(self.core, settings.limits.max_batch_size, max_queue, observe=self.core.observe_step)
+            self.worker = threading.Thread(target=self.scheduler.serve, name="trtspec-scheduler", daemon=True)
+            self.worker.start()
 
     def execute(self, requests):
+        if self.scheduler is not None:
+            for r in requests:
+                self.scheduler.submit(pb.inputs_of(r), pb.Reply(r), timeout_us=int(r.timeout()))
+            return None
         inputs = [pb.inputs_of(r) for r in requests]
         if not self.decoupled:
             answers = self.core.run(inputs)
@@ -78,5 +97,8 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
+        if self.scheduler is not None:
+            self.scheduler.stop()  # the worker answers what is left with UNAVAILABLE
+            self.worker.join(timeout=30)
         self.core.metrics = None
         self.sink.close()

@@ -30,11 +30,32 @@ def response(tensors: Mapping[str, np.ndarray]):
 
 
 def error_response(err: Exception):
-    """A TritonError response; INVALID_ARG for the client's mistakes, INTERNAL otherwise."""
-    code_name = "INVALID_ARG" if isinstance(err, RequestError) else "INTERNAL"
+    """A TritonError response; INVALID_ARG for the client's mistakes, the error's own
+    ``triton_code`` (UNAVAILABLE, CANCELLED) where it names one, INTERNAL otherwise."""
+    code_name = "INVALID_ARG" if isinstance(err, RequestError) else getattr(err, "triton_code", "INTERNAL")
     code = getattr(pb_utils.TritonError, code_name, None)
     error = pb_utils.TritonError(str(err), code) if code is not None else pb_utils.TritonError(str(err))
     return pb_utils.InferenceResponse(output_tensors=[], error=error)
+
+
+class Reply:
+    """A scheduler Reply over a request's response sender: answers from any thread, after
+    execute() returned (decoupled models, and non-decoupled ones with exactly one final
+    response, which tritonserver 2.51's Python backend accepts)."""
+
+    def __init__(self, request):
+        self.request = request
+        self.sender = request.get_response_sender()
+
+    def send(self, tensors: Mapping[str, np.ndarray], final: bool) -> None:
+        self.sender.send(response(tensors), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+
+    def fail(self, err: Exception) -> None:
+        self.sender.send(error_response(err), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def cancelled(self) -> bool:
+        """The client cancelled, disconnected or let its deadline pass."""
+        return self.request.is_cancelled()
 
 
 def _request(model: str, inputs: Mapping[str, np.ndarray], output_names):

@@ -1,0 +1,267 @@
+"""Soak: concurrent speculative traffic with random cancellations against a loopback server.
+
+    .venv/bin/python bench/soak.py engine_specs/tiny-llama.yaml --duration 120
+
+Starts its own tritonserver on free 127.0.0.1 ports (never another host) for the spec's built
+engines, takes target-only references from the independent `target_only` control, then runs
+``--concurrency`` client threads for ``--duration`` seconds (at most 3600). Each request picks a
+prompt, a max_tokens and an endpoint (streamed `tensorrt_llm_bls_streaming` or unary
+`tensorrt_llm_bls`) at random; ``--cancel`` of the streams are cancelled after a random number
+of streamed responses. It reports and checks:
+
+  failed        requests that were not cancelled and did not complete (must be 0)
+  mismatched    completed outputs that differ from target-only (must be 0)
+  rss growth    server + stub processes' resident memory: from the end of --warmup seconds of
+                the same load (the engines' static KV buffers are touched page by page as
+                slots and positions are first used: that is not a leak) to the end; the
+                growth from before any load and a sample every 10 s are reported too
+  held after    sequences still holding a place and requests still queued, read from the
+                trtspec_active_sequences / trtspec_queue_depth gauges on /metrics when the
+                server exports them; and a probe: max_batch_size fresh streams per instance
+                all complete, identical to target-only
+
+Exit status 0 when failed, mismatched and held-after are 0 and RSS grew at most --max-rss-growth
+percent; 1 otherwise. Writes --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import random
+import re
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+STREAMING, UNARY, CONTROL = "tensorrt_llm_bls_streaming", "tensorrt_llm_bls", "target_only"
+
+
+def _inputs(prompt: str, max_tokens: int, chat: bool, stream: bool):
+    import tritonclient.grpc as grpcclient
+
+    values = [
+        ("text_input", prompt.encode(), "BYTES"),
+        ("max_tokens", max_tokens, "INT32"),
+        ("apply_chat_template", chat, "BOOL"),
+        ("exclude_input_in_output", True, "BOOL"),
+        ("stream", stream, "BOOL"),
+    ]
+    out = []
+    for name, value, dt in values:
+        arr = np.array([[value]], dtype={"BYTES": np.object_, "INT32": np.int32, "BOOL": np.bool_}[dt])
+        t = grpcclient.InferInput(name, [1, 1], dt)
+        t.set_data_from_numpy(arr)
+        out.append(t)
+    return out
+
+
+def unary(url, model, prompt, max_tokens, chat) -> list[int]:
+    import tritonclient.grpc as grpcclient
+
+    r = grpcclient.InferenceServerClient(url).infer(model, _inputs(prompt, max_tokens, chat, False), client_timeout=600)
+    return r.as_numpy("output_ids")[0, : r.as_numpy("sequence_length")[0, 0]].tolist()
+
+
+def stream(url, prompt, max_tokens, chat, cancel_after: int | None) -> list[int] | None:
+    """The streamed tokens, or None when this call cancelled the stream."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    got: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    tokens: list[int] = []
+    responses = 0
+    try:
+        client.async_stream_infer(STREAMING, _inputs(prompt, max_tokens, chat, True), enable_empty_final_response=True)
+        while True:
+            result, error = got.get(timeout=600)
+            if error is not None:
+                raise RuntimeError(str(error))
+            ids = result.as_numpy("output_ids")
+            if ids is not None and ids.size:
+                tokens += ids[0].tolist()
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return tokens
+            responses += 1
+            if cancel_after is not None and responses >= cancel_after:
+                client.stop_stream(cancel_requests=True)
+                return None
+    finally:
+        client.stop_stream()
+
+
+def server_rss_kib(pid: int) -> int:
+    """Resident memory of the server and every process under it (the model stubs)."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        p = int(entry.name)
+        children.setdefault(int(fields["PPid"].strip()), []).append(p)
+        rss[p] = int(fields.get("VmRSS", "0 kB").split()[0])
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        total += rss.get(p, 0)
+        todo += children.get(p, [])
+    return total
+
+
+def gauges(metrics_url: str) -> dict[str, float] | None:
+    """Sum of each trtspec load gauge over models and instances; None when not exported."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    text = opener.open(metrics_url, timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for name in ("trtspec_active_sequences", "trtspec_queue_depth"):
+        values = [float(v) for v in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M)]
+        if values:
+            out[name] = sum(values)
+    return out or None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("spec", nargs="?", default="engine_specs/tiny-llama.yaml")
+    ap.add_argument("--duration", type=float, default=120.0, help="seconds of load (at most 3600)")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--cancel", type=float, default=0.2, help="fraction of streams cancelled (default 0.2)")
+    ap.add_argument("--max-tokens", default="16,48", help="max_tokens values drawn from (default 16,48)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup", type=float, default=30.0, help="seconds of load before the RSS baseline (default 30)")
+    ap.add_argument("--max-rss-growth", type=float, default=5.0, help="percent (default 5)")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    if not 0 < args.duration <= 3600:
+        raise SystemExit("--duration must be in (0, 3600] seconds")
+    if not 0 <= args.cancel <= 1 or args.concurrency < 1:
+        raise SystemExit("--cancel must be in [0, 1] and --concurrency at least 1")
+
+    from trtspec.spec import load_spec
+    from trtspec.triton.repository.writer import write_repository
+    from trtspec.triton.server.process import TritonServer
+
+    loaded = load_spec(args.spec)
+    prompts = loaded.verify_prompts()
+    chat = loaded.spec.verify.chat_template
+    lengths = [int(x) for x in args.max_tokens.split(",")]
+    repo = write_repository(loaded, loaded.output_dir(), Path(tempfile.mkdtemp(prefix="trtspec-soak-")) / "repo")
+    server = TritonServer.for_repository(repo)  # binds 127.0.0.1, free ports
+    server.start()
+    print(f"server ready in {server.wait_ready(600):.1f}s", flush=True)
+    url = server.grpc_endpoint
+    counts: Counter = Counter()
+    problems: list[str] = []
+    lock = threading.Lock()
+    try:
+        expected = {(p, n): unary(url, CONTROL, p, n, chat) for p in prompts for n in lengths}
+        for p in prompts:  # warm-up of both speculative endpoints, checked too
+            assert stream(url, p, lengths[0], chat, None) == expected[(p, lengths[0])], p
+            assert unary(url, UNARY, p, lengths[0], chat) == expected[(p, lengths[0])], p
+        rss_cold = server_rss_kib(server.pid)
+        stop_at = time.monotonic() + args.warmup + args.duration
+        samples: list[tuple[float, int]] = []
+
+        def worker(seed: int) -> None:
+            rng = random.Random(seed)
+            while time.monotonic() < stop_at:
+                p, n = rng.choice(prompts), rng.choice(lengths)
+                kind = rng.choice(["stream", "unary"])
+                cancel_after = rng.randint(1, 3) if kind == "stream" and rng.random() < args.cancel else None
+                try:
+                    if kind == "stream":
+                        got = stream(url, p, n, chat, cancel_after)
+                    else:
+                        got = unary(url, UNARY, p, n, chat)
+                except Exception as err:
+                    with lock:
+                        counts["failed"] += 1
+                        problems.append(f"{kind} {p!r} max_tokens {n}: {err}")
+                    continue
+                with lock:
+                    if got is None:
+                        counts["cancelled"] += 1
+                    elif got != expected[(p, n)]:
+                        counts["mismatched"] += 1
+                        problems.append(f"{kind} {p!r} max_tokens {n}: differs from target-only")
+                    else:
+                        counts["completed"] += 1
+                        counts["tokens"] += len(got)
+
+        threads = [threading.Thread(target=worker, args=(args.seed + i,)) for i in range(args.concurrency)]
+        begin = time.monotonic()
+        for t in threads:
+            t.start()
+        time.sleep(args.warmup)  # requests of the warm-up count like the rest
+        rss_start = server_rss_kib(server.pid)
+        while any(t.is_alive() for t in threads):
+            samples.append((round(time.monotonic() - begin, 1), server_rss_kib(server.pid)))
+            time.sleep(10)
+        for t in threads:
+            t.join()
+        seconds = time.monotonic() - begin
+        time.sleep(1.0)  # the last cancellations reach the scheduler within a step
+        rss_end = server_rss_kib(server.pid)
+        held = gauges(server.metrics_url)
+        # Every place must be free again: as many fresh streams as one endpoint instance has
+        # places, at once, all complete and identical to target-only.
+        probe_n = loaded.spec.limits("target").max_batch_size * loaded.spec.serve.instance_count
+        probe: list = [None] * probe_n
+        p0, n0 = prompts[0], lengths[0]
+
+        def probe_one(i: int) -> None:
+            probe[i] = stream(url, p0, n0, chat, None)
+
+        probes = [threading.Thread(target=probe_one, args=(i,)) for i in range(probe_n)]
+        for t in probes:
+            t.start()
+        for t in probes:
+            t.join(600)
+        probe_ok = all(got == expected[(p0, n0)] for got in probe)
+    finally:
+        server.stop()
+
+    growth = 100.0 * (rss_end - rss_start) / rss_start
+    held_after = None if held is None else int(held.get("trtspec_active_sequences", 0) + held.get("trtspec_queue_depth", 0))
+    report = {
+        "spec": loaded.spec.name,
+        "load_s": round(seconds, 1),  # warm-up included: every count covers it
+        "concurrency": args.concurrency,
+        "cancel_fraction": args.cancel,
+        "completed": counts["completed"],
+        "cancelled": counts["cancelled"],
+        "failed": counts["failed"],
+        "mismatched": counts["mismatched"],
+        "output_tokens": counts["tokens"],
+        "warmup_s": args.warmup,
+        "rss_before_load_mib": round(rss_cold / 1024, 1),
+        "rss_growth_from_before_load_pct": round(100.0 * (rss_end - rss_cold) / rss_cold, 2),
+        "rss_samples_mib": [(t, round(k / 1024, 1)) for t, k in samples],
+        "rss_start_mib": round(rss_start / 1024, 1),
+        "rss_end_mib": round(rss_end / 1024, 1),
+        "rss_growth_pct": round(growth, 2),
+        "held_after": held_after,  # None: the server exports no trtspec load gauges
+        "probe_after_ok": probe_ok,
+        "problems": problems[:20],
+    }
+    print(json.dumps(report, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    ok = not counts["failed"] and not counts["mismatched"] and probe_ok and growth <= args.max_rss_growth
+    return 0 if ok and held_after in (0, None) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,119 @@
+"""The response tensors of the text endpoints (`tensorrt_llm_bls` contract, see
+orchestrator_core): a request's parsed rows, the unary answer, the per-row perf tensors and
+the streamed text deltas. Shared by the orchestrator and its scheduler."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from trtspec.speculative.loop import GenerationRequest, GenerationResult
+from trtspec.speculative.metrics import metrics_json
+
+
+@dataclass
+class Row:
+    request: GenerationRequest
+    exclude_input: bool
+    want_metrics: bool
+    want_margins: bool
+    stream: bool
+    pad_id: int
+    want_counts: tuple[bool, bool] = (False, False)  # return_num_input_tokens, return_num_output_tokens
+    batch_index: int = 0
+    times: dict[str, int] = field(default_factory=dict)  # *_time_ns events, time.time_ns()
+
+
+def pack(tokenizer, rows: Sequence[Row], results: Sequence[GenerationResult]) -> dict[str, np.ndarray]:
+    """One response for a request's rows: the whole outputs, padded, and the per-row tensors."""
+    seqs = [res.output_ids if row.exclude_input else row.request.prompt_ids + res.output_ids for row, res in zip(rows, results)]
+    width = max(1, max(len(s) for s in seqs))
+    ids = np.full((len(seqs), width), rows[0].pad_id, dtype=np.int32)  # [b, T]
+    for r, s in enumerate(seqs):
+        ids[r, : len(s)] = s
+    texts = [tokenizer.decode(s, skip_special_tokens=True).encode() for s in seqs]
+    tensors = {
+        # [b], not [b, 1]: upstream's text_output is flat, its clients read output[0].decode().
+        "text_output": np.array(texts, dtype=np.object_).reshape(len(seqs)),
+        "output_ids": ids,
+        "sequence_length": np.array([[len(s)] for s in seqs], dtype=np.int32),
+    }
+    if any(r.want_margins for r in rows):
+        m = np.full((len(seqs), width), np.nan, dtype=np.float32)  # [b, T]
+        for r, (row, res) in enumerate(zip(rows, results)):
+            off = 0 if row.exclude_input else len(row.request.prompt_ids)
+            vals = [np.nan if x is None else x for x in res.margins]
+            m[r, off : off + len(vals)] = vals
+        tensors["output_margins"] = m
+    return tensors | row_tensors(rows, results)
+
+
+# Upstream reports paged KV-cache block counts; the engines trtspec drives do not report them
+# to the orchestrator, so they are -1 ("not measured"), never a made-up count.
+NOT_MEASURED = -1
+
+
+def row_tensors(rows: Sequence[Row], results: Sequence[GenerationResult]) -> dict[str, np.ndarray]:
+    """Per-row outputs of upstream's contract: indices, token counts, perf metrics."""
+
+    def col(values, dtype):
+        return np.array([[v] for v in values], dtype=dtype)  # [b, 1]
+
+    tensors = {
+        "batch_index": col([r.batch_index for r in rows], np.int32),
+        "sequence_index": col([0] * len(rows), np.int32),
+        "finish_reason": col([(res.finish_reason or "").encode() for res in results], np.object_),
+    }
+    if any(r.want_counts[0] for r in rows):
+        tensors["num_input_tokens"] = col([len(r.request.prompt_ids) for r in rows], np.int32)
+    if any(r.want_counts[1] for r in rows):
+        tensors["num_output_tokens"] = col([len(res.output_ids) for res in results], np.int32)
+    if not any(r.want_metrics for r in rows):
+        return tensors
+    ms = [res.metrics for res in results]
+    tensors |= {
+        "acceptance_rate": col([m.acceptance_rate for m in ms], np.float32),
+        "total_accepted_draft_tokens": col([m.accepted for m in ms], np.int32),
+        "total_draft_tokens": col([m.drafted for m in ms], np.int32),
+        "perf_metrics_json": col([metrics_json(m).encode() for m in ms], np.object_),
+    }
+    for name in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns"):
+        # Only max_tokens 0 produces no token event; its token times are then the schedule time.
+        tensors[name] = col([r.times.get(name, r.times.get("first_scheduled_time_ns", 0)) for r in rows], np.int64)
+    for name in ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks"):
+        tensors[name] = col([NOT_MEASURED] * len(rows), np.int32)
+    return tensors
+
+
+class TextStream:
+    """Per-stream text deltas, decoded incrementally as inference servers do (vLLM, TGI).
+
+    Each step decodes from ``prefix`` (a few tokens of context before the unsent ones, so
+    word boundaries and spaces come out as in a full decode) and sends only what lies past
+    the text of ``ids[prefix:read]``. Text once sent is never sent again, even where decoding
+    more tokens rewrites earlier characters; a character split across tokens (U+FFFD until it
+    completes) is held back until it is whole.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # ids[prefix:read]: already sent, decoded again as context
+        self.read = 0  # ids[read:]: not sent yet
+
+    def step(self, emitted: list[int], done: bool) -> dict[str, np.ndarray]:
+        self.ids += emitted
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        sent = decode(self.ids[self.prefix : self.read])
+        text = decode(self.ids[self.prefix :])
+        delta = ""
+        if len(text) > len(sent) and (done or not text.endswith("\ufffd")):
+            delta = text[len(sent) :]
+            self.prefix, self.read = self.read, len(self.ids)
+        return {
+            "text_output": np.array([delta.encode()], dtype=np.object_),  # [1], as upstream
+            "output_ids": np.array([emitted], dtype=np.int32).reshape(1, len(emitted)),
+            "sequence_length": np.array([[len(emitted)]], dtype=np.int32),
+        }

@@ -1,0 +1,309 @@
+"""Continuous (iteration-level) batching for the text endpoints, without the Triton plumbing.
+
+One Scheduler per orchestrator model instance owns one loop ``Batch``
+(trtspec.speculative.loop): the model's execute() parses and queues each request through
+``submit`` and returns at once; a worker thread calls ``step`` over and over. Each step drops
+cancelled and timed-out requests, admits queued requests while the batch has room
+(``max_active`` sequences: the engines' batch size), runs ONE draft + verify step over every
+active sequence, streams that step's tokens, and answers each request the moment its last
+row ends. So a request never waits for another request's generation to end, only for the
+step in progress. A full queue answers at once with UNAVAILABLE.
+
+``StepStats`` is the one place the counts of a step are gathered (for monitoring).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from trtspec.errors import RequestError
+from trtspec.speculative.loop import Batch, GenerationResult
+from trtspec.triton.backend.responses import Row, TextStream, row_tensors
+
+
+class Unavailable(Exception):
+    """The server cannot take the request now (queue full, timed out, unloading)."""
+
+    triton_code = "UNAVAILABLE"
+
+
+class Cancelled(Exception):
+    """The client cancelled the request (or disconnected)."""
+
+    triton_code = "CANCELLED"
+
+
+class Endpoint(Protocol):
+    """What the scheduler needs of an endpoint (orchestrator_core.Orchestrator)."""
+
+    tokenizer: Any
+
+    def parse(self, inputs: Mapping[str, np.ndarray]) -> list[Row]: ...
+
+    def pack(self, rows: Sequence[Row], results: Sequence[GenerationResult]) -> dict[str, np.ndarray]: ...
+
+    def new_batch(self) -> Batch: ...  # a loop Batch with this endpoint's drafter and verifier
+
+
+class Reply(Protocol):
+    """Where one request's answers go (a Triton response sender, or a test's list)."""
+
+    def send(self, tensors: dict[str, np.ndarray], final: bool) -> None: ...
+
+    def fail(self, err: Exception) -> None: ...  # one error response; ends the request
+
+    def cancelled(self) -> bool: ...
+
+
+@dataclass
+class StepStats:
+    """One scheduling step of one endpoint instance: what monitoring reads, in one place.
+    The step's fields are the loop's (speculative.loop.StepReport); the rest is the
+    scheduler's load."""
+
+    sequences: int = 0  # sequences in the step (each got one target forward)
+    drafted: int = 0  # draft tokens proposed, all sequences
+    accepted: int = 0  # of those, accepted by the target
+    accepted_each: list[int] = field(default_factory=list)  # per sequence that drafted
+    k: int = 0  # the largest draft length asked this step (0: nobody drafted)
+    extra_forwards: int = 0  # further one-token forwards of a target that kept decoding
+    queued: int = 0  # requests waiting for a place after this step's admissions
+    held: int = 0  # sequences holding a place after the step (0 when idle)
+    finished: int = 0  # requests answered this step
+    cancelled: int = 0  # requests dropped this step (cancelled, disconnected, timed out)
+    # Per sequence that left this step: (finish reason, output tokens); reason "cancelled"
+    # when the client cancelled or it timed out, None when it failed.
+    ended: list[tuple[str | None, int]] = field(default_factory=list)
+
+
+@dataclass
+class _Job:
+    rows: list[Row]
+    reply: Reply
+    deadline_ns: int | None = None  # time.monotonic_ns() after which it is dropped
+    timeout_ms: float = 0.0
+    keys: list[int] = field(default_factory=list)  # batch keys, one per row, once admitted
+    stream: TextStream | None = None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        orch: Endpoint,
+        max_active: int,
+        max_queue: int,
+        observe: Callable[[StepStats], None] | None = None,
+    ):
+        self.orch = orch
+        self.max_active = max_active
+        self.max_queue = max_queue
+        self.observe = observe
+        self.batch = self._new_batch()
+        self.active: list[_Job] = []
+        self.waiting: deque[_Job] = deque()
+        self._cv = threading.Condition()
+        # Tokenizers are not safe to use from two threads at once (a fast tokenizer raises
+        # "Already borrowed"): parsing (execute's thread) and decoding (the worker) share it.
+        self.tokenizer_lock = threading.Lock()
+        self._stopping = False
+
+    def _new_batch(self) -> Batch:
+        return self.orch.new_batch()
+
+    # -- the caller's side (execute) --------------------------------------------------------
+
+    def submit(self, inputs: Mapping[str, np.ndarray], reply: Reply, timeout_us: int = 0) -> None:
+        """Parse and queue one request; a bad or unplaceable request is answered at once."""
+        try:
+            with self.tokenizer_lock:
+                rows = self.orch.parse(inputs)
+        except RequestError as err:
+            reply.fail(err)
+            return
+        except Exception as err:  # a tokenizer or chat-template failure: this request only
+            reply.fail(RuntimeError(f"could not prepare the request: {type(err).__name__}: {err}"))
+            return
+        self.enqueue(rows, reply, timeout_us)
+
+    def enqueue(self, rows: list[Row], reply: Reply, timeout_us: int = 0) -> None:
+        job = _Job(rows, reply)
+        if timeout_us > 0:  # the request's own timeout (Triton's `timeout` parameter)
+            job.deadline_ns = time.monotonic_ns() + timeout_us * 1000
+            job.timeout_ms = timeout_us / 1000
+        if rows[0].stream:
+            job.stream = TextStream(self.orch.tokenizer)
+        with self._cv:
+            if self._stopping:
+                reply.fail(Unavailable("the model is unloading; retry on another instance or later"))
+                return
+            # Requests that will get a place at the next step are not waiting for one.
+            free = self.max_active - sum(len(j.rows) for j in self.active)
+            if len(self.waiting) >= self.max_queue + max(free, 0):
+                reply.fail(
+                    Unavailable(
+                        f"the queue is full ({self.max_queue} requests waiting); retry later, "
+                        "or raise serve.max_queue in the spec"
+                    )
+                )
+                return
+            self.waiting.append(job)
+            self._cv.notify()
+
+    # -- the worker's side ------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        with self._cv:
+            return bool(self.active or self.waiting)
+
+    def serve(self) -> None:
+        """The worker thread: step while there is work, sleep until a request comes."""
+        while True:
+            with self._cv:
+                while not self._stopping and not self.active and not self.waiting:
+                    self._cv.wait()
+                if self._stopping:
+                    break
+            try:
+                self.step()
+            except Exception as err:  # a bug here must not leave every later request hanging
+                self._fail_active(RuntimeError(f"the scheduler failed: {type(err).__name__}: {err}"))
+                self.batch = self._new_batch()
+        self._fail_all(Unavailable("the model is unloading; retry later"))
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+
+    def step(self) -> StepStats:
+        """One round: drop cancelled, admit, one loop step, stream and answer."""
+        stats = StepStats()
+        self._drop_cancelled(stats)
+        self._admit()
+        if self.batch.active:
+            try:
+                report = self.batch.step()
+            except Exception as err:  # an engine failure fails the running requests, not the server
+                failure = err if isinstance(err, RequestError) else RuntimeError(f"generation failed: {err}")
+                self._fail_active(failure, stats)
+                self.batch = self._new_batch()
+            else:
+                stats.sequences, stats.drafted, stats.accepted, stats.k = (
+                    report.sequences,
+                    report.drafted,
+                    report.accepted,
+                    report.k,
+                )
+                stats.accepted_each, stats.extra_forwards = list(report.accepted_each), report.extra_forwards
+                self._answer(report.emitted, stats)
+        with self._cv:
+            stats.queued = len(self.waiting)
+            stats.held = sum(len(j.keys) for j in self.active)
+        if self.observe is not None:
+            self.observe(stats)
+        return stats
+
+    def _drop_cancelled(self, stats: StepStats) -> None:
+        now = time.monotonic_ns()
+        for job in list(self.active):
+            err = self._why_dropped(job, now)
+            if err is not None:
+                for key in job.keys:
+                    res = self.batch.cancel(key)  # its sequence leaves before the next step
+                    stats.ended.append(("cancelled", len(res.output_ids)))
+                with self._cv:
+                    self.active.remove(job)
+                job.reply.fail(err)
+                stats.cancelled += 1
+        with self._cv:
+            waiting = list(self.waiting)
+        for job in waiting:
+            err = self._why_dropped(job, now)
+            if err is not None:
+                with self._cv:
+                    self.waiting.remove(job)
+                job.reply.fail(err)
+                stats.cancelled += 1
+
+    def _why_dropped(self, job: _Job, now: int) -> Exception | None:
+        if job.reply.cancelled():
+            return Cancelled("the request was cancelled")
+        if job.deadline_ns is not None and now > job.deadline_ns:
+            return Unavailable(f"the request's timeout ({job.timeout_ms:g} ms) expired before it finished")
+        return None
+
+    def _admit(self) -> None:
+        """Queued requests join the batch in arrival order while all their rows fit."""
+        room = self.max_active - sum(len(j.keys) for j in self.active)
+        while True:
+            with self._cv:
+                if not self.waiting or len(self.waiting[0].rows) > room:
+                    return
+                job = self.waiting.popleft()
+            scheduled = time.time_ns()
+            for row in job.rows:
+                row.times["first_scheduled_time_ns"] = scheduled
+                job.keys.append(self.batch.add(row.request))
+            with self._cv:
+                self.active.append(job)
+            room -= len(job.rows)
+
+    def _answer(self, emitted: dict[int, list[int]], stats: StepStats) -> None:
+        now = time.time_ns()
+        results = self.batch.results
+        for job in list(self.active):
+            for row, key in zip(job.rows, job.keys):
+                if emitted.get(key) or (key in emitted and results[key].done):
+                    # done without tokens: EOS came (the engine did produce it)
+                    row.times.setdefault("first_token_time_ns", now)
+                    row.times["last_token_time_ns"] = now
+            done = all(results[key].done for key in job.keys)
+            if done:
+                ended = [self.batch.pop(key) for key in job.keys]
+                stats.ended += [(res.finish_reason, len(res.output_ids)) for res in ended]
+            try:
+                with self.tokenizer_lock:
+                    if job.stream is not None:
+                        key = job.keys[0]
+                        if emitted.get(key) or done:
+                            tensors = job.stream.step(emitted.get(key, []), done)
+                            if not done:
+                                job.reply.send(tensors, False)
+                            else:
+                                job.reply.send(tensors | row_tensors(job.rows, ended), True)
+                    elif done:
+                        job.reply.send(self.orch.pack(job.rows, ended), True)
+            except Exception:  # the client is gone (its sender closed): it leaves like a cancel
+                if not done:
+                    stats.ended += [(None, len(self.batch.cancel(key).output_ids)) for key in job.keys]
+                    stats.cancelled += 1
+                    with self._cv:
+                        self.active.remove(job)
+                    continue
+            if done:
+                with self._cv:
+                    self.active.remove(job)
+                stats.finished += 1
+
+    def _fail_active(self, err: Exception, stats: StepStats | None = None) -> None:
+        with self._cv:
+            failed, self.active = self.active, []
+        for job in failed:
+            if stats is not None:
+                stats.ended += [(None, len(self.batch.results[k].output_ids)) for k in job.keys if k in self.batch.results]
+            job.reply.fail(err)
+
+    def _fail_all(self, err: Exception) -> None:
+        self._fail_active(err)
+        with self._cv:
+            waiting, self.waiting = list(self.waiting), deque()
+        for job in waiting:
+            job.reply.fail(err)
