@@ -99,7 +99,8 @@ def verify(
     top_k: Annotated[int | None, typer.Option("--top-k", help="With --sampling: keep the k most likely tokens (0: all).")] = None,
     top_p: Annotated[float | None, typer.Option("--top-p", help="With --sampling: nucleus mass in (0, 1] (1: all).")] = None,
     seed: Annotated[
-        int | None, typer.Option("--seed", help="With --sampling: first seed (sample i uses seed + i; default 0).")
+        int | None,
+        typer.Option("--seed", help="With --sampling: first seed (sample i of prompt j uses seed + j*N + i; default 0)."),
     ] = None,
     tie_epsilon: Annotated[
         float | None,
