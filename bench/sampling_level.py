@@ -2,6 +2,7 @@
 
     python bench/sampling_level.py                       # 2000 runs per sampler (~1 s per run on 2 cores)
     python bench/sampling_level.py --runs 200 --which biased
+    python bench/sampling_level.py --prompts 3 [--shared-seeds] --runs 1000 --first-seed 1 --which draft
 
 The setting is tests/test_sampling.py's: a Markov target and draft over 6 tokens whose
 distributions are known exactly, 100 generations of 2 tokens per run (k = 3), each run one
@@ -11,6 +12,10 @@ draft, or target-only) should be flagged in about 1% of runs: that is the false-
 the biased sampler (drafts accepted without the rejection step) should be flagged in nearly
 all: that is the power. Prints each rate with its exact (Clopper-Pearson) 95% interval;
 writes JSON with --out.
+
+--prompts P: each run tests P prompts (Markov start tokens 0..P-1) x 34 generations, each
+generation on its own seed, or with --shared-seeds on the seeds every prompt shares (sample i
+of each prompt on the same seed: the old verify --sampling seeding).
 """
 
 from __future__ import annotations
@@ -24,13 +29,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from test_sampling import MarkovDrafter, markov_pit  # noqa: E402  (the tests' exactly known pair)
+import torch  # noqa: E402
+from test_sampling import TARGET, MarkovDrafter, MarkovVerifier, markov_pit  # noqa: E402  (the tests' exactly known pair)
 
 from trtspec.files import write_json_atomic  # noqa: E402
 from trtspec.speculative import loop  # noqa: E402
-from trtspec.speculative.loop import NoDrafter  # noqa: E402
-from trtspec.speculative.sampling import accept_all, accept_or_resample  # noqa: E402
-from trtspec.verify_sampling import ALPHA  # noqa: E402
+from trtspec.speculative.loop import GenerationRequest, NoDrafter, generate  # noqa: E402
+from trtspec.speculative.sampling import SamplingParams, accept_all, accept_or_resample, warp  # noqa: E402
+from trtspec.verify_sampling import ALPHA, chi_square_uniform  # noqa: E402
 
 
 def clopper_pearson(k: int, n: int, conf: float = 0.95) -> tuple[float, float]:
@@ -60,20 +66,49 @@ def clopper_pearson(k: int, n: int, conf: float = 0.95) -> tuple[float, float]:
     return lower, upper
 
 
+def prompts_pit(drafter, prompts: int, seed: int, shared: bool, per_prompt: int = 34) -> float:
+    """The p-value of one test over several prompts (start tokens), as markov_pit otherwise."""
+    p = warp(TARGET, SamplingParams())
+    g = torch.Generator().manual_seed(seed)
+    us = []
+    for j in range(prompts):
+        seeds = [seed * 100_000 + i + (0 if shared else j * per_prompt) for i in range(per_prompt)]
+        reqs = [GenerationRequest([j], 2, 3, sampling=SamplingParams(seed=sd)) for sd in seeds]
+        for res in generate(reqs, drafter, MarkovVerifier()):
+            prev = j
+            for x in res.output_ids:
+                row = p[prev]
+                before = row[row > row[x]].sum() + row[:x][row[:x] == row[x]].sum()
+                us.append(float(before + torch.rand((), generator=g, dtype=torch.float64) * row[x]))
+                prev = x
+    return chi_square_uniform(us)[2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=2000)
     ap.add_argument("--first-seed", type=int, default=1000)
     ap.add_argument("--which", nargs="+", default=["draft", "target-only", "biased"], choices=["draft", "target-only", "biased"])
+    ap.add_argument("--prompts", type=int, default=1, help="prompts (Markov start tokens) per test")
+    ap.add_argument("--shared-seeds", action="store_true", help="with --prompts: every prompt on the same seeds")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     seeds = range(args.first_seed, args.first_seed + args.runs)
-    out = {"alpha": ALPHA, "runs": args.runs, "first_seed": args.first_seed, "generations_per_run": 100, "tokens": 2}
+    out = {
+        "alpha": ALPHA,
+        "runs": args.runs,
+        "first_seed": args.first_seed,
+        "prompts": args.prompts,
+        "shared_seeds": args.shared_seeds,
+    }
     for which in args.which:
         loop.accept_or_resample = accept_all if which == "biased" else accept_or_resample
         drafter = NoDrafter() if which == "target-only" else MarkovDrafter()
         start = time.perf_counter()
-        flagged = sum(markov_pit(drafter, 100, s) < ALPHA for s in seeds)
+        if args.prompts > 1:
+            flagged = sum(prompts_pit(drafter, args.prompts, s, args.shared_seeds) < ALPHA for s in seeds)
+        else:
+            flagged = sum(markov_pit(drafter, 100, s) < ALPHA for s in seeds)
         lo, hi = clopper_pearson(flagged, args.runs)
         what = "power" if which == "biased" else "false-alarm rate"
         print(f"{which:12s} {what}: {flagged}/{args.runs} = {flagged / args.runs:.4f} (95% CI {lo:.4f}-{hi:.4f})", flush=True)
