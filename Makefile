@@ -11,7 +11,7 @@ EAGLE3_SPEC := engine_specs/smollm2-135m-eagle3.yaml
 # make demo-eagle3 trains the EAGLE-3 head once (cached in weights/); no SmolLM2 figures are committed yet.
 DISTILL_BUDGET ?= 10m
 
-.PHONY: install demo demo-eagle3 lint test test-fast test-gpu bench bench-eagle3 clean
+.PHONY: install browser demo demo-eagle3 lint test test-fast test-gpu bench bench-eagle3 clean
 
 install: $(VENV)/.installed
 
@@ -73,6 +73,11 @@ lint: install
 	$(VENV)/bin/ruff check trtspec tests bench
 	$(VENV)/bin/ruff format --check trtspec tests bench
 	$(VENV)/bin/lint-imports
+
+# tests/test_report_html.py opens `verify --html` pages in Debian's chromium, headless (it
+# skips without one). Run as root, or install chromium yourself; .ci/run does this.
+browser:
+	command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium; }
 
 test: install lint
 	$(VENV)/bin/pytest -q

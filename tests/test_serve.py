@@ -671,12 +671,17 @@ def test_verify_url_reports_identical(served, deployment, tmp_path, stream):
         str(report),
         "--junit",
         str(junit),
+        "--html",
+        str(tmp_path / "report.html"),
     ] + (["--stream"] if stream else [])
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     data = json.loads(report.read_text())
     assert data["identical"] and data["mode"].startswith(f"grpc://{served.grpc_endpoint}")
     assert data["metrics"]["drafted"] > 0 and junit.is_file()
+    page = (tmp_path / "report.html").read_text()  # the browser tests are in test_report_html.py
+    assert "PASSED: all 2 prompts token-identical" in page and "divergences are <b>unclassified</b>" in page
+    assert "reports no step boundaries" in page
 
 
 def test_verify_url_unreachable_is_one_clear_error(deployment):

@@ -200,3 +200,31 @@ def test_sampling_check_passes_and_catches_a_sampler_without_rejection(built, mo
     monkeypatch.setattr(loop, "accept_or_resample", accept_all)
     biased = run_sampling_check(dep, prompts, 20, 12, params)
     assert not biased.passed, biased.describe()
+
+
+def test_sampling_check_gives_every_prompt_its_own_random_stream(built, monkeypatch):
+    """The chi-square test assumes independent values. Prompts that shared seeds would draw
+    from one random stream: the same prompt given twice would be tested on the same samples
+    twice (and prompts that end alike on dependent ones), raising the false-alarm rate."""
+    from trtspec.runtime import Deployment
+    from trtspec.speculative.sampling import SamplingParams
+    from trtspec.verify_sampling import run_sampling_check
+
+    dep = built("unrelated")
+    seeds, outputs = [], []
+    real_request, real_generate = Deployment.request, Deployment.generate
+
+    def request(self, ids, max_tokens, k=None, sampling=None):
+        seeds.append(sampling.seed)
+        return real_request(self, ids, max_tokens, k, sampling)
+
+    def generate(self, reqs, speculative=True):
+        results = real_generate(self, reqs, speculative=speculative)
+        outputs.extend(tuple(r.output_ids) for r in results)
+        return results
+
+    monkeypatch.setattr(Deployment, "request", request)
+    monkeypatch.setattr(Deployment, "generate", generate)
+    run_sampling_check(dep, ["The quick brown fox"] * 2, 25, 4, SamplingParams(seed=3))
+    assert sorted(seeds) == list(range(3, 53))
+    assert outputs[:25] != outputs[25:]  # the second copy is new samples, not a replay

@@ -76,6 +76,8 @@ class PromptResult:
     metrics: SpecMetrics | None
     target_ids: list[int] = field(repr=False, default_factory=list)
     spec_ids: list[int] = field(repr=False, default_factory=list)
+    # (first output index, drafts) per speculative step; empty where the backend does not say (--url)
+    spec_steps: list[tuple[int, int]] = field(repr=False, default_factory=list)
 
 
 @dataclass
@@ -143,6 +145,7 @@ class VerifyReport:
                     "metrics": r.metrics.to_dict() if r.metrics else None,
                     "target_ids": r.target_ids,
                     "spec_ids": r.spec_ids,
+                    "spec_steps": [list(step) for step in r.spec_steps],
                 }
                 for r in self.results
             ],
@@ -217,6 +220,7 @@ def run_verify(
                 metrics=spec.metrics,
                 target_ids=target.output_ids,
                 spec_ids=spec.output_ids,
+                spec_steps=list(spec.steps or []),
             )
         )
         if progress:

@@ -15,6 +15,9 @@ ALPHA (the false-alarm rate, up to the chi-square approximation, which needs >= 
 values per bin: hence N x prompts >= MIN_VALUES). A sampler that skips the rejection step
 emits draft-distributed tokens, which rank differently under p_t and skew the histogram.
 
+Every (prompt, sample) has its own seed (seed + prompt x N + sample) and the V draws their
+own generator: the values are independent across prompts too, which the test needs.
+
 Tokens the two paths draw are compared in distribution, never one by one: the paths consume
 random numbers differently, so the same seed gives different, equally valid, samples.
 """
@@ -93,6 +96,15 @@ def check_sample_count(samples: int, prompts: int) -> None:
         )
 
 
+def sample_seed(seed: int, samples: int, prompt: int, sample: int) -> int:
+    """The seed of one sampled generation: distinct for every (prompt, sample). Prompts must
+    not share seeds: the same random stream drawing from two similar distributions (prompts
+    that end alike, a chat template's opening) gives dependent tokens, and the chi-square
+    test assumes independent values, so shared seeds would raise its false-alarm rate above
+    ALPHA."""
+    return seed + prompt * samples + sample
+
+
 def pit_values(run, prompt_ids: list[int], tokens: list[int], params: SamplingParams, gen) -> list[float]:
     """Randomized PIT of each sampled token under the target's exact conditionals."""
     if not tokens:
@@ -142,7 +154,7 @@ def run_sampling_check(
     metrics = SpecMetrics()
     pit_gen = torch.Generator().manual_seed(params.seed + 1_000_003)
     done = 0
-    for prompt in prompts:
+    for j, prompt in enumerate(prompts):
         ids = dep.encode(prompt, chat_template)
         for first in range(0, samples, batch):
             reqs = [
@@ -150,7 +162,9 @@ def run_sampling_check(
                     ids,
                     max_tokens,
                     num_draft_tokens,
-                    sampling=SamplingParams(params.temperature, params.top_k, params.top_p, params.seed + s),
+                    sampling=SamplingParams(
+                        params.temperature, params.top_k, params.top_p, sample_seed(params.seed, samples, j, s)
+                    ),
                 )
                 for s in range(first, min(first + batch, samples))
             ]

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.progress import Progress
 
-from trtspec import console
+from trtspec import console, report_html
 from trtspec.acceptance import check as check_acceptance
 from trtspec.acceptance import identity, load_baseline, parse_fraction
 from trtspec.cli.common import JsonFileOpt, JsonOpt, LlmapiOpt, OutputOpt, SpecArg, UrlOpt, handle_errors, parse_url
@@ -44,6 +44,13 @@ def verify(
     json_file: JsonFileOpt = None,
     junit_file: Annotated[
         Path | None, typer.Option("--junit", help="Also write a JUnit XML report (one testcase per prompt).")
+    ] = None,
+    html_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--html",
+            help="Also write a self-contained HTML report: both outputs per prompt, divergences highlighted with their verdicts, acceptance plots.",
+        ),
     ] = None,
     url: UrlOpt = None,
     stream: Annotated[
@@ -92,7 +99,8 @@ def verify(
     top_k: Annotated[int | None, typer.Option("--top-k", help="With --sampling: keep the k most likely tokens (0: all).")] = None,
     top_p: Annotated[float | None, typer.Option("--top-p", help="With --sampling: nucleus mass in (0, 1] (1: all).")] = None,
     seed: Annotated[
-        int | None, typer.Option("--seed", help="With --sampling: first seed (sample i uses seed + i; default 0).")
+        int | None,
+        typer.Option("--seed", help="With --sampling: first seed (sample i of prompt j uses seed + j*N + i; default 0)."),
     ] = None,
     tie_epsilon: Annotated[
         float | None,
@@ -113,7 +121,7 @@ def verify(
 
     Examples:
       trtspec verify engine_specs/smollm2-135m-cpu.yaml
-      trtspec verify my-spec.yaml --json-file report.json --junit verify.xml
+      trtspec verify my-spec.yaml --json-file report.json --junit verify.xml --html report.html
       trtspec verify half-precision.yaml --fail-on algorithmic
       trtspec verify engine_specs/tiny-llama.yaml --sampling 200 --temperature 0.8 --top-p 0.95
       trtspec verify my-spec.yaml --baseline previous.json --max-acceptance-drop 5% --min-acceptance-length 3
@@ -132,6 +140,8 @@ def verify(
         raise RequestError("no prompts to verify: add verify.prompts to the spec or pass --prompt")
     n_tokens = max_tokens if max_tokens is not None else loaded.spec.verify.max_tokens
     url = parse_url(url)
+    if html_file is not None and html_file.is_dir():
+        raise RequestError(f"--html {html_file} is a folder; give a file path (e.g. {html_file / 'report.html'})")
     sampling_params = _sampling_params(sampling, temperature, top_k, top_p, seed, url)
     if sampling is not None:
         check_sample_count(sampling, len(prompts))
@@ -178,10 +188,18 @@ def verify(
         if sampled is not None:
             out.print(sampled.describe(), markup=False)
 
-    emit(_WithGates(report, gate, sampled), human, as_json=as_json, json_file=json_file)
+    full = _WithGates(report, gate, sampled)
+    emit(full, human, as_json=as_json, json_file=json_file)
     if junit_file:
         write_junit(report, junit_file, fail_on.value)
     ok = report.passes(fail_on.value) and (gate is None or gate.passed) and (sampled is None or sampled.passed)
+    if html_file:
+        from trtspec.bench.measure import machine_description
+
+        report_html.write(
+            html_file, full.to_dict(), backend.token_text, machine=machine_description(), fail_on=fail_on.value, passed=ok
+        )
+        console.info(f"wrote {html_file}")
     raise typer.Exit(EXIT_OK if ok else EXIT_DIVERGED)
 
 
