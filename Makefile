@@ -11,7 +11,7 @@ EAGLE3_SPEC := engine_specs/smollm2-135m-eagle3.yaml
 # make demo-eagle3 trains the EAGLE-3 head once (cached in weights/); no SmolLM2 figures are committed yet.
 DISTILL_BUDGET ?= 10m
 
-.PHONY: install browser demo demo-eagle3 lint test test-fast test-gpu bench bench-eagle3 clean
+.PHONY: install browser demo demo-eagle3 lint test test-fast test-gpu bench bench-eagle3 bench-aiperf aiperf clean
 
 install: $(VENV)/.installed
 
@@ -66,6 +66,17 @@ bench-eagle3: install weights/smollm2-135m-eagle3-head
 	$(TRTSPEC) bench $(EAGLE3_SPEC) --methods eagle3,draft_target,ngram --draft-from $(DEMO_SPEC) \
 	  --sweep 1-6 -c 1,2,4 --rounds 2 --out bench/results/smollm2-135m-eagle3
 	$(PY) bench/peers.py --spec $(EAGLE3_SPEC) --draft-from $(DEMO_SPEC) --repeats 2 --out bench/results/peers-eagle3.md
+
+# NVIDIA AIPerf, a client tool with a heavy dependency set: its own environment, run as a command.
+AIPERF_VENV ?= .venv-aiperf
+aiperf: $(AIPERF_VENV)/bin/aiperf
+$(AIPERF_VENV)/bin/aiperf:
+	python3 -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/pip install -q 'aiperf==0.13.0'
+
+bench-aiperf: install aiperf weights/smollm2-135m
+	$(TRTSPEC) build $(DEMO_SPEC)
+	$(PY) bench/aiperf_bench.py $(DEMO_SPEC) -c 1,4 --aiperf $(AIPERF_VENV)/bin/aiperf --out bench/results/aiperf.json
 
 # The guard rails of the layout: one-way layers (import-linter contracts in pyproject.toml)
 # and ruff's lint rules.

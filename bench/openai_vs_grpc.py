@@ -18,6 +18,7 @@ import statistics
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -94,6 +95,37 @@ def _openai_block(base_url, model, prompts, max_tokens, concurrency):
     return asyncio.run(run())
 
 
+@contextmanager
+def served_with_front(loaded, work: Path):
+    """A Triton server for ``loaded``'s built engines and the OpenAI front beside it, both on
+    free loopback ports: yields (server, the front's /v1 base URL); stops both after."""
+    import uvicorn
+
+    from trtspec.openai.serve import make_app
+    from trtspec.triton.repository.writer import write_repository
+    from trtspec.triton.server.process import TritonServer, free_ports
+
+    repo = write_repository(loaded, loaded.output_dir(), work / "repo")
+    server = TritonServer.for_repository(repo)
+    server.start()
+    try:
+        print(f"server ready in {server.wait_ready(600):.1f}s", flush=True)
+        (port,) = free_ports(1)
+        app = make_app(repo, server.grpc_endpoint)
+        front = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=front.run, daemon=True)
+        thread.start()
+        while not front.started:
+            time.sleep(0.05)
+        try:
+            yield server, f"http://127.0.0.1:{port}/v1"
+        finally:
+            front.should_exit = True
+            thread.join(30)
+    finally:
+        server.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("spec", nargs="?", default="engine_specs/smollm2-135m-cpu.yaml")
@@ -102,29 +134,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
 
-    import uvicorn
-
-    from trtspec.openai.serve import make_app
     from trtspec.spec import load_spec
-    from trtspec.triton.repository.writer import write_repository
-    from trtspec.triton.server.process import TritonServer, free_ports
 
     loaded = load_spec(args.spec)
     prompts = loaded.verify_prompts()
     max_tokens = args.max_tokens or loaded.spec.verify.max_tokens
-    repo = write_repository(loaded, loaded.output_dir(), Path(tempfile.mkdtemp(prefix="trtspec-bench-")) / "repo")
-    server = TritonServer.for_repository(repo)
-    server.start()
-    print(f"server ready in {server.wait_ready(600):.1f}s", flush=True)
-    (port,) = free_ports(1)
-    front = uvicorn.Server(uvicorn.Config(make_app(repo, server.grpc_endpoint), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=front.run, daemon=True)
-    thread.start()
-    while not front.started:
-        time.sleep(0.05)
-    base_url = f"http://127.0.0.1:{port}/v1"
     rows = []
-    try:
+    with served_with_front(loaded, Path(tempfile.mkdtemp(prefix="trtspec-bench-"))) as (server, base_url):
         _grpc_block(server.grpc_endpoint, prompts[:1], 4, 1)  # warm both paths
         _openai_block(base_url, loaded.spec.name, prompts[:1], 4, 1)
         for c in [int(x) for x in args.concurrency.split(",")]:
@@ -138,10 +154,6 @@ def main() -> None:
                 oai_rates.append(o_tok / o_secs)
             g, o = statistics.median(grpc_rates), statistics.median(oai_rates)
             rows.append((c, g, o, o / g))
-    finally:
-        front.should_exit = True
-        thread.join(30)
-        server.stop()
     print(f"\n{len(prompts)} prompts, max_tokens {max_tokens}, median of {args.rounds} rounds, streamed, speculative\n")
     print("| concurrency | gRPC tok/s | OpenAI front tok/s | front / gRPC |")
     print("|---|---|---|---|")

@@ -121,7 +121,7 @@ def test_triton_sink_makes_one_family_per_name_and_buckets_only_for_histograms()
     names = [f.name for f in _FakePb.MetricFamily.made]
     assert len(names) == len(set(names)) == 8
     assert {f.kind for f in _FakePb.MetricFamily.made if f.name == "trtspec_acceptance_length"} == {"histogram"}
-    assert len(sink.metrics) == 11  # 4 finish reasons share one family
+    assert len(sink.metrics) == 12  # 5 finish reasons share one family
     sink.close()
     assert not sink.metrics and not sink.families
 

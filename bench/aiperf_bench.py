@@ -1,0 +1,189 @@
+"""NVIDIA AIPerf against trtspec's OpenAI front, speculative vs control, beside our own figures.
+
+    python bench/aiperf_bench.py engine_specs/smollm2-135m-cpu.yaml -c 1,4 --aiperf /path/to/venv/bin/aiperf
+
+AIPerf (pip package `aiperf`) is a client tool with a heavy dependency set; it is run as a
+command from its own environment (`make aiperf` creates .venv-aiperf), never imported here.
+Builds nothing: the spec's engines must exist (`trtspec build SPEC`). Starts its own Triton
+server and the OpenAI front on free loopback ports; then, at each concurrency, for the
+speculative model (the spec's name) and the control (`<name>-target-only`):
+  1. `aiperf profile` on /v1/completions, streaming, with the spec's verify prompts as its input
+     file (the same prompts trtspec bench uses), max_tokens fixed, and Triton's metrics port as
+     its server-metrics endpoint;
+  2. our own measurement of the same requests through the official `openai` client
+     (bench/openai_vs_grpc.py's block): completion tokens per second of wall time.
+Prints AIPerf's output-token throughput (AIPerf re-tokenizes the returned text to count tokens), the same
+rate from the server's own usage counts, TTFT p50 and request latency p50, next to ours and the
+ratio; writes everything as JSON (--out). Loopback only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from openai_vs_grpc import _openai_block, served_with_front  # noqa: E402  (the front-vs-gRPC bench's code)
+
+
+def aiperf_profile(
+    aiperf: str,
+    model: str,
+    port: int,
+    tokenizer: Path,
+    prompts_file: Path,
+    concurrency: int,
+    requests: int,
+    max_tokens: int,
+    out_dir: Path,
+    metrics_url: str | None,
+) -> dict:
+    """Run one `aiperf profile` and return its exported JSON summary."""
+    cmd = [
+        aiperf, "profile",
+        "--model", model,
+        "--url", f"http://127.0.0.1:{port}",
+        "--endpoint-type", "completions",
+        "--streaming",
+        "--tokenizer", str(tokenizer),
+        "--input-file", str(prompts_file),
+        "--custom-dataset-type", "single_turn",
+        "--concurrency", str(concurrency),
+        "--request-count", str(requests),
+        "--extra-inputs", f"max_tokens:{max_tokens}",
+        "--extra-inputs", "temperature:0",
+        "--artifact-dir", str(out_dir),
+        "--ui-type", "none",
+        "--no-gpu-telemetry",
+    ]  # fmt: skip
+    if metrics_url:
+        cmd += ["--server-metrics", metrics_url]
+    env = os.environ | {"NO_PROXY": "127.0.0.1,localhost"}  # loopback only (the tokenizer is a local folder)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"aiperf failed ({done.returncode}):\n{' '.join(cmd)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    (export,) = sorted(out_dir.rglob("profile_export_aiperf.json"))[-1:] or [None]
+    if export is None:
+        raise SystemExit(f"aiperf wrote no profile_export_aiperf.json under {out_dir}")
+    return {"command": cmd, "export": str(export), "summary": json.loads(export.read_text())}
+
+
+def metric(summary: dict, name: str, stat: str = "avg") -> float | None:
+    """One statistic of one AIPerf metric from its JSON export (None when absent)."""
+    m = summary.get(name) or (summary.get("records") or {}).get(name)
+    if isinstance(m, dict):
+        v = m.get(stat)
+        return float(v) if v is not None else None
+    return None
+
+
+def _usage_rate(summary: dict) -> float | None:
+    """Completion tokens as the server counted them (usage) per second of AIPerf's benchmark."""
+    per_request, n, secs = (metric(summary, k) for k in ("usage_completion_tokens", "request_count", "benchmark_duration"))
+    return per_request * n / secs if per_request and n and secs else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("spec", nargs="?", default="engine_specs/smollm2-135m-cpu.yaml")
+    ap.add_argument("-c", "--concurrency", default="1,4")
+    ap.add_argument("--requests", type=int, default=None, help="per run (default: 2 x the prompts, at least concurrency x 2)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="default: verify.max_tokens")
+    ap.add_argument("--aiperf", default=str(ROOT / ".venv-aiperf" / "bin" / "aiperf"))
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "aiperf.json")
+    args = ap.parse_args()
+    if shutil.which(args.aiperf) is None:
+        raise SystemExit(f"{args.aiperf}: AIPerf not found; `make aiperf` installs it in .venv-aiperf (or pass --aiperf)")
+
+    from trtspec.bench.measure import machine_description
+    from trtspec.files import write_json_atomic
+    from trtspec.layout import tokenizer_folder
+    from trtspec.spec import load_spec
+
+    loaded = load_spec(args.spec)
+    prompts = loaded.verify_prompts()
+    max_tokens = args.max_tokens or loaded.spec.verify.max_tokens
+    work = Path(tempfile.mkdtemp(prefix="trtspec-aiperf-"))
+    prompts_file = work / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"text": p}) + "\n" for p in prompts), encoding="utf-8")
+    tokenizer = tokenizer_folder(loaded.output_dir(), loaded.spec.backend)
+    rows = []
+    with served_with_front(loaded, work) as (server, base_url):
+        port = int(base_url.rsplit(":", 1)[1].split("/")[0])
+        metrics_url = server.metrics_url
+        _openai_block(base_url, loaded.spec.name, prompts[:1], 4, 1)  # warm-up
+        for c in [int(x) for x in args.concurrency.split(",")]:
+            n = args.requests or max(2 * len(prompts), 2 * c)
+            for model in (loaded.spec.name, loaded.spec.name + "-target-only"):
+                print(f"concurrency {c}: {model}: aiperf ({n} requests)", flush=True)
+                run = aiperf_profile(
+                    args.aiperf,
+                    model,
+                    port,
+                    tokenizer,
+                    prompts_file,
+                    c,
+                    n,
+                    max_tokens,
+                    work / f"aiperf-{model}-c{c}",
+                    metrics_url,
+                )
+                print(f"concurrency {c}: {model}: ours", flush=True)
+                ours_prompts = [prompts[i % len(prompts)] for i in range(n)]
+                _, tokens, secs = _openai_block(base_url, model, ours_prompts, max_tokens, c)
+                s = run["summary"]
+                rows.append(
+                    {
+                        "concurrency": c,
+                        "model": model,
+                        # AIPerf counts output tokens by re-tokenizing the returned text; the
+                        # server's own count is the usage field, so both rates are reported.
+                        "aiperf_output_token_throughput": metric(s, "output_token_throughput"),
+                        "aiperf_osl_retokenized": metric(s, "output_sequence_length"),
+                        "aiperf_usage_completion_tokens": metric(s, "usage_completion_tokens"),
+                        "aiperf_usage_tokens_per_s": _usage_rate(s),
+                        "aiperf_ttft_p50_ms": metric(s, "time_to_first_token", "p50"),
+                        "aiperf_request_latency_p50_ms": metric(s, "request_latency", "p50"),
+                        "ours_tokens_per_s": tokens / secs,
+                        "aiperf_command": " ".join(run["command"]),
+                        "aiperf_export": run["export"],
+                    }
+                )
+    report = {
+        "machine": machine_description(),
+        "spec": str(args.spec),
+        "prompts": len(prompts),
+        "max_tokens": max_tokens,
+        "command": "python bench/aiperf_bench.py " + " ".join(sys.argv[1:]),
+        "rows": rows,
+    }
+    write_json_atomic(args.out, report)
+    print(f"\n{machine_description()}; {len(prompts)} prompts, max_tokens {max_tokens}, streamed /v1/completions\n")
+    print(
+        "| concurrency | model | AIPerf output tok/s (re-tokenized) | AIPerf usage tok/s | ours tok/s | "
+        "usage / ours | AIPerf TTFT p50 ms | AIPerf latency p50 ms |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+
+    def fmt(x, digits=1):
+        return "-" if x is None else f"{x:.{digits}f}"
+
+    for r in rows:
+        a, u, o = r["aiperf_output_token_throughput"], r["aiperf_usage_tokens_per_s"], r["ours_tokens_per_s"]
+        print(
+            f"| {r['concurrency']} | {r['model']} | {fmt(a)} | {fmt(u)} | {o:.1f} | {fmt(u / o if u and o else None, 2)} | "
+            f"{fmt(r['aiperf_ttft_p50_ms'])} | {fmt(r['aiperf_request_latency_p50_ms'])} |"
+        )
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
