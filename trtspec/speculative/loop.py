@@ -131,6 +131,9 @@ class StepReport:
     drafted: int = 0  # draft tokens proposed this step, all sequences
     accepted: int = 0  # of those, accepted by the target
     k: int = 0  # the largest draft length asked this step (0: no sequence drafted)
+    # The largest draft length the step's requests ask for (num_draft_tokens), before the loop
+    # drafts less near max_tokens or nothing on a sequence's first step: what monitoring shows.
+    asked_k: int = 0
     accepted_each: list[int] = field(default_factory=list)  # per sequence that drafted
     # Further forwards of a target that kept decoding past a rejection (Verdict.continued):
     # each yielded one token, as SpecMetrics counts them.
@@ -224,6 +227,7 @@ class Batch:
             )
         verdicts = self.verifier.verify(contexts, drafts)
         report.sequences, report.k = len(active), max(ks)
+        report.asked_k = max(requests[i].num_draft_tokens for i in active)
         for j, i in enumerate(active):
             req = requests[i]
             extra = 0

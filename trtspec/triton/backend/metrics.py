@@ -17,7 +17,7 @@ Definitions (one "step" = one target forward of one sequence, as in speculative/
                                         (length | eos | stop | cancelled | error)
   trtspec_active_sequences              gauge: sequences in the loop (in the last step)
   trtspec_queue_depth                   gauge: requests this instance holds but has not started
-  trtspec_draft_length                  gauge: the draft length k the last step asked for
+  trtspec_draft_length                  gauge: the draft length k the last step's requests ask for (num_draft_tokens)
 
 acceptance rate = rate(accepted) / rate(drafted); mean acceptance length =
 rate(acceptance_length_sum) / rate(acceptance_length_count).

@@ -283,6 +283,9 @@ class Orchestrator:
             return
         if stats.sequences:
             self.metrics.step(stats)  # StepStats carries StepCounts' fields
+            # the gauge shows the k the requests ask for, not the loop's per-step cap near
+            # max_tokens (or the prefill step, which drafts nothing)
+            self.metrics.k.set(stats.asked_k)
         self.metrics.load(active=stats.held, queued=stats.queued)
         for reason, tokens in stats.ended:
             self.metrics.finished(reason, tokens)  # None (failed) counts as error

@@ -73,6 +73,7 @@ class StepStats:
     accepted: int = 0  # of those, accepted by the target
     accepted_each: list[int] = field(default_factory=list)  # per sequence that drafted
     k: int = 0  # the largest draft length asked this step (0: nobody drafted)
+    asked_k: int = 0  # the largest num_draft_tokens of the step's requests (the configured k)
     extra_forwards: int = 0  # further one-token forwards of a target that kept decoding
     queued: int = 0  # requests waiting for a place after this step's admissions
     held: int = 0  # sequences holding a place after the step (0 when idle)
@@ -203,6 +204,7 @@ class Scheduler:
                     report.k,
                 )
                 stats.accepted_each, stats.extra_forwards = list(report.accepted_each), report.extra_forwards
+                stats.asked_k = report.asked_k
                 self._answer(report.emitted, stats)
         with self._cv:
             stats.queued = len(self.waiting)
