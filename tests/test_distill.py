@@ -42,7 +42,14 @@ def eagle_spec(folder: Path, target: Path) -> Path:
 
 def small_opts(folder: Path, **kw) -> DistillOptions:
     base = dict(
-        prompts=prompts_file(folder), max_steps=6, eval_every=3, max_tokens=12, draft_vocab=120, batch_size=4, held_out=0.2
+        prompts=prompts_file(folder),
+        max_steps=6,
+        eval_every=3,
+        max_tokens=12,
+        draft_vocab=120,
+        batch_size=4,
+        held_out=0.2,
+        gen_batch=4,
     )
     base.update(kw)
     return DistillOptions(**base)
@@ -73,7 +80,10 @@ def test_resume_after_an_interrupt_equals_an_uninterrupted_run(tmp_path, tiny_ck
     assert resumed.metrics == straight.metrics
     manifest = json.loads((b / "head" / "trtspec-head.json").read_text())
     assert manifest["steps"] == 6 and manifest["seed"] == 0
-    assert manifest["data"]["held_out_prompts"] == 2 and manifest["data"]["train_prompts"] == 8
+    # the spec's two verify prompts ("The quick brown fox", "Speculative decoding makes") are
+    # left out: the gate measures on prompts the head never saw
+    assert manifest["data"]["prompts_used"] == 8
+    assert manifest["data"]["held_out_prompts"] == 2 and manifest["data"]["train_prompts"] == 6
     assert (b / "head" / "training-curve.png").stat().st_size > 0
 
 
@@ -102,7 +112,7 @@ def test_an_interrupt_while_generating_keeps_the_finished_responses(tmp_path, ti
     rerun: list[int] = []
     monkeypatch.setattr(data, "generate", lambda *a, **k: rerun.append(len(a[0])) or real(*a, **k))
     resumed = distill(loaded, small_opts(b))
-    assert sum(rerun) == 10 - kept  # only the prompts without a response were generated
+    assert sum(rerun) == 8 - kept  # only the prompts without a response were generated (8: 10 less 2 verify prompts)
     wa = load_file(str(tmp_path / "a" / "head" / "model.safetensors"))
     wb = load_file(str(b / "head" / "model.safetensors"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa) and resumed.metrics == straight.metrics
@@ -226,3 +236,29 @@ def test_an_interrupted_write_leaves_nothing_build_accepts(tmp_path, tiny_ckpts,
     assert r.exit_code == 2
     assert "is not a folder; train the EAGLE-3 head there with `trtspec distill" in r.output
     assert not (tmp_path / "engines" / "draft").exists()
+
+
+def test_sampled_responses_add_training_contexts_only(tmp_path, tiny_ckpts):
+    """--samples-per-prompt 3: each training prompt gets its greedy response and two sampled
+    ones (seeded: two runs give the same data and head); held-out prompts keep their greedy
+    response only, and every label is still the target's greedy next token."""
+    import trtspec.codesign.data as data
+
+    runs = []
+    for name in ("a", "b"):
+        loaded = load_spec(eagle_spec(tmp_path / name, tiny_ckpts["target"]))
+        res = distill(loaded, small_opts(tmp_path / name, samples_per_prompt=3, max_steps=2, eval_every=1))
+        runs.append((res, json.loads((tmp_path / name / "head" / "trtspec-head.json").read_text())))
+    (res_a, man), (res_b, _) = runs
+    assert man["data"]["train_sequences"] == 3 * man["data"]["train_prompts"] == 18
+    assert man["data"]["held_out_prompts"] == 2 and man["data"]["samples_per_prompt"] == 3
+    assert res_a.metrics == res_b.metrics
+    (cached,) = (tmp_path / "a" / ".head.distill").glob("data-*.pt")
+    samples = data.load_samples(cached)
+    assert len(samples) == 8 + 12  # every prompt's greedy response, then 2 sampled per training prompt
+    greedy = {tuple(s.tokens[: s.prompt_len].tolist()): s for s in samples[:8]}
+    differs = 0
+    for s in samples[8:]:
+        g = greedy[tuple(s.tokens[: s.prompt_len].tolist())]  # a training prompt's sample
+        differs += not torch.equal(s.tokens, g.tokens)
+    assert differs > 0  # sampling gave other contexts than the greedy ones

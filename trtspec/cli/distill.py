@@ -57,6 +57,18 @@ def distill(
     max_tokens: int = typer.Option(128, "--max-tokens", min=1, help="Target response length per prompt."),
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="Sequences per training step."),
     lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate."),
+    weight_decay: float = typer.Option(0.0, "--weight-decay", min=0.0, help="AdamW weight decay."),
+    samples_per_prompt: int = typer.Option(
+        1,
+        "--samples-per-prompt",
+        min=1,
+        max=64,
+        help="Training responses per prompt: the greedy one plus N-1 sampled ones (more contexts; "
+        "labels stay the target's greedy tokens). Held-out prompts keep their greedy response only.",
+    ),
+    temperature: float = typer.Option(
+        0.8, "--temperature", min=0.05, max=2.0, help="Temperature of the sampled responses (top-p 0.95)."
+    ),
     layers: str | None = typer.Option(
         None, "--layers", help="Target layer ids the head reads (default: TensorRT-LLM's {1, L//2-1, L-4})."
     ),
@@ -92,6 +104,9 @@ def distill(
         max_tokens=max_tokens,
         batch_size=batch_size,
         lr=lr,
+        weight_decay=weight_decay,
+        samples_per_prompt=samples_per_prompt,
+        temperature=temperature,
         eval_every=eval_every,
         layer_ids=_layers(layers),
         allow_pickle=allow_pickle,

@@ -51,6 +51,7 @@ from trtspec.files import sha256_file, write_bytes_atomic
 from trtspec.layout import engine_folder
 from trtspec.spec import LoadedSpec
 from trtspec.speculative.requests import Limits, encode_prompt, end_token_ids, make_request
+from trtspec.speculative.sampling import SamplingParams
 
 
 @dataclass
@@ -71,6 +72,10 @@ class DistillOptions:
     held_out: float = 0.1  # fraction of prompts never trained on
     eval_every: int = 50
     layer_ids: tuple[int, ...] | None = None
+    samples_per_prompt: int = 1  # training responses per prompt: the greedy one + sampled ones
+    temperature: float = 0.8  # of the sampled responses (labels stay the target's greedy tokens)
+    weight_decay: float = 0.0
+    gen_batch: int = 16  # sequences generated at once (the engine's slots during distill)
     allow_pickle: bool = False
 
 
@@ -110,13 +115,23 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
         raise TrtspecError(f"--resume: no checkpoint in {work}; run without --resume to start")
     prompts_path = Path(opts.prompts) if opts.prompts else SHIPPED_PROMPTS
     prompts = read_prompts(prompts_path)
+    # The gate measures on prompts the head never saw: the spec's verify prompts are left out.
+    gate = set(loaded.verify_prompts())
+    kept = [p for p in prompts if p not in gate]
+    if len(kept) < len(prompts):
+        console.info(f"left out {len(prompts) - len(kept)} prompt(s) that are also the spec's verify prompts")
+    if len(kept) < 2:
+        raise SpecError(f"--prompts: {prompts_path} holds fewer than 2 prompts besides the spec's verify prompts")
+    prompts = kept
 
     # 1. the target engine, built once (the head is not needed for that).
     out_dir = loaded.output_dir()
     build(loaded, out_dir, allow_pickle=opts.allow_pickle, roles=["target"])
     folder = engine_folder(out_dir, "target")
     check_manifest(folder, "target", loaded.spec.build_hash("target"))
-    target = TorchEngine.load(folder)
+    # Generation batches more sequences than the deployment serves: on CPU a decode step costs
+    # about the same for 4 or 16 rows (the weights are read once per step).
+    target = TorchEngine.load(folder, slots=max(opts.gen_batch, 1))
     from transformers import AutoConfig, AutoTokenizer
 
     target_hf = AutoConfig.from_pretrained(folder)
@@ -134,10 +149,16 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
         json.dumps(
             {
                 "target": target_hash,
-                "prompts": sha256_file(prompts_path),
+                "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
                 "max_tokens": opts.max_tokens,
                 "layers": layer_ids,
                 "chat": loaded.spec.verify.chat_template,
+                # sampled responses are drawn per (seed, prompt, sample): the split shapes them
+                **(
+                    {"samples": opts.samples_per_prompt, "temperature": opts.temperature, "seed": opts.seed}
+                    if opts.samples_per_prompt > 1
+                    else {}
+                ),
             },
             sort_keys=True,
             default=str,
@@ -150,16 +171,19 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
     else:
         tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=loaded.spec.target.trust_remote_code)
         work.mkdir(parents=True, exist_ok=True)
-        samples = _generate(loaded, target, tok, prompts, opts.max_tokens, work / f"responses-{key}.jsonl")
+        variants = _variants(len(prompts), train_idx, opts)
+        samples = _generate(loaded, target, tok, prompts, variants, opts.max_tokens, work / f"responses-{key}.jsonl")
         save_samples(data_file, samples)
-    train_s = [samples[i] for i in train_idx]
+    # samples[i] is prompt i's greedy response; later ones are sampled responses to training
+    # prompts only (held-out prompts are never trained on, in any form).
     held_s = [samples[i] for i in held_idx]
+    train_s = [samples[i] for i in train_idx] + samples[len(prompts) :]
 
     # 3. draft vocabulary and a fresh head (or the checkpoint's).
     draft_ids = draft_vocabulary(train_s, opts.draft_vocab, target_hf.vocab_size)
     head, config = new_head(target_hf, target_lm_head(folder), layer_ids, draft_ids, opts.seed)
     head.train()
-    optim = torch.optim.AdamW(head.parameters(), lr=opts.lr, weight_decay=0.0)
+    optim = torch.optim.AdamW(head.parameters(), lr=opts.lr, weight_decay=opts.weight_decay)
     step, curve = 0, []
     ckpt = work / "checkpoint.pt"
     if opts.resume:
@@ -234,8 +258,12 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
         "data": {
             "prompts_file": str(prompts_path),
             "prompts_sha256": sha256_file(prompts_path),
+            "prompts_used": len(prompts),  # after leaving out the spec's verify prompts
             "train_prompts": len(train_idx),
             "held_out_prompts": len(held_idx),
+            "train_sequences": len(train_s),
+            "samples_per_prompt": opts.samples_per_prompt,
+            "temperature": opts.temperature if opts.samples_per_prompt > 1 else None,
             "train_tokens": sum(len(s.tokens) for s in train_s),
             "held_out_tokens": sum(len(s.tokens) for s in held_s),
             "max_tokens": opts.max_tokens,
@@ -255,18 +283,43 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
     return DistillResult(out, step, final, curve, stopped_by)
 
 
-def _generate(loaded: LoadedSpec, target: TorchEngine, tok, prompts: list[str], max_tokens: int, log: Path) -> list[Sample]:
-    """Samples of the target's responses; finished responses are kept in ``log`` as they come,
-    so an interrupted run (Ctrl-C, --time-budget, a crash) continues where it stopped."""
+def _variants(n_prompts: int, train_idx: list[int], opts: DistillOptions) -> list[tuple[int, SamplingParams | None]]:
+    """(prompt index, sampling) per response to generate: every prompt's greedy response first,
+    then samples_per_prompt - 1 sampled responses per training prompt, each with its own seed."""
+    out: list[tuple[int, SamplingParams | None]] = [(i, None) for i in range(n_prompts)]
+    for j in range(1, opts.samples_per_prompt):
+        for i in train_idx:
+            seed = (opts.seed * 1_000_003 + i * 1009 + j) % 2**63
+            out.append((i, SamplingParams(temperature=opts.temperature, top_p=0.95, seed=seed)))
+    return out
+
+
+def _generate(
+    loaded: LoadedSpec,
+    target: TorchEngine,
+    tok,
+    prompts: list[str],
+    variants: list[tuple[int, SamplingParams | None]],
+    max_tokens: int,
+    log: Path,
+) -> list[Sample]:
+    """Samples of the target's responses, one per variant; finished responses are kept in
+    ``log`` as they come, so an interrupted run (Ctrl-C, --time-budget, a crash) continues
+    where it stopped. Sampled responses only vary the contexts: every label is the target's
+    greedy next token, what the head must predict at inference."""
     limits = Limits.from_spec(loaded.spec, target.vocab_size)
     end_ids = end_token_ids(tok, target.folder)
-    reqs = []
+    encoded = []
     for n, p in enumerate(prompts, start=1):
         ids = encode_prompt(tok, p, loaded.spec.verify.chat_template)
-        budget = min(max_tokens, limits.max_seq_len - len(ids))
-        if budget < 1:
+        if min(max_tokens, limits.max_seq_len - len(ids)) < 1:
             raise SpecError(f"--prompts: prompt {n} has {len(ids)} tokens, no room below max_seq_len; shorten it")
-        reqs.append(make_request(ids, budget, 0, limits, end_ids))
+        encoded.append(ids)
+    reqs = []
+    for i, sampling in variants:
+        ids = encoded[i]
+        budget = min(max_tokens, limits.max_seq_len - len(ids))
+        reqs.append(make_request(ids, budget, 0, limits, end_ids, sampling=sampling))
     t0 = time.monotonic()
 
     first: list[int] = []
@@ -278,7 +331,7 @@ def _generate(loaded: LoadedSpec, target: TorchEngine, tok, prompts: list[str], 
         eta = (time.monotonic() - t0) / max(made, 1) * (total - done)
         console.info(f"target responses {done}/{total}  ETA {eta:.0f}s")
 
-    with console.step(f"generating the target's responses to {len(prompts)} prompts"):
+    with console.step(f"generating {len(reqs)} target responses to {len(prompts)} prompts"):
         outs = responses(target, reqs, progress, log)
     with console.step("capturing features and labels"):
         return [capture(target, r.prompt_ids, o) for r, o in zip(reqs, outs)]
