@@ -80,13 +80,13 @@ def test_cli_bench_unbuilt_exit_2(tmp_path, tiny_ckpts):
 def test_interrupted_bench_keeps_partial_results(spec_file, tmp_path, monkeypatch):
     real = b.run_bench
 
-    def interrupt_in_sweep(backend, report, prompts, ks, levels, costs, progress, rounds):
+    def interrupt_in_sweep(backend, report, prompts, ks, levels, costs, progress, rounds, **kw):
         def progress2(msg):
             if "sweep" in msg:
                 raise KeyboardInterrupt
             progress(msg)
 
-        return real(backend, report, prompts, ks, levels, costs, progress2, rounds)
+        return real(backend, report, prompts, ks, levels, costs, progress2, rounds, **kw)
 
     monkeypatch.setattr(b, "run_bench", interrupt_in_sweep)
     r = runner.invoke(app, ["bench", str(spec_file), "--out", str(tmp_path)])

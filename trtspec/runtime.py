@@ -24,6 +24,7 @@ from trtspec.speculative.loop import (
 )
 from trtspec.speculative.requests import Limits, encode_prompt, end_token_ids, make_request
 from trtspec.speculative.sampling import SamplingParams
+from trtspec.speculative.schedule import LoadPolicy
 from trtspec.speculative.verifier import LogitsVerifier
 
 
@@ -58,6 +59,8 @@ class Deployment:
         self.tokenizer = AutoTokenizer.from_pretrained(self.target.folder, trust_remote_code=spec.target.trust_remote_code)
         self.end_ids = end_token_ids(self.tokenizer, self.target.folder)
         self.limits = Limits.from_spec(spec, self.target.vocab_size)
+        # The spec's load-aware schedule / switch-off, one per deployment (its window spans calls).
+        self.policy = LoadPolicy.from_spec(spec.speculative)
 
     def drafter(self, method: str | None = None) -> Drafter:
         """The spec's drafter, or another method's over the same engines (bench peers)."""
@@ -89,9 +92,13 @@ class Deployment:
         requests: list[GenerationRequest],
         speculative: bool = True,
         on_step: StepCallback | None = None,
+        use_schedule: bool = True,
     ) -> list[GenerationResult]:
+        """``use_schedule=False``: every request drafts its own k whatever the load (bench's
+        k x concurrency grid measures what a schedule should be)."""
         drafter = self.drafter() if speculative else NoDrafter()
-        return generate(requests, drafter, self.verifier(), on_step)
+        policy = self.policy if speculative and use_schedule else None
+        return generate(requests, drafter, self.verifier(), on_step, policy)
 
     def forget_prefixes(self) -> None:
         """Empty every engine's prefix cache. Timed comparisons call this before each run:

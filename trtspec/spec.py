@@ -97,6 +97,15 @@ class ModelSpec(_Strict):
         return self.repo if self.repo is not None else str(self.path)
 
 
+class SwitchOffSpec(_Strict):
+    """Speculation off for good once the mean acceptance length of the last ``window``
+    finished requests falls below ``min_acceptance_length`` (TensorRT-LLM 1.2's
+    acceptance_window / acceptance_length_threshold)."""
+
+    window: Annotated[int, Field(ge=1, le=100_000)]
+    min_acceptance_length: Annotated[float, Field(gt=1.0, le=MAX_DRAFT_LEN_LIMIT + 1)]
+
+
 class SpeculativeSpec(_Strict):
     method: Method = "draft_target"
     max_draft_len: Annotated[int, Field(ge=1, le=MAX_DRAFT_LEN_LIMIT)] = 4
@@ -108,9 +117,27 @@ class SpeculativeSpec(_Strict):
     # TensorRT-LLM only: accept drafts by comparing draft and target logits (not greedy
     # token identity); needs --gather_generation_logits. Off: exact greedy acceptance.
     use_draft_logits: bool = False
+    # Load-aware speculation: {min active sequences: draft length}, e.g. {1: 4, 4: 2, 8: 0}
+    # (0: no drafting at that load). Caps every request's k; `trtspec bench --schedule`
+    # measures and recommends one. None: the same k at every load.
+    schedule: dict[Annotated[int, Field(ge=1, le=4096)], Annotated[int, Field(ge=0, le=MAX_DRAFT_LEN_LIMIT)]] | None = None
+    switch_off: SwitchOffSpec | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> SpeculativeSpec:
+        if self.schedule is not None:
+            points = sorted(self.schedule.items())
+            if not points or points[0][0] != 1:
+                raise ValueError(
+                    "schedule must start at 1 active sequence, e.g. {1: 4, 4: 2, 8: 0} "
+                    "(keys: active sequences from which a draft length applies)"
+                )
+            if any(k > self.max_draft_len for _, k in points):
+                raise ValueError(f"schedule draft lengths must be <= max_draft_len ({self.max_draft_len}); got {dict(points)}")
+            if any(b[1] > a[1] for a, b in zip(points, points[1:])):
+                raise ValueError(
+                    f"schedule draft lengths must not grow with load (more sequences, fewer drafts); got {dict(points)}"
+                )
         if self.num_draft_tokens is not None and self.num_draft_tokens > self.max_draft_len:
             raise ValueError(
                 f"num_draft_tokens ({self.num_draft_tokens}) exceeds max_draft_len "
@@ -300,6 +327,17 @@ def check_trtllm_runtime(spec: EngineSpec) -> None:
             "speculative.num_draft_tokens: the LLM API drafts max_draft_len tokens every step "
             "and takes no per-request draft length; remove num_draft_tokens or set it to "
             f"max_draft_len ({s.max_draft_len})"
+        )
+    if s.schedule and s.schedule.get(1) != s.max_draft_len:
+        raise ValueError(
+            "speculative.schedule: TensorRT-LLM's draft_len_schedule must map 1 sequence to "
+            f"max_draft_len; set schedule[1] to {s.max_draft_len} or max_draft_len to {s.schedule.get(1)}"
+        )
+    if s.switch_off is not None and t.line != "1.2":
+        raise ValueError(
+            "speculative.switch_off: TensorRT-LLM 1.3+ switches speculation off on an acceptance "
+            "rate (acceptance_rate_window_size / acceptance_rate_threshold), not on the acceptance "
+            "length trtspec measures; remove switch_off or set trtllm.line: '1.2'"
         )
     if s.method == "ngram" and s.min_ngram != 1:
         raise ValueError(

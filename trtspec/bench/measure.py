@@ -20,6 +20,7 @@ from typing import Protocol
 from trtspec.errors import RequestError
 from trtspec.files import write_json_atomic
 from trtspec.speculative.metrics import SpecMetrics, expected_tokens_per_forward, speedup_bound
+from trtspec.speculative.schedule import GridPoint, break_even_length, recommend, vllm_shape
 
 
 @dataclass
@@ -140,7 +141,30 @@ class BenchReport:
     sweep: list[SweepPoint] = field(default_factory=list)
     concurrency: list[ConcurrencyPoint] = field(default_factory=list)
     methods: list[dict] = field(default_factory=list)  # bench --methods: bench/methods.py rows
+    grid: list[GridPoint] = field(default_factory=list)  # bench --schedule: k x concurrency
+    max_batch_size: int = 1  # of the deployment (the last range of vLLM's schedule shape)
     complete: bool = False
+
+    @property
+    def schedule(self) -> dict | None:
+        """The recommended load-aware schedule, in the spec's, TensorRT-LLM's and vLLM's shapes,
+        with the break-even acceptance length per concurrency at its k."""
+        if not self.grid:
+            return None
+        sched = recommend(self.grid)
+        out: dict = {"spec": {"schedule": sched.to_mapping()}, "break_even": []}
+        for c in sorted({p.concurrency for p in self.grid}):
+            k = sched.k_for(c)
+            ks = [p.k for p in self.grid if p.concurrency == c and p.k > 0]
+            kk = k or (min(ks) if ks else 0)
+            out["break_even"].append(
+                {"concurrency": c, "k": k, "at_k": kk, "break_even_acceptance_length": break_even_length(self.grid, c, kk)}
+            )
+        first = sched.points[0][1]
+        if first > 0:
+            out["trtllm"] = {"max_draft_len": first, "draft_len_schedule": sched.to_mapping()}
+            out["vllm"] = vllm_shape(sched, self.max_batch_size)
+        return out
 
     @property
     def speedup(self) -> float:
@@ -203,6 +227,8 @@ class BenchReport:
                 for p in self.concurrency
             ],
             "methods": self.methods,
+            "grid": [asdict(p) for p in self.grid],
+            "schedule": self.schedule,
         }
 
 
@@ -236,8 +262,13 @@ def run_bench(
     measure_costs: Callable[[int], Costs] | None,
     progress: Progress = lambda s: None,
     rounds: int = 1,
+    sweep_backend: BenchBackend | None = None,
+    grid: bool = False,
 ) -> BenchReport:
-    """Fill ``report`` in place; an interruption leaves what was measured so far in it."""
+    """Fill ``report`` in place; an interruption leaves what was measured so far in it.
+    ``sweep_backend`` runs the k sweep and the grid (in process: one that ignores the
+    spec's schedule, so each k is what it says); ``grid``: also the k x concurrency grid."""
+    sweeper = sweep_backend or backend
     k, n = report.k, report.max_tokens
     progress("warm-up")
     backend.run_batch(prompts[:1], min(n, 8), False, k, 1)
@@ -272,7 +303,7 @@ def run_bench(
         progress(f"draft-length sweep: k={kk}")
         timings, secs = [], 0.0
         for prompt in prompts:
-            t, s = backend.run_batch([prompt], n, True, kk, 1)
+            t, s = sweeper.run_batch([prompt], n, True, kk, 1)
             timings += t
             secs += s
         stats, m = PathStats.of(timings, secs), _sum_metrics(timings)
@@ -292,8 +323,27 @@ def run_bench(
         t_tim, t_secs_c = backend.run_batch(batch, n, False, k, c)
         s_tim, s_secs_c = backend.run_batch(batch, n, True, k, c)
         report.concurrency.append(ConcurrencyPoint(c, PathStats.of(t_tim, t_secs_c), PathStats.of(s_tim, s_secs_c)))
+    if grid:
+        run_grid(sweeper, report, prompts, sweep_ks or [k], concurrency, progress)
     report.complete = True
     return report
+
+
+def run_grid(
+    backend: BenchBackend, report: BenchReport, prompts: Sequence[str], ks: Sequence[int], concurrency: Sequence[int], progress
+) -> None:
+    """tokens/s of target-only (k = 0) and each k at each concurrency: what a load-aware
+    schedule should be (speculative/schedule.py recommend). Within one concurrency the k
+    values run interleaved with target-only, so drift does not favour one."""
+    n = report.max_tokens
+    for c in concurrency or [1]:
+        batch = [prompts[i % len(prompts)] for i in range(max(c, len(prompts)))]
+        for kk in [0, *ks]:
+            progress(f"schedule grid: concurrency {c}, k={kk}")
+            tim, secs = backend.run_batch(batch, n, kk > 0, kk or 1, c)
+            stats = PathStats.of(tim, secs)
+            length = _sum_metrics(tim).mean_acceptance_length if kk else 1.0
+            report.grid.append(GridPoint(c, kk, stats.tokens_per_s, length))
 
 
 def _sum_metrics(timings: list[RequestTiming]) -> SpecMetrics:
@@ -310,9 +360,11 @@ def _sum_metrics(timings: list[RequestTiming]) -> SpecMetrics:
 class InProcessBench:
     """BenchBackend over a loaded Deployment; concurrency = requests batched together."""
 
-    def __init__(self, deployment, chat_template: bool | None = None):
+    def __init__(self, deployment, chat_template: bool | None = None, use_schedule: bool = True):
         self.dep = deployment
         self.chat_template = chat_template
+        # False: every request drafts the k asked whatever the load (sweeps measure k itself)
+        self.use_schedule = use_schedule
 
     def run_batch(self, prompts, max_tokens, speculative, k, concurrency):
         timings: list[RequestTiming] = []
@@ -332,7 +384,7 @@ class InProcessBench:
                 if finished:
                     done[i] = now
 
-            results = self.dep.generate(reqs, speculative=speculative, on_step=on_step)
+            results = self.dep.generate(reqs, speculative=speculative, on_step=on_step, use_schedule=self.use_schedule)
             for i, res in enumerate(results):
                 timings.append(
                     RequestTiming(
@@ -465,8 +517,46 @@ def render(report: BenchReport, console) -> None:
                 "yes" if r["identical_to_target_only"] else f"NO (prompts {r['mismatched_prompts']})",
             )
         console.print(mt)
+    if report.grid:
+        _render_grid(report, console)
     if not report.complete:
         console.print("[yellow]interrupted: partial results[/yellow]")
+
+
+def _render_grid(report: BenchReport, console) -> None:
+    from rich.table import Table
+
+    ks = sorted({p.k for p in report.grid})
+    cs = sorted({p.concurrency for p in report.grid})
+    tps = {(p.concurrency, p.k): p for p in report.grid}
+    gt = Table(title="schedule grid: aggregate tokens/s by concurrency (rows) and k (k=0: target-only)")
+    gt.add_column("concurrency")
+    for k in ks:
+        gt.add_column(f"k={k}" if k else "target-only")
+    for c in cs:
+        best = max((tps[(c, k)] for k in ks if (c, k) in tps), key=lambda p: p.tokens_per_s)
+        cells = []
+        for k in ks:
+            p = tps.get((c, k))
+            text = "-" if p is None else f"{p.tokens_per_s:.1f}" + (f" (len {p.mean_acceptance_length:.2f})" if k else "")
+            cells.append(f"[bold]{text}[/bold]" if p is best else text)
+        gt.add_row(str(c), *cells)
+    console.print(gt)
+    sched = report.schedule
+    console.print(f"recommended schedule (speculative.schedule): {sched['spec']['schedule']}")
+    for row in sched["break_even"]:
+        be = row["break_even_acceptance_length"]
+        console.print(
+            f"  concurrency {row['concurrency']}: k={row['k']}; drafting {row['at_k']} pays above an acceptance "
+            f"length of {be:.2f}"
+            if be is not None
+            else f"  concurrency {row['concurrency']}: k={row['k']}"
+        )
+    if "trtllm" in sched:
+        console.print(f"TensorRT-LLM speculative_config: {sched['trtllm']}")
+        console.print(f"vLLM speculative_config: {sched['vllm']}")
+    else:
+        console.print("target-only wins even at concurrency 1: leave speculation off on this machine")
 
 
 def _ms_pair(a: float | None, b: float | None, digits: int) -> str:
@@ -541,6 +631,26 @@ def plot(report: BenchReport, out_dir: Path) -> list[Path]:
         ax.set_title(f"{report.spec_name}: drafting methods, one target ({report.machine.split(',')[0]})")
         ax.tick_params(axis="x", labelsize=8)
         files.append(_save(fig, out_dir / "methods.png"))
+    if report.grid:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        cs = sorted({p.concurrency for p in report.grid})
+        for k in sorted({p.k for p in report.grid}):
+            pts = sorted((p for p in report.grid if p.k == k), key=lambda p: p.concurrency)
+            style = ("o-", "black") if k == 0 else ("s--", None)
+            ax.plot(
+                [p.concurrency for p in pts],
+                [p.tokens_per_s for p in pts],
+                style[0],
+                color=style[1],
+                label="target-only" if k == 0 else f"k={k}",
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(cs, [str(c) for c in cs])
+        ax.set_xlabel("concurrency (active sequences)")
+        ax.set_ylabel("aggregate tokens/s")
+        ax.legend(fontsize=8)
+        ax.set_title(f"{report.spec_name}: k x concurrency (recommended {report.schedule['spec']['schedule']})", fontsize=9)
+        files.append(_save(fig, out_dir / "schedule.png"))
     return files
 
 

@@ -39,6 +39,7 @@ class BenchOptions:
     llmapi_impl: str = "tensorrt_llm"  # trtllm.runtime llmapi in process: the library or "double"
     methods: list[str] = field(default_factory=list)  # also compare these drafting methods (in process)
     draft_from: LoadedSpec | None = None  # the source of a method that is not the spec's own
+    schedule: bool = False  # also the k x concurrency grid and a recommended schedule (in process)
 
 
 def run(
@@ -48,6 +49,11 @@ def run(
     if not opts.prompts:
         raise RequestError("no prompts: add verify.prompts to the spec or pass --prompt/--prompts-file")
     m.validate_args(opts.k, opts.sweep, opts.concurrency, loaded.spec.speculative.max_draft_len)
+    if opts.schedule and opts.url:
+        raise RequestError(
+            "--schedule measures the k x concurrency grid in process (a served deployment applies "
+            "its own schedule); drop --url, then put the recommendation in speculative.schedule and serve"
+        )
     if (opts.methods or opts.draft_from) and opts.url:
         raise RequestError(
             "--methods compares drafters over one target in process; drop --url (a served repository runs one method)"
@@ -67,9 +73,11 @@ def run(
             slots = max([*opts.concurrency, 1]) if opts.concurrency else None
             dep = Deployment(loaded, engines_dir, slots=slots)
         backend = m.InProcessBench(dep)
+        sweeper = m.InProcessBench(dep, use_schedule=False)
         first = opts.prompts[0]
         measure_costs, mode = (lambda k: m.measure_engine_costs(dep, first, k)), "in-process"
     report = m.BenchReport(loaded.spec.name, mode, m.machine_description(), len(opts.prompts), opts.max_tokens, opts.k)
+    report.max_batch_size = loaded.spec.build.max_batch_size
     methods = None
     if opts.methods:
         from trtspec.bench.methods import method_set
@@ -77,7 +85,16 @@ def run(
         methods = method_set(dep, opts.methods, opts.k, opts.draft_from)
     try:
         m.run_bench(
-            backend, report, opts.prompts, opts.sweep, opts.concurrency, measure_costs, progress=progress, rounds=opts.rounds
+            backend,
+            report,
+            opts.prompts,
+            opts.sweep,
+            opts.concurrency,
+            measure_costs,
+            progress=progress,
+            rounds=opts.rounds,
+            sweep_backend=None if opts.url else sweeper,
+            grid=opts.schedule,
         )
         if methods is not None:
             _compare(dep, methods, opts, report, progress)

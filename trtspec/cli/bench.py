@@ -53,6 +53,14 @@ def bench(
             "supplies a method this spec lacks.",
         ),
     ] = None,
+    schedule: Annotated[
+        bool,
+        typer.Option(
+            "--schedule",
+            help="Also measure tokens/s for each --sweep k and target-only at each --concurrency, and "
+            "recommend a load-aware schedule (speculative.schedule; TensorRT-LLM and vLLM shapes too).",
+        ),
+    ] = False,
     out: Annotated[
         Path | None, typer.Option("--out", help="Folder for bench.json and plots (default bench/results/<name>).")
     ] = None,
@@ -94,6 +102,7 @@ def bench(
         methods=[x.strip() for x in methods.split(",") if x.strip()] if methods else [],
         draft_from=load_spec(draft_from) if draft_from else None,
         llmapi_impl=llmapi_impl,
+        schedule=schedule,
     )
     with console.err.status("benchmarking") as status:
         report, interrupted = run.run(

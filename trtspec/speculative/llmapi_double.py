@@ -155,6 +155,25 @@ def update_llm_args_with_extra_dict(line: str, llm_args: dict, extra: dict, extr
     return merged
 
 
+def _load_policy(spec):
+    """draft_len_schedule ({batch size: draft length}) and 1.2's acceptance_window /
+    acceptance_length_threshold, applied by the one loop as upstream's executor applies them."""
+    from trtspec.speculative.schedule import AcceptanceSwitch, DraftSchedule, LoadPolicy
+
+    if spec is None:
+        return None
+    fields = spec.fields
+    schedule = fields.get("draft_len_schedule")
+    if schedule:
+        schedule = {int(n): int(k) for n, k in schedule.items()}
+        if schedule.get(1) != fields.get("max_draft_len"):  # upstream's validator
+            raise ValueError("draft_len_schedule must contain batch_size=1 with draft_len equal to max_draft_len")
+        schedule = DraftSchedule.from_mapping(schedule)
+    window, threshold = fields.get("acceptance_window"), fields.get("acceptance_length_threshold")
+    switch = AcceptanceSwitch(int(window), float(threshold)) if window and threshold is not None else None
+    return LoadPolicy(schedule or None, switch) if (schedule or switch) else None
+
+
 class LLM:
     """Loads the target (and a draft) checkpoint into torch engines; greedy generation."""
 
@@ -194,6 +213,7 @@ class LLM:
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=trust)
         self._lock = threading.Lock()  # one generate at a time, like one executor loop
         self._next_id = 0
+        self._policy = _load_policy(spec)
 
     def generate(self, inputs, sampling_params=None, use_tqdm: bool = False):
         """One RequestOutput per input (a list in, a list out), as upstream's LLM.generate."""
@@ -247,7 +267,7 @@ class LLM:
         from trtspec.speculative.loop import generate
         from trtspec.speculative.verifier import LogitsVerifier
 
-        return generate(requests, self._drafter(), LogitsVerifier(self.target.run), on_step)
+        return generate(requests, self._drafter(), LogitsVerifier(self.target.run), on_step, self._policy)
 
     def _output(self, prompt, req, sp: SamplingParams, res, cancelled: bool = False) -> RequestOutput:
         m = res.metrics

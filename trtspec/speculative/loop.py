@@ -27,6 +27,7 @@ import torch
 from trtspec.errors import RequestError
 from trtspec.speculative.metrics import SpecMetrics
 from trtspec.speculative.sampling import SamplingParams, accept_or_resample, warp
+from trtspec.speculative.schedule import LoadPolicy
 
 FinishReason = Literal["length", "eos", "stop"]
 
@@ -152,10 +153,13 @@ class Batch:
     step. The target still decides every token, so outputs are unchanged.
     """
 
-    def __init__(self, drafter: Drafter, verifier: Verifier, on_step: StepCallback | None = None):
+    def __init__(
+        self, drafter: Drafter, verifier: Verifier, on_step: StepCallback | None = None, policy: LoadPolicy | None = None
+    ):
         self.drafter = drafter
         self.verifier = verifier
         self.on_step = on_step
+        self.policy = policy  # load-aware draft-length cap and acceptance switch-off (schedule.py)
         self.requests: dict[int, GenerationRequest] = {}
         self.results: dict[int, GenerationResult] = {}
         self.gens: dict[int, torch.Generator] = {}  # sampled requests' random streams
@@ -206,6 +210,9 @@ class Batch:
             else max(0, min(requests[i].num_draft_tokens, requests[i].max_tokens - len(results[i].output_ids) - 1))
             for i in active
         ]
+        cap = self.policy.cap(len(active)) if self.policy is not None else None
+        if cap is not None:
+            ks = [min(k, cap) for k in ks]
         drafts: list[list[int]] = [[] for _ in active]
         qs: list[torch.Tensor | None] = [None for _ in active]  # draft distributions [k, vocab]
         wants = [j for j, k in enumerate(ks) if k > 0 and requests[active[j]].sampling is None]
@@ -228,6 +235,8 @@ class Batch:
         verdicts = self.verifier.verify(contexts, drafts)
         report.sequences, report.k = len(active), max(ks)
         report.asked_k = max(requests[i].num_draft_tokens for i in active)
+        if cap is not None:
+            report.asked_k = min(report.asked_k, cap)
         for j, i in enumerate(active):
             req = requests[i]
             extra = 0
@@ -258,6 +267,9 @@ class Batch:
             report.emitted[i] = emitted
             if results[i].done:
                 report.finished.append(i)
+                if self.policy is not None:
+                    m = results[i].metrics
+                    self.policy.finished(m.drafted, m.mean_acceptance_length)
             if self.on_step:
                 self.on_step(i, emitted, results[i].done)
         return report
@@ -268,11 +280,12 @@ def generate(
     drafter: Drafter,
     verifier: Verifier,
     on_step: StepCallback | None = None,
+    policy: LoadPolicy | None = None,
 ) -> list[GenerationResult]:
     """Generation for a batch of requests. Greedy requests: identical tokens whatever the
     drafter. Sampled requests (``sampling`` set): rejection sampling, so every token follows
     the target's distribution whatever the drafter (speculative/sampling.py)."""
-    batch = Batch(drafter, verifier, on_step)
+    batch = Batch(drafter, verifier, on_step, policy)
     keys = [batch.add(r) for r in requests]  # key i is requests[i]: on_step's index
     while batch.active:
         batch.step()

@@ -91,7 +91,26 @@ def speculative_config(spec: EngineSpec, draft_dir: Path | None, line: str) -> d
     else:
         # 1.2.1 defaults this to 0 and asserts > 0; main defaults to 2: always write it.
         cfg["max_matching_ngram_size"] = s.max_ngram
-    return cfg
+    return cfg | schedule_keys(s.schedule, s.switch_off, line)
+
+
+def schedule_keys(schedule: dict[int, int] | None, switch_off, line: str) -> dict:
+    """Load-aware speculation as DecodingBaseConfig takes it, both lines:
+    ``draft_len_schedule`` {batch size threshold: draft length} must hold {1: max_draft_len}
+    (upstream's validator; spec validation checks it); 0 switches speculation off at that
+    batch size. The acceptance switch-off is 1.2's
+    ``acceptance_window`` / ``acceptance_length_threshold`` (rolling mean acceptance length
+    over finished requests); 1.3+ gates on an acceptance *rate* instead (spec validation
+    refuses switch_off there)."""
+    out: dict = {}
+    if schedule:
+        out["draft_len_schedule"] = dict(sorted(schedule.items()))
+    if switch_off is not None:
+        if line != "1.2":
+            raise ValueError("switch_off is written for TensorRT-LLM 1.2 only (1.3+ gates on acceptance rate)")
+        out["acceptance_window"] = switch_off.window
+        out["acceptance_length_threshold"] = switch_off.min_acceptance_length
+    return out
 
 
 def _head_layers_if_not_default(head_dir: Path | None) -> list[int] | None:
@@ -142,10 +161,11 @@ def llm_args(spec: EngineSpec, target_dir: Path, draft_dir: Path | None, specula
     return args
 
 
-def check_keys(args: dict, what: str) -> None:
-    """Every key must exist in both lines' inventories (the decoding_type spelled per line)."""
+def check_keys(args: dict, what: str, lines: tuple[str, ...] = LINES) -> None:
+    """Every key must exist in each of ``lines``' inventories (the decoding_type spelled per
+    line); the files a build writes are checked against their own line."""
     missing = []
-    for line in LINES:
+    for line in lines:
         probe = json.loads(json.dumps(args))
         spec_cfg = probe.get("speculative_config")
         if spec_cfg is not None:
@@ -168,7 +188,7 @@ def plan_files(spec: EngineSpec, ckpt_dirs: dict[str, Path]) -> dict[str, str]:
     files = {}
     for name, speculative in ((SPECULATIVE, True), (CONTROL, False)):
         args = llm_args(spec, ckpt_dirs["target"], ckpt_dirs.get("draft"), speculative)
-        check_keys(args, name)
+        check_keys(args, name, (line,))
         kind = "speculative" if speculative else "control (target only)"
         header = (
             f"trtspec {spec.name}: LLM API arguments, {kind}, TensorRT-LLM {line}. "
@@ -267,7 +287,7 @@ def build(loaded: LoadedSpec, output_dir: Path, force: bool = False, allow_pickl
             parsed = read_args(tmp / name)  # parse back: what upstream's yaml.safe_load sees
             if render(parsed, text.splitlines()[0][2:]) != text:
                 raise EngineError(f"{name} did not read back as written; this is a trtspec bug")
-            check_keys(parsed, name)
+            check_keys(parsed, name, (spec.trtllm.line,))
         manifest = LlmapiManifest(
             complete=True,
             name=spec.name,

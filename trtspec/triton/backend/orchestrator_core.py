@@ -37,6 +37,7 @@ from trtspec.errors import RequestError
 from trtspec.speculative.drafters import make_drafter
 from trtspec.speculative.loop import Batch, GenerationResult, NoDrafter
 from trtspec.speculative.requests import Limits, encode_prompt, make_request
+from trtspec.speculative.schedule import AcceptanceSwitch, DraftSchedule, LoadPolicy
 from trtspec.tokens import check_token_ids
 from trtspec.triton.backend.bls import BlsDecoder, BlsDrafter, BlsVerifier, EngineCall
 from trtspec.triton.backend.contract import check_supported
@@ -67,6 +68,17 @@ class OrchestratorSettings:
     # TensorRT-LLM targets keep decoding to request_output_len after a rejected draft; the
     # verifier then keeps those tokens (bls.BlsVerifier).
     target_continues: bool = False
+    # Load-aware speculation (spec speculative.schedule / switch_off): {active sequences: k}
+    # and (window, min acceptance length); the active sequences are this instance's batch.
+    schedule: tuple[tuple[int, int], ...] | None = None
+    switch_off: tuple[int, float] | None = None
+
+    def load_policy(self) -> LoadPolicy | None:
+        if self.mode != "speculative" or (self.schedule is None and self.switch_off is None):
+            return None
+        schedule = DraftSchedule.from_mapping(dict(self.schedule)) if self.schedule else None
+        switch = AcceptanceSwitch(*self.switch_off) if self.switch_off else None
+        return LoadPolicy(schedule, switch)
 
 
 # Sends tensors for request i; final=True ends that request's stream.
@@ -114,6 +126,7 @@ class Orchestrator:
         self.tokenizer = tokenizer
         self.end_ids = end_ids
         self.metrics = metrics  # Prometheus (triton/backend/metrics.py); None: not reported
+        self.policy = settings.load_policy()  # one per instance: its window spans batches
 
     # -- parsing -------------------------------------------------------------------------
 
@@ -217,7 +230,7 @@ class Orchestrator:
     def new_batch(self) -> Batch:
         """A loop Batch for this endpoint. Margins come back whenever the engine gives them
         (requests that want them join a batch already running)."""
-        return Batch(self.drafter(), self.verifier(self.s.margins_supported))
+        return Batch(self.drafter(), self.verifier(self.s.margins_supported), policy=self.policy)
 
     def run(self, requests: Sequence[Mapping[str, np.ndarray]], send: Sender | None = None) -> list[dict | Exception | None]:
         """Answer every request, here and now (the control endpoint; tests). Unary: returns

@@ -29,9 +29,9 @@ from trtspec.triton.repository.pbtxt import DynamicBatching, ModelConfig
 LLMAPI_SHIM = "from trtspec.triton.backend.models.llmapi_model import TritonPythonModel  # noqa: F401\n"
 
 
-def model_yaml(args_file: Path, batch: int, decoupled: bool = False) -> str:
+def model_yaml(args_file: Path, batch: int, line: str, decoupled: bool = False) -> str:
     args = read_config(args_file)
-    llmapi.check_keys(args, str(args_file))
+    llmapi.check_keys(args, str(args_file), (line,))
     data = dict(args) | {TRITON_CONFIG: {"max_batch_size": batch, "decoupled": decoupled}}
     text = (
         "# LLM API arguments (from " + args_file.name + ") and Triton's triton_config block,\n"
@@ -91,5 +91,5 @@ def plan(
             dynamic_batching=DynamicBatching(max_queue_delay_microseconds=0),
         )
         models[name] = (cfg, LLMAPI_SHIM)
-        extra[f"{name}/1/model.yaml"] = model_yaml(folder / args_file, lim.max_batch_size, decoupled)
+        extra[f"{name}/1/model.yaml"] = model_yaml(folder / args_file, lim.max_batch_size, spec.trtllm.line, decoupled)
     return models, extra, tokenizer_dir, vocab

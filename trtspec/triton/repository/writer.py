@@ -47,6 +47,7 @@ from trtspec.layout import (
     tokenizer_folder,
 )
 from trtspec.spec import LoadedSpec
+from trtspec.speculative.schedule import to_params as schedule_params
 from trtspec.triton.backend import contract
 from trtspec.triton.backend.contract import Tensor
 from trtspec.triton.repository import pbtxt
@@ -246,6 +247,8 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path, llmapi_impl: str = "t
             "engine_margins": "true" if margins else "false",
             "max_queue": str(spec.serve.max_queue),  # the speculative endpoints' scheduler
         } | engine_params
+        if mode == "speculative":
+            params |= schedule_params(spec.speculative)
         if has_draft:
             params["tensorrt_llm_draft_model_name"] = DRAFT_MODEL
         if spec.speculative.method == "eagle3":

@@ -18,6 +18,7 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from trtspec.speculative.requests import Limits, end_token_ids
+from trtspec.speculative.schedule import from_params as schedule_settings
 from trtspec.triton.backend.metrics import EndpointMetrics, TritonSink
 from trtspec.triton.backend.models import pb
 from trtspec.triton.backend.orchestrator_core import Orchestrator, OrchestratorSettings
@@ -55,6 +56,7 @@ class TritonPythonModel:
             eagle3_head_dir=p.get("eagle3_head_dir"),
             eagle3_target_dir=p.get("eagle3_target_dir"),
             target_continues=p.get("engine_continues", "false") == "true",
+            **schedule_settings(p),
         )
         call = pb.bls_call
         if p.get("engine_requests", "batched") == "per_row":

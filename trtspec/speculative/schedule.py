@@ -1,0 +1,204 @@
+"""Load-aware speculation: how many tokens to draft as the number of active sequences grows,
+and an optional switch-off when acceptance falls.
+
+Speculation trades spare compute for fewer target forwards. With one sequence the target
+step is memory-bound and a verify of k+1 tokens costs little more than one token; with many
+sequences the batch already fills the machine, each drafted token costs about as much as a
+target token, and speculation stops paying. A schedule maps the number of active sequences
+to a draft length (0: speculation off at that load); the one loop caps every sequence's k by
+it before each step.
+
+``DraftSchedule`` is the spec's `speculative.schedule` ({min active sequences: k}, thresholds
+as TensorRT-LLM's ``draft_len_schedule``); ``AcceptanceSwitch`` is `speculative.switch_off`
+(rolling mean acceptance length over the last N finished requests, below a threshold:
+speculation off from then on, as TensorRT-LLM's acceptance window does); ``LoadPolicy`` joins
+them for the loop. ``recommend`` turns a measured k x concurrency grid into a schedule; ``vllm_shape`` writes
+it as vLLM takes it (TensorRT-LLM's keys: engines/trtllm/llmapi.py, schedule_keys).
+"""
+
+from __future__ import annotations
+
+import threading
+from bisect import bisect_right
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class DraftSchedule:
+    """Sorted (min active sequences, k) thresholds; the first threshold is 1."""
+
+    points: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[int, int]) -> DraftSchedule:
+        points = tuple(sorted((int(n), int(k)) for n, k in mapping.items()))
+        if not points or points[0][0] != 1:
+            raise ValueError("a draft-length schedule must start at 1 active sequence, e.g. {1: 4, 4: 2, 8: 0}")
+        if any(n < 1 or k < 0 for n, k in points):
+            raise ValueError("schedule keys are active-sequence counts >= 1 and values draft lengths >= 0")
+        return cls(points)
+
+    def k_for(self, active: int) -> int:
+        """The draft length at ``active`` sequences: the value of the largest threshold <= active."""
+        i = bisect_right([n for n, _ in self.points], max(active, 1)) - 1
+        return self.points[i][1]
+
+    def to_mapping(self) -> dict[int, int]:
+        return dict(self.points)
+
+    def compact(self) -> DraftSchedule:
+        """The same schedule without thresholds that repeat the previous value."""
+        out: list[tuple[int, int]] = []
+        for n, k in self.points:
+            if not out or out[-1][1] != k:
+                out.append((n, k))
+        return DraftSchedule(tuple(out))
+
+
+@dataclass
+class AcceptanceSwitch:
+    """Speculation off for good once the mean acceptance length (tokens per target forward)
+    of the last ``window`` finished requests that drafted falls below ``min_acceptance_length``."""
+
+    window: int
+    min_acceptance_length: float
+    recent: deque = field(default_factory=deque)
+    off: bool = False
+
+    def record(self, acceptance_length: float) -> None:
+        if self.off:
+            return
+        self.recent.append(acceptance_length)
+        while len(self.recent) > self.window:
+            self.recent.popleft()
+        if len(self.recent) == self.window and sum(self.recent) / self.window < self.min_acceptance_length:
+            self.off = True
+
+    @property
+    def rolling_mean(self) -> float | None:
+        return sum(self.recent) / len(self.recent) if self.recent else None
+
+
+class LoadPolicy:
+    """What the loop asks before each step (the draft-length cap for this many active
+    sequences) and tells after a request ends (its acceptance length). Thread-safe: one
+    policy may serve every batch of an engine instance."""
+
+    def __init__(self, schedule: DraftSchedule | None = None, switch: AcceptanceSwitch | None = None):
+        self.schedule = schedule
+        self.switch = switch
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_spec(cls, speculative) -> LoadPolicy | None:
+        """From a SpeculativeSpec; None when it sets neither a schedule nor a switch-off."""
+        schedule = DraftSchedule.from_mapping(speculative.schedule) if speculative.schedule else None
+        s = speculative.switch_off
+        switch = AcceptanceSwitch(s.window, s.min_acceptance_length) if s is not None else None
+        if schedule is None and switch is None:
+            return None
+        return cls(schedule, switch)
+
+    def cap(self, active: int) -> int | None:
+        """The largest k any sequence may draft this step (None: no cap)."""
+        with self._lock:
+            if self.switch is not None and self.switch.off:
+                return 0
+        return self.schedule.k_for(active) if self.schedule is not None else None
+
+    def finished(self, drafted: int, acceptance_length: float) -> None:
+        if self.switch is None or drafted == 0:
+            return
+        with self._lock:
+            self.switch.record(acceptance_length)
+
+    @property
+    def switched_off(self) -> bool:
+        return self.switch is not None and self.switch.off
+
+
+# ---------------------------------------------------------------- recommending a schedule
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    concurrency: int
+    k: int  # 0: target-only
+    tokens_per_s: float
+    mean_acceptance_length: float  # 1.0 for k = 0
+
+
+def recommend(grid: list[GridPoint]) -> DraftSchedule:
+    """Per measured concurrency the k with the highest tokens/s (0 when target-only wins);
+    the thresholds are the measured concurrencies, so the schedule says nothing beyond them."""
+    best: dict[int, GridPoint] = {}
+    for p in grid:
+        if p.concurrency not in best or p.tokens_per_s > best[p.concurrency].tokens_per_s:
+            best[p.concurrency] = p
+    if not best:
+        raise ValueError("no grid points measured")
+    ks = {c: best[c].k for c in sorted(best)}
+    first = min(ks)
+    if first != 1:
+        ks = {1: ks[first], **{c: k for c, k in ks.items() if c != first}}
+    return DraftSchedule.from_mapping(ks).compact()
+
+
+def break_even_length(grid: list[GridPoint], concurrency: int, k: int) -> float | None:
+    """The acceptance length at which drafting k at this concurrency would just match
+    target-only: the measured cost of a speculative step in target steps,
+    L_measured * (target-only tok/s) / (speculative tok/s)."""
+    base = next((p for p in grid if p.concurrency == concurrency and p.k == 0), None)
+    spec = next((p for p in grid if p.concurrency == concurrency and p.k == k), None)
+    if base is None or spec is None or not spec.tokens_per_s:
+        return None
+    return spec.mean_acceptance_length * base.tokens_per_s / spec.tokens_per_s
+
+
+def vllm_shape(schedule: DraftSchedule, max_batch_size: int) -> dict:
+    """``speculative_config`` keys for vLLM: num_speculative_tokens (the largest k) and
+    num_speculative_tokens_per_batch_size, inclusive (first, last, k) batch-size ranges."""
+    pts = schedule.points
+    ranges = []
+    for i, (n, k) in enumerate(pts):
+        last = pts[i + 1][0] - 1 if i + 1 < len(pts) else max(max_batch_size, n)
+        ranges.append([n, last, k])
+    top = max(k for _, k in pts)
+    if top == 0:
+        raise ValueError("the schedule drafts nothing at any load: leave speculation off instead")
+    return {"num_speculative_tokens": top, "num_speculative_tokens_per_batch_size": ranges}
+
+
+# ---------------------------------------------------------------- model config parameters
+
+SCHEDULE_PARAM = "draft_len_schedule"  # JSON {"active sequences": k}
+SWITCH_OFF_PARAM = "switch_off"  # JSON {"window": N, "min_acceptance_length": L}
+
+
+def to_params(speculative) -> dict[str, str]:
+    """The spec's schedule / switch-off as Triton model config parameters (strings)."""
+    import json
+
+    out = {}
+    if speculative.schedule:
+        out[SCHEDULE_PARAM] = json.dumps({str(n): k for n, k in sorted(speculative.schedule.items())})
+    if speculative.switch_off is not None:
+        s = speculative.switch_off
+        out[SWITCH_OFF_PARAM] = json.dumps({"window": s.window, "min_acceptance_length": s.min_acceptance_length})
+    return out
+
+
+def from_params(params: Mapping[str, str]) -> dict:
+    """OrchestratorSettings keywords (schedule, switch_off) from model config parameters."""
+    import json
+
+    out: dict = {}
+    if params.get(SCHEDULE_PARAM):
+        raw = json.loads(params[SCHEDULE_PARAM])
+        out["schedule"] = DraftSchedule.from_mapping({int(n): int(k) for n, k in raw.items()}).points
+    if params.get(SWITCH_OFF_PARAM):
+        raw = json.loads(params[SWITCH_OFF_PARAM])
+        out["switch_off"] = (int(raw["window"]), float(raw["min_acceptance_length"]))
+    return out
