@@ -127,10 +127,22 @@ def test_greedy_settings_are_accepted(inputs):
     contract.check_supported(inputs)
 
 
+def test_sampling_inputs_read_as_tensorrt_llm_reads_them():
+    from trtspec.speculative.sampling import SamplingParams
+
+    for greedy in GREEDY_AS_UPSTREAM_SENDS[:3] + [{"top_k": _col(40, np.int32), "temperature": _col(0.0, np.float32)}]:
+        assert contract.sampling_of(greedy, 1) == [None]
+    assert contract.sampling_of({"top_k": _col(40, np.int32)}, 1) == [SamplingParams(1.0, 40, 1.0, 0)]
+    got = contract.sampling_of(
+        {"top_p": _col(0.9, np.float32), "temperature": _col(0.5, np.float32), "seed": _col(7, np.uint64)}, 1
+    )
+    assert got == [SamplingParams(0.5, 0, float(np.float32(0.9)), 7)]  # the FP32 input, as sent
+    two = {"top_k": np.array([[1], [5]], dtype=np.int32), "seed": np.array([[1], [2]], dtype=np.uint64)}
+    assert contract.sampling_of(two, 2) == [None, SamplingParams(1.0, 5, 1.0, 2)]
+
+
 REFUSED = [
     ({"beam_width": _col(4, np.int32)}, "beam search (beam_width=4) is not supported"),
-    ({"top_k": _col(40, np.int32)}, "sampling (top_k=40, top_p=0)"),
-    ({"top_p": _col(0.9, np.float32)}, "sampling (top_k=0, top_p=0.9)"),
     ({"temperature": _col(-1.0, np.float32)}, "temperature must be a finite number >= 0"),
     ({"repetition_penalty": _col(1.2, np.float32)}, "repetition penalty (repetition_penalty=1.2)"),
     ({"presence_penalty": _col(0.5, np.float32)}, "presence penalty"),

@@ -500,7 +500,7 @@ def test_upstream_client_streams_from_the_ensemble(served, deployment):
     ("model", "extra", "message"),
     [
         ("ensemble", {"beam_width": np.array([[2]], dtype=np.int32)}, "beam search (beam_width=2) is not supported"),
-        (BLS, {"top_k": np.array([[40]], dtype=np.int32)}, "sampling (top_k=40"),
+        (BLS, {"num_return_sequences": np.array([[2]], dtype=np.int32)}, "num_return_sequences=2 is not supported"),
         (CONTROL, {"lora_task_id": np.array([[1]], dtype=np.uint64)}, "LoRA adapters (lora_task_id)"),
         ("ensemble", {"repetition_penalty": np.array([[1.3]], dtype=np.float32)}, "repetition penalty"),
         (BLS, {"guided_decoding_guide_type": np.array([[b"json"]], dtype=object)}, "guided decoding"),
@@ -513,13 +513,23 @@ def test_upstream_fields_trtspec_lacks_are_named_errors(served, model, extra, me
 
 
 @pytest.mark.server
-def test_generate_endpoint_refuses_sampling_by_name(served):
-    body = json.dumps({"text_input": PROMPTS[0], "max_tokens": 8, "top_p": 0.9}).encode()
-    req = urllib.request.Request(f"http://{served.http_endpoint}/v2/models/{BLS}/generate", data=body, method="POST")
+def test_generate_endpoint_samples_with_upstream_fields_reproducibly_by_seed(served):
+    """top_p/temperature/seed over HTTP generate: the same seed gives the same text on the
+    speculative and control endpoints alike; other seeds give other samples."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with pytest.raises(urllib.error.HTTPError) as err:
-        opener.open(req, timeout=60)
-    assert err.value.code == 400 and "sampling (top_k=0, top_p=0.9)" in err.value.read().decode()
+
+    def sample(model, seed):
+        body = {"text_input": PROMPTS[0], "max_tokens": 12, "top_p": 0.95, "temperature": 1.0, "seed": seed}
+        req = urllib.request.Request(
+            f"http://{served.http_endpoint}/v2/models/{model}/generate", data=json.dumps(body).encode(), method="POST"
+        )
+        with opener.open(req, timeout=120) as resp:
+            return json.loads(resp.read())["text_output"]
+
+    for model in (BLS, CONTROL):
+        first = sample(model, 3)
+        assert sample(model, 3) == first
+        assert len({first, sample(model, 4), sample(model, 5)}) > 1
 
 
 # --------------------------------------------------------------------------- OpenAI front
@@ -584,6 +594,19 @@ def test_openai_completion_is_the_greedy_generation(oai, deployment, control):
 
 
 @pytest.mark.server
+def test_openai_temperature_samples_reproducibly_by_seed(oai, deployment):
+    """temperature > 0 samples through the deployment's lossless sampler (streamed or not):
+    a seed repeats its sample, on the speculative model and its control."""
+    for model in (_name(deployment), _name(deployment) + "-target-only"):
+        kw = {"model": model, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0.9, "top_p": 0.95}
+        a = oai.completions.create(seed=11, **kw).choices[0].text
+        assert oai.completions.create(seed=11, **kw).choices[0].text == a
+        streamed = "".join(c.choices[0].text for c in oai.completions.create(seed=11, stream=True, **kw) if c.choices)
+        assert streamed == a
+        assert len({a, *(oai.completions.create(seed=s, **kw).choices[0].text for s in (12, 13))}) > 1
+
+
+@pytest.mark.server
 def test_openai_chat_streams_the_same_text_with_usage(oai, deployment):
     _, dep = deployment
     prompt = PROMPTS[1]
@@ -628,7 +651,6 @@ def test_openai_stop_ends_before_the_stop_text(oai, deployment, stream):
 @pytest.mark.parametrize(
     ("kw", "status", "message"),
     [
-        ({"temperature": 0.8}, 400, "sampling (temperature=0.8) is not supported"),
         ({"n": 2}, 400, "n=2 is not supported"),
         ({"presence_penalty": 0.5}, 400, "presence_penalty is not supported"),
         ({"logprobs": 2}, 400, "logprobs is not supported"),
@@ -682,6 +704,23 @@ def test_verify_url_reports_identical(served, deployment, tmp_path, stream):
     page = (tmp_path / "report.html").read_text()  # the browser tests are in test_report_html.py
     assert "PASSED: all 2 prompts token-identical" in page and "divergences are <b>unclassified</b>" in page
     assert "reports no step boundaries" in page
+
+
+@pytest.mark.server
+def test_verify_sampling_over_the_server_draws_from_the_target_distribution(served, deployment, tmp_path):
+    """--sampling with --url: the served speculative endpoint samples (temperature/top_p/seed
+    over gRPC), the target engine built here scores every token; the chi-square test passes."""
+    loaded, _ = deployment
+    report = tmp_path / "sampling.json"
+    args = ["verify", str(loaded.path), "--url", served.grpc_endpoint, "-p", PROMPTS[0], "-p", PROMPTS[1], "--max-tokens", "10"]
+    args += ["--sampling", "30", "--temperature", "0.9", "--top-p", "0.95", "--seed", "5", "--json-file", str(report)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    s = json.loads(report.read_text())["sampling"]
+    assert s["samples_per_prompt"] == 30 and s["prompts"] == 2 and s["tokens"] >= 60
+    assert s["p_value"] >= 0.01 and s["passed"] is True
+    assert s["metrics"]["drafted"] > 0  # the samples came through the speculative loop
+    assert "consistent with the target's distribution" in result.output
 
 
 def test_verify_url_unreachable_is_one_clear_error(deployment):

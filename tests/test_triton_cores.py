@@ -47,7 +47,7 @@ def _call(cores, log=None):
     return call
 
 
-def _orchestrator(dep, mode="speculative", decoupled=False, log=None):
+def _orchestrator(dep, mode="speculative", decoupled=False, log=None, sampling=True):
     spec = dep.spec
     settings = OrchestratorSettings(
         mode=mode,
@@ -60,6 +60,7 @@ def _orchestrator(dep, mode="speculative", decoupled=False, log=None):
         min_ngram=spec.speculative.min_ngram,
         limits=dep.limits,
         draft_vocab_limit=dep.target.vocab_size,
+        sampling_supported=sampling,
     )
     return Orchestrator(settings, _call(_cores(dep), log), dep.tokenizer, dep.end_ids)
 
@@ -224,3 +225,22 @@ def orchestrator_core_stream(tokenizer):
     from trtspec.triton.backend.responses import TextStream
 
     return TextStream(tokenizer)
+
+
+def test_sampled_requests_ask_the_engine_for_logits_and_repeat_by_seed(built):
+    """A sampled row: the loop's verify requests carry return_generation_logits and get the
+    target's logits at every scored position; the same seed repeats the sample, on both
+    endpoints; an endpoint whose engines give no logits refuses sampling by name."""
+    dep = built()
+    log = []
+    sampled = {"top_p": np.float32(0.95), "temperature": np.float32(1.0), "seed": np.uint64(9)}
+    for mode in ("speculative", "target_only"):
+        orch = _orchestrator(dep, mode, log=log)
+        (a,) = orch.run([_request(PROMPTS[0], 12, **sampled)])
+        (b,) = orch.run([_request(PROMPTS[0], 12, **sampled)])
+        assert not isinstance(a, Exception), a
+        assert a["output_ids"].tolist() == b["output_ids"].tolist()
+    asked = [shapes for model, shapes in log if "return_generation_logits" in shapes]
+    assert asked and all(model == "tensorrt_llm" for model, shapes in log if "return_generation_logits" in shapes)
+    (refused,) = _orchestrator(dep, sampling=False).run([_request(PROMPTS[0], 12, **sampled)])
+    assert isinstance(refused, RequestError) and "sampling (top_k/top_p with temperature > 0) is not supported" in str(refused)

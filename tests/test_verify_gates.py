@@ -172,7 +172,6 @@ def test_bad_gate_flags_exit_2(spec_file, args, message):
     "args, message",
     [
         (["--temperature", "0.7"], "--temperature only apply to sampling; add --sampling N"),
-        (["--sampling", "100", "--url", "127.0.0.1:8001"], "--sampling runs in process"),
         (["--sampling", "5"], "use --sampling 10 or more"),
         (["--sampling", "20", "--temperature", "0"], "temperature must be > 0"),
     ],
@@ -189,16 +188,16 @@ def test_sampling_check_passes_and_catches_a_sampler_without_rejection(built, mo
     or mismatched draft would be (seeded: deterministic)."""
     from trtspec.speculative import loop
     from trtspec.speculative.sampling import SamplingParams, accept_all
-    from trtspec.verify_sampling import run_sampling_check
+    from trtspec.verify_sampling import check_deployment
 
     dep = built("unrelated")
     prompts = ["The quick brown fox", "def fibonacci(n):", "Triton serves models over HTTP and gRPC."]
     params = SamplingParams(temperature=1.0, seed=7)
-    exact = run_sampling_check(dep, prompts, 20, 12, params)
+    exact = check_deployment(dep, prompts, 20, 12, params)
     assert exact.values >= 60 and exact.passed, exact.describe()
     assert 0 < exact.metrics.accepted < exact.metrics.drafted
     monkeypatch.setattr(loop, "accept_or_resample", accept_all)
-    biased = run_sampling_check(dep, prompts, 20, 12, params)
+    biased = check_deployment(dep, prompts, 20, 12, params)
     assert not biased.passed, biased.describe()
 
 
@@ -208,7 +207,7 @@ def test_sampling_check_gives_every_prompt_its_own_random_stream(built, monkeypa
     twice (and prompts that end alike on dependent ones), raising the false-alarm rate."""
     from trtspec.runtime import Deployment
     from trtspec.speculative.sampling import SamplingParams
-    from trtspec.verify_sampling import run_sampling_check
+    from trtspec.verify_sampling import check_deployment
 
     dep = built("unrelated")
     seeds, outputs = [], []
@@ -225,6 +224,6 @@ def test_sampling_check_gives_every_prompt_its_own_random_stream(built, monkeypa
 
     monkeypatch.setattr(Deployment, "request", request)
     monkeypatch.setattr(Deployment, "generate", generate)
-    run_sampling_check(dep, ["The quick brown fox"] * 2, 25, 4, SamplingParams(seed=3))
+    check_deployment(dep, ["The quick brown fox"] * 2, 25, 4, SamplingParams(seed=3))
     assert sorted(seeds) == list(range(3, 53))
     assert outputs[:25] != outputs[25:]  # the second copy is new samples, not a replay

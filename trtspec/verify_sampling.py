@@ -25,6 +25,7 @@ random numbers differently, so the same seed gives different, equally valid, sam
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -136,44 +137,131 @@ def chi_square_uniform(values: list[float], bins: int = BINS) -> tuple[list[int]
     return counts, chi2, p
 
 
+# draw(prompt_index, prompt_text, prompt_ids, sampling params per sample) -> per sample the
+# sampled tokens (an ending EOS included) and that generation's SpecMetrics.
+Draw = Callable[[int, str, list[int], list[SamplingParams]], list[tuple[list[int], SpecMetrics]]]
+
+
+def deployment_draw(dep, max_tokens: int, num_draft_tokens: int | None) -> Draw:
+    """Samples from the speculative path in this process, batched over the engine's slots."""
+
+    def draw(j, prompt, ids, params):
+        out = []
+        batch = dep.target.max_batch_size
+        for first in range(0, len(params), batch):
+            reqs = [dep.request(ids, max_tokens, num_draft_tokens, sampling=p) for p in params[first : first + batch]]
+            for res in dep.generate(reqs, speculative=True):
+                out.append((res.output_ids + ([res.end_id] if res.end_id is not None else []), res.metrics))
+        return out
+
+    return draw
+
+
 def run_sampling_check(
-    deployment,
+    draw: Draw,
+    target_run,
+    encode: Callable[[str], list[int]],
     prompts: list[str],
     samples: int,
-    max_tokens: int,
     params: SamplingParams,
-    num_draft_tokens: int | None = None,
-    chat_template: bool | None = None,
     progress=None,
 ) -> SamplingCheck:
-    """Sample ``samples`` speculative generations per prompt and test them (module doc)."""
+    """Sample ``samples`` speculative generations per prompt (``draw``: in this process or
+    from a server) and test them against the target's exact distributions computed by
+    ``target_run`` here (module doc)."""
     check_sample_count(samples, len(prompts))
-    dep = deployment
-    batch = dep.target.max_batch_size
     values: list[float] = []
     metrics = SpecMetrics()
     pit_gen = torch.Generator().manual_seed(params.seed + 1_000_003)
     done = 0
     for j, prompt in enumerate(prompts):
-        ids = dep.encode(prompt, chat_template)
-        for first in range(0, samples, batch):
-            reqs = [
-                dep.request(
-                    ids,
-                    max_tokens,
-                    num_draft_tokens,
-                    sampling=SamplingParams(
-                        params.temperature, params.top_k, params.top_p, sample_seed(params.seed, samples, j, s)
-                    ),
-                )
-                for s in range(first, min(first + batch, samples))
-            ]
-            for res in dep.generate(reqs, speculative=True):
-                tokens = res.output_ids + ([res.end_id] if res.end_id is not None else [])
-                values += pit_values(dep.target.run, ids, tokens, params, pit_gen)
-                metrics = metrics.merge(res.metrics)
-            done += len(reqs)
+        ids = encode(prompt)
+        per_sample = [
+            SamplingParams(params.temperature, params.top_k, params.top_p, sample_seed(params.seed, samples, j, s))
+            for s in range(samples)
+        ]
+        for first in range(0, samples, 8):
+            chunk = per_sample[first : first + 8]
+            for tokens, m in draw(j, prompt, ids, chunk):
+                values += pit_values(target_run, ids, tokens, params, pit_gen)
+                metrics = metrics.merge(m)
+            done += len(chunk)
             if progress:
                 progress(done, samples * len(prompts))
     counts, chi2, p = chi_square_uniform(values)
     return SamplingCheck(params, samples, len(prompts), counts, chi2, p, ALPHA, metrics)
+
+
+def check_deployment(
+    dep, prompts: list[str], samples: int, max_tokens: int, params: SamplingParams, num_draft_tokens=None, progress=None
+) -> SamplingCheck:
+    """The check on a Deployment in this process (its speculative path, its target)."""
+    return run_sampling_check(
+        deployment_draw(dep, max_tokens, num_draft_tokens), dep.target.run, dep.encode, prompts, samples, params, progress
+    )
+
+
+def check_served(
+    url_backend,
+    target,
+    encode,
+    end_id: int,
+    prompts: list[str],
+    samples: int,
+    max_tokens: int,
+    params: SamplingParams,
+    progress=None,
+) -> SamplingCheck:
+    """The check on a served speculative endpoint: samples come over gRPC (temperature, top_k,
+    top_p and seed as upstream names them, one end_id so the EOS that ended a sample is
+    known), scored by the target engine built here."""
+
+    def draw(j, prompt, ids, per_sample):
+        out = []
+        for p in per_sample:
+            tokens, reason, metrics = url_backend.sample(prompt, max_tokens, p, end_id)
+            out.append((tokens + ([end_id] if reason == "eos" else []), metrics))
+        return out
+
+    return run_sampling_check(draw, target.run, encode, prompts, samples, params, progress)
+
+
+def check_url(
+    loaded, engines_dir, backend, prompts, samples: int, max_tokens: int, params: SamplingParams, progress=None
+) -> SamplingCheck:
+    """--sampling with --url: the served speculative endpoint samples; the target engine
+    built here gives the exact distributions its samples are tested against."""
+    from transformers import AutoTokenizer
+
+    from trtspec.engines.manifest import check_manifest
+    from trtspec.engines.torch.engine import TorchEngine
+    from trtspec.errors import EngineError
+    from trtspec.layout import engine_folder
+    from trtspec.speculative.requests import encode_prompt
+
+    if loaded.spec.backend != "torch":
+        raise RequestError("--sampling with --url: only torch deployments sample when served; drop --sampling")
+    folder = engine_folder(engines_dir, "target")
+    try:
+        check_manifest(folder, "target", loaded.spec.build_hash("target"))
+    except EngineError as err:
+        raise RequestError(
+            f"--sampling with --url scores the served samples with the target engine built here ({err}); "
+            "run `trtspec build SPEC` on this machine first"
+        ) from None
+    target = TorchEngine.load(folder, slots=1)
+    tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=loaded.spec.target.trust_remote_code)
+    if tok.eos_token_id is None:
+        raise RequestError("--sampling with --url needs the tokenizer's eos_token_id to end samples; this tokenizer has none")
+    chat = backend.chat_template
+    return check_served(
+        backend,
+        target,
+        lambda p: encode_prompt(tok, p, chat),
+        int(tok.eos_token_id),
+        prompts,
+        samples,
+        max_tokens,
+        params,
+        progress,
+    )

@@ -18,7 +18,7 @@ from trtspec.errors import EXIT_DIVERGED, EXIT_OK, RequestError
 from trtspec.spec import load_spec
 from trtspec.speculative.sampling import SamplingParams
 from trtspec.verify import open_backend, render_table, run_verify, write_junit
-from trtspec.verify_sampling import check_sample_count, run_sampling_check
+from trtspec.verify_sampling import check_deployment, check_sample_count, check_url
 
 
 class FailOn(str, Enum):
@@ -142,7 +142,7 @@ def verify(
     url = parse_url(url)
     if html_file is not None and html_file.is_dir():
         raise RequestError(f"--html {html_file} is a folder; give a file path (e.g. {html_file / 'report.html'})")
-    sampling_params = _sampling_params(sampling, temperature, top_k, top_p, seed, url)
+    sampling_params = _sampling_params(sampling, temperature, top_k, top_p, seed)
     if sampling is not None:
         check_sample_count(sampling, len(prompts))
     k = num_draft_tokens if num_draft_tokens is not None else loaded.spec.speculative.default_draft_tokens
@@ -171,15 +171,13 @@ def verify(
     if sampling_params is not None:
         with Progress(console=console.err, transient=True) as bar:
             task = bar.add_task("sampling", total=sampling * len(prompts))
-            sampled = run_sampling_check(
-                backend.dep,
-                prompts,
-                sampling,
-                n_tokens,
-                sampling_params,
-                num_draft_tokens,
-                progress=lambda i, n: bar.update(task, completed=i),
-            )
+            tick = lambda i, n: bar.update(task, completed=i)  # noqa: E731
+            if url is None:
+                sampled = check_deployment(backend.dep, prompts, sampling, n_tokens, sampling_params, num_draft_tokens, tick)
+            else:
+                sampled = check_url(
+                    loaded, loaded.output_dir(output), backend, prompts, sampling, n_tokens, sampling_params, tick
+                )
 
     def human(out) -> None:
         render_table(report, out)
@@ -218,7 +216,7 @@ class _WithGates:
         return data
 
 
-def _sampling_params(n, temperature, top_k, top_p, seed, url):
+def _sampling_params(n, temperature, top_k, top_p, seed):
     given = [
         name
         for name, v in (("--temperature", temperature), ("--top-k", top_k), ("--top-p", top_p), ("--seed", seed))
@@ -228,11 +226,6 @@ def _sampling_params(n, temperature, top_k, top_p, seed, url):
         if given:
             raise RequestError(f"{', '.join(given)} only apply to sampling; add --sampling N (samples per prompt)")
         return None
-    if url is not None:
-        raise RequestError(
-            "--sampling runs in process (it needs the target's exact distributions); drop --url "
-            "and point verify at the built engines"
-        )
     return SamplingParams(
         temperature=1.0 if temperature is None else temperature,
         top_k=top_k or 0,

@@ -6,8 +6,9 @@
   POST /v1/chat/completions       chat completion (the target tokenizer's chat template)
 
 Every generation is one gRPC request to the Triton deployment (openai/triton.py). Greedy
-decoding only: temperature > 0, n > 1, penalties, logprobs, tools... are refused with an
-OpenAI-shaped error naming the field. ``usage`` carries the token counts and the speculative
+decoding unless the request sends temperature > 0 (then temperature, top_p and seed go to
+the deployment's lossless speculative sampler); n > 1, penalties, logprobs, tools... are
+refused with an OpenAI-shaped error naming the field. ``usage`` carries the token counts and the speculative
 acceptance of that request (``completion_tokens_details.accepted_prediction_tokens`` /
 ``rejected_prediction_tokens`` are the accepted and rejected draft tokens; ``speculative`` has
 the same as trtspec reports them).
@@ -154,7 +155,12 @@ class _Front:
         # refused by the deployment with its own message.
         limit = body.limit(room) if chat else (body.max_tokens or 16)
         return Generation(
-            text=text, max_tokens=limit, stop=_checked(body.stops), num_draft_tokens=body.num_draft_tokens, control=control
+            text=text,
+            max_tokens=limit,
+            stop=_checked(body.stops),
+            num_draft_tokens=body.num_draft_tokens,
+            control=control,
+            sampling=body.sampling(),
         )
 
     async def answer(self, body, g: Generation, chat: bool):

@@ -38,18 +38,23 @@ class _Body(BaseModel):
             raise RequestError(f"stop takes at most 4 strings; got {len(stops)}")
         return tuple(stops)
 
+    def sampling(self) -> tuple[float, float, int] | None:
+        """(temperature, top_p, seed) when the request samples, None for greedy decoding.
+        OpenAI's default temperature is 1; trtspec's is 0 (greedy, what verify certifies),
+        so a request samples only when it sends temperature > 0."""
+        if not self.temperature:
+            return None
+        return (self.temperature, self.top_p if self.top_p is not None else 1.0, self.seed or 0)
+
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage", False))
 
     def check_common(self) -> None:
         """Refuse what trtspec does not implement, naming the field."""
-        if self.temperature is not None and self.temperature > 0:
-            raise RequestError(
-                f"sampling (temperature={self.temperature:g}) is not supported by trtspec: it decodes greedily; "
-                "send temperature 0 or leave it out"
-            )
         if self.n > 1:
-            raise RequestError(f"n={self.n} is not supported: greedy decoding has one answer per prompt; send n 1")
+            raise RequestError(f"n={self.n} is not supported: send n 1 (to sample again, repeat the request with another seed)")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise RequestError(f"seed must be in 0..2**63-1 (got {self.seed})")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0:
                 raise RequestError(f"{name} is not supported by trtspec; send 0 or leave it out")

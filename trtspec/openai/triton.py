@@ -50,6 +50,7 @@ class Generation:
     apply_chat_template: bool = False
     num_draft_tokens: int | None = None
     control: bool = False  # target-only path
+    sampling: tuple[float, float, int] | None = None  # (temperature, top_p, seed); None: greedy
 
 
 class TritonText:
@@ -106,6 +107,12 @@ class TritonText:
             arrays["stop_words"] = np.array([[s.encode() for s in g.stop]], dtype=np.object_)
         if g.num_draft_tokens is not None:
             arrays["num_draft_tokens"] = np.array([[g.num_draft_tokens]], dtype=np.int32)
+        if g.sampling is not None:  # upstream BLS names: top_k 0 (all) with top_p samples
+            temperature, top_p, seed = g.sampling
+            arrays["temperature"] = np.array([[temperature]], dtype=np.float32)
+            arrays["top_k"] = np.array([[0]], dtype=np.int32)
+            arrays["top_p"] = np.array([[top_p]], dtype=np.float32)
+            arrays["seed"] = np.array([[seed]], dtype=np.uint64)
         return [tensor(k, v) for k, v in arrays.items()]
 
     async def complete(self, g: Generation) -> Piece:

@@ -57,7 +57,12 @@ class Verdict:
 
 
 class Verifier(Protocol):
-    def verify(self, contexts: Sequence[list[int]], drafts: Sequence[list[int]]) -> list[Verdict]: ...
+    def verify(
+        self, contexts: Sequence[list[int]], drafts: Sequence[list[int]], want_logits: Sequence[bool] | None = None
+    ) -> list[Verdict]:
+        """``want_logits`` (passed only when a sampled request is in the step): rows whose
+        Verdict must carry the target's logits (Verdict.logits), which sampling needs."""
+        ...
 
 
 @dataclass
@@ -232,7 +237,11 @@ class Batch:
                 drafts,
                 qs,
             )
-        verdicts = self.verifier.verify(contexts, drafts)
+        wants_logits = [requests[i].sampling is not None for i in active]
+        if any(wants_logits):
+            verdicts = self.verifier.verify(contexts, drafts, want_logits=wants_logits)
+        else:
+            verdicts = self.verifier.verify(contexts, drafts)
         report.sequences, report.k = len(active), max(ks)
         report.asked_k = max(requests[i].num_draft_tokens for i in active)
         if cap is not None:

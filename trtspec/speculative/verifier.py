@@ -29,7 +29,10 @@ class LogitsVerifier:
         # Rows beyond this (a draft model's embedding padding) are never chosen.
         self.vocab_limit = vocab_limit
 
-    def verify(self, contexts: Sequence[list[int]], drafts: Sequence[list[int]]) -> list[Verdict]:
+    def verify(
+        self, contexts: Sequence[list[int]], drafts: Sequence[list[int]], want_logits: Sequence[bool] | None = None
+    ) -> list[Verdict]:
+        """Every verdict carries its logits (they are at hand); ``want_logits`` is not needed."""
         items = [ForwardItem(list(c) + list(d), len(d) + 1) for c, d in zip(contexts, drafts)]
         out = []
         for logits in self.run(items):  # each [len(draft) + 1, vocab]

@@ -23,8 +23,8 @@ def _input(name: str, value, datatype: str):
     import tritonclient.grpc as grpcclient
 
     arr = np.array([[value]], dtype=np.object_ if datatype == "BYTES" else None)
-    if datatype == "INT32":
-        arr = arr.astype(np.int32)
+    if datatype in ("INT32", "FP32", "UINT64"):
+        arr = arr.astype({"INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64}[datatype])
     tensor = grpcclient.InferInput(name, list(arr.shape), datatype)
     tensor.set_data_from_numpy(arr)
     return tensor
@@ -113,6 +113,27 @@ class GrpcBackend:
         raw = result.as_numpy("output_margins")
         margins = [None if np.isnan(x) else float(x) for x in raw[0, :n]] if raw is not None else [None] * n
         return ids, margins, metrics_from_json(result.as_numpy("perf_metrics_json")[0, 0].decode())
+
+    def sample(self, prompt: str, max_tokens: int, sampling, end_id: int):
+        """One sampled generation from the speculative endpoint: (output ids, finish reason,
+        SpecMetrics). Sampling inputs under upstream's BLS names (top_k 0: all tokens)."""
+        # no margins: sampled tokens have none
+        inputs = [t for t in self._inputs(prompt, max_tokens, False) if t.name() != "return_margins"]
+        inputs += [
+            _input("temperature", np.float32(sampling.temperature), "FP32"),
+            _input("top_k", sampling.top_k, "INT32"),
+            _input("top_p", np.float32(sampling.top_p), "FP32"),
+            _input("seed", np.uint64(sampling.seed), "UINT64"),
+            _input("end_id", end_id, "INT32"),
+        ]
+        try:
+            result = self.client.infer(BLS_MODEL, inputs, client_timeout=self.timeout)
+        except self._error as err:
+            raise RequestError(f"the server refused the request: {_first_line(err)}") from None
+        n = int(result.as_numpy("sequence_length")[0, 0])
+        reason = result.as_numpy("finish_reason")[0, 0].decode()
+        metrics = metrics_from_json(result.as_numpy("perf_metrics_json")[0, 0].decode())
+        return result.as_numpy("output_ids")[0, :n].tolist(), reason, metrics
 
     def _run_stream(self, inputs: list, on_tokens=None):
         responses: queue.Queue = queue.Queue()

@@ -90,7 +90,11 @@ class BlsVerifier:
         # tokens are the target's own greedy ones and are kept (as upstream's BLS does).
         self.continued = continued
 
-    def verify(self, contexts: Sequence[list[int]], drafts: Sequence[list[int]]) -> list[Verdict]:
+    def verify(
+        self, contexts: Sequence[list[int]], drafts: Sequence[list[int]], want_logits: Sequence[bool] | None = None
+    ) -> list[Verdict]:
+        """``want_logits``: rows that sample; their request asks the engine model for
+        return_generation_logits (the target's logits at the len(draft) + 1 positions)."""
         verdicts: list[Verdict | None] = [None] * len(contexts)
         by_len: dict[int, list[int]] = {}
         for i, d in enumerate(drafts):
@@ -105,15 +109,31 @@ class BlsVerifier:
             if self.want_margins:
                 inputs["return_margins"] = _column([True] * len(rows), np.bool_)
                 names.append("output_margins")
+            logits_rows = [bool(want_logits[i]) for i in rows] if want_logits is not None else []
+            if any(logits_rows):
+                inputs["return_generation_logits"] = _column(logits_rows, np.bool_)
+                names.append("generation_logits")
             out = self.call(self.model, inputs, names)
             ids = generated(out, len(rows))
             margins = None
             if self.want_margins:
                 m = np.asarray(out["output_margins"]).reshape(len(rows), -1)
                 margins = [m[r, : len(ids[r])].tolist() for r in range(len(rows))]
+            logits = _generation_logits(out, len(rows), d_len + 1) if any(logits_rows) else [None] * len(rows)
             for r, i in enumerate(rows):
-                verdicts[i] = Verdict(ids[r], margins[r] if margins else None, continued=self.continued)
+                verdicts[i] = Verdict(ids[r], margins[r] if margins else None, logits[r], continued=self.continued)
         return verdicts  # type: ignore[return-value]
+
+
+def _generation_logits(out, rows: int, n: int) -> list:
+    """generation_logits [b, beam 1, n, vocab] -> per row a torch tensor [n, vocab]."""
+    import torch
+
+    raw = out.get("generation_logits")
+    if raw is None:
+        raise RuntimeError("the target engine model returned no generation_logits; it cannot serve sampling")
+    arr = np.asarray(raw, dtype=np.float32).reshape(rows, n, -1)
+    return [torch.from_numpy(np.ascontiguousarray(arr[r])) for r in range(rows)]
 
 
 class BlsFeatures:

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from trtspec.errors import RequestError
+from trtspec.speculative.sampling import SamplingParams
 
 
 class Tensor(NamedTuple):
@@ -184,10 +185,9 @@ def unsupported(feature: str, fix: str) -> RequestError:
 def check_supported(inputs: Mapping[str, np.ndarray]) -> None:
     """Raise RequestError naming the first requested feature trtspec does not implement.
 
-    Accepted as upstream's greedy decoding: beam_width 1, top_k 1 (or top_k and top_p both
-    unset or 0, TensorRT-LLM's greedy default), any temperature >= 0 (it does not move the
-    argmax), any seed (no randomness in greedy decoding), any length_penalty (beam search
-    only in TensorRT-LLM), use_draft_logits false, neutral penalties.
+    Accepted: sampling (top_k, top_p, temperature, seed: sampling_of; the endpoint refuses it
+    when its engines cannot), beam_width 1, any length_penalty (beam search only in
+    TensorRT-LLM), use_draft_logits false, neutral penalties.
     """
     for name, feature in _UNSUPPORTED_PRESENT.items():
         if name in inputs:
@@ -208,13 +208,14 @@ def check_supported(inputs: Mapping[str, np.ndarray]) -> None:
             "draft-logit (probabilistic) acceptance (use_draft_logits)",
             "send use_draft_logits false: drafts are accepted when they match the target's greedy tokens",
         )
-    check_greedy(inputs)
+    check_sampling_values(inputs)
     n = _values(inputs, "num_return_sequences")
     if n is not None and (n < 1).any():
         raise RequestError("num_return_sequences must be >= 1")
     if n is not None and (n > 1).any():
         raise unsupported(
-            f"num_return_sequences={int(n.max())}", "greedy decoding has one answer per prompt; send num_return_sequences 1"
+            f"num_return_sequences={int(n.max())}",
+            "send num_return_sequences 1 (to sample again, repeat the request with another seed)",
         )
     log_probs = _values(inputs, "return_log_probs")
     if log_probs is not None and log_probs.astype(bool).any():
@@ -237,8 +238,8 @@ def check_supported(inputs: Mapping[str, np.ndarray]) -> None:
         raise unsupported("embedding bias (embedding_bias_words / embedding_bias_weights)", "leave both out or send zero weights")
 
 
-def check_greedy(inputs: Mapping[str, np.ndarray]) -> None:
-    """Sampling parameters must describe greedy decoding (see check_supported)."""
+def check_sampling_values(inputs: Mapping[str, np.ndarray]) -> None:
+    """Sampling inputs in range (see sampling_of for what they mean)."""
     temperature = _values(inputs, "temperature")
     if temperature is not None and (~np.isfinite(temperature) | (temperature < 0)).any():
         raise RequestError("temperature must be a finite number >= 0")
@@ -248,13 +249,38 @@ def check_greedy(inputs: Mapping[str, np.ndarray]) -> None:
         raise RequestError("top_k must be >= 0")
     if top_p is not None and (~np.isfinite(top_p) | (top_p < 0) | (top_p > 1)).any():
         raise RequestError("top_p must be between 0 and 1")
-    rows = max(len(x) for x in (top_k, top_p, np.zeros(1)) if x is not None)
-    k = np.zeros(rows) if top_k is None else np.broadcast_to(top_k, rows)
-    p = np.zeros(rows) if top_p is None else np.broadcast_to(top_p, rows)
-    greedy = (k == 1) | ((k == 0) & (p == 0))
-    if not greedy.all():
-        r = int(np.argmin(greedy))
-        raise unsupported(
-            f"sampling (top_k={int(k[r])}, top_p={float(p[r]):g})",
-            "trtspec decodes greedily; send top_k 1, or leave top_k and top_p out",
-        )
+
+
+def sampling_of(inputs: Mapping[str, np.ndarray], rows: int) -> list[SamplingParams | None]:
+    """Per row: None for greedy decoding, else the sampler's parameters, as TensorRT-LLM reads
+    them: greedy when top_k is 1, when top_k and top_p are both 0 or absent (its default), or
+    when temperature is 0; otherwise sampling at temperature (default 1) from the top_k most
+    likely tokens (0: all) within nucleus mass top_p (0: all), with seed (default 0)."""
+    check_sampling_values(inputs)
+
+    def column(name, default, dtype):
+        v = _values(inputs, name)
+        if v is None:
+            return np.full(rows, default, dtype=dtype)
+        if v.size not in (1, rows):
+            raise RequestError(f"{name} must hold one value per prompt ({rows}); got {v.size}")
+        return np.broadcast_to(v.astype(dtype), rows)
+
+    t = column("temperature", 1.0, np.float64)
+    k = column("top_k", 0, np.int64)
+    p = column("top_p", 0.0, np.float64)
+    seed = column("seed", 0, np.uint64)
+    out: list[SamplingParams | None] = []
+    for r in range(rows):
+        if k[r] == 1 or (k[r] == 0 and p[r] == 0) or t[r] == 0:
+            out.append(None)
+        else:
+            out.append(
+                SamplingParams(
+                    temperature=float(t[r]),
+                    top_k=int(k[r]),
+                    top_p=float(p[r]) if p[r] > 0 else 1.0,
+                    seed=int(seed[r]) % 2**63,
+                )
+            )
+    return out

@@ -7,9 +7,12 @@ engine exactly as it will to a TensorRT-LLM one:
            draft_input_ids [b, D] (optional), end_id / pad_id [b, 1] (optional),
            streaming [b, 1] BOOL (optional, must be false: this model is not decoupled),
            exclude_input_in_output [b, 1] BOOL (optional, default from the model parameter),
-           return_margins [b, 1] BOOL (optional, trtspec extension)
+           return_margins [b, 1] BOOL (optional, trtspec extension),
+           return_generation_logits [b, 1] BOOL (optional; scoring requests only)
   outputs  output_ids [b, 1, T] INT32 (beam width 1, padded with pad_id),
-           sequence_length [b, 1] INT32, output_margins [b, 1, G] FP32 (when asked)
+           sequence_length [b, 1] INT32, output_margins [b, 1, G] FP32 (when asked),
+           generation_logits [b, 1, D + 1, vocab] FP32 (when asked: the target's logits at
+           every scored position, drafts rejected or not; what speculative sampling needs)
 
 Semantics, as TensorRT-LLM's draft_tokens_external mode: with draft tokens the engine scores
 input + drafts in ONE forward and returns the accepted prefix of the drafts plus the target's
@@ -41,12 +44,14 @@ class EngineJob:
     max_new: int  # request_output_len
     draft: list[int] = field(default_factory=list)
     end_id: int | None = None
+    want_logits: bool = False  # return_generation_logits (a scoring job)
 
 
 @dataclass
 class JobResult:
     ids: list[int] = field(default_factory=list)  # generated tokens (input excluded)
     margins: list[float] = field(default_factory=list)  # top-1 minus top-2 logit per token
+    logits: np.ndarray | None = None  # [len(draft) + 1, vocab] when the job asked for them
 
 
 def run_jobs(run: RunFn, jobs: Sequence[EngineJob], vocab_limit: int | None = None) -> list[JobResult]:
@@ -67,6 +72,8 @@ def run_jobs(run: RunFn, jobs: Sequence[EngineJob], vocab_limit: int | None = No
         for i, verdict in zip(verify, verdicts):
             n = accepted_prefix(jobs[i].draft, verdict)
             _answer(jobs[i], results[i], verdict.target_ids[: n + 1], verdict.margins[: n + 1])
+            if jobs[i].want_logits:
+                results[i].logits = verdict.logits.float().numpy()
     if decode:
         # The end id is emitted (as TensorRT-LLM's engines do), so it is a stop sequence here.
         requests = [
@@ -130,6 +137,7 @@ def parse_engine_request(
     pad_ids = per_row(inputs, "pad_id", rows)
     exclude = per_row(inputs, "exclude_input_in_output", rows)
     margins = per_row(inputs, "return_margins", rows)
+    gen_logits = per_row(inputs, "return_generation_logits", rows)
     drafts = inputs.get("draft_input_ids")
     if drafts is not None:
         drafts = np.asarray(drafts)
@@ -156,7 +164,13 @@ def parse_engine_request(
         if total > limits.max_seq_len:
             raise RequestError(f"input ({n} tokens) + request_output_len ({k}) exceeds max_seq_len {limits.max_seq_len}")
         end = None if end_ids is None else int(end_ids[r])
-        jobs.append(EngineJob(tokens, k, draft, end))
+        wants = gen_logits is not None and bool(gen_logits[r])
+        if wants and not (draft or k == 1):
+            raise RequestError(
+                "return_generation_logits is answered for scoring requests (draft_input_ids, or "
+                "request_output_len 1); send it with those"
+            )
+        jobs.append(EngineJob(tokens, k, draft, end, wants))
     pad = 0 if pad_ids is None else int(pad_ids[0])
     excl = [exclude_default if exclude is None else bool(exclude[r]) for r in range(rows)]
     want = [False if margins is None else bool(margins[r]) for r in range(rows)]
@@ -185,6 +199,14 @@ def pack_engine_response(
         for row, r in enumerate(results):
             m[row, 0, : len(r.margins)] = r.margins
         tensors["output_margins"] = m
+    if any(j.want_logits for j in jobs):
+        n = max(r.logits.shape[0] for r in results if r.logits is not None)
+        vocab = max(r.logits.shape[1] for r in results if r.logits is not None)
+        lg = np.zeros((len(seqs), 1, n, vocab), dtype=np.float32)  # [b, beam, positions, vocab]
+        for row, r in enumerate(results):
+            if r.logits is not None:
+                lg[row, 0, : r.logits.shape[0], : r.logits.shape[1]] = r.logits
+        tensors["generation_logits"] = lg
     return tensors
 
 

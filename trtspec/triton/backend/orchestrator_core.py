@@ -40,7 +40,7 @@ from trtspec.speculative.requests import Limits, encode_prompt, make_request
 from trtspec.speculative.schedule import AcceptanceSwitch, DraftSchedule, LoadPolicy
 from trtspec.tokens import check_token_ids
 from trtspec.triton.backend.bls import BlsDecoder, BlsDrafter, BlsVerifier, EngineCall
-from trtspec.triton.backend.contract import check_supported
+from trtspec.triton.backend.contract import check_supported, sampling_of
 from trtspec.triton.backend.engine_core import per_row
 from trtspec.triton.backend.metrics import EndpointMetrics
 from trtspec.triton.backend.responses import Row, pack
@@ -68,6 +68,8 @@ class OrchestratorSettings:
     # TensorRT-LLM targets keep decoding to request_output_len after a rejected draft; the
     # verifier then keeps those tokens (bls.BlsVerifier).
     target_continues: bool = False
+    # The target engine model returns generation_logits (torch engines), so requests may sample.
+    sampling_supported: bool = False
     # Load-aware speculation (spec speculative.schedule / switch_off): {active sequences: k}
     # and (window, min acceptance length); the active sequences are this instance's batch.
     schedule: tuple[tuple[int, int], ...] | None = None
@@ -143,6 +145,13 @@ class Orchestrator:
         if text.size != rows:
             raise RequestError(f"text_input must hold one prompt per batch row; got shape {list(text.shape)}")
         self.s.limits.check_batch(rows, "prompts")
+        sampling = sampling_of(inputs, rows)
+        if any(sampling) and not self.s.sampling_supported:
+            raise RequestError(
+                "sampling (top_k/top_p with temperature > 0) is not supported by this endpoint: its "
+                "target engine returns no generation logits (trtspec samples with torch engines); "
+                "send top_k 1 for greedy decoding"
+            )
         max_tokens = _optional(inputs, "max_tokens", rows)
         k = _optional(inputs, "num_draft_tokens", rows)
         end_id = _optional(inputs, "end_id", rows)
@@ -179,7 +188,9 @@ class Orchestrator:
                 ends = frozenset({e})
             pad = 0 if pad_id is None else int(pad_id[r])
             check_token_ids([pad], vocab, "pad_id")
-            req = make_request(ids, int(max_tokens[r]), n_draft, self.s.limits, ends, self._stop_sequences(stops, r, rows))
+            req = make_request(
+                ids, int(max_tokens[r]), n_draft, self.s.limits, ends, self._stop_sequences(stops, r, rows), sampling[r]
+            )
             if self.s.mode == "target_only":
                 req.num_draft_tokens = 0
             out.append(

@@ -71,11 +71,13 @@ ENGINE_INPUTS = [
     _in("streaming", "TYPE_BOOL"),
     _in("exclude_input_in_output", "TYPE_BOOL"),
     _in("return_margins", "TYPE_BOOL"),  # trtspec: top-1 minus top-2 logit per token
+    _in("return_generation_logits", "TYPE_BOOL"),  # upstream's name: logits of the scored positions
 ]
 ENGINE_OUTPUTS = [
     TensorSpec("output_ids", "TYPE_INT32", [-1, -1]),  # [beam, tokens]
     TensorSpec("sequence_length", "TYPE_INT32", [-1]),  # [beam]
     TensorSpec("output_margins", "TYPE_FP32", [-1, -1]),
+    TensorSpec("generation_logits", "TYPE_FP32", [-1, -1, -1]),  # [beam, positions, vocab]
 ]
 
 

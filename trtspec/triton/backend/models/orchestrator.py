@@ -56,6 +56,7 @@ class TritonPythonModel:
             eagle3_head_dir=p.get("eagle3_head_dir"),
             eagle3_target_dir=p.get("eagle3_target_dir"),
             target_continues=p.get("engine_continues", "false") == "true",
+            sampling_supported=p.get("engine_margins", "false") == "true",  # torch engine models
             **schedule_settings(p),
         )
         call = pb.bls_call
