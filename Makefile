@@ -76,7 +76,7 @@ $(AIPERF_VENV)/bin/aiperf:
 
 bench-aiperf: install aiperf weights/smollm2-135m
 	$(TRTSPEC) build $(DEMO_SPEC)
-	$(PY) bench/aiperf_bench.py $(DEMO_SPEC) -c 1,4 --aiperf $(AIPERF_VENV)/bin/aiperf --out bench/results/aiperf.json
+	$(PY) bench/aiperf_bench.py $(DEMO_SPEC) -c 1,4 --front both --aiperf $(AIPERF_VENV)/bin/aiperf --out bench/results/aiperf.json
 
 # The guard rails of the layout: one-way layers (import-linter contracts in pyproject.toml)
 # and ruff's lint rules.
