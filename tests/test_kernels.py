@@ -131,9 +131,9 @@ def test_a_failed_measurement_falls_back_to_dense(dense_engine, tmp_path, monkey
     assert "kernel measurement failed" in capsys.readouterr().err
 
 
-def test_non_float32_weights_keep_dense_without_measuring(dense_engine, tmp_path, monkeypatch):
-    monkeypatch.setattr(kernels, "step_timer", lambda *a: pytest.fail("measured a bfloat16 model"))
-    dense_engine.model.to(torch.bfloat16)
+def test_float16_weights_keep_dense_without_measuring(dense_engine, tmp_path, monkeypatch):
+    monkeypatch.setattr(kernels, "step_timer", lambda *a: pytest.fail("measured a float16 model"))
+    dense_engine.model.to(torch.float16)
     choice = _choose(dense_engine, tmp_path)
     assert (choice.layout, choice.source) == ("dense", "fallback")
 
@@ -153,3 +153,28 @@ def test_both_layouts_decode_the_same_greedy_tokens(built, monkeypatch):
         )
     assert outs["dense"] == outs["onednn"]
     assert all(len(ids) > 0 for ids in outs["dense"][0])
+
+
+def test_bfloat16_engines_choose_too_and_both_layouts_decode_the_same_tokens(built, monkeypatch, tmp_path):
+    """A bfloat16 engine (the demo's draft dtype) has both layouts: PyTorch's dense bf16 and
+    the weight reordered for oneDNN's bf16 matmul; both give the same greedy tokens, and the
+    measurement times both."""
+    dep = built(**{"target.dtype": "bfloat16", "draft.dtype": "bfloat16"})
+    outs = {}
+    for env, layout in (("0", "dense"), ("1", "onednn")):
+        monkeypatch.setenv("TRTSPEC_ONEDNN", env)
+        d = Deployment(dep.loaded, dep.loaded.output_dir())
+        assert d.target.kernels.layout == layout and _layout_of(d.target.model) == layout
+        assert d.draft.kernels.layout == layout
+        reqs = [d.request(d.encode(p), 24, 4) for p in PROMPTS]
+        outs[layout] = (
+            [r.output_ids for r in d.generate(reqs, speculative=False)],
+            [r.output_ids for r in d.generate(reqs, speculative=True)],
+        )
+    assert outs["dense"] == outs["onednn"]
+    monkeypatch.delenv("TRTSPEC_ONEDNN")
+    engine = _dense(dep.target.folder, monkeypatch)
+    calls: list[str] = []
+    monkeypatch.setattr(kernels, "step_timer", _fake_timer("onednn", calls))
+    choice = _choose(engine, tmp_path)
+    assert (choice.layout, choice.source) == ("onednn", "measured") and set(calls) == {"dense", "onednn"}

@@ -1,4 +1,4 @@
-"""Which kernels run a float32 engine's Linear layers on this CPU, chosen by measurement.
+"""Which kernels run a float32 or bfloat16 engine's Linear layers on this CPU, chosen by measurement.
 
 Candidates (the weights and the arithmetic are the same; the greedy tokens are identical, tested):
   dense    PyTorch's own linear on the row-major weight (what transformers runs)
@@ -16,7 +16,10 @@ the thread count, the torch version and the model's shape, so each machine measu
 model shape once; engines loading at the same time (Triton's stubs) measure one after another
 under a file lock, not on top of each other.
 
-``TRTSPEC_ONEDNN=0`` forces dense and ``=1`` forces onednn (no measurement). Other dtypes,
+bfloat16 engines (the demo's draft) choose the same way: on a CPU with AMX the reordered bf16
+weights ran a 576x1536 Linear in 35 us against 87 us for PyTorch's dense bf16 (49 us float32).
+
+``TRTSPEC_ONEDNN=0`` forces dense and ``=1`` forces onednn (no measurement). float16, other dtypes,
 a torch without oneDNN, or a failed measurement use dense, the transformers kernels.
 """
 
@@ -38,7 +41,7 @@ import torch
 from torch import nn
 
 from trtspec.cache import cache_root
-from trtspec.engines.torch.model import DecoderLM, KVCache, OneDnnLinear, StepInputs
+from trtspec.engines.torch.model import PACKABLE, DecoderLM, KVCache, OneDnnLinear, StepInputs
 from trtspec.files import write_json_atomic
 
 LAYOUTS = ("dense", "onednn")
@@ -200,7 +203,7 @@ def choose_kernels(
             model.pack_linears_for_onednn()
         return KernelChoice(layout, "forced", reason=f"TRTSPEC_ONEDNN={forced}")
     if not _onednn_possible(model):
-        return KernelChoice("dense", "fallback", reason="only float32 weights with oneDNN available have a choice")
+        return KernelChoice("dense", "fallback", reason="only float32 or bfloat16 weights with oneDNN available have a choice")
     key = choice_key(model, verify_tokens)
     path = (cache_dir or cache_root()) / CACHE_FILE
     try:
@@ -225,7 +228,9 @@ def choose_kernels(
 
 def _onednn_possible(model: DecoderLM) -> bool:
     weight = getattr(model.lm_head, "weight", None)
-    return torch.backends.mkldnn.is_available() and weight is not None and weight.dtype == torch.float32
+    if not torch.backends.mkldnn.is_available() or weight is None or weight.dtype not in PACKABLE:
+        return False
+    return weight.dtype != torch.bfloat16 or hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
 def _read(path: Path) -> dict:
