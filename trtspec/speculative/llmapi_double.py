@@ -158,20 +158,17 @@ def update_llm_args_with_extra_dict(line: str, llm_args: dict, extra: dict, extr
 def _load_policy(spec):
     """draft_len_schedule ({batch size: draft length}) and 1.2's acceptance_window /
     acceptance_length_threshold, applied by the one loop as upstream's executor applies them."""
-    from trtspec.speculative.schedule import AcceptanceSwitch, DraftSchedule, LoadPolicy
+    from trtspec.speculative.schedule import LoadPolicy
 
     if spec is None:
         return None
     fields = spec.fields
-    schedule = fields.get("draft_len_schedule")
-    if schedule:
-        schedule = {int(n): int(k) for n, k in schedule.items()}
-        if schedule.get(1) != fields.get("max_draft_len"):  # upstream's validator
-            raise ValueError("draft_len_schedule must contain batch_size=1 with draft_len equal to max_draft_len")
-        schedule = DraftSchedule.from_mapping(schedule)
+    schedule = {int(n): int(k) for n, k in (fields.get("draft_len_schedule") or {}).items()}
+    if schedule and schedule.get(1) != fields.get("max_draft_len"):  # upstream's validator
+        raise ValueError("draft_len_schedule must contain batch_size=1 with draft_len equal to max_draft_len")
     window, threshold = fields.get("acceptance_window"), fields.get("acceptance_length_threshold")
-    switch = AcceptanceSwitch(int(window), float(threshold)) if window and threshold is not None else None
-    return LoadPolicy(schedule or None, switch) if (schedule or switch) else None
+    switch = (int(window), float(threshold)) if window and threshold is not None else None
+    return LoadPolicy.of(schedule or None, switch)
 
 
 class LLM:

@@ -22,7 +22,7 @@ import threading
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -64,21 +64,17 @@ class AcceptanceSwitch:
 
     window: int
     min_acceptance_length: float
-    recent: deque = field(default_factory=deque)
     off: bool = False
+
+    def __post_init__(self) -> None:
+        self.recent: deque[float] = deque(maxlen=self.window)
 
     def record(self, acceptance_length: float) -> None:
         if self.off:
             return
         self.recent.append(acceptance_length)
-        while len(self.recent) > self.window:
-            self.recent.popleft()
         if len(self.recent) == self.window and sum(self.recent) / self.window < self.min_acceptance_length:
             self.off = True
-
-    @property
-    def rolling_mean(self) -> float | None:
-        return sum(self.recent) / len(self.recent) if self.recent else None
 
 
 class LoadPolicy:
@@ -92,14 +88,22 @@ class LoadPolicy:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_spec(cls, speculative) -> LoadPolicy | None:
-        """From a SpeculativeSpec; None when it sets neither a schedule nor a switch-off."""
-        schedule = DraftSchedule.from_mapping(speculative.schedule) if speculative.schedule else None
-        s = speculative.switch_off
-        switch = AcceptanceSwitch(s.window, s.min_acceptance_length) if s is not None else None
-        if schedule is None and switch is None:
+    def of(cls, schedule: Mapping[int, int] | None, switch_off: tuple[int, float] | None) -> LoadPolicy | None:
+        """From a {active sequences: k} mapping and a (window, min acceptance length) pair;
+        None when neither is set. The spec, the Triton parameters and the LLM API double all
+        come through here."""
+        if not schedule and switch_off is None:
             return None
-        return cls(schedule, switch)
+        return cls(
+            DraftSchedule.from_mapping(schedule) if schedule else None,
+            AcceptanceSwitch(*switch_off) if switch_off is not None else None,
+        )
+
+    @classmethod
+    def from_spec(cls, speculative) -> LoadPolicy | None:
+        """From a SpeculativeSpec."""
+        s = speculative.switch_off
+        return cls.of(speculative.schedule, (s.window, s.min_acceptance_length) if s is not None else None)
 
     def cap(self, active: int) -> int | None:
         """The largest k any sequence may draft this step (None: no cap)."""

@@ -37,7 +37,7 @@ from trtspec.errors import RequestError
 from trtspec.speculative.drafters import make_drafter
 from trtspec.speculative.loop import Batch, GenerationResult, NoDrafter
 from trtspec.speculative.requests import Limits, encode_prompt, make_request
-from trtspec.speculative.schedule import AcceptanceSwitch, DraftSchedule, LoadPolicy
+from trtspec.speculative.schedule import LoadPolicy
 from trtspec.tokens import check_token_ids
 from trtspec.triton.backend.bls import BlsDecoder, BlsDrafter, BlsVerifier, EngineCall
 from trtspec.triton.backend.contract import check_supported, sampling_of
@@ -76,11 +76,9 @@ class OrchestratorSettings:
     switch_off: tuple[int, float] | None = None
 
     def load_policy(self) -> LoadPolicy | None:
-        if self.mode != "speculative" or (self.schedule is None and self.switch_off is None):
+        if self.mode != "speculative":
             return None
-        schedule = DraftSchedule.from_mapping(dict(self.schedule)) if self.schedule else None
-        switch = AcceptanceSwitch(*self.switch_off) if self.switch_off else None
-        return LoadPolicy(schedule, switch)
+        return LoadPolicy.of(dict(self.schedule) if self.schedule else None, self.switch_off)
 
 
 # Sends tensors for request i; final=True ends that request's stream.
