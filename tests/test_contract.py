@@ -144,18 +144,7 @@ def test_sampling_inputs_read_as_tensorrt_llm_reads_them():
 REFUSED = [
     ({"beam_width": _col(4, np.int32)}, "beam search (beam_width=4) is not supported"),
     ({"temperature": _col(-1.0, np.float32)}, "temperature must be a finite number >= 0"),
-    ({"repetition_penalty": _col(1.2, np.float32)}, "repetition penalty (repetition_penalty=1.2)"),
-    ({"presence_penalty": _col(0.5, np.float32)}, "presence penalty"),
-    ({"frequency_penalty": _col(0.5, np.float32)}, "frequency penalty"),
-    ({"min_tokens": _col(5, np.int32)}, "min_tokens=5"),
-    ({"bad_words": np.array([[b"fox"]], dtype=np.object_)}, "bad_words"),
-    (
-        {
-            "embedding_bias_words": np.array([[b"fox"]], dtype=np.object_),
-            "embedding_bias_weights": np.array([[2.0]], dtype=np.float32),
-        },
-        "embedding bias",
-    ),
+    ({"num_return_sequences": np.array([0], dtype=np.int32)}, "num_return_sequences must be >= 1"),
     ({"lora_task_id": np.array([3], dtype=np.uint64)}, "LoRA adapters (lora_task_id)"),
     ({"lora_weights": np.zeros((1, 2, 4), dtype=np.float16)}, "LoRA adapters (lora_weights)"),
     ({"prompt_embedding_table": np.zeros((1, 2, 4), dtype=np.float16)}, "prompt tuning tables"),
@@ -165,8 +154,6 @@ REFUSED = [
     ({"return_generation_logits": np.array([True])}, "returning logits (return_generation_logits)"),
     ({"return_context_logits": np.array([True])}, "returning logits (return_context_logits)"),
     ({"use_draft_logits": np.array([True])}, "draft-logit (probabilistic) acceptance"),
-    ({"num_return_sequences": np.array([3], dtype=np.int32)}, "num_return_sequences=3"),
-    ({"return_log_probs": np.array([True])}, "log probs (return_log_probs)"),
 ]
 
 
@@ -176,3 +163,63 @@ def test_unsupported_features_are_refused_by_name(inputs, message):
         contract.check_supported(inputs)
     assert message in str(err.value)
     assert "unexpected" not in str(err.value)
+
+
+class _WordTokenizer:
+    """Each character is a token (its code point); special tokens add a BOS id 1."""
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": ([1] if add_special_tokens else []) + [ord(c) for c in text]}
+
+
+def test_processing_inputs_read_as_upstream_preprocessing_reads_them():
+    inputs = {
+        "repetition_penalty": _col(1.2, np.float32),
+        "presence_penalty": _col(0.5, np.float32),
+        "min_tokens": _col(4, np.int32),
+        "temperature": _col(0.7, np.float32),
+        "bad_words": np.array([[b"ab", b"", b"c"]], dtype=np.object_),
+        "embedding_bias_words": np.array([[b"xy", b"x"]], dtype=np.object_),
+        "embedding_bias_weights": np.array([[2.0, 0.5]], dtype=np.float32),
+    }
+    (proc,) = contract.processing_of(inputs, 1, _WordTokenizer(), 200)
+    assert proc.repetition_penalty == pytest.approx(1.2) and proc.presence_penalty == 0.5
+    assert proc.min_tokens == 4 and proc.temperature == pytest.approx(0.7)
+    assert proc.bad_words == ((97, 98), (99,))  # each word alone, no special tokens, empty skipped
+    # bias words with the tokenizer's defaults (BOS gets the weight too), every token, summed
+    bias = {}
+    for t, w in proc.bias:
+        bias[t] = bias.get(t, 0) + w
+    assert bias == {1: 2.5, 120: 2.5, 121: 2.0}
+
+
+def test_neutral_processing_inputs_ask_for_nothing():
+    inputs = {
+        "repetition_penalty": _col(1.0, np.float32),
+        "presence_penalty": _col(0.0, np.float32),
+        "frequency_penalty": _col(0.0, np.float32),
+        "min_tokens": _col(1, np.int32),
+        "temperature": _col(0.5, np.float32),
+        "bad_words": np.array([[b""]], dtype=np.object_),
+    }
+    assert contract.processing_of(inputs, 1, _WordTokenizer(), 200) == [None]
+
+
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        (
+            {
+                "embedding_bias_words": np.array([[b"x", b"y"]], dtype=np.object_),
+                "embedding_bias_weights": np.array([[1.0]], dtype=np.float32),
+            },
+            "must pair up one to one",
+        ),
+        ({"bad_words": np.array([[b"\xff"]], dtype=np.object_)}, "bad_words is not valid UTF-8"),
+        ({"bad_words": np.array([["\u0190"]], dtype=np.object_)}, "outside the vocabulary"),
+        ({"presence_penalty": _col(float("inf"), np.float32)}, "presence_penalty must be a finite"),
+    ],
+)
+def test_bad_processing_inputs_are_named(inputs, message):
+    with pytest.raises(RequestError, match=message):
+        contract.processing_of(inputs, 1, _WordTokenizer(), 200)

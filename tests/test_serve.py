@@ -432,7 +432,7 @@ UPSTREAM_PERF_OUTPUTS = [
 ]
 
 
-def _as_upstream_client(endpoint, model, prompt, streaming=False, perf=False, max_tokens=MAX_TOKENS, **extra):
+def _as_upstream_client(endpoint, model, prompt, streaming=False, perf=False, max_tokens=MAX_TOKENS, want=(), **extra):
     """The tensors upstream's end_to_end_grpc_client sends with its defaults (beam_width 1,
     temperature 1.0, exclude_input_in_output false), always over the gRPC stream API, one
     [[value]] per input; returns the responses (or raises the first error)."""
@@ -454,7 +454,8 @@ def _as_upstream_client(endpoint, model, prompt, streaming=False, perf=False, ma
         t = grpcclient.InferInput(name, arr.shape, np_to_triton_dtype(arr.dtype))
         t.set_data_from_numpy(arr)
         inputs.append(t)
-    outputs = [grpcclient.InferRequestedOutput(n) for n in ["text_output"] + (UPSTREAM_PERF_OUTPUTS if perf else [])]
+    names = ["text_output"] + (UPSTREAM_PERF_OUTPUTS if perf else []) + list(want)
+    outputs = [grpcclient.InferRequestedOutput(n) for n in names]
     got: queue.Queue = queue.Queue()
     c = grpcclient.InferenceServerClient(endpoint)
     c.start_stream(callback=lambda result, error: got.put(error or result))
@@ -500,9 +501,10 @@ def test_upstream_client_streams_from_the_ensemble(served, deployment):
     ("model", "extra", "message"),
     [
         ("ensemble", {"beam_width": np.array([[2]], dtype=np.int32)}, "beam search (beam_width=2) is not supported"),
-        (BLS, {"num_return_sequences": np.array([[2]], dtype=np.int32)}, "num_return_sequences=2 is not supported"),
+        (BLS, {"num_return_sequences": np.array([[2]], dtype=np.int32)}, "num_return_sequences=2 answers with one"),
         (CONTROL, {"lora_task_id": np.array([[1]], dtype=np.uint64)}, "LoRA adapters (lora_task_id)"),
-        ("ensemble", {"repetition_penalty": np.array([[1.3]], dtype=np.float32)}, "repetition penalty"),
+        ("ensemble", {"prompt_vocab_size": np.array([[4]], dtype=np.int32)}, "prompt tuning tables"),
+        (BLS, {"repetition_penalty": np.array([[0.0]], dtype=np.float32)}, "repetition_penalty must be > 0"),
         (BLS, {"guided_decoding_guide_type": np.array([[b"json"]], dtype=object)}, "guided decoding"),
     ],
 )
@@ -651,9 +653,11 @@ def test_openai_stop_ends_before_the_stop_text(oai, deployment, stream):
 @pytest.mark.parametrize(
     ("kw", "status", "message"),
     [
-        ({"n": 2}, 400, "n=2 is not supported"),
-        ({"presence_penalty": 0.5}, 400, "presence_penalty is not supported"),
-        ({"logprobs": 2}, 400, "logprobs is not supported"),
+        ({"n": 2, "stream": True}, 400, "n=2 with stream is not supported"),
+        ({"presence_penalty": 2.5}, 400, "presence_penalty"),
+        ({"logprobs": 2}, 400, "logprobs=2 asks for top alternatives"),
+        ({"logprobs": 0, "stream": True}, 400, "logprobs with stream is not supported"),
+        ({"logit_bias": {"5": 1.0}}, 400, "logit_bias (token ids) is not supported"),
         ({"extra_body": {"guided_json": {}}}, 400, "guided_json is not supported by trtspec"),
         ({"model": "gpt-4"}, 404, "model 'gpt-4' does not exist"),
         ({"max_tokens": 10_000}, 400, "max_tokens"),
@@ -667,6 +671,46 @@ def test_openai_errors_have_openai_shape_and_name_the_field(oai, deployment, kw,
     assert err.value.status_code == status
     body = err.value.response.json()["error"]
     assert message in body["message"] and body["type"] in ("invalid_request_error", "server_error")
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("control", [False, True])
+def test_openai_penalties_and_logprobs_are_the_deployments(oai, deployment, control):
+    """presence/frequency penalties and the repetition_penalty / min_tokens extensions reach
+    the logits processing; logprobs are the target's log probs of the chosen tokens."""
+    from trtspec.speculative.processing import Processing
+
+    _, dep = deployment
+    prompt = PROMPTS[2]
+    model = _name(deployment) + ("-target-only" if control else "")
+    kw = {"presence_penalty": 0.6, "frequency_penalty": 0.3}
+    extra = {"repetition_penalty": 1.4, "min_tokens": 5}
+    out = oai.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, logprobs=0, extra_body=extra, **kw)
+    proc = Processing(repetition_penalty=1.4, presence_penalty=0.6, frequency_penalty=0.3, min_tokens=5)
+    ids = dep.encode(prompt, chat_template=False)
+    ref = dep.generate([dep.request(ids, MAX_TOKENS, processing=proc, log_probs=True)], speculative=not control)[0]
+    plain = dep.generate([dep.request(ids, MAX_TOKENS)])[0]
+    assert ref.output_ids != plain.output_ids
+    assert out.choices[0].text == dep.decode(ref.output_ids)
+    lp = out.choices[0].logprobs
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert lp.token_logprobs == pytest.approx(ref.log_probs, abs=1e-4)
+    chat = oai.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=8, logprobs=True, extra_body=extra, **kw
+    )
+    content = chat.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    assert all(t.logprob <= 0 for t in content)
+
+
+@pytest.mark.server
+def test_openai_n_choices_sample_with_consecutive_seeds(oai, deployment):
+    kw = {"model": _name(deployment), "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0.9, "top_p": 0.95}
+    out = oai.completions.create(n=3, seed=21, **kw)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    for i, choice in enumerate(out.choices):
+        assert choice.text == oai.completions.create(seed=21 + i, **kw).choices[0].text
+    assert out.usage.completion_tokens == sum(oai.completions.create(seed=21 + i, **kw).usage.completion_tokens for i in range(3))
 
 
 # ----------------------------------------------------------------------------------- verify
@@ -864,3 +908,117 @@ def test_serve_forwards_signals_and_stops_every_stub(deployment, tmp_path, backe
         if proc.poll() is None:
             proc.kill()
     assert processes_mentioning(str(repo)) == []
+
+
+def _processing_arrays(dep, prompt):
+    """Upstream inputs asking for every logits-processing feature, with a bad word and a
+    bias word taken from the plain greedy answer (so they change it)."""
+    plain = dep.generate([dep.request(dep.encode(prompt, chat_template=False), MAX_TOKENS)], speculative=False)[0]
+    return {
+        "temperature": np.array([[1.0]], dtype=np.float32),
+        "repetition_penalty": np.array([[1.3]], dtype=np.float32),
+        "presence_penalty": np.array([[0.4]], dtype=np.float32),
+        "frequency_penalty": np.array([[0.2]], dtype=np.float32),
+        "min_tokens": np.array([[6]], dtype=np.int32),
+        "bad_words": np.array([[dep.decode([plain.output_ids[2]]).encode()]], dtype=object),
+        "embedding_bias_words": np.array([[dep.decode([plain.output_ids[5]]).encode()]], dtype=object),
+        "embedding_bias_weights": np.array([[-2.5]], dtype=np.float32),
+        "return_log_probs": np.array([[True]], dtype=bool),
+    }, plain
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("model", [BLS, CONTROL])
+def test_logits_processing_and_log_probs_over_triton_match_in_process(served, deployment, model):
+    """Penalties, min_tokens, bad_words and embedding bias from upstream's inputs: the
+    served speculative and control endpoints give the in-process tokens, and the target's
+    log probs of them."""
+    from trtspec.triton.backend.contract import processing_of
+
+    _, dep = deployment
+    prompt = PROMPTS[2]
+    arrays, plain = _processing_arrays(dep, prompt)
+    (proc,) = processing_of(arrays, 1, dep.tokenizer, dep.target.vocab_size)
+    ids = dep.encode(prompt, chat_template=False)
+    ref = dep.generate([dep.request(ids, MAX_TOKENS, processing=proc, log_probs=True)], speculative=True)[0]
+    assert ref.output_ids != plain.output_ids
+    extra = arrays | {"exclude_input_in_output": np.array([[True]], dtype=bool)}
+    names = ["text_output", "output_ids", "output_log_probs", "cum_log_probs"]
+    c = grpcclient.InferenceServerClient(served.grpc_endpoint)
+    from tritonclient.utils import np_to_triton_dtype
+
+    base = {"text_input": np.array([[prompt.encode()]], dtype=object), "max_tokens": np.array([[MAX_TOKENS]], dtype=np.int32)}
+    inputs = []
+    for name, arr in (base | extra).items():
+        t = grpcclient.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
+        t.set_data_from_numpy(arr)
+        inputs.append(t)
+    out = c.infer(model, inputs, outputs=[grpcclient.InferRequestedOutput(n) for n in names])
+    assert out.as_numpy("output_ids").reshape(-1).tolist() == ref.output_ids
+    lp = out.as_numpy("output_log_probs")
+    assert lp.shape == (1, 1, len(ref.output_ids))
+    assert lp.reshape(-1).tolist() == pytest.approx(ref.log_probs, abs=1e-4)
+    assert out.as_numpy("cum_log_probs").reshape(-1)[0] == pytest.approx(sum(ref.log_probs), abs=1e-3)
+
+
+@pytest.mark.server
+def test_logits_processing_through_the_ensemble_as_upstream_clients_send_it(served, deployment):
+    _, dep = deployment
+    prompt = PROMPTS[2]
+    arrays, _ = _processing_arrays(dep, prompt)
+    from trtspec.triton.backend.contract import processing_of
+
+    (proc,) = processing_of(arrays, 1, dep.tokenizer, dep.target.vocab_size)
+    ids = dep.encode(prompt, chat_template=False)
+    ref = dep.generate([dep.request(ids, MAX_TOKENS, processing=proc)], speculative=True)[0]
+    (result,) = _as_upstream_client(served.grpc_endpoint, "ensemble", prompt, **arrays)
+    assert result.as_numpy("text_output")[0].decode() == dep.decode(ids + ref.output_ids)
+
+
+@pytest.mark.server
+def test_num_return_sequences_answers_one_response_per_sequence(served, deployment):
+    """As upstream's decoupled models: one response per sequence, each with its
+    sequence_index, the last flagged final; greedy sequences are all the greedy answer,
+    sampled ones draw with seed + i."""
+    _, dep = deployment
+    prompt = PROMPTS[0]
+    n = np.array([[3]], dtype=np.int32)
+    responses = _as_upstream_client(
+        served.grpc_endpoint,
+        BLS_STREAMING,
+        prompt,
+        want=["sequence_index"],
+        num_return_sequences=n,
+        top_k=np.array([[1]], dtype=np.int32),
+    )
+    ref = dep.generate([dep.request(dep.encode(prompt, chat_template=False), MAX_TOKENS)], speculative=True)[0]
+    text = dep.decode(dep.encode(prompt, chat_template=False) + ref.output_ids)
+    assert len(responses) == 3
+    assert sorted(int(r.as_numpy("sequence_index")[0][0]) for r in responses) == [0, 1, 2]
+    assert all(r.as_numpy("text_output")[0].decode() == text for r in responses)
+    streamed = _as_upstream_client(
+        served.grpc_endpoint,
+        BLS_STREAMING,
+        prompt,
+        streaming=True,
+        want=["sequence_index"],
+        num_return_sequences=np.array([[2]], dtype=np.int32),
+        top_p=np.array([[0.95]], dtype=np.float32),
+        seed=np.array([[11]], dtype=np.uint64),
+    )
+    texts: dict[int, str] = {0: "", 1: ""}
+    for r in streamed:
+        texts[int(r.as_numpy("sequence_index")[0][0])] += r.as_numpy("text_output")[0].decode()
+    assert all(texts.values())
+    again = _as_upstream_client(
+        served.grpc_endpoint,
+        BLS_STREAMING,
+        prompt,
+        streaming=True,
+        want=["sequence_index"],
+        num_return_sequences=np.array([[2]], dtype=np.int32),
+        top_p=np.array([[0.95]], dtype=np.float32),
+        seed=np.array([[12]], dtype=np.uint64),
+    )
+    second = "".join(r.as_numpy("text_output")[0].decode() for r in again if int(r.as_numpy("sequence_index")[0][0]) == 0)
+    assert second == texts[1]  # sequence 1 of seed 11 draws with seed 12

@@ -22,6 +22,7 @@ from trtspec.speculative.loop import (
     StepCallback,
     generate,
 )
+from trtspec.speculative.processing import Processing
 from trtspec.speculative.requests import Limits, encode_prompt, end_token_ids, make_request
 from trtspec.speculative.sampling import SamplingParams
 from trtspec.speculative.schedule import LoadPolicy
@@ -82,10 +83,18 @@ class Deployment:
         return encode_prompt(self.tokenizer, prompt, use)
 
     def request(
-        self, prompt_ids: list[int], max_tokens: int, num_draft_tokens: int | None = None, sampling: SamplingParams | None = None
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        num_draft_tokens: int | None = None,
+        sampling: SamplingParams | None = None,
+        processing: Processing | None = None,
+        log_probs: bool = False,
     ):
         k = self.spec.speculative.default_draft_tokens if num_draft_tokens is None else num_draft_tokens
-        return make_request(prompt_ids, max_tokens, k, self.limits, self.end_ids, sampling=sampling)
+        return make_request(
+            prompt_ids, max_tokens, k, self.limits, self.end_ids, sampling=sampling, processing=processing, log_probs=log_probs
+        )
 
     def generate(
         self,

@@ -7,7 +7,10 @@
 
 Every generation is one gRPC request to the Triton deployment (openai/triton.py). Greedy
 decoding unless the request sends temperature > 0 (then temperature, top_p and seed go to
-the deployment's lossless speculative sampler); n > 1, penalties, logprobs, tools... are
+the deployment's lossless speculative sampler). presence / frequency penalties (and the
+trtllm-serve / vLLM extensions repetition_penalty and min_tokens) go to the deployment's logits
+processing; logprobs (chosen tokens, unstreamed) come from the target's log probs; n > 1 sends
+n requests at once (choice i samples with seed + i). Top-k logprobs, logit_bias, tools... are
 refused with an OpenAI-shaped error naming the field. ``usage`` carries the token counts and the speculative
 acceptance of that request (``completion_tokens_details.accepted_prediction_tokens`` /
 ``rejected_prediction_tokens`` are the accepted and rejected draft tokens; ``speculative`` has
@@ -16,11 +19,12 @@ the same as trtspec reports them).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -161,6 +165,8 @@ class _Front:
             num_draft_tokens=body.num_draft_tokens,
             control=control,
             sampling=body.sampling(),
+            processing=body.processing(),
+            log_probs=body.wants_log_probs(),
         )
 
     async def answer(self, body, g: Generation, chat: bool):
@@ -171,26 +177,56 @@ class _Front:
             first = await anext(events)  # errors before the first byte become an HTTP error
             return StreamingResponse(_prepend(first, events), media_type="text/event-stream")
         try:
-            piece = await self.backend.complete(g)
+            # n choices: n requests at once, choice i sampling with seed + i (greedy: all alike)
+            pieces = await asyncio.gather(*(self.backend.complete(_nth(g, i)) for i in range(body.n)))
         except RequestError as err:
             raise ApiError(400, str(err)) from None
         except RuntimeError as err:
             raise ApiError(500, str(err), kind="server_error") from None
-        text, stopped = _cut_at_stop(piece.text, g.stop)
-        finish = "stop" if stopped else _finish(piece)
-        choice = {"index": 0, "finish_reason": finish, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
+        choices = []
+        for i, piece in enumerate(pieces):
+            text, stopped = _cut_at_stop(piece.text, g.stop)
+            choice = {"index": i, "finish_reason": "stop" if stopped else _finish(piece), "logprobs": None}
+            if g.log_probs:
+                choice["logprobs"] = self.log_probs(piece, text, chat)
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+        usage = _usage(pieces[0])
+        if len(pieces) > 1:
+            usage = _usage_of_all(pieces)
         return {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": created,
             "model": body.model,
-            "choices": [choice],
-            "usage": _usage(piece),
+            "choices": choices,
+            "usage": usage,
         }
+
+    def log_probs(self, piece: Piece, text: str, chat: bool) -> dict:
+        """OpenAI's logprobs object for the tokens of ``text`` (the answer, cut at a stop
+        string): each token's text, its log prob under the target; no top alternatives."""
+        ids, lps = piece.token_ids or [], piece.log_probs or []
+        tokens, offsets, at = [], [], 0
+        for n in range(1, len(ids) + 1):
+            upto = self.tokenizer.decode(ids[:n], skip_special_tokens=True)
+            if len(upto) > len(text) and at >= len(text):
+                break  # past the stop cut
+            tokens.append(upto[at:])
+            offsets.append(at)
+            at = len(upto)
+        lps = lps[: len(tokens)]
+        if chat:
+            return {
+                "content": [
+                    {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []} for t, lp in zip(tokens, lps)
+                ],
+                "refusal": None,
+            }
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
 
     async def events(self, body, g: Generation, chat: bool, rid: str, created: int) -> AsyncIterator[bytes]:
         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -257,6 +293,28 @@ def _cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
     """Text up to the first stop string (excluded, as OpenAI returns it) and whether one was found."""
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]
     return (text[: min(hits)], True) if hits else (text, False)
+
+
+def _nth(g: Generation, i: int) -> Generation:
+    """Choice i of n: sampling seed + i, as TensorRT-LLM's child sequences draw."""
+    if i == 0 or g.sampling is None:
+        return g
+    temperature, top_p, seed = g.sampling
+    return replace(g, sampling=(temperature, top_p, (seed + i) % 2**63))
+
+
+def _usage_of_all(pieces: list[Piece]) -> dict:
+    """One prompt, n completions: completion tokens and draft counts summed over choices."""
+    total = Piece(
+        "",
+        True,
+        prompt_tokens=pieces[0].prompt_tokens,
+        completion_tokens=sum(p.completion_tokens for p in pieces),
+        draft_tokens=sum(p.draft_tokens for p in pieces),
+        accepted_draft_tokens=sum(p.accepted_draft_tokens for p in pieces),
+    )
+    total.acceptance_rate = total.accepted_draft_tokens / total.draft_tokens if total.draft_tokens else 0.0
+    return _usage(total)
 
 
 def _finish(piece: Piece) -> str:

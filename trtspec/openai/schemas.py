@@ -1,6 +1,5 @@
 """OpenAI request bodies (the fields of /v1/completions and /v1/chat/completions) and what
-trtspec does with each: used, accepted because greedy decoding makes it moot, or refused by
-name. Unknown fields are refused too (extra="forbid"), so nothing is silently ignored."""
+trtspec does with each: used, or refused by name. Unknown fields are refused too (extra="forbid"), so nothing is silently ignored."""
 
 from __future__ import annotations
 
@@ -23,8 +22,11 @@ class _Body(BaseModel):
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    # Extensions trtllm-serve and vLLM accept too (TensorRT-LLM's SamplingParams names).
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    min_tokens: int | None = Field(default=None, ge=0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # trtspec: draft length for this request (the deployment's default when absent)
@@ -46,20 +48,38 @@ class _Body(BaseModel):
             return None
         return (self.temperature, self.top_p if self.top_p is not None else 1.0, self.seed or 0)
 
+    def processing(self) -> tuple[tuple[str, float], ...]:
+        """The deployment's logits-processing inputs (upstream BLS names) this body asks for.
+        Penalties count prompt tokens too, as TensorRT-LLM (and so trtllm-serve) applies them."""
+        out = []
+        if self.presence_penalty:
+            out.append(("presence_penalty", self.presence_penalty))
+        if self.frequency_penalty:
+            out.append(("frequency_penalty", self.frequency_penalty))
+        if self.repetition_penalty is not None and self.repetition_penalty != 1:
+            out.append(("repetition_penalty", self.repetition_penalty))
+        if self.min_tokens:
+            out.append(("min_tokens", self.min_tokens))
+        return tuple(out)
+
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage", False))
 
     def check_common(self) -> None:
         """Refuse what trtspec does not implement, naming the field."""
-        if self.n > 1:
-            raise RequestError(f"n={self.n} is not supported: send n 1 (to sample again, repeat the request with another seed)")
+        if self.n > 1 and self.stream:
+            raise RequestError(f"n={self.n} with stream is not supported by trtspec; send n 1 to stream, or stream false")
+        if self.n > 16:
+            raise RequestError(f"n={self.n} is more than trtspec answers at once (16); send fewer")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise RequestError(f"seed must be in 0..2**63-1 (got {self.seed})")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise RequestError(f"{name} is not supported by trtspec; send 0 or leave it out")
         if self.logit_bias:
-            raise RequestError("logit_bias is not supported by trtspec; leave it out")
+            raise RequestError(
+                "logit_bias (token ids) is not supported by trtspec; the Triton endpoints take "
+                "embedding_bias_words / embedding_bias_weights (text) instead; leave it out here"
+            )
+        if self.wants_log_probs() and self.stream:
+            raise RequestError("logprobs with stream is not supported by trtspec; send stream false to get logprobs")
         if self.stream_options and not self.stream:
             raise RequestError("stream_options needs stream true")
         unknown = set(self.stream_options or {}) - {"include_usage"}
@@ -75,12 +95,18 @@ class CompletionBody(_Body):
     best_of: int | None = None
     suffix: str | None = None
 
+    def wants_log_probs(self) -> bool:
+        return self.logprobs is not None
+
     def check(self) -> str:
         self.check_common()
         if self.echo:
             raise RequestError("echo is not supported by trtspec; send echo false")
-        if self.logprobs is not None:
-            raise RequestError("logprobs is not supported by trtspec yet; leave it out")
+        if self.logprobs:
+            raise RequestError(
+                f"logprobs={self.logprobs} asks for top alternatives, which trtspec does not return; "
+                "send logprobs 0 for the chosen tokens' log probs"
+            )
         if self.best_of not in (None, 1):
             raise RequestError("best_of is not supported: greedy decoding has one answer; send 1 or leave it out")
         if self.suffix:
@@ -120,10 +146,16 @@ class ChatBody(_Body):
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
 
+    def wants_log_probs(self) -> bool:
+        return self.logprobs
+
     def check(self) -> list[dict[str, str]]:
         self.check_common()
-        if self.logprobs or self.top_logprobs:
-            raise RequestError("logprobs is not supported by trtspec yet; send logprobs false")
+        if self.top_logprobs:
+            raise RequestError(
+                "top_logprobs asks for top alternatives, which trtspec does not return; send 0 or leave it out "
+                "(logprobs true gives the chosen tokens' log probs)"
+            )
         if self.tools or self.tool_choice not in (None, "none"):
             raise RequestError("tool calling (tools / tool_choice) is not supported by trtspec; leave it out")
         if self.response_format and self.response_format.get("type") != "text":

@@ -28,6 +28,9 @@ WANTED = [
 ]
 
 
+LOG_PROB_OUTPUTS = ["output_ids", "sequence_length", "output_log_probs"]
+
+
 @dataclass
 class Piece:
     """One response: new text; on the last one, counts and the finish reason."""
@@ -40,6 +43,8 @@ class Piece:
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
     acceptance_rate: float = 0.0
+    token_ids: list[int] | None = None  # with log probs: the generated tokens ...
+    log_probs: list[float] | None = None  # ... and the target's log prob of each
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,8 @@ class Generation:
     num_draft_tokens: int | None = None
     control: bool = False  # target-only path
     sampling: tuple[float, float, int] | None = None  # (temperature, top_p, seed); None: greedy
+    processing: tuple[tuple[str, float], ...] = ()  # upstream input name -> value (penalties, min_tokens)
+    log_probs: bool = False
 
 
 class TritonText:
@@ -113,13 +120,23 @@ class TritonText:
             arrays["top_k"] = np.array([[0]], dtype=np.int32)
             arrays["top_p"] = np.array([[top_p]], dtype=np.float32)
             arrays["seed"] = np.array([[seed]], dtype=np.uint64)
+        for name, value in g.processing:
+            dtype = np.int32 if name == "min_tokens" else np.float32
+            arrays[name] = np.array([[value]], dtype=dtype)
+        if g.log_probs:
+            arrays["return_log_probs"] = np.array([[True]])
         return [tensor(k, v) for k, v in arrays.items()]
 
-    async def complete(self, g: Generation) -> Piece:
+    @staticmethod
+    def _wanted(g: Generation) -> list:
         import tritonclient.grpc as grpcclient
+
+        return [grpcclient.InferRequestedOutput(n) for n in WANTED + (LOG_PROB_OUTPUTS if g.log_probs else [])]
+
+    async def complete(self, g: Generation) -> Piece:
         from tritonclient.utils import InferenceServerException
 
-        outputs = [grpcclient.InferRequestedOutput(n) for n in WANTED]
+        outputs = self._wanted(g)
         try:
             result = await self.client.infer(CONTROL_MODEL if g.control else BLS_MODEL, self._inputs(g, False), outputs=outputs)
         except InferenceServerException as err:
@@ -132,12 +149,11 @@ class TritonText:
         if g.control:
             yield await self.complete(g)
             return
-        import tritonclient.grpc as grpcclient
 
         request = {
             "model_name": BLS_STREAMING_MODEL,
             "inputs": self._inputs(g, True),
-            "outputs": [grpcclient.InferRequestedOutput(n) for n in WANTED],
+            "outputs": self._wanted(g),
             "request_id": uuid.uuid4().hex,
             "enable_empty_final_response": True,
         }
@@ -186,4 +202,9 @@ def _piece(result, final: bool) -> Piece:
         piece.draft_tokens = int(_scalar(result, "total_draft_tokens"))
         piece.accepted_draft_tokens = int(_scalar(result, "total_accepted_draft_tokens"))
         piece.acceptance_rate = float(_scalar(result, "acceptance_rate", 0.0))
+    lp = result.as_numpy("output_log_probs")
+    if final and lp is not None:
+        n = int(_scalar(result, "sequence_length"))
+        piece.token_ids = [int(t) for t in result.as_numpy("output_ids").reshape(-1)[:n]]
+        piece.log_probs = [float(x) for x in lp.reshape(-1)[:n]]
     return piece

@@ -14,6 +14,7 @@ import torch
 from trtspec.engines.torch.engine import ForwardItem, RunFn
 from trtspec.errors import EngineError
 from trtspec.speculative.loop import Drafter
+from trtspec.speculative.processing import RowRules, warp_params
 
 
 class ModelDrafter:
@@ -23,32 +24,45 @@ class ModelDrafter:
     target rejected are forgotten on the next call (the cache keeps the common prefix).
     """
 
+    mirrors_processing = True  # the requests' penalties, bans and bias shape the drafts too
+
     def __init__(self, run: RunFn, vocab_limit: int | None = None):
         self.run = run
         # Draft rows beyond the target's vocabulary (embedding padding) are never proposed.
         self.vocab_limit = vocab_limit
 
-    def propose(self, contexts: Sequence[list[int]], ks: Sequence[int]) -> list[list[int]]:
+    def _next_logits(self, row: torch.Tensor, rules: RowRules | None, tokens: list[int], drafted: int) -> torch.Tensor:
+        """The draft's logits [1, vocab_limit] for the next token, processed as the target's."""
+        logits = row[-1:, : self.vocab_limit]
+        return logits if rules is None else rules.apply(logits, tokens, drafted)
+
+    def propose(
+        self, contexts: Sequence[list[int]], ks: Sequence[int], rules: Sequence[RowRules | None] | None = None
+    ) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in contexts]
+        rules = rules or [None] * len(contexts)
         for step in range(max(ks, default=0)):
             live = [i for i, k in enumerate(ks) if k > step]
             logits = self.run([ForwardItem(list(contexts[i]) + drafts[i], 1) for i in live])
             for i, row in zip(live, logits):
-                drafts[i].append(int(torch.argmax(row[-1, : self.vocab_limit])))
+                x = self._next_logits(row, rules[i], list(contexts[i]) + drafts[i], step)
+                drafts[i].append(int(torch.argmax(x[0])))
         return drafts
 
-    def propose_sampled(self, contexts, ks, params, gens) -> list[tuple[list[int], torch.Tensor]]:
+    def propose_sampled(self, contexts, ks, params, gens, rules=None) -> list[tuple[list[int], torch.Tensor]]:
         """Drafts drawn from the draft's warped distribution, with those distributions
         ([k, vocab_limit] per sequence) for the rejection step."""
         from trtspec.speculative.sampling import draw, warp
 
         drafts: list[list[int]] = [[] for _ in contexts]
         dists: list[list[torch.Tensor]] = [[] for _ in contexts]
+        rules = rules or [None] * len(contexts)
         for step in range(max(ks, default=0)):
             live = [i for i, k in enumerate(ks) if k > step]
             logits = self.run([ForwardItem(list(contexts[i]) + drafts[i], 1) for i in live])
             for i, row in zip(live, logits):
-                q = warp(row[-1:, : self.vocab_limit], params[i])[0]  # [vocab_limit]
+                x = self._next_logits(row, rules[i], list(contexts[i]) + drafts[i], step)
+                q = warp(x, warp_params(params[i], rules[i] and rules[i].processing))[0]  # [vocab_limit]
                 drafts[i].append(draw(q, gens[i]))
                 dists[i].append(q)
         return [(d, torch.stack(q) if q else torch.zeros(0)) for d, q in zip(drafts, dists)]

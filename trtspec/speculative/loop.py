@@ -26,6 +26,7 @@ import torch
 
 from trtspec.errors import RequestError
 from trtspec.speculative.metrics import SpecMetrics
+from trtspec.speculative.processing import Processing, RowRules, processed, warp_params
 from trtspec.speculative.sampling import SamplingParams, accept_or_resample, warp
 from trtspec.speculative.schedule import LoadPolicy
 
@@ -34,7 +35,11 @@ FinishReason = Literal["length", "eos", "stop"]
 
 class Drafter(Protocol):
     def propose(self, contexts: Sequence[list[int]], ks: Sequence[int]) -> list[list[int]]:
-        """Up to ks[i] draft tokens continuing contexts[i] (fewer is allowed)."""
+        """Up to ks[i] draft tokens continuing contexts[i] (fewer is allowed).
+
+        A drafter that also takes ``rules`` (a keyword, one RowRules or None per context)
+        mirrors the requests' logits processing in its drafts (``mirrors_processing = True``);
+        the others draft as usual, which costs acceptance, never correctness."""
         ...
 
 
@@ -73,12 +78,26 @@ class GenerationRequest:
     end_ids: frozenset[int] = frozenset()  # EOS-like ids: end generation, not emitted
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # end generation once emitted
     sampling: SamplingParams | None = None  # None: greedy (token-identical to target-only)
+    processing: Processing | None = None  # penalties, min_tokens, bad words, bias (processing.py)
+    log_probs: bool = False  # keep the target's log prob of every output token
+
+    @property
+    def needs_logits(self) -> bool:
+        """The loop decides this request's tokens from the target's logits, not its greedy ids."""
+        return self.sampling is not None or self.log_probs or (self.processing is not None and self.processing.active)
+
+    def rules(self, generated: int) -> RowRules | None:
+        """What a mirroring drafter needs to process its logits as the target's are."""
+        if self.processing is None or not self.processing.active:
+            return None
+        return RowRules(self.processing, generated, self.end_ids)
 
 
 @dataclass
 class GenerationResult:
     output_ids: list[int] = field(default_factory=list)
     margins: list[float | None] = field(default_factory=list)  # per output token
+    log_probs: list[float] = field(default_factory=list)  # per output token, when asked
     # Per target forward: (len(output_ids) when it began, drafts it scored). Verdicts replay
     # the forward that produced a divergent token with exactly this shape.
     steps: list[tuple[int, int]] = field(default_factory=list)
@@ -222,7 +241,8 @@ class Batch:
         qs: list[torch.Tensor | None] = [None for _ in active]  # draft distributions [k, vocab]
         wants = [j for j, k in enumerate(ks) if k > 0 and requests[active[j]].sampling is None]
         if wants:
-            proposed = self.drafter.propose([contexts[j] for j in wants], [ks[j] for j in wants])
+            rules = [requests[active[j]].rules(len(results[active[j]].output_ids)) for j in wants]
+            proposed = _propose(self.drafter, [contexts[j] for j in wants], [ks[j] for j in wants], rules)
             for j, d in zip(wants, proposed):
                 drafts[j] = list(d[: ks[j]])
         sampled = [j for j, k in enumerate(ks) if k > 0 and requests[active[j]].sampling is not None]
@@ -236,8 +256,9 @@ class Batch:
                 [gens[active[j]] for j in sampled],
                 drafts,
                 qs,
+                [len(results[active[j]].output_ids) for j in sampled],
             )
-        wants_logits = [requests[i].sampling is not None for i in active]
+        wants_logits = [requests[i].needs_logits for i in active]
         if any(wants_logits):
             verdicts = self.verifier.verify(contexts, drafts, want_logits=wants_logits)
         else:
@@ -249,7 +270,8 @@ class Batch:
         for j, i in enumerate(active):
             req = requests[i]
             extra = 0
-            if req.sampling is None:
+            log_probs = None
+            if not req.needs_logits:
                 n = accepted_prefix(drafts[j], verdicts[j])
                 # A target that kept decoding after a rejection (continued) keeps those tokens.
                 keep = len(verdicts[j].target_ids) if verdicts[j].continued else n + 1
@@ -258,16 +280,12 @@ class Batch:
                 margins = verdicts[j].margins
                 margins = margins[:keep] if margins else None
             else:
-                if verdicts[j].logits is None:
-                    raise RequestError("this verifier returns no logits, so it cannot sample; use greedy decoding")
-                p = warp(verdicts[j].logits, req.sampling)  # [len(draft) + 1, vocab]
-                new, n = accept_or_resample(drafts[j], qs[j], p, gens[i])
-                margins = None
+                new, n, margins, log_probs = _decide(req, results[i], contexts[j], drafts[j], qs[j], verdicts[j], gens.get(i))
             results[i].metrics.record_step(len(drafts[j]), n)
             for _ in range(extra):  # each further token cost the target one decode step
                 results[i].metrics.record_step(0, 0)
             results[i].steps.append((len(results[i].output_ids), len(drafts[j])))
-            emitted = _emit(req, results[i], new, margins)
+            emitted = _emit(req, results[i], new, margins, log_probs)
             report.drafted += len(drafts[j])
             report.extra_forwards += extra
             report.accepted += n
@@ -301,17 +319,52 @@ def generate(
     return [batch.pop(k) for k in keys]
 
 
-def _propose_sampled(drafter, sampled, contexts, ks, reqs, gens, drafts, qs) -> None:
+def _propose(drafter: Drafter, contexts, ks, rules: Sequence[RowRules | None]) -> list[list[int]]:
+    """Greedy drafts; the requests' logits processing goes along to a drafter that mirrors it."""
+    if any(r is not None for r in rules) and getattr(drafter, "mirrors_processing", False):
+        return drafter.propose(contexts, ks, rules=rules)  # type: ignore[call-arg]
+    return drafter.propose(contexts, ks)
+
+
+def _propose_sampled(drafter, sampled, contexts, ks, reqs, gens, drafts, qs, generated) -> None:
     """Sampled drafts and their distributions; a drafter without ``propose_sampled`` (prompt
     lookup) proposes as usual and counts as a point mass (q None)."""
     sub_ctx, sub_k = [contexts[j] for j in sampled], [ks[j] for j in sampled]
+    rules = [r.rules(g) for r, g in zip(reqs, generated)]
     if hasattr(drafter, "propose_sampled"):
-        proposed = drafter.propose_sampled(sub_ctx, sub_k, [r.sampling for r in reqs], gens)
+        mirror = any(r is not None for r in rules) and getattr(drafter, "mirrors_processing", False)
+        kw = {"rules": rules} if mirror else {}
+        proposed = drafter.propose_sampled(sub_ctx, sub_k, [r.sampling for r in reqs], gens, **kw)
         for j, (d, q) in zip(sampled, proposed):
             drafts[j], qs[j] = list(d[: ks[j]]), q[: ks[j]]
     else:
-        for j, d in zip(sampled, drafter.propose(sub_ctx, sub_k)):
+        for j, d in zip(sampled, _propose(drafter, sub_ctx, sub_k, rules)):
             drafts[j] = list(d[: ks[j]])
+
+
+def _decide(req: GenerationRequest, res: GenerationResult, context, draft, q, verdict: Verdict, gen):
+    """(tokens to emit, drafts accepted, margins, log probs) of a request decided from the
+    target's logits: processed as the request asks, then greedy argmax or rejection sampling."""
+    if verdict.logits is None:
+        raise RequestError(
+            "this verifier returns no logits, so it cannot sample, process logits or return log probs; "
+            "send a plain greedy request"
+        )
+    logits = processed(verdict.logits, req.processing, context, len(res.output_ids), draft, req.end_ids)
+    if req.sampling is None:
+        ids = torch.argmax(logits, dim=-1).tolist()  # lowest index among exact ties
+        n = accepted_prefix(draft, Verdict(ids))
+        new = ids[: n + 1]
+        top = torch.topk(logits[: n + 1], k=2, dim=-1).values
+        margins = (top[:, 0] - top[:, 1]).tolist()
+    else:
+        new, n = accept_or_resample(draft, q, warp(logits, warp_params(req.sampling, req.processing)), gen)
+        margins = None
+    log_probs = None
+    if req.log_probs:
+        lp = torch.log_softmax(logits[: len(new)].double(), dim=-1)
+        log_probs = lp.gather(-1, torch.tensor(new).unsqueeze(-1)).squeeze(-1).tolist()
+    return new, n, margins, log_probs
 
 
 def finish(req: GenerationRequest, tokens: list[int], margins: list[float] | None = None) -> GenerationResult:
@@ -329,7 +382,7 @@ def finish(req: GenerationRequest, tokens: list[int], margins: list[float] | Non
     return res
 
 
-def _emit(req: GenerationRequest, res: GenerationResult, new: list[int], margins) -> list[int]:
+def _emit(req: GenerationRequest, res: GenerationResult, new: list[int], margins, log_probs=None) -> list[int]:
     """Append tokens one by one, stopping exactly where token-by-token decoding would."""
     emitted = []
     for pos, tok in enumerate(new):
@@ -339,6 +392,8 @@ def _emit(req: GenerationRequest, res: GenerationResult, new: list[int], margins
             break
         res.output_ids.append(tok)
         res.margins.append(margins[pos] if margins else None)
+        if log_probs is not None:
+            res.log_probs.append(log_probs[pos])
         emitted.append(tok)
         if any(_ends_with(res.output_ids, s) for s in req.stop_sequences):
             res.finish_reason = "stop"

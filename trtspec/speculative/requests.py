@@ -13,6 +13,7 @@ from pathlib import Path
 from trtspec.errors import RequestError
 from trtspec.spec import EngineSpec
 from trtspec.speculative.loop import GenerationRequest
+from trtspec.speculative.processing import Processing
 from trtspec.speculative.sampling import SamplingParams
 from trtspec.tokens import check_token_ids
 
@@ -55,6 +56,8 @@ def make_request(
     end_ids: frozenset[int] = frozenset(),
     stop_sequences: tuple[tuple[int, ...], ...] = (),
     sampling: SamplingParams | None = None,
+    processing: Processing | None = None,
+    log_probs: bool = False,
 ) -> GenerationRequest:
     """Validate a request against the deployment's limits; RequestError names the fix."""
     n = len(prompt_ids)
@@ -78,7 +81,11 @@ def make_request(
             f"num_draft_tokens must be in 0..{limits.max_draft_len} (max_draft_len the "
             f"engines were built for); got {num_draft_tokens}"
         )
-    return GenerationRequest(list(prompt_ids), max_tokens, num_draft_tokens, end_ids, stop_sequences, sampling)
+    if processing is not None:
+        processing.check_ids(limits.vocab_size)
+    return GenerationRequest(
+        list(prompt_ids), max_tokens, num_draft_tokens, end_ids, stop_sequences, sampling, processing, log_probs
+    )
 
 
 def end_token_ids(tokenizer, engine_folder: Path) -> frozenset[int]:

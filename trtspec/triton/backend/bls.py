@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from trtspec.speculative.loop import GenerationRequest, GenerationResult, Verdict, finish
+from trtspec.speculative.processing import RowRules
 
 EngineCall = Callable[[str, Mapping[str, np.ndarray], Sequence[str]], Mapping[str, np.ndarray]]
 # Sends several single-row requests to one model at once; answers in order.
@@ -52,7 +53,10 @@ def generated(outputs: Mapping[str, np.ndarray], rows: int) -> list[list[int]]:
 
 
 class BlsDrafter:
-    """Greedy drafts from a draft engine model, one batched request per loop step."""
+    """Greedy drafts from a draft engine model, one batched request per loop step; the
+    requests' logits processing goes along in upstream's `tensorrt_llm` inputs."""
+
+    mirrors_processing = True
 
     def __init__(self, call: EngineCall, model: str, vocab_limit: int | None = None, pad_id: int = 0):
         self.call = call
@@ -60,15 +64,58 @@ class BlsDrafter:
         self.vocab_limit = vocab_limit
         self.pad_id = pad_id
 
-    def propose(self, contexts: Sequence[list[int]], ks: Sequence[int]) -> list[list[int]]:
+    def propose(
+        self, contexts: Sequence[list[int]], ks: Sequence[int], rules: Sequence[RowRules | None] | None = None
+    ) -> list[list[int]]:
         inputs = sequence_inputs(contexts, self.pad_id)
         inputs["request_output_len"] = _column(ks, np.int32)
         inputs["exclude_input_in_output"] = _column([True] * len(ks), np.bool_)
+        if rules and any(r is not None for r in rules):
+            inputs |= processing_inputs(rules)
         out = self.call(self.model, inputs, ["output_ids", "sequence_length"])
         drafts = generated(out, len(contexts))
         if self.vocab_limit is not None:  # an id the target cannot score ends the draft
             drafts = [_until_outside(d, self.vocab_limit) for d in drafts]
         return drafts
+
+
+def processing_inputs(rules: Sequence[RowRules | None]) -> dict[str, np.ndarray]:
+    """Upstream's `tensorrt_llm` logits-processing inputs for a batch of drafts: the values of
+    each row's rules (neutral for rows without), min_tokens counted from the draft request's
+    input (the tokens generated so far are in it), the first end id banned before it (the
+    engine model has one end_id per request), bad_words_list [b, 2, n] and embedding_bias
+    [b, vocab] (present only when some row uses them)."""
+    procs = [None if r is None else r.processing for r in rules]
+    f = lambda get, neutral: _column([neutral if p is None else get(p) for p in procs], np.float32)  # noqa: E731
+    tensors = {
+        "repetition_penalty": f(lambda p: p.repetition_penalty, 1.0),
+        "presence_penalty": f(lambda p: p.presence_penalty, 0.0),
+        "frequency_penalty": f(lambda p: p.frequency_penalty, 0.0),
+        "temperature": f(lambda p: p.temperature, 1.0),
+        "min_tokens": _column([0 if r is None else max(0, r.processing.min_tokens - r.generated) for r in rules], np.int32),
+    }
+    ends = [min(r.end_ids | r.processing.end_ids) if r is not None and (r.end_ids | r.processing.end_ids) else -1 for r in rules]
+    if any(e >= 0 for e in ends):
+        tensors["end_id"] = _column(ends, np.int32)
+    words = [() if p is None else p.bad_words for p in procs]
+    if any(words):
+        width = max(1, max(sum(len(w) for w in ws) for ws in words))
+        lists = np.zeros((len(rules), 2, width), dtype=np.int32)
+        lists[:, 1, :] = -1
+        for r, ws in enumerate(words):
+            flat = [t for w in ws for t in w]
+            lists[r, 0, : len(flat)] = flat
+            lists[r, 1, : len(ws)] = np.cumsum([len(w) for w in ws]) if ws else []
+        tensors["bad_words_list"] = lists
+    biases = [() if p is None else p.bias for p in procs]
+    if any(biases):
+        vocab = 1 + max(t for b in biases for t, _ in b)
+        bias = np.zeros((len(rules), vocab), dtype=np.float32)
+        for r, b in enumerate(biases):
+            for t, w in b:
+                bias[r, t] += w
+        tensors["embedding_bias"] = bias
+    return tensors
 
 
 def _until_outside(draft: list[int], limit: int) -> list[int]:

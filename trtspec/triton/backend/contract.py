@@ -19,6 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from trtspec.errors import RequestError
+from trtspec.speculative.processing import Processing
 from trtspec.speculative.sampling import SamplingParams
 
 
@@ -161,13 +162,6 @@ _UNSUPPORTED_PRESENT = {
     "guided_decoding_guide": "guided decoding (guided_decoding_guide)",
 }
 
-# Logits processing not implemented yet: refused unless the value is the neutral one.
-_NEUTRAL = {
-    "repetition_penalty": 1.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-}
-
 
 def _values(inputs: Mapping[str, np.ndarray], name: str) -> np.ndarray | None:
     x = inputs.get(name)
@@ -185,9 +179,11 @@ def unsupported(feature: str, fix: str) -> RequestError:
 def check_supported(inputs: Mapping[str, np.ndarray]) -> None:
     """Raise RequestError naming the first requested feature trtspec does not implement.
 
-    Accepted: sampling (top_k, top_p, temperature, seed: sampling_of; the endpoint refuses it
-    when its engines cannot), beam_width 1, any length_penalty (beam search only in
-    TensorRT-LLM), use_draft_logits false, neutral penalties.
+    Accepted: sampling (top_k, top_p, temperature, seed: sampling_of), logits processing
+    (penalties, min_tokens, bad_words, embedding bias: processing_of) and return_log_probs —
+    the endpoint refuses those three when its engines return no logits —, beam_width 1, any
+    length_penalty (beam search only in TensorRT-LLM), use_draft_logits false,
+    num_return_sequences >= 1 (the endpoint checks it can answer more than one).
     """
     for name, feature in _UNSUPPORTED_PRESENT.items():
         if name in inputs:
@@ -212,30 +208,6 @@ def check_supported(inputs: Mapping[str, np.ndarray]) -> None:
     n = _values(inputs, "num_return_sequences")
     if n is not None and (n < 1).any():
         raise RequestError("num_return_sequences must be >= 1")
-    if n is not None and (n > 1).any():
-        raise unsupported(
-            f"num_return_sequences={int(n.max())}",
-            "send num_return_sequences 1 (to sample again, repeat the request with another seed)",
-        )
-    log_probs = _values(inputs, "return_log_probs")
-    if log_probs is not None and log_probs.astype(bool).any():
-        raise unsupported("log probs (return_log_probs)", "send return_log_probs false")
-    for name, neutral in _NEUTRAL.items():
-        v = _values(inputs, name)
-        if v is not None and (v != neutral).any():
-            raise unsupported(
-                f"{name.replace('_', ' ')} ({name}={float(v[v != neutral][0]):g})", f"send {name} {neutral:g} or leave it out"
-            )
-    min_tokens = _values(inputs, "min_tokens")
-    if min_tokens is not None and (min_tokens > 1).any():
-        raise unsupported(f"min_tokens={int(min_tokens.max())}", "send min_tokens 1 or leave it out")
-    bad = _values(inputs, "bad_words")
-    if bad is not None and any(s for s in _strings(bad)):
-        raise unsupported("bad_words", "leave bad_words out or empty")
-    weights = _values(inputs, "embedding_bias_weights")
-    words = _values(inputs, "embedding_bias_words")
-    if (weights is not None and (weights != 0).any()) or (words is not None and any(_strings(words)) and weights is None):
-        raise unsupported("embedding bias (embedding_bias_words / embedding_bias_weights)", "leave both out or send zero weights")
 
 
 def check_sampling_values(inputs: Mapping[str, np.ndarray]) -> None:
@@ -283,4 +255,75 @@ def sampling_of(inputs: Mapping[str, np.ndarray], rows: int) -> list[SamplingPar
                     seed=int(seed[r]) % 2**63,
                 )
             )
+    return out
+
+
+def _column(inputs: Mapping[str, np.ndarray], name: str, rows: int, default, dtype) -> np.ndarray:
+    v = _values(inputs, name)
+    if v is None:
+        return np.full(rows, default, dtype=dtype)
+    if v.size not in (1, rows):
+        raise RequestError(f"{name} must hold one value per prompt ({rows}); got {v.size}")
+    return np.broadcast_to(v.astype(dtype), rows)
+
+
+def _words(inputs: Mapping[str, np.ndarray], name: str, row: int, rows: int) -> list[str]:
+    """A BYTES [b, n] (or [n] for every row) input's strings for one row."""
+    x = inputs.get(name)
+    if x is None:
+        return []
+    words = np.asarray(x)
+    words = words.reshape(rows, -1)[row] if words.size and words.size % rows == 0 and words.ndim > 1 else words.reshape(-1)
+    out = []
+    for w in words:
+        if isinstance(w, bytes):
+            try:
+                w = w.decode("utf-8")
+            except UnicodeDecodeError:
+                raise RequestError(f"{name} is not valid UTF-8; send UTF-8 text") from None
+        out.append(str(w))
+    return out
+
+
+def processing_of(inputs: Mapping[str, np.ndarray], rows: int, tokenizer, vocab_size: int) -> list[Processing | None]:
+    """Per row: the logits processing a request asks for, None when it asks for none.
+
+    Read as TensorRT-LLM's preprocessing model reads the text inputs: each bad word is
+    tokenized on its own without special tokens (``_to_word_list_format``); each embedding
+    bias word with the tokenizer's defaults, every one of its tokens getting the word's
+    weight, summed (``_get_embedding_bias``). min_tokens 0 and 1 are off (upstream's default
+    is 1). The temperature goes along: upstream applies it before the penalties.
+    """
+    rep = _column(inputs, "repetition_penalty", rows, 1.0, np.float64)
+    pres = _column(inputs, "presence_penalty", rows, 0.0, np.float64)
+    freq = _column(inputs, "frequency_penalty", rows, 0.0, np.float64)
+    min_tokens = _column(inputs, "min_tokens", rows, 1, np.int64)
+    temperature = _column(inputs, "temperature", rows, 1.0, np.float64)
+    out: list[Processing | None] = []
+    for r in range(rows):
+        bad = tuple(tuple(tokenizer(w, add_special_tokens=False)["input_ids"]) for w in _words(inputs, "bad_words", r, rows) if w)
+        words = _words(inputs, "embedding_bias_words", r, rows)
+        weights = _values(inputs, "embedding_bias_weights")
+        bias: list[tuple[int, float]] = []
+        if words or (weights is not None and weights.size):
+            w = np.asarray(inputs.get("embedding_bias_weights", np.zeros(0)), dtype=np.float64)
+            w = w.reshape(rows, -1)[r] if w.size and w.size % rows == 0 and w.ndim > 1 else w.reshape(-1)
+            if len(w) != len(words):
+                raise RequestError(
+                    f"embedding_bias_words ({len(words)}) and embedding_bias_weights ({len(w)}) must pair up one to one"
+                )
+            for word, weight in zip(words, w):
+                bias += [(int(t), float(weight)) for t in tokenizer(word)["input_ids"]]
+        t = float(temperature[r])
+        proc = Processing(
+            repetition_penalty=float(rep[r]),
+            presence_penalty=float(pres[r]),
+            frequency_penalty=float(freq[r]),
+            min_tokens=max(0, int(min_tokens[r])),
+            bad_words=bad,
+            bias=tuple(bias),
+            temperature=t if t > 0 else 1.0,  # 0 means greedy; nothing to scale
+        )
+        proc.check_ids(vocab_size)
+        out.append(proc if proc.active else None)
     return out

@@ -24,15 +24,16 @@ converts pb_utils tensors to and from the dicts used here.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from trtspec.engines.torch.engine import RunFn
 from trtspec.errors import RequestError
-from trtspec.speculative.loop import GenerationRequest, NoDrafter, accepted_prefix, generate
+from trtspec.speculative.loop import GenerationRequest, NoDrafter, Verdict, accepted_prefix, generate
+from trtspec.speculative.processing import Processing, processed
 from trtspec.speculative.requests import Limits
-from trtspec.speculative.verifier import LogitsVerifier
+from trtspec.speculative.verifier import LogitsVerifier, greedy_with_margins
 from trtspec.tokens import check_token_ids
 
 
@@ -45,6 +46,7 @@ class EngineJob:
     draft: list[int] = field(default_factory=list)
     end_id: int | None = None
     want_logits: bool = False  # return_generation_logits (a scoring job)
+    processing: Processing | None = None  # penalties, min_tokens, bad words, bias (upstream's inputs)
 
 
 @dataclass
@@ -70,6 +72,12 @@ def run_jobs(run: RunFn, jobs: Sequence[EngineJob], vocab_limit: int | None = No
     if verify:
         verdicts = verifier.verify([jobs[i].tokens for i in verify], [jobs[i].draft for i in verify])
         for i, verdict in zip(verify, verdicts):
+            job = jobs[i]
+            if job.processing is not None:  # the processed target decides, as in the loop
+                ends = frozenset() if job.end_id is None else frozenset({job.end_id})
+                logits = processed(verdict.logits, job.processing, job.tokens, 0, job.draft, ends)
+                ids, margins = greedy_with_margins(logits)
+                verdict = Verdict(ids, margins, verdict.logits)
             n = accepted_prefix(jobs[i].draft, verdict)
             _answer(jobs[i], results[i], verdict.target_ids[: n + 1], verdict.margins[: n + 1])
             if jobs[i].want_logits:
@@ -78,13 +86,24 @@ def run_jobs(run: RunFn, jobs: Sequence[EngineJob], vocab_limit: int | None = No
         # The end id is emitted (as TensorRT-LLM's engines do), so it is a stop sequence here.
         requests = [
             GenerationRequest(
-                jobs[i].tokens, jobs[i].max_new, stop_sequences=() if jobs[i].end_id is None else ((jobs[i].end_id,),)
+                jobs[i].tokens,
+                jobs[i].max_new,
+                # the end id is emitted, so it ends as a stop; min_tokens still bans it (_with_end)
+                stop_sequences=() if jobs[i].end_id is None else ((jobs[i].end_id,),),
+                processing=_with_end(jobs[i]),
             )
             for i in decode
         ]
         for i, res in zip(decode, generate(requests, NoDrafter(), verifier)):
             _answer(jobs[i], results[i], res.output_ids, res.margins)
     return results
+
+
+def _with_end(job: EngineJob) -> Processing | None:
+    """The job's processing, with its end id banned before min_tokens (upstream's rule)."""
+    if job.processing is None or job.end_id is None:
+        return job.processing
+    return replace(job.processing, end_ids=frozenset({job.end_id}))
 
 
 def _answer(job: EngineJob, res: JobResult, ids: list[int], margins) -> None:
@@ -147,6 +166,7 @@ def parse_engine_request(
             raise RequestError("draft_input_ids given to an engine built without speculative decoding (max_draft_len 0)")
         if drafts.shape[1] > limits.max_draft_len:
             raise RequestError(f"{drafts.shape[1]} draft tokens exceed max_draft_len {limits.max_draft_len}; send fewer")
+    processing = engine_processing(inputs, rows, limits.vocab_size)
     jobs = []
     for r in range(rows):
         n = int(lengths[r])
@@ -170,11 +190,68 @@ def parse_engine_request(
                 "return_generation_logits is answered for scoring requests (draft_input_ids, or "
                 "request_output_len 1); send it with those"
             )
-        jobs.append(EngineJob(tokens, k, draft, end, wants))
+        jobs.append(EngineJob(tokens, k, draft, end, wants, processing[r]))
     pad = 0 if pad_ids is None else int(pad_ids[0])
     excl = [exclude_default if exclude is None else bool(exclude[r]) for r in range(rows)]
     want = [False if margins is None else bool(margins[r]) for r in range(rows)]
     return jobs, excl, want, pad
+
+
+def _word_list(x: np.ndarray, r: int, rows: int) -> tuple[tuple[int, ...], ...]:
+    """Upstream's bad_words_list row [2, n]: flat ids, then cumulative end offsets (padded -1)."""
+    lists = np.asarray(x)
+    if lists.ndim == 2:
+        lists = lists[None]
+    if lists.ndim != 3 or lists.shape[1] != 2 or lists.shape[0] not in (1, rows):
+        raise RequestError(f"bad_words_list must have shape [{rows}, 2, n]; got {list(np.asarray(x).shape)}")
+    ids, offsets = lists[min(r, lists.shape[0] - 1)]
+    words, start = [], 0
+    for end in offsets:
+        end = int(end)
+        if end < 0:
+            break
+        if not start <= end <= len(ids):
+            raise RequestError(f"bad_words_list offsets must grow within the {len(ids)} ids; got {end} after {start}")
+        if end > start:
+            words.append(tuple(int(t) for t in ids[start:end]))
+        start = end
+    return tuple(words)
+
+
+def engine_processing(inputs: Mapping[str, np.ndarray], rows: int, vocab_size: int) -> list[Processing | None]:
+    """Per row: the logits processing of upstream's `tensorrt_llm` inputs (repetition /
+    presence / frequency penalty, min_tokens, temperature, bad_words_list, embedding_bias
+    [b, vocab]); None when a row asks for none (what the orchestrator's drafts mirror)."""
+
+    def col(name, default):
+        v = per_row(inputs, name, rows)
+        return [default] * rows if v is None else [float(x) for x in v]
+
+    rep, pres, freq = col("repetition_penalty", 1.0), col("presence_penalty", 0.0), col("frequency_penalty", 0.0)
+    min_tokens, temperature = col("min_tokens", 1), col("temperature", 1.0)
+    bad = inputs.get("bad_words_list")
+    bias = inputs.get("embedding_bias")
+    if bias is not None:
+        bias = np.asarray(bias, dtype=np.float32)
+        bias = bias.reshape(rows, -1) if bias.size else None
+    out: list[Processing | None] = []
+    for r in range(rows):
+        b: tuple[tuple[int, float], ...] = ()
+        if bias is not None:
+            nz = np.nonzero(bias[r])[0]
+            b = tuple((int(t), float(bias[r, t])) for t in nz)
+        proc = Processing(
+            repetition_penalty=rep[r],
+            presence_penalty=pres[r],
+            frequency_penalty=freq[r],
+            min_tokens=max(0, int(min_tokens[r])),
+            bad_words=() if bad is None else _word_list(bad, r, rows),
+            bias=b,
+            temperature=temperature[r] if temperature[r] > 0 else 1.0,
+        )
+        proc.check_ids(vocab_size)
+        out.append(proc if proc.active else None)
+    return out
 
 
 def pack_engine_response(

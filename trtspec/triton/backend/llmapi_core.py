@@ -45,13 +45,22 @@ class LlmapiEndpoint:
         self.api = api
         self.speculative = settings.mode == "speculative"
 
+    def parse(self, inputs: Mapping[str, np.ndarray]) -> list[Row]:
+        rows = self.orch.parse(inputs)
+        if any(row.sequences > 1 for row in rows):
+            raise RequestError(
+                f"num_return_sequences={rows[0].sequences} is not supported by the LLM API endpoints "
+                "(they generate greedily, one sequence per prompt); send 1"
+            )
+        return rows
+
     def run(self, requests: Sequence[Mapping[str, np.ndarray]]) -> list[dict | Exception]:
         answers: list[dict | Exception | None] = [None] * len(requests)
         parsed = {}
         words: dict[int, list[list[str]]] = {}
         for i, inputs in enumerate(requests):
             try:
-                parsed[i] = self.orch.parse(inputs)
+                parsed[i] = self.parse(inputs)
                 words[i] = [stop_words(inputs.get("stop_words"), r, len(parsed[i])) for r in range(len(parsed[i]))]
             except RequestError as err:
                 answers[i] = err
@@ -86,7 +95,7 @@ class LlmapiEndpoint:
         """Answer one request of the decoupled model through ``send``; True once the final
         response went out, False when the client cancelled (the generation is aborted). Errors
         are raised, for the caller to send as the final response."""
-        rows = self.orch.parse(inputs)
+        rows = self.parse(inputs)
         if len(rows) != 1:
             raise RequestError("the streaming model takes one prompt per request; send the prompts as separate requests")
         (row,) = rows

@@ -11,7 +11,9 @@ features trtspec does not implement are refused there by name). Implemented, bat
   text_input BYTES [b, 1]; max_tokens INT32 [b, 1]; optional num_draft_tokens, end_id, pad_id
   INT32, stop_words BYTES [b, n], stream, exclude_input_in_output, return_perf_metrics,
   return_num_input_tokens, return_num_output_tokens, apply_chat_template (trtspec),
-  return_margins (trtspec) BOOL; greedy settings of top_k / top_p / temperature / beam_width.
+  return_margins (trtspec) BOOL; top_k / top_p / temperature / seed (sampling); the
+  penalties, min_tokens, bad_words and embedding bias (logits processing); return_log_probs;
+  num_return_sequences (decoupled model: one response per sequence).
   -> text_output BYTES [b] (flat, as upstream), output_ids INT32 [b, T] (padded with pad_id), sequence_length
   INT32 [b, 1], batch_index / sequence_index INT32 [b, 1], finish_reason BYTES [b, 1]
   (trtspec: length / eos / stop); num_input_tokens /
@@ -20,7 +22,8 @@ features trtspec does not implement are refused there by name). Implemented, bat
   arrival / first_scheduled / first_token / last_token _time_ns INT64 [b, 1] (time.time_ns()
   at this model's events), kv_cache_* INT32 [b, 1] = -1 (not reported by the engines) and
   perf_metrics_json BYTES [b, 1] (all SpecMetrics counts); with return_margins:
-  output_margins FP32 [b, T].
+  output_margins FP32 [b, T]; with return_log_probs: output_log_probs FP32 [b, 1, G],
+  cum_log_probs FP32 [b, 1].
 Streaming (decoupled model): one response per loop step with that step's new tokens and text,
 the last one flagged final and carrying the metrics.
 """
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -40,7 +43,7 @@ from trtspec.speculative.requests import Limits, encode_prompt, make_request
 from trtspec.speculative.schedule import LoadPolicy
 from trtspec.tokens import check_token_ids
 from trtspec.triton.backend.bls import BlsDecoder, BlsDrafter, BlsVerifier, EngineCall
-from trtspec.triton.backend.contract import check_supported, sampling_of
+from trtspec.triton.backend.contract import check_supported, processing_of, sampling_of
 from trtspec.triton.backend.engine_core import per_row
 from trtspec.triton.backend.metrics import EndpointMetrics
 from trtspec.triton.backend.responses import Row, pack
@@ -144,12 +147,13 @@ class Orchestrator:
             raise RequestError(f"text_input must hold one prompt per batch row; got shape {list(text.shape)}")
         self.s.limits.check_batch(rows, "prompts")
         sampling = sampling_of(inputs, rows)
-        if any(sampling) and not self.s.sampling_supported:
-            raise RequestError(
-                "sampling (top_k/top_p with temperature > 0) is not supported by this endpoint: its "
-                "target engine returns no generation logits (trtspec samples with torch engines); "
-                "send top_k 1 for greedy decoding"
-            )
+        processing = processing_of(inputs, rows, self.tokenizer, self.s.limits.vocab_size)
+        log_probs = _optional(inputs, "return_log_probs", rows)
+        wants_log_probs = log_probs is not None and bool(log_probs.any())
+        if not self.s.sampling_supported:
+            self._refuse_logits_features(any(sampling), any(processing), wants_log_probs)
+        n_seq = _optional(inputs, "num_return_sequences", rows)
+        n_seq = 1 if n_seq is None else int(n_seq.max())
         max_tokens = _optional(inputs, "max_tokens", rows)
         k = _optional(inputs, "num_draft_tokens", rows)
         end_id = _optional(inputs, "end_id", rows)
@@ -170,6 +174,14 @@ class Orchestrator:
             )
         if wants_stream and rows > 1:
             raise RequestError("streaming takes one prompt per request; send the prompts as separate requests")
+        if n_seq > 1 and not self.s.decoupled:
+            raise RequestError(
+                f"num_return_sequences={n_seq} answers with one response per sequence, which needs a "
+                "decoupled model (as upstream): send it to tensorrt_llm_bls_streaming, or repeat the "
+                "request with other seeds"
+            )
+        if n_seq > 1 and rows > 1:
+            raise RequestError("num_return_sequences > 1 takes one prompt per request; send the prompts as separate requests")
         vocab = self.s.limits.vocab_size
         out = []
         for r in range(rows):
@@ -186,25 +198,60 @@ class Orchestrator:
                 ends = frozenset({e})
             pad = 0 if pad_id is None else int(pad_id[r])
             check_token_ids([pad], vocab, "pad_id")
-            req = make_request(
-                ids, int(max_tokens[r]), n_draft, self.s.limits, ends, self._stop_sequences(stops, r, rows), sampling[r]
-            )
-            if self.s.mode == "target_only":
-                req.num_draft_tokens = 0
-            out.append(
-                Row(
-                    request=req,
-                    exclude_input=False if exclude is None else bool(exclude[r]),
-                    want_metrics=False if metrics is None else bool(metrics[r]),
-                    want_margins=False if margins is None else bool(margins[r]),
-                    stream=wants_stream,
-                    pad_id=pad,
-                    want_counts=(n_in is not None and bool(n_in[r]), n_out is not None and bool(n_out[r])),
-                    batch_index=r,
-                    times={"arrival_time_ns": arrival},
+            for seq in range(n_seq):
+                # Sequence i samples with seed + i, as upstream's child requests do.
+                params = (
+                    sampling[r]
+                    if seq == 0 or sampling[r] is None
+                    else replace(sampling[r], seed=(sampling[r].seed + seq) % 2**63)
                 )
-            )
+                req = make_request(
+                    ids,
+                    int(max_tokens[r]),
+                    n_draft,
+                    self.s.limits,
+                    ends,
+                    self._stop_sequences(stops, r, rows),
+                    params,
+                    processing[r],
+                    log_probs is not None and bool(log_probs[r]),
+                )
+                if self.s.mode == "target_only":
+                    req.num_draft_tokens = 0
+                out.append(
+                    Row(
+                        request=req,
+                        exclude_input=False if exclude is None else bool(exclude[r]),
+                        want_metrics=False if metrics is None else bool(metrics[r]),
+                        want_margins=False if margins is None else bool(margins[r]),
+                        stream=wants_stream,
+                        pad_id=pad,
+                        want_counts=(n_in is not None and bool(n_in[r]), n_out is not None and bool(n_out[r])),
+                        batch_index=r,
+                        times={"arrival_time_ns": arrival},
+                        sequence_index=seq,
+                        sequences=n_seq,
+                    )
+                )
         return out
+
+    def _refuse_logits_features(self, sampling: bool, processing: bool, log_probs: bool) -> None:
+        """This endpoint's target engine returns no generation logits (TensorRT-LLM engines):
+        the features decided from the target's logits are refused, each by name."""
+        for asked, feature, fix in (
+            (sampling, "sampling (top_k/top_p with temperature > 0)", "send top_k 1 for greedy decoding"),
+            (
+                processing,
+                "logits processing (repetition/presence/frequency penalty, min_tokens, bad_words, embedding bias)",
+                "leave those inputs out or at their neutral values",
+            ),
+            (log_probs, "log probs (return_log_probs)", "send return_log_probs false"),
+        ):
+            if asked:
+                raise RequestError(
+                    f"{feature} is not supported by this endpoint: its target engine returns no generation "
+                    f"logits (trtspec decides these from the logits of its torch engines); {fix}"
+                )
 
     def _stop_sequences(self, stops, row: int, rows: int) -> tuple[tuple[int, ...], ...]:
         seqs = [tuple(self.tokenizer(word, add_special_tokens=False)["input_ids"]) for word in stop_words(stops, row, rows)]
@@ -256,7 +303,7 @@ class Orchestrator:
             except Exception as err:  # a tokenizer or chat-template failure: this request only
                 answers[i] = RuntimeError(f"could not prepare the request: {type(err).__name__}: {err}")
         rows = [row for i in parsed for row in parsed[i]]
-        greedy = all(r.request.sampling is None and not r.stream for r in rows)
+        greedy = all(not r.request.needs_logits and not r.stream and r.sequences == 1 for r in rows)
         if rows and self.s.mode == "target_only" and greedy:
             self._decode_in_one_request(parsed, answers)
             return answers

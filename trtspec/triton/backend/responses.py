@@ -24,6 +24,12 @@ class Row:
     want_counts: tuple[bool, bool] = (False, False)  # return_num_input_tokens, return_num_output_tokens
     batch_index: int = 0
     times: dict[str, int] = field(default_factory=dict)  # *_time_ns events, time.time_ns()
+    sequence_index: int = 0  # which of the prompt's num_return_sequences this row is
+    sequences: int = 1  # num_return_sequences: > 1 answers one response per sequence
+
+    @property
+    def want_log_probs(self) -> bool:
+        return self.request.log_probs
 
 
 def pack(tokenizer, rows: Sequence[Row], results: Sequence[GenerationResult]) -> dict[str, np.ndarray]:
@@ -47,7 +53,23 @@ def pack(tokenizer, rows: Sequence[Row], results: Sequence[GenerationResult]) ->
             vals = [np.nan if x is None else x for x in res.margins]
             m[r, off : off + len(vals)] = vals
         tensors["output_margins"] = m
-    return tensors | row_tensors(rows, results)
+    return tensors | log_prob_tensors(rows, results) | row_tensors(rows, results)
+
+
+def log_prob_tensors(rows: Sequence[Row], results: Sequence[GenerationResult]) -> dict[str, np.ndarray]:
+    """With return_log_probs: output_log_probs FP32 [b, beam 1, G] — the target's log
+    probability of each generated token under the distribution it was decided from (after
+    the request's processing and temperature; upstream's normalize_log_probs=false meaning),
+    padded with 0 — and cum_log_probs FP32 [b, 1], their sum. Streamed responses carry all
+    tokens so far, as upstream's do."""
+    if not any(r.want_log_probs for r in rows):
+        return {}
+    width = max(1, max(len(res.log_probs) for res in results))
+    lp = np.zeros((len(rows), 1, width), dtype=np.float32)
+    for r, res in enumerate(results):
+        lp[r, 0, : len(res.log_probs)] = res.log_probs
+    cum = np.array([[float(np.sum(np.asarray(res.log_probs, dtype=np.float64)))] for res in results], dtype=np.float32)
+    return {"output_log_probs": lp, "cum_log_probs": cum}
 
 
 # Upstream reports paged KV-cache block counts; the engines trtspec drives do not report them
@@ -63,7 +85,7 @@ def row_tensors(rows: Sequence[Row], results: Sequence[GenerationResult]) -> dic
 
     tensors = {
         "batch_index": col([r.batch_index for r in rows], np.int32),
-        "sequence_index": col([0] * len(rows), np.int32),
+        "sequence_index": col([r.sequence_index for r in rows], np.int32),
         "finish_reason": col([(res.finish_reason or "").encode() for res in results], np.object_),
     }
     if any(r.want_counts[0] for r in rows):

@@ -25,7 +25,7 @@ import numpy as np
 
 from trtspec.errors import RequestError
 from trtspec.speculative.loop import Batch, GenerationResult
-from trtspec.triton.backend.responses import Row, TextStream, row_tensors
+from trtspec.triton.backend.responses import Row, TextStream, log_prob_tensors, row_tensors
 
 
 class Unavailable(Exception):
@@ -91,7 +91,8 @@ class _Job:
     deadline_ns: int | None = None  # time.monotonic_ns() after which it is dropped
     timeout_ms: float = 0.0
     keys: list[int] = field(default_factory=list)  # batch keys, one per row, once admitted
-    stream: TextStream | None = None
+    streams: list[TextStream] | None = None  # streaming: one per row (num_return_sequences)
+    closed: set[int] = field(default_factory=set)  # streamed rows whose last response went out
 
 
 class Scheduler:
@@ -139,7 +140,7 @@ class Scheduler:
             job.deadline_ns = time.monotonic_ns() + timeout_us * 1000
             job.timeout_ms = timeout_us / 1000
         if rows[0].stream:
-            job.stream = TextStream(self.orch.tokenizer)
+            job.streams = [TextStream(self.orch.tokenizer) for _ in rows]
         with self._cv:
             if self._stopping:
                 reply.fail(Unavailable("the model is unloading; retry on another instance or later"))
@@ -267,22 +268,23 @@ class Scheduler:
                     # done without tokens: EOS came (the engine did produce it)
                     row.times.setdefault("first_token_time_ns", now)
                     row.times["last_token_time_ns"] = now
-            done = all(results[key].done for key in job.keys)
+            mine = [results[key] for key in job.keys]
+            done = all(res.done for res in mine)
             if done:
                 ended = [self.batch.pop(key) for key in job.keys]
                 stats.ended += [(res.finish_reason, len(res.output_ids)) for res in ended]
             try:
                 with self.tokenizer_lock:
-                    if job.stream is not None:
-                        key = job.keys[0]
-                        if emitted.get(key) or done:
-                            tensors = job.stream.step(emitted.get(key, []), done)
-                            if not done:
-                                job.reply.send(tensors, False)
-                            else:
-                                job.reply.send(tensors | row_tensors(job.rows, ended), True)
+                    if job.streams is not None:
+                        out = self._stream_step(job, mine, emitted)
+                    elif done and job.rows[0].sequences > 1:  # one response per sequence, as upstream
+                        out = [self.orch.pack([row], [res]) for row, res in zip(job.rows, ended)]
                     elif done:
-                        job.reply.send(self.orch.pack(job.rows, ended), True)
+                        out = [self.orch.pack(job.rows, ended)]
+                    else:
+                        out = []
+                    for n, tensors in enumerate(out):
+                        job.reply.send(tensors, done and n == len(out) - 1)
             except Exception:  # the client is gone (its sender closed): it leaves like a cancel
                 if not done:
                     stats.ended += [(None, len(self.batch.cancel(key).output_ids)) for key in job.keys]
@@ -294,6 +296,24 @@ class Scheduler:
                 with self._cv:
                     self.active.remove(job)
                 stats.finished += 1
+
+    @staticmethod
+    def _stream_step(job: _Job, results: list[GenerationResult], emitted: dict[int, list[int]]) -> list[dict]:
+        """This step's streamed responses of a job: one per row that produced tokens or
+        ended (its last response carries the row's whole-request tensors). Several rows are
+        num_return_sequences; each response then says its sequence_index."""
+        out = []
+        for row, key, stream, res in zip(job.rows, job.keys, job.streams or [], results):
+            if key in job.closed or not (emitted.get(key) or res.done):
+                continue
+            tensors = stream.step(emitted.get(key, []), res.done) | log_prob_tensors([row], [res])
+            if row.sequences > 1:
+                tensors["sequence_index"] = np.array([[row.sequence_index]], dtype=np.int32)
+            if res.done:
+                tensors |= row_tensors([row], [res])
+                job.closed.add(key)
+            out.append(tensors)
+        return out
 
     def _fail_active(self, err: Exception, stats: StepStats | None = None) -> None:
         with self._cv:

@@ -72,6 +72,14 @@ ENGINE_INPUTS = [
     _in("exclude_input_in_output", "TYPE_BOOL"),
     _in("return_margins", "TYPE_BOOL"),  # trtspec: top-1 minus top-2 logit per token
     _in("return_generation_logits", "TYPE_BOOL"),  # upstream's name: logits of the scored positions
+    # upstream's logits processing inputs (the orchestrator's drafts mirror the request's)
+    _in("temperature", "TYPE_FP32"),
+    _in("repetition_penalty", "TYPE_FP32"),
+    _in("presence_penalty", "TYPE_FP32"),
+    _in("frequency_penalty", "TYPE_FP32"),
+    _in("min_tokens", "TYPE_INT32"),
+    _in("bad_words_list", "TYPE_INT32", [2, -1], ragged=True),
+    _in("embedding_bias", "TYPE_FP32", [-1], ragged=True),
 ]
 ENGINE_OUTPUTS = [
     TensorSpec("output_ids", "TYPE_INT32", [-1, -1]),  # [beam, tokens]
