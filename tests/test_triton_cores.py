@@ -244,3 +244,68 @@ def test_sampled_requests_ask_the_engine_for_logits_and_repeat_by_seed(built):
     assert asked and all(model == "tensorrt_llm" for model, shapes in log if "return_generation_logits" in shapes)
     (refused,) = _orchestrator(dep, sampling=False).run([_request(PROMPTS[0], 12, **sampled)])
     assert isinstance(refused, RequestError) and "sampling (top_k/top_p with temperature > 0) is not supported" in str(refused)
+
+
+# ----------------------------------------------------------------------------- KV-cache blocks
+
+
+def test_kv_blocks_count_as_tensorrt_llm_does():
+    from trtspec.triton.backend.engine_core import kv_blocks
+
+    assert kv_blocks(70, reused=0, held=0) == (3, 0, 3)  # cold: ceil(70 / 32) new blocks
+    assert kv_blocks(70, reused=0, held=40) == (1, 0, 3)  # blocks 0, 1 overwrite cached content
+    assert kv_blocks(75, reused=70, held=70) == (0, 2, 1)  # two full blocks reused, block 2 rewritten
+    assert kv_blocks(64, reused=64, held=64) == (0, 1, 1)  # the last token is never matched: (64 - 1) // 32
+
+
+def test_engine_model_reports_its_real_cache_use(built):
+    """The target engine model's kv_cache_* outputs follow the engine's own prefix reuse:
+    a cold prompt allocates, the same sequence continued reuses its full blocks."""
+    from trtspec.triton.backend.engine_core import EngineCore
+
+    dep = built("draft")
+    t = dep.target
+    t.forget_prefixes()
+    core = EngineCore(t.run, Limits(t.vocab_size, t.max_seq_len, 4, max_batch_size=4), cache_use=lambda: t.last_use)
+    ids = (dep.encode(PROMPTS[2], chat_template=False) * 8)[:70]
+
+    def ask(tokens):
+        inputs = {
+            "input_ids": np.array([tokens], dtype=np.int32),
+            "input_lengths": np.array([[len(tokens)]], dtype=np.int32),
+            "request_output_len": np.array([[1]], dtype=np.int32),
+            "return_perf_metrics": np.array([[True]]),
+        }
+        (out,) = core.infer([inputs])
+        names = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks")
+        return tuple(int(out[n][0][0]) for n in names)
+
+    assert ask(ids) == (3, 0, 3)
+    assert ask(ids + [5, 6, 7, 8, 9]) == (0, 2, 1)
+
+
+def test_orchestrator_answers_the_context_phase_blocks(built):
+    dep = built("draft")
+    cores = _cores(dep)
+    cores["tensorrt_llm"].cache_use = lambda: dep.target.last_use
+    spec = dep.spec
+    settings = OrchestratorSettings(
+        mode="speculative",
+        decoupled=False,
+        target_model="tensorrt_llm",
+        draft_model="tensorrt_llm_draft",
+        method=spec.speculative.method,
+        default_draft_tokens=spec.speculative.default_draft_tokens,
+        max_ngram=spec.speculative.max_ngram,
+        min_ngram=spec.speculative.min_ngram,
+        limits=dep.limits,
+        draft_vocab_limit=dep.target.vocab_size,
+    )
+    orch = Orchestrator(settings, _call(cores), dep.tokenizer, dep.end_ids)
+    (out,) = orch.run([_request(PROMPTS[2])])
+    n_prompt = len(dep.encode(PROMPTS[2], chat_template=True))
+    new, reused, total = (
+        int(out[n][0][0]) for n in ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks")
+    )
+    assert reused + total == -(-n_prompt // 32)
+    assert 0 <= new <= total

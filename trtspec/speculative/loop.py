@@ -59,6 +59,9 @@ class Verdict:
     # continuation (TensorRT-LLM's draft_tokens_external keeps decoding to
     # request_output_len after a rejection): those tokens are kept, not discarded.
     continued: bool = False
+    # The target engine's KV-cache blocks (new, reused, total) for this context, when it
+    # reports them: the loop keeps those of a sequence's first forward (its context phase).
+    kv_blocks: tuple[int, int, int] | None = None
 
 
 class Verifier(Protocol):
@@ -98,6 +101,7 @@ class GenerationResult:
     output_ids: list[int] = field(default_factory=list)
     margins: list[float | None] = field(default_factory=list)  # per output token
     log_probs: list[float] = field(default_factory=list)  # per output token, when asked
+    kv_blocks: tuple[int, int, int] | None = None  # the target's context-phase KV blocks, if reported
     # Per target forward: (len(output_ids) when it began, drafts it scored). Verdicts replay
     # the forward that produced a divergent token with exactly this shape.
     steps: list[tuple[int, int]] = field(default_factory=list)
@@ -284,6 +288,8 @@ class Batch:
             results[i].metrics.record_step(len(drafts[j]), n)
             for _ in range(extra):  # each further token cost the target one decode step
                 results[i].metrics.record_step(0, 0)
+            if not results[i].steps:
+                results[i].kv_blocks = verdicts[j].kv_blocks
             results[i].steps.append((len(results[i].output_ids), len(drafts[j])))
             emitted = _emit(req, results[i], new, margins, log_probs)
             report.drafted += len(drafts[j])

@@ -114,6 +114,9 @@ class TorchEngine:
         self.pool = SlotPool(slots, rollback=manifest.max_draft_len + 1)
         self._lock = threading.Lock()
         self.forwards = 0  # number of run() calls that computed something
+        # Per item of the last run(): (tokens reused from the slot's cache, tokens the slot held
+        # before): what KV-cache block counts are computed from (trtspec/cache.py kv_blocks).
+        self.last_use: list[tuple[int, int]] = []
         # EAGLE-3: layer outputs kept per (slot, position) like K/V, so a head can read the
         # features of any cached prefix (capture_features turns it on).
         self.capture: tuple[int, ...] = ()
@@ -183,6 +186,7 @@ class TorchEngine:
 
     def _run_locked(self, items: list[ForwardItem]) -> list[torch.Tensor]:
         assigned = self.pool.assign([it.tokens for it in items])
+        self.last_use = [(reuse, len(self.pool.tokens[slot])) for slot, reuse in assigned]
         starts = []
         for it, (_, reuse) in zip(items, assigned):
             # Positions that need logits must be computed now, even if already cached.

@@ -152,7 +152,8 @@ class BlsVerifier:
             inputs["exclude_input_in_output"] = _column([True] * len(rows), np.bool_)
             if d_len > 0:
                 inputs["draft_input_ids"] = np.array([drafts[i] for i in rows], dtype=np.int32)
-            names = ["output_ids", "sequence_length"]
+            names = ["output_ids", "sequence_length"] + KV_BLOCK_OUTPUTS
+            inputs["return_perf_metrics"] = _column([True] * len(rows), np.bool_)
             if self.want_margins:
                 inputs["return_margins"] = _column([True] * len(rows), np.bool_)
                 names.append("output_margins")
@@ -167,9 +168,27 @@ class BlsVerifier:
                 m = np.asarray(out["output_margins"]).reshape(len(rows), -1)
                 margins = [m[r, : len(ids[r])].tolist() for r in range(len(rows))]
             logits = _generation_logits(out, len(rows), d_len + 1) if any(logits_rows) else [None] * len(rows)
+            blocks = kv_blocks_of(out, len(rows))
             for r, i in enumerate(rows):
-                verdicts[i] = Verdict(ids[r], margins[r] if margins else None, logits[r], continued=self.continued)
+                verdicts[i] = Verdict(
+                    ids[r], margins[r] if margins else None, logits[r], continued=self.continued, kv_blocks=blocks[r]
+                )
         return verdicts  # type: ignore[return-value]
+
+
+KV_BLOCK_OUTPUTS = ["kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks"]
+
+
+def kv_blocks_of(out: Mapping[str, np.ndarray], rows: int) -> list[tuple[int, int, int] | None]:
+    """Per row (new, reused, total) KV-cache blocks of the request's context phase, as the
+    engine model reports them with return_perf_metrics; None where it reports none (-1)."""
+    cols = []
+    for name in KV_BLOCK_OUTPUTS:
+        x = out.get(name)
+        if x is None:
+            return [None] * rows
+        cols.append(np.asarray(x).reshape(rows, -1)[:, 0])
+    return [None if any(int(c[r]) < 0 for c in cols) else tuple(int(c[r]) for c in cols) for r in range(rows)]  # type: ignore[misc]
 
 
 def _generation_logits(out, rows: int, n: int) -> list:
@@ -226,18 +245,21 @@ class BlsDecoder:
             # The engine stops at one end_id; other EOS ids and stop sequences end the answer
             # in finish(), which applies the loop's rules to the returned tokens.
             inputs["end_id"] = _column([self._end_id(requests[i]) for i in live], np.int32)
-            names = ["output_ids", "sequence_length"]
+            names = ["output_ids", "sequence_length"] + KV_BLOCK_OUTPUTS
+            inputs["return_perf_metrics"] = _column([True] * len(live), np.bool_)
             if self.want_margins:
                 inputs["return_margins"] = _column([True] * len(live), np.bool_)
                 names.append("output_margins")
             out = self.call(self.model, inputs, names)
             ids = generated(out, len(live))
+            blocks = kv_blocks_of(out, len(live))
             margins = None
             if self.want_margins:
                 m = np.asarray(out["output_margins"]).reshape(len(live), -1)
                 margins = [m[r, : len(ids[r])].tolist() for r in range(len(live))]
             for r, i in enumerate(live):
                 results[i] = finish(requests[i], ids[r], margins[r] if margins else None)
+                results[i].kv_blocks = blocks[r]
         return results  # type: ignore[return-value]
 
     def _end_id(self, req: GenerationRequest) -> int:

@@ -47,6 +47,7 @@ class EngineJob:
     end_id: int | None = None
     want_logits: bool = False  # return_generation_logits (a scoring job)
     processing: Processing | None = None  # penalties, min_tokens, bad words, bias (upstream's inputs)
+    want_perf: bool = False  # return_perf_metrics: the kv_cache_* block counts
 
 
 @dataclass
@@ -54,9 +55,44 @@ class JobResult:
     ids: list[int] = field(default_factory=list)  # generated tokens (input excluded)
     margins: list[float] = field(default_factory=list)  # top-1 minus top-2 logit per token
     logits: np.ndarray | None = None  # [len(draft) + 1, vocab] when the job asked for them
+    kv_blocks: tuple[int, int, int] | None = None  # (new, reused, total) of the job's context phase
 
 
-def run_jobs(run: RunFn, jobs: Sequence[EngineJob], vocab_limit: int | None = None) -> list[JobResult]:
+# TensorRT-LLM's default KV-cache block size (PluginConfig tokens_per_block): the unit of the
+# kv_cache_* perf outputs. The torch engine caches per slot; counted in these blocks, its
+# prefix reuse reads as upstream's block reuse.
+TOKENS_PER_BLOCK = 32
+
+
+def kv_blocks(input_len: int, reused: int, held: int, block: int = TOKENS_PER_BLOCK) -> tuple[int, int, int]:
+    """(kv_cache_alloc_new_blocks, kv_cache_reused_blocks, kv_cache_alloc_total_blocks) of a
+    context phase, as TensorRT-LLM counts them (kvCacheManager addSequence): of the
+    ceil(input_len / block) blocks the input needs, the full blocks of its first
+    input_len - 1 tokens found in the cache are reused; the rest are allocated, and an
+    allocated block is "new" unless it overwrites cached content (the slot held ``held``
+    tokens before)."""
+    needed = -(-input_len // block)
+    reused_blocks = min(reused, input_len - 1) // block
+    allocated = range(reused_blocks, needed)
+    new = sum(1 for b in allocated if b * block >= held)
+    return new, reused_blocks, len(allocated)
+
+
+def _recording(run: RunFn, cache_use, seen: dict[tuple, tuple[int, int]]) -> RunFn:
+    """``run`` that keeps, for each sequence's FIRST forward in this call of run_jobs (its
+    context phase), the engine's cache use (reused tokens, tokens held before)."""
+
+    def wrapped(items):
+        out = run(items)
+        uses = cache_use() if cache_use is not None else []
+        for it, use in zip(items, uses):
+            seen.setdefault(tuple(it.tokens[: len(it.tokens)]), use)
+        return out
+
+    return wrapped
+
+
+def run_jobs(run: RunFn, jobs: Sequence[EngineJob], vocab_limit: int | None = None, cache_use=None) -> list[JobResult]:
     """Run every job with the same verifier and loop as in-process generation.
 
     Verify jobs (with drafts, or asking for one token) are answered by ONE batched forward of
@@ -66,6 +102,9 @@ def run_jobs(run: RunFn, jobs: Sequence[EngineJob], vocab_limit: int | None = No
     proposes an id the target's vocabulary lacks).
     """
     results = [JobResult() for _ in jobs]
+    first: dict[tuple, tuple[int, int]] = {}  # input tokens -> cache use of their first forward
+    if cache_use is not None:
+        run = _recording(run, cache_use, first)
     verifier = LogitsVerifier(run, vocab_limit)
     verify = [i for i, j in enumerate(jobs) if j.max_new > 0 and (j.draft or j.max_new == 1)]
     decode = [i for i, j in enumerate(jobs) if j.max_new > 1 and not j.draft]
@@ -96,6 +135,12 @@ def run_jobs(run: RunFn, jobs: Sequence[EngineJob], vocab_limit: int | None = No
         ]
         for i, res in zip(decode, generate(requests, NoDrafter(), verifier)):
             _answer(jobs[i], results[i], res.output_ids, res.margins)
+    if cache_use is not None:
+        for job, res in zip(jobs, results):
+            # the job's context phase: the forward over its input (and draft, when it scores one)
+            use = first.get(tuple(job.tokens + job.draft))
+            if use is not None:
+                res.kv_blocks = kv_blocks(len(job.tokens), *use)
     return results
 
 
@@ -157,6 +202,7 @@ def parse_engine_request(
     exclude = per_row(inputs, "exclude_input_in_output", rows)
     margins = per_row(inputs, "return_margins", rows)
     gen_logits = per_row(inputs, "return_generation_logits", rows)
+    perf = per_row(inputs, "return_perf_metrics", rows)
     drafts = inputs.get("draft_input_ids")
     if drafts is not None:
         drafts = np.asarray(drafts)
@@ -190,7 +236,7 @@ def parse_engine_request(
                 "return_generation_logits is answered for scoring requests (draft_input_ids, or "
                 "request_output_len 1); send it with those"
             )
-        jobs.append(EngineJob(tokens, k, draft, end, wants, processing[r]))
+        jobs.append(EngineJob(tokens, k, draft, end, wants, processing[r], perf is not None and bool(perf[r])))
     pad = 0 if pad_ids is None else int(pad_ids[0])
     excl = [exclude_default if exclude is None else bool(exclude[r]) for r in range(rows)]
     want = [False if margins is None else bool(margins[r]) for r in range(rows)]
@@ -276,6 +322,10 @@ def pack_engine_response(
         for row, r in enumerate(results):
             m[row, 0, : len(r.margins)] = r.margins
         tensors["output_margins"] = m
+    if any(j.want_perf for j in jobs):
+        # upstream's tensorrt_llm perf outputs [b, 1]; -1 where the engine reported no cache use
+        for k, name in enumerate(("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks")):
+            tensors[name] = np.array([[-1 if r.kv_blocks is None else r.kv_blocks[k]] for r in results], dtype=np.int32)
     if any(j.want_logits for j in jobs):
         n = max(r.logits.shape[0] for r in results if r.logits is not None)
         vocab = max(r.logits.shape[1] for r in results if r.logits is not None)
@@ -328,9 +378,16 @@ class EngineCore:
     """Serve a list of requests (each a dict of input arrays) with one batched engine run."""
 
     def __init__(
-        self, run: RunFn, limits: Limits, vocab_limit: int | None = None, exclude_default: bool = False, features_of=None
+        self,
+        run: RunFn,
+        limits: Limits,
+        vocab_limit: int | None = None,
+        exclude_default: bool = False,
+        features_of=None,
+        cache_use=None,
     ):
         self.run = run
+        self.cache_use = cache_use  # () -> the engine's last_use (TorchEngine), for kv_cache_* outputs
         self.limits = limits
         self.vocab_limit = vocab_limit
         self.exclude_default = exclude_default
@@ -353,7 +410,7 @@ class EngineCore:
             results = []
             # Dynamic batching never exceeds max_batch_size rows; this only guards odd clients.
             for s in range(0, len(jobs), self.limits.max_batch_size):
-                results += run_jobs(self.run, jobs[s : s + self.limits.max_batch_size], self.vocab_limit)
+                results += run_jobs(self.run, jobs[s : s + self.limits.max_batch_size], self.vocab_limit, self.cache_use)
         except Exception as err:  # an engine failure fails this batch, not the server
             for i in parsed:
                 answers[i] = err

@@ -72,8 +72,8 @@ def log_prob_tensors(rows: Sequence[Row], results: Sequence[GenerationResult]) -
     return {"output_log_probs": lp, "cum_log_probs": cum}
 
 
-# Upstream reports paged KV-cache block counts; the engines trtspec drives do not report them
-# to the orchestrator, so they are -1 ("not measured"), never a made-up count.
+# KV-cache block counts of a request's context phase come from the target engine model
+# (engine_core.kv_blocks); where it reported none they are -1 ("not measured"), never made up.
 NOT_MEASURED = -1
 
 
@@ -104,8 +104,9 @@ def row_tensors(rows: Sequence[Row], results: Sequence[GenerationResult]) -> dic
     for name in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns"):
         # Only max_tokens 0 produces no token event; its token times are then the schedule time.
         tensors[name] = col([r.times.get(name, r.times.get("first_scheduled_time_ns", 0)) for r in rows], np.int64)
-    for name in ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks"):
-        tensors[name] = col([NOT_MEASURED] * len(rows), np.int32)
+    names = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks")
+    for k, name in enumerate(names):
+        tensors[name] = col([NOT_MEASURED if res.kv_blocks is None else res.kv_blocks[k] for res in results], np.int32)
     return tensors
 
 

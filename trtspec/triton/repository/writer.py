@@ -80,12 +80,16 @@ ENGINE_INPUTS = [
     _in("min_tokens", "TYPE_INT32"),
     _in("bad_words_list", "TYPE_INT32", [2, -1], ragged=True),
     _in("embedding_bias", "TYPE_FP32", [-1], ragged=True),
+    _in("return_perf_metrics", "TYPE_BOOL"),  # upstream: kv_cache_* block counts of the context phase
 ]
 ENGINE_OUTPUTS = [
     TensorSpec("output_ids", "TYPE_INT32", [-1, -1]),  # [beam, tokens]
     TensorSpec("sequence_length", "TYPE_INT32", [-1]),  # [beam]
     TensorSpec("output_margins", "TYPE_FP32", [-1, -1]),
     TensorSpec("generation_logits", "TYPE_FP32", [-1, -1, -1]),  # [beam, positions, vocab]
+    TensorSpec("kv_cache_alloc_new_blocks", "TYPE_INT32", [1]),
+    TensorSpec("kv_cache_reused_blocks", "TYPE_INT32", [1]),
+    TensorSpec("kv_cache_alloc_total_blocks", "TYPE_INT32", [1]),
 ]
 
 

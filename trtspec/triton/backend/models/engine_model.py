@@ -35,7 +35,7 @@ class TritonPythonModel:
         if params.get("capture_layers"):  # method eagle3: keep the features the head reads
             self.engine.capture_features(tuple(int(x) for x in params["capture_layers"].split(",")))
             features_of = self.engine.features_of
-        self.core = EngineCore(self.engine.run, limits, vocab_limit, exclude, features_of)
+        self.core = EngineCore(self.engine.run, limits, vocab_limit, exclude, features_of, lambda: self.engine.last_use)
 
     def execute(self, requests):
         answers = self.core.infer([pb.inputs_of(r) for r in requests])
