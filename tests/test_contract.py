@@ -151,8 +151,7 @@ REFUSED = [
     ({"guided_decoding_guide_type": _col(b"json")}, "guided decoding"),
     ({"image_url_input": _col(b"http://x")}, "multimodal inputs (image_url_input)"),
     ({"decoder_text_input": _col(b"x")}, "encoder-decoder models"),
-    ({"return_generation_logits": np.array([True])}, "returning logits (return_generation_logits)"),
-    ({"return_context_logits": np.array([True])}, "returning logits (return_context_logits)"),
+    ({"return_context_logits": np.array([True])}, "returning prompt logits (return_context_logits)"),
     ({"use_draft_logits": np.array([True])}, "draft-logit (probabilistic) acceptance"),
 ]
 

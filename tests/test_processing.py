@@ -86,13 +86,18 @@ def test_ids_outside_the_vocabulary_are_named():
 # ----------------------------------------------------------------------------- engines
 
 
+raw: list[torch.Tensor] = []  # the reference's unprocessed logits per token (last call)
+
+
 def reference(dep, prompt_ids, max_tokens, proc: Processing | None):
     """Token-by-token greedy decoding, one full forward per token (no cache reuse across
     shapes matters here), processing applied to the last position: tokens and log probs."""
     ids, out, lps = list(prompt_ids), [], []
+    raw.clear()
     for _ in range(max_tokens):
         (logits,) = dep.target.run([ForwardItem(ids, 1)])
         logits = logits[-1:, : dep.target.vocab_size].float()
+        raw.append(logits[0])
         if proc is not None:
             logits = proc.apply(logits, ids, len(out), (), dep.end_ids)
         tok = int(torch.argmax(logits[0]))
@@ -122,6 +127,7 @@ def test_processed_speculative_equals_target_only_and_the_reference(built, name,
         plain = dep.generate([dep.request(ids, 24, 4)], speculative=False)[0]
         ref, ref_lp = reference(dep, ids, 24, proc)
         req = dep.request(ids, 24, 4, processing=proc, log_probs=True)
+        req.generation_logits = True
         (target,) = dep.generate([req], speculative=False)
         (spec,) = dep.generate([req], speculative=True)
         assert target.output_ids == ref
@@ -129,6 +135,9 @@ def test_processed_speculative_equals_target_only_and_the_reference(built, name,
         assert spec.metrics.drafted > 0
         assert spec.log_probs == pytest.approx(ref_lp, abs=1e-4)
         assert target.log_probs == pytest.approx(ref_lp, abs=1e-4)
+        assert len(spec.generation_logits) == len(ref)
+        for got, want in zip(spec.generation_logits, raw):  # the target's own, unprocessed
+            assert torch.allclose(got, want, atol=1e-4)
     assert ref != plain.output_ids  # the processing changed something (last prompt at least)
 
 

@@ -943,10 +943,15 @@ def test_logits_processing_and_log_probs_over_triton_match_in_process(served, de
     arrays, plain = _processing_arrays(dep, prompt)
     (proc,) = processing_of(arrays, 1, dep.tokenizer, dep.target.vocab_size)
     ids = dep.encode(prompt, chat_template=False)
-    ref = dep.generate([dep.request(ids, MAX_TOKENS, processing=proc, log_probs=True)], speculative=True)[0]
+    req = dep.request(ids, MAX_TOKENS, processing=proc, log_probs=True)
+    req.generation_logits = True
+    ref = dep.generate([req], speculative=True)[0]
     assert ref.output_ids != plain.output_ids
-    extra = arrays | {"exclude_input_in_output": np.array([[True]], dtype=bool)}
-    names = ["text_output", "output_ids", "output_log_probs", "cum_log_probs"]
+    extra = arrays | {
+        "exclude_input_in_output": np.array([[True]], dtype=bool),
+        "return_generation_logits": np.array([[True]], dtype=bool),
+    }
+    names = ["text_output", "output_ids", "output_log_probs", "cum_log_probs", "generation_logits"]
     c = grpcclient.InferenceServerClient(served.grpc_endpoint)
     from tritonclient.utils import np_to_triton_dtype
 
@@ -962,6 +967,10 @@ def test_logits_processing_and_log_probs_over_triton_match_in_process(served, de
     assert lp.shape == (1, 1, len(ref.output_ids))
     assert lp.reshape(-1).tolist() == pytest.approx(ref.log_probs, abs=1e-4)
     assert out.as_numpy("cum_log_probs").reshape(-1)[0] == pytest.approx(sum(ref.log_probs), abs=1e-3)
+    logits = out.as_numpy("generation_logits")  # [1, beam 1, tokens, vocab]: the target's own
+    assert logits.shape[:3] == (1, 1, len(ref.output_ids))
+    want = np.stack([t.numpy() for t in ref.generation_logits])
+    assert np.allclose(logits[0, 0, :, : want.shape[1]], want, atol=1e-3)
 
 
 @pytest.mark.server
@@ -1025,3 +1034,44 @@ def test_num_return_sequences_answers_one_response_per_sequence(served, deployme
     )
     second = "".join(r.as_numpy("text_output")[0].decode() for r in again if int(r.as_numpy("sequence_index")[0][0]) == 0)
     assert second == texts[1]  # sequence 1 of seed 11 draws with seed 12
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("streaming", [False, True])
+def test_batched_prompts_on_a_decoupled_model_answer_one_response_each(served, deployment, streaming):
+    """What upstream's client sends with --batch-inputs: one request, a batch of prompts, over
+    the stream API; each prompt comes back on its own responses, tagged with batch_index."""
+    from tritonclient.utils import np_to_triton_dtype
+
+    _, dep = deployment
+    prompts = PROMPTS[:2]
+    arrays = {
+        "text_input": np.array([[p] for p in prompts]).astype(object),
+        "max_tokens": np.full((2, 1), MAX_TOKENS, dtype=np.int32),
+        "stream": np.full((2, 1), streaming, dtype=bool),
+        "beam_width": np.ones((2, 1), dtype=np.int32),
+        "temperature": np.ones((2, 1), dtype=np.float32),
+        "exclude_input_in_output": np.ones((2, 1), dtype=bool),
+    }
+    inputs = []
+    for name, arr in arrays.items():
+        t = grpcclient.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
+        t.set_data_from_numpy(arr)
+        inputs.append(t)
+    got: queue.Queue = queue.Queue()
+    c = grpcclient.InferenceServerClient(served.grpc_endpoint)
+    c.start_stream(callback=lambda result, error: got.put(error or result))
+    outputs = [grpcclient.InferRequestedOutput(n) for n in ("text_output", "batch_index")]
+    c.async_stream_infer("ensemble", inputs, outputs=outputs, request_id="batch")
+    c.stop_stream()
+    texts = ["", ""]
+    n = 0
+    while not got.empty():
+        item = got.get()
+        assert not isinstance(item, InferenceServerException), str(item)
+        texts[int(item.as_numpy("batch_index")[0][0])] += item.as_numpy("text_output")[0].decode()
+        n += 1
+    assert n >= 2 if not streaming else n > 2
+    for prompt, text in zip(prompts, texts):
+        ref = dep.generate([dep.request(dep.encode(prompt, chat_template=False), MAX_TOKENS)], speculative=True)[0]
+        assert text == dep.decode(ref.output_ids)

@@ -83,11 +83,17 @@ class GenerationRequest:
     sampling: SamplingParams | None = None  # None: greedy (token-identical to target-only)
     processing: Processing | None = None  # penalties, min_tokens, bad words, bias (processing.py)
     log_probs: bool = False  # keep the target's log prob of every output token
+    generation_logits: bool = False  # keep the target's raw logits at every output token
 
     @property
     def needs_logits(self) -> bool:
         """The loop decides this request's tokens from the target's logits, not its greedy ids."""
-        return self.sampling is not None or self.log_probs or (self.processing is not None and self.processing.active)
+        return (
+            self.sampling is not None
+            or self.log_probs
+            or self.generation_logits
+            or (self.processing is not None and self.processing.active)
+        )
 
     def rules(self, generated: int) -> RowRules | None:
         """What a mirroring drafter needs to process its logits as the target's are."""
@@ -101,6 +107,7 @@ class GenerationResult:
     output_ids: list[int] = field(default_factory=list)
     margins: list[float | None] = field(default_factory=list)  # per output token
     log_probs: list[float] = field(default_factory=list)  # per output token, when asked
+    generation_logits: list[torch.Tensor] = field(default_factory=list)  # per output token [vocab], when asked
     kv_blocks: tuple[int, int, int] | None = None  # the target's context-phase KV blocks, if reported
     # Per target forward: (len(output_ids) when it began, drafts it scored). Verdicts replay
     # the forward that produced a divergent token with exactly this shape.
@@ -274,7 +281,7 @@ class Batch:
         for j, i in enumerate(active):
             req = requests[i]
             extra = 0
-            log_probs = None
+            log_probs = logit_rows = None
             if not req.needs_logits:
                 n = accepted_prefix(drafts[j], verdicts[j])
                 # A target that kept decoding after a rejection (continued) keeps those tokens.
@@ -285,13 +292,15 @@ class Batch:
                 margins = margins[:keep] if margins else None
             else:
                 new, n, margins, log_probs = _decide(req, results[i], contexts[j], drafts[j], qs[j], verdicts[j], gens.get(i))
+                if req.generation_logits:
+                    logit_rows = verdicts[j].logits[: len(new)].float()  # the target's own, unprocessed
             results[i].metrics.record_step(len(drafts[j]), n)
             for _ in range(extra):  # each further token cost the target one decode step
                 results[i].metrics.record_step(0, 0)
             if not results[i].steps:
                 results[i].kv_blocks = verdicts[j].kv_blocks
             results[i].steps.append((len(results[i].output_ids), len(drafts[j])))
-            emitted = _emit(req, results[i], new, margins, log_probs)
+            emitted = _emit(req, results[i], new, margins, log_probs, logit_rows)
             report.drafted += len(drafts[j])
             report.extra_forwards += extra
             report.accepted += n
@@ -388,7 +397,7 @@ def finish(req: GenerationRequest, tokens: list[int], margins: list[float] | Non
     return res
 
 
-def _emit(req: GenerationRequest, res: GenerationResult, new: list[int], margins, log_probs=None) -> list[int]:
+def _emit(req: GenerationRequest, res: GenerationResult, new: list[int], margins, log_probs=None, logit_rows=None) -> list[int]:
     """Append tokens one by one, stopping exactly where token-by-token decoding would."""
     emitted = []
     for pos, tok in enumerate(new):
@@ -400,6 +409,8 @@ def _emit(req: GenerationRequest, res: GenerationResult, new: list[int], margins
         res.margins.append(margins[pos] if margins else None)
         if log_probs is not None:
             res.log_probs.append(log_probs[pos])
+        if logit_rows is not None:
+            res.generation_logits.append(logit_rows[pos])
         emitted.append(tok)
         if any(_ends_with(res.output_ids, s) for s in req.stop_sequences):
             res.finish_reason = "stop"

@@ -58,6 +58,7 @@ def make_request(
     sampling: SamplingParams | None = None,
     processing: Processing | None = None,
     log_probs: bool = False,
+    generation_logits: bool = False,
 ) -> GenerationRequest:
     """Validate a request against the deployment's limits; RequestError names the fix."""
     n = len(prompt_ids)
@@ -84,7 +85,15 @@ def make_request(
     if processing is not None:
         processing.check_ids(limits.vocab_size)
     return GenerationRequest(
-        list(prompt_ids), max_tokens, num_draft_tokens, end_ids, stop_sequences, sampling, processing, log_probs
+        list(prompt_ids),
+        max_tokens,
+        num_draft_tokens,
+        end_ids,
+        stop_sequences,
+        sampling,
+        processing,
+        log_probs,
+        generation_logits,
     )
 
 

@@ -191,13 +191,12 @@ def check_supported(inputs: Mapping[str, np.ndarray]) -> None:
     beam = _values(inputs, "beam_width")
     if beam is not None and (beam != 1).any():
         raise unsupported(f"beam search (beam_width={int(beam.max())})", "send beam_width 1")
-    for name in ("return_context_logits", "return_generation_logits"):
-        flag = _values(inputs, name)
-        if flag is not None and flag.astype(bool).any():
-            raise unsupported(
-                f"returning logits ({name})",
-                f"send {name} false; return_log_probs gives the target's log probs of the emitted tokens",
-            )
+    flag = _values(inputs, "return_context_logits")
+    if flag is not None and flag.astype(bool).any():
+        raise unsupported(
+            "returning prompt logits (return_context_logits)",
+            "send return_context_logits false; return_generation_logits gives the target's logits at the generated tokens",
+        )
     draft_logits = _values(inputs, "use_draft_logits")
     if draft_logits is not None and draft_logits.astype(bool).any():
         raise unsupported(

@@ -117,7 +117,10 @@ class LlmapiEndpoint:
                 row.times["last_token_time_ns"] = now
             if not step.finished:
                 if out.token_ids_diff and row.stream:
-                    send(text.step(list(out.token_ids_diff), False), False)
+                    tensors = text.step(list(out.token_ids_diff), False)
+                    if row.want_metrics:  # upstream's streamed responses carry the perf outputs so far
+                        tensors |= row_tensors(rows, [self._result(out)])
+                    send(tensors, False)
                 continue
             final = self._result(out)
             if not row.stream:

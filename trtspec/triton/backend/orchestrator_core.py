@@ -149,9 +149,11 @@ class Orchestrator:
         sampling = sampling_of(inputs, rows)
         processing = processing_of(inputs, rows, self.tokenizer, self.s.limits.vocab_size)
         log_probs = _optional(inputs, "return_log_probs", rows)
+        gen_logits = _optional(inputs, "return_generation_logits", rows)
         wants_log_probs = log_probs is not None and bool(log_probs.any())
+        wants_logits = gen_logits is not None and bool(gen_logits.any())
         if not self.s.sampling_supported:
-            self._refuse_logits_features(any(sampling), any(processing), wants_log_probs)
+            self._refuse_logits_features(any(sampling), any(processing), wants_log_probs, wants_logits)
         n_seq = _optional(inputs, "num_return_sequences", rows)
         n_seq = 1 if n_seq is None else int(n_seq.max())
         max_tokens = _optional(inputs, "max_tokens", rows)
@@ -172,16 +174,12 @@ class Orchestrator:
                 "stream=true needs the decoupled model tensorrt_llm_bls_streaming (gRPC "
                 "streaming); this model answers once per request"
             )
-        if wants_stream and rows > 1:
-            raise RequestError("streaming takes one prompt per request; send the prompts as separate requests")
         if n_seq > 1 and not self.s.decoupled:
             raise RequestError(
                 f"num_return_sequences={n_seq} answers with one response per sequence, which needs a "
                 "decoupled model (as upstream): send it to tensorrt_llm_bls_streaming, or repeat the "
                 "request with other seeds"
             )
-        if n_seq > 1 and rows > 1:
-            raise RequestError("num_return_sequences > 1 takes one prompt per request; send the prompts as separate requests")
         vocab = self.s.limits.vocab_size
         out = []
         for r in range(rows):
@@ -215,6 +213,7 @@ class Orchestrator:
                     params,
                     processing[r],
                     log_probs is not None and bool(log_probs[r]),
+                    gen_logits is not None and bool(gen_logits[r]),
                 )
                 if self.s.mode == "target_only":
                     req.num_draft_tokens = 0
@@ -231,11 +230,13 @@ class Orchestrator:
                         times={"arrival_time_ns": arrival},
                         sequence_index=seq,
                         sequences=n_seq,
+                        # a decoupled model answers each prompt and sequence on its own, as upstream
+                        separate=self.s.decoupled and rows * n_seq > 1,
                     )
                 )
         return out
 
-    def _refuse_logits_features(self, sampling: bool, processing: bool, log_probs: bool) -> None:
+    def _refuse_logits_features(self, sampling: bool, processing: bool, log_probs: bool, logits: bool) -> None:
         """This endpoint's target engine returns no generation logits (TensorRT-LLM engines):
         the features decided from the target's logits are refused, each by name."""
         for asked, feature, fix in (
@@ -246,6 +247,7 @@ class Orchestrator:
                 "leave those inputs out or at their neutral values",
             ),
             (log_probs, "log probs (return_log_probs)", "send return_log_probs false"),
+            (logits, "generation logits (return_generation_logits)", "send return_generation_logits false"),
         ):
             if asked:
                 raise RequestError(

@@ -26,10 +26,15 @@ class Row:
     times: dict[str, int] = field(default_factory=dict)  # *_time_ns events, time.time_ns()
     sequence_index: int = 0  # which of the prompt's num_return_sequences this row is
     sequences: int = 1  # num_return_sequences: > 1 answers one response per sequence
+    separate: bool = False  # one response per row (decoupled model, several prompts or sequences)
 
     @property
     def want_log_probs(self) -> bool:
         return self.request.log_probs
+
+    @property
+    def want_logits(self) -> bool:
+        return self.request.generation_logits
 
 
 def pack(tokenizer, rows: Sequence[Row], results: Sequence[GenerationResult]) -> dict[str, np.ndarray]:
@@ -53,7 +58,23 @@ def pack(tokenizer, rows: Sequence[Row], results: Sequence[GenerationResult]) ->
             vals = [np.nan if x is None else x for x in res.margins]
             m[r, off : off + len(vals)] = vals
         tensors["output_margins"] = m
-    return tensors | log_prob_tensors(rows, results) | row_tensors(rows, results)
+    return tensors | log_prob_tensors(rows, results) | logits_tensors(rows, results) | row_tensors(rows, results)
+
+
+def logits_tensors(rows: Sequence[Row], results: Sequence[GenerationResult], start: Sequence[int] | None = None) -> dict:
+    """With return_generation_logits: generation_logits FP32 [b, beam 1, G, vocab], the
+    target's own (unprocessed) logits at each generated token, padded with 0; streamed
+    responses carry those of the step's new tokens (``start``: the first one's index)."""
+    if not any(r.want_logits for r in rows):
+        return {}
+    parts = [res.generation_logits[(start[r] if start else 0) :] for r, res in enumerate(results)]
+    width = max(1, max(len(p) for p in parts))
+    vocab = max((int(t.shape[-1]) for p in parts for t in p), default=1)
+    out = np.zeros((len(rows), 1, width, vocab), dtype=np.float32)
+    for r, part in enumerate(parts):
+        for t, row in enumerate(part):
+            out[r, 0, t, : row.shape[-1]] = row.numpy()
+    return {"generation_logits": out}
 
 
 def log_prob_tensors(rows: Sequence[Row], results: Sequence[GenerationResult]) -> dict[str, np.ndarray]:

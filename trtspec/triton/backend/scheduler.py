@@ -25,7 +25,7 @@ import numpy as np
 
 from trtspec.errors import RequestError
 from trtspec.speculative.loop import Batch, GenerationResult
-from trtspec.triton.backend.responses import Row, TextStream, log_prob_tensors, row_tensors
+from trtspec.triton.backend.responses import Row, TextStream, log_prob_tensors, logits_tensors, row_tensors
 
 
 class Unavailable(Exception):
@@ -277,7 +277,7 @@ class Scheduler:
                 with self.tokenizer_lock:
                     if job.streams is not None:
                         out = self._stream_step(job, mine, emitted)
-                    elif done and job.rows[0].sequences > 1:  # one response per sequence, as upstream
+                    elif done and job.rows[0].separate:  # one response per prompt / sequence, as upstream
                         out = [self.orch.pack([row], [res]) for row, res in zip(job.rows, ended)]
                     elif done:
                         out = [self.orch.pack(job.rows, ended)]
@@ -300,17 +300,22 @@ class Scheduler:
     @staticmethod
     def _stream_step(job: _Job, results: list[GenerationResult], emitted: dict[int, list[int]]) -> list[dict]:
         """This step's streamed responses of a job: one per row that produced tokens or
-        ended (its last response carries the row's whole-request tensors). Several rows are
-        num_return_sequences; each response then says its sequence_index."""
+        ended (its last response carries the row's whole-request tensors). Several rows (the prompts of a
+        batch, num_return_sequences) each say their batch_index and sequence_index."""
         out = []
         for row, key, stream, res in zip(job.rows, job.keys, job.streams or [], results):
             if key in job.closed or not (emitted.get(key) or res.done):
                 continue
-            tensors = stream.step(emitted.get(key, []), res.done) | log_prob_tensors([row], [res])
-            if row.sequences > 1:
+            new = emitted.get(key, [])
+            tensors = stream.step(new, res.done) | log_prob_tensors([row], [res])
+            tensors |= logits_tensors([row], [res], [len(res.output_ids) - len(new)])
+            if row.separate:
                 tensors["sequence_index"] = np.array([[row.sequence_index]], dtype=np.int32)
-            if res.done:
+                tensors["batch_index"] = np.array([[row.batch_index]], dtype=np.int32)
+            if res.done or row.want_metrics:
+                # upstream's streamed responses each carry the perf outputs (so far) when asked
                 tensors |= row_tensors([row], [res])
+            if res.done:
                 job.closed.add(key)
             out.append(tensors)
         return out
