@@ -242,7 +242,7 @@ def test_sampled_responses_add_training_contexts_only(tmp_path, tiny_ckpts):
     """--samples-per-prompt 3: each training prompt gets its greedy response and two sampled
     ones (seeded: two runs give the same data and head); held-out prompts keep their greedy
     response only, and every label is still the target's greedy next token."""
-    import trtspec.codesign.data as data
+    import trtspec.codesign.store as store
 
     runs = []
     for name in ("a", "b"):
@@ -253,8 +253,8 @@ def test_sampled_responses_add_training_contexts_only(tmp_path, tiny_ckpts):
     assert man["data"]["train_sequences"] == 3 * man["data"]["train_prompts"] == 18
     assert man["data"]["held_out_prompts"] == 2 and man["data"]["samples_per_prompt"] == 3
     assert res_a.metrics == res_b.metrics
-    (cached,) = (tmp_path / "a" / ".head.distill").glob("data-*.pt")
-    samples = data.load_samples(cached)
+    (index,) = (tmp_path / "a" / ".head.distill").glob("data-*.safetensors")
+    samples = store.open_store(index.parent, index.name.removeprefix("data-").removesuffix(".safetensors")).samples
     assert len(samples) == 8 + 12  # every prompt's greedy response, then 2 sampled per training prompt
     greedy = {tuple(s.tokens[: s.prompt_len].tolist()): s for s in samples[:8]}
     differs = 0

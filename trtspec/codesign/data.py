@@ -11,6 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -28,8 +29,18 @@ SHIPPED_PROMPTS = Path(__file__).with_name("prompts.jsonl")
 class Sample:
     tokens: torch.Tensor  # [T] int64: prompt + the target's response
     prompt_len: int
-    features: torch.Tensor  # [T, n_layers * hidden]
+    features: torch.Tensor | None  # [T, n_layers * hidden]; None: rows row..row+T-1 of a FeatureStore
     labels: torch.Tensor  # [T] int64: the target's greedy next token after each position
+    row: int = -1
+
+
+class FeatureRows(Protocol):
+    """Where samples captured to disk keep their features (codesign/store.py's FeatureStore)."""
+
+    width: int
+    dtype: torch.dtype
+
+    def read_into(self, out: torch.Tensor, row: int) -> None: ...  # out [n, width] <- rows row..row+n-1
 
 
 def read_prompts(path: Path) -> list[str]:
@@ -103,19 +114,25 @@ def capture(target: TorchEngine, prompt_ids: list[int], output_ids: list[int]) -
     return Sample(torch.tensor(tokens, dtype=torch.long), len(prompt_ids), feats, torch.argmax(logits, dim=-1))
 
 
-def collate(samples: list[Sample], max_len: int) -> Batch:
-    """Right-padded batch of the first max_len positions of each sample."""
+def collate(samples: list[Sample], max_len: int, store: FeatureRows | None = None) -> Batch:
+    """Right-padded batch of the first max_len positions of each sample; features come from
+    the samples themselves or, for samples captured to disk, from ``store``."""
     t = min(max_len, max(len(s.tokens) for s in samples))
     b = len(samples)
-    width = samples[0].features.shape[-1]
+    width, dtype = (store.width, store.dtype) if store is not None else (samples[0].features.shape[-1], samples[0].features.dtype)
     tokens = torch.zeros((b, t), dtype=torch.long)
-    feats = torch.zeros((b, t, width), dtype=samples[0].features.dtype)
+    feats = torch.zeros((b, t, width), dtype=dtype)
     labels = torch.full((b, t), -1, dtype=torch.long)
     resp = torch.zeros(b, dtype=torch.long)
     for i, s in enumerate(samples):
         n = min(t, len(s.tokens))
         tokens[i, :n] = s.tokens[:n]
-        feats[i, :n] = s.features[:n]
+        if s.features is not None:
+            feats[i, :n] = s.features[:n]
+        elif store is not None:
+            store.read_into(feats[i, :n], s.row)
+        else:
+            raise ValueError("collate: a sample's features are on disk; pass its FeatureStore")
         labels[i, :n] = s.labels[:n]
         resp[i] = s.prompt_len
     return Batch(tokens, feats, labels, resp)
@@ -129,24 +146,3 @@ def draft_vocabulary(samples: list[Sample], size: int, vocab: int) -> list[int]:
         counts += torch.bincount(s.labels, minlength=vocab)[:vocab]
     order = sorted(range(vocab), key=lambda i: (-int(counts[i]), i))
     return sorted(order[: min(size, vocab)])
-
-
-def save_samples(path: Path, samples: list[Sample]) -> None:
-    import io
-
-    from trtspec.files import write_bytes_atomic
-
-    buf = io.BytesIO()
-    torch.save(
-        [
-            {"tokens": s.tokens, "prompt_len": torch.tensor(s.prompt_len), "features": s.features, "labels": s.labels}
-            for s in samples
-        ],
-        buf,
-    )
-    write_bytes_atomic(path, buf.getvalue())
-
-
-def load_samples(path: Path) -> list[Sample]:
-    rows = torch.load(path, map_location="cpu", weights_only=True)
-    return [Sample(r["tokens"], int(r["prompt_len"]), r["features"], r["labels"]) for r in rows]

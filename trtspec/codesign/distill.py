@@ -1,10 +1,12 @@
 """`trtspec distill SPEC`: train an EAGLE-3 head for the spec's target.
 
 1. build (or reuse) the target engine; 2. generate the target's greedy responses to a prompt
-set and capture features + labels (cached in the work folder); 3. choose the draft vocabulary
-from the target's output frequencies on the training prompts; 4. train with the
-training-time test, evaluating on held-out prompts never trained on; 5. write the head folder
-(config, safetensors, manifest, training curve) atomically at the spec's draft path.
+set and capture features + labels (cached in the work folder; the features stream to a file
+there and are read per batch, so RAM does not grow with the data: codesign/store.py);
+3. choose the draft vocabulary from the target's output frequencies on the training prompts;
+4. train with the training-time test, evaluating on held-out prompts never trained on;
+5. write the head folder (config, safetensors, manifest, training curve) atomically at the
+spec's draft path.
 
 Deterministic with a seed: the batch of step s is drawn from a generator seeded by (seed, s),
 so a run resumed from its last checkpoint equals an uninterrupted one. The work folder
@@ -30,16 +32,14 @@ import torch
 from trtspec import console
 from trtspec.codesign.data import (
     SHIPPED_PROMPTS,
-    Sample,
     capture,
     collate,
     draft_vocabulary,
-    load_samples,
     read_prompts,
     responses,
-    save_samples,
 )
 from trtspec.codesign.heads import new_head, refuse_existing, save_head, target_lm_head
+from trtspec.codesign.store import CorruptStore, FeatureStore, open_store, remove_store, write_store
 from trtspec.codesign.train import agreement, ttt_loss
 from trtspec.engines.build import build
 from trtspec.engines.eagle3 import default_layer_ids
@@ -50,7 +50,7 @@ from trtspec.errors import SpecError, TrtspecError
 from trtspec.files import sha256_file, write_bytes_atomic
 from trtspec.layout import engine_folder
 from trtspec.spec import LoadedSpec
-from trtspec.speculative.requests import Limits, encode_prompt, end_token_ids, make_request
+from trtspec.speculative.requests import GenerationRequest, Limits, encode_prompt, end_token_ids, make_request
 from trtspec.speculative.sampling import SamplingParams
 
 
@@ -145,35 +145,28 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
     held_idx, train_idx = sorted(order[:held_n]), sorted(order[held_n:])
     if not train_idx:
         raise SpecError(f"--prompts: {prompts_path} leaves no training prompt after holding out {held_n}")
-    key = hashlib.sha256(
-        json.dumps(
-            {
-                "target": target_hash,
-                "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
-                "max_tokens": opts.max_tokens,
-                "layers": layer_ids,
-                "chat": loaded.spec.verify.chat_template,
-                # sampled responses are drawn per (seed, prompt, sample): the split shapes them
-                **(
-                    {"samples": opts.samples_per_prompt, "temperature": opts.temperature, "seed": opts.seed}
-                    if opts.samples_per_prompt > 1
-                    else {}
-                ),
-            },
-            sort_keys=True,
-            default=str,
-        ).encode()
-    ).hexdigest()[:16]
-    data_file = work / f"data-{key}.pt"
-    if data_file.is_file():
-        samples = load_samples(data_file)
-        console.info(f"data: {len(samples)} captured sequences from {data_file}")
-    else:
+    inputs = {
+        "target": target_hash,
+        "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
+        "max_tokens": opts.max_tokens,
+        "layers": list(layer_ids),
+        "chat": loaded.spec.verify.chat_template,
+        # sampled responses are drawn per (seed, prompt, sample): the split shapes them
+        **(
+            {"samples": opts.samples_per_prompt, "temperature": opts.temperature, "seed": opts.seed}
+            if opts.samples_per_prompt > 1
+            else {}
+        ),
+    }
+    key = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    store = _cached_store(work, key)
+    if store is None:
         tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=loaded.spec.target.trust_remote_code)
         work.mkdir(parents=True, exist_ok=True)
         variants = _variants(len(prompts), train_idx, opts)
-        samples = _generate(loaded, target, tok, prompts, variants, opts.max_tokens, work / f"responses-{key}.jsonl")
-        save_samples(data_file, samples)
+        outs, reqs = _generate(loaded, target, tok, prompts, variants, opts.max_tokens, work / f"responses-{key}.jsonl")
+        store = _capture(target, reqs, outs, work, key, inputs)
+    samples = store.samples
     # samples[i] is prompt i's greedy response; later ones are sampled responses to training
     # prompts only (held-out prompts are never trained on, in any form).
     held_s = [samples[i] for i in held_idx]
@@ -199,7 +192,11 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
     t2d = torch.full((target_hf.vocab_size,), -1, dtype=torch.long)
     t2d[torch.tensor(draft_ids)] = torch.arange(len(draft_ids))
     embed, cos, sin = target.model.model.embed_tokens, target.cos, target.sin
-    held_batch = collate(held_s, opts.max_len)
+
+    def held_batches():  # read per evaluation, a training batch's size at a time
+        for n in range(0, len(held_s), opts.batch_size):
+            yield collate(held_s[n : n + opts.batch_size], opts.max_len, store)
+
     stopped_by = "max_steps"
     t_train = time.monotonic()
     first_step = step
@@ -214,7 +211,9 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
                     break
                 gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + step)
                 idx = torch.randint(len(train_s), (min(opts.batch_size, len(train_s)),), generator=gen).tolist()
-                loss, _ = ttt_loss(head, embed, collate([train_s[i] for i in idx], opts.max_len), opts.ttt_steps, t2d, cos, sin)
+                loss, _ = ttt_loss(
+                    head, embed, collate([train_s[i] for i in idx], opts.max_len, store), opts.ttt_steps, t2d, cos, sin
+                )
                 optim.zero_grad()
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -224,7 +223,7 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
                 updating = False
                 row = {"step": step, "loss": float(loss.detach())}
                 if step % opts.eval_every == 0 or step == opts.max_steps:
-                    row.update(_evaluate(head, embed, held_batch, opts.ttt_steps, cos, sin))
+                    row.update(_evaluate(head, embed, held_batches(), opts.ttt_steps, cos, sin))
                     done = step - first_step
                     eta = (time.monotonic() - t_train) / done * (opts.max_steps - step)
                     if opts.time_budget_s is not None:
@@ -248,7 +247,7 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
 
     # 5. the head folder, atomically, with its manifest and curve.
     head.eval()
-    final = _evaluate(head, embed, held_batch, opts.ttt_steps, cos, sin)
+    final = _evaluate(head, embed, held_batches(), opts.ttt_steps, cos, sin)
     manifest = {
         "format": 1,
         "method": "eagle3",
@@ -302,9 +301,9 @@ def _generate(
     variants: list[tuple[int, SamplingParams | None]],
     max_tokens: int,
     log: Path,
-) -> list[Sample]:
-    """Samples of the target's responses, one per variant; finished responses are kept in
-    ``log`` as they come, so an interrupted run (Ctrl-C, --time-budget, a crash) continues
+) -> tuple[list[list[int]], list[GenerationRequest]]:
+    """The target's responses (output ids) and their requests, one per variant; finished
+    responses are kept in ``log`` as they come, so an interrupted run (Ctrl-C, --time-budget, a crash) continues
     where it stopped. Sampled responses only vary the contexts: every label is the target's
     greedy next token, what the head must predict at inference."""
     limits = Limits.from_spec(loaded.spec, target.vocab_size)
@@ -333,14 +332,46 @@ def _generate(
 
     with console.step(f"generating {len(reqs)} target responses to {len(prompts)} prompts"):
         outs = responses(target, reqs, progress, log)
-    with console.step("capturing features and labels"):
-        return [capture(target, r.prompt_ids, o) for r, o in zip(reqs, outs)]
+    return outs, reqs
 
 
-def _evaluate(head: Eagle3Head, embed, batch, steps: int, cos, sin) -> dict:
+def _cached_store(work: Path, key: str) -> FeatureStore | None:
+    """The finished capture of this data, if the work folder holds a sound one."""
+    try:
+        store = open_store(work, key)
+    except CorruptStore as e:
+        console.info(f"{e}; capturing again")
+        remove_store(work, key)
+        return None
+    if store is not None:
+        console.info(f"data: {len(store.samples)} captured sequences, {store.rows} tokens, features in {store.features}")
+    elif (work / f"data-{key}.pt").is_file():  # format 1 held every feature in RAM
+        console.info(f"{work / f'data-{key}.pt'} is an older in-memory capture, no longer read (delete it to free the space)")
+    return store
+
+
+def _capture(
+    target: TorchEngine, reqs: list[GenerationRequest], outs: list[list[int]], work: Path, key: str, inputs: dict
+) -> FeatureStore:
+    """Teacher-forced features and labels of every response, streamed to the work folder one
+    sequence at a time (only the store's index stays in RAM)."""
+    t0 = time.monotonic()
+
+    def captured():
+        for n, (r, o) in enumerate(zip(reqs, outs), start=1):
+            yield capture(target, r.prompt_ids, o)
+            if n % 100 == 0 and n < len(reqs):
+                eta = (time.monotonic() - t0) / n * (len(reqs) - n)
+                console.info(f"captured {n}/{len(reqs)} sequences  ETA {eta:.0f}s")
+
+    with console.step(f"capturing features and labels of {len(reqs)} sequences to {work}"):
+        return write_store(work, key, inputs, captured())
+
+
+def _evaluate(head: Eagle3Head, embed, batches, steps: int, cos, sin) -> dict:
     was = head.training
     head.eval()
-    a = agreement(head, embed, batch, steps, cos, sin)
+    a = agreement(head, embed, batches, steps, cos, sin)
     head.train(was)
     return {"held_out_top1": a["top1"], "held_out_acceptance_length": a["acceptance_length"], "held_out_chains": a["chains"]}
 

@@ -13,6 +13,7 @@ of these unrolled steps).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -116,39 +117,47 @@ def ttt_loss(head, embed, batch: Batch, steps: int, t2d: torch.Tensor, cos, sin)
 
 
 @torch.no_grad()
-def agreement(head, embed, batch: Batch, steps: int, cos, sin) -> dict:
-    """Held-out agreement with the target over the response positions.
+def agreement(head, embed, batches: Iterable[Batch], steps: int, cos, sin) -> dict:
+    """Held-out agreement with the target over the response positions, summed over batches
+    (one batch at a time: memory stays that of one batch, whatever the held-out size).
 
     top1[j]: fraction of step-j drafts equal to the target's token. acceptance_length: tokens
     per target forward a k=steps chain would get, 1 + mean run of consecutive right drafts,
     from every position of the responses where the whole chain can be scored.
     """
-    logits = unrolled_logits(head, embed, batch, steps, cos, sin)
-    targets = step_targets(batch, steps)
-    b, t = batch.tokens.shape
-    pos = torch.arange(t).view(1, t)
-    in_resp = pos + 1 >= batch.response_from.view(b, 1)  # label lies in the response
-    right = []
-    top1 = []
-    for lg, tgt in zip(logits, targets):
-        ids = head.to_target_ids(torch.argmax(lg.float(), dim=-1))
-        ok = (ids == tgt) & (tgt >= 0)
-        scored = (tgt >= 0) & in_resp
-        top1.append(float(ok[scored].float().mean()) if scored.any() else 0.0)
-        right.append(ok)
-    # A chain drafted from a context ending at position p + 1 uses step j at position p + j.
-    runs = torch.zeros(b, t)
-    alive = torch.ones(b, t, dtype=torch.bool)
-    for j in range(steps):
-        alive &= _shift_left(right[j], j)  # [B, T]: step j of the chain starting at p is right
-        runs += alive.float()
-    last_scored = torch.stack([(tg >= 0) for tg in targets])  # [steps, B, T]
-    full = torch.ones(b, t, dtype=torch.bool)
-    for j in range(steps):
-        full &= _shift_left(last_scored[j], j)
-    starts = full & in_resp
-    acc_len = 1.0 + float(runs[starts].mean()) if starts.any() else 1.0
-    return {"top1": top1, "acceptance_length": acc_len, "chains": int(starts.sum())}
+    right_n, scored_n = [0] * steps, [0] * steps
+    run_sum, chains = 0.0, 0
+    for batch in batches:
+        logits = unrolled_logits(head, embed, batch, steps, cos, sin)
+        targets = step_targets(batch, steps)
+        b, t = batch.tokens.shape
+        pos = torch.arange(t).view(1, t)
+        in_resp = pos + 1 >= batch.response_from.view(b, 1)  # label lies in the response
+        right = []
+        for j, (lg, tgt) in enumerate(zip(logits, targets)):
+            ids = head.to_target_ids(torch.argmax(lg.float(), dim=-1))
+            ok = (ids == tgt) & (tgt >= 0)
+            scored = (tgt >= 0) & in_resp
+            right_n[j] += int(ok[scored].sum())
+            scored_n[j] += int(scored.sum())
+            right.append(ok)
+        # A chain drafted from a context ending at position p + 1 uses step j at position p + j.
+        runs = torch.zeros(b, t)
+        alive = torch.ones(b, t, dtype=torch.bool)
+        for j in range(steps):
+            alive &= _shift_left(right[j], j)  # [B, T]: step j of the chain starting at p is right
+            runs += alive.float()
+        full = torch.ones(b, t, dtype=torch.bool)
+        for j in range(steps):
+            full &= _shift_left(targets[j] >= 0, j)
+        starts = full & in_resp
+        run_sum += float(runs[starts].sum())
+        chains += int(starts.sum())
+    return {
+        "top1": [r / n if n else 0.0 for r, n in zip(right_n, scored_n)],
+        "acceptance_length": 1.0 + run_sum / chains if chains else 1.0,
+        "chains": chains,
+    }
 
 
 def _shift_left(x: torch.Tensor, n: int) -> torch.Tensor:

@@ -1,0 +1,165 @@
+"""The distill feature store: captured features on disk, read per batch; checked on open."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_distill import eagle_spec, small_opts
+
+import trtspec.codesign.distill as distill_mod
+from trtspec.codesign.data import Sample, collate
+from trtspec.codesign.distill import distill
+from trtspec.codesign.store import CorruptStore, open_store, paths, write_store
+from trtspec.spec import load_spec
+
+
+def random_samples(n: int, width: int, dtype: torch.dtype) -> list[Sample]:
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(n):
+        t = 5 + 3 * i
+        tokens = torch.randint(0, 100, (t,), generator=gen)
+        feats = torch.randn((t, width), generator=gen).to(dtype)
+        out.append(Sample(tokens, 2 + i, feats, torch.randint(0, 100, (t,), generator=gen)))
+    return out
+
+
+def store_key(work) -> str:
+    (index,) = work.glob("data-*.safetensors")
+    return index.name.removeprefix("data-").removesuffix(".safetensors")
+
+
+def head_weights(folder):
+    return load_file(str(folder / "model.safetensors"))
+
+
+def same_head(a, b) -> bool:
+    wa, wb = head_weights(a), head_weights(b)
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_store_round_trips(tmp_path, dtype):
+    samples = random_samples(4, 6, dtype)
+    written = write_store(tmp_path, "k1", {"why": "test"}, iter(samples))
+    store = open_store(tmp_path, "k1")
+    assert store is not None and store.dtype == dtype and (store.rows, store.width) == (5 + 8 + 11 + 14, 6)
+    assert [s.row for s in store.samples] == [s.row for s in written.samples] == [0, 5, 13, 24]
+    for s, d in zip(samples, store.samples):
+        assert torch.equal(s.tokens, d.tokens) and torch.equal(s.labels, d.labels) and s.prompt_len == d.prompt_len
+        assert d.features is None  # nothing of the features stays in memory
+        rows = torch.empty_like(s.features)
+        store.read_into(rows, d.row)
+        assert torch.equal(rows, s.features)
+    # the batch training sees: the same from disk as from memory, truncated at max_len
+    for pick in ([0, 3, 1], [2]):
+        mem = collate([samples[i] for i in pick], 9)
+        disk = collate([store.samples[i] for i in pick], 9, store)
+        for name in ("tokens", "features", "labels", "response_from"):
+            assert torch.equal(getattr(mem, name), getattr(disk, name)), name
+
+
+def test_training_from_disk_equals_training_from_memory(tmp_path, tiny_ckpts, monkeypatch):
+    """The head trained on features read per batch from the store equals, bit for bit, the
+    head trained on the same captures held in memory (the format-1 path)."""
+    disk = distill(load_spec(eagle_spec(tmp_path / "a", tiny_ckpts["target"])), small_opts(tmp_path / "a"))
+
+    def in_memory(work, key, inputs, samples):
+        kept = list(samples)  # features stay on each sample: collate copies them from memory
+        return types.SimpleNamespace(samples=kept, rows=sum(len(s.tokens) for s in kept), features=None)
+
+    monkeypatch.setattr(distill_mod, "write_store", in_memory)
+    monkeypatch.setattr(distill_mod, "collate", lambda samples, max_len, store: collate(samples, max_len))
+    mem = distill(load_spec(eagle_spec(tmp_path / "b", tiny_ckpts["target"])), small_opts(tmp_path / "b"))
+    assert not list((tmp_path / "b" / ".head.distill").glob("features-*"))  # really trained from memory
+    assert same_head(tmp_path / "a" / "head", tmp_path / "b" / "head")
+    assert disk.metrics == mem.metrics
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("truncate", "bytes, its manifest"),
+        ("flip", "does not match its manifest's sha256"),
+        ("delete", "is missing"),
+        ("index", "is unreadable"),
+    ],
+)
+def test_a_damaged_capture_is_detected_and_captured_again(tmp_path, tiny_ckpts, capsys, damage, message):
+    spec = eagle_spec(tmp_path, tiny_ckpts["target"])
+    distill(load_spec(spec), small_opts(tmp_path, max_steps=3))
+    first = head_weights(tmp_path / "head")
+    work = tmp_path / ".head.distill"
+    key = store_key(work)
+    index, feats = paths(work, key)
+    data = feats.read_bytes()
+    if damage == "truncate":
+        feats.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        feats.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
+    elif damage == "delete":
+        feats.unlink()
+    else:
+        index.write_bytes(index.read_bytes()[:40])
+    with pytest.raises(CorruptStore, match=message):
+        open_store(work, key)
+
+    capsys.readouterr()
+    distill(load_spec(spec), small_opts(tmp_path, max_steps=3, force=True))
+    err = capsys.readouterr().err
+    assert message in err and "; capturing again" in err
+    assert open_store(work, key) is not None  # whole again
+    again = head_weights(tmp_path / "head")
+    assert all(torch.equal(first[k], again[k]) for k in first)
+
+
+def test_an_interrupted_capture_leaves_no_store(tmp_path, tiny_ckpts, monkeypatch):
+    """Ctrl-C while capturing: no index, no features file, no partial file; the rerun captures
+    everything and trains the head an uninterrupted run trains."""
+    distill(load_spec(eagle_spec(tmp_path / "a", tiny_ckpts["target"])), small_opts(tmp_path / "a"))
+    b = tmp_path / "b"
+    loaded = load_spec(eagle_spec(b, tiny_ckpts["target"]))
+    real, calls = distill_mod.capture, []
+
+    def capture_then_interrupt(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(distill_mod, "capture", capture_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        distill(loaded, small_opts(b))
+    work = b / ".head.distill"
+    assert list(work.glob("responses-*.jsonl"))  # the responses survive
+    assert not list(work.glob("data-*")) and not list(work.glob("*features-*"))
+    monkeypatch.undo()
+    distill(loaded, small_opts(b))
+    assert same_head(tmp_path / "a" / "head", b / "head")
+
+
+def test_held_out_agreement_is_the_same_in_one_batch_or_many(tmp_path, tiny_ckpts):
+    """distill evaluates the held-out set a training batch at a time (memory bounded by one
+    batch); the counts it sums equal those of one batch holding every sequence."""
+    import json
+
+    from trtspec.codesign.train import agreement
+    from trtspec.engines.eagle3 import head_config_from_dict
+    from trtspec.engines.torch.eagle3 import Eagle3Head
+    from trtspec.engines.torch.engine import TorchEngine
+
+    distill(load_spec(eagle_spec(tmp_path, tiny_ckpts["target"])), small_opts(tmp_path, max_steps=3))
+    work = tmp_path / ".head.distill"
+    store = open_store(work, store_key(work))
+    target = TorchEngine.load(tmp_path / "engines" / "target")
+    cfg = head_config_from_dict(json.loads((tmp_path / "head" / "config.json").read_text()), target.config.num_layers)
+    head = Eagle3Head.from_state_dict(cfg, head_weights(tmp_path / "head"))
+    args = (target.model.model.embed_tokens, 3, target.cos, target.sin)
+    s = store.samples
+    whole = agreement(head, args[0], [collate(s, 512, store)], *args[1:])
+    parts = agreement(head, args[0], (collate(s[i : i + 3], 512, store) for i in range(0, len(s), 3)), *args[1:])
+    assert whole["chains"] > 0 and 0 < whole["top1"][0] < 1
+    assert parts == whole
