@@ -161,7 +161,14 @@ def test_streaming_sends_each_step_then_one_final_with_metrics(built):
     (ref,) = dep.generate([dep.request(dep.encode(PROMPTS[1]), 24)], speculative=True)
     assert streamed == ref.output_ids
     assert "".join(t["text_output"][0].decode() for _, t, _ in sent) == dep.decode(ref.output_ids)
-    assert "perf_metrics_json" in sent[-1][1] and all("perf_metrics_json" not in t for _, t, _ in sent[:-1])
+    # perf outputs asked (_request sets return_perf_metrics): on every response, the counts so far
+    drafted = [metrics_from_json(t["perf_metrics_json"][0, 0].decode()).drafted for _, t, _ in sent]
+    assert drafted == sorted(drafted) and drafted[-1] == ref.metrics.drafted
+    plain = _request(PROMPTS[1], stream=True)
+    del plain["return_perf_metrics"]
+    sent.clear()
+    assert orch.run([plain], lambda i, t, final: sent.append((i, t, final))) == [None]
+    assert "finish_reason" in sent[-1][1] and all("perf_metrics_json" not in t for _, t, _ in sent)
 
 
 @pytest.mark.parametrize(
@@ -300,6 +307,7 @@ def test_orchestrator_answers_the_context_phase_blocks(built):
         min_ngram=spec.speculative.min_ngram,
         limits=dep.limits,
         draft_vocab_limit=dep.target.vocab_size,
+        kv_blocks_supported=True,
     )
     orch = Orchestrator(settings, _call(cores), dep.tokenizer, dep.end_ids)
     (out,) = orch.run([_request(PROMPTS[2])])

@@ -128,11 +128,20 @@ def _until_outside(draft: list[int], limit: int) -> list[int]:
 class BlsVerifier:
     """One target request per distinct draft length (normally one per loop step)."""
 
-    def __init__(self, call: EngineCall, model: str, want_margins: bool = False, pad_id: int = 0, continued: bool = False):
+    def __init__(
+        self,
+        call: EngineCall,
+        model: str,
+        want_margins: bool = False,
+        pad_id: int = 0,
+        continued: bool = False,
+        kv_blocks: bool = False,
+    ):
         self.call = call
         self.model = model
         self.want_margins = want_margins
         self.pad_id = pad_id
+        self.kv_blocks = kv_blocks  # ask return_perf_metrics for the kv_cache_* block counts
         # TensorRT-LLM keeps decoding to request_output_len after a rejected draft; those
         # tokens are the target's own greedy ones and are kept (as upstream's BLS does).
         self.continued = continued
@@ -152,8 +161,9 @@ class BlsVerifier:
             inputs["exclude_input_in_output"] = _column([True] * len(rows), np.bool_)
             if d_len > 0:
                 inputs["draft_input_ids"] = np.array([drafts[i] for i in rows], dtype=np.int32)
-            names = ["output_ids", "sequence_length"] + KV_BLOCK_OUTPUTS
-            inputs["return_perf_metrics"] = _column([True] * len(rows), np.bool_)
+            names = ["output_ids", "sequence_length"] + (KV_BLOCK_OUTPUTS if self.kv_blocks else [])
+            if self.kv_blocks:
+                inputs["return_perf_metrics"] = _column([True] * len(rows), np.bool_)
             if self.want_margins:
                 inputs["return_margins"] = _column([True] * len(rows), np.bool_)
                 names.append("output_margins")
@@ -226,12 +236,21 @@ class BlsFeatures:
 class BlsDecoder:
     """Target-only: one request per prompt for all its tokens (request_output_len = max_tokens)."""
 
-    def __init__(self, call: EngineCall, model: str, eos_id: int | None, want_margins: bool = False, pad_id: int = 0):
+    def __init__(
+        self,
+        call: EngineCall,
+        model: str,
+        eos_id: int | None,
+        want_margins: bool = False,
+        pad_id: int = 0,
+        kv_blocks: bool = False,
+    ):
         self.call = call
         self.model = model
         self.eos_id = eos_id
         self.want_margins = want_margins
         self.pad_id = pad_id
+        self.kv_blocks = kv_blocks
 
     def decode(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         results: list[GenerationResult | None] = [None] * len(requests)
@@ -245,8 +264,9 @@ class BlsDecoder:
             # The engine stops at one end_id; other EOS ids and stop sequences end the answer
             # in finish(), which applies the loop's rules to the returned tokens.
             inputs["end_id"] = _column([self._end_id(requests[i]) for i in live], np.int32)
-            names = ["output_ids", "sequence_length"] + KV_BLOCK_OUTPUTS
-            inputs["return_perf_metrics"] = _column([True] * len(live), np.bool_)
+            names = ["output_ids", "sequence_length"] + (KV_BLOCK_OUTPUTS if self.kv_blocks else [])
+            if self.kv_blocks:
+                inputs["return_perf_metrics"] = _column([True] * len(live), np.bool_)
             if self.want_margins:
                 inputs["return_margins"] = _column([True] * len(live), np.bool_)
                 names.append("output_margins")

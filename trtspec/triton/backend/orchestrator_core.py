@@ -73,6 +73,9 @@ class OrchestratorSettings:
     target_continues: bool = False
     # The target engine model returns generation_logits (torch engines), so requests may sample.
     sampling_supported: bool = False
+    # The target engine model answers return_perf_metrics with its kv_cache_* block counts
+    # (torch engine models); others are not asked, and those outputs stay -1.
+    kv_blocks_supported: bool = False
     # Load-aware speculation (spec speculative.schedule / switch_off): {active sequences: k}
     # and (window, min acceptance length); the active sequences are this instance's batch.
     schedule: tuple[tuple[int, int], ...] | None = None
@@ -283,7 +286,9 @@ class Orchestrator:
         return Eagle3Drafter(self._head, BlsFeatures(self.call, self.s.target_model))
 
     def verifier(self, margins: bool) -> BlsVerifier:
-        return BlsVerifier(self.call, self.s.target_model, margins, continued=self.s.target_continues)
+        return BlsVerifier(
+            self.call, self.s.target_model, margins, continued=self.s.target_continues, kv_blocks=self.s.kv_blocks_supported
+        )
 
     def new_batch(self) -> Batch:
         """A loop Batch for this endpoint. Margins come back whenever the engine gives them
@@ -330,7 +335,9 @@ class Orchestrator:
         for row in rows:
             row.times["first_scheduled_time_ns"] = scheduled
         try:
-            decoder = BlsDecoder(self.call, self.s.target_model, self.tokenizer.eos_token_id, margins)
+            decoder = BlsDecoder(
+                self.call, self.s.target_model, self.tokenizer.eos_token_id, margins, kv_blocks=self.s.kv_blocks_supported
+            )
             results = decoder.decode([r.request for r in rows])
         except Exception as err:  # an engine failure fails these requests, not the server
             self._report_finished([None] * len(rows))

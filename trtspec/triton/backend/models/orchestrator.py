@@ -57,6 +57,7 @@ class TritonPythonModel:
             eagle3_target_dir=p.get("eagle3_target_dir"),
             target_continues=p.get("engine_continues", "false") == "true",
             sampling_supported=p.get("engine_margins", "false") == "true",  # torch engine models
+            kv_blocks_supported=p.get("engine_margins", "false") == "true",
             **schedule_settings(p),
         )
         call = pb.bls_call
