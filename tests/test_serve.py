@@ -1010,32 +1010,26 @@ def test_num_return_sequences_answers_one_response_per_sequence(served, deployme
     assert len(responses) == 3
     assert sorted(int(r.as_numpy("sequence_index")[0][0]) for r in responses) == [0, 1, 2]
     assert all(r.as_numpy("text_output")[0].decode() == text for r in responses)
-    streamed = _as_upstream_client(
-        served.grpc_endpoint,
-        BLS_STREAMING,
-        prompt,
-        streaming=True,
-        want=["sequence_index"],
-        num_return_sequences=np.array([[2]], dtype=np.int32),
-        top_p=np.array([[0.95]], dtype=np.float32),
-        seed=np.array([[11]], dtype=np.uint64),
-    )
-    texts: dict[int, str] = {0: "", 1: ""}
-    for r in streamed:
-        texts[int(r.as_numpy("sequence_index")[0][0])] += r.as_numpy("text_output")[0].decode()
+
+    def sampled(seed):
+        """Text per sequence_index of two sampled sequences, streamed."""
+        texts: dict[int, str] = {0: "", 1: ""}
+        for r in _as_upstream_client(
+            served.grpc_endpoint,
+            BLS_STREAMING,
+            prompt,
+            streaming=True,
+            want=["sequence_index"],
+            num_return_sequences=np.array([[2]], dtype=np.int32),
+            top_p=np.array([[0.95]], dtype=np.float32),
+            seed=np.array([[seed]], dtype=np.uint64),
+        ):
+            texts[int(r.as_numpy("sequence_index")[0][0])] += r.as_numpy("text_output")[0].decode()
+        return texts
+
+    texts = sampled(11)
     assert all(texts.values())
-    again = _as_upstream_client(
-        served.grpc_endpoint,
-        BLS_STREAMING,
-        prompt,
-        streaming=True,
-        want=["sequence_index"],
-        num_return_sequences=np.array([[2]], dtype=np.int32),
-        top_p=np.array([[0.95]], dtype=np.float32),
-        seed=np.array([[12]], dtype=np.uint64),
-    )
-    second = "".join(r.as_numpy("text_output")[0].decode() for r in again if int(r.as_numpy("sequence_index")[0][0]) == 0)
-    assert second == texts[1]  # sequence 1 of seed 11 draws with seed 12
+    assert sampled(12)[0] == texts[1]  # sequence 1 of seed 11 draws with seed 12
 
 
 @pytest.mark.server

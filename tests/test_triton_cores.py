@@ -47,7 +47,7 @@ def _call(cores, log=None):
     return call
 
 
-def _orchestrator(dep, mode="speculative", decoupled=False, log=None, sampling=True):
+def _orchestrator(dep, mode="speculative", decoupled=False, log=None, sampling=True, cores=None, kv_blocks=False):
     spec = dep.spec
     settings = OrchestratorSettings(
         mode=mode,
@@ -61,8 +61,9 @@ def _orchestrator(dep, mode="speculative", decoupled=False, log=None, sampling=T
         limits=dep.limits,
         draft_vocab_limit=dep.target.vocab_size,
         sampling_supported=sampling,
+        kv_blocks_supported=kv_blocks,
     )
-    return Orchestrator(settings, _call(_cores(dep), log), dep.tokenizer, dep.end_ids)
+    return Orchestrator(settings, _call(cores or _cores(dep), log), dep.tokenizer, dep.end_ids)
 
 
 def _request(prompt, max_tokens=24, **extra):
@@ -295,21 +296,7 @@ def test_orchestrator_answers_the_context_phase_blocks(built):
     dep = built("draft")
     cores = _cores(dep)
     cores["tensorrt_llm"].cache_use = lambda: dep.target.last_use
-    spec = dep.spec
-    settings = OrchestratorSettings(
-        mode="speculative",
-        decoupled=False,
-        target_model="tensorrt_llm",
-        draft_model="tensorrt_llm_draft",
-        method=spec.speculative.method,
-        default_draft_tokens=spec.speculative.default_draft_tokens,
-        max_ngram=spec.speculative.max_ngram,
-        min_ngram=spec.speculative.min_ngram,
-        limits=dep.limits,
-        draft_vocab_limit=dep.target.vocab_size,
-        kv_blocks_supported=True,
-    )
-    orch = Orchestrator(settings, _call(cores), dep.tokenizer, dep.end_ids)
+    orch = _orchestrator(dep, cores=cores, kv_blocks=True)
     (out,) = orch.run([_request(PROMPTS[2])])
     n_prompt = len(dep.encode(PROMPTS[2], chat_template=True))
     new, reused, total = (

@@ -228,19 +228,10 @@ def sampling_of(inputs: Mapping[str, np.ndarray], rows: int) -> list[SamplingPar
     when temperature is 0; otherwise sampling at temperature (default 1) from the top_k most
     likely tokens (0: all) within nucleus mass top_p (0: all), with seed (default 0)."""
     check_sampling_values(inputs)
-
-    def column(name, default, dtype):
-        v = _values(inputs, name)
-        if v is None:
-            return np.full(rows, default, dtype=dtype)
-        if v.size not in (1, rows):
-            raise RequestError(f"{name} must hold one value per prompt ({rows}); got {v.size}")
-        return np.broadcast_to(v.astype(dtype), rows)
-
-    t = column("temperature", 1.0, np.float64)
-    k = column("top_k", 0, np.int64)
-    p = column("top_p", 0.0, np.float64)
-    seed = column("seed", 0, np.uint64)
+    t = _column(inputs, "temperature", rows, 1.0, np.float64)
+    k = _column(inputs, "top_k", rows, 0, np.int64)
+    p = _column(inputs, "top_p", rows, 0.0, np.float64)
+    seed = _column(inputs, "seed", rows, 0, np.uint64)
     out: list[SamplingParams | None] = []
     for r in range(rows):
         if k[r] == 1 or (k[r] == 0 and p[r] == 0) or t[r] == 0:
