@@ -198,10 +198,12 @@ def test_neutral_processing_inputs_ask_for_nothing():
         "presence_penalty": _col(0.0, np.float32),
         "frequency_penalty": _col(0.0, np.float32),
         "min_tokens": _col(1, np.int32),
-        "temperature": _col(0.5, np.float32),
         "bad_words": np.array([[b""]], dtype=np.object_),
     }
     assert contract.processing_of(inputs, 1, _WordTokenizer(), 200) == [None]
+    # a temperature alone changes no token, but it is kept: log probs are read at it
+    (proc,) = contract.processing_of(inputs | {"temperature": _col(0.5, np.float32)}, 1, _WordTokenizer(), 200)
+    assert not proc.active and proc.temperature == 0.5
 
 
 @pytest.mark.parametrize(

@@ -206,3 +206,27 @@ def test_sampling_with_processing_is_seeded_and_respects_bans(built):
     assert plain[0] not in runs[0].output_ids and plain[1] not in runs[0].output_ids
     assert len(runs[0].log_probs) == len(runs[0].output_ids)
     assert all(lp <= 0 for lp in runs[0].log_probs)
+
+
+def test_min_tokens_one_is_off_whatever_else_is_on():
+    logits = torch.zeros(1, 4)
+    out = Processing(min_tokens=1, presence_penalty=0.5).apply(logits, tokens=[1], generated=0, end_ids=frozenset({0}))
+    assert out[0, 0] == 0
+
+
+def test_a_negative_end_id_bans_nothing():
+    logits = torch.zeros(1, 4)
+    out = Processing(min_tokens=5).apply(logits, tokens=[1], generated=0, end_ids=frozenset({-1}))
+    assert torch.isfinite(out).all()
+
+
+def test_sampled_log_probs_are_read_at_the_request_temperature(built):
+    """Without other processing, log probs still follow the temperature the token was drawn at."""
+    dep = built("draft")
+    ids = dep.encode(PROMPTS[0])
+    req = dep.request(ids, 12, 4, sampling=SamplingParams(temperature=0.5, seed=3), log_probs=True)
+    req.generation_logits = True
+    (res,) = dep.generate([req], speculative=True)
+    for tok, raw, lp in zip(res.output_ids, res.generation_logits, res.log_probs):
+        want = float(torch.log_softmax(raw.double() * (1.0 / (0.5 + 1e-6)), -1)[tok])
+        assert lp == pytest.approx(want, abs=1e-5)

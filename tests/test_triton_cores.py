@@ -304,3 +304,10 @@ def test_orchestrator_answers_the_context_phase_blocks(built):
     )
     assert reused + total == -(-n_prompt // 32)
     assert 0 <= new <= total
+
+
+def test_num_return_sequences_must_fit_the_batch(built):
+    dep = built()
+    orch = _orchestrator(dep, decoupled=True)
+    with pytest.raises(RequestError, match="sequences .prompts x num_return_sequences. exceeds max_batch_size"):
+        orch.parse(_request(PROMPTS[0], num_return_sequences=np.int32(99)))

@@ -212,12 +212,15 @@ class _Front:
         ids, lps = piece.token_ids or [], piece.log_probs or []
         tokens, offsets, at = [], [], 0
         for n in range(1, len(ids) + 1):
-            upto = self.tokenizer.decode(ids[:n], skip_special_tokens=True)
-            if len(upto) > len(text) and at >= len(text):
+            if at >= len(text) and n > 1:
                 break  # past the stop cut
-            tokens.append(upto[at:])
+            upto = self.tokenizer.decode(ids[:n], skip_special_tokens=True)
+            # A token that ends inside a character adds no text; the character comes with the
+            # token that completes it (as streamed text holds it back).
+            end = at if upto.endswith("\ufffd") and n < len(ids) else min(len(upto), len(text))
+            tokens.append(text[at:end])
             offsets.append(at)
-            at = len(upto)
+            at = max(at, end)
         lps = lps[: len(tokens)]
         if chat:
             return {

@@ -26,7 +26,7 @@ import torch
 
 from trtspec.errors import RequestError
 from trtspec.speculative.metrics import SpecMetrics
-from trtspec.speculative.processing import Processing, RowRules, processed, warp_params
+from trtspec.speculative.processing import Processing, RowRules, log_prob_logits, processed, warp_params
 from trtspec.speculative.sampling import SamplingParams, accept_or_resample, warp
 from trtspec.speculative.schedule import LoadPolicy
 
@@ -54,7 +54,7 @@ class Verdict:
 
     target_ids: list[int]
     margins: list[float] | None = None
-    logits: torch.Tensor | None = None  # [len(draft) + 1, vocab]: needed only to sample
+    logits: torch.Tensor | None = None  # [len(draft) + 1, vocab]: what requests that need logits decide from
     # True when target_ids past the first disagreement are the target's own greedy
     # continuation (TensorRT-LLM's draft_tokens_external keeps decoding to
     # request_output_len after a rejection): those tokens are kept, not discarded.
@@ -68,8 +68,9 @@ class Verifier(Protocol):
     def verify(
         self, contexts: Sequence[list[int]], drafts: Sequence[list[int]], want_logits: Sequence[bool] | None = None
     ) -> list[Verdict]:
-        """``want_logits`` (passed only when a sampled request is in the step): rows whose
-        Verdict must carry the target's logits (Verdict.logits), which sampling needs."""
+        """``want_logits`` (passed only when the step has a request that needs logits: sampling,
+        logits processing, log probs or generation logits): rows whose Verdict must carry the
+        target's logits (Verdict.logits)."""
         ...
 
 
@@ -377,7 +378,8 @@ def _decide(req: GenerationRequest, res: GenerationResult, context, draft, q, ve
         margins = None
     log_probs = None
     if req.log_probs:
-        lp = torch.log_softmax(logits[: len(new)].double(), dim=-1)
+        t = req.sampling.temperature if req.sampling is not None else None
+        lp = torch.log_softmax(log_prob_logits(logits[: len(new)], req.processing, t).double(), dim=-1)
         log_probs = lp.gather(-1, torch.tensor(new).unsqueeze(-1)).squeeze(-1).tolist()
     return new, n, margins, log_probs
 

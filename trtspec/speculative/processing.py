@@ -12,7 +12,9 @@ Order and formulas follow TensorRT-LLM's penalty and ban-words kernels
 (cpp/tensorrt_llm/kernels/penaltyKernels.cu ``batchApplyPenalty`` and banBadWords.cu
 ``ban_bad_words``, 1.2-era main; tests/data/trtllm/NOTES.md): embedding bias added; then,
 when the request has a temperature other than 1, logits scaled by 1 / (T + 1e-6) — before
-the penalties, as upstream, so a sampled request's warp then uses temperature 1; repetition
+the penalties, as upstream, so a sampled request's warp then uses temperature 1 (the Triton
+endpoints put the request's temperature here; in process, a caller that wants upstream's
+order sets Processing.temperature, else SamplingParams.temperature applies after); repetition
 penalty on every token present in prompt or output (a negative logit multiplied, any other
 divided); presence penalty subtracted once per present token and frequency penalty once
 per occurrence (prompt tokens count: upstream's prompt_ignore_length defaults to 0); end ids
@@ -64,7 +66,7 @@ class Processing:
         if not (self.temperature > 0 and torch.isfinite(torch.tensor(self.temperature))):
             raise RequestError(f"temperature must be a finite number > 0 here (got {self.temperature})")
         if any(not torch.isfinite(torch.tensor(w)) for _, w in self.bias):
-            raise RequestError("embedding_bias_weights must be finite numbers")
+            raise RequestError("embedding bias weights must be finite numbers")
 
     @property
     def active(self) -> bool:
@@ -104,8 +106,7 @@ class Processing:
                 if t < vocab:
                     b[t] += w
             x += b
-        if self.temperature != 1.0:
-            x *= 1.0 / (self.temperature + 1e-6)
+        x = scaled(x, self.temperature)
         seen = self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
         if seen:
             counts = torch.bincount(torch.tensor(list(tokens), dtype=torch.long), minlength=vocab)[:vocab].float()
@@ -122,15 +123,15 @@ class Processing:
                     row = row - present.float() * self.presence_penalty
                 if self.frequency_penalty != 0.0:
                     row = row - counts * self.frequency_penalty
-            if generated + j < self.min_tokens:
+            if self.min_tokens > 1 and generated + j < self.min_tokens:
                 for e in end_ids | self.end_ids:
-                    if e < vocab:
+                    if 0 <= e < vocab:
                         row[e] = NEG_INF
             if self.bad_words:
                 history = list(tokens) + list(draft[:j])
                 for word in self.bad_words:
                     head = word[:-1]
-                    if len(history) >= len(head) and tuple(history[len(history) - len(head) :]) == head and word[-1] < vocab:
+                    if len(history) >= len(head) and tuple(history[len(history) - len(head) :]) == head and 0 <= word[-1] < vocab:
                         row[word[-1]] = NEG_INF
             x[j] = row
         return x
@@ -148,6 +149,22 @@ class RowRules(NamedTuple):
         """Logits [n, vocab] of the next token after ``tokens`` (context + ``drafted`` draft
         tokens), processed as the target's would be there."""
         return self.processing.apply(logits, tokens, self.generated + drafted, (), self.end_ids)
+
+
+def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Logits at ``temperature`` as TensorRT-LLM scales them (x 1 / (T + 1e-6); T = 1: as is)."""
+    return logits if temperature == 1.0 else logits * (1.0 / (temperature + 1e-6))
+
+
+def log_prob_logits(logits: torch.Tensor, processing: Processing | None, sampling_temperature: float | None) -> torch.Tensor:
+    """The logits log probs are read from: after the request's processing and temperature,
+    as upstream's sampling layer computes them. ``logits`` are already processed when the
+    processing is active (its temperature included); otherwise the temperature is applied
+    here — the processing's (a request that carries only a temperature) or the sampler's."""
+    if processing is not None and processing.active:
+        return logits
+    t = processing.temperature if processing is not None else (sampling_temperature or 1.0)
+    return scaled(logits, t)
 
 
 def warp_params(params, processing: Processing | None):

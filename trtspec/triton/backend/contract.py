@@ -315,5 +315,6 @@ def processing_of(inputs: Mapping[str, np.ndarray], rows: int, tokenizer, vocab_
             temperature=t if t > 0 else 1.0,  # 0 means greedy; nothing to scale
         )
         proc.check_ids(vocab_size)
-        out.append(proc if proc.active else None)
+        # A request with only a temperature keeps it: its log probs are read at that temperature.
+        out.append(proc if proc.active or proc.temperature != 1.0 else None)
     return out

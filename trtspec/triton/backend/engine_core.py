@@ -275,6 +275,8 @@ def engine_processing(inputs: Mapping[str, np.ndarray], rows: int, vocab_size: i
 
     rep, pres, freq = col("repetition_penalty", 1.0), col("presence_penalty", 0.0), col("frequency_penalty", 0.0)
     min_tokens, temperature = col("min_tokens", 1), col("temperature", 1.0)
+    if any(not np.isfinite(t) or t < 0 for t in temperature):
+        raise RequestError("temperature must be a finite number >= 0 (0: greedy)")
     bad = inputs.get("bad_words_list")
     bias = inputs.get("embedding_bias")
     if bias is not None:

@@ -20,12 +20,15 @@ features trtspec does not implement are refused there by name). Implemented, bat
   num_output_tokens when asked; with return_perf_metrics: acceptance_rate FP32,
   total_accepted_draft_tokens, total_draft_tokens INT32 [b, 1] for the WHOLE generation,
   arrival / first_scheduled / first_token / last_token _time_ns INT64 [b, 1] (time.time_ns()
-  at this model's events), kv_cache_* INT32 [b, 1] = -1 (not reported by the engines) and
-  perf_metrics_json BYTES [b, 1] (all SpecMetrics counts); with return_margins:
-  output_margins FP32 [b, T]; with return_log_probs: output_log_probs FP32 [b, 1, G],
-  cum_log_probs FP32 [b, 1].
+  at this model's events), kv_cache_* INT32 [b, 1] (the target engine
+  model's context-phase blocks; -1 where it reports none) and perf_metrics_json BYTES [b, 1]
+  (all SpecMetrics counts); with return_margins: output_margins FP32 [b, T]; with
+  return_log_probs: output_log_probs FP32 [b, 1, G], cum_log_probs FP32 [b, 1]; with
+  return_generation_logits: generation_logits FP32 [b, 1, G, vocab].
 Streaming (decoupled model): one response per loop step with that step's new tokens and text,
-the last one flagged final and carrying the metrics.
+the last one flagged final; with return_perf_metrics every response carries the counts so far.
+Several prompts or num_return_sequences on a decoupled model: one response stream per row,
+tagged batch_index / sequence_index, as upstream's.
 """
 
 from __future__ import annotations
@@ -157,8 +160,11 @@ class Orchestrator:
         wants_logits = gen_logits is not None and bool(gen_logits.any())
         if not self.s.sampling_supported:
             self._refuse_logits_features(any(sampling), any(processing), wants_log_probs, wants_logits)
-        n_seq = _optional(inputs, "num_return_sequences", rows)
-        n_seq = 1 if n_seq is None else int(n_seq.max())
+        n_seqs = _optional(inputs, "num_return_sequences", rows)
+        n_seqs = [1] * rows if n_seqs is None else [int(n) for n in n_seqs]
+        n_seq = max(n_seqs)
+        # every sequence is a row of the batch: they must fit in it together
+        self.s.limits.check_batch(sum(n_seqs), "sequences (prompts x num_return_sequences)")
         max_tokens = _optional(inputs, "max_tokens", rows)
         k = _optional(inputs, "num_draft_tokens", rows)
         end_id = _optional(inputs, "end_id", rows)
@@ -199,7 +205,7 @@ class Orchestrator:
                 ends = frozenset({e})
             pad = 0 if pad_id is None else int(pad_id[r])
             check_token_ids([pad], vocab, "pad_id")
-            for seq in range(n_seq):
+            for seq in range(n_seqs[r]):
                 # Sequence i samples with seed + i, as upstream's child requests do.
                 params = (
                     sampling[r]
@@ -232,9 +238,9 @@ class Orchestrator:
                         batch_index=r,
                         times={"arrival_time_ns": arrival},
                         sequence_index=seq,
-                        sequences=n_seq,
+                        sequences=n_seqs[r],
                         # a decoupled model answers each prompt and sequence on its own, as upstream
-                        separate=self.s.decoupled and rows * n_seq > 1,
+                        separate=self.s.decoupled and sum(n_seqs) > 1,
                     )
                 )
         return out

@@ -248,6 +248,11 @@ class Scheduler:
         room = self.max_active - sum(len(j.keys) for j in self.active)
         while True:
             with self._cv:
+                if self.waiting and len(self.waiting[0].rows) > self.max_active:
+                    # can never fit (the parser bounds rows by the batch size; guard anyway)
+                    big = self.waiting.popleft()
+                    big.reply.fail(RequestError(f"{len(big.rows)} sequences exceed this model's batch of {self.max_active}"))
+                    continue
                 if not self.waiting or len(self.waiting[0].rows) > room:
                     return
                 job = self.waiting.popleft()
