@@ -87,7 +87,7 @@ def test_resume_after_an_interrupt_equals_an_uninterrupted_run(tmp_path, tiny_ck
     assert (b / "head" / "training-curve.png").stat().st_size > 0
 
 
-def test_an_interrupt_while_generating_keeps_the_finished_responses(tmp_path, tiny_ckpts, monkeypatch):
+def test_an_interrupt_while_generating_keeps_the_finished_responses(tmp_path, tiny_ckpts, monkeypatch, capsys):
     """Ctrl-C during data generation keeps every finished batch; the rerun generates only the
     rest and trains on data equal to an uninterrupted run's (same head, bit for bit)."""
     import trtspec.codesign.data as data
@@ -111,7 +111,9 @@ def test_an_interrupt_while_generating_keeps_the_finished_responses(tmp_path, ti
     assert kept == calls[0] > 0  # the first batch survived
     rerun: list[int] = []
     monkeypatch.setattr(data, "generate", lambda *a, **k: rerun.append(len(a[0])) or real(*a, **k))
+    capsys.readouterr()
     resumed = distill(loaded, small_opts(b))
+    assert f"target responses {kept}/8 found in {log}" in capsys.readouterr().err.replace("\n", "")
     assert sum(rerun) == 8 - kept  # only the prompts without a response were generated (8: 10 less 2 verify prompts)
     wa = load_file(str(tmp_path / "a" / "head" / "model.safetensors"))
     wb = load_file(str(b / "head" / "model.safetensors"))

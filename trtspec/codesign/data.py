@@ -66,10 +66,13 @@ def responses(target: TorchEngine, requests: list[GenerationRequest], on_batch=N
 
     With ``log``, every finished batch is appended there (one JSON line per response, flushed
     and synced) and a later call continues after the responses it holds: an interrupted
-    generation loses at most the batch in flight. A torn last line is ignored."""
+    generation loses at most the batch in flight. A torn last line is ignored. ``on_batch(done,
+    total)`` is called before the first batch (done: what the log held) and after each one."""
     done = _read_log(log, len(requests)) if log is not None else {}
     todo = [i for i in range(len(requests)) if i not in done]
     size = target.max_batch_size
+    if on_batch:
+        on_batch(len(done), len(requests))  # before any batch: what the log already held
     sink = open(log, "a", encoding="utf-8") if log is not None else None  # noqa: SIM115
     try:
         for n in range(0, len(todo), size):

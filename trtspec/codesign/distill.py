@@ -324,10 +324,12 @@ def _generate(
     first: list[int] = []
 
     def progress(done: int, total: int) -> None:
-        if not first:
-            first.append(done)  # responses this call found in the log: not timed here
-        made = done - first[0] + 1
-        eta = (time.monotonic() - t0) / max(made, 1) * (total - done)
+        if not first:  # the call before any batch: responses found in the log, not timed here
+            first.append(done)
+            if done:
+                console.info(f"target responses {done}/{total} found in {log}")
+            return
+        eta = (time.monotonic() - t0) / (done - first[0]) * (total - done)
         console.info(f"target responses {done}/{total}  ETA {eta:.0f}s")
 
     with console.step(f"generating {len(reqs)} target responses to {len(prompts)} prompts"):
