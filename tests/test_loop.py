@@ -30,7 +30,7 @@ class OracleVerifier:
     def __init__(self):
         self.calls = 0
 
-    def verify(self, contexts, drafts):
+    def verify(self, contexts, drafts, context_phase=None):
         self.calls += 1
         out = []
         for ctx, d in zip(contexts, drafts):

@@ -32,7 +32,7 @@ DRAFT = markov(1, 1.5)  # a different distribution: rejections matter
 
 
 class MarkovVerifier:
-    def verify(self, contexts, drafts, want_logits=None):
+    def verify(self, contexts, drafts, want_logits=None, context_phase=None):
         out = []
         for ctx, d in zip(contexts, drafts):
             prev = [ctx[-1]] + list(d)  # the token before each scored position

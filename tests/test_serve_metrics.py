@@ -89,7 +89,7 @@ def test_metered_loop_reports_exactly_the_loops_own_counts(make_drafter):
 
 def test_a_continued_verdict_counts_its_extra_forwards_like_the_loop():
     class Continuing:  # the target kept decoding after a rejection (TensorRT-LLM external drafts)
-        def verify(self, contexts, drafts):
+        def verify(self, contexts, drafts, context_phase=None):
             return [Verdict([9, 9, 9, 9], continued=True) for _ in contexts]
 
     sink, m = _metrics()

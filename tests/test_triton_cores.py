@@ -296,8 +296,12 @@ def test_orchestrator_answers_the_context_phase_blocks(built):
     dep = built("draft")
     cores = _cores(dep)
     cores["tensorrt_llm"].cache_use = lambda: dep.target.last_use
-    orch = _orchestrator(dep, cores=cores, kv_blocks=True)
+    log = []
+    orch = _orchestrator(dep, cores=cores, kv_blocks=True, log=log)
     (out,) = orch.run([_request(PROMPTS[2])])
+    # Only the sequence's first target request (its context phase) asks for the counts.
+    asked = [("return_perf_metrics" in shapes) for model, shapes in log if model == "tensorrt_llm"]
+    assert len(asked) > 2 and asked[0] and not any(asked[1:])
     n_prompt = len(dep.encode(PROMPTS[2], chat_template=True))
     new, reused, total = (
         int(out[n][0][0]) for n in ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks")

@@ -66,11 +66,17 @@ class Verdict:
 
 class Verifier(Protocol):
     def verify(
-        self, contexts: Sequence[list[int]], drafts: Sequence[list[int]], want_logits: Sequence[bool] | None = None
+        self,
+        contexts: Sequence[list[int]],
+        drafts: Sequence[list[int]],
+        want_logits: Sequence[bool] | None = None,
+        context_phase: Sequence[bool] | None = None,
     ) -> list[Verdict]:
         """``want_logits`` (passed only when the step has a request that needs logits: sampling,
         logits processing, log probs or generation logits): rows whose Verdict must carry the
-        target's logits (Verdict.logits)."""
+        target's logits (Verdict.logits). ``context_phase`` (passed only when some row is on its
+        first step): the rows whose Verdict.kv_blocks the loop keeps; a verifier that has to
+        ask for those counts asks only for these rows."""
         ...
 
 
@@ -270,11 +276,14 @@ class Batch:
                 qs,
                 [len(results[active[j]].output_ids) for j in sampled],
             )
+        asks: dict[str, list[bool]] = {}
         wants_logits = [requests[i].needs_logits for i in active]
         if any(wants_logits):
-            verdicts = self.verifier.verify(contexts, drafts, want_logits=wants_logits)
-        else:
-            verdicts = self.verifier.verify(contexts, drafts)
+            asks["want_logits"] = wants_logits
+        first = [not results[i].steps for i in active]
+        if any(first):
+            asks["context_phase"] = first
+        verdicts = self.verifier.verify(contexts, drafts, **asks)
         report.sequences, report.k = len(active), max(ks)
         report.asked_k = max(requests[i].num_draft_tokens for i in active)
         if cap is not None:

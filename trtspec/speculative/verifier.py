@@ -30,9 +30,14 @@ class LogitsVerifier:
         self.vocab_limit = vocab_limit
 
     def verify(
-        self, contexts: Sequence[list[int]], drafts: Sequence[list[int]], want_logits: Sequence[bool] | None = None
+        self,
+        contexts: Sequence[list[int]],
+        drafts: Sequence[list[int]],
+        want_logits: Sequence[bool] | None = None,
+        context_phase: Sequence[bool] | None = None,
     ) -> list[Verdict]:
-        """Every verdict carries its logits (they are at hand); ``want_logits`` is not needed."""
+        """Every verdict carries its logits (they are at hand); ``want_logits`` is not needed.
+        No KV-cache block counts: ``context_phase`` is not needed either."""
         items = [ForwardItem(list(c) + list(d), len(d) + 1) for c, d in zip(contexts, drafts)]
         out = []
         for logits in self.run(items):  # each [len(draft) + 1, vocab]

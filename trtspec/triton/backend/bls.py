@@ -147,10 +147,16 @@ class BlsVerifier:
         self.continued = continued
 
     def verify(
-        self, contexts: Sequence[list[int]], drafts: Sequence[list[int]], want_logits: Sequence[bool] | None = None
+        self,
+        contexts: Sequence[list[int]],
+        drafts: Sequence[list[int]],
+        want_logits: Sequence[bool] | None = None,
+        context_phase: Sequence[bool] | None = None,
     ) -> list[Verdict]:
         """``want_logits``: rows that sample; their request asks the engine model for
-        return_generation_logits (the target's logits at the len(draft) + 1 positions)."""
+        return_generation_logits (the target's logits at the len(draft) + 1 positions).
+        ``context_phase``: rows on their first step; only those ask for the kv_cache_* counts
+        (the loop keeps a sequence's first ones), so later steps pay nothing for them."""
         verdicts: list[Verdict | None] = [None] * len(contexts)
         by_len: dict[int, list[int]] = {}
         for i, d in enumerate(drafts):
@@ -161,9 +167,11 @@ class BlsVerifier:
             inputs["exclude_input_in_output"] = _column([True] * len(rows), np.bool_)
             if d_len > 0:
                 inputs["draft_input_ids"] = np.array([drafts[i] for i in rows], dtype=np.int32)
-            names = ["output_ids", "sequence_length"] + (KV_BLOCK_OUTPUTS if self.kv_blocks else [])
-            if self.kv_blocks:
-                inputs["return_perf_metrics"] = _column([True] * len(rows), np.bool_)
+            names = ["output_ids", "sequence_length"]
+            perf_rows = [bool(context_phase[i]) for i in rows] if self.kv_blocks and context_phase is not None else []
+            if any(perf_rows):
+                inputs["return_perf_metrics"] = _column(perf_rows, np.bool_)
+                names += KV_BLOCK_OUTPUTS
             if self.want_margins:
                 inputs["return_margins"] = _column([True] * len(rows), np.bool_)
                 names.append("output_margins")

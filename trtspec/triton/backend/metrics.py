@@ -142,12 +142,8 @@ class MeteredVerifier:
         self.metrics = metrics
         self.k = k  # the draft length the batch's requests ask for
 
-    def verify(
-        self, contexts: Sequence[list[int]], drafts: Sequence[list[int]], want_logits: Sequence[bool] | None = None
-    ) -> list[Verdict]:
-        verdicts = (
-            self.inner.verify(contexts, drafts) if want_logits is None else self.inner.verify(contexts, drafts, want_logits)
-        )
+    def verify(self, contexts: Sequence[list[int]], drafts: Sequence[list[int]], **asks) -> list[Verdict]:
+        verdicts = self.inner.verify(contexts, drafts, **asks)  # want_logits, context_phase: as the loop asked
         each, extra = [], 0
         for d, v in zip(drafts, verdicts):
             n = accepted_prefix(d, v)
