@@ -1,4 +1,4 @@
-"""The torch engine's Linear kernels: chosen per machine by measuring both layouts, cached,
+"""The torch engine's Linear kernels: chosen per machine by measuring every layout, cached,
 and interchangeable (the same greedy tokens whichever runs)."""
 
 from __future__ import annotations
@@ -19,10 +19,14 @@ PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Summarise the following 
 
 
 def _layout_of(model) -> str:
-    linears = [c for m in model.modules() for c in m.children() if isinstance(c, nn.Linear | OneDnnLinear)]
-    kinds = {type(c) for c in linears}
-    assert len(kinds) == 1, f"mixed layouts: {kinds}"
-    return "onednn" if kinds == {OneDnnLinear} else "dense"
+    body = [c for m in model.model.modules() for c in m.children() if isinstance(c, nn.Linear | OneDnnLinear)]
+    kinds = {type(c) for c in body}
+    assert len(kinds) == 1, f"mixed layouts in the layers: {kinds}"
+    packed_head = isinstance(model.lm_head, OneDnnLinear)
+    if kinds == {OneDnnLinear}:
+        assert packed_head, "packed layers with a dense LM head: no such layout"
+        return "onednn"
+    return "head" if packed_head else "dense"
 
 
 def _dense(folder, monkeypatch) -> TorchEngine:
@@ -43,7 +47,7 @@ def _choose(engine, tmp_path, **kw):
 
 
 def _fake_timer(faster: str, calls: list[str]):
-    """A step timer that reports ``faster`` as 1 ms and the other layout as 3 ms."""
+    """A step timer that reports ``faster`` as 1 ms and the other layouts as 3 ms."""
 
     def make(model, cos, sin, verify_tokens):
         def timed() -> float:
@@ -56,21 +60,21 @@ def _fake_timer(faster: str, calls: list[str]):
     return make
 
 
-@pytest.mark.parametrize("faster", ["dense", "onednn"])
-def test_selection_measures_both_layouts_and_keeps_the_faster(dense_engine, tmp_path, monkeypatch, faster):
+@pytest.mark.parametrize("faster", ["dense", "onednn", "head"])
+def test_selection_measures_every_layout_and_keeps_the_fastest(dense_engine, tmp_path, monkeypatch, faster):
     calls: list[str] = []
     monkeypatch.setattr(kernels, "step_timer", _fake_timer(faster, calls))
     choice = _choose(dense_engine, tmp_path)
     assert (choice.layout, choice.source) == (faster, "measured")
-    assert set(calls) == {"dense", "onednn"}  # both were timed, on the real model
-    assert calls.count("dense") == calls.count("onednn")
-    assert choice.seconds == {faster: 0.001, ({"dense", "onednn"} - {faster}).pop(): 0.003}
+    assert set(calls) == set(kernels.LAYOUTS)  # all were timed, on the real model
+    assert calls.count("dense") == calls.count("onednn") == calls.count("head")
+    assert choice.seconds == {name: 0.001 if name == faster else 0.003 for name in kernels.LAYOUTS}
     assert _layout_of(dense_engine.model) == faster  # the model runs what was chosen
 
 
-def test_real_measurement_times_both_and_the_choice_is_the_lower_median(dense_engine, tmp_path):
+def test_real_measurement_times_each_and_the_choice_is_the_lowest_median(dense_engine, tmp_path):
     choice = _choose(dense_engine, tmp_path)
-    assert choice.source == "measured" and set(choice.seconds) == {"dense", "onednn"}
+    assert choice.source == "measured" and set(choice.seconds) == set(kernels.LAYOUTS)
     assert all(s > 0 for s in choice.seconds.values())
     assert choice.layout == min(choice.seconds, key=lambda k: (choice.seconds[k], k != "dense"))
     assert _layout_of(dense_engine.model) == choice.layout
@@ -101,7 +105,7 @@ def test_a_damaged_cache_is_measured_again_and_rewritten(dense_engine, tmp_path,
     assert json.loads((tmp_path / kernels.CACHE_FILE).read_text())[choice.key]["layout"] == "dense"
 
 
-@pytest.mark.parametrize(("env", "layout"), [("0", "dense"), ("1", "onednn")])
+@pytest.mark.parametrize(("env", "layout"), [("0", "dense"), ("1", "onednn"), ("head", "head")])
 def test_the_environment_can_force_a_layout_without_measuring(dense_engine, tmp_path, monkeypatch, env, layout):
     monkeypatch.setattr(kernels, "step_timer", lambda *a: pytest.fail("measured despite TRTSPEC_ONEDNN"))
     monkeypatch.setenv("TRTSPEC_ONEDNN", env)
@@ -138,11 +142,11 @@ def test_float16_weights_keep_dense_without_measuring(dense_engine, tmp_path, mo
     assert (choice.layout, choice.source) == ("dense", "fallback")
 
 
-def test_both_layouts_decode_the_same_greedy_tokens(built, monkeypatch):
+def test_every_layout_decodes_the_same_greedy_tokens(built, monkeypatch):
     """Target-only and speculative, every prompt: identical token ids whichever kernels run."""
     dep = built()
     outs = {}
-    for env, layout in (("0", "dense"), ("1", "onednn")):
+    for env, layout in (("0", "dense"), ("1", "onednn"), ("head", "head")):
         monkeypatch.setenv("TRTSPEC_ONEDNN", env)
         d = Deployment(dep.loaded, dep.loaded.output_dir())
         assert d.target.kernels.layout == layout and _layout_of(d.target.model) == layout
@@ -151,17 +155,19 @@ def test_both_layouts_decode_the_same_greedy_tokens(built, monkeypatch):
             [r.output_ids for r in d.generate(reqs, speculative=False)],
             [r.output_ids for r in d.generate(reqs, speculative=True)],
         )
-    assert outs["dense"] == outs["onednn"]
+    assert outs["dense"] == outs["onednn"] == outs["head"]
     assert all(len(ids) > 0 for ids in outs["dense"][0])
 
 
-def test_bfloat16_engines_choose_too_and_both_layouts_decode_the_same_tokens(built, monkeypatch, tmp_path):
-    """A bfloat16 engine (the demo's draft dtype) has both layouts: PyTorch's dense bf16 and
-    the weight reordered for oneDNN's bf16 matmul; both give the same greedy tokens, and the
-    measurement times both."""
+def test_bfloat16_engines_choose_too_and_every_layout_decodes_the_same_tokens(built, monkeypatch, tmp_path):
+    """A bfloat16 engine (the demo's draft dtype) has the same layouts: PyTorch's dense bf16,
+    the weights reordered for oneDNN's bf16 matmul, or only the LM head's; all give the same
+    greedy tokens, and the measurement times each."""
+    if not kernels._bf16_reorder_works():
+        pytest.skip("this CPU has no oneDNN bf16 reorder (needs avx512bw/vl/dq or avx_ne_convert): dense only, tested below")
     dep = built(**{"target.dtype": "bfloat16", "draft.dtype": "bfloat16"})
     outs = {}
-    for env, layout in (("0", "dense"), ("1", "onednn")):
+    for env, layout in (("0", "dense"), ("1", "onednn"), ("head", "head")):
         monkeypatch.setenv("TRTSPEC_ONEDNN", env)
         d = Deployment(dep.loaded, dep.loaded.output_dir())
         assert d.target.kernels.layout == layout and _layout_of(d.target.model) == layout
@@ -171,10 +177,25 @@ def test_bfloat16_engines_choose_too_and_both_layouts_decode_the_same_tokens(bui
             [r.output_ids for r in d.generate(reqs, speculative=False)],
             [r.output_ids for r in d.generate(reqs, speculative=True)],
         )
-    assert outs["dense"] == outs["onednn"]
+    assert outs["dense"] == outs["onednn"] == outs["head"]
     monkeypatch.delenv("TRTSPEC_ONEDNN")
     engine = _dense(dep.target.folder, monkeypatch)
     calls: list[str] = []
     monkeypatch.setattr(kernels, "step_timer", _fake_timer("onednn", calls))
     choice = _choose(engine, tmp_path)
-    assert (choice.layout, choice.source) == ("onednn", "measured") and set(calls) == {"dense", "onednn"}
+    assert (choice.layout, choice.source) == ("onednn", "measured") and set(calls) == set(kernels.LAYOUTS)
+
+
+@pytest.mark.parametrize("env", ["", "1", "head"])
+def test_bfloat16_without_the_cpu_support_stays_dense(built, monkeypatch, tmp_path, env):
+    """Where oneDNN cannot reorder bf16 weights (AVX2-only CPUs), a bfloat16 engine is neither
+    measured nor forced onto a packed layout: it loads dense and says why."""
+    monkeypatch.setattr(kernels, "_bf16_reorder_works", lambda: False)
+    monkeypatch.setattr(kernels, "step_timer", lambda *a: pytest.fail("measured a layout this CPU cannot run"))
+    dep = built(**{"target.dtype": "bfloat16", "draft.dtype": "bfloat16"})
+    engine = _dense(dep.target.folder, monkeypatch)
+    monkeypatch.setenv("TRTSPEC_ONEDNN", env)
+    choice = _choose(engine, tmp_path)
+    assert (choice.layout, choice.source) == ("dense", "fallback")
+    assert "oneDNN cannot run this model" in choice.reason
+    assert _layout_of(engine.model) == "dense"

@@ -3,10 +3,15 @@
 Candidates (the weights and the arithmetic are the same; the greedy tokens are identical, tested):
   dense    PyTorch's own linear on the row-major weight (what transformers runs)
   onednn   the weight re-laid once in oneDNN's blocked format, run by mkldnn_linear
+  head     only the LM head re-laid for oneDNN; the layers' Linears stay dense
 
 Which is faster depends on the CPU: on a 2-core AVX-512 EPYC onednn made a SmolLM2 decode
 step 38 -> 31 ms; on an AVX2-only CPU the engine with onednn was slower than transformers
-(8.0 vs 8.6 tok/s). So the engine measures instead of assuming: at load, a decode step
+(8.0 vs 8.6 tok/s). The LM head is the odd one out: one [vocab, hidden] matrix, a quarter of
+SmolLM2's weights, where PyTorch's dense kernel for 2+ rows is slow on such a CPU. On a 2-core
+AVX2 EPYC (2026-12-01) `head` made a decode step 59 -> 51 ms, a 2-token verify 95 -> 78 ms
+and a 16-row batched decode 297 -> 219 ms, while `onednn` (every Linear) was slower than dense
+at 1 token (82 ms). So the engine measures instead of assuming: at load, a decode step
 (1 token) and a verify step (max_draft_len + 1 tokens) at a short context, each candidate
 up to ``ROUNDS`` times in alternating order (3 when one is faster in every sample), the
 median of each; the lower sum wins (a tie keeps
@@ -19,13 +24,14 @@ under a file lock, not on top of each other.
 bfloat16 engines (the demo's draft) choose the same way: on a CPU with AMX the reordered bf16
 weights ran a 576x1536 Linear in 35 us against 87 us for PyTorch's dense bf16 (49 us float32).
 
-``TRTSPEC_ONEDNN=0`` forces dense and ``=1`` forces onednn (no measurement). float16, other dtypes,
+``TRTSPEC_ONEDNN=0`` forces dense, ``=1`` onednn and ``=head`` head (no measurement). float16, other dtypes,
 a torch without oneDNN, or a failed measurement use dense, the transformers kernels.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -44,18 +50,19 @@ from trtspec.cache import cache_root
 from trtspec.engines.torch.model import PACKABLE, DecoderLM, KVCache, OneDnnLinear, StepInputs
 from trtspec.files import write_json_atomic
 
-LAYOUTS = ("dense", "onednn")
+LAYOUTS = ("dense", "onednn", "head")
 ROUNDS = 7
 MIN_ROUNDS = 3  # fewer when every sample of one layout beats every sample of the other
 PREFILL = 32  # context before the timed steps: a short prompt, as in decoding
 CACHE_FILE = "kernels.json"
 # Environment variables that cap the instruction sets the kernels may use: part of the key.
+FORCED = {"0": "dense", "1": "onednn", "head": "head"}  # TRTSPEC_ONEDNN values
 ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
 
 
 @dataclass
 class KernelChoice:
-    layout: str  # dense | onednn
+    layout: str  # dense | onednn | head
     source: str  # measured | cached | forced | fallback
     seconds: dict[str, float] = field(default_factory=dict)  # per layout: decode + verify step
     key: str = ""
@@ -90,6 +97,7 @@ def choice_key(model: DecoderLM, verify_tokens: int) -> str:
         f"/{cfg.num_heads}/{cfg.num_kv_heads}/{cfg.head_dim}",
         "dtype": str(model.model.embed_tokens.weight.dtype),
         "verify_tokens": str(verify_tokens),
+        "layouts": ",".join(LAYOUTS),  # a choice made among fewer candidates is measured again
     }
     return json.dumps(parts, sort_keys=True)
 
@@ -98,8 +106,8 @@ def choice_key(model: DecoderLM, verify_tokens: int) -> str:
 
 
 class _Layouts:
-    """Both layouts of every Linear, so measurement can switch back and forth; ``keep``
-    leaves the model on one and drops the other's weights."""
+    """Both forms of every Linear, so measurement can switch between the layouts; ``keep``
+    leaves the model on one and drops the other weights."""
 
     def __init__(self, model: DecoderLM):
         self.places = [
@@ -109,10 +117,12 @@ class _Layouts:
             if isinstance(child, nn.Linear)
         ]
         self.packed = [OneDnnLinear(child) for _, _, child in self.places]
+        self.head = model.lm_head
 
     def use(self, layout: str) -> None:
         for (module, name, dense), packed in zip(self.places, self.packed):
-            setattr(module, name, packed if layout == "onednn" else dense)
+            pack = layout == "onednn" or (layout == "head" and dense is self.head)
+            setattr(module, name, packed if pack else dense)
 
     def keep(self, layout: str) -> None:
         self.use(layout)
@@ -164,7 +174,7 @@ def measure_layouts(model: DecoderLM, cos: torch.Tensor, sin: torch.Tensor, veri
             layouts.use(layout)
             timed()
         for r in range(ROUNDS):
-            for layout in LAYOUTS if r % 2 == 0 else reversed(LAYOUTS):
+            for layout in LAYOUTS[r % len(LAYOUTS) :] + LAYOUTS[: r % len(LAYOUTS)]:  # rotated each round
                 layouts.use(layout)
                 samples[layout].append(timed())
             if r + 1 >= MIN_ROUNDS and _separated(samples):
@@ -173,14 +183,14 @@ def measure_layouts(model: DecoderLM, cos: torch.Tensor, sin: torch.Tensor, veri
         layouts.keep("dense")
         raise
     seconds = {name: statistics.median(s) for name, s in samples.items()}
-    best = "onednn" if seconds["onednn"] < seconds["dense"] else "dense"
+    best = min(LAYOUTS, key=lambda name: (seconds[name], name != "dense"))  # a tie keeps dense
     layouts.keep(best)
     return best, seconds
 
 
 def _separated(samples: dict[str, list[float]]) -> bool:
-    a, b = samples.values()
-    return max(a) < min(b) or max(b) < min(a)
+    """One layout's every sample beats every sample of each other layout."""
+    return any(all(max(s) < min(o) for n, o in samples.items() if n != name) for name, s in samples.items())
 
 
 # -- choosing (cache, lock, overrides) ---------------------------------------------------------------
@@ -195,23 +205,28 @@ def choose_kernels(
 ) -> KernelChoice:
     """Put ``model`` on the faster layout for this machine and say how it was chosen."""
     forced = os.environ.get("TRTSPEC_ONEDNN", "").strip()
-    if forced in ("0", "1"):
-        layout = "onednn" if forced == "1" else "dense"
-        if layout == "onednn" and not _onednn_possible(model):
-            return KernelChoice("dense", "fallback", reason="TRTSPEC_ONEDNN=1 but oneDNN cannot run this model")
-        if layout == "onednn":
-            model.pack_linears_for_onednn()
+    if forced in FORCED:
+        layout = FORCED[forced]
+        if layout != "dense" and not _onednn_possible(model):
+            return KernelChoice("dense", "fallback", reason=f"TRTSPEC_ONEDNN={forced} but oneDNN cannot run this model")
+        if layout != "dense":
+            model.pack_linears_for_onednn(head_only=layout == "head")
         return KernelChoice(layout, "forced", reason=f"TRTSPEC_ONEDNN={forced}")
     if not _onednn_possible(model):
-        return KernelChoice("dense", "fallback", reason="only float32 or bfloat16 weights with oneDNN available have a choice")
+        return KernelChoice(
+            "dense",
+            "fallback",
+            reason="oneDNN cannot run this model here (float32 needs oneDNN; bfloat16 also its bf16 reorder, "
+            "which needs avx512bw/vl/dq or avx_ne_convert)",
+        )
     key = choice_key(model, verify_tokens)
     path = (cache_dir or cache_root()) / CACHE_FILE
     try:
         with _locked(path):
             cached = _read(path).get(key)
             if cached is not None and cached.get("layout") in LAYOUTS:
-                if cached["layout"] == "onednn":
-                    model.pack_linears_for_onednn()
+                if cached["layout"] != "dense":
+                    model.pack_linears_for_onednn(head_only=cached["layout"] == "head")
                 return KernelChoice(cached["layout"], "cached", dict(cached.get("seconds", {})), key)
             best, seconds = measure_layouts(model, cos, sin, verify_tokens)
             choice = KernelChoice(best, "measured", seconds, key)
@@ -230,7 +245,20 @@ def _onednn_possible(model: DecoderLM) -> bool:
     weight = getattr(model.lm_head, "weight", None)
     if not torch.backends.mkldnn.is_available() or weight is None or weight.dtype not in PACKABLE:
         return False
-    return weight.dtype != torch.bfloat16 or hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    return weight.dtype != torch.bfloat16 or _bf16_reorder_works()
+
+
+@functools.cache
+def _bf16_reorder_works() -> bool:
+    """oneDNN's bf16 weight reorder needs avx512bw/vl/dq or avx_ne_convert: an AVX2-only CPU
+    refuses it (RuntimeError), so a bfloat16 engine there has only the dense layout."""
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16))
+    except RuntimeError:
+        return False
+    return True
 
 
 def _read(path: Path) -> dict:
