@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from trtspec.cli.app import app
 from trtspec.codesign.distill import DistillOptions, distill
+from trtspec.errors import TrtspecError
 from trtspec.spec import load_spec
 
 runner = CliRunner()
@@ -157,6 +158,65 @@ def test_a_trained_head_beats_an_untrained_one(tmp_path, tiny_ckpts):
     save_head(tmp_path / "head", untrained, config)
     before = acceptance(tmp_path / "head")
     assert trained > before + 0.3, (trained, before)
+
+
+def test_soft_labels_of_a_certain_target_are_the_hard_labels():
+    """The soft loss is cross-entropy against the target's top-k distribution over the draft
+    vocabulary: where the target puts (almost) all its mass on its greedy token, it equals the
+    hard loss; where it hesitates, it is a different objective (its runner-up counts)."""
+    from trtspec.codesign.train import Batch, ttt_loss
+    from trtspec.engines.eagle3 import HeadConfig
+    from trtspec.engines.torch.eagle3 import Eagle3Head
+
+    torch.manual_seed(0)
+    cfg = HeadConfig(
+        hidden_size=16, intermediate_size=32, num_heads=2, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6,
+        vocab_size=20, draft_vocab_size=12, target_hidden_size=16, layer_ids=(0, 1, 2), target_num_layers=3, raw={},
+    )  # fmt: skip
+    head = Eagle3Head(cfg)
+    with torch.no_grad():
+        for name, param in head.named_parameters():
+            param.copy_(torch.ones_like(param) if name.endswith("norm.weight") else torch.randn_like(param) * 0.3)
+    embed = torch.nn.Embedding(20, 16)
+    b, t, k = 2, 7, 4
+    tokens = torch.randint(0, 20, (b, t))
+    ids = torch.stack([torch.randperm(20)[:k] for _ in range(b * t)]).view(b, t, k)
+    t2d = torch.full((20,), -1, dtype=torch.long)
+    t2d[:12] = torch.arange(12)
+    ids[..., 0] = torch.randint(0, 12, (b, t))  # the greedy token is in the draft vocabulary
+    sure = torch.tensor([60.0, 0.0, -1.0, -2.0]).expand(b, t, k).clone()
+    angles = torch.outer(torch.arange(t).float(), 1.0 / torch.arange(1, 5).float()).repeat(1, 2)  # [t, head_dim]
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    feats = torch.randn(b, t, 48)
+    resp = torch.tensor([1, 2])
+
+    def loss(top_logits, soft):
+        batch = Batch(tokens, feats, ids[..., 0].clone(), resp, ids, top_logits)
+        return float(ttt_loss(head, embed, batch, 2, t2d, cos, sin, soft=soft)[0].detach())
+
+    assert loss(sure, soft=True) == pytest.approx(loss(sure, soft=False), rel=1e-5)
+    unsure = torch.tensor([1.0, 0.9, 0.5, -1.0]).expand(b, t, k).clone()
+    assert loss(unsure, soft=True) != pytest.approx(loss(unsure, soft=False), rel=1e-3)
+
+
+def test_soft_label_runs_resume_as_their_own_and_refuse_a_hard_checkpoint(tmp_path, tiny_ckpts):
+    """--labels soft trains (the loss is finite and falls on tiny data), records itself in the
+    manifest, and a hard run's checkpoint is not resumed as a soft one."""
+    a = tmp_path / "a"
+    loaded = load_spec(eagle_spec(a, tiny_ckpts["target"]))
+    soft = distill(loaded, small_opts(a, labels="soft", max_steps=6))
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in soft.curve)
+    manifest = json.loads((a / "head" / "trtspec-head.json").read_text())
+    assert manifest["options"]["labels"] == "soft"
+
+    def interrupt(row):
+        if row["step"] == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        distill(loaded, small_opts(a, force=True), on_step=interrupt)  # hard labels, interrupted
+    with pytest.raises(TrtspecError, match="other data, seed or --labels"):
+        distill(loaded, small_opts(a, force=True, resume=True, labels="soft"))
 
 
 # ------------------------------------------------------------------------------ refusals

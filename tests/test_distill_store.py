@@ -23,7 +23,17 @@ def random_samples(n: int, width: int, dtype: torch.dtype) -> list[Sample]:
         t = 5 + 3 * i
         tokens = torch.randint(0, 100, (t,), generator=gen)
         feats = torch.randn((t, width), generator=gen).to(dtype)
-        out.append(Sample(tokens, 2 + i, feats, torch.randint(0, 100, (t,), generator=gen)))
+        top = torch.topk(torch.randn((t, 100), generator=gen), 4, dim=-1)
+        out.append(
+            Sample(
+                tokens,
+                2 + i,
+                feats,
+                torch.randint(0, 100, (t,), generator=gen),
+                top_ids=top.indices,
+                top_logits=top.values,
+            )
+        )
     return out
 
 
@@ -50,6 +60,7 @@ def test_the_store_round_trips(tmp_path, dtype):
     assert [s.row for s in store.samples] == [s.row for s in written.samples] == [0, 5, 13, 24]
     for s, d in zip(samples, store.samples):
         assert torch.equal(s.tokens, d.tokens) and torch.equal(s.labels, d.labels) and s.prompt_len == d.prompt_len
+        assert torch.equal(s.top_ids, d.top_ids) and torch.equal(s.top_logits, d.top_logits)  # soft labels
         assert d.features is None  # nothing of the features stays in memory
         rows = torch.empty_like(s.features)
         store.read_into(rows, d.row)
@@ -58,7 +69,7 @@ def test_the_store_round_trips(tmp_path, dtype):
     for pick in ([0, 3, 1], [2]):
         mem = collate([samples[i] for i in pick], 9)
         disk = collate([store.samples[i] for i in pick], 9, store)
-        for name in ("tokens", "features", "labels", "response_from"):
+        for name in ("tokens", "features", "labels", "response_from", "top_ids", "top_logits"):
             assert torch.equal(getattr(mem, name), getattr(disk, name)), name
 
 

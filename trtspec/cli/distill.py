@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from enum import Enum
 from pathlib import Path
 
 import typer
@@ -13,6 +14,11 @@ from trtspec.errors import TrtspecError
 from trtspec.spec import load_spec
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smh]?)$")
+
+
+class Labels(str, Enum):
+    hard = "hard"
+    soft = "soft"
 
 
 def parse_duration(text: str | None) -> float | None:
@@ -58,6 +64,12 @@ def distill(
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="Sequences per training step."),
     lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate."),
     weight_decay: float = typer.Option(0.0, "--weight-decay", min=0.0, help="AdamW weight decay."),
+    labels: Labels = typer.Option(
+        Labels.hard,
+        "--labels",
+        help="hard: train on the target's greedy token; soft: on its distribution (top-32 logits "
+        "over the draft vocabulary), more signal per captured token.",
+    ),
     samples_per_prompt: int = typer.Option(
         1,
         "--samples-per-prompt",
@@ -105,6 +117,7 @@ def distill(
         batch_size=batch_size,
         lr=lr,
         weight_decay=weight_decay,
+        labels=labels.value,
         samples_per_prompt=samples_per_prompt,
         temperature=temperature,
         eval_every=eval_every,

@@ -23,6 +23,9 @@ from trtspec.speculative.requests import GenerationRequest
 from trtspec.speculative.verifier import LogitsVerifier
 
 SHIPPED_PROMPTS = Path(__file__).with_name("prompts.jsonl")
+# The target's top SOFT_TOP_K logits at each position are kept with the greedy label: soft
+# labels (--labels soft) train the head on the target's distribution, not only its argmax.
+SOFT_TOP_K = 32
 
 
 @dataclass
@@ -32,6 +35,8 @@ class Sample:
     features: torch.Tensor | None  # [T, n_layers * hidden]; None: rows row..row+T-1 of a FeatureStore
     labels: torch.Tensor  # [T] int64: the target's greedy next token after each position
     row: int = -1
+    top_ids: torch.Tensor | None = None  # [T, SOFT_TOP_K] int64: the target's most likely next tokens
+    top_logits: torch.Tensor | None = None  # [T, SOFT_TOP_K] float32: their logits
 
 
 class FeatureRows(Protocol):
@@ -114,7 +119,15 @@ def capture(target: TorchEngine, prompt_ids: list[int], output_ids: list[int]) -
     target.forget_prefixes()  # every position computed now, with its features
     logits = target.run([ForwardItem(tokens, len(tokens))])[0]  # [T, vocab]
     feats = target.features_of(tokens, 0, len(tokens))  # [T, n_layers * hidden]
-    return Sample(torch.tensor(tokens, dtype=torch.long), len(prompt_ids), feats, torch.argmax(logits, dim=-1))
+    top = torch.topk(logits.float(), min(SOFT_TOP_K, logits.shape[-1]), dim=-1)
+    return Sample(
+        torch.tensor(tokens, dtype=torch.long),
+        len(prompt_ids),
+        feats,
+        torch.argmax(logits, dim=-1),
+        top_ids=top.indices,
+        top_logits=top.values,
+    )
 
 
 def collate(samples: list[Sample], max_len: int, store: FeatureRows | None = None) -> Batch:
@@ -126,6 +139,10 @@ def collate(samples: list[Sample], max_len: int, store: FeatureRows | None = Non
     tokens = torch.zeros((b, t), dtype=torch.long)
     feats = torch.zeros((b, t, width), dtype=dtype)
     labels = torch.full((b, t), -1, dtype=torch.long)
+    soft = all(s.top_ids is not None for s in samples)
+    k = samples[0].top_ids.shape[-1] if soft else 0
+    top_ids = torch.full((b, t, k), -1, dtype=torch.long)
+    top_logits = torch.zeros((b, t, k), dtype=torch.float32)
     resp = torch.zeros(b, dtype=torch.long)
     for i, s in enumerate(samples):
         n = min(t, len(s.tokens))
@@ -137,8 +154,11 @@ def collate(samples: list[Sample], max_len: int, store: FeatureRows | None = Non
         else:
             raise ValueError("collate: a sample's features are on disk; pass its FeatureStore")
         labels[i, :n] = s.labels[:n]
+        if soft:
+            top_ids[i, :n] = s.top_ids[:n]
+            top_logits[i, :n] = s.top_logits[:n]
         resp[i] = s.prompt_len
-    return Batch(tokens, feats, labels, resp)
+    return Batch(tokens, feats, labels, resp, top_ids if soft else None, top_logits if soft else None)
 
 
 def draft_vocabulary(samples: list[Sample], size: int, vocab: int) -> list[int]:

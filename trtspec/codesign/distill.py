@@ -76,6 +76,7 @@ class DistillOptions:
     temperature: float = 0.8  # of the sampled responses (labels stay the target's greedy tokens)
     weight_decay: float = 0.0
     gen_batch: int = 16  # sequences generated at once (the engine's slots during distill)
+    labels: str = "hard"  # hard: the target's greedy token; soft: its top-k distribution (train.ttt_loss)
     allow_pickle: bool = False
 
 
@@ -179,10 +180,11 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
     optim = torch.optim.AdamW(head.parameters(), lr=opts.lr, weight_decay=opts.weight_decay)
     step, curve = 0, []
     ckpt = work / "checkpoint.pt"
+    run_key = key if opts.labels == "hard" else f"{key}+{opts.labels}"  # what a checkpoint was trained on
     if opts.resume:
         state = torch.load(ckpt, map_location="cpu", weights_only=True)
-        if state["key"] != key or state["seed"] != opts.seed:
-            raise TrtspecError(f"--resume: {ckpt} was made with other data or seed; run without --resume")
+        if state["key"] != run_key or state["seed"] != opts.seed:
+            raise TrtspecError(f"--resume: {ckpt} was made with other data, seed or --labels; run without --resume")
         head.load_state_dict(state["head"])
         optim.load_state_dict(state["optim"])
         step, curve = int(state["step"]), json.loads(state["curve"])
@@ -212,7 +214,14 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
                 gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + step)
                 idx = torch.randint(len(train_s), (min(opts.batch_size, len(train_s)),), generator=gen).tolist()
                 loss, _ = ttt_loss(
-                    head, embed, collate([train_s[i] for i in idx], opts.max_len, store), opts.ttt_steps, t2d, cos, sin
+                    head,
+                    embed,
+                    collate([train_s[i] for i in idx], opts.max_len, store),
+                    opts.ttt_steps,
+                    t2d,
+                    cos,
+                    sin,
+                    soft=opts.labels == "soft",
                 )
                 optim.zero_grad()
                 loss.backward()
@@ -235,15 +244,15 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
                     )
                 curve.append(row)
                 if step % opts.eval_every == 0:
-                    write_bytes_atomic(ckpt, _checkpoint_bytes(head, optim, step, curve, key, opts.seed))
+                    write_bytes_atomic(ckpt, _checkpoint_bytes(head, optim, step, curve, run_key, opts.seed))
                 if on_step:
                     on_step(row)
     except KeyboardInterrupt:
         if not updating:
-            write_bytes_atomic(ckpt, _checkpoint_bytes(head, optim, step, curve, key, opts.seed))
+            write_bytes_atomic(ckpt, _checkpoint_bytes(head, optim, step, curve, run_key, opts.seed))
         console.info(f"interrupted: the last good checkpoint is in {ckpt}; finish with --resume")
         raise
-    write_bytes_atomic(ckpt, _checkpoint_bytes(head, optim, step, curve, key, opts.seed))
+    write_bytes_atomic(ckpt, _checkpoint_bytes(head, optim, step, curve, run_key, opts.seed))
 
     # 5. the head folder, atomically, with its manifest and curve.
     head.eval()

@@ -8,7 +8,9 @@ mapping of the whole file, so the resident set does not grow with the data).
 
 Two files per capture, in the distill work folder:
   features-<key>.bin       rows [tokens, width] of one dtype, row-major, nothing else
-  data-<key>.safetensors   token ids, labels, each sequence's first row and prompt length;
+  data-<key>.safetensors   token ids, labels, the target's top-32 ids and logits per token
+                           (soft labels: 256 bytes a token), each sequence's first row and
+                           prompt length;
                            its metadata is the manifest: key, the inputs the key hashes, and
                            the features file's size, dtype, shape and sha256
 The features file is written under a temp name and renamed when complete; the index is
@@ -33,7 +35,7 @@ from trtspec.codesign.data import Sample
 from trtspec.errors import TrtspecError
 from trtspec.files import write_bytes_atomic
 
-FORMAT = 2  # format 1 was one torch.save of every sample, features included, held in RAM
+FORMAT = 3  # 1: one torch.save of every sample, features included, held in RAM; 2: no top-k logits
 _CHUNK = 1 << 24  # bytes hashed at a time
 
 
@@ -77,7 +79,7 @@ def write_store(work: Path, key: str, inputs: dict, samples: Iterable[Sample]) -
     tmp = feat_path.with_name(f".{feat_path.name}.partial")
     sha = hashlib.sha256()
     rows, width, dtype = 0, None, None
-    tokens, labels, starts, prompt_len = [], [], [], []
+    tokens, labels, starts, prompt_len, top_ids, top_logits = [], [], [], [], [], []
     try:
         with open(tmp, "wb") as f:
             for s in samples:
@@ -91,6 +93,8 @@ def write_store(work: Path, key: str, inputs: dict, samples: Iterable[Sample]) -
                 rows += feats.shape[0]
                 tokens.append(s.tokens)
                 labels.append(s.labels)
+                top_ids.append(s.top_ids.to(torch.int32))
+                top_logits.append(s.top_logits.float())
                 prompt_len.append(s.prompt_len)
             f.flush()
             os.fsync(f.fileno())
@@ -117,6 +121,8 @@ def write_store(work: Path, key: str, inputs: dict, samples: Iterable[Sample]) -
     tensors = {
         "tokens": torch.cat(tokens),  # [rows] int64
         "labels": torch.cat(labels),  # [rows] int64
+        "top_ids": torch.cat(top_ids),  # [rows, k] int32
+        "top_logits": torch.cat(top_logits),  # [rows, k] float32
         "starts": torch.tensor(starts + [rows], dtype=torch.long),  # [sequences + 1]
         "prompt_len": torch.tensor(prompt_len, dtype=torch.long),  # [sequences]
     }
@@ -162,9 +168,17 @@ def _store(index: Path, feat_path: Path, manifest: dict, t: dict[str, torch.Tens
     meta = manifest["features"]
     rows, width = meta["shape"]
     starts, plen = t["starts"].tolist(), t["prompt_len"].tolist()
-    if len(starts) != len(plen) + 1 or starts[-1] != rows or t["tokens"].shape[0] != rows:
+    if (
+        len(starts) != len(plen) + 1
+        or starts[-1] != rows
+        or any(t[name].shape[0] != rows for name in ("tokens", "labels", "top_ids", "top_logits"))
+    ):
         raise CorruptStore(f"{index} disagrees with itself (sequence starts vs rows); capture again")
-    samples = [Sample(t["tokens"][a:b], p, None, t["labels"][a:b], row=a) for a, b, p in zip(starts[:-1], starts[1:], plen)]
+    top_ids = t["top_ids"].long()
+    samples = [
+        Sample(t["tokens"][a:b], p, None, t["labels"][a:b], row=a, top_ids=top_ids[a:b], top_logits=t["top_logits"][a:b])
+        for a, b, p in zip(starts[:-1], starts[1:], plen)
+    ]
     return FeatureStore(feat_path, getattr(torch, meta["dtype"]), rows, width, samples)
 
 

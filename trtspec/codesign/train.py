@@ -29,6 +29,8 @@ class Batch:
     features: torch.Tensor  # [B, T, n_layers * target_hidden]
     labels: torch.Tensor  # [B, T] int64: the target's greedy next token at each position; -1 = none
     response_from: torch.Tensor  # [B] int64: first position whose token is the target's own output
+    top_ids: torch.Tensor | None = None  # [B, T, k] int64: the target's top-k next tokens (-1: padding)
+    top_logits: torch.Tensor | None = None  # [B, T, k] float32: their logits
 
 
 def _project(head: Eagle3Head, x: torch.Tensor, cos, sin):
@@ -106,14 +108,45 @@ def step_targets(batch: Batch, steps: int) -> list[torch.Tensor]:
     return out
 
 
-def ttt_loss(head, embed, batch: Batch, steps: int, t2d: torch.Tensor, cos, sin) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Mean cross-entropy over steps (labels outside the draft vocabulary are not trained on)."""
+def ttt_loss(
+    head, embed, batch: Batch, steps: int, t2d: torch.Tensor, cos, sin, soft: bool = False
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Mean cross-entropy over steps.
+
+    Hard labels: against the target's greedy token (labels outside the draft vocabulary are not
+    trained on). ``soft``: against the target's distribution at that position, its top-k
+    logits restricted to the draft vocabulary and renormalised (SpecForge's EAGLE-3 recipe
+    trains on the target's probabilities over the draft vocabulary too): every position also
+    teaches how sure the target is and what its runner-up is, more signal per captured token.
+    Positions are those the hard loss scores; the greedy token is the top-1 of the same logits.
+    """
     logits = unrolled_logits(head, embed, batch, steps, cos, sin)
+    if soft and batch.top_ids is None:
+        raise ValueError("soft labels need the captured top-k logits (Batch.top_ids)")
+    if soft:
+        # Position t at step j predicts the target's next token at t + 1 (as step_targets).
+        ids = _shift_left_3d(batch.top_ids, 1, fill=-1)  # [B, T, k]
+        draft = torch.where(ids >= 0, t2d[ids.clamp(min=0)], torch.full_like(ids, -1))
+        keep = draft >= 0
+        lg_t = _shift_left_3d(batch.top_logits, 1, fill=0.0).masked_fill(~keep, float("-inf"))
+        probs = torch.softmax(lg_t, dim=-1).nan_to_num(0.0)  # rows with no draft-vocab token: all 0
+        has = keep.any(-1)
     losses = []
     for lg, tgt in zip(logits, step_targets(batch, steps)):
-        draft_tgt = torch.where(tgt >= 0, t2d[tgt.clamp(min=0)], torch.full_like(tgt, -1))
-        losses.append(F.cross_entropy(lg.float().flatten(0, 1), draft_tgt.flatten(), ignore_index=-1))
+        if not soft:
+            draft_tgt = torch.where(tgt >= 0, t2d[tgt.clamp(min=0)], torch.full_like(tgt, -1))
+            losses.append(F.cross_entropy(lg.float().flatten(0, 1), draft_tgt.flatten(), ignore_index=-1))
+            continue
+        logq = torch.log_softmax(lg.float(), dim=-1).gather(-1, draft.clamp(min=0))  # [B, T, k]
+        per_pos = -(probs * logq.masked_fill(~keep, 0.0)).sum(-1)  # [B, T]
+        scored = (tgt >= 0) & has
+        losses.append(per_pos[scored].sum() / scored.sum().clamp(min=1))
     return torch.stack(losses).mean(), logits
+
+
+def _shift_left_3d(x: torch.Tensor, n: int, fill) -> torch.Tensor:
+    """Position p of [B, T, k] holds x[:, p + n] (``fill`` past the end)."""
+    return torch.cat([x[:, n:], torch.full_like(x[:, :n], fill)], dim=1)
 
 
 @torch.no_grad()
