@@ -60,15 +60,15 @@ def test_the_store_round_trips(tmp_path, dtype):
     assert [s.row for s in store.samples] == [s.row for s in written.samples] == [0, 5, 13, 24]
     for s, d in zip(samples, store.samples):
         assert torch.equal(s.tokens, d.tokens) and torch.equal(s.labels, d.labels) and s.prompt_len == d.prompt_len
-        assert torch.equal(s.top_ids, d.top_ids) and torch.equal(s.top_logits, d.top_logits)  # soft labels
+        assert torch.equal(s.top_ids, d.top_ids.long()) and torch.equal(s.top_logits, d.top_logits)  # soft labels
         assert d.features is None  # nothing of the features stays in memory
         rows = torch.empty_like(s.features)
         store.read_into(rows, d.row)
         assert torch.equal(rows, s.features)
     # the batch training sees: the same from disk as from memory, truncated at max_len
     for pick in ([0, 3, 1], [2]):
-        mem = collate([samples[i] for i in pick], 9)
-        disk = collate([store.samples[i] for i in pick], 9, store)
+        mem = collate([samples[i] for i in pick], 9, soft=True)
+        disk = collate([store.samples[i] for i in pick], 9, store, soft=True)
         for name in ("tokens", "features", "labels", "response_from", "top_ids", "top_logits"):
             assert torch.equal(getattr(mem, name), getattr(disk, name)), name
 
@@ -83,7 +83,7 @@ def test_training_from_disk_equals_training_from_memory(tmp_path, tiny_ckpts, mo
         return types.SimpleNamespace(samples=kept, rows=sum(len(s.tokens) for s in kept), features=None)
 
     monkeypatch.setattr(distill_mod, "write_store", in_memory)
-    monkeypatch.setattr(distill_mod, "collate", lambda samples, max_len, store: collate(samples, max_len))
+    monkeypatch.setattr(distill_mod, "collate", lambda samples, max_len, store, soft=False: collate(samples, max_len, soft=soft))
     mem = distill(load_spec(eagle_spec(tmp_path / "b", tiny_ckpts["target"])), small_opts(tmp_path / "b"))
     assert not list((tmp_path / "b" / ".head.distill").glob("features-*"))  # really trained from memory
     assert same_head(tmp_path / "a" / "head", tmp_path / "b" / "head")

@@ -35,7 +35,7 @@ class Sample:
     features: torch.Tensor | None  # [T, n_layers * hidden]; None: rows row..row+T-1 of a FeatureStore
     labels: torch.Tensor  # [T] int64: the target's greedy next token after each position
     row: int = -1
-    top_ids: torch.Tensor | None = None  # [T, SOFT_TOP_K] int64: the target's most likely next tokens
+    top_ids: torch.Tensor | None = None  # [T, SOFT_TOP_K] int: the target's most likely next tokens
     top_logits: torch.Tensor | None = None  # [T, SOFT_TOP_K] float32: their logits
 
 
@@ -130,16 +130,18 @@ def capture(target: TorchEngine, prompt_ids: list[int], output_ids: list[int]) -
     )
 
 
-def collate(samples: list[Sample], max_len: int, store: FeatureRows | None = None) -> Batch:
+def collate(samples: list[Sample], max_len: int, store: FeatureRows | None = None, soft: bool = False) -> Batch:
     """Right-padded batch of the first max_len positions of each sample; features come from
-    the samples themselves or, for samples captured to disk, from ``store``."""
+    the samples themselves or, for samples captured to disk, from ``store``. ``soft``: also
+    the target's top-k ids and logits (soft labels; only training with them needs them)."""
     t = min(max_len, max(len(s.tokens) for s in samples))
     b = len(samples)
     width, dtype = (store.width, store.dtype) if store is not None else (samples[0].features.shape[-1], samples[0].features.dtype)
     tokens = torch.zeros((b, t), dtype=torch.long)
     feats = torch.zeros((b, t, width), dtype=dtype)
     labels = torch.full((b, t), -1, dtype=torch.long)
-    soft = all(s.top_ids is not None for s in samples)
+    if soft and any(s.top_ids is None for s in samples):
+        raise ValueError("collate: soft labels need every sample's top-k logits (captured by capture())")
     k = samples[0].top_ids.shape[-1] if soft else 0
     top_ids = torch.full((b, t, k), -1, dtype=torch.long)
     top_logits = torch.zeros((b, t, k), dtype=torch.float32)

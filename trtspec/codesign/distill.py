@@ -216,7 +216,7 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
                 loss, _ = ttt_loss(
                     head,
                     embed,
-                    collate([train_s[i] for i in idx], opts.max_len, store),
+                    collate([train_s[i] for i in idx], opts.max_len, store, soft=opts.labels == "soft"),
                     opts.ttt_steps,
                     t2d,
                     cos,

@@ -174,9 +174,8 @@ def _store(index: Path, feat_path: Path, manifest: dict, t: dict[str, torch.Tens
         or any(t[name].shape[0] != rows for name in ("tokens", "labels", "top_ids", "top_logits"))
     ):
         raise CorruptStore(f"{index} disagrees with itself (sequence starts vs rows); capture again")
-    top_ids = t["top_ids"].long()
     samples = [
-        Sample(t["tokens"][a:b], p, None, t["labels"][a:b], row=a, top_ids=top_ids[a:b], top_logits=t["top_logits"][a:b])
+        Sample(t["tokens"][a:b], p, None, t["labels"][a:b], row=a, top_ids=t["top_ids"][a:b], top_logits=t["top_logits"][a:b])
         for a, b, p in zip(starts[:-1], starts[1:], plen)
     ]
     return FeatureStore(feat_path, getattr(torch, meta["dtype"]), rows, width, samples)

@@ -55,8 +55,8 @@ ROUNDS = 7
 MIN_ROUNDS = 3  # fewer when every sample of one layout beats every sample of the other
 PREFILL = 32  # context before the timed steps: a short prompt, as in decoding
 CACHE_FILE = "kernels.json"
-# Environment variables that cap the instruction sets the kernels may use: part of the key.
 FORCED = {"0": "dense", "1": "onednn", "head": "head"}  # TRTSPEC_ONEDNN values
+# Environment variables that cap the instruction sets the kernels may use: part of the key.
 ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
 
 
@@ -209,8 +209,7 @@ def choose_kernels(
         layout = FORCED[forced]
         if layout != "dense" and not _onednn_possible(model):
             return KernelChoice("dense", "fallback", reason=f"TRTSPEC_ONEDNN={forced} but oneDNN cannot run this model")
-        if layout != "dense":
-            model.pack_linears_for_onednn(head_only=layout == "head")
+        _apply(model, layout)
         return KernelChoice(layout, "forced", reason=f"TRTSPEC_ONEDNN={forced}")
     if not _onednn_possible(model):
         return KernelChoice(
@@ -225,8 +224,7 @@ def choose_kernels(
         with _locked(path):
             cached = _read(path).get(key)
             if cached is not None and cached.get("layout") in LAYOUTS:
-                if cached["layout"] != "dense":
-                    model.pack_linears_for_onednn(head_only=cached["layout"] == "head")
+                _apply(model, cached["layout"])
                 return KernelChoice(cached["layout"], "cached", dict(cached.get("seconds", {})), key)
             best, seconds = measure_layouts(model, cos, sin, verify_tokens)
             choice = KernelChoice(best, "measured", seconds, key)
@@ -239,6 +237,12 @@ def choose_kernels(
         # (measure_layouts has put the model back on dense before raising)
         print(f"trtspec: kernel measurement failed ({type(err).__name__}: {err}); using dense", file=sys.stderr)
         return KernelChoice("dense", "fallback", reason=f"measurement failed: {err}")
+
+
+def _apply(model: DecoderLM, layout: str) -> None:
+    """Put a freshly loaded (dense) model on ``layout`` without measuring."""
+    if layout != "dense":
+        model.pack_linears_for_onednn(head_only=layout == "head")
 
 
 def _onednn_possible(model: DecoderLM) -> bool:
