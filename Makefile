@@ -15,7 +15,8 @@ DISTILL_BUDGET ?= 65m
 # make demo trains its own head once, a fixed 400 steps (the same head on any machine; held-out
 # acceptance is flat from there), into weights/smollm2-135m-eagle3-head-demo: the two heads
 # never overwrite each other. The budget only caps a slow machine (data generation included):
-# about 14 min on a 2-core AVX-512 Xeon, 24 on a 2-core AVX2 EPYC (README: Co-designed drafts).
+# about 14 min on a 2-core AVX-512 Xeon with the earlier templated prompts, about 28 (17.9 of
+# them data) on a 2-core AVX2 EPYC with the varied set (README: Co-designed drafts).
 EAGLE3_DEMO_SPEC := engine_specs/smollm2-135m-eagle3-demo.yaml
 DEMO_DISTILL_STEPS ?= 400
 DEMO_DISTILL_BUDGET ?= 30m

@@ -324,3 +324,22 @@ def test_sampled_responses_add_training_contexts_only(tmp_path, tiny_ckpts):
         g = greedy[tuple(s.tokens[: s.prompt_len].tolist())]  # a training prompt's sample
         differs += not torch.equal(s.tokens, g.tokens)
     assert differs > 0  # sampling gave other contexts than the greedy ones
+
+
+def test_shipped_prompts_are_unique_and_never_a_gate_or_bench_prompt():
+    """The shipped set must leave the figures honest: no prompt that bench/prompts.jsonl or a
+    shipped spec's verify list measures on (distill drops the latter, bench relies on this)."""
+    import yaml
+
+    from trtspec.codesign.data import SHIPPED_PROMPTS, read_prompts
+
+    root = Path(__file__).resolve().parents[1]
+    shipped = read_prompts(SHIPPED_PROMPTS)
+    assert len(shipped) == len(set(shipped)) >= 500
+    measured = {
+        json.loads(line)["prompt"] for line in (root / "bench" / "prompts.jsonl").read_text().splitlines() if line.strip()
+    }
+    for spec in sorted((root / "engine_specs").glob("*.yaml")):
+        verify = (yaml.safe_load(spec.read_text()) or {}).get("verify") or {}
+        measured |= set(verify.get("prompts") or [])
+    assert measured and not measured & set(shipped)
