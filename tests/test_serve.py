@@ -898,6 +898,10 @@ def test_serve_forwards_signals_and_stops_every_stub(deployment, tmp_path, backe
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
+        # A shell that starts pytest in the background without job control hands every child
+        # SIGINT ignored, and Python then keeps it ignored (as a server should); this test is
+        # about what serve does with the signal, so its child starts with the default.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         line = ""
