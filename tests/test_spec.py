@@ -155,3 +155,92 @@ def test_prompts_file(tmp_path):
     (tmp_path / "p.jsonl").write_text('{"text": "one"}\n')
     with pytest.raises(SpecError, match=r'p.jsonl:1: expected \{"prompt": "<non-empty text>"\}'):
         loaded.verify_prompts()
+
+
+# ------------------------------------------------------------------ not UTF-8, trust, limits
+
+LATIN1_SPEC = "name: t\n# caf\xe9\ntarget: {path: /tmp/x}\n".encode("latin-1")  # é as one byte, 0xe9
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["check", "{spec}"],
+        ["build", "{spec}", "--dry-run"],
+        ["verify", "{spec}"],
+        ["bench", "{spec}"],
+        ["repo", "{spec}"],
+        ["serve", "{spec}", "--dry-run"],
+        ["deploy", "k8s", "{spec}"],
+        ["distill", "{spec}"],
+        ["openai", "{spec}"],
+    ],
+    ids=lambda a: " ".join(a[:2]),
+)
+def test_a_spec_that_is_not_utf8_is_exit_2_naming_file_and_offset(tmp_path, argv):
+    from typer.testing import CliRunner
+
+    from trtspec.cli.app import app
+
+    spec = tmp_path / "latin1.yaml"
+    spec.write_bytes(LATIN1_SPEC)
+    r = CliRunner().invoke(app, [a.format(spec=spec) for a in argv])
+    assert r.exit_code == 2, r.output
+    assert f"spec file {spec}: not UTF-8 text (byte 0xe9 at byte offset {LATIN1_SPEC.index(0xE9)})" in r.stderr
+    assert "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("data", [b'{"prompt": "caf\xe9"}\n', b'{"prompt": "x"}\n\x00\xff\xfe binary'])
+def test_a_prompts_file_that_is_not_utf8_is_exit_2_naming_file_and_offset(tmp_path, data):
+    from typer.testing import CliRunner
+
+    from trtspec.cli.app import app
+
+    (tmp_path / "p.jsonl").write_bytes(data)
+    bad = next(i for i in range(len(data)) if data[i] >= 0x80)
+    loaded = load_spec(_write(tmp_path, _with(verify={"prompts_file": "p.jsonl"})))
+    with pytest.raises(SpecError) as e:
+        loaded.verify_prompts()
+    assert f"verify.prompts_file {tmp_path / 'p.jsonl'}: not UTF-8 text (byte 0x{data[bad]:02x} at byte offset {bad})" in str(
+        e.value
+    )
+    spec = _write(tmp_path, _with())
+    for argv in (
+        ["bench", str(spec), "--prompts-file", str(tmp_path / "p.jsonl")],
+        ["distill", str(spec), "--prompts", str(tmp_path / "p.jsonl"), "--output", str(tmp_path / "head")],
+    ):
+        r = CliRunner().invoke(app, argv)
+        assert r.exit_code == 2, r.output
+        assert f"{tmp_path / 'p.jsonl'}: not UTF-8 text" in r.stderr and f"byte offset {bad}" in r.stderr
+
+
+def test_trust_remote_code_needs_a_full_commit_sha(tmp_path):
+    for revision in ("v1.0", "abc1234", "refs/pr/1"):
+        msg = _error(tmp_path, _with(target={"repo": "org/m", "revision": revision, "trust_remote_code": True}))
+        assert (
+            f"trust_remote_code runs the repo's code, so `revision` must be a full 40-character commit sha, not '{revision}'"
+            in msg
+        )
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    loaded = load_spec(_write(tmp_path, _with(target={"repo": "org/m", "revision": sha, "trust_remote_code": True})))
+    assert loaded.spec.target.revision == sha
+    # a tag stays fine without remote code
+    assert load_spec(_write(tmp_path, _with(target={"repo": "org/m", "revision": "v1.0"}))).spec.target.revision == "v1.0"
+
+
+@pytest.mark.parametrize(
+    ("limits", "named"),
+    [
+        ({"max_batch_size": 2}, "max_batch_size 2 < the target's 4"),
+        ({"max_seq_len": 1024, "max_input_len": 512}, "max_seq_len 1024 < the target's 2048"),
+        ({"max_input_len": 256}, "max_input_len 256 < the target's 1024"),
+    ],
+)
+@pytest.mark.parametrize("method", ["draft_target", "eagle3"])
+def test_a_draft_built_smaller_than_the_target_is_refused(tmp_path, limits, named, method):
+    full = {"max_batch_size": 4, "max_input_len": 1024, "max_seq_len": 2048} | limits
+    msg = _error(tmp_path, _with(draft__build=full, speculative={"method": method}))
+    assert f"draft.build is smaller than the target's limits ({named})" in msg
+    assert "raise draft.build or remove it" in msg
+    bigger = {"max_batch_size": 8, "max_input_len": 1024, "max_seq_len": 4096}
+    assert load_spec(_write(tmp_path, _with(draft__build=bigger))).spec.limits("draft").max_batch_size == 8

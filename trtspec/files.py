@@ -17,10 +17,24 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from trtspec.errors import TrtspecError
+from trtspec.errors import SpecError, TrtspecError
 
 # Hidden temp folders are named ".<name>.tmp-<suffix>"; anything matching is a leftover.
 TEMP_GLOB = ".*.tmp-*"
+
+
+def read_text_file(path: Path, what: str = "file") -> str:
+    """The UTF-8 text of a file a user gave (spec, prompts): SpecError (exit 2) naming the file
+    and the byte offset where it stops being UTF-8, instead of a UnicodeDecodeError traceback.
+    Every spec and prompts file trtspec reads comes through here."""
+    path = Path(path)
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(
+            f"{what} {path}: not UTF-8 text (byte 0x{data[e.start]:02x} at byte offset {e.start}); save the file as UTF-8"
+        ) from None
 
 
 def write_text_atomic(path: Path, text: str) -> None:

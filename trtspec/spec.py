@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trtspec.errors import SpecError
+from trtspec.files import read_text_file
 
 Dtype = Literal["float32", "float16", "bfloat16"]
 Backend = Literal["torch", "trtllm"]
@@ -26,6 +27,7 @@ QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 
 MAX_DRAFT_LEN_LIMIT = 16
 _UNPINNED_REVISIONS = {"main", "master", "head", "latest"}
+_COMMIT_SHA = re.compile(r"[0-9a-f]{40}")  # a full git commit id, as the Hub names revisions
 _NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")  # whole name: used with fullmatch
 
 
@@ -78,6 +80,12 @@ class ModelSpec(_Strict):
                 )
             if self.revision.lower() in _UNPINNED_REVISIONS:
                 raise ValueError(f"revision '{self.revision}' is a moving branch; pin a commit sha or tag")
+            if self.trust_remote_code and not _COMMIT_SHA.fullmatch(self.revision):
+                # Remote code runs at load: a branch or tag can be moved to point at other code.
+                raise ValueError(
+                    f"trust_remote_code runs the repo's code, so `revision` must be a full 40-character "
+                    f"commit sha, not '{self.revision}' (a branch or tag can move); pin the commit"
+                )
         elif self.revision is not None:
             raise ValueError("`revision` only applies to `repo`; remove it for a local `path`")
         if self.gguf_file is not None and not self.gguf_file.endswith(".gguf"):
@@ -237,6 +245,8 @@ class EngineSpec(_Strict):
         if method == "eagle3":
             if self.draft.gguf_file is not None:
                 raise ValueError("draft.gguf_file: an EAGLE-3 head is a safetensors folder; remove gguf_file")
+        if self.draft is not None:
+            check_draft_limits(self.limits("target"), self.limits("draft"))
         if self.verify.max_tokens >= self.build.max_seq_len:
             raise ValueError(
                 f"verify.max_tokens ({self.verify.max_tokens}) must be below build.max_seq_len ({self.build.max_seq_len})"
@@ -284,6 +294,21 @@ class EngineSpec(_Strict):
             payload["speculative"] = self.speculative.model_dump(mode="json")
         blob = json.dumps(payload, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()
+
+
+def check_draft_limits(target: BuildLimits, draft: BuildLimits) -> None:
+    """A draft engine drafts for every row the target runs, over the whole sequence: built
+    smaller, it would fail whole batches at run time. Refuse it here (ValueError)."""
+    small = [
+        f"{name} {getattr(draft, name)} < the target's {getattr(target, name)}"
+        for name in ("max_batch_size", "max_input_len", "max_seq_len")
+        if getattr(draft, name) < getattr(target, name)
+    ]
+    if small:
+        raise ValueError(
+            f"draft.build is smaller than the target's limits ({'; '.join(small)}); the draft must take "
+            "every row and token the target takes: raise draft.build or remove it to use the target's"
+        )
 
 
 # backend trtllm: two runtimes exist upstream (sources: shared/reference/trtllm-llmapi.md).
@@ -413,7 +438,7 @@ def read_prompt_rows(path: Path, what: str) -> list[dict]:
     if not path.is_file():
         raise SpecError(f"{what}: {path} does not exist; create it or fix the path")
     rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for n, line in enumerate(read_text_file(path, what).splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -432,7 +457,7 @@ def load_spec(path: str | Path) -> LoadedSpec:
     if not p.is_file():
         raise SpecError(f"spec file {p} not found; pass the path of an engine spec YAML")
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        data = yaml.safe_load(read_text_file(p, "spec file"))
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
