@@ -170,3 +170,107 @@ def test_openai_refuses_what_is_not_a_deployment_exit_2(tmp_path, spec_file):
     assert r.exit_code == 2 and "is neither a spec file nor a model repository" in r.stderr
     r = runner.invoke(app, ["openai", str(spec_file), "--url", "http://127.0.0.1:8001"])
     assert r.exit_code == 2 and "--url takes HOST:PORT" in r.stderr
+
+
+# ----------------------------------------------------------------------- trtspec stop
+
+
+def _sleeper(tmp_path, name="server.json"):
+    """A detached stand-in server (a long sleep) recorded in a pid file, as `serve --detach` does."""
+    from pathlib import Path
+
+    from trtspec.triton.server.process import ServerCommand, TritonServer
+
+    server = TritonServer(ServerCommand(binary=Path("/bin/false"), model_repository=tmp_path), launcher=["sleep", "600.4321"])
+    pid_file = tmp_path / name
+    server.start(tmp_path / "log", detach=True, pid_file=pid_file)
+    return server, pid_file
+
+
+def _gone(pid):
+    from trtspec.triton.server.procgroup import alive
+
+    return not alive(pid)
+
+
+def test_stop_leaves_alone_a_reused_pid_with_another_start_time(tmp_path):
+    server, pid_file = _sleeper(tmp_path)
+    try:
+        info = json.loads(pid_file.read_text())
+        assert isinstance(info["start_time"], int)
+        # Same pid, same program name, but started at another time: the pid was reused.
+        pid_file.write_text(json.dumps(info | {"start_time": info["start_time"] - 1}))
+        r = runner.invoke(app, ["stop", "--pid-file", str(pid_file)])
+        assert r.exit_code == 0, r.output
+        assert "had already exited" in r.stdout
+        assert not _gone(server.pid), "stop signalled a process it did not start"
+        assert not pid_file.exists()
+    finally:
+        server.stop(timeout=5)
+    assert _gone(server.pid)
+
+
+def test_stop_ends_the_recorded_process(tmp_path):
+    server, pid_file = _sleeper(tmp_path)
+    r = runner.invoke(app, ["stop", "--pid-file", str(pid_file), "--timeout", "5"])
+    assert r.exit_code == 0, r.output
+    assert "stopped the server" in r.stdout
+    assert _gone(server.pid) and not pid_file.exists()
+
+
+def test_a_second_detached_server_on_the_same_pid_file_is_refused_and_stopped(tmp_path):
+    first, pid_file = _sleeper(tmp_path)
+    try:
+        before = pid_file.read_text()
+        from trtspec.errors import ServerError
+
+        with pytest.raises(ServerError, match="exists: a server may be running"):
+            _sleeper(tmp_path)
+        assert pid_file.read_text() == before  # the first server's record is untouched
+        assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+        import subprocess
+
+        sleeps = subprocess.run(["pgrep", "-f", "^sleep 600.4321$"], capture_output=True, text=True).stdout.split()
+        assert sleeps == [str(first.pid)], "the refused second server was left running"
+    finally:
+        first.stop(timeout=5)
+
+
+def test_stop_not_permitted_is_one_clean_error(tmp_path, monkeypatch):
+    """Another user's server: os.killpg raises PermissionError; stop says so, exit 3."""
+    import trtspec.triton.server.detached as detached
+
+    server, pid_file = _sleeper(tmp_path)
+    try:
+
+        def refused(pgid, sig):
+            raise PermissionError(1, "Operation not permitted")
+
+        monkeypatch.setattr(detached, "signal_group", refused)
+        r = runner.invoke(app, ["stop", "--pid-file", str(pid_file)])
+        assert r.exit_code == 3, r.output
+        assert (
+            f"Error: not permitted to signal the server (pid {server.pid}): Operation not permitted; run `trtspec stop` as"
+            in (r.stderr)
+        )
+        assert "Traceback" not in r.output
+    finally:
+        server.stop(timeout=5)
+
+
+def test_stop_with_an_unreadable_pid_file_is_exit_2(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    pid_file = tmp_path / "server.json"
+    pid_file.write_text("{}")
+    real = Path.read_text
+
+    def read_text(self, *a, **kw):
+        if self == pid_file:
+            raise PermissionError(13, "Permission denied")
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    r = runner.invoke(app, ["stop", "--pid-file", str(pid_file)])
+    assert r.exit_code == 2, r.output
+    assert f"Error: cannot read the pid file {pid_file} (Permission denied); run `trtspec stop` as the user" in r.stderr

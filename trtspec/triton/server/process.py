@@ -274,7 +274,11 @@ class TritonServer:
         self._started_at = time.monotonic()
         self.ready_seconds = None
         if detach:
-            write_pid_file(Path(pid_file), self)  # type: ignore[arg-type]
+            try:
+                write_pid_file(Path(pid_file), self)  # type: ignore[arg-type]
+            except TrtspecError:  # another server's pid file (exclusive): do not leave ours unrecorded
+                self.stop()
+                raise
         else:
             _ATTACHED.add(self)
 
