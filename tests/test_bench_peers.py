@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import sys
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, write_spec
@@ -13,12 +16,16 @@ from trtspec.bench.peers import (
     Generation,
     PeerPath,
     Prompt,
+    VllmWorker,
+    _vllm_run,
     encode_prompts,
     measure,
     peer_paths,
     render_markdown,
     summarise,
+    vllm_metrics,
 )
+from trtspec.errors import EngineError
 
 ROWS = [("The quick brown fox", "chat"), ("Rewrite: Triton serves models over HTTP and gRPC.", "rewrite")]
 
@@ -109,8 +116,115 @@ def test_cli_writes_table_and_json(tmp_path, tiny_ckpts, built, capsys):
     )
     assert code == 0
     assert out.read_text() == capsys.readouterr().out
-    data = json.loads(out.with_suffix(".json").read_text())
-    assert len(data["prompts"]) == 1 and len(data["paths"]) == 7
+    (data,) = json.loads(out.with_suffix(".json").read_text())["results"]
+    assert data["concurrency"] == 1 and len(data["prompts"]) == 1 and len(data["paths"]) == 7
+    assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_cli_measures_each_concurrency(tmp_path, tiny_ckpts, built, capsys):
+    dep = built("draft")
+    spec = write_spec(tmp_path, tiny_ckpts, "draft", output_dir=str(dep.target.folder.parent))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t, "kind": k}) + "\n" for t, k in ROWS))
+    out = tmp_path / "peers.md"
+    args = ["--spec", str(spec), "--prompts", str(prompts), "--max-tokens", "6", "--out", str(out), "-c", "1,2"]
+    assert _load_cli().main(args) == 0
+    one, two = json.loads(out.with_suffix(".json").read_text())["results"]
+    assert (one["concurrency"], two["concurrency"]) == (1, 2)
+    # HF paths run one request at a time only; ours run batched, token-identical to batch 1.
+    assert [p["key"] for p in two["paths"]] == ["ours_target", "ours_draft_target", "ours_ngram"]
+    for p1, p2 in zip(one["prompts"], two["prompts"]):
+        assert p2["runs"]["ours_draft_target"]["identical"] and p2["runs"]["ours_ngram"]["identical"]
+        assert p1["runs"]["ours_target"]["tokens"] == p2["runs"]["ours_target"]["tokens"] == 6
+    table = capsys.readouterr().out
+    assert "concurrency 2 (groups of 2 prompts sent at once)" in table and "| HF target-only |" in table
+
+
+def test_cli_refuses_concurrency_beyond_the_build(tmp_path, tiny_ckpts, built, capsys):
+    dep = built("draft")
+    spec = write_spec(tmp_path, tiny_ckpts, "draft", output_dir=str(dep.target.folder.parent))
+    assert _load_cli().main(["--spec", str(spec), "-c", "1,8", "--out", str(tmp_path / "p.md")]) == 2
+    assert "--concurrency 8 exceeds the spec's build.max_batch_size (4)" in capsys.readouterr().err
+
+
+def test_groups_share_their_wall_time():
+    calls: list[tuple[str, int]] = []
+
+    def batch(key):
+        def run_batch(prompts, max_tokens):
+            calls.append((key, len(prompts)))
+            return [Generation(list(ids[:max_tokens])) for ids in prompts]
+
+        return PeerPath(key, key, lambda ids, n: batch_only(key), run_batch)
+
+    def batch_only(key):
+        raise AssertionError(f"{key}: run() called at concurrency 2")
+
+    one_at_a_time = PeerPath("hf", "hf", lambda ids, n: Generation(ids[:n]))
+    ticks = iter([0, 4, 4, 10] * 3)  # per group: ours 4 s, b 6 s (warm-up is not timed)
+    m = measure([batch("ours_target"), one_at_a_time, batch("b")], _prompts(3), 2, clock=ticks.__next__, concurrency=2)
+    assert [key for key, _ in m.paths] == ["ours_target", "b"]  # no run_batch: not measured at c > 1
+    # warm-up on the first group, then the groups [p0, p1] and [p2], the order rotated per group
+    assert calls == [("ours_target", 2), ("b", 2), ("ours_target", 2), ("b", 2), ("b", 1), ("ours_target", 1)]
+    assert len(m.runs) == 3
+    by = {s.key: s for s in summarise(m)}
+    assert [r["ours_target"].seconds for r in m.runs] == [2, 2, 6]  # 4 s shared by two prompts
+    assert by["ours_target"].tokens == 6
+
+
+def test_vllm_counters_become_our_metrics():
+    # 3 drafts of k=2: 6 drafted, 4 accepted (3 at position 0, 1 at position 1); vLLM returned
+    # 9 tokens, so 9 - 4 = 5 target forwards (the prefill, 3 verifies, one more).
+    spec = {"num_drafts": 3, "num_draft_tokens": 6, "num_accepted_tokens": 4, "accepted_per_pos": [3, 1]}
+    m = vllm_metrics(spec, generated=9, k=2)
+    assert (m.drafted, m.accepted, m.target_forwards, m.tokens) == (6, 4, 5, 9)
+    assert m.acceptance_rate == 4 / 6 and m.mean_acceptance_length == 9 / 5
+    assert m.per_position_rate == [1.0, 1 / 3]
+    # ngram drafts may be shorter than k: per-position rates are then unknown, not made up
+    short = vllm_metrics({"num_drafts": 3, "num_draft_tokens": 4, "num_accepted_tokens": 1, "accepted_per_pos": [1, 0]}, 5, 2)
+    assert short.per_position_rate == [] and short.acceptance_rate == 0.25
+
+
+FAKE_PEER = """
+import json, sys
+for line in sys.stdin:
+    req = json.loads(line)
+    if req["op"] == "quit":
+        print(json.dumps({"ok": True}), flush=True)
+        break
+    if req["op"] == "load":
+        print(json.dumps({"ok": True, "vllm": "fake", "torch": "fake", "seconds": 0.0}), flush=True)
+    elif req["max_tokens"] > 5:
+        print(json.dumps({"ok": False, "error": "ValueError: too many"}), flush=True)
+    else:
+        outs = [ids[: req["max_tokens"]] + req["stop_token_ids"] for ids in req["prompts"]]
+        spec = {"num_drafts": 1, "num_draft_tokens": 2, "num_accepted_tokens": 1, "accepted_per_pos": [1, 0]}
+        print(json.dumps({"ok": True, "outputs": outs, "seconds": 0.1, "spec": spec}), flush=True)
+"""
+
+
+def test_vllm_worker_protocol(tmp_path):
+    script = tmp_path / "fake_peer.py"
+    script.write_text(FAKE_PEER)
+    worker = VllmWorker(Path(sys.executable), script, {"model": "x"}, dict(os.environ), tmp_path / "log")
+    try:
+        assert worker.info["vllm"] == "fake"
+        run, run_batch = _vllm_run(worker, [2], frozenset({2}), k=2)
+        gens = run_batch([[5, 6, 7], [8, 9]], 2)
+        assert [g.output_ids for g in gens] == [[5, 6], [8, 9]]  # vLLM's EOS id cut, as HF's
+        assert gens[0].metrics.drafted == 2 and gens[1].metrics.drafted == 0  # the group's counts, once
+        with pytest.raises(EngineError, match="vLLM peer: ValueError: too many; see its log"):
+            run([1], 9)
+    finally:
+        worker.close()
+    assert worker.proc.returncode == 0
+
+
+def test_vllm_worker_that_dies_is_an_error(tmp_path):
+    script = tmp_path / "dies.py"
+    script.write_text("import sys; sys.exit(4)\n")
+    with pytest.raises(EngineError, match=r"the vLLM peer exited \(code 4\)"):
+        VllmWorker(Path(sys.executable), script, {"model": "x"}, dict(os.environ), tmp_path / "log")
 
 
 def test_cli_rejects_a_bad_prompt_kind(tmp_path, capsys):

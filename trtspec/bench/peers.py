@@ -1,6 +1,6 @@
-"""Side by side with Hugging Face transformers: same pair, same prompts, same greedy run.
+"""Side by side with Hugging Face transformers and vLLM: same pair, same prompts, same greedy run.
 
-Paths (batch 1, greedy, the same prompt ids and max_tokens for all):
+Paths (greedy, the same prompt ids and max_tokens for all):
   ours_target          trtspec target-only (the loop with no drafter)
   ours_draft_target    trtspec with the spec's draft model, k = the spec's draft length
   ours_eagle3          trtspec with the spec's EAGLE-3 head (an eagle3 spec), same k
@@ -10,6 +10,20 @@ Paths (batch 1, greedy, the same prompt ids and max_tokens for all):
                        (constant schedule, confidence early-stop off): the same rule as ours
   hf_assisted_default  generate(assistant_model=draft) with transformers' own defaults
   hf_prompt_lookup     generate(prompt_lookup_num_tokens=k, max_matching_ngram_size=max_ngram)
+  vllm_target          vLLM's CPU build (its own environment, bench/vllm_peer.py as a subprocess
+                       speaking JSON) on the spec's target engine folder, dtype = the target's
+  vllm_eagle3          vLLM with the spec's EAGLE-3 head folder (method eagle3), k drafts
+  vllm_draft_target    vLLM with the spec's draft engine folder (or --draft-from's; method
+                       draft_model), k drafts; vLLM runs the draft in the target's dtype
+  vllm_ngram           vLLM prompt lookup (method ngram, prompt_lookup_min/max = the spec's
+                       min_ngram/max_ngram), k drafts
+  vLLM paths run with prefix caching off (each call prefills, as ours and HF's do), the same
+  thread count as ours (OMP_NUM_THREADS) and the spec's end ids as stop ids.
+
+Concurrency c: the prompts in consecutive groups of c, each group sent at once (our loop batches
+them; vLLM gets them in one generate call). HF paths run at concurrency 1 only. A group's wall
+time is shared equally by its prompts, so tokens/s over all prompts is exact and tokens/s by
+prompt kind is approximate at c > 1.
 
 Definitions:
   tokens      generated tokens, EOS excluded (the loop does not emit EOS; HF's EOS is cut)
@@ -17,7 +31,12 @@ Definitions:
               with an empty prefix cache, as every HF call does
   tokens/s    sum of tokens / sum of seconds over the prompts every path completed
               (with --repeats N, seconds is each (prompt, path)'s fastest of N runs)
-  identical   prompts whose output ids equal ours_target's exactly
+  identical   prompts whose output ids equal ours_target's (same concurrency) exactly
+  vLLM acceptance: vLLM's own counters (vllm:spec_decode_*) over each call: drafted =
+              num_draft_tokens, accepted = num_accepted_tokens, accepted per position; its
+              target forwards = tokens it generated (its EOS included) - accepted, so mean
+              accepted length is tokens per target forward, prefill included, as ours. At c > 1
+              a group's counts are booked on its first prompt.
 
 Every path warms up once (excluded), then prompts run one by one with all paths on each,
 in an order rotated per prompt so machine noise hits all paths alike.
@@ -26,8 +45,10 @@ in an order rotated per prompt so machine noise hits all paths alike.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import platform
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -35,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-from trtspec.errors import SpecError
+from trtspec.errors import EngineError, SpecError
 from trtspec.runtime import Deployment
 from trtspec.spec import read_prompt_rows
 from trtspec.speculative.loop import generate
@@ -63,6 +84,9 @@ class PeerPath:
     key: str
     label: str
     run: Callable[[list[int], int], Generation]  # (prompt ids, max_tokens) -> output
+    # (a group of prompts' ids, max_tokens) -> their outputs, all sent at once; None: the path
+    # runs one request at a time only (measured at concurrency 1)
+    run_batch: Callable[[list[list[int]], int], list[Generation]] | None = None
 
 
 @dataclass
@@ -87,6 +111,7 @@ class Measurement:
     prompts: list[Prompt]
     max_tokens: int
     repeats: int = 1
+    concurrency: int = 1
     runs: list[dict[str, Run]] = field(default_factory=list)  # per completed prompt
     interrupted: bool = False
     setup: dict = field(default_factory=dict)
@@ -127,30 +152,31 @@ def trtspec_paths(dep: Deployment, other_draft: tuple[str, Callable, Callable[[]
     forget_other = other_draft[2] if other_draft else (lambda: None)
 
     def run_with(drafter_factory):
-        def run(ids: list[int], max_tokens: int) -> Generation:
+        def run_batch(prompts: list[list[int]], max_tokens: int) -> list[Generation]:
             dep.forget_prefixes()  # HF recomputes the prefill on every call; so do we
             forget_other()
-            req = dep.request(ids, max_tokens, k if drafter_factory else 0)
+            reqs = [dep.request(ids, max_tokens, k if drafter_factory else 0) for ids in prompts]
             if drafter_factory is None:
-                (res,) = dep.generate([req], speculative=False)
-                return Generation(res.output_ids)
-            (res,) = generate([req], drafter_factory(), dep.verifier())
-            return Generation(res.output_ids, res.metrics)
+                return [Generation(res.output_ids) for res in dep.generate(reqs, speculative=False)]
+            return [Generation(res.output_ids, res.metrics) for res in generate(reqs, drafter_factory(), dep.verifier())]
 
-        return run
+        def run(ids: list[int], max_tokens: int) -> Generation:
+            return run_batch([ids], max_tokens)[0]
 
-    paths = [PeerPath("ours_target", "trtspec target-only", run_with(None))]
+        return run, run_batch
+
+    paths = [PeerPath("ours_target", "trtspec target-only", *run_with(None))]
     if spec.method in ("draft_target", "eagle3"):
-        paths.append(PeerPath(f"ours_{spec.method}", f"trtspec {spec.method} k={k}", run_with(dep.drafter)))
+        paths.append(PeerPath(f"ours_{spec.method}", f"trtspec {spec.method} k={k}", *run_with(dep.drafter)))
     if other_draft is not None:
         name, factory, _ = other_draft
-        paths.append(PeerPath(f"ours_{name}", f"trtspec {name} k={k}", run_with(factory)))
+        paths.append(PeerPath(f"ours_{name}", f"trtspec {name} k={k}", *run_with(factory)))
     # The same target engine with the prompt-lookup drafter a method: ngram spec would use.
     paths.append(
         PeerPath(
             "ours_ngram",
             f"trtspec ngram k={k}",
-            run_with(lambda: dep.drafter("ngram")),
+            *run_with(lambda: dep.drafter("ngram")),
         )
     )
     return paths
@@ -272,6 +298,182 @@ def peer_paths(dep: Deployment, draft_from=None) -> tuple[list[PeerPath], dict]:
     return trtspec_paths(dep, other) + hf, settings
 
 
+# ---- vLLM: its own environment, a subprocess speaking JSON ------------------------------
+
+
+class VllmWorker:
+    """One bench/vllm_peer.py process holding one vLLM ``LLM`` (see that file for the protocol).
+
+    vLLM lives in its own environment (`make vllm`: .venv-vllm) and is never imported here.
+    Its log goes to ``log``; an error names that file."""
+
+    def __init__(self, python: Path, script: Path, load: dict, env: dict[str, str], log: Path):
+        self.log = Path(log)
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "a", encoding="utf-8") as err:
+            self.proc = subprocess.Popen(
+                [str(python), str(script)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                env=env,
+            )
+        try:
+            self.info = self.call({"op": "load"} | load)
+        except BaseException:
+            self.close()
+            raise
+
+    def call(self, request: dict) -> dict:
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except (BrokenPipeError, OSError):
+            line = ""
+        if not line:
+            try:
+                code = self.proc.wait(timeout=30)  # its stdout closed: it is exiting
+            except subprocess.TimeoutExpired:
+                code = None
+            raise EngineError(f"the vLLM peer exited (code {code}){self._last_log_line()}; see its log {self.log}")
+        answer = json.loads(line)
+        if not answer.get("ok"):
+            raise EngineError(f"vLLM peer: {answer.get('error')}; see its log {self.log}")
+        return answer
+
+    def _last_log_line(self) -> str:
+        try:
+            lines = [x for x in self.log.read_text(encoding="utf-8", errors="replace").splitlines() if x.strip()]
+        except OSError:
+            return ""
+        return f": {lines[-1].strip()[:300]}" if lines else ""
+
+    def close(self) -> None:
+        """Ask the process to quit; stop it if it does not within 30 s."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream:
+                stream.close()
+
+
+def vllm_env(threads: int, kv_cache_gib: int) -> dict[str, str]:
+    """The worker's environment: the engine in its process, the thread count ours runs with,
+    a KV cache sized for a bench (vLLM's CPU default would take GiBs per process)."""
+    return os.environ | {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "OMP_NUM_THREADS": str(threads),
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+    }
+
+
+def vllm_metrics(spec: dict, generated: int, k: int) -> SpecMetrics:
+    """vLLM's counters over one call as our SpecMetrics (definitions at the top of this file).
+    ``generated``: tokens vLLM returned for the call, its EOS included."""
+    accepted = spec["num_accepted_tokens"]
+    m = SpecMetrics(
+        drafted=spec["num_draft_tokens"],
+        accepted=accepted,
+        target_forwards=max(generated - accepted, 0),
+        tokens=generated,
+    )
+    if spec["num_draft_tokens"] == spec["num_drafts"] * k:  # every draft k long: positions known
+        m.drafted_at = [spec["num_drafts"]] * k if spec["num_drafts"] else []
+        m.accepted_at = list(spec["accepted_per_pos"]) if spec["num_drafts"] else []
+    return m
+
+
+def vllm_paths(
+    dep: Deployment,
+    python: Path,
+    script: Path,
+    log: Path,
+    draft_from=None,
+    kv_cache_gib: int = 1,
+    max_num_seqs: int = 4,
+    progress: Callable[[str], None] = lambda _: None,
+) -> tuple[list[PeerPath], dict, Callable[[], None]]:
+    """vLLM's paths over our engine folders: target-only, the spec's eagle3 head, a draft model
+    (the spec's, else ``draft_from``'s), prompt lookup. One worker process per path, loaded one
+    after another. Returns the paths, their settings and a function that stops the workers."""
+    from trtspec.layout import engine_folder
+
+    spec = dep.spec.speculative
+    k = spec.default_draft_tokens
+    env = vllm_env(torch.get_num_threads(), kv_cache_gib)
+    stop_ids = sorted(dep.end_ids)
+    base = {
+        "model": str(dep.target.folder),
+        "dtype": dep.target.manifest.dtype,
+        "max_model_len": dep.spec.build.max_seq_len,
+        "max_num_seqs": max_num_seqs,
+        "enable_prefix_caching": False,
+    }
+    configs: list[tuple[str, str, dict | None]] = [("vllm_target", "vLLM target-only", None)]
+    if spec.method == "eagle3":
+        head = engine_folder(dep.loaded.output_dir(), "draft")
+        configs.append(("vllm_eagle3", f"vLLM eagle3 k={k}", {"method": "eagle3", "model": str(head)}))
+    draft_folder = None
+    if dep.draft is not None:
+        draft_folder = dep.draft.folder
+    elif draft_from is not None and draft_from.spec.speculative.method == "draft_target":
+        draft_folder = engine_folder(draft_from.output_dir(), "draft")
+    if draft_folder is not None:
+        configs.append(("vllm_draft_target", f"vLLM draft_target k={k}", {"method": "draft_model", "model": str(draft_folder)}))
+    configs.append(
+        (
+            "vllm_ngram",
+            f"vLLM ngram k={k}",
+            {"method": "ngram", "prompt_lookup_min": spec.min_ngram, "prompt_lookup_max": spec.max_ngram},
+        )
+    )
+    workers: list[VllmWorker] = []
+
+    def close() -> None:
+        for w in workers:
+            w.close()
+
+    paths, settings = [], {"env": {key: env[key] for key in ("OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE")}, "paths": {}}
+    try:
+        for key, label, speculative in configs:
+            load = base | {"speculative": speculative and speculative | {"num_speculative_tokens": k}}
+            progress(f"loading {label} (vLLM, its own process; the first load compiles for minutes)")
+            worker = VllmWorker(python, script, load, env, log)
+            workers.append(worker)
+            settings["paths"][key] = {k_: v for k_, v in load.items() if k_ != "model"} | {"model": load["model"]}
+            settings["vllm"], settings["vllm_torch"] = worker.info["vllm"], worker.info["torch"]
+            paths.append(PeerPath(key, label, *_vllm_run(worker, stop_ids, dep.end_ids, k if speculative else None)))
+    except BaseException:
+        close()
+        raise
+    return paths, settings, close
+
+
+def _vllm_run(worker: VllmWorker, stop_ids: list[int], end_ids: frozenset[int], k: int | None):
+    def run_batch(prompts: list[list[int]], max_tokens: int) -> list[Generation]:
+        answer = worker.call({"op": "generate", "prompts": prompts, "max_tokens": max_tokens, "stop_token_ids": stop_ids})
+        outputs = answer["outputs"]
+        gens = [Generation(_cut_at_end(ids, end_ids)) for ids in outputs]  # vLLM returns its EOS id
+        if k is not None:
+            for g in gens:
+                g.metrics = SpecMetrics()
+            gens[0].metrics = vllm_metrics(answer["spec"], sum(len(ids) for ids in outputs), k)
+        return gens
+
+    def run(ids: list[int], max_tokens: int) -> Generation:
+        return run_batch([ids], max_tokens)[0]
+
+    return run, run_batch
+
+
 # ---- measuring -------------------------------------------------------------------------
 
 
@@ -290,42 +492,61 @@ def measure(
     progress: Callable[[str], None] = lambda _: None,
     clock: Callable[[], float] = time.perf_counter,
     load: Callable[[], float] = lambda: os.getloadavg()[0],
+    concurrency: int = 1,
 ) -> Measurement:
-    """Warm up every path, then run all paths on each prompt in a rotated order.
+    """Warm up every path, then run all paths on each prompt (each group of ``concurrency``
+    prompts, sent at once) in a rotated order.
 
-    With repeats > 1 each (prompt, path) keeps its fastest time: noise from other processes
-    only ever adds time. Ctrl-C stops the run and returns the prompts every path completed
-    (interrupted=True).
+    At concurrency > 1 only paths with ``run_batch`` run. With repeats > 1 each (group, path)
+    keeps its fastest time: noise from other processes only ever adds time. Ctrl-C stops the
+    run and returns the prompts every path completed (interrupted=True).
     """
-    if paths[0].key != REFERENCE:
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be at least 1 (got {concurrency})")
+    if concurrency > 1:
+        paths = [p for p in paths if p.run_batch is not None]
+    if not paths or paths[0].key != REFERENCE:
         raise ValueError(f"the first path must be {REFERENCE}, the reference for identity")
-    result = Measurement([(p.key, p.label) for p in paths], prompts, max_tokens, repeats)
+    result = Measurement([(p.key, p.label) for p in paths], prompts, max_tokens, repeats, concurrency)
+
+    def call(p: PeerPath, group: list[Prompt]) -> list[Generation]:
+        if concurrency == 1:
+            return [p.run(group[0].ids, max_tokens)]
+        return p.run_batch([q.ids for q in group], max_tokens)
+
+    groups = [prompts[i : i + concurrency] for i in range(0, len(prompts), concurrency)]
     try:
         for p in paths:
             progress(f"warm-up: {p.label}")
-            p.run(prompts[0].ids, max_tokens)
+            call(p, groups[0])
         result.load.append(load())
-        for i, prompt in enumerate(prompts):
-            outputs: dict[str, Generation] = {}
+        done = 0
+        for g, group in enumerate(groups):
+            outputs: dict[str, list[Generation]] = {}
             seconds: dict[str, float] = {}
             for rep in range(repeats):
-                r = (i + rep) % len(paths)
+                r = (g + rep) % len(paths)
                 for p in paths[r:] + paths[:r]:
                     start = clock()
-                    outputs[p.key] = p.run(prompt.ids, max_tokens)  # greedy: the same each time
+                    outputs[p.key] = call(p, group)  # greedy: the same each time
                     seconds[p.key] = min(seconds.get(p.key, float("inf")), clock() - start)
-            reference = outputs[REFERENCE].output_ids
-            runs = {}
-            for key, gen in outputs.items():
-                diff = first_difference(gen.output_ids, reference)
-                runs[key] = Run(len(gen.output_ids), seconds[key], diff is None, diff, gen.metrics)
-            result.runs.append(runs)
+            same = 0
+            for j in range(len(group)):
+                reference = outputs[REFERENCE][j].output_ids
+                runs = {}
+                for key, gens in outputs.items():
+                    diff = first_difference(gens[j].output_ids, reference)
+                    share = seconds[key] / len(group)  # the group's wall time, shared
+                    runs[key] = Run(len(gens[j].output_ids), share, diff is None, diff, gens[j].metrics)
+                result.runs.append(runs)
+                same += sum(run.identical for run in runs.values()) - 1
             result.load.append(load())
-            same = sum(run.identical for run in runs.values()) - 1
-            times = ", ".join(f"{p.key} {runs[p.key].seconds:.1f}s" for p in paths)
+            done += len(group)
+            times = ", ".join(f"{p.key} {seconds[p.key]:.1f}s" for p in paths)
+            what = f"prompt {done}/{len(prompts)} ({group[0].kind})" if concurrency == 1 else f"prompts {done}/{len(prompts)}"
             progress(
-                f"prompt {i + 1}/{len(prompts)} ({prompt.kind}): {len(reference)} tokens, "
-                f"{same}/{len(paths) - 1} paths identical to {REFERENCE}; {times}"
+                f"{what}: {sum(len(gen.output_ids) for gen in outputs[REFERENCE])} tokens, "
+                f"{same}/{(len(paths) - 1) * len(group)} outputs identical to {REFERENCE}; {times}"
             )
     except KeyboardInterrupt:
         result.interrupted = True
@@ -391,7 +612,14 @@ COMPARISONS = [
     ("ours_eagle3", "ours_draft_target", 1.15),
     ("ours_ngram", "hf_prompt_lookup", None),
     ("ours_target", "hf_target", None),
+    ("ours_target", "vllm_target", 0.9),  # issue 23: our engine near vLLM's on the same CPU
+    ("ours_eagle3", "vllm_eagle3", None),
+    ("ours_draft_target", "vllm_draft_target", None),
+    ("ours_ngram", "vllm_ngram", None),
 ]
+SPECULATIVE_OURS = ("ours_eagle3", "ours_draft_target", "ours_ngram")
+SPECULATIVE_VLLM = ("vllm_eagle3", "vllm_draft_target", "vllm_ngram")
+BEST_GOAL = 1.2  # issue 23: our best speculative path against vLLM's best, same prompts and head
 
 
 def ratio(summaries: list[PathSummary], a: str, b: str) -> float | None:
@@ -401,16 +629,30 @@ def ratio(summaries: list[PathSummary], a: str, b: str) -> float | None:
     return by[a].tokens_per_s / by[b].tokens_per_s
 
 
+def best_speculative(summaries: list[PathSummary], keys: tuple[str, ...]) -> PathSummary | None:
+    found = [s for s in summaries if s.key in keys]
+    return max(found, key=lambda s: s.tokens_per_s) if found else None
+
+
 def render_markdown(m: Measurement, summaries: list[PathSummary]) -> str:
     n = len(m.runs)
     scope = f"{n} of {len(m.prompts)} prompts" + (" (interrupted)" if m.interrupted else "")
     timing = f", fastest of {m.repeats} runs per prompt and path" if m.repeats > 1 else ""
     get = m.setup.get
-    run = f"{scope}, max_tokens {m.max_tokens}, greedy, batch 1, warm-up excluded, paths interleaved per prompt"
+    c = m.concurrency
+    at = "batch 1" if c == 1 else f"concurrency {c} (groups of {c} prompts sent at once)"
+    run = f"{scope}, max_tokens {m.max_tokens}, greedy, {at}, warm-up excluded, paths interleaved per prompt"
     where = f"Machine: {get('machine', '?')}; torch threads {get('torch_threads', '?')}"
     versions = f"torch {get('torch', '?')}, transformers {get('transformers', '?')}"
+    keys = {s.key for s in summaries}
+    has_vllm = "vllm_target" in keys
+    if has_vllm:
+        versions += f", vLLM {get('vllm', {}).get('vllm', '?')} (its own torch {get('vllm', {}).get('vllm_torch', '?')})"
+    peers = ", ".join(
+        name for name, present in (("Hugging Face transformers", "hf_target" in keys), ("vLLM", has_vllm)) if present
+    )
     lines = [
-        f"# trtspec vs Hugging Face transformers: {get('spec', '?')}",
+        f"# trtspec vs {peers or 'no peer'}: {get('spec', '?')}, concurrency {c}",
         "",
         f"{run}{timing}.",
         f"{where}; {versions}.",
@@ -419,21 +661,21 @@ def render_markdown(m: Measurement, summaries: list[PathSummary]) -> str:
     ]
     if n == 0:
         return "\n".join(lines + ["Nothing measured: no prompt was completed by every path."]) + "\n"
+    vs = [("trtspec target-only", "ours_target")] + [
+        (name, key) for name, key in (("HF target-only", "hf_target"), ("vLLM target-only", "vllm_target")) if key in keys
+    ]
     lines += [
-        (
-            "| path | tokens | seconds | tokens/s | vs trtspec target-only | vs HF target-only "
-            "| identical to trtspec target-only | mean accepted length |"
-        ),
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| path | tokens | seconds | tokens/s | "
+        + " | ".join(f"vs {name}" for name, _ in vs)
+        + " | identical to trtspec target-only | acceptance | mean accepted length |",
+        "|---|---:|---:|---:|" + "---:|" * len(vs) + "---:|---:|---:|",
     ]
     for s in summaries:
-        vs_ours = ratio(summaries, s.key, "ours_target")
-        vs_hf = ratio(summaries, s.key, "hf_target")
         same = "reference" if s.key == REFERENCE else f"{s.identical}/{n}"
+        rate = f"{s.metrics['acceptance_rate']:.2f}" if s.metrics else ""
         mal = f"{s.metrics['mean_acceptance_length']:.2f}" if s.metrics else ""
-        lines.append(
-            f"| {s.label} | {s.tokens} | {s.seconds:.2f} | {s.tokens_per_s:.1f} | {_x(vs_ours)} | {_x(vs_hf)} | {same} | {mal} |"
-        )
+        ratios = " | ".join(_x(ratio(summaries, s.key, key)) for _, key in vs)
+        lines.append(f"| {s.label} | {s.tokens} | {s.seconds:.2f} | {s.tokens_per_s:.1f} | {ratios} | {same} | {rate} | {mal} |")
     lines += ["", "Tokens/s by prompt kind:", ""]
     kinds = [k for k in KINDS if any(k in s.per_kind for s in summaries)]
     lines.append("| path | " + " | ".join(f"{k} ({sum(p.kind == k for p in m.prompts[:n])})" for k in kinds) + " |")
@@ -448,6 +690,12 @@ def render_markdown(m: Measurement, summaries: list[PathSummary]) -> str:
             continue
         verdict = "" if goal is None else f" (goal >= {goal}: {'met' if r >= goal else 'missed'})"
         lines.append(f"- {labels[ours]} / {labels[theirs]}: {r:.2f}x{verdict}")
+    ours, theirs = best_speculative(summaries, SPECULATIVE_OURS), best_speculative(summaries, SPECULATIVE_VLLM)
+    if ours and theirs and theirs.tokens_per_s:
+        r = ours.tokens_per_s / theirs.tokens_per_s
+        lines.append(
+            f"- best speculative, {ours.label} / {theirs.label}: {r:.2f}x (goal >= {BEST_GOAL}: {'met' if r >= BEST_GOAL else 'missed'})"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -471,6 +719,7 @@ def _x(r: float | None) -> str:
 def to_json(m: Measurement, summaries: list[PathSummary]) -> dict:
     return {
         "setup": m.setup,
+        "concurrency": m.concurrency,
         "max_tokens": m.max_tokens,
         "repeats": m.repeats,
         "interrupted": m.interrupted,
@@ -484,6 +733,32 @@ def to_json(m: Measurement, summaries: list[PathSummary]) -> dict:
     }
 
 
+def plot(results: list[tuple[Measurement, list[PathSummary]]], out: Path) -> Path:
+    """Tokens/s of every path, one bar per concurrency measured (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(label for m, _ in results for _, label in m.paths))
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(labels) * max(1, len(results)) + 1.5))
+    height = 0.8 / len(results)
+    for i, (m, summaries) in enumerate(results):
+        by = {s.label: s.tokens_per_s for s in summaries}
+        ys = [j + i * height for j in range(len(labels))]
+        ax.barh(ys, [by.get(label, 0.0) for label in labels], height=height, label=f"concurrency {m.concurrency}")
+    ax.set_yticks([j + height * (len(results) - 1) / 2 for j in range(len(labels))], labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("generated tokens/s (greedy, same prompts)")
+    ax.set_title(f"{results[0][0].setup.get('spec', '')}: trtspec and its peers")
+    ax.legend()
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     info = Path("/proc/cpuinfo")
@@ -495,10 +770,10 @@ def machine() -> str:
     return f"{cpu}, {platform.system()} {platform.release()}"
 
 
-def describe_setup(dep: Deployment, settings: dict) -> dict:
+def describe_setup(dep: Deployment, settings: dict, vllm: dict | None = None) -> dict:
     import transformers
 
-    return {
+    return ({"vllm": vllm} if vllm else {}) | {
         "spec": dep.spec.name,
         "spec_path": str(dep.loaded.path),
         "num_draft_tokens": dep.spec.speculative.default_draft_tokens,
