@@ -17,7 +17,16 @@ from typer.testing import CliRunner
 
 from trtspec.cli.app import app
 from trtspec.deploy import schemas
-from trtspec.deploy.k8s import ENGINES_DIR, GPU_RESOURCE, HEALTH_LIVE, HEALTH_READY, QUEUE_METRIC, RUN_AS, plan_manifests
+from trtspec.deploy.k8s import (
+    ACTIVE_METRIC,
+    ENGINES_DIR,
+    GPU_RESOURCE,
+    HEALTH_LIVE,
+    HEALTH_READY,
+    QUEUE_METRIC,
+    RUN_AS,
+    plan_manifests,
+)
 from trtspec.deploy.options import DEFAULT_KUBE_VERSION, K8sOptions
 from trtspec.deploy.output import NO_SCHEMA, rendered_files
 from trtspec.errors import TrtspecError
@@ -254,15 +263,28 @@ def test_gpu_counts_the_pod_cannot_satisfy_are_refused(tmp_path, target, draft, 
 
 
 @pytest.mark.parametrize("streaming, models", [(True, [BLS, BLS_STREAMING]), (False, [BLS])])
-def test_hpa_scales_on_endpoint_queue_depth_with_cpu_fallback(tmp_path, streaming, models):
-    p = plan(spec_file(tmp_path, "torch", build={"max_batch_size": 6}, serve={"streaming": streaming}), max_replicas=7)
+def test_hpa_scales_on_the_schedulers_queue_and_active_sequences_with_cpu_fallback(tmp_path, streaming, models):
+    from trtspec.triton.backend import metrics
+
+    p = plan(
+        spec_file(tmp_path, "torch", build={"max_batch_size": 6}, serve={"streaming": streaming, "instance_count": 2}),
+        max_replicas=7,
+    )
     hpa = p.manifests["hpa.yaml"]["spec"]
     assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "pair"}
     assert (hpa["minReplicas"], hpa["maxReplicas"]) == (1, 7)
-    queue, cpu = hpa["metrics"]
-    assert queue["pods"]["metric"]["name"] == QUEUE_METRIC
-    assert queue["pods"]["metric"]["selector"]["matchExpressions"][0]["values"] == models
+    queue, active, cpu = hpa["metrics"]
+    # the scheduler's gauges, by the names the backend registers them under
+    assert (QUEUE_METRIC, ACTIVE_METRIC) == (metrics.PREFIX + "queue_depth", metrics.PREFIX + "active_sequences")
+    assert queue["pods"]["metric"]["name"] == QUEUE_METRIC and active["pods"]["metric"]["name"] == ACTIVE_METRIC
+    for m in (queue, active):
+        assert m["pods"]["metric"]["selector"]["matchExpressions"][0]["values"] == models
     assert queue["pods"]["target"]["averageValue"] == "6"  # the spec's max_batch_size
+    assert active["pods"]["target"]["averageValue"] == "9"  # 80% of 6 places x 2 instances
+    assert plan(spec_file(tmp_path, "torch"), active_target=3).manifests["hpa.yaml"]["spec"]["metrics"][1]["pods"]["target"] == {
+        "type": "AverageValue",
+        "averageValue": "3",
+    }
     assert cpu["resource"] == {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": 80}}
     assert "replicas" not in p.manifests["deployment.yaml"]["spec"]  # the HPA owns it
     assert container(p)["resources"]["requests"]["cpu"]  # utilisation needs a request
@@ -305,7 +327,7 @@ def test_image_mode_copies_engines_into_an_empty_dir(tmp_path):
     p = plan(spec_file(tmp_path, "torch"), engines_from="image", engines_image="reg/eng:1")
     pod = p.manifests["deployment.yaml"]["spec"]["template"]["spec"]
     assert pod["initContainers"][0]["image"] == "reg/eng:1"
-    assert {"name": "engines", "emptyDir": {}} in pod["volumes"]
+    assert {"name": "engines", "emptyDir": {"sizeLimit": "50Gi"}} in pod["volumes"]
 
 
 def test_pvc_mode_mounts_the_claim_read_only(tmp_path):
@@ -446,3 +468,29 @@ def test_a_file_that_does_not_parse_back_is_refused(tmp_path):
     p.manifests["kustomization.yaml"]["resources"] = tuple(p.manifests["kustomization.yaml"]["resources"])  # renders as a list
     with pytest.raises(TrtspecError, match="kustomization.yaml does not parse back"):
         rendered_files(p, DEFAULT_KUBE_VERSION)
+
+
+# --- bounded scratch, log on stdout, admin APIs closed -----------------------------------------
+
+
+def test_every_empty_dir_has_a_size_limit(tmp_path):
+    for options in ({}, {"engines_from": "image", "engines_image": "reg/eng:1"}, {"scratch_size": "8Gi", "tmp_size": "2Gi"}):
+        pod = plan(spec_file(tmp_path, "torch"), **options).manifests["deployment.yaml"]["spec"]["template"]["spec"]
+        dirs = {v["name"]: v["emptyDir"] for v in pod["volumes"] if "emptyDir" in v}
+        assert dirs and all("sizeLimit" in d for d in dirs.values()), dirs
+        assert dirs["scratch"]["sizeLimit"] == options.get("scratch_size", "4Gi")
+        assert dirs["tmp"]["sizeLimit"] == options.get("tmp_size", "1Gi")
+
+
+def test_triton_logs_to_the_container_log_and_its_admin_apis_need_a_key(tmp_path):
+    p = plan(spec_file(tmp_path, "torch"))
+    c = container(p)
+    command = c["command"]
+    assert command[command.index("--log-file") + 1] == "-"  # stdout: kubectl logs
+    assert not any(a.endswith(".log") for a in command)
+    env = {e["name"]: e for e in c["env"]}
+    assert env["TRTSPEC_ADMIN_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "pair-triton-admin",
+        "key": "TRTSPEC_ADMIN_KEY",
+        "optional": True,
+    }

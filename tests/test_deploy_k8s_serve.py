@@ -1,25 +1,29 @@
 """The pod's own command, run here: what the manifests promise is what `trtspec serve` does.
 
 The generated container command is run with the pod's paths mapped to temp folders and the
-bind address to 127.0.0.1; the probes' paths and ports, and the metric the autoscaler scales
-on, are then read from the manifests and checked against the real tritonserver.
+bind address to 127.0.0.1; the probes' paths and ports, and the metrics the autoscaler scales
+on, are then read from the manifests and checked against the real tritonserver: saturated with
+more requests than its batch holds, the server's /metrics must show the load the HPA reads.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import processes_mentioning, write_spec
 
-from trtspec.deploy.k8s import ENGINES_DIR, QUEUE_METRIC, REPO_DIR, SCRATCH_DIR, SPEC_DIR, plan_manifests
+from trtspec.deploy.k8s import ACTIVE_METRIC, ENGINES_DIR, QUEUE_METRIC, REPO_DIR, SPEC_DIR, plan_manifests
 from trtspec.deploy.options import K8sOptions
 from trtspec.errors import ServerError
 from trtspec.layout import BLS_MODEL as BLS
@@ -31,14 +35,48 @@ pytest.importorskip("kubernetes_validate", reason="needs the deploy extra: pip i
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def _get(url: str) -> tuple[int, str]:
+def _get(url: str, headers: dict | None = None) -> tuple[int, str]:
     try:
-        with _NO_PROXY.open(url, timeout=2) as r:
+        with _NO_PROXY.open(urllib.request.Request(url, headers=headers or {}), timeout=2) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, ""
     except OSError:
         return 0, ""
+
+
+def _gauge(text: str, name: str, models: list[str]) -> float:
+    """A gauge summed over the series of ``models`` (every instance), as the HPA's adapter sums it per pod."""
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"{name}{{(.*)}} (\S+)$", line)
+        if m and re.search(r'model="([^"]+)"', m.group(1)).group(1) in models:
+            total += float(m.group(2))
+    return total
+
+
+def _saturate(grpc_url: str, n: int, tokens: int) -> list:
+    """``n`` unary requests at once to the speculative endpoint, each made to run ``tokens``
+    tokens (min_tokens bans EOS until then); returns the threads."""
+    import tritonclient.grpc as grpcclient
+
+    def one(i: int) -> None:
+        client = grpcclient.InferenceServerClient(grpc_url)
+        inputs = []
+        for name, arr in (
+            ("text_input", np.array([[f"prompt {i}".encode()]], dtype=np.object_)),
+            ("max_tokens", np.array([[tokens]], dtype=np.int32)),
+            ("min_tokens", np.array([[tokens]], dtype=np.int32)),
+        ):
+            t = grpcclient.InferInput(name, list(arr.shape), "BYTES" if arr.dtype == np.object_ else "INT32")
+            t.set_data_from_numpy(arr)
+            inputs.append(t)
+        client.infer(BLS, inputs, client_timeout=300)
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads
 
 
 @pytest.mark.server
@@ -63,12 +101,12 @@ def test_pod_command_serves_the_probes_and_exports_the_hpa_metric(tmp_path, tiny
         "0.0.0.0": "127.0.0.1",
         ENGINES_DIR: str(loaded.output_dir()),
         REPO_DIR: str(scratch / "model_repo"),
-        f"{SCRATCH_DIR}/tritonserver.log": str(scratch / "tritonserver.log"),
     }
     assert set(mapping) <= set(c["command"]), "the pod command changed: update this mapping"
     argv = [mapping.get(a, a) for a in c["command"]]
     argv[0] = str(Path(sys.executable).with_name("trtspec"))
-    env = {**os.environ, **{e["name"]: e["value"] for e in c["env"]}}
+    admin_key = "test-admin-key"  # what the optional Secret the manifest names would hold
+    env = {**os.environ, **{e["name"]: e.get("value", admin_key) for e in c["env"]}}
     env["TRTSPEC_CACHE"], env["HOME"] = os.environ["TRTSPEC_CACHE"], str(tmp_path)
 
     def url(probe: str) -> str:
@@ -90,10 +128,42 @@ def test_pod_command_serves_the_probes_and_exports_the_hpa_metric(tmp_path, tiny
         annotations = pod["metadata"]["annotations"]
         status, text = _get(f"http://127.0.0.1:{annotations['prometheus.io/port']}{annotations['prometheus.io/path']}")
         assert status == 200
-        selector = plan.manifests["hpa.yaml"]["spec"]["metrics"][0]["pods"]["metric"]
-        assert selector["name"] == QUEUE_METRIC
-        for model in selector["selector"]["matchExpressions"][0]["values"]:  # both endpoints
-            assert any(line.startswith(f'{QUEUE_METRIC}{{model="{model}"') for line in text.splitlines()), (model, text[:2000])
+        queue, active = (m["pods"] for m in plan.manifests["hpa.yaml"]["spec"]["metrics"][:2])
+        assert (queue["metric"]["name"], active["metric"]["name"]) == (QUEUE_METRIC, ACTIVE_METRIC)
+        models = queue["metric"]["selector"]["matchExpressions"][0]["values"]
+        for name in (QUEUE_METRIC, ACTIVE_METRIC):
+            for model in models:  # both endpoints
+                assert any(line.startswith(name + "{") and f'model="{model}"' in line for line in text.splitlines()), (
+                    name,
+                    model,
+                )
+
+        # Saturate: three batches' worth of long requests. The HPA's metrics must show a full
+        # batch decoding and the rest queued; Triton's pending count never sees them.
+        metrics_url = f"http://127.0.0.1:{annotations['prometheus.io/port']}{annotations['prometheus.io/path']}"
+        batch = loaded.spec.build.max_batch_size
+        threads = _saturate(f"127.0.0.1:{grpc}", 3 * batch, 200)
+        seen = {QUEUE_METRIC: 0.0, ACTIVE_METRIC: 0.0, "nv_inference_pending_request_count": 0.0}
+        while any(t.is_alive() for t in threads):
+            page = _get(metrics_url)[1]
+            for name in seen:
+                seen[name] = max(seen[name], _gauge(page, name, models))
+            time.sleep(0.05)
+        assert seen[ACTIVE_METRIC] == batch, seen  # a full batch decoding
+        assert seen[QUEUE_METRIC] >= batch, seen  # the rest waiting
+        assert seen["nv_inference_pending_request_count"] == 0, seen  # why the HPA cannot use it
+        assert float(active["target"]["averageValue"]) < seen[ACTIVE_METRIC]  # so the HPA scales up
+        assert float(queue["target"]["averageValue"]) <= seen[QUEUE_METRIC]
+        idle = _get(metrics_url)[1]
+        assert _gauge(idle, QUEUE_METRIC, models) == 0 and _gauge(idle, ACTIVE_METRIC, models) == 0
+
+        # Triton's admin APIs answer only with the key; inference and health stay open.
+        logging_url = f"http://127.0.0.1:{http}/v2/logging"
+        assert _get(logging_url)[0] == 403
+        assert _get(logging_url, {"triton-admin-key": "wrong"})[0] == 403
+        assert _get(logging_url, {"triton-admin-key": admin_key})[0] == 200
+        assert _get(f"http://127.0.0.1:{http}/v2/trace/setting")[0] == 403
+        assert _get(f"http://127.0.0.1:{http}/v2/systemsharedmemory/status")[0] == 403
 
         # the other series the README says to watch
         for name in (
@@ -107,6 +177,10 @@ def test_pod_command_serves_the_probes_and_exports_the_hpa_metric(tmp_path, tiny
         # Kubernetes stops a pod with SIGTERM: serve must stop the server and every stub in time.
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(pod["spec"]["terminationGracePeriodSeconds"]) == 0
+        # Triton's own log went to the container's stdout (kubectl logs), not a file.
+        out = proc.stdout.read().decode(errors="replace")
+        assert "Started GRPCInferenceService" in out, out[-2000:]
+        assert not list(scratch.rglob("*.log"))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -22,11 +22,12 @@ from trtspec.deploy.checks import check_build_sources, check_ports, object_name,
 from trtspec.deploy.options import DEFAULT_CPU, DEFAULT_MEMORY, K8sOptions, default_image
 from trtspec.layout import BLS_MODEL, BLS_STREAMING_MODEL
 from trtspec.spec import LoadedSpec
+from trtspec.triton.server.process import ADMIN_KEY_ENV
 
 # Paths inside the pod.
 SPEC_DIR = "/etc/trtspec"
 ENGINES_DIR = "/models/engines"
-SCRATCH_DIR = "/var/lib/trtspec"  # model repository, trtspec cache, server log
+SCRATCH_DIR = "/var/lib/trtspec"  # model repository, trtspec cache
 REPO_DIR = f"{SCRATCH_DIR}/model_repo"
 HF_HOME = "/models/hf-cache"  # build mode: checkpoints downloaded beside the engines
 RUN_AS = 1000  # the user both images (docker/*.Dockerfile) create and switch to
@@ -34,8 +35,12 @@ RUN_AS = 1000  # the user both images (docker/*.Dockerfile) create and switch to
 HEALTH_READY = "/v2/health/ready"
 HEALTH_LIVE = "/v2/health/live"
 METRICS_PATH = "/metrics"
-# Triton's per-model gauge of requests queued and not yet executing (the queue depth).
-QUEUE_METRIC = "nv_inference_pending_request_count"
+# The load the autoscaler reads: the scheduler's gauges (triton/backend/metrics.py), per model
+# and instance. Triton's own nv_inference_pending_request_count stays 0 for these endpoints:
+# their execute() hands each request to the scheduler and returns at once.
+QUEUE_METRIC = "trtspec_queue_depth"  # requests held, not started yet
+ACTIVE_METRIC = "trtspec_active_sequences"  # sequences in the decoding loop
+ACTIVE_SHARE = 0.8  # aim at 80% of the pod's batch places busy
 STARTUP_PERIOD_S = 10
 GPU_RESOURCE = "nvidia.com/gpu"
 COMPONENT = "app.kubernetes.io/component"
@@ -131,14 +136,14 @@ def server_container(name: str, loaded: LoadedSpec, options: K8sOptions, gpus: i
             "--timeout",
             str(startup_s),
             "--log-file",
-            f"{SCRATCH_DIR}/tritonserver.log",
+            "-",  # Triton's log on the container's stdout: `kubectl logs`, no file to grow
         ],
         "ports": [
             {"name": "http", "containerPort": s.http_port, "protocol": "TCP"},
             {"name": "grpc", "containerPort": s.grpc_port, "protocol": "TCP"},
             {"name": "metrics", "containerPort": s.metrics_port, "protocol": "TCP"},
         ],
-        "env": _env(),
+        "env": _env(_admin_key(name, options)),
         "resources": _resources(options, loaded.spec.backend, gpus),
         "startupProbe": _http_probe(HEALTH_READY, STARTUP_PERIOD_S, math.ceil(startup_s / STARTUP_PERIOD_S)),
         "readinessProbe": _http_probe(HEALTH_READY, 5, 3),
@@ -168,6 +173,13 @@ def _env(*extra: dict) -> list[dict]:
         {"name": "PYTHONUNBUFFERED", "value": "1"},
         *extra,
     ]
+
+
+def _admin_key(name: str, options: K8sOptions) -> dict:
+    """The key that opens Triton's restricted admin APIs (logging, trace, shared memory, model
+    repository), from an optional Secret; without it serve picks a random key nobody knows."""
+    secret = options.admin_key_secret or f"{name}-triton-admin"
+    return {"name": ADMIN_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": secret, "key": ADMIN_KEY_ENV, "optional": True}}}
 
 
 def init_containers(name: str, loaded: LoadedSpec, options: K8sOptions, gpus: int) -> list[dict]:
@@ -213,15 +225,16 @@ def pod_template(name: str, loaded: LoadedSpec, options: K8sOptions, gpus: int, 
     spec_sha = hashlib.sha256(loaded.path.read_bytes()).hexdigest()[:16]
     volumes = [
         {"name": "spec", "configMap": {"name": f"{name}-spec"}},
-        {"name": "scratch", "emptyDir": {}},
-        {"name": "tmp", "emptyDir": {}},
+        # Bounded: a pod that fills one is evicted instead of filling the node's disk.
+        {"name": "scratch", "emptyDir": {"sizeLimit": options.scratch_size}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": options.tmp_size}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": options.shm_size}},
     ]
     if options.engines_from == "pvc":
         claim = options.pvc or f"{name}-engines"
         volumes.append({"name": "engines", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
     elif options.engines_from == "image":
-        volumes.append({"name": "engines", "emptyDir": {}})
+        volumes.append({"name": "engines", "emptyDir": {"sizeLimit": options.storage_size}})
     # build: the StatefulSet's volumeClaimTemplate supplies "engines"
     pod: dict = {
         "automountServiceAccountToken": False,  # the server never talks to the API server
@@ -301,26 +314,31 @@ def endpoint_models(loaded: LoadedSpec) -> list[str]:
 
 
 def autoscaler(name: str, loaded: LoadedSpec, options: K8sOptions, kind: str) -> dict:
-    """Scale on queue depth at the speculative endpoints; CPU as the fallback signal.
+    """Scale on the scheduler's load at the speculative endpoints, CPU as the fallback signal.
 
-    The HPA takes the largest replica count any metric asks for; when the custom metric is
-    unavailable (no adapter yet) it still scales up on CPU alone.
+    Two custom metrics, each summed over the endpoint models and instances of a pod and
+    averaged over pods: queued requests (aiming at ``queue_target``, default one full batch
+    waiting) and sequences decoding (aiming at 80% of the pod's batch places). The HPA takes
+    the largest replica count any metric asks for; while the custom metrics are unavailable
+    (no adapter yet) it still scales up on CPU alone.
     """
-    target = options.queue_target or loaded.spec.limits("target").max_batch_size
-    queue = {
-        "type": "Pods",
-        "pods": {
-            "metric": {
-                "name": QUEUE_METRIC,
-                "selector": {
-                    "matchExpressions": [
-                        {"key": "model", "operator": "In", "values": endpoint_models(loaded)},
-                    ]
-                },
+    s = loaded.spec.serve
+    batch = loaded.spec.limits("target").max_batch_size
+    places = batch * s.instance_count * len(endpoint_models(loaded))
+    queue_target = options.queue_target or batch
+    active_target = options.active_target or max(1, math.floor(ACTIVE_SHARE * batch * s.instance_count))
+    active_target = min(active_target, places)
+
+    def pods_metric(metric: str, target: int) -> dict:
+        selector = {"matchExpressions": [{"key": "model", "operator": "In", "values": endpoint_models(loaded)}]}
+        return {
+            "type": "Pods",
+            "pods": {
+                "metric": {"name": metric, "selector": selector},
+                "target": {"type": "AverageValue", "averageValue": str(target)},
             },
-            "target": {"type": "AverageValue", "averageValue": str(target)},
-        },
-    }
+        }
+
     cpu = {
         "type": "Resource",
         "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": options.cpu_target}},
@@ -333,7 +351,7 @@ def autoscaler(name: str, loaded: LoadedSpec, options: K8sOptions, kind: str) ->
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": kind, "name": name},
             "minReplicas": options.min_replicas,
             "maxReplicas": options.max_replicas,
-            "metrics": [queue, cpu],
+            "metrics": [pods_metric(QUEUE_METRIC, queue_target), pods_metric(ACTIVE_METRIC, active_target), cpu],
             # Engines take minutes to load: scale up at once, scale down slowly.
             "behavior": {
                 "scaleUp": {"stabilizationWindowSeconds": 0, "policies": [{"type": "Pods", "value": 2, "periodSeconds": 60}]},

@@ -71,22 +71,28 @@ class K8sOptions(BaseModel):
     hpa: bool = True
     min_replicas: Annotated[int, Field(ge=1, le=1000)] = 1
     max_replicas: Annotated[int, Field(ge=1, le=1000)] = 4
-    # Pending requests per pod the autoscaler aims at; default: the spec's max_batch_size.
+    # Queued requests per pod the autoscaler aims at; default: the spec's max_batch_size.
     queue_target: Annotated[int, Field(ge=1)] | None = None
+    # Decoding sequences per pod it aims at; default: 80% of max_batch_size x instance_count.
+    active_target: Annotated[int, Field(ge=1)] | None = None
     cpu_target: Annotated[int, Field(ge=1, le=100)] = 80  # % of requested CPU (the fallback)
     service_monitor: bool = False
     cpu: Quantity | None = None  # default: DEFAULT_CPU[backend]
     memory: Quantity | None = None  # default: DEFAULT_MEMORY[backend]
     shm_size: Quantity = "1Gi"  # /dev/shm for the Python backend's tensors
+    scratch_size: Quantity = "4Gi"  # emptyDir: model repository, trtspec cache
+    tmp_size: Quantity = "1Gi"  # emptyDir: /tmp (HOME)
+    # Secret (key TRTSPEC_ADMIN_KEY) opening Triton's admin APIs; default <name>-triton-admin
+    admin_key_secret: str | None = None
     gpus_per_node: Annotated[int, Field(ge=1, le=64)] = 8
     startup_seconds: Annotated[int, Field(ge=10, le=86400)] | None = None
 
-    @field_validator("cpu", "memory", "shm_size", "storage_size")
+    @field_validator("cpu", "memory", "shm_size", "storage_size", "scratch_size", "tmp_size")
     @classmethod
     def _is_quantity(cls, v: str | None) -> str | None:
         return v if v is None else _quantity(v)
 
-    @field_validator("name", "pvc", "hf_token_secret", "namespace")
+    @field_validator("name", "pvc", "hf_token_secret", "namespace", "admin_key_secret")
     @classmethod
     def _is_dns_label(cls, v: str | None) -> str | None:
         if v is not None and (not _DNS_LABEL.match(v) or len(v) > MAX_NAME_LEN):

@@ -17,6 +17,7 @@ import atexit
 import ctypes
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -26,7 +27,7 @@ import urllib.error
 import urllib.request
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -61,6 +62,19 @@ _HINTS: tuple[tuple[re.Pattern[str], str], ...] = (
         "a port is taken: pick free ports (free_ports()) or stop the other server",
     ),
 )
+
+
+# Triton's admin APIs, closed to requests without the admin header (--http-restricted-api /
+# --grpc-restricted-protocol): log settings and traces (a client could turn on verbose logging
+# or tracing and fill the disk), shared-memory registration (a client could map host memory
+# regions into the server) and model load/unload.
+RESTRICTED_APIS = ("shared-memory", "model-repository", "trace", "logging")
+ADMIN_HEADER = "triton-admin-key"
+ADMIN_KEY_ENV = "TRTSPEC_ADMIN_KEY"  # the header's value; unset: a random key nobody knows
+
+
+def _admin_key() -> str:
+    return os.environ.get(ADMIN_KEY_ENV) or secrets.token_urlsafe(24)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -105,6 +119,8 @@ class ServerCommand:
     load_models: Sequence[str] = ()  # explicit mode only; "*" loads all
     exit_timeout_secs: int = 30
     extra_args: Sequence[str] = ()
+    restricted_apis: Sequence[str] = RESTRICTED_APIS
+    admin_key: str = field(default_factory=_admin_key, repr=False)
 
     def __post_init__(self) -> None:
         if self.load_models and self.model_control_mode != "explicit":
@@ -136,6 +152,9 @@ class ServerCommand:
             args.append(f"--cache-directory={self.cache_directory}")
         if self.disable_auto_complete_config:
             args.append("--disable-auto-complete-config")
+        if self.restricted_apis:
+            rule = f"{','.join(self.restricted_apis)}:{ADMIN_HEADER}={self.admin_key}"
+            args += [f"--http-restricted-api={rule}", f"--grpc-restricted-protocol={rule}"]
         args += [f"--load-model={name}" for name in self.load_models]
         args += list(self.extra_args)
         return args
@@ -242,7 +261,8 @@ class TritonServer:
     ) -> None:
         """Launch the server; returns at once (call :meth:`wait_ready`).
 
-        Output goes to ``log_path`` (default: a new temp file). A detached server outlives
+        Output goes to ``log_path`` (default: a new temp file; ``-``: this process's stdout,
+        as a container's log, which `kubectl logs` shows). A detached server outlives
         this Python process; it needs ``pid_file`` so that :func:`stop_detached` can end it.
         """
         if self.is_running():
@@ -253,16 +273,20 @@ class TritonServer:
             fd, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
             os.close(fd)
             log_path = name
-        self.log_path = Path(log_path)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:  # the child keeps its own copy of the fd
+        to_stdout = str(log_path) == "-"
+        if to_stdout and detach:
+            raise ServerError("a detached server cannot log to stdout (--log-file -); give a file")
+        self.log_path = None if to_stdout else Path(log_path)
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path or os.devnull, "wb") as log:  # the child keeps its own copy of the fd
             try:
                 self._proc = subprocess.Popen(
                     self.argv(),
                     env=self.env,
                     stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
+                    stdout=None if to_stdout else log,
+                    stderr=None if to_stdout else subprocess.STDOUT,
                     # Own session: the group can be signalled as a whole, and Ctrl-C in the
                     # caller's terminal does not reach the server behind our back.
                     start_new_session=True,
