@@ -99,13 +99,14 @@ class SlotPool:
 class TorchEngine:
     """One model, ``slots`` KV caches of ``max_seq_len`` positions; thread-safe run()."""
 
-    def __init__(self, folder: Path, manifest: Manifest, model: DecoderLM, hf_config, slots: int):
+    def __init__(self, folder: Path, manifest: Manifest, model: DecoderLM, hf_config, slots: int, max_seq_len: int | None = None):
         self.folder = folder
         self.manifest = manifest
         self.model = model
         self.config = model.cfg
         self.vocab_size = model.cfg.vocab_size
-        self.max_seq_len = manifest.limits["max_seq_len"]
+        # A caller that knows its sequences are short (distill) sizes the KV cache to them.
+        self.max_seq_len = min(max_seq_len or manifest.limits["max_seq_len"], manifest.limits["max_seq_len"])
         self.max_batch_size = slots
         dtype = DTYPES[manifest.dtype]
         self.cache = KVCache(model.cfg, slots, self.max_seq_len, dtype)
@@ -124,7 +125,7 @@ class TorchEngine:
         self.kernels: KernelChoice | None = None  # how load() chose the Linear kernels
 
     @classmethod
-    def load(cls, folder: Path, slots: int | None = None) -> TorchEngine:
+    def load(cls, folder: Path, slots: int | None = None, max_seq_len: int | None = None) -> TorchEngine:
         from transformers import AutoConfig
 
         folder = Path(folder)
@@ -136,7 +137,7 @@ class TorchEngine:
         state = load_file(str(folder / WEIGHTS))
         model = DecoderLM.from_state_dict(cfg, state)
         n = slots if slots is not None else manifest.limits["max_batch_size"]
-        engine = cls(folder, manifest, model, hf_config, n)
+        engine = cls(folder, manifest, model, hf_config, n, max_seq_len)
         # The Linear kernels: whichever is faster on this CPU, measured once per machine.
         engine.kernels = choose_kernels(model, engine.cos, engine.sin, verify_tokens=manifest.max_draft_len + 1)
         return engine
