@@ -238,9 +238,12 @@ def test_a_client_whose_sender_fails_leaves_and_the_others_are_served(built):
     dep = built()
     scheduler = Scheduler(_orchestrator(dep, decoupled=True), max_active=4, max_queue=8)
 
-    class GoneReply(ListReply):
+    class GoneReply(ListReply):  # a closed sender refuses every answer, the error too
         def send(self, tensors, final):
-            raise RuntimeError("Response sender has been closed")  # the stub's words
+            raise RuntimeError("Unable to send response. Response sender has been closed.")  # the stub's words
+
+        def fail(self, err):
+            raise RuntimeError("Unable to send response. Response sender has been closed.")
 
     gone, kept = GoneReply(), ListReply()
     scheduler.submit(_request(PROMPTS[0], max_tokens=30, stream=True), gone)

@@ -19,6 +19,7 @@ in-flight batcher merges. Target-only control decodes a whole answer in one requ
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -29,6 +30,49 @@ from trtspec.speculative.processing import RowRules
 EngineCall = Callable[[str, Mapping[str, np.ndarray], Sequence[str]], Mapping[str, np.ndarray]]
 # Sends several single-row requests to one model at once; answers in order.
 EngineCallMany = Callable[[str, Sequence[Mapping[str, np.ndarray]], Sequence[str]], list[Mapping[str, np.ndarray]]]
+
+
+# How long the speculative endpoints wait for one engine request (a loop step's draft or
+# verify) before failing the step: a hung engine model must not stall the scheduler forever.
+# Model parameter engine_timeout_s overrides it.
+ENGINE_TIMEOUT_S = 120.0
+
+
+class EngineTimeout(RuntimeError):
+    """An engine model did not answer in time; the step's requests fail with this, retryable."""
+
+    triton_code = "UNAVAILABLE"
+
+
+def with_timeout(call: EngineCall, seconds: float) -> EngineCall:
+    """``call`` bounded by ``seconds``: each request runs on its own daemon thread and the
+    caller stops waiting when time is up (Triton's own request timeout, passed along by
+    models/pb.py, only ends a request still queued at the engine model, not one it is
+    running). A request abandoned that way ends its thread when the engine answers."""
+
+    def timed(model: str, inputs: Mapping[str, np.ndarray], names: Sequence[str]) -> Mapping[str, np.ndarray]:
+        box: dict = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box["out"] = call(model, inputs, names)
+            except BaseException as err:  # handed to the caller
+                box["err"] = err
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=f"trtspec-engine-call-{model}", daemon=True).start()
+        if not done.wait(seconds):
+            raise EngineTimeout(
+                f"generation failed: engine model {model} did not answer within {seconds:g} s (engine timeout); "
+                "retry the request; if it keeps happening, look at that model's log"
+            )
+        if "err" in box:
+            raise box["err"]
+        return box["out"]
+
+    return timed
 
 
 def sequence_inputs(contexts: Sequence[list[int]], pad_id: int = 0) -> dict[str, np.ndarray]:

@@ -318,3 +318,67 @@ def processing_of(inputs: Mapping[str, np.ndarray], rows: int, tokenizer, vocab_
         # A request with only a temperature keeps it: its log probs are read at that temperature.
         out.append(proc if proc.active or proc.temperature != 1.0 else None)
     return out
+
+
+# -- size limits: what one request may make the server read or hold ------------------------
+
+# Inputs that are tokenized. Their size is checked before any tokenizing, so a multi-megabyte
+# text costs a length check, not seconds of a tokenizer (operations: Triton backend).
+TEXT_INPUTS = ("text_input", "stop_words", "bad_words", "embedding_bias_words")
+# One response may hold at most this much (serve.max_response_mb when the spec sets it): a
+# vocab-sized float32 row per token of generation_logits is what grows; the Python backend
+# carries responses through /dev/shm (64 MB in a default container).
+DEFAULT_MAX_RESPONSE_MB = 32
+
+
+def longest_token_bytes(tokenizer) -> int:
+    """The most UTF-8 bytes one vocabulary entry decodes to (at least 4: one character)."""
+    try:
+        texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    except Exception:  # a tokenizer without a vocabulary to read: UTF-8's widest character x 8
+        return 32
+    return max(4, max((len(t.encode("utf-8", "replace")) for t in texts), default=4))
+
+
+def text_byte_limit(tokenizer, max_input_len: int) -> int:
+    """The UTF-8 bytes a request's text may have: twice what max_input_len tokens can cover
+    (every token covers at most ``longest_token_bytes``; twice, so that normalisation never
+    refuses a prompt that fits). Text beyond it cannot fit and is refused untokenized."""
+    return 2 * max_input_len * longest_token_bytes(tokenizer)
+
+
+def _byte_sizes(x) -> list[int]:
+    return [len(v) if isinstance(v, bytes) else len(str(v).encode("utf-8", "surrogatepass")) for v in np.asarray(x).reshape(-1)]
+
+
+def check_text_sizes(inputs: Mapping[str, np.ndarray], limit: int, max_input_len: int) -> None:
+    """Refuse, by name, a text input longer than ``limit`` bytes (each prompt on its own; the
+    words of each list together), before anything is tokenized."""
+    for name in TEXT_INPUTS:
+        x = inputs.get(name)
+        if x is None:
+            continue
+        sizes = _byte_sizes(x)
+        n = max(sizes, default=0) if name == "text_input" else sum(sizes)
+        if n > limit:
+            raise RequestError(
+                f"{name} is {n} bytes, more than the {limit} bytes that max_input_len {max_input_len} tokens "
+                "can hold (refused before tokenizing); shorten it, or rebuild with a larger build.max_input_len"
+            )
+
+
+def check_response_size(rows: int, max_tokens: int, vocab_size: int, logits: bool, limit_mb: int) -> None:
+    """Refuse a request whose generation_logits (rows x max_tokens x vocab float32, held while
+    it generates and then sent) would exceed ``limit_mb``, naming the output and the fix."""
+    if not logits:
+        return
+    per_token = rows * vocab_size * 4
+    need = per_token * max_tokens
+    if need > limit_mb * 2**20:
+        most = max(0, limit_mb * 2**20 // per_token)
+        raise RequestError(
+            f"return_generation_logits with max_tokens {max_tokens} would make a {need / 2**20:.0f} MB response "
+            f"({rows} sequence(s) x {max_tokens} tokens x {vocab_size} vocab x 4 bytes), more than the "
+            f"{limit_mb} MB a response may hold (serve.max_response_mb); ask at most {most} tokens, leave "
+            "return_generation_logits out, or raise serve.max_response_mb"
+        )

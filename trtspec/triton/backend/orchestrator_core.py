@@ -33,6 +33,7 @@ tagged batch_index / sequence_index, as upstream's.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -46,7 +47,15 @@ from trtspec.speculative.requests import Limits, encode_prompt, make_request
 from trtspec.speculative.schedule import LoadPolicy
 from trtspec.tokens import check_token_ids
 from trtspec.triton.backend.bls import BlsDecoder, BlsDrafter, BlsVerifier, EngineCall
-from trtspec.triton.backend.contract import check_supported, processing_of, sampling_of
+from trtspec.triton.backend.contract import (
+    DEFAULT_MAX_RESPONSE_MB,
+    check_response_size,
+    check_supported,
+    check_text_sizes,
+    processing_of,
+    sampling_of,
+    text_byte_limit,
+)
 from trtspec.triton.backend.engine_core import per_row
 from trtspec.triton.backend.metrics import EndpointMetrics
 from trtspec.triton.backend.responses import Row, pack
@@ -83,6 +92,8 @@ class OrchestratorSettings:
     # and (window, min acceptance length); the active sequences are this instance's batch.
     schedule: tuple[tuple[int, int], ...] | None = None
     switch_off: tuple[int, float] | None = None
+    # The most one response may hold (contract.check_response_size; serve.max_response_mb).
+    max_response_mb: int = DEFAULT_MAX_RESPONSE_MB
 
     def load_policy(self) -> LoadPolicy | None:
         if self.mode != "speculative":
@@ -132,7 +143,13 @@ class Orchestrator:
     ):
         self.s = settings
         self.call = call
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # decodes answers (the scheduler's worker)
+        # Requests are encoded with a tokenizer of their own (execute's thread), so one
+        # request's tokenization never waits for, or holds up, the decoding of the others'.
+        self.input_tokenizer = copy.deepcopy(tokenizer)
+        lim = settings.limits
+        self.max_input_len = lim.max_input_len if lim.max_input_len is not None else lim.max_seq_len
+        self.max_text_bytes = text_byte_limit(tokenizer, self.max_input_len)
         self.end_ids = end_ids
         self.metrics = metrics  # Prometheus (triton/backend/metrics.py); None: not reported
         self.policy = settings.load_policy()  # one per instance: its window spans batches
@@ -152,8 +169,9 @@ class Orchestrator:
         if text.size != rows:
             raise RequestError(f"text_input must hold one prompt per batch row; got shape {list(text.shape)}")
         self.s.limits.check_batch(rows, "prompts")
+        check_text_sizes(inputs, self.max_text_bytes, self.max_input_len)  # before any tokenizing
         sampling = sampling_of(inputs, rows)
-        processing = processing_of(inputs, rows, self.tokenizer, self.s.limits.vocab_size)
+        processing = processing_of(inputs, rows, self.input_tokenizer, self.s.limits.vocab_size)
         log_probs = _optional(inputs, "return_log_probs", rows)
         gen_logits = _optional(inputs, "return_generation_logits", rows)
         wants_log_probs = log_probs is not None and bool(log_probs.any())
@@ -166,6 +184,10 @@ class Orchestrator:
         # every sequence is a row of the batch: they must fit in it together
         self.s.limits.check_batch(sum(n_seqs), "sequences (prompts x num_return_sequences)")
         max_tokens = _optional(inputs, "max_tokens", rows)
+        if wants_logits:  # what the request would hold and send, refused before it runs
+            asking = [r for r in range(rows) if gen_logits is not None and bool(gen_logits[r])]
+            most = max(int(max_tokens[r]) for r in asking)
+            check_response_size(sum(n_seqs[r] for r in asking), most, self.s.limits.vocab_size, True, self.s.max_response_mb)
         k = _optional(inputs, "num_draft_tokens", rows)
         end_id = _optional(inputs, "end_id", rows)
         pad_id = _optional(inputs, "pad_id", rows)
@@ -196,13 +218,16 @@ class Orchestrator:
             if not prompt.strip():
                 raise RequestError("text_input is empty; send the prompt text")
             use_chat = self.s.chat_template_default if chat is None else bool(chat[r])
-            ids = encode_prompt(self.tokenizer, prompt, use_chat)
+            ids = encode_prompt(self.input_tokenizer, prompt, use_chat)
             n_draft = self.s.default_draft_tokens if k is None else int(k[r])
             ends = self.end_ids
             if end_id is not None:
                 e = int(end_id[r])
-                check_token_ids([e], vocab, "end_id")
-                ends = frozenset({e})
+                if e == -1:  # TensorRT-LLM's ignore_eos: no end token, generate max_tokens
+                    ends = frozenset()
+                else:
+                    check_token_ids([e], vocab, "end_id")
+                    ends = frozenset({e})
             pad = 0 if pad_id is None else int(pad_id[r])
             check_token_ids([pad], vocab, "pad_id")
             for seq in range(n_seqs[r]):
@@ -265,7 +290,7 @@ class Orchestrator:
                 )
 
     def _stop_sequences(self, stops, row: int, rows: int) -> tuple[tuple[int, ...], ...]:
-        seqs = [tuple(self.tokenizer(word, add_special_tokens=False)["input_ids"]) for word in stop_words(stops, row, rows)]
+        seqs = [tuple(self.input_tokenizer(word, add_special_tokens=False)["input_ids"]) for word in stop_words(stops, row, rows)]
         return tuple(s for s in seqs if s)
 
     # -- running -------------------------------------------------------------------------

@@ -9,6 +9,12 @@ active sequence, streams that step's tokens, and answers each request the moment
 row ends. So a request never waits for another request's generation to end, only for the
 step in progress. A full queue answers at once with UNAVAILABLE.
 
+Every request it took gets exactly one final answer or one named error: a failed answer
+(packing or sending raised) is answered with that error while the sender still works, and
+only a client that is gone (cancelled, or its sender refuses the error too) counts as a
+cancel; a raising ``fail()`` never stops the others; if the worker itself dies, everything it
+held and everything submitted later is answered UNAVAILABLE and ``ready`` turns False.
+
 ``StepStats`` is the one place the counts of a step are gathered (for monitoring).
 """
 
@@ -62,6 +68,23 @@ class Reply(Protocol):
     def cancelled(self) -> bool: ...
 
 
+def deliver(reply: Reply, err: Exception) -> bool:
+    """Answer ``err`` as the request's final response; False when its sender refused (gone)."""
+    try:
+        reply.fail(err)
+    except Exception:
+        return False
+    return True
+
+
+def gone(reply: Reply) -> bool:
+    """The client cancelled or disconnected; a sender that cannot tell counts as gone."""
+    try:
+        return bool(reply.cancelled())
+    except Exception:
+        return True
+
+
 @dataclass
 class StepStats:
     """One scheduling step of one endpoint instance: what monitoring reads, in one place.
@@ -79,6 +102,7 @@ class StepStats:
     held: int = 0  # sequences holding a place after the step (0 when idle)
     finished: int = 0  # requests answered this step
     cancelled: int = 0  # requests dropped this step (cancelled, disconnected, timed out)
+    failed: int = 0  # requests answered with an error this step (their answer could not be made or sent)
     # Per sequence that left this step: (finish reason, output tokens); reason "cancelled"
     # when the client cancelled or it timed out, None when it failed.
     ended: list[tuple[str | None, int]] = field(default_factory=list)
@@ -111,10 +135,19 @@ class Scheduler:
         self.active: list[_Job] = []
         self.waiting: deque[_Job] = deque()
         self._cv = threading.Condition()
-        # Tokenizers are not safe to use from two threads at once (a fast tokenizer raises
-        # "Already borrowed"): parsing (execute's thread) and decoding (the worker) share it.
-        self.tokenizer_lock = threading.Lock()
+        # Parsing encodes with the endpoint's own input tokenizer (orch.input_tokenizer), and the
+        # worker decodes with orch.tokenizer, so one request's tokenization never holds up the
+        # others' streams; this lock only keeps two parsing threads off one tokenizer (a fast
+        # tokenizer raises "Already borrowed").
+        self.parse_lock = threading.Lock()
         self._stopping = False
+        self.dead: str | None = None  # why the worker stopped when nobody stopped it
+
+    @property
+    def ready(self) -> bool:
+        """Takes requests: not unloading, and the worker (if one runs) has not died."""
+        with self._cv:
+            return not self._stopping and self.dead is None
 
     def _new_batch(self) -> Batch:
         return self.orch.new_batch()
@@ -123,16 +156,25 @@ class Scheduler:
 
     def submit(self, inputs: Mapping[str, np.ndarray], reply: Reply, timeout_us: int = 0) -> None:
         """Parse and queue one request; a bad or unplaceable request is answered at once."""
+        if self.dead is not None:  # before parsing: nothing will run it
+            deliver(reply, self._dead_error())
+            return
         try:
-            with self.tokenizer_lock:
+            with self.parse_lock:
                 rows = self.orch.parse(inputs)
         except RequestError as err:
-            reply.fail(err)
+            deliver(reply, err)
             return
         except Exception as err:  # a tokenizer or chat-template failure: this request only
-            reply.fail(RuntimeError(f"could not prepare the request: {type(err).__name__}: {err}"))
+            deliver(reply, RuntimeError(f"could not prepare the request: {type(err).__name__}: {err}"))
             return
         self.enqueue(rows, reply, timeout_us)
+
+    def _dead_error(self) -> Unavailable:
+        return Unavailable(
+            f"this model instance's scheduler stopped ({self.dead}); retry on another instance, "
+            "and reload the model (its readiness reports it)"
+        )
 
     def enqueue(self, rows: list[Row], reply: Reply, timeout_us: int = 0) -> None:
         job = _Job(rows, reply)
@@ -141,22 +183,23 @@ class Scheduler:
             job.timeout_ms = timeout_us / 1000
         if rows[0].stream:
             job.streams = [TextStream(self.orch.tokenizer) for _ in rows]
+        refused = None
         with self._cv:
-            if self._stopping:
-                reply.fail(Unavailable("the model is unloading; retry on another instance or later"))
-                return
             # Requests that will get a place at the next step are not waiting for one.
             free = self.max_active - sum(len(j.rows) for j in self.active)
-            if len(self.waiting) >= self.max_queue + max(free, 0):
-                reply.fail(
-                    Unavailable(
-                        f"the queue is full ({self.max_queue} requests waiting); retry later, "
-                        "or raise serve.max_queue in the spec"
-                    )
+            if self._stopping:
+                refused = Unavailable("the model is unloading; retry on another instance or later")
+            elif self.dead is not None:
+                refused = self._dead_error()
+            elif len(self.waiting) >= self.max_queue + max(free, 0):
+                refused = Unavailable(
+                    f"the queue is full ({self.max_queue} requests waiting); retry later, or raise serve.max_queue in the spec"
                 )
-                return
-            self.waiting.append(job)
-            self._cv.notify()
+            else:
+                self.waiting.append(job)
+                self._cv.notify()
+        if refused is not None:  # answered outside the lock: a slow sender holds up nobody
+            deliver(reply, refused)
 
     # -- the worker's side ------------------------------------------------------------------
 
@@ -166,19 +209,30 @@ class Scheduler:
             return bool(self.active or self.waiting)
 
     def serve(self) -> None:
-        """The worker thread: step while there is work, sleep until a request comes."""
-        while True:
+        """The worker thread: step while there is work, sleep until a request comes. However
+        it ends, what it holds is answered; ended by anything but stop(), it marks the
+        scheduler dead so that later requests are refused and readiness turns False."""
+        why: BaseException | None = None
+        try:
+            while True:
+                with self._cv:
+                    while not self._stopping and not self.active and not self.waiting:
+                        self._cv.wait()
+                    if self._stopping:
+                        break
+                try:
+                    self.step()
+                except Exception as err:  # a bug here must not leave every later request hanging
+                    self._fail_active(RuntimeError(f"the scheduler failed: {type(err).__name__}: {err}"))
+                    self.batch = self._new_batch()
+        except BaseException as err:
+            why = err
+            raise
+        finally:
             with self._cv:
-                while not self._stopping and not self.active and not self.waiting:
-                    self._cv.wait()
-                if self._stopping:
-                    break
-            try:
-                self.step()
-            except Exception as err:  # a bug here must not leave every later request hanging
-                self._fail_active(RuntimeError(f"the scheduler failed: {type(err).__name__}: {err}"))
-                self.batch = self._new_batch()
-        self._fail_all(Unavailable("the model is unloading; retry later"))
+                if not self._stopping:
+                    self.dead = "its worker died" if why is None else f"its worker died: {type(why).__name__}: {why}"
+            self._fail_all(self._dead_error() if self.dead else Unavailable("the model is unloading; retry later"))
 
     def stop(self) -> None:
         with self._cv:
@@ -194,7 +248,8 @@ class Scheduler:
             try:
                 report = self.batch.step()
             except Exception as err:  # an engine failure fails the running requests, not the server
-                failure = err if isinstance(err, RequestError) else RuntimeError(f"generation failed: {err}")
+                named = isinstance(err, RequestError) or hasattr(err, "triton_code")  # e.g. bls.EngineTimeout
+                failure = err if named else RuntimeError(f"generation failed: {err}")
                 self._fail_active(failure, stats)
                 self.batch = self._new_batch()
             else:
@@ -224,7 +279,7 @@ class Scheduler:
                     stats.ended.append(("cancelled", len(res.output_ids)))
                 with self._cv:
                     self.active.remove(job)
-                job.reply.fail(err)
+                deliver(job.reply, err)
                 stats.cancelled += 1
         with self._cv:
             waiting = list(self.waiting)
@@ -233,11 +288,11 @@ class Scheduler:
             if err is not None:
                 with self._cv:
                     self.waiting.remove(job)
-                job.reply.fail(err)
+                deliver(job.reply, err)
                 stats.cancelled += 1
 
     def _why_dropped(self, job: _Job, now: int) -> Exception | None:
-        if job.reply.cancelled():
+        if gone(job.reply):
             return Cancelled("the request was cancelled")
         if job.deadline_ns is not None and now > job.deadline_ns:
             return Unavailable(f"the request's timeout ({job.timeout_ms:g} ms) expired before it finished")
@@ -251,17 +306,20 @@ class Scheduler:
                 if self.waiting and len(self.waiting[0].rows) > self.max_active:
                     # can never fit (the parser bounds rows by the batch size; guard anyway)
                     big = self.waiting.popleft()
-                    big.reply.fail(RequestError(f"{len(big.rows)} sequences exceed this model's batch of {self.max_active}"))
-                    continue
-                if not self.waiting or len(self.waiting[0].rows) > room:
-                    return
-                job = self.waiting.popleft()
+                else:
+                    big = None
+                    if not self.waiting or len(self.waiting[0].rows) > room:
+                        return
+                    job = self.waiting.popleft()
+            if big is not None:
+                deliver(big.reply, RequestError(f"{len(big.rows)} sequences exceed this model's batch of {self.max_active}"))
+                continue
+            with self._cv:  # active first: if adding fails, the failure handler answers it
+                self.active.append(job)
             scheduled = time.time_ns()
             for row in job.rows:
                 row.times["first_scheduled_time_ns"] = scheduled
                 job.keys.append(self.batch.add(row.request))
-            with self._cv:
-                self.active.append(job)
             room -= len(job.rows)
 
     def _answer(self, emitted: dict[int, list[int]], stats: StepStats) -> None:
@@ -275,32 +333,53 @@ class Scheduler:
                     row.times["last_token_time_ns"] = now
             mine = [results[key] for key in job.keys]
             done = all(res.done for res in mine)
-            if done:
-                ended = [self.batch.pop(key) for key in job.keys]
-                stats.ended += [(res.finish_reason, len(res.output_ids)) for res in ended]
+            ended = [self.batch.pop(key) for key in job.keys] if done else []
             try:
-                with self.tokenizer_lock:
-                    if job.streams is not None:
-                        out = self._stream_step(job, mine, emitted)
-                    elif done and job.rows[0].separate:  # one response per prompt / sequence, as upstream
-                        out = [self.orch.pack([row], [res]) for row, res in zip(job.rows, ended)]
-                    elif done:
-                        out = [self.orch.pack(job.rows, ended)]
-                    else:
-                        out = []
-                    for n, tensors in enumerate(out):
-                        job.reply.send(tensors, done and n == len(out) - 1)
-            except Exception:  # the client is gone (its sender closed): it leaves like a cancel
-                if not done:
-                    stats.ended += [(None, len(self.batch.cancel(key).output_ids)) for key in job.keys]
-                    stats.cancelled += 1
-                    with self._cv:
-                        self.active.remove(job)
-                    continue
+                out = self._responses(job, mine, ended, emitted, done)
+            except Exception as err:  # our own bug or a resource limit: the client is still there
+                self._answer_failed(
+                    job, done, ended, RuntimeError(f"could not build the response: {type(err).__name__}: {err}"), stats
+                )
+                continue
+            try:
+                for n, tensors in enumerate(out):
+                    job.reply.send(tensors, done and n == len(out) - 1)
+            except Exception as err:
+                self._answer_failed(
+                    job, done, ended, RuntimeError(f"could not send the response: {type(err).__name__}: {err}"), stats
+                )
+                continue
             if done:
+                stats.ended += [(res.finish_reason, len(res.output_ids)) for res in ended]
                 with self._cv:
                     self.active.remove(job)
                 stats.finished += 1
+
+    def _responses(self, job: _Job, mine, ended, emitted, done: bool) -> list[dict]:
+        if job.streams is not None:
+            return self._stream_step(job, mine, emitted)
+        if done and job.rows[0].separate:  # one response per prompt / sequence, as upstream
+            return [self.orch.pack([row], [res]) for row, res in zip(job.rows, ended)]
+        if done:
+            return [self.orch.pack(job.rows, ended)]
+        return []
+
+    def _answer_failed(self, job: _Job, done: bool, ended: list[GenerationResult], err: Exception, stats: StepStats) -> None:
+        """A response could not be built or sent: the request leaves with ``err`` as its answer
+        while its sender still works (counted failed); a client that is gone (cancelled, or
+        its sender refuses the error too) leaves as a cancel."""
+        if not done:
+            ended = [self.batch.cancel(key) for key in job.keys]
+        with self._cv:
+            self.active.remove(job)
+        cancelled = gone(job.reply)
+        answered = deliver(job.reply, Cancelled("the request was cancelled") if cancelled else err)
+        if cancelled or not answered:
+            stats.ended += [("cancelled", len(res.output_ids)) for res in ended]
+            stats.cancelled += 1
+        else:
+            stats.ended += [(None, len(res.output_ids)) for res in ended]
+            stats.failed += 1
 
     @staticmethod
     def _stream_step(job: _Job, results: list[GenerationResult], emitted: dict[int, list[int]]) -> list[dict]:
@@ -331,11 +410,11 @@ class Scheduler:
         for job in failed:
             if stats is not None:
                 stats.ended += [(None, len(self.batch.results[k].output_ids)) for k in job.keys if k in self.batch.results]
-            job.reply.fail(err)
+            deliver(job.reply, err)
 
     def _fail_all(self, err: Exception) -> None:
         self._fail_active(err)
         with self._cv:
             waiting, self.waiting = list(self.waiting), deque()
         for job in waiting:
-            job.reply.fail(err)
+            deliver(job.reply, err)

@@ -12,6 +12,7 @@ and the other requests carry on.
 
 from __future__ import annotations
 
+import functools
 import threading
 from pathlib import Path
 
@@ -19,6 +20,8 @@ import triton_python_backend_utils as pb_utils
 
 from trtspec.speculative.requests import Limits, end_token_ids
 from trtspec.speculative.schedule import from_params as schedule_settings
+from trtspec.triton.backend.bls import ENGINE_TIMEOUT_S, split_rows, with_timeout
+from trtspec.triton.backend.contract import DEFAULT_MAX_RESPONSE_MB
 from trtspec.triton.backend.metrics import EndpointMetrics, TritonSink
 from trtspec.triton.backend.models import pb
 from trtspec.triton.backend.orchestrator_core import Orchestrator, OrchestratorSettings
@@ -58,13 +61,19 @@ class TritonPythonModel:
             target_continues=p.get("engine_continues", "false") == "true",
             sampling_supported=p.get("engine_margins", "false") == "true",  # torch engine models
             kv_blocks_supported=p.get("engine_margins", "false") == "true",
+            max_response_mb=int(p.get("max_response_mb", DEFAULT_MAX_RESPONSE_MB)),
             **schedule_settings(p),
         )
-        call = pb.bls_call
+        # The speculative endpoints' engine requests are bounded (bls.with_timeout), so a hung
+        # engine model fails the step instead of stalling the scheduler; the control answers
+        # inside execute() (one request per answer) and keeps Triton's own unbounded wait.
+        timeout_s = float(p.get("engine_timeout_s", ENGINE_TIMEOUT_S)) if settings.mode == "speculative" else 0.0
+        us = int(timeout_s * 1e6)
+        call = functools.partial(pb.bls_call, timeout_us=us)
         if p.get("engine_requests", "batched") == "per_row":
-            from trtspec.triton.backend.bls import split_rows
-
-            call = split_rows(pb.bls_call_many)
+            call = split_rows(functools.partial(pb.bls_call_many, timeout_us=us))
+        if timeout_s > 0:
+            call = with_timeout(call, timeout_s)
         # Prometheus metrics on Triton's metrics port (README: Monitoring).
         self.sink = TritonSink(pb_utils)
         metrics = EndpointMetrics(
@@ -79,6 +88,11 @@ class TritonPythonModel:
             self.scheduler = Scheduler(self.core, settings.limits.max_batch_size, max_queue, observe=self.core.observe_step)
             self.worker = threading.Thread(target=self.scheduler.serve, name="trtspec-scheduler", daemon=True)
             self.worker.start()
+
+    def is_ready(self) -> bool:
+        """Triton's readiness of this instance (python_backend calls it where it supports
+        user readiness, 2026 releases on): False once the scheduler's worker has died."""
+        return self.scheduler is None or (self.scheduler.ready and self.worker.is_alive())
 
     def execute(self, requests):
         if self.scheduler is not None:

@@ -58,11 +58,14 @@ class Reply:
         return self.request.is_cancelled()
 
 
-def _request(model: str, inputs: Mapping[str, np.ndarray], output_names):
+def _request(model: str, inputs: Mapping[str, np.ndarray], output_names, timeout_us: int = 0):
+    # timeout: microseconds (python_backend's InferenceRequest; 0 = none); Triton answers a
+    # request still queued at the engine model past it with an error.
     return pb_utils.InferenceRequest(
         model_name=model,
         requested_output_names=list(output_names),
         inputs=[pb_utils.Tensor(k, np.ascontiguousarray(v)) for k, v in inputs.items()],
+        timeout=int(timeout_us),
     )
 
 
@@ -79,17 +82,17 @@ def _outputs(model: str, reply, output_names) -> dict[str, np.ndarray]:
     return out
 
 
-def bls_call(model: str, inputs: Mapping[str, np.ndarray], output_names) -> dict[str, np.ndarray]:
+def bls_call(model: str, inputs: Mapping[str, np.ndarray], output_names, timeout_us: int = 0) -> dict[str, np.ndarray]:
     """One synchronous BLS request to another model of this server."""
-    return _outputs(model, _request(model, inputs, output_names).exec(), output_names)
+    return _outputs(model, _request(model, inputs, output_names, timeout_us).exec(), output_names)
 
 
-def bls_call_many(model: str, requests, output_names) -> list[dict[str, np.ndarray]]:
+def bls_call_many(model: str, requests, output_names, timeout_us: int = 0) -> list[dict[str, np.ndarray]]:
     """Several single-row BLS requests to ``model``, all in flight at once (async_exec), so
     a non-decoupled TensorRT-LLM model batches them in flight instead of refusing a batch."""
     import asyncio
 
     async def all_replies():
-        return await asyncio.gather(*[_request(model, inputs, output_names).async_exec() for inputs in requests])
+        return await asyncio.gather(*[_request(model, inputs, output_names, timeout_us).async_exec() for inputs in requests])
 
     return [_outputs(model, reply, output_names) for reply in asyncio.run(all_replies())]
