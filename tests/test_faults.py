@@ -38,6 +38,7 @@ class Recorder:
         self.send_raises, self.fail_raises = send_raises, fail_raises
         self.cancel_after, self.cancelled_raises = cancel_after, cancelled_raises
         self.sends = 0
+        self.closed = 0  # bare final flags (llmapi streams whose client left)
 
     def send(self, tensors, final):
         self.sends += 1
@@ -55,10 +56,13 @@ class Recorder:
             raise RuntimeError("the request was released")
         return self.cancel_after is not None and len(self.sent) >= self.cancel_after
 
+    def close(self):
+        self.closed += 1
+
     @property
     def answers(self) -> int:
-        """Final answers that reached the client: final responses plus errors."""
-        return sum(final for _, final, _ in self.sent) + len(self.errors)
+        """Final answers that reached the client: final responses, errors, bare final flags."""
+        return sum(final for _, final, _ in self.sent) + len(self.errors) + self.closed
 
     @property
     def error(self) -> Exception | None:
@@ -446,3 +450,97 @@ def test_running_streams_keep_streaming_through_a_huge_prompt_and_a_burst(built,
         gaps = np.diff([t for _, _, t in reply.sent])
         assert max(gaps) <= 3 * statistics.median(gaps), (max(gaps), statistics.median(gaps))
     assert not worker.is_alive() and threading.active_count() == threads
+
+
+# -- the LLM API streaming endpoint ------------------------------------------------------------
+
+
+class _FakeResult:
+    """An LLM API streaming result: one token per step; waits for ``gate`` before each."""
+
+    def __init__(self, n: int, gate: threading.Event):
+        self.n, self.gate, self.aborted = n, gate, False
+
+    def __iter__(self):
+        from types import SimpleNamespace
+
+        ids: list[int] = []
+        for i in range(self.n):
+            assert self.gate.wait(30)
+            if self.aborted:
+                return
+            ids.append(5 + i)
+            out = SimpleNamespace(token_ids=list(ids), token_ids_diff=[5 + i], request_perf_metrics=None)
+            yield SimpleNamespace(outputs=[out], finished=i == self.n - 1)
+
+    def abort(self):
+        self.aborted = True
+
+
+class _FakeLLM:
+    def __init__(self):
+        self.gate = threading.Event()
+        self.results: list[_FakeResult] = []
+
+    def generate_async(self, ids, params, streaming=False):
+        self.results.append(_FakeResult(params.max_tokens, self.gate))
+        return self.results[-1]
+
+
+def _llmapi(dep, max_queue):
+    from trtspec.speculative.llmapi import load_api
+    from trtspec.triton.backend.llmapi_core import LlmapiEndpoint
+
+    settings = replace(_orchestrator(dep).s, decoupled=True, margins_supported=False, sampling_supported=False)
+    llm = _FakeLLM()
+    return LlmapiEndpoint(settings, dep.tokenizer, dep.end_ids, llm, load_api("double", "1.2"), max_queue=max_queue), llm
+
+
+def _llmapi_request(prompt, max_tokens):
+    inputs = _request(prompt, max_tokens=max_tokens, stream=True)
+    del inputs["return_perf_metrics"]
+    return inputs
+
+
+def test_llmapi_streams_are_bounded_by_the_queue_and_give_their_places_back(built):
+    dep = built()
+    endpoint, llm = _llmapi(dep, max_queue=1)
+    assert endpoint.max_streams == dep.limits.max_batch_size + 1
+    threads = threading.active_count()
+    replies = [Recorder() for _ in range(endpoint.max_streams + 2)]
+    started = [endpoint.submit_stream(_llmapi_request(PROMPTS[0], 3), r) for r in replies]
+    assert sum(t is not None for t in started) == endpoint.max_streams
+    refused = replies[endpoint.max_streams :]
+    assert all(r.answers == 1 and isinstance(r.error, Unavailable) for r in refused)
+    assert f"queue is full ({endpoint.max_streams} streams in flight)" in str(refused[0].error)
+    llm.gate.set()
+    for t in started[: endpoint.max_streams]:
+        t.join(10)
+    for r in replies[: endpoint.max_streams]:
+        assert r.answers == 1 and r.error is None and [t for x, _, _ in r.sent for t in x["output_ids"][0]] == [5, 6, 7]
+    assert threading.active_count() == threads
+    again = [Recorder() for _ in range(endpoint.max_streams)]  # every place was given back
+    for t in [endpoint.submit_stream(_llmapi_request(PROMPTS[1], 2), r) for r in again]:
+        t.join(10)
+    assert all(r.answers == 1 and r.error is None for r in again)
+
+
+@pytest.mark.parametrize("fail_raises", [False, True])
+def test_llmapi_a_send_raising_mid_stream_aborts_the_generation_and_never_raises(built, fail_raises):
+    dep = built()
+    endpoint, llm = _llmapi(dep, max_queue=0)
+    llm.gate.set()
+    broken = Recorder(send_raises=2, fail_raises=fail_raises)
+    endpoint.submit_stream(_llmapi_request(PROMPTS[0], 8), broken).join(10)  # the thread ended without raising
+    assert llm.results[0].aborted  # the generation does not run on holding its KV cache
+    assert broken.answers == (0 if fail_raises else 1)
+    if not fail_raises:
+        assert "Failed to increase the shared memory pool size" in str(broken.error)
+    cancelled = Recorder(cancel_after=2)
+    endpoint.submit_stream(_llmapi_request(PROMPTS[0], 8), cancelled).join(10)
+    assert llm.results[1].aborted and cancelled.closed == 1 and cancelled.answers == 1
+    full = [Recorder() for _ in range(endpoint.max_streams)]  # both places came back
+    for t in [endpoint.submit_stream(_llmapi_request(PROMPTS[1], 2), r) for r in full]:
+        t.join(10)
+    assert all(r.answers == 1 and r.error is None for r in full)
+    assert not any(r.aborted for r in llm.results[2:])  # finished streams are not aborted

@@ -17,12 +17,19 @@ Streaming (the decoupled model, `tensorrt_llm_bls_streaming`): one LLM.generate_
 streaming=True) per request, one response per step with that step's tokens and text delta
 (the same incremental decoder as the orchestrator's streams), the last flagged final with the
 whole request's metrics; a request Triton reports cancelled is aborted at the next step.
+Each stream runs on its own thread, at most max_batch_size generating plus ``max_queue``
+waiting (serve.max_queue, as the scheduler's endpoints); beyond that a request is answered
+UNAVAILABLE at once. However a stream ends (finished, cancelled, failed, its sender broken),
+its generation is aborted unless it finished, it gets one final answer or error, and its
+place is given back (``serve_stream``).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -32,21 +39,39 @@ from trtspec.speculative.loop import GenerationResult
 from trtspec.speculative.metrics import SpecMetrics
 from trtspec.triton.backend.orchestrator_core import Orchestrator, OrchestratorSettings, stop_words
 from trtspec.triton.backend.responses import Row, TextStream, row_tensors
+from trtspec.triton.backend.scheduler import Unavailable, deliver
 
 # send(tensors, final) for one streamed request; cancelled() asks Triton whether it was.
 StreamSend = Callable[[dict[str, np.ndarray], bool], None]
 
 
+class StreamReply(Protocol):
+    """Where one streamed request's answers go (models/pb.Reply, or a test's recorder)."""
+
+    def send(self, tensors: dict[str, np.ndarray], final: bool) -> None: ...
+
+    def fail(self, err: Exception) -> None: ...  # one error response; ends the request
+
+    def cancelled(self) -> bool: ...
+
+    def close(self) -> None: ...  # a bare final flag: ends a request whose client left
+
+
 class LlmapiEndpoint:
-    def __init__(self, settings: OrchestratorSettings, tokenizer, end_ids: frozenset[int], llm, api):
+    def __init__(self, settings: OrchestratorSettings, tokenizer, end_ids: frozenset[int], llm, api, max_queue: int = 64):
         self.orch = Orchestrator(settings, call=None, tokenizer=tokenizer, end_ids=end_ids)
         self.default_end_ids = end_ids
         self.llm = llm
         self.api = api
         self.speculative = settings.mode == "speculative"
+        # streams in flight (one thread each): the LLM's batch plus max_queue waiting in it
+        self.max_streams = settings.limits.max_batch_size + max_queue
+        self._streams = threading.BoundedSemaphore(self.max_streams)
+        self._parse_lock = threading.Lock()  # stream threads parse at once; one tokenizer
 
     def parse(self, inputs: Mapping[str, np.ndarray]) -> list[Row]:
-        rows = self.orch.parse(inputs)
+        with self._parse_lock:
+            rows = self.orch.parse(inputs)
         if any(row.sequences > 1 for row in rows):
             raise RequestError(
                 f"num_return_sequences={rows[0].sequences} is not supported by the LLM API endpoints "
@@ -106,29 +131,73 @@ class LlmapiEndpoint:
         except ValueError as err:  # the LLM API's refusal of a request
             raise RequestError(str(err)) from None
         text = TextStream(self.orch.tokenizer)
-        for step in result:
-            if cancelled():
-                result.abort()  # frees the request's slot; Triton drops what we would send
-                return False
-            out = step.outputs[0]
-            if out.token_ids_diff or step.finished:
-                now = time.time_ns()
-                row.times.setdefault("first_token_time_ns", now)
-                row.times["last_token_time_ns"] = now
-            if not step.finished:
-                if out.token_ids_diff and row.stream:
-                    tensors = text.step(list(out.token_ids_diff), False)
-                    if row.want_metrics:  # upstream's streamed responses carry the perf outputs so far
-                        tensors |= row_tensors(rows, [self._result(out)])
-                    send(tensors, False)
-                continue
-            final = self._result(out)
-            if not row.stream:
-                send(self.orch.pack(rows, [final]), True)
-                return True
-            send(text.step(list(out.token_ids_diff), True) | row_tensors(rows, [final]), True)
+        ended = False  # the LLM finished the request: nothing left to abort
+        try:
+            for step in result:
+                if cancelled():
+                    return False  # aborted below: frees its KV cache; Triton drops what we would send
+                ended = step.finished
+                if self._answer_step(step, rows, text, send):
+                    return True
+            raise RuntimeError("the LLM API ended the request without a final output")
+        finally:
+            if not ended:  # cancelled, failed or a send raised: the generation must not run on
+                try:
+                    result.abort()
+                except Exception:
+                    pass
+
+    def _answer_step(self, step, rows: list[Row], text: TextStream, send: StreamSend) -> bool:
+        """Send one streamed step; True once the final response went out."""
+        (row,) = rows
+        out = step.outputs[0]
+        if out.token_ids_diff or step.finished:
+            now = time.time_ns()
+            row.times.setdefault("first_token_time_ns", now)
+            row.times["last_token_time_ns"] = now
+        if not step.finished:
+            if out.token_ids_diff and row.stream:
+                tensors = text.step(list(out.token_ids_diff), False)
+                if row.want_metrics:  # upstream's streamed responses carry the perf outputs so far
+                    tensors |= row_tensors(rows, [self._result(out)])
+                send(tensors, False)
+            return False
+        final = self._result(out)
+        if not row.stream:
+            send(self.orch.pack(rows, [final]), True)
             return True
-        raise RuntimeError("the LLM API ended the request without a final output")
+        send(text.step(list(out.token_ids_diff), True) | row_tensors(rows, [final]), True)
+        return True
+
+    def submit_stream(self, inputs: Mapping[str, np.ndarray], reply: StreamReply) -> threading.Thread | None:
+        """Start one request of the decoupled model on its own thread (returned), or answer
+        it UNAVAILABLE at once when max_streams are in flight (None)."""
+        if not self._streams.acquire(blocking=False):
+            full = f"the queue is full ({self.max_streams} streams in flight); retry later, or raise serve.max_queue in the spec"
+            deliver(reply, Unavailable(full))
+            return None
+        thread = threading.Thread(target=self.serve_stream, args=(inputs, reply), name="trtspec-llmapi-stream", daemon=True)
+        try:
+            thread.start()
+        except Exception as err:  # no thread to be had: this request fails, its place is free
+            self._streams.release()
+            deliver(reply, Unavailable(f"could not start the stream ({err}); retry later"))
+            return None
+        return thread
+
+    def serve_stream(self, inputs: Mapping[str, np.ndarray], reply: StreamReply) -> None:
+        """One admitted request of the decoupled model, on its own thread. Never raises: the
+        final response, or one error, or (cancelled) a bare final flag ends it; the error
+        send is guarded; its place is given back."""
+        try:
+            # Never ask cancelled() after the final response: Triton has released the request
+            # then (tritonserver 2.51 segfaults in TRITONBACKEND_ResponseFactoryIsCancelled).
+            if not self.stream(inputs, reply.send, reply.cancelled):
+                reply.close()  # aborted: close the stream so Triton releases the request
+        except Exception as err:  # this request fails, the server carries on
+            deliver(reply, err)
+        finally:
+            self._streams.release()
 
     @staticmethod
     def _result(output) -> GenerationResult:

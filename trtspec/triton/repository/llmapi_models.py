@@ -76,6 +76,7 @@ def plan(
             "vocab_size": str(vocab),
             "tokenizer_dir": str(tokenizer_dir),
             "apply_chat_template": "false",
+            "max_queue": str(spec.serve.max_queue),  # the streaming endpoint's bound (llmapi_core)
         }
         if spec.target.gpu_device_ids:
             params["gpu_device_ids"] = ",".join(map(str, spec.target.gpu_device_ids))

@@ -56,36 +56,22 @@ class TritonPythonModel:
             chat_template_default=p.get("apply_chat_template", "false") == "true",
             margins_supported=False,
         )
-        self.core = LlmapiEndpoint(settings, tokenizer, end_token_ids(tokenizer, tokenizer_dir), self.llm, self.api)
+        self.core = LlmapiEndpoint(
+            settings,
+            tokenizer,
+            end_token_ids(tokenizer, tokenizer_dir),
+            self.llm,
+            self.api,
+            max_queue=int(p.get("max_queue", "64")),  # serve.max_queue
+        )
 
     def execute(self, requests):
         if not self.decoupled:
             answers = self.core.run([pb.inputs_of(r) for r in requests])
             return [pb.error_response(a) if isinstance(a, Exception) else pb.response(a) for a in answers]
-        import threading
-
-        for request in requests:  # each stream runs in its own thread; the LLM API batches them
-            threading.Thread(target=self._stream, args=(request,), daemon=True).start()
+        for request in requests:  # each stream runs on its own thread; the LLM API batches them
+            self.core.submit_stream(pb.inputs_of(request), pb.Reply(request))
         return None
-
-    def _stream(self, request) -> None:
-        import triton_python_backend_utils as pb_utils
-
-        sender = request.get_response_sender()
-        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-
-        def send(tensors, last):
-            sender.send(pb.response(tensors), flags=final if last else 0)
-
-        try:
-            finished = self.core.stream(pb.inputs_of(request), send, request.is_cancelled)
-        except Exception as err:  # this request fails, the server carries on
-            sender.send(pb.error_response(err), flags=final)
-            return
-        # Never ask is_cancelled() after the final response: Triton has released the request
-        # then (tritonserver 2.51 segfaults in TRITONBACKEND_ResponseFactoryIsCancelled).
-        if not finished:  # aborted: close the stream so Triton releases the request
-            sender.send(flags=final)
 
     def finalize(self):
         self.llm.shutdown()

@@ -57,6 +57,10 @@ class Reply:
         """The client cancelled, disconnected or let its deadline pass."""
         return self.request.is_cancelled()
 
+    def close(self) -> None:
+        """End the request without a response (its client left), so Triton releases it."""
+        self.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
 
 def _request(model: str, inputs: Mapping[str, np.ndarray], output_names, timeout_us: int = 0):
     # timeout: microseconds (python_backend's InferenceRequest; 0 = none); Triton answers a
