@@ -173,16 +173,32 @@ def test_groups_share_their_wall_time():
 
 
 def test_vllm_counters_become_our_metrics():
-    # 3 drafts of k=2: 6 drafted, 4 accepted (3 at position 0, 1 at position 1); vLLM returned
-    # 9 tokens, so 9 - 4 = 5 target forwards (the prefill, 3 verifies, one more).
+    # 3 drafts of k=2: 6 drafted, 4 accepted (3 at position 0, 1 at position 1)
     spec = {"num_drafts": 3, "num_draft_tokens": 6, "num_accepted_tokens": 4, "accepted_per_pos": [3, 1]}
-    m = vllm_metrics(spec, generated=9, k=2)
-    assert (m.drafted, m.accepted, m.target_forwards, m.tokens) == (6, 4, 5, 9)
-    assert m.acceptance_rate == 4 / 6 and m.mean_acceptance_length == 9 / 5
+    m = vllm_metrics(spec, k=2)
+    assert (m.drafted, m.accepted) == (6, 4) and m.acceptance_rate == 4 / 6
     assert m.per_position_rate == [1.0, 1 / 3]
+    # vLLM's counters see only the steps that drafted: no target forwards, no mean length made up
+    assert m.target_forwards == 0 and m.mean_acceptance_length == 0.0
     # ngram drafts may be shorter than k: per-position rates are then unknown, not made up
-    short = vllm_metrics({"num_drafts": 3, "num_draft_tokens": 4, "num_accepted_tokens": 1, "accepted_per_pos": [1, 0]}, 5, 2)
+    short = vllm_metrics({"num_drafts": 3, "num_draft_tokens": 4, "num_accepted_tokens": 1, "accepted_per_pos": [1, 0]}, 2)
     assert short.per_position_rate == [] and short.acceptance_rate == 0.25
+
+
+def test_table_leaves_vllm_mean_accepted_length_blank():
+    calls: list[str] = []
+    vllm = PeerPath(
+        "vllm_ngram",
+        "vLLM ngram k=2",
+        lambda ids, n: Generation(
+            ids[:n],
+            vllm_metrics({"num_drafts": 1, "num_draft_tokens": 2, "num_accepted_tokens": 1, "accepted_per_pos": [1, 0]}, 2),
+        ),
+    )
+    m = measure([_fake("ours_target", calls), vllm], _prompts(1), max_tokens=2)
+    assert "| vLLM ngram k=2 | 2 |" in render_markdown(m, summarise(m))
+    row = next(line for line in render_markdown(m, summarise(m)).splitlines() if line.startswith("| vLLM ngram"))
+    assert row.endswith("| 1/1 | 0.50 |  |")
 
 
 FAKE_PEER = """

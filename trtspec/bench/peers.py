@@ -33,10 +33,12 @@ Definitions:
               (with --repeats N, seconds is each (prompt, path)'s fastest of N runs)
   identical   prompts whose output ids equal ours_target's (same concurrency) exactly
   vLLM acceptance: vLLM's own counters (vllm:spec_decode_*) over each call: drafted =
-              num_draft_tokens, accepted = num_accepted_tokens, accepted per position; its
-              target forwards = tokens it generated (its EOS included) - accepted, so mean
-              accepted length is tokens per target forward, prefill included, as ours. At c > 1
-              a group's counts are booked on its first prompt.
+              num_draft_tokens, accepted = num_accepted_tokens, accepted per position. vLLM
+              drafts k at the last step too and counts what it accepts there even where
+              max_tokens then cuts it (our loop drafts only what the budget can use). Its
+              counters see only the steps that drafted, not every target forward, so its mean
+              accepted length is left blank. At c > 1 a group's counts are booked on its first
+              prompt.
 
 Every path warms up once (excluded), then prompts run one by one with all paths on each,
 in an order rotated per prompt so machine noise hits all paths alike.
@@ -375,19 +377,14 @@ def vllm_env(threads: int, kv_cache_gib: int) -> dict[str, str]:
     }
 
 
-def vllm_metrics(spec: dict, generated: int, k: int) -> SpecMetrics:
-    """vLLM's counters over one call as our SpecMetrics (definitions at the top of this file).
-    ``generated``: tokens vLLM returned for the call, its EOS included."""
-    accepted = spec["num_accepted_tokens"]
-    m = SpecMetrics(
-        drafted=spec["num_draft_tokens"],
-        accepted=accepted,
-        target_forwards=max(generated - accepted, 0),
-        tokens=generated,
-    )
-    if spec["num_draft_tokens"] == spec["num_drafts"] * k:  # every draft k long: positions known
-        m.drafted_at = [spec["num_drafts"]] * k if spec["num_drafts"] else []
-        m.accepted_at = list(spec["accepted_per_pos"]) if spec["num_drafts"] else []
+def vllm_metrics(spec: dict, k: int) -> SpecMetrics:
+    """vLLM's counters over one call as our SpecMetrics (definitions at the top of this file):
+    drafted and accepted, per position when every draft was k long; no target forwards (its
+    counters see only the steps that drafted), so no mean accepted length."""
+    m = SpecMetrics(drafted=spec["num_draft_tokens"], accepted=spec["num_accepted_tokens"])
+    if spec["num_drafts"] and spec["num_draft_tokens"] == spec["num_drafts"] * k:
+        m.drafted_at = [spec["num_drafts"]] * k
+        m.accepted_at = list(spec["accepted_per_pos"])
     return m
 
 
@@ -465,7 +462,7 @@ def _vllm_run(worker: VllmWorker, stop_ids: list[int], end_ids: frozenset[int], 
         if k is not None:
             for g in gens:
                 g.metrics = SpecMetrics()
-            gens[0].metrics = vllm_metrics(answer["spec"], sum(len(ids) for ids in outputs), k)
+            gens[0].metrics = vllm_metrics(answer["spec"], k)
         return gens
 
     def run(ids: list[int], max_tokens: int) -> Generation:
@@ -673,7 +670,7 @@ def render_markdown(m: Measurement, summaries: list[PathSummary]) -> str:
     for s in summaries:
         same = "reference" if s.key == REFERENCE else f"{s.identical}/{n}"
         rate = f"{s.metrics['acceptance_rate']:.2f}" if s.metrics else ""
-        mal = f"{s.metrics['mean_acceptance_length']:.2f}" if s.metrics else ""
+        mal = f"{s.metrics['mean_acceptance_length']:.2f}" if s.metrics and s.metrics["target_forwards"] else ""
         ratios = " | ".join(_x(ratio(summaries, s.key, key)) for _, key in vs)
         lines.append(f"| {s.label} | {s.tokens} | {s.seconds:.2f} | {s.tokens_per_s:.1f} | {ratios} | {same} | {rate} | {mal} |")
     lines += ["", "Tokens/s by prompt kind:", ""]
@@ -741,7 +738,7 @@ def plot(results: list[tuple[Measurement, list[PathSummary]]], out: Path) -> Pat
     import matplotlib.pyplot as plt
 
     labels = list(dict.fromkeys(label for m, _ in results for _, label in m.paths))
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(labels) * max(1, len(results)) + 1.5))
+    fig, ax = plt.subplots(figsize=(11, 0.35 * len(labels) * max(1, len(results)) + 1.5))
     height = 0.8 / len(results)
     for i, (m, summaries) in enumerate(results):
         by = {s.label: s.tokens_per_s for s in summaries}
