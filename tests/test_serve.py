@@ -666,13 +666,19 @@ def test_openai_stop_ends_before_the_stop_text(oai, deployment, stream):
         ({"extra_body": {"guided_json": {}}}, 400, "guided_json is not supported by trtspec"),
         ({"model": "gpt-4"}, 404, "model 'gpt-4' does not exist"),
         ({"max_tokens": 10_000}, 400, "max_tokens"),
+        # the deployment's own INVALID_ARG, streamed: still 400 (the stream keeps its gRPC status)
+        ({"max_tokens": 10_000, "stream": True}, 400, "exceeds max_seq_len"),
+        ({"extra_body": {"num_draft_tokens": 99}, "stream": True}, 400, "num_draft_tokens must be in 0..8"),
+        ({"extra_body": {"num_draft_tokens": 2**31 + 8}}, 400, "less than or equal to 2147483647"),
     ],
 )
 def test_openai_errors_have_openai_shape_and_name_the_field(oai, deployment, kw, status, message):
     openai = pytest.importorskip("openai")
     args = {"model": _name(deployment), "prompt": PROMPTS[0], "max_tokens": 8} | kw
     with pytest.raises(openai.APIStatusError) as err:
-        oai.completions.create(**args)
+        out = oai.completions.create(**args)
+        if args.get("stream"):
+            list(out)
     assert err.value.status_code == status
     body = err.value.response.json()["error"]
     assert message in body["message"] and body["type"] in ("invalid_request_error", "server_error")
@@ -716,6 +722,67 @@ def test_openai_n_choices_sample_with_consecutive_seeds(oai, deployment):
     for i, choice in enumerate(out.choices):
         assert choice.text == oai.completions.create(seed=21 + i, **kw).choices[0].text
     assert out.usage.completion_tokens == sum(oai.completions.create(seed=21 + i, **kw).usage.completion_tokens for i in range(3))
+
+
+@pytest.mark.server
+def test_openai_greedy_n_sends_one_request(oai, deployment, served):
+    """Greedy decoding is deterministic: n = 16 is one generation, answered 16 times."""
+    stats = grpcclient.InferenceServerClient(served.grpc_endpoint)
+
+    def count():
+        return int(stats.get_inference_statistics(BLS, as_json=True)["model_stats"][0]["inference_count"] or 0)
+
+    before = count()
+    out = oai.completions.create(model=_name(deployment), prompt=PROMPTS[1], max_tokens=8, n=16)
+    assert count() - before == 1
+    assert len(out.choices) == 16 and len({c.text for c in out.choices}) == 1
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("control", [False, True])
+def test_openai_ignore_eos_generates_exactly_max_tokens_as_target_only_does(oai, deployment, control):
+    """ignore_eos (end_id -1 on the Triton contract): no end token, exactly max_tokens; the
+    same tokens on the speculative model and the control, equal to the loop without end ids."""
+    from dataclasses import replace
+
+    _, dep = deployment
+    prompt, n = PROMPTS[3], 40
+    model = _name(deployment) + ("-target-only" if control else "")
+    out = oai.completions.create(model=model, prompt=prompt, max_tokens=n, extra_body={"ignore_eos": True})
+    req = replace(dep.request(dep.encode(prompt, chat_template=False), n), end_ids=frozenset())
+    ref = dep.generate([req], speculative=False)[0]
+    assert len(ref.output_ids) == n
+    assert out.usage.completion_tokens == n and out.choices[0].finish_reason == "length"
+    assert out.choices[0].text == dep.decode(ref.output_ids)
+
+
+@pytest.mark.server
+def test_end_id_minus_one_is_no_end_token_on_the_contract(client):
+    """The request's end_id stops at that token; -1 (TensorRT-LLM's ignore_eos) stops at none."""
+    plain = client.infer(BLS, _bls(PROMPTS[0]))
+    ids = _ids(plain)
+    stop_at = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i])  # a token's first appearance
+    ended = client.infer(BLS, _bls(PROMPTS[0]) + [_t("end_id", ids[stop_at], "INT32")])
+    assert _ids(ended) == ids[:stop_at]
+    free = client.infer(BLS, _bls(PROMPTS[0]) + [_t("end_id", -1, "INT32")])
+    assert _ids(free) == ids and len(ids) == MAX_TOKENS
+
+
+@pytest.mark.server
+def test_openai_continuous_usage_is_in_every_chunk(oai, deployment):
+    chunks = list(
+        oai.chat.completions.create(
+            model=_name(deployment),
+            messages=[{"role": "user", "content": PROMPTS[0]}],
+            max_tokens=MAX_TOKENS,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == chunks[-1].usage.completion_tokens > counts[0]
+    assert chunks[-1].usage.completion_tokens_details is not None  # the final usage is the whole one
 
 
 # ----------------------------------------------------------------------------------- verify

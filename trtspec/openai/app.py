@@ -15,26 +15,39 @@ refused with an OpenAI-shaped error naming the field. ``usage`` carries the toke
 acceptance of that request (``completion_tokens_details.accepted_prediction_tokens`` /
 ``rejected_prediction_tokens`` are the accepted and rejected draft tokens; ``speculative`` has
 the same as trtspec reports them).
+
+Hardening (docs/operations.md, "OpenAI front"): a body over ``max_body_bytes`` is refused
+with 413 before it is read; tokenizing runs on one worker thread, never on the event loop;
+every error, streamed or not, is OpenAI's error object with the status that says why (400
+the client's mistake, 404 an unknown model, 413 too large, 503 + Retry-After when the
+deployment is full, unloading or unreachable, 504 when it did not answer in time, 500 ours);
+a client that disconnects cancels its gRPC calls; with n > 1 one failed call cancels the
+others; greedy n > 1 is one call whose answer is repeated (greedy decoding is deterministic).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from trtspec.errors import RequestError
 from trtspec.openai.schemas import ChatBody, CompletionBody
-from trtspec.openai.triton import Generation, Piece, TritonText
+from trtspec.openai.triton import DeploymentError, Generation, Piece, TritonText
 
 CONTROL_SUFFIX = "-target-only"
+RETRY_AFTER_S = 1  # what a 503 tells the client to wait before retrying
+log = logging.getLogger("trtspec.openai")
 
 
 @dataclass(frozen=True)
@@ -42,6 +55,17 @@ class FrontSettings:
     model: str  # the spec's name
     max_seq_len: int
     created: int
+    max_body_bytes: int = 0  # 0: default_body_limit(max_seq_len)
+
+    @property
+    def body_limit(self) -> int:
+        return self.max_body_bytes or default_body_limit(self.max_seq_len)
+
+
+def default_body_limit(max_seq_len: int) -> int:
+    """1 MiB, or 32 bytes per token of context where that is more: room for any prompt the
+    model can hold (a few bytes a token) and the JSON around it, far below what would stall."""
+    return max(1 << 20, 32 * max_seq_len)
 
 
 class ApiError(Exception):
@@ -52,17 +76,51 @@ class ApiError(Exception):
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
 
-def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+def error_body(message: str, kind: str, param: str | None = None, code: str | int | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def from_deployment(err: DeploymentError) -> ApiError:
+    kind = "invalid_request_error" if err.status == 400 else "server_error"
+    code = {503: "service_unavailable", 504: "timeout"}.get(err.status)
+    return ApiError(err.status, err.message, kind=kind, code=code)
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status == 503 else None
+    return JSONResponse(error_body(err.message, err.kind, err.param, err.code), status_code=err.status, headers=headers)
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected before its answer: its calls were cancelled."""
 
 
 def create_app(backend: TritonText, tokenizer, settings: FrontSettings) -> FastAPI:
     app = FastAPI(title="trtspec OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     front = _Front(backend, tokenizer, settings)
+    app.add_middleware(BodyLimit, limit=settings.body_limit)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, err: ApiError):
-        return JSONResponse(error_body(err.message, err.kind, err.param, err.code), status_code=err.status)
+        return error_response(err)
+
+    @app.exception_handler(DeploymentError)
+    async def _deployment_error(request: Request, err: DeploymentError):
+        return error_response(from_deployment(err))
+
+    @app.exception_handler(_ClientGone)
+    async def _gone(request: Request, err: _ClientGone):
+        return Response(status_code=499)  # nobody is there to read it
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException):
+        kind = "invalid_request_error" if err.status_code < 500 else "server_error"
+        return error_response(ApiError(err.status_code, str(err.detail), kind=kind))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, err: Exception):  # a bug: still OpenAI's shape, logged
+        log.exception("unexpected error in the OpenAI front")
+        return error_response(ApiError(500, f"internal error: {type(err).__name__}: {err}", kind="server_error"))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError):
@@ -89,18 +147,59 @@ def create_app(backend: TritonText, tokenizer, settings: FrontSettings) -> FastA
         return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody):
+    async def completions(body: CompletionBody, request: Request):
         prompt = _checked(body.check)
-        g = front.generation(body, prompt, chat=False)
-        return await front.answer(body, g, chat=False)
+        g = await front.generation(body, prompt, chat=False)
+        return await front.answer(body, g, chat=False, request=request)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatBody):
+    async def chat(body: ChatBody, request: Request):
         messages = _checked(body.check)
-        g = front.generation(body, front.render(messages), chat=True)
-        return await front.answer(body, g, chat=True)
+        g = await front.generation(body, await front.tokenized(front.render, messages), chat=True)
+        return await front.answer(body, g, chat=True, request=request)
 
     return app
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes is answered 413 (OpenAI's error
+    shape) without being read further, whether it declares its length or streams it."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(send)
+        received, over, started = 0, False, False
+
+        async def limited_receive():
+            nonlocal received, over
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    over = True  # the app sees a disconnect; its answer is replaced by the 413
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message):
+            nonlocal started
+            if over:
+                return
+            started = True
+            await send(message)
+
+        await self.app(scope, limited_receive, guarded_send)
+        if over and not started:
+            await self._refuse(send)
+
+    async def _refuse(self, send) -> None:
+        err = ApiError(413, f"the request body exceeds {self.limit} bytes; send a shorter prompt", code="request_too_large")
+        await error_response(err)({"type": "http"}, None, send)
 
 
 def _checked(check):
@@ -115,6 +214,13 @@ class _Front:
         self.backend = backend
         self.tokenizer = tokenizer
         self.s = settings
+        # One thread for every tokenizer call: off the event loop (a long prompt must not stall
+        # the other requests' streams), and never two at once (fast tokenizers are not
+        # thread-safe: "Already borrowed").
+        self._tok = ThreadPoolExecutor(1, thread_name_prefix="trtspec-tokenizer")
+
+    async def tokenized(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._tok, fn, *args)
 
     def control(self, model: str) -> bool:
         if model == self.s.model:
@@ -145,9 +251,12 @@ class _Front:
             400, "these messages do not re-encode to the chat template's tokens; send them as a single prompt to /v1/completions"
         )
 
-    def generation(self, body, text: str, chat: bool) -> Generation:
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    async def generation(self, body, text: str, chat: bool) -> Generation:
         control = self.control(body.model)
-        n_prompt = len(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+        n_prompt = await self.tokenized(self.count_tokens, text)
         room = self.s.max_seq_len - n_prompt
         if room < 1:
             raise ApiError(
@@ -167,28 +276,23 @@ class _Front:
             sampling=body.sampling(),
             processing=body.processing(),
             log_probs=body.wants_log_probs(),
+            ignore_eos=body.ignore_eos,
         )
 
-    async def answer(self, body, g: Generation, chat: bool):
+    async def answer(self, body, g: Generation, chat: bool, request: Request | None = None):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         if body.stream:
             events = self.events(body, g, chat, rid, created)
             first = await anext(events)  # errors before the first byte become an HTTP error
             return StreamingResponse(_prepend(first, events), media_type="text/event-stream")
-        try:
-            # n choices: n requests at once, choice i sampling with seed + i (greedy: all alike)
-            pieces = await asyncio.gather(*(self.backend.complete(_nth(g, i)) for i in range(body.n)))
-        except RequestError as err:
-            raise ApiError(400, str(err)) from None
-        except RuntimeError as err:
-            raise ApiError(500, str(err), kind="server_error") from None
+        pieces = await _unless_disconnected(request, self.choices(g, body.n))
         choices = []
         for i, piece in enumerate(pieces):
             text, stopped = _cut_at_stop(piece.text, g.stop)
             choice = {"index": i, "finish_reason": "stop" if stopped else _finish(piece), "logprobs": None}
             if g.log_probs:
-                choice["logprobs"] = self.log_probs(piece, text, chat)
+                choice["logprobs"] = await self.tokenized(self.log_probs, piece, text, chat)
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
@@ -206,21 +310,30 @@ class _Front:
             "usage": usage,
         }
 
+    async def choices(self, g: Generation, n: int) -> list[Piece]:
+        """n answers. Sampling: n calls at once, choice i with seed + i; the first to fail
+        cancels the others. Greedy: one call, its answer n times."""
+        if g.sampling is None:
+            piece = await self.backend.complete(g)
+            return [piece] * n
+        tasks = [asyncio.ensure_future(self.backend.complete(_nth(g, i))) for i in range(n)]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            failed = next((t for t in tasks if t in done and not t.cancelled() and t.exception()), None)
+            if failed is not None:
+                raise failed.exception()
+            return [t.result() for t in tasks]
+        finally:  # one failed, or the caller was cancelled (client gone): the others end too
+            pending = [t for t in tasks if not t.done()]
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
     def log_probs(self, piece: Piece, text: str, chat: bool) -> dict:
         """OpenAI's logprobs object for the tokens of ``text`` (the answer, cut at a stop
         string): each token's text, its log prob under the target; no top alternatives."""
-        ids, lps = piece.token_ids or [], piece.log_probs or []
-        tokens, offsets, at = [], [], 0
-        for n in range(1, len(ids) + 1):
-            if at >= len(text) and n > 1:
-                break  # past the stop cut
-            upto = self.tokenizer.decode(ids[:n], skip_special_tokens=True)
-            # A token that ends inside a character adds no text; the character comes with the
-            # token that completes it (as streamed text holds it back).
-            end = at if upto.endswith("\ufffd") and n < len(ids) else min(len(upto), len(text))
-            tokens.append(text[at:end])
-            offsets.append(at)
-            at = max(at, end)
+        lps = piece.log_probs or []
+        tokens, offsets = token_texts(self.tokenizer, piece.token_ids or [], text)
         lps = lps[: len(tokens)]
         if chat:
             return {
@@ -248,15 +361,15 @@ class _Front:
                 event["usage"] = usage
             return f"data: {json.dumps(event)}\n\n".encode()
 
+        continuous = body.continuous_usage()
+        pieces = self.backend.stream(g)
         try:
-            pieces = self.backend.stream(g)
             first = await anext(pieces)
-        except RequestError as err:
-            raise ApiError(400, str(err)) from None
-        except RuntimeError as err:
-            raise ApiError(500, str(err), kind="server_error") from None
+        except BaseException:
+            await pieces.aclose()
+            raise  # before the first byte: an HTTP error (DeploymentError -> its status)
         if chat:
-            yield chunk("", None, role=True)
+            yield chunk("", None, role=True, usage=_running_usage(first) if continuous else None)
         # Hold back text that may be the start of a stop string until it cannot be.
         hold = max((len(s) for s in g.stop), default=1) - 1
         text, sent, last = "", 0, first
@@ -268,22 +381,87 @@ class _Front:
                 cut, stopped = _cut_at_stop(text, g.stop)
                 end = len(cut) if (stopped or piece.final) else max(sent, len(text) - hold)
                 if end > sent:
-                    yield chunk(cut[sent:end], None)
+                    yield chunk(cut[sent:end], None, usage=_running_usage(piece) if continuous else None)
                     sent = end
                 if stopped or piece.final:
                     break
                 piece = await anext(pieces)
-        except (RequestError, RuntimeError) as err:  # mid-stream: an error event, then done
-            yield f"data: {json.dumps(error_body(str(err), 'server_error'))}\n\n".encode()
+        except DeploymentError as err:  # mid-stream: an error event in OpenAI's shape, then done
+            api = from_deployment(err)
+            yield f"data: {json.dumps(error_body(api.message, api.kind, None, api.code or api.status))}\n\n".encode()
             yield b"data: [DONE]\n\n"
             return
         finally:
             await pieces.aclose()
         finish = "stop" if stopped else _finish(last)
-        yield chunk(None, finish)
+        final_usage = _usage(last) if last.final else _running_usage(last)
+        yield chunk(None, finish, usage=final_usage if continuous else None)
         if body.include_usage():
-            yield chunk(None, None, usage=_usage(last) if last.final else None)
+            yield chunk(None, None, usage=final_usage)
         yield b"data: [DONE]\n\n"
+
+
+def token_texts(tokenizer, ids: list[int], text: str) -> tuple[list[str], list[int]]:
+    """Each token's piece of ``text`` (the decoded answer, maybe cut at a stop string) and its
+    offset, decoding incrementally: each step decodes only the tokens since the last complete
+    character, plus the token before them (so a tokenizer that drops a leading space at the
+    start of a decode cannot shift the text), never the whole prefix again: O(n), not O(n^2).
+
+    A token that ends inside a character adds no text; the character comes with the token
+    that completes it (as streamed text holds it back)."""
+    tokens, offsets, at = [], [], 0
+    done = 0  # decoded text length of ids[:read]
+    prefix, read = 0, 0  # ids[prefix:read] is the context window already turned into text
+    for n in range(1, len(ids) + 1):
+        if at >= len(text) and n > 1:
+            break  # past the stop cut
+        before = tokenizer.decode(ids[prefix:read], skip_special_tokens=True) if read > prefix else ""
+        window = tokenizer.decode(ids[prefix:n], skip_special_tokens=True)
+        upto = done + len(window) - len(before)  # the length decode(ids[:n]) would have
+        if window.endswith("\ufffd") and n < len(ids):
+            end = at  # an unfinished character: keep decoding from the same window
+        else:
+            end = min(upto, len(text))
+            done, prefix, read = upto, max(read, n - 1), n
+        tokens.append(text[at:end])
+        offsets.append(at)
+        at = max(at, end)
+    return tokens, offsets
+
+
+async def _unless_disconnected(request: Request | None, work):
+    """Await ``work``; if the HTTP client disconnects first, cancel it (its gRPC calls end
+    with it) and raise _ClientGone."""
+    task = asyncio.ensure_future(work)
+    if request is None:
+        return await task
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):
+            pass
+        raise _ClientGone()
+    return task.result()
+
+
+def _running_usage(piece: Piece) -> dict:
+    """vLLM's continuous usage: the counts so far, in every chunk."""
+    return {
+        "prompt_tokens": piece.prompt_tokens,
+        "completion_tokens": piece.completion_tokens,
+        "total_tokens": piece.prompt_tokens + piece.completion_tokens,
+    }
 
 
 async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

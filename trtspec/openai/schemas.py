@@ -9,12 +9,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from trtspec.errors import RequestError
 
+# Counts travel as int32 tensors: anything larger is refused here, never wrapped by numpy.
+INT32_MAX = 2**31 - 1
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     n: int = Field(default=1, ge=1)
@@ -26,11 +29,14 @@ class _Body(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     # Extensions trtllm-serve and vLLM accept too (TensorRT-LLM's SamplingParams names).
     repetition_penalty: float | None = Field(default=None, gt=0)
-    min_tokens: int | None = Field(default=None, ge=0)
+    min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    # vLLM / SGLang / trtllm-serve extension: do not stop at the end token, generate exactly
+    # max_tokens (the end token is then a token like any other); fixed-length benchmarks send it.
+    ignore_eos: bool = False
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # trtspec: draft length for this request (the deployment's default when absent)
-    num_draft_tokens: int | None = Field(default=None, ge=0)
+    num_draft_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
 
     def stops(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -65,6 +71,10 @@ class _Body(BaseModel):
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage", False))
 
+    def continuous_usage(self) -> bool:
+        """vLLM's stream_options.continuous_usage_stats: usage (counts so far) in every chunk."""
+        return bool((self.stream_options or {}).get("continuous_usage_stats", False))
+
     def check_common(self) -> None:
         """Refuse what trtspec does not implement, naming the field."""
         if self.n > 1 and self.stream:
@@ -82,14 +92,16 @@ class _Body(BaseModel):
             raise RequestError("logprobs with stream is not supported by trtspec; send stream false to get logprobs")
         if self.stream_options and not self.stream:
             raise RequestError("stream_options needs stream true")
-        unknown = set(self.stream_options or {}) - {"include_usage"}
+        unknown = set(self.stream_options or {}) - {"include_usage", "continuous_usage_stats"}
         if unknown:
-            raise RequestError(f"stream_options.{sorted(unknown)[0]} is not supported; only include_usage is")
+            raise RequestError(
+                f"stream_options.{sorted(unknown)[0]} is not supported; only include_usage and continuous_usage_stats are"
+            )
 
 
 class CompletionBody(_Body):
     prompt: str | list[str]
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)  # OpenAI's default for completions
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -139,7 +151,7 @@ class Message(BaseModel):
 
 class ChatBody(_Body):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None

@@ -4,6 +4,12 @@ A completion is one request to the text endpoints of a trtspec repository:
 `tensorrt_llm_bls` (unary) or `tensorrt_llm_bls_streaming` (streamed steps) for the
 speculative model, `target_only` for the control. Token counts, finish reason and the whole
 generation's speculative metrics come back as tensors (triton/backend/contract.py).
+
+Every call has a deadline (``timeout``), and every failure becomes one ``DeploymentError``
+carrying the HTTP status it means (``STATUS_OF``): the deployment's INVALID_ARG is the client's
+mistake (400), UNAVAILABLE (queue full, unloading, unreachable) is 503, a deadline 504, the
+rest 500. Streams are opened with Triton's ``triton_grpc_error`` header, so a streamed error
+keeps its gRPC status code (without it a stream error carries its message only).
 """
 
 from __future__ import annotations
@@ -16,6 +22,26 @@ import numpy as np
 
 from trtspec.errors import RequestError
 from trtspec.layout import BLS_MODEL, BLS_STREAMING_MODEL, CONTROL_MODEL
+
+INT32_MAX = 2**31 - 1
+# gRPC status (as tritonclient and grpc name it) -> HTTP status of the OpenAI front.
+STATUS_OF = {
+    "INVALID_ARGUMENT": 400,
+    "INVALID_ARG": 400,
+    "UNAVAILABLE": 503,
+    "DEADLINE_EXCEEDED": 504,
+    "CANCELLED": 499,  # the client went away; nobody reads the answer
+}
+STREAM_STATUS_HEADERS = {"triton_grpc_error": "true"}  # Triton >= 24.08: stream errors keep their code
+
+
+class DeploymentError(Exception):
+    """A request the deployment refused or failed, with the HTTP status that says why."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
 
 WANTED = [
     "text_output",
@@ -58,13 +84,16 @@ class Generation:
     sampling: tuple[float, float, int] | None = None  # (temperature, top_p, seed); None: greedy
     processing: tuple[tuple[str, float], ...] = ()  # upstream input name -> value (penalties, min_tokens)
     log_probs: bool = False
+    ignore_eos: bool = False  # generate exactly max_tokens: no end token (upstream's end_id -1)
 
 
 class TritonText:
-    """Completions from a running trtspec deployment at ``url`` (HOST:PORT, gRPC)."""
+    """Completions from a running trtspec deployment at ``url`` (HOST:PORT, gRPC); every call
+    waits at most ``timeout`` seconds."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, timeout: float = 600.0):
         self.url = url
+        self.timeout = timeout
         self._client = None
 
     @property
@@ -85,7 +114,7 @@ class TritonText:
         names = []
         for m in (BLS_MODEL, BLS_STREAMING_MODEL, CONTROL_MODEL):
             try:
-                if await self.client.is_model_ready(m):
+                if await self.client.is_model_ready(m, client_timeout=5):
                     names.append(m)
             except Exception:  # a missing model is "not ready", not a failure
                 pass
@@ -101,7 +130,7 @@ class TritonText:
 
         arrays = {
             "text_input": np.array([[g.text.encode()]], dtype=np.object_),
-            "max_tokens": np.array([[g.max_tokens]], dtype=np.int32),
+            "max_tokens": int32("max_tokens", g.max_tokens),
             "exclude_input_in_output": np.array([[True]]),
             "apply_chat_template": np.array([[g.apply_chat_template]]),
             "return_perf_metrics": np.array([[True]]),
@@ -113,7 +142,9 @@ class TritonText:
         if g.stop:
             arrays["stop_words"] = np.array([[s.encode() for s in g.stop]], dtype=np.object_)
         if g.num_draft_tokens is not None:
-            arrays["num_draft_tokens"] = np.array([[g.num_draft_tokens]], dtype=np.int32)
+            arrays["num_draft_tokens"] = int32("num_draft_tokens", g.num_draft_tokens)
+        if g.ignore_eos:  # as TensorRT-LLM's executor carries ignore_eos: end_id -1, no end token
+            arrays["end_id"] = np.array([[-1]], dtype=np.int32)
         if g.sampling is not None:  # upstream BLS names: top_k 0 (all) with top_p samples
             temperature, top_p, seed = g.sampling
             arrays["temperature"] = np.array([[temperature]], dtype=np.float32)
@@ -121,8 +152,7 @@ class TritonText:
             arrays["top_p"] = np.array([[top_p]], dtype=np.float32)
             arrays["seed"] = np.array([[seed]], dtype=np.uint64)
         for name, value in g.processing:
-            dtype = np.int32 if name == "min_tokens" else np.float32
-            arrays[name] = np.array([[value]], dtype=dtype)
+            arrays[name] = int32(name, value) if name == "min_tokens" else np.array([[value]], dtype=np.float32)
         if g.log_probs:
             arrays["return_log_probs"] = np.array([[True]])
         return [tensor(k, v) for k, v in arrays.items()]
@@ -134,13 +164,12 @@ class TritonText:
         return [grpcclient.InferRequestedOutput(n) for n in WANTED + (LOG_PROB_OUTPUTS if g.log_probs else [])]
 
     async def complete(self, g: Generation) -> Piece:
-        from tritonclient.utils import InferenceServerException
-
         outputs = self._wanted(g)
+        model = CONTROL_MODEL if g.control else BLS_MODEL
         try:
-            result = await self.client.infer(CONTROL_MODEL if g.control else BLS_MODEL, self._inputs(g, False), outputs=outputs)
-        except InferenceServerException as err:
-            raise _as_error(err) from None
+            result = await self.client.infer(model, self._inputs(g, False), outputs=outputs, client_timeout=self.timeout)
+        except Exception as err:
+            raise self._error(err) from None
         return _piece(result, final=True)
 
     async def stream(self, g: Generation) -> AsyncIterator[Piece]:
@@ -161,13 +190,34 @@ class TritonText:
         async def requests():
             yield request
 
-        async for result, error in self.client.stream_infer(requests()):
-            if error is not None:
-                raise _as_error(error)
-            final = result.get_response().parameters["triton_final_response"].bool_param
-            yield _piece(result, final)
-            if final:
-                return
+        responses = None
+        try:
+            responses = self.client.stream_infer(requests(), stream_timeout=self.timeout, headers=STREAM_STATUS_HEADERS)
+            async for result, error in responses:
+                if error is not None:
+                    raise self._error(error)
+                final = result.get_response().parameters["triton_final_response"].bool_param
+                yield _piece(result, final)
+                if final:
+                    return
+        except DeploymentError:
+            raise
+        except Exception as err:
+            raise self._error(err) from None
+        finally:
+            if responses is not None:
+                responses.cancel()  # a client gone mid-stream cancels the request (a no-op once done)
+
+    def _error(self, err: Exception) -> DeploymentError:
+        return as_error(err, self.url, self.timeout)
+
+
+def int32(name: str, value: int) -> np.ndarray:
+    """``value`` as the [1, 1] INT32 tensor the contract takes; RequestError beyond int32
+    (numpy would wrap 2**31 to a negative number, or a large one to a small one)."""
+    if not -(2**31) <= int(value) <= INT32_MAX:
+        raise RequestError(f"{name} must be at most {INT32_MAX} (got {value})")
+    return np.array([[value]], dtype=np.int32)
 
 
 def _triton_type(arr: np.ndarray) -> str:
@@ -176,13 +226,25 @@ def _triton_type(arr: np.ndarray) -> str:
     return np_to_triton_dtype(arr.dtype)
 
 
-def _as_error(err) -> Exception:
-    """INVALID_ARG from the deployment is the client's fault (HTTP 400); the rest is ours."""
-    text = err.message() if hasattr(err, "message") else str(err)
-    status = (err.status() or "") if hasattr(err, "status") else ""
-    if "INVALID_ARG" in status:
-        return RequestError(text)
-    return RuntimeError(f"the Triton deployment failed: {text}")
+def as_error(err: Exception, url: str, timeout: float) -> DeploymentError:
+    """Any failure of a call to the deployment as the DeploymentError it means."""
+    import grpc
+    from tritonclient.utils import InferenceServerException
+
+    if isinstance(err, RequestError):
+        return DeploymentError(400, str(err))
+    if isinstance(err, grpc.RpcError) and hasattr(err, "code"):
+        code, text = err.code().name, err.details() or ""
+    elif isinstance(err, InferenceServerException):
+        code, text = (err.status() or "").removeprefix("StatusCode."), err.message() or ""
+    else:  # not an RPC failure: a bug or a broken channel, never a plain-text 500
+        return DeploymentError(500, f"the call to the Triton deployment failed: {type(err).__name__}: {err}")
+    status = STATUS_OF.get(code, 500)
+    if status == 504:
+        text = f"the Triton deployment did not answer within {timeout:g} s"
+    elif status == 503 and ("failed to connect" in text.lower() or "connection refused" in text.lower()):
+        text = f"the Triton deployment at {url} is unreachable ({text.splitlines()[0] if text else code})"
+    return DeploymentError(status, text if status == 400 else f"{text} ({code or 'no status'})")
 
 
 def _scalar(result, name, default=0):
@@ -194,6 +256,9 @@ def _piece(result, final: bool) -> Piece:
     text = result.as_numpy("text_output")
     text = b"" if text is None or text.size == 0 else text.reshape(-1)[0]
     piece = Piece(text.decode("utf-8", "replace") if isinstance(text, bytes) else str(text), final)
+    if result.as_numpy("num_output_tokens") is not None:  # counts so far: every streamed response has them
+        piece.prompt_tokens = int(_scalar(result, "num_input_tokens"))
+        piece.completion_tokens = int(_scalar(result, "num_output_tokens"))
     if final and result.as_numpy("num_output_tokens") is not None:
         reason = _scalar(result, "finish_reason", b"")
         piece.finish_reason = reason.decode() if isinstance(reason, bytes) else str(reason)

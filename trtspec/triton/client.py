@@ -22,6 +22,8 @@ from trtspec.speculative.metrics import metrics_from_json
 def _input(name: str, value, datatype: str):
     import tritonclient.grpc as grpcclient
 
+    if datatype == "INT32" and not -(2**31) <= int(value) < 2**31:  # numpy would wrap it to another number
+        raise RequestError(f"{name} must be at most {2**31 - 1} (got {value})")
     arr = np.array([[value]], dtype=np.object_ if datatype == "BYTES" else None)
     if datatype in ("INT32", "FP32", "UINT64"):
         arr = arr.astype({"INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64}[datatype])

@@ -1,0 +1,345 @@
+"""The OpenAI front's failure paths, driven with the official `openai` client against the real
+app on uvicorn (127.0.0.1) in front of a scripted deployment: every error in OpenAI's shape
+with the status that says why, streamed or not; body limit; cancellation; n; log probs.
+The same paths against a real tritonserver are in tests/test_serve.py (test_openai_*)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+from tritonclient.utils import InferenceServerException
+
+from trtspec.openai.app import FrontSettings, create_app, token_texts
+from trtspec.openai.triton import DeploymentError, Piece, as_error
+from trtspec.triton.server.process import free_ports
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+try:  # the HTTP client the installed openai is built on (httpx; httpx2 for openai 3)
+    import httpx2 as httpx
+except ImportError:
+    import httpx
+
+MODEL = "tiny"
+MAX_SEQ_LEN = 512
+
+
+class Scripted:
+    """A TritonText stand-in: answers, fails or hangs as a test says, and records calls."""
+
+    def __init__(self):
+        self.calls: list = []
+        self.cancelled = 0
+        self.fail_unary: Exception | None = None
+        self.fail_first: Exception | None = None  # stream: before any piece
+        self.fail_after: Exception | None = None  # stream: after one piece
+        self.hang = False
+        self.fail_seed: int | None = None  # sampling: the call with this seed fails
+
+    async def ready(self):
+        return ["tensorrt_llm_bls"]
+
+    async def close(self):
+        pass
+
+    async def complete(self, g):
+        self.calls.append(g)
+        try:
+            if self.hang or (self.fail_seed is not None and g.sampling and g.sampling[2] != self.fail_seed):
+                await asyncio.sleep(3600)
+            if self.fail_seed is not None and g.sampling and g.sampling[2] == self.fail_seed:
+                await asyncio.sleep(0.2)
+                raise DeploymentError(500, "generation failed: boom (INTERNAL)")
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        if self.fail_unary is not None:
+            raise self.fail_unary
+        n = g.max_tokens
+        return Piece("x" * n, True, "length", prompt_tokens=3, completion_tokens=n, draft_tokens=2 * n, accepted_draft_tokens=n)
+
+    async def stream(self, g):
+        self.calls.append(g)
+        if self.fail_first is not None:
+            raise self.fail_first
+        for i in range(g.max_tokens):
+            if i == 1 and self.fail_after is not None:
+                raise self.fail_after
+            final = i == g.max_tokens - 1
+            yield Piece("y", final, "length" if final else None, prompt_tokens=3, completion_tokens=i + 1)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_ckpts):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_ckpts["target"])
+
+
+@pytest.fixture(scope="module")
+def front(tokenizer):
+    """(base url, the scripted deployment) with the app served on 127.0.0.1."""
+    backend = Scripted()
+    settings = FrontSettings(model=MODEL, max_seq_len=MAX_SEQ_LEN, created=0, max_body_bytes=64 * 1024)
+    (port,) = free_ports(1)
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(backend, tokenizer, settings), host="127.0.0.1", port=port, log_level="critical")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the OpenAI front did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", backend
+    server.should_exit = True
+    thread.join(30)
+
+
+@pytest.fixture
+def scripted(front):
+    _, backend = front
+    for name, value in vars(Scripted()).items():
+        setattr(backend, name, value)
+    return backend
+
+
+@pytest.fixture
+def oai(front):
+    return openai.OpenAI(
+        base_url=front[0] + "/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=30,
+        http_client=openai.DefaultHttpxClient(trust_env=False),
+    )
+
+
+def _status_error(call) -> tuple[int, dict, object]:
+    with pytest.raises(openai.APIStatusError) as err:
+        call()
+    body = err.value.response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return err.value.status_code, body["error"], err.value.response
+
+
+# ------------------------------------------------------------------------ statuses and shapes
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("failure", "status", "words"),
+    [
+        (DeploymentError(400, "num_draft_tokens must be in 0..8"), 400, "num_draft_tokens must be in 0..8"),
+        (DeploymentError(503, "the queue is full (2 requests waiting) (UNAVAILABLE)"), 503, "the queue is full"),
+        (DeploymentError(504, "the Triton deployment did not answer within 600 s"), 504, "did not answer"),
+        (DeploymentError(500, "generation failed: boom (INTERNAL)"), 500, "generation failed"),
+        (RuntimeError("a bug in the front's path"), 500, "internal error: RuntimeError: a bug"),
+    ],
+    ids=["invalid-arg", "queue-full", "deadline", "internal", "unexpected"],
+)
+def test_every_deployment_failure_is_openai_shaped_with_its_status(oai, scripted, stream, failure, status, words):
+    if stream:
+        scripted.fail_first = failure
+    else:
+        scripted.fail_unary = failure
+    got, error, response = _status_error(
+        lambda: (
+            list(oai.completions.create(model=MODEL, prompt="hello", max_tokens=4, stream=stream))
+            if stream
+            else oai.completions.create(model=MODEL, prompt="hello", max_tokens=4)
+        )
+    )
+    assert got == status and words in error["message"]
+    assert error["type"] == ("invalid_request_error" if status == 400 else "server_error")
+    assert (response.headers.get("retry-after") == "1") == (status == 503)
+
+
+def test_an_error_mid_stream_is_an_openai_error_event_then_done(front, scripted):
+    scripted.fail_after = DeploymentError(503, "the model is unloading; retry later (UNAVAILABLE)")
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 5, "stream": True}
+    request = urllib.request.Request(
+        front[0] + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=30) as r:
+        assert r.status == 200
+        events = [line[len("data: ") :] for line in r.read().decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error == {
+        "message": "the model is unloading; retry later (UNAVAILABLE)",
+        "type": "server_error",
+        "param": None,
+        "code": "service_unavailable",
+    }
+    assert json.loads(events[0])["choices"][0]["text"] == "y"  # what came before the error
+    # the official client raises it as an API error with the message
+    client = openai.OpenAI(base_url=front[0] + "/v1", api_key="unused", max_retries=0, http_client=httpx.Client(trust_env=False))
+    with pytest.raises(openai.APIError, match="the model is unloading"):
+        list(client.completions.create(model=MODEL, prompt="hello", max_tokens=5, stream=True))
+
+
+@pytest.mark.parametrize(
+    ("err", "status", "words"),
+    [
+        (InferenceServerException("prompt too long", status="StatusCode.INVALID_ARGUMENT"), 400, "prompt too long"),
+        (InferenceServerException("queue full", status="StatusCode.UNAVAILABLE"), 503, "queue full (UNAVAILABLE)"),
+        (InferenceServerException("slow", status="StatusCode.DEADLINE_EXCEEDED"), 504, "did not answer within 7 s"),
+        (InferenceServerException("stream error without a code"), 500, "stream error without a code (no status)"),
+        (ValueError("numpy said no"), 500, "the call to the Triton deployment failed: ValueError: numpy said no"),
+    ],
+)
+def test_grpc_failures_map_to_http_statuses(err, status, words):
+    got = as_error(err, "127.0.0.1:1", 7)
+    assert (got.status, words in got.message) == (status, True), got.message
+
+
+def test_a_streamed_grpc_status_error_keeps_its_code():
+    """With triton_grpc_error a stream ends in a grpc.RpcError carrying the status code."""
+
+    class Rpc(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.INVALID_ARGUMENT
+
+        def details(self):
+            return "max_tokens too large"
+
+    got = as_error(Rpc(), "127.0.0.1:1", 7)
+    assert (got.status, got.message) == (400, "max_tokens too large")
+
+
+def test_unknown_route_and_bad_json_are_openai_shaped(front):
+    for method, path, data, status in (("GET", "/v1/nope", None, 404), ("POST", "/v1/completions", b"{not json", 400)):
+        request = urllib.request.Request(front[0] + path, data, {"Content-Type": "application/json"}, method=method)
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=10)
+        assert err.value.code == status
+        assert set(json.loads(err.value.read())["error"]) == {"message", "type", "param", "code"}
+
+
+# ------------------------------------------------------------------------------- bounds
+
+
+@pytest.mark.parametrize(
+    ("field", "chat"),
+    [("max_tokens", False), ("max_tokens", True), ("max_completion_tokens", True), ("num_draft_tokens", False)],
+)
+def test_counts_beyond_int32_are_refused_never_wrapped(oai, scripted, field, chat):
+    big = {field: 2**31 + 8}  # numpy's int32 would wrap it to 8
+    if chat:
+        call = lambda: oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], extra_body=big)  # noqa: E731
+    else:
+        call = lambda: oai.completions.create(model=MODEL, prompt="hello", extra_body=big)  # noqa: E731
+    status, error, _ = _status_error(call)
+    assert status == 400 and f"{field}: Input should be less than or equal to 2147483647" in error["message"]
+    assert scripted.calls == []  # nothing reached the deployment
+
+
+def test_int32_inputs_are_checked_where_they_are_encoded():
+    from trtspec.errors import RequestError
+    from trtspec.openai.triton import int32
+    from trtspec.triton.client import _input
+
+    assert int32("max_tokens", 2**31 - 1).item() == 2**31 - 1
+    for encode in (lambda: int32("max_tokens", 2**31), lambda: _input("max_tokens", 2**31 + 8, "INT32")):
+        with pytest.raises(RequestError, match="max_tokens must be at most 2147483647"):
+            encode()
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_a_body_over_the_limit_is_413(front, scripted, declared):
+    body = json.dumps({"model": MODEL, "prompt": "word " * 20_000, "max_tokens": 4}).encode()  # ~100 KB > 64 KiB
+    headers = {"Content-Type": "application/json"}
+    with httpx.Client(trust_env=False) as client:
+        if declared:
+            r = client.post(front[0] + "/v1/completions", content=body, headers=headers)
+        else:  # chunked: no Content-Length, the limit is counted as it arrives
+            r = client.post(front[0] + "/v1/completions", content=iter([body[i : i + 8192] for i in range(0, len(body), 8192)]))
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "request_too_large" and "exceeds 65536 bytes" in r.json()["error"]["message"]
+    assert scripted.calls == []
+
+
+# ------------------------------------------------------------------------ n and cancellation
+
+
+def test_greedy_n_is_one_call_repeated(oai, scripted):
+    out = oai.completions.create(model=MODEL, prompt="hello", max_tokens=4, n=16)
+    assert len(scripted.calls) == 1
+    assert [c.index for c in out.choices] == list(range(16)) and {c.text for c in out.choices} == {"xxxx"}
+    assert out.usage.completion_tokens == 16 * 4
+
+
+def test_sampled_n_one_failure_cancels_the_others(oai, scripted):
+    scripted.fail_seed = 7 + 2  # choice 2 of seed 7
+    status, error, _ = _status_error(
+        lambda: oai.completions.create(model=MODEL, prompt="hello", max_tokens=4, n=4, temperature=0.8, seed=7)
+    )
+    assert status == 500 and "generation failed: boom" in error["message"]
+    assert len(scripted.calls) == 4 and scripted.cancelled == 3
+
+
+def test_a_disconnected_unary_client_cancels_its_call(front, scripted):
+    scripted.hang = True
+    with httpx.Client(trust_env=False) as client, pytest.raises(httpx.ReadTimeout):
+        client.post(front[0] + "/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 4}, timeout=1.0)
+    deadline = time.monotonic() + 10
+    while scripted.cancelled == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert scripted.cancelled == 1
+
+
+# ------------------------------------------------------------------------- extensions
+
+
+def test_ignore_eos_and_continuous_usage_reach_the_deployment(oai, scripted):
+    chunks = list(
+        oai.completions.create(
+            model=MODEL,
+            prompt="hello",
+            max_tokens=3,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert scripted.calls[0].ignore_eos is True
+    text_chunks = [c for c in chunks if c.choices and c.choices[0].text]
+    assert [c.usage.completion_tokens for c in text_chunks] == [1, 2, 3]  # usage in every chunk, so far
+    assert all(c.usage is not None and c.usage.prompt_tokens == 3 for c in chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+
+
+def test_log_prob_token_texts_are_incremental_and_equal_the_whole_decode(tokenizer):
+    """token_texts decodes O(n) tokens in all (the old loop decoded every prefix: O(n^2)) and
+    splits the text exactly where decoding every prefix would."""
+    text = "héllo wörld, 日本語 🙂 and plain words " * 8
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    decoded = tokenizer.decode(ids, skip_special_tokens=True)
+
+    def by_prefixes():  # the reference: what each prefix decodes to
+        tokens, at = [], 0
+        for n in range(1, len(ids) + 1):
+            upto = tokenizer.decode(ids[:n], skip_special_tokens=True)
+            end = at if upto.endswith("\ufffd") and n < len(ids) else min(len(upto), len(decoded))
+            tokens.append(decoded[at:end])
+            at = max(at, end)
+        return tokens
+
+    class Counting:
+        decoded = 0
+
+        def decode(self, part, **kw):
+            Counting.decoded += len(part)
+            return tokenizer.decode(part, **kw)
+
+    tokens, offsets = token_texts(Counting(), ids, decoded)
+    assert tokens == by_prefixes() and "".join(tokens) == decoded
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    assert Counting.decoded <= 8 * len(ids), (Counting.decoded, len(ids))  # linear, not ~n^2/2
