@@ -89,8 +89,9 @@ def test_resume_after_an_interrupt_equals_an_uninterrupted_run(tmp_path, tiny_ck
 
 
 def test_an_interrupt_while_generating_keeps_the_finished_responses(tmp_path, tiny_ckpts, monkeypatch, capsys):
-    """Ctrl-C during data generation keeps every finished batch; the rerun generates only the
-    rest and trains on data equal to an uninterrupted run's (same head, bit for bit)."""
+    """Ctrl-C during data generation keeps every finished batch (features and labels as
+    captured while generating); the rerun generates only the rest and trains on data equal to
+    an uninterrupted run's (same head, bit for bit)."""
     import trtspec.codesign.data as data
 
     straight = distill(load_spec(eagle_spec(tmp_path / "a", tiny_ckpts["target"])), small_opts(tmp_path / "a"))
@@ -107,15 +108,19 @@ def test_an_interrupt_while_generating_keeps_the_finished_responses(tmp_path, ti
     monkeypatch.setattr(data, "generate", generate_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         distill(loaded, small_opts(b))
-    (log,) = (b / ".head.distill").glob("responses-*.jsonl")
-    kept = len(log.read_text().splitlines())
-    assert kept == calls[0] > 0  # the first batch survived
+    (parts,) = (b / ".head.distill").glob("parts-*")
+    kept = calls[0]
+    assert [p.name for p in (parts / "responses").iterdir()] == ["part-00000.safetensors"]  # the first batch survived
     rerun: list[int] = []
     monkeypatch.setattr(data, "generate", lambda *a, **k: rerun.append(len(a[0])) or real(*a, **k))
     capsys.readouterr()
     resumed = distill(loaded, small_opts(b))
-    assert f"target responses {kept}/8 found in {log}" in capsys.readouterr().err.replace("\n", "")
-    assert sum(rerun) == 8 - kept  # only the prompts without a response were generated (8: 10 less 2 verify prompts)
+    # 8 training/held-out prompts (10 less the 2 that are verify prompts) + the spec's verify
+    # prompts, generated once as the unseen evaluation set
+    total = 8 + len(set(loaded.verify_prompts()))
+    assert f"target responses {kept}/{total} found in {parts / 'responses'}" in capsys.readouterr().err.replace("\n", "")
+    assert sum(rerun) == total - kept  # only the prompts without a response were generated
+    assert not parts.exists()  # the finished store replaces the batches
     wa = load_file(str(tmp_path / "a" / "head" / "model.safetensors"))
     wb = load_file(str(b / "head" / "model.safetensors"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa) and resumed.metrics == straight.metrics
@@ -127,7 +132,7 @@ def test_a_trained_head_beats_an_untrained_one(tmp_path, tiny_ckpts):
     spec's verify prompts (none of them trained on): identical outputs, higher acceptance."""
     from transformers import AutoConfig
 
-    from trtspec.codesign.heads import new_head, save_head, target_lm_head
+    from trtspec.codesign.heads import new_head, save_head
     from trtspec.codesign.tiny import make_bigram_target
     from trtspec.engines.build import build
     from trtspec.runtime import Deployment
@@ -149,11 +154,11 @@ def test_a_trained_head_beats_an_untrained_one(tmp_path, tiny_ckpts):
         return sum(s.metrics.accepted for s in spec) / drafted
 
     trained = acceptance(tmp_path / "head")
-    # The untrained head: the same initialisation, vocabulary and layers, no training step.
+    # The untrained head: the same (anchored) initialisation, vocabulary and layers, no training step.
     d2t = load_file(str(tmp_path / "head" / "model.safetensors"))["d2t"]
     hf = AutoConfig.from_pretrained(target)
     untrained, config = new_head(
-        hf, target_lm_head(tmp_path / "engines" / "target"), (0, 1), (torch.arange(len(d2t)) + d2t).tolist(), seed=0
+        hf, tmp_path / "engines" / "target", (0, 1), (torch.arange(len(d2t)) + d2t).tolist(), seed=0
     )
     save_head(tmp_path / "head", untrained, config)
     before = acceptance(tmp_path / "head")
@@ -188,7 +193,7 @@ def test_soft_labels_of_a_certain_target_are_the_hard_labels():
     angles = torch.outer(torch.arange(t).float(), 1.0 / torch.arange(1, 5).float()).repeat(1, 2)  # [t, head_dim]
     cos, sin = torch.cos(angles), torch.sin(angles)
     feats = torch.randn(b, t, 48)
-    resp = torch.tensor([1, 2])
+    resp = torch.arange(t).view(1, t) >= torch.tensor([[1], [2]])  # response text from position 1 / 2
 
     def loss(top_logits, soft):
         batch = Batch(tokens, feats, ids[..., 0].clone(), resp, ids, top_logits)
@@ -215,7 +220,7 @@ def test_soft_label_runs_resume_as_their_own_and_refuse_a_hard_checkpoint(tmp_pa
 
     with pytest.raises(KeyboardInterrupt):
         distill(loaded, small_opts(a, force=True), on_step=interrupt)  # hard labels, interrupted
-    with pytest.raises(TrtspecError, match="other data, seed or --labels"):
+    with pytest.raises(TrtspecError, match="other data, seed or training options \\(--labels"):
         distill(loaded, small_opts(a, force=True, resume=True, labels="soft"))
 
 
@@ -235,7 +240,7 @@ def test_existing_output_without_force(tmp_path, tiny_ckpts):
     [
         ("", "holds 0 prompt(s); distill needs at least 2"),
         ('{"prompt": "only one"}\n', "holds 1 prompt(s)"),
-        (b"\xff\xfe\x00garbage", "is not UTF-8 text"),
+        (b"\xff\xfe\x00garbage", "not UTF-8 text (byte 0xff at byte offset 0)"),
         ('{"text": "no prompt key"}\n', 'expected {"prompt": "<non-empty text>"}'),
     ],
 )
@@ -317,13 +322,21 @@ def test_sampled_responses_add_training_contexts_only(tmp_path, tiny_ckpts):
     assert res_a.metrics == res_b.metrics
     (index,) = (tmp_path / "a" / ".head.distill").glob("data-*.safetensors")
     samples = store.open_store(index.parent, index.name.removeprefix("data-").removesuffix(".safetensors")).samples
-    assert len(samples) == 8 + 12  # every prompt's greedy response, then 2 sampled per training prompt
+    unseen = len(set(loaded.verify_prompts()))
+    # every prompt's greedy response, the unseen (verify) prompts', then 2 sampled per training prompt
+    assert len(samples) == 8 + unseen + 12
     greedy = {tuple(s.tokens[: s.prompt_len].tolist()): s for s in samples[:8]}
-    differs = 0
-    for s in samples[8:]:
+    differs = relabelled = 0
+    for s in samples[: 8 + unseen]:  # greedy: each label is the next token, from the last prompt position on
+        p = s.prompt_len
+        assert torch.equal(s.labels[p - 1 : -1], s.tokens[p:]) and bool((s.labels[: p - 1] == -1).all())
+    for s in samples[8 + unseen :]:
         g = greedy[tuple(s.tokens[: s.prompt_len].tolist())]  # a training prompt's sample
         differs += not torch.equal(s.tokens, g.tokens)
+        p = s.prompt_len
+        relabelled += int((s.labels[p - 1 : -1] != s.tokens[p:]).sum())  # the target's greedy token, not the sampled one
     assert differs > 0  # sampling gave other contexts than the greedy ones
+    assert relabelled > 0
 
 
 def test_shipped_prompts_are_unique_and_never_a_gate_or_bench_prompt():

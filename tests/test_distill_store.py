@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from test_distill import eagle_spec, small_opts
 
 import trtspec.codesign.distill as distill_mod
+import trtspec.codesign.trainer as trainer_mod
 from trtspec.codesign.data import Sample, collate
 from trtspec.codesign.distill import distill
 from trtspec.codesign.store import CorruptStore, open_store, paths, write_store
@@ -69,7 +70,7 @@ def test_the_store_round_trips(tmp_path, dtype):
     for pick in ([0, 3, 1], [2]):
         mem = collate([samples[i] for i in pick], 9, soft=True)
         disk = collate([store.samples[i] for i in pick], 9, store, soft=True)
-        for name in ("tokens", "features", "labels", "response_from", "top_ids", "top_logits"):
+        for name in ("tokens", "features", "labels", "response", "top_ids", "top_logits"):
             assert torch.equal(getattr(mem, name), getattr(disk, name)), name
 
 
@@ -83,7 +84,7 @@ def test_training_from_disk_equals_training_from_memory(tmp_path, tiny_ckpts, mo
         return types.SimpleNamespace(samples=kept, rows=sum(len(s.tokens) for s in kept), features=None)
 
     monkeypatch.setattr(distill_mod, "write_store", in_memory)
-    monkeypatch.setattr(distill_mod, "collate", lambda samples, max_len, store, soft=False: collate(samples, max_len, soft=soft))
+    monkeypatch.setattr(trainer_mod, "collate", lambda samples, max_len, store, soft=False: collate(samples, max_len, soft=soft))
     mem = distill(load_spec(eagle_spec(tmp_path / "b", tiny_ckpts["target"])), small_opts(tmp_path / "b"))
     assert not list((tmp_path / "b" / ".head.distill").glob("features-*"))  # really trained from memory
     assert same_head(tmp_path / "a" / "head", tmp_path / "b" / "head")
@@ -128,28 +129,66 @@ def test_a_damaged_capture_is_detected_and_captured_again(tmp_path, tiny_ckpts, 
 
 
 def test_an_interrupted_capture_leaves_no_store(tmp_path, tiny_ckpts, monkeypatch):
-    """Ctrl-C while capturing: no index, no features file, no partial file; the rerun captures
-    everything and trains the head an uninterrupted run trains."""
+    """Ctrl-C while the store is being written: no index, no features file, no partial file;
+    the batches generated so far survive, and the rerun trains the head an uninterrupted run
+    trains."""
+    import trtspec.codesign.data as data
+
     distill(load_spec(eagle_spec(tmp_path / "a", tiny_ckpts["target"])), small_opts(tmp_path / "a"))
     b = tmp_path / "b"
     loaded = load_spec(eagle_spec(b, tiny_ckpts["target"]))
-    real, calls = distill_mod.capture, []
+    real, calls = data.generate, []
 
-    def capture_then_interrupt(*args):
+    def generate_then_interrupt(*args, **kwargs):
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return real(*args)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(distill_mod, "capture", capture_then_interrupt)
+    monkeypatch.setattr(data, "generate", generate_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         distill(loaded, small_opts(b))
     work = b / ".head.distill"
-    assert list(work.glob("responses-*.jsonl"))  # the responses survive
+    assert len(list(work.glob("parts-*/responses/part-*"))) == 2  # the finished batches survive
     assert not list(work.glob("data-*")) and not list(work.glob("*features-*"))
     monkeypatch.undo()
     distill(loaded, small_opts(b))
     assert same_head(tmp_path / "a" / "head", b / "head")
+
+
+def test_a_new_capture_removes_the_superseded_one(tmp_path, tiny_ckpts, capsys):
+    """Changing what shapes the data (here the response length) captures again and deletes
+    the earlier capture instead of leaving its features behind."""
+    spec = load_spec(eagle_spec(tmp_path, tiny_ckpts["target"]))
+    distill(spec, small_opts(tmp_path, max_steps=2))
+    work = tmp_path / ".head.distill"
+    first = store_key(work)
+    capsys.readouterr()
+    distill(spec, small_opts(tmp_path, max_steps=2, max_tokens=10, force=True))
+    assert "superseded file(s) of other data" in capsys.readouterr().err
+    assert store_key(work) != first and not list(work.glob(f"*{first}*"))
+
+
+def test_two_runs_never_share_a_work_folder(tmp_path, tiny_ckpts):
+    """A second distill on a work folder in use is refused by name (exit 2); a lock left by a
+    run that died is taken over."""
+    import os
+    import subprocess
+
+    from trtspec.codesign.distill import work_lock
+    from trtspec.errors import TrtspecError
+
+    work = tmp_path / ".head.distill"
+    with work_lock(work):
+        with pytest.raises(TrtspecError, match="in use by another distill"):
+            with work_lock(work):
+                pass
+    assert not (work / "lock").exists()
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid names no live process now
+    (work / "lock").write_text(str(gone.pid))
+    with work_lock(work):  # the dead run's lock is taken over
+        assert (work / "lock").read_text() == str(os.getpid())
 
 
 def test_held_out_agreement_is_the_same_in_one_batch_or_many(tmp_path, tiny_ckpts):

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from trtspec.cli.app import app
-from trtspec.codesign.heads import new_head, save_head, target_lm_head
+from trtspec.codesign.heads import new_head, save_head
 from trtspec.codesign.tiny import bigram_map, make_bigram_target, make_exact_head
 from trtspec.engines.eagle3 import default_layer_ids
 
@@ -46,7 +46,7 @@ def random_head(target: Path, out: Path, seed: int = 0, scale: float = 0.3, draf
 
     hf = AutoConfig.from_pretrained(target)
     head, config = new_head(
-        hf, target_lm_head(target), default_layer_ids(hf.num_hidden_layers), list(draft_ids), seed, scale=scale
+        hf, target, default_layer_ids(hf.num_hidden_layers), list(draft_ids), seed, scale=scale, anchor=False
     )
     save_head(out, head, config)
     return out

@@ -21,6 +21,11 @@ class Labels(str, Enum):
     soft = "soft"
 
 
+class Schedule(str, Enum):
+    cosine = "cosine"
+    constant = "constant"
+
+
 def parse_duration(text: str | None) -> float | None:
     """Seconds from '90', '90s', '10m' or '1.5h'; TrtspecError names the format."""
     if text is None:
@@ -57,8 +62,12 @@ def distill(
     draft_vocab: int = typer.Option(
         8192, "--draft-vocab", min=1, help="Draft vocabulary size (the target's most frequent outputs)."
     ),
-    ttt_steps: int = typer.Option(
-        3, "--ttt-steps", min=1, max=16, help="Unrolled drafting steps trained per position (training-time test)."
+    ttt_steps: int | None = typer.Option(
+        None,
+        "--ttt-steps",
+        min=1,
+        max=16,
+        help="Unrolled drafting steps trained per position (training-time test); default: the k the spec drafts.",
     ),
     max_tokens: int = typer.Option(128, "--max-tokens", min=1, help="Target response length per prompt."),
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="Sequences per training step."),
@@ -78,12 +87,39 @@ def distill(
         help="Training responses per prompt: the greedy one plus N-1 sampled ones (more contexts; "
         "labels stay the target's greedy tokens). Held-out prompts keep their greedy response only.",
     ),
+    branches_per_prompt: int = typer.Option(
+        0,
+        "--branches-per-prompt",
+        min=0,
+        max=64,
+        help="Sampled continuations per training prompt from a random point inside its greedy response.",
+    ),
     temperature: float = typer.Option(
         0.8, "--temperature", min=0.05, max=2.0, help="Temperature of the sampled responses (top-p 0.95)."
     ),
-    layers: str | None = typer.Option(
-        None, "--layers", help="Target layer ids the head reads (default: TensorRT-LLM's {1, L//2-1, L-4})."
+    gen_batch: int = typer.Option(
+        64, "--gen-batch", min=1, max=512, help="Sequences generated at once (one decode step reads the weights once for all)."
     ),
+    corpus: Path | None = typer.Option(
+        None,
+        "--corpus",
+        help="Your own conversations, trained on without generation: OpenAI messages JSONL or ShareGPT JSON; "
+        "assistant turns are the response positions, labels are the target's own tokens.",
+    ),
+    layers: str | None = typer.Option(
+        None, "--layers", help="Target layer ids the head reads (default: {1, L//2-1, L-2}: the latest vLLM can name)."
+    ),
+    anchor: bool = typer.Option(
+        True, "--anchor/--no-anchor", help="Start the head as the target's own next-token predictor (copy of its last layer)."
+    ),
+    train_lm_head: bool = typer.Option(False, "--train-lm-head", help="Train the LM head too (default: the target's, frozen)."),
+    all_positions: bool = typer.Option(
+        False, "--all-positions", help="Also train on prompt and template positions (default: response positions only)."
+    ),
+    step_decay: float = typer.Option(
+        0.8, "--step-decay", min=0.0, max=1.0, help="Loss weight of unrolled step j: DECAY^j (1: equal weights)."
+    ),
+    schedule: Schedule = typer.Option(Schedule.cosine, "--schedule", help="cosine: warmup then cosine decay; constant."),
     eval_every: int = typer.Option(50, "--eval-every", min=1, help="Held-out evaluation and checkpoint every N steps."),
     allow_pickle: AllowPickleOpt = False,
     as_json: JsonOpt = False,
@@ -91,12 +127,16 @@ def distill(
 ) -> None:
     """Train an EAGLE-3 head for SPEC's target and write it at the spec's draft.path.
 
-    Data are the target's own greedy responses to the prompts (10% held out, never trained
-    on). Ctrl-C keeps the last good checkpoint; --resume finishes the run exactly as if
-    uninterrupted. Exit 2 on bad input (existing output without --force, empty prompts).
+    Data are the target's own responses to the prompts (10% held out, never trained on),
+    captured as they are generated, plus --corpus conversations. The spec's verify prompts
+    are never trained on: distill scores the head on them per draft position, measures its
+    costs and recommends num_draft_tokens. Ctrl-C keeps the last good checkpoint; --resume
+    finishes the run exactly as if uninterrupted. Exit 2 on bad input (existing output without
+    --force, empty prompts, a corpus in another format, a work folder in use).
 
     Examples:
       trtspec distill engine_specs/smollm2-135m-eagle3.yaml --time-budget 25m
+      trtspec distill engine_specs/smollm2-135m-eagle3.yaml --corpus chats.jsonl --max-steps 3000
       trtspec distill engine_specs/tiny-llama-eagle3.yaml --max-steps 200 --force
     """
     from trtspec.codesign.distill import DistillOptions
@@ -119,18 +159,29 @@ def distill(
         weight_decay=weight_decay,
         labels=labels.value,
         samples_per_prompt=samples_per_prompt,
+        branches_per_prompt=branches_per_prompt,
         temperature=temperature,
+        gen_batch=gen_batch,
+        corpus=corpus,
+        anchor=anchor,
+        train_lm_head=train_lm_head,
+        response_only=not all_positions,
+        step_decay=step_decay,
+        schedule=schedule.value,
         eval_every=eval_every,
         layer_ids=_layers(layers),
         allow_pickle=allow_pickle,
     )
     result = run(loaded, opts)
+    m = result.metrics
+    k = result.advice["recommended_k"]
     emit(
         result,
         lambda out: out.print(
-            f"head written to {result.output}: {result.steps} steps ({result.stopped_by}), held-out "
-            f"acceptance length {result.metrics['held_out_acceptance_length']:.2f} at k={ttt_steps}, "
-            f"top-1 per step {', '.join(f'{a:.2f}' for a in result.metrics['held_out_top1'])}"
+            f"head written to {result.output}: {result.steps} steps ({result.stopped_by}); unseen prompts: "
+            f"per-position acceptance {'/'.join(f'{a:.2f}' for a in m['unseen_accepted'])}, acceptance length "
+            f"{m['unseen_acceptance_length']:.2f} at k={len(m['unseen_accepted'])}; "
+            + (f"recommended num_draft_tokens: {k}" if k else "no draft length beats target-only with this head")
         ),
         as_json=as_json,
         json_file=json_file,

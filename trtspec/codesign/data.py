@@ -1,14 +1,18 @@
-"""Distillation data: the target's own greedy responses to a prompt set, captured with the
-features an EAGLE-3 head reads and the target's greedy label at every position.
+"""Distillation data: the target's own responses to a prompt set, with the features an
+EAGLE-3 head reads and the target's greedy label (and top-k logits) at every response position.
 
 Responses come from the one loop (target-only: the same greedy tokens `verify` compares), in
-batches of the engine's slots. Capture is one teacher-forced target forward per sequence.
+batches of the engine's slots. Generating IS capturing: the engine keeps the features of every
+position it computes (capture_features) and a LabelRecorder keeps the target's top-k logits at
+every position it scores, so a finished response already holds its features and labels — no
+second forward. Sequences that were not generated in this process (a resumed run's logged
+responses, a user's conversations: codesign/corpus.py) are captured by teacher-forced forwards,
+many sequences per forward.
 """
 
 from __future__ import annotations
 
-import json
-import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -33,10 +37,17 @@ class Sample:
     tokens: torch.Tensor  # [T] int64: prompt + the target's response
     prompt_len: int
     features: torch.Tensor | None  # [T, n_layers * hidden]; None: rows row..row+T-1 of a FeatureStore
-    labels: torch.Tensor  # [T] int64: the target's greedy next token after each position
+    labels: torch.Tensor  # [T] int64: the target's greedy next token after each position (-1: not known)
     row: int = -1
     top_ids: torch.Tensor | None = None  # [T, SOFT_TOP_K] int: the target's most likely next tokens
     top_logits: torch.Tensor | None = None  # [T, SOFT_TOP_K] float32: their logits
+    response: torch.Tensor | None = None  # [T] bool: response text (None: positions >= prompt_len)
+
+    def response_mask(self) -> torch.Tensor:
+        """[T] bool: the positions whose token is response text (what the runtime drafts after)."""
+        if self.response is not None:
+            return self.response
+        return torch.arange(len(self.tokens)) >= self.prompt_len
 
 
 class FeatureRows(Protocol):
@@ -66,68 +77,141 @@ def read_prompts(path: Path) -> list[str]:
     return [r["prompt"] for r in rows]
 
 
-def responses(target: TorchEngine, requests: list[GenerationRequest], on_batch=None, log: Path | None = None) -> list[list[int]]:
-    """The target's greedy output ids for each request, batched over the engine's slots.
+class LabelRecorder:
+    """The target's run() that also keeps, per KV slot and position, its top-k logits at every
+    position it computes logits for: the labels of a sequence generated through it (greedy
+    label = top-1). Each item's slot is the one the engine committed its tokens to."""
 
-    With ``log``, every finished batch is appended there (one JSON line per response, flushed
-    and synced) and a later call continues after the responses it holds: an interrupted
-    generation loses at most the batch in flight. A torn last line is ignored. ``on_batch(done,
-    total)`` is called before the first batch (done: what the log held) and after each one."""
-    done = _read_log(log, len(requests)) if log is not None else {}
-    todo = [i for i in range(len(requests)) if i not in done]
+    def __init__(self, target: TorchEngine, k: int = SOFT_TOP_K):
+        self.target = target
+        self.k = min(k, target.vocab_size)
+        shape = (target.max_batch_size, target.max_seq_len, self.k)
+        self.top_ids = torch.full(shape, -1, dtype=torch.int32)
+        self.top_logits = torch.zeros(shape, dtype=torch.float32)
+
+    def run(self, items: list[ForwardItem]) -> list[torch.Tensor]:
+        out = self.target.run(items)
+        for it, logits in zip(items, out):  # logits [n, vocab] of the last n positions
+            slot = self.slot_of(it.tokens, len(it.tokens))
+            top = torch.topk(logits.float(), self.k, dim=-1)
+            p = len(it.tokens) - logits.shape[0]
+            self.top_ids[slot, p : len(it.tokens)] = top.indices.to(torch.int32)
+            self.top_logits[slot, p : len(it.tokens)] = top.values
+        return out
+
+    def slot_of(self, tokens: list[int], n: int) -> int:
+        """The slot holding the first ``n`` of ``tokens``."""
+        for slot, cached in enumerate(self.target.pool.tokens):
+            if len(cached) >= n and cached[:n] == tokens[:n]:
+                return slot
+        raise RuntimeError("the target holds no slot with this sequence (it was evicted); generate fewer at once")
+
+    def sample(self, prompt_ids: list[int], output_ids: list[int], response_from: int | None = None) -> Sample:
+        """A generated sequence as captured while it was generated: every position up to the
+        one before its last token (the last token was never fed back)."""
+        tokens = list(prompt_ids) + list(output_ids)
+        n = len(tokens) - 1
+        slot = self.slot_of(tokens, n)
+        feats = self.target.features_of(tokens, 0, n)  # [n, n_layers * hidden]
+        top_ids = self.top_ids[slot, :n].long()
+        top_ids[: len(prompt_ids) - 1] = -1  # the prompt's positions got no logits here (stale rows)
+        return Sample(
+            torch.tensor(tokens[:n], dtype=torch.long),
+            len(prompt_ids) if response_from is None else response_from,
+            feats,
+            top_ids[:, 0].clone(),  # -1 where no logits were computed (the prompt before its last token)
+            top_ids=top_ids.clone(),
+            top_logits=self.top_logits[slot, :n].clone(),
+        )
+
+
+def generated(
+    target: TorchEngine,
+    requests: list[GenerationRequest],
+    parts: Path | None = None,
+    on_batch=None,
+    response_from: list[int] | None = None,
+) -> Iterator[Sample]:
+    """One captured Sample per request, in request order, batched over the engine's slots.
+
+    With ``parts`` (a folder), every finished batch is written there whole, features included
+    (store.write_part, atomically), and a later call reads the batches it finds instead of
+    generating them: an interrupted generation loses at most the batch in flight, and a
+    resumed one yields exactly what an uninterrupted one would. ``on_batch(done, total)`` is
+    called before the first batch (done: the requests whose batch was found) and after each
+    generated one. ``response_from``: per request, the first position whose token is response
+    text (default: its prompt's length)."""
+    from trtspec.codesign.store import read_part, write_part
+
     size = target.max_batch_size
+    starts = response_from or [len(r.prompt_ids) for r in requests]
+    batches = [list(range(n, min(n + size, len(requests)))) for n in range(0, len(requests), size)]
+    found: dict[int, list[Sample]] = {}
+    if parts is not None:
+        parts.mkdir(parents=True, exist_ok=True)
+        for b, batch in enumerate(batches):
+            got = read_part(parts / f"part-{b:05d}.safetensors") if (parts / f"part-{b:05d}.safetensors").is_file() else None
+            if got is not None and len(got) == len(batch):
+                found[b] = got
+    done = sum(len(batches[b]) for b in found)
     if on_batch:
-        on_batch(len(done), len(requests))  # before any batch: what the log already held
-    sink = open(log, "a", encoding="utf-8") if log is not None else None  # noqa: SIM115
-    try:
-        for n in range(0, len(todo), size):
-            batch = todo[n : n + size]
-            results = generate([requests[i] for i in batch], NoDrafter(), LogitsVerifier(target.run))
-            for i, r in zip(batch, results):
-                done[i] = r.output_ids
-                if sink is not None:
-                    sink.write(json.dumps({"i": i, "ids": r.output_ids}) + "\n")
-            if sink is not None:
-                sink.flush()
-                os.fsync(sink.fileno())
-            if on_batch:
-                on_batch(len(done), len(requests))
-    finally:
-        if sink is not None:
-            sink.close()
-    return [done[i] for i in range(len(requests))]
+        on_batch(done, len(requests))
+    recorder = LabelRecorder(target)
+    for b, batch in enumerate(batches):
+        if b in found:
+            yield from found.pop(b)
+            continue
+        results = generate([requests[i] for i in batch], NoDrafter(), LogitsVerifier(recorder.run))
+        samples = [recorder.sample(requests[i].prompt_ids, r.output_ids, starts[i]) for i, r in zip(batch, results)]
+        if parts is not None:
+            write_part(parts / f"part-{b:05d}.safetensors", samples)
+        done += len(batch)
+        if on_batch:
+            on_batch(done, len(requests))
+        yield from samples
 
 
-def _read_log(path: Path, n: int) -> dict[int, list[int]]:
-    done: dict[int, list[int]] = {}
-    if not path.is_file():
-        return done
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-            i, ids = int(row["i"]), [int(t) for t in row["ids"]]
-        except (ValueError, KeyError, TypeError):
-            continue  # a line torn by an interrupted write
-        if 0 <= i < n:
-            done[i] = ids
-    return done
+def capture_batch(
+    target: TorchEngine, seqs: list[list[int]], response_from: list[int] | list[torch.Tensor], tokens_per_forward: int = 4096
+) -> list[Sample]:
+    """Teacher-forced capture: features and labels at every position of each sequence, as
+    many sequences per forward as the engine's slots and ``tokens_per_forward`` allow (the
+    logits of a forward are [tokens, vocab] floats). ``response_from``: per sequence, its
+    first response position, or a [T] bool mask of its response positions."""
+    out: list[Sample] = []
+    i = 0
+    while i < len(seqs):
+        group = [seqs[i]]
+        while (
+            i + len(group) < len(seqs)
+            and len(group) < target.max_batch_size
+            and sum(map(len, group)) + len(seqs[i + len(group)]) <= tokens_per_forward
+        ):
+            group.append(seqs[i + len(group)])
+        logits = target.run([ForwardItem(list(s), len(s)) for s in group])  # each [T, vocab]
+        for s, lg, r in zip(group, logits, response_from[i : i + len(group)]):
+            feats = target.features_of(s, 0, len(s))  # [T, n_layers * hidden]
+            top = torch.topk(lg.float(), min(SOFT_TOP_K, lg.shape[-1]), dim=-1)
+            mask = r if isinstance(r, torch.Tensor) else None
+            plen = int(r) if mask is None else int(mask.long().argmax()) if bool(mask.any()) else len(s)
+            out.append(
+                Sample(
+                    torch.tensor(s, dtype=torch.long),
+                    plen,
+                    feats,
+                    top.indices[:, 0].clone(),
+                    top_ids=top.indices,
+                    top_logits=top.values,
+                    response=mask,
+                )
+            )
+        i += len(group)
+    return out
 
 
 def capture(target: TorchEngine, prompt_ids: list[int], output_ids: list[int]) -> Sample:
     """Teacher-forced forward over prompt + response: features and greedy labels per position."""
-    tokens = list(prompt_ids) + list(output_ids)
-    target.forget_prefixes()  # every position computed now, with its features
-    logits = target.run([ForwardItem(tokens, len(tokens))])[0]  # [T, vocab]
-    feats = target.features_of(tokens, 0, len(tokens))  # [T, n_layers * hidden]
-    top = torch.topk(logits.float(), min(SOFT_TOP_K, logits.shape[-1]), dim=-1)
-    return Sample(
-        torch.tensor(tokens, dtype=torch.long),
-        len(prompt_ids),
-        feats,
-        torch.argmax(logits, dim=-1),
-        top_ids=top.indices,
-        top_logits=top.values,
-    )
+    return capture_batch(target, [list(prompt_ids) + list(output_ids)], [len(prompt_ids)])[0]
 
 
 def collate(samples: list[Sample], max_len: int, store: FeatureRows | None = None, soft: bool = False) -> Batch:
@@ -145,7 +229,7 @@ def collate(samples: list[Sample], max_len: int, store: FeatureRows | None = Non
     k = samples[0].top_ids.shape[-1] if soft else 0
     top_ids = torch.full((b, t, k), -1, dtype=torch.long)
     top_logits = torch.zeros((b, t, k), dtype=torch.float32)
-    resp = torch.zeros(b, dtype=torch.long)
+    resp = torch.zeros((b, t), dtype=torch.bool)
     for i, s in enumerate(samples):
         n = min(t, len(s.tokens))
         tokens[i, :n] = s.tokens[:n]
@@ -159,15 +243,20 @@ def collate(samples: list[Sample], max_len: int, store: FeatureRows | None = Non
         if soft:
             top_ids[i, :n] = s.top_ids[:n]
             top_logits[i, :n] = s.top_logits[:n]
-        resp[i] = s.prompt_len
+        resp[i, :n] = s.response_mask()[:n]
     return Batch(tokens, feats, labels, resp, top_ids if soft else None, top_logits if soft else None)
 
 
 def draft_vocabulary(samples: list[Sample], size: int, vocab: int) -> list[int]:
-    """The ``size`` target ids the target outputs most often (ties: lower id), ascending;
-    topped up with the lowest unused ids when the data shows fewer distinct tokens."""
+    """The ``size`` target ids the target outputs most often in responses (ties: lower id),
+    ascending; topped up with the lowest unused ids when the data shows fewer distinct tokens.
+    Only labels the head is trained on count: the next token after a response position or the
+    prompt's last one (template and prompt tokens are never drafted)."""
     counts = torch.zeros(vocab, dtype=torch.long)
     for s in samples:
-        counts += torch.bincount(s.labels, minlength=vocab)[:vocab]
+        resp = s.response_mask()
+        drafted = torch.cat([resp[1:], resp[-1:]])  # the label at t is the token at t + 1
+        labels = s.labels[drafted & (s.labels >= 0)]
+        counts += torch.bincount(labels, minlength=vocab)[:vocab]
     order = sorted(range(vocab), key=lambda i: (-int(counts[i]), i))
     return sorted(order[: min(size, vocab)])

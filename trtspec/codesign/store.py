@@ -9,8 +9,8 @@ mapping of the whole file, so the resident set does not grow with the data).
 Two files per capture, in the distill work folder:
   features-<key>.bin       rows [tokens, width] of one dtype, row-major, nothing else
   data-<key>.safetensors   token ids, labels, the target's top-32 ids and logits per token
-                           (soft labels: 256 bytes a token), each sequence's first row and
-                           prompt length;
+                           (soft labels: 256 bytes a token), which tokens are response text,
+                           each sequence's first row and prompt length;
                            its metadata is the manifest: key, the inputs the key hashes, and
                            the features file's size, dtype, shape and sha256
 The features file is written under a temp name and renamed when complete; the index is
@@ -26,7 +26,7 @@ import json
 import os
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -35,7 +35,7 @@ from trtspec.codesign.data import Sample
 from trtspec.errors import TrtspecError
 from trtspec.files import write_bytes_atomic
 
-FORMAT = 3  # 1: one torch.save of every sample, features included, held in RAM; 2: no top-k logits
+FORMAT = 4  # 1: one torch.save of every sample, features included, held in RAM; 2: no top-k logits; 3: no response mask
 _CHUNK = 1 << 24  # bytes hashed at a time
 
 
@@ -62,6 +62,54 @@ class FeatureStore:
             raise CorruptStore(f"{self.features} shrank while training; run distill again (it captures again)")
 
 
+def write_part(path: Path, samples: list[Sample]) -> None:
+    """One finished generation batch, features included, in one safetensors file written
+    atomically: an interrupted generation keeps every finished batch, bit for bit."""
+    from safetensors.torch import save
+
+    t = _tensors(samples)
+    t["features"] = torch.cat([s.features.contiguous() for s in samples])
+    write_bytes_atomic(path, save(t))
+
+
+def read_part(path: Path) -> list[Sample] | None:
+    """The samples of a batch written by write_part (features in memory); None if unreadable."""
+    from safetensors.torch import load_file
+
+    try:
+        t = load_file(str(path))
+        starts = t["starts"].tolist()
+        return [
+            Sample(
+                t["tokens"][a:b],
+                p,
+                t["features"][a:b],
+                t["labels"][a:b],
+                top_ids=t["top_ids"][a:b].long(),
+                top_logits=t["top_logits"][a:b],
+                response=t["response"][a:b].bool(),
+            )
+            for a, b, p in zip(starts[:-1], starts[1:], t["prompt_len"].tolist())
+        ]
+    except Exception:  # noqa: BLE001 - a torn or foreign file: generate the batch again
+        return None
+
+
+def _tensors(samples: list[Sample]) -> dict[str, torch.Tensor]:
+    starts = [0]
+    for s in samples:
+        starts.append(starts[-1] + len(s.tokens))
+    return {
+        "tokens": torch.cat([s.tokens for s in samples]),  # [rows] int64
+        "labels": torch.cat([s.labels for s in samples]),  # [rows] int64
+        "top_ids": torch.cat([s.top_ids.to(torch.int32) for s in samples]),  # [rows, k] int32
+        "top_logits": torch.cat([s.top_logits.float() for s in samples]),  # [rows, k] float32
+        "starts": torch.tensor(starts, dtype=torch.long),  # [sequences + 1]
+        "prompt_len": torch.tensor([s.prompt_len for s in samples], dtype=torch.long),  # [sequences]
+        "response": torch.cat([s.response_mask().to(torch.uint8) for s in samples]),  # [rows] 1: response text
+    }
+
+
 def paths(work: Path, key: str) -> tuple[Path, Path]:
     """(index, features file) of the capture ``key`` in ``work``."""
     return work / f"data-{key}.safetensors", work / f"features-{key}.bin"
@@ -79,7 +127,7 @@ def write_store(work: Path, key: str, inputs: dict, samples: Iterable[Sample]) -
     tmp = feat_path.with_name(f".{feat_path.name}.partial")
     sha = hashlib.sha256()
     rows, width, dtype = 0, None, None
-    tokens, labels, starts, prompt_len, top_ids, top_logits = [], [], [], [], [], []
+    kept: list[Sample] = []  # without their features
     try:
         with open(tmp, "wb") as f:
             for s in samples:
@@ -89,26 +137,21 @@ def write_store(work: Path, key: str, inputs: dict, samples: Iterable[Sample]) -
                 raw = feats.view(torch.uint8).numpy().tobytes()
                 f.write(raw)
                 sha.update(raw)
-                starts.append(rows)
                 rows += feats.shape[0]
-                tokens.append(s.tokens)
-                labels.append(s.labels)
-                top_ids.append(s.top_ids.to(torch.int32))
-                top_logits.append(s.top_logits.float())
-                prompt_len.append(s.prompt_len)
+                kept.append(replace(s, features=None))
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(feat_path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    if not starts:
+    if not kept:
         raise TrtspecError("distill captured no sequences; check the prompts file")
     manifest = {
         "format": FORMAT,
         "key": key,
         "inputs": inputs,
-        "sequences": len(starts),
+        "sequences": len(kept),
         "features": {
             "file": feat_path.name,
             "dtype": str(dtype).removeprefix("torch."),
@@ -118,14 +161,7 @@ def write_store(work: Path, key: str, inputs: dict, samples: Iterable[Sample]) -
             "sha256": sha.hexdigest(),
         },
     }
-    tensors = {
-        "tokens": torch.cat(tokens),  # [rows] int64
-        "labels": torch.cat(labels),  # [rows] int64
-        "top_ids": torch.cat(top_ids),  # [rows, k] int32
-        "top_logits": torch.cat(top_logits),  # [rows, k] float32
-        "starts": torch.tensor(starts + [rows], dtype=torch.long),  # [sequences + 1]
-        "prompt_len": torch.tensor(prompt_len, dtype=torch.long),  # [sequences]
-    }
+    tensors = _tensors(kept)
     write_bytes_atomic(index, save(tensors, metadata={"trtspec": json.dumps(manifest, sort_keys=True)}))
     return _store(index, feat_path, manifest, tensors)
 
@@ -171,11 +207,20 @@ def _store(index: Path, feat_path: Path, manifest: dict, t: dict[str, torch.Tens
     if (
         len(starts) != len(plen) + 1
         or starts[-1] != rows
-        or any(t[name].shape[0] != rows for name in ("tokens", "labels", "top_ids", "top_logits"))
+        or any(t[name].shape[0] != rows for name in ("tokens", "labels", "top_ids", "top_logits", "response"))
     ):
         raise CorruptStore(f"{index} disagrees with itself (sequence starts vs rows); capture again")
     samples = [
-        Sample(t["tokens"][a:b], p, None, t["labels"][a:b], row=a, top_ids=t["top_ids"][a:b], top_logits=t["top_logits"][a:b])
+        Sample(
+            t["tokens"][a:b],
+            p,
+            None,
+            t["labels"][a:b],
+            row=a,
+            top_ids=t["top_ids"][a:b],
+            top_logits=t["top_logits"][a:b],
+            response=t["response"][a:b].bool(),
+        )
         for a, b, p in zip(starts[:-1], starts[1:], plen)
     ]
     return FeatureStore(feat_path, getattr(torch, meta["dtype"]), rows, width, samples)

@@ -72,7 +72,7 @@ def make_exact_head(target_folder: Path, out: Path) -> Path:
     """The head that reproduces a one-hot bigram target exactly (see the module docstring)."""
     from transformers import AutoConfig
 
-    from trtspec.codesign.heads import new_head, save_head, target_lm_head
+    from trtspec.codesign.heads import new_head, save_head
     from trtspec.engines.eagle3 import default_layer_ids
 
     hf = AutoConfig.from_pretrained(target_folder)
@@ -80,7 +80,7 @@ def make_exact_head(target_folder: Path, out: Path) -> Path:
     g = torch.tensor(bigram_map(vocab))
     image = sorted(set(g.tolist()))
     layer_ids = default_layer_ids(hf.num_hidden_layers)
-    head, config = new_head(hf, target_lm_head(target_folder), layer_ids, image, seed=0)
+    head, config = new_head(hf, target_folder, layer_ids, image, seed=0, anchor=False)
     step = torch.zeros(vocab, vocab)
     step[g, torch.arange(vocab)] = 1.0  # column a is e_{g(a)}
     eye = torch.eye(vocab)

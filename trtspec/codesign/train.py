@@ -28,9 +28,31 @@ class Batch:
     tokens: torch.Tensor  # [B, T] int64 (padding 0)
     features: torch.Tensor  # [B, T, n_layers * target_hidden]
     labels: torch.Tensor  # [B, T] int64: the target's greedy next token at each position; -1 = none
-    response_from: torch.Tensor  # [B] int64: first position whose token is the target's own output
+    response: torch.Tensor  # [B, T] bool: the token at this position is response text (drafted at runtime)
     top_ids: torch.Tensor | None = None  # [B, T, k] int64: the target's top-k next tokens (-1: padding)
     top_logits: torch.Tensor | None = None  # [B, T, k] float32: their logits
+
+
+def chain_in_response(batch: Batch, j: int) -> torch.Tensor:
+    """[B, T] bool: position t at step j belongs to a chain drafted inside a response.
+
+    Step j at t replays a chain whose first fed token is x_{t-j+1}; the runtime drafts only
+    after a response token (a chain after the prompt's last token starts at the first
+    response token), so that token must be response text. Prompt and template positions are
+    never drafted at runtime: training and scoring on them spends data on nothing."""
+    r = batch.response
+    n = 1 - j  # position t holds response[t + n]
+    if n > 0:
+        return torch.cat([r[:, n:], torch.zeros_like(r[:, :n])], dim=1)
+    return _shift(r, -n, dim=1)
+
+
+def step_weights(steps: int, decay: float = 0.8) -> list[float]:
+    """Loss weight of each unrolled step: decay^j, normalised (EAGLE-3's 0.8^i): the first
+    drafts decide most of the acceptance, a late step is used only after all earlier ones
+    were accepted."""
+    w = [decay**j for j in range(steps)]
+    return [x / sum(w) for x in w]
 
 
 def _project(head: Eagle3Head, x: torch.Tensor, cos, sin):
@@ -59,7 +81,8 @@ def unrolled_logits(head: Eagle3Head, embed, batch: Batch, steps: int, cos_table
     b, t = batch.tokens.shape
     dtype = head.fc.weight.dtype
     nxt = torch.cat([batch.tokens[:, 1:], torch.zeros_like(batch.tokens[:, :1])], dim=1)  # x_{t+1}
-    embeds = embed(nxt).to(dtype)  # [B, T, hidden]
+    with torch.no_grad():  # the target's embeddings are frozen: no [vocab, hidden] gradient
+        embeds = embed(nxt).to(dtype)  # [B, T, hidden]
     pos = torch.arange(t)
     cos = cos_table[pos].to(dtype).view(1, 1, t, -1)
     sin = sin_table[pos].to(dtype).view(1, 1, t, -1)
@@ -93,25 +116,39 @@ def unrolled_logits(head: Eagle3Head, embed, batch: Batch, steps: int, cos_table
     return out_logits
 
 
-def step_targets(batch: Batch, steps: int) -> list[torch.Tensor]:
+def step_targets(batch: Batch, steps: int, response_only: bool = True) -> list[torch.Tensor]:
     """Target ids [B, T] each step is scored against (-1: not scored).
 
     Position t at step j predicts y_{t+1}; it needs x_{t+1} (t + 1 < T) and a context of at
-    least one real position (t >= j).
+    least one real position (t >= j); ``response_only``: and a chain drafted inside a response
+    (chain_in_response).
     """
     b, t = batch.tokens.shape
     label = torch.cat([batch.labels[:, 1:], torch.full_like(batch.labels[:, :1], -1)], dim=1)
     pos = torch.arange(t).view(1, t)
     out = []
     for j in range(steps):
-        out.append(torch.where(pos >= j, label, torch.full_like(label, -1)))
+        keep = pos >= j
+        if response_only:
+            keep = keep & chain_in_response(batch, j)
+        out.append(torch.where(keep, label, torch.full_like(label, -1)))
     return out
 
 
 def ttt_loss(
-    head, embed, batch: Batch, steps: int, t2d: torch.Tensor, cos, sin, soft: bool = False
+    head,
+    embed,
+    batch: Batch,
+    steps: int,
+    t2d: torch.Tensor,
+    cos,
+    sin,
+    soft: bool = False,
+    weights: list[float] | None = None,
+    response_only: bool = True,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Mean cross-entropy over steps.
+    """Cross-entropy per step, weighted by ``weights`` (default: equal), over the positions
+    step_targets scores (``response_only``: chains inside responses only).
 
     Hard labels: against the target's greedy token (labels outside the draft vocabulary are not
     trained on). ``soft``: against the target's distribution at that position, its top-k
@@ -132,7 +169,7 @@ def ttt_loss(
         probs = torch.softmax(lg_t, dim=-1).nan_to_num(0.0)  # rows with no draft-vocab token: all 0
         has = keep.any(-1)
     losses = []
-    for lg, tgt in zip(logits, step_targets(batch, steps)):
+    for lg, tgt in zip(logits, step_targets(batch, steps, response_only)):
         if not soft:
             draft_tgt = torch.where(tgt >= 0, t2d[tgt.clamp(min=0)], torch.full_like(tgt, -1))
             losses.append(F.cross_entropy(lg.float().flatten(0, 1), draft_tgt.flatten(), ignore_index=-1))
@@ -141,7 +178,9 @@ def ttt_loss(
         per_pos = -(probs * logq.masked_fill(~keep, 0.0)).sum(-1)  # [B, T]
         scored = (tgt >= 0) & has
         losses.append(per_pos[scored].sum() / scored.sum().clamp(min=1))
-    return torch.stack(losses).mean(), logits
+    w = torch.tensor(weights if weights is not None else [1.0 / steps] * steps)
+    # A batch may hold no scored position for some step (all prompt): cross_entropy is nan there.
+    return (torch.stack(losses).nan_to_num(0.0) * w).sum(), logits
 
 
 def _shift_left_3d(x: torch.Tensor, n: int, fill) -> torch.Tensor:
@@ -151,44 +190,48 @@ def _shift_left_3d(x: torch.Tensor, n: int, fill) -> torch.Tensor:
 
 @torch.no_grad()
 def agreement(head, embed, batches: Iterable[Batch], steps: int, cos, sin) -> dict:
-    """Held-out agreement with the target over the response positions, summed over batches
-    (one batch at a time: memory stays that of one batch, whatever the held-out size).
+    """Held-out agreement with the target over chains drafted inside responses, summed over
+    batches (one batch at a time: memory stays that of one batch, whatever the held-out size).
 
     top1[j]: fraction of step-j drafts equal to the target's token. acceptance_length: tokens
     per target forward a k=steps chain would get, 1 + mean run of consecutive right drafts,
-    from every position of the responses where the whole chain can be scored.
+    from every chain start in a response where the whole chain can be scored. accepted[j]: the
+    per-position acceptance, P(draft j right | drafts 0..j-1 right), over the same chains —
+    what the Leviathan bound of each k is computed from (distill recommends k with it).
     """
     right_n, scored_n = [0] * steps, [0] * steps
+    alive_n = [0] * (steps + 1)  # chains whose first j drafts are all right
     run_sum, chains = 0.0, 0
     for batch in batches:
         logits = unrolled_logits(head, embed, batch, steps, cos, sin)
         targets = step_targets(batch, steps)
         b, t = batch.tokens.shape
-        pos = torch.arange(t).view(1, t)
-        in_resp = pos + 1 >= batch.response_from.view(b, 1)  # label lies in the response
         right = []
-        for j, (lg, tgt) in enumerate(zip(logits, targets)):
+        for lg, tgt in zip(logits, targets):
             ids = head.to_target_ids(torch.argmax(lg.float(), dim=-1))
             ok = (ids == tgt) & (tgt >= 0)
-            scored = (tgt >= 0) & in_resp
-            right_n[j] += int(ok[scored].sum())
-            scored_n[j] += int(scored.sum())
+            scored = tgt >= 0
+            right_n[len(right)] += int(ok[scored].sum())
+            scored_n[len(right)] += int(scored.sum())
             right.append(ok)
         # A chain drafted from a context ending at position p + 1 uses step j at position p + j.
-        runs = torch.zeros(b, t)
-        alive = torch.ones(b, t, dtype=torch.bool)
-        for j in range(steps):
-            alive &= _shift_left(right[j], j)  # [B, T]: step j of the chain starting at p is right
-            runs += alive.float()
         full = torch.ones(b, t, dtype=torch.bool)
         for j in range(steps):
             full &= _shift_left(targets[j] >= 0, j)
-        starts = full & in_resp
+        starts = full & chain_in_response(batch, 0)
+        alive = starts.clone()
+        alive_n[0] += int(alive.sum())
+        runs = torch.zeros(b, t)
+        for j in range(steps):
+            alive &= _shift_left(right[j], j)  # [B, T]: steps 0..j of the chain starting at p are right
+            alive_n[j + 1] += int(alive.sum())
+            runs += alive.float()
         run_sum += float(runs[starts].sum())
         chains += int(starts.sum())
     return {
         "top1": [r / n if n else 0.0 for r, n in zip(right_n, scored_n)],
         "acceptance_length": 1.0 + run_sum / chains if chains else 1.0,
+        "accepted": [alive_n[j + 1] / alive_n[j] if alive_n[j] else 0.0 for j in range(steps)],
         "chains": chains,
     }
 

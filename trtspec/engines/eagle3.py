@@ -42,6 +42,22 @@ def default_layer_ids(num_layers: int) -> tuple[int, ...]:
     return tuple(range(min(num_layers, 3)))
 
 
+def distill_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """The layers ``trtspec distill`` reads: {1, L//2-1, L-2}.
+
+    The high feature is the output of layer L-2 (= the input of the last layer), not
+    TensorRT-LLM's default L-4: a head that reads it can start as a copy of the target's last
+    layer and predict exactly what the target does (codesign/heads.py), instead of relearning
+    layers L-3..L-1 from a few thousand sequences. L-1's own output is the latest layer, but
+    vLLM names features by the INPUT of a layer (``eagle_aux_hidden_state_layer_ids`` = i + 1),
+    and L-1's output is the input of the final norm, not of a layer: L-2 is the latest choice
+    all three loaders can name. Tiny targets (< 6 layers) keep every layer.
+    """
+    if num_layers >= 6:
+        return (1, num_layers // 2 - 1, num_layers - 2)
+    return default_layer_ids(num_layers)
+
+
 @dataclass(frozen=True)
 class HeadConfig:
     """What the runtime needs from a head's config.json."""

@@ -1,0 +1,77 @@
+"""What a head costs next to its target, measured, and the draft length it should use.
+
+Speedup of drafting k tokens per target forward (the Leviathan bound, with measured costs):
+
+    tokens per forward(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k
+    bound(k)              = tokens per forward(k) / (verify(k) + k * c)
+
+a_j: per-position acceptance (P(draft j right | drafts before it right), measured on unseen
+prompts); verify(k): a target forward over k + 1 new tokens in target decode steps; c: one
+head step in target decode steps. All on this machine, in this process, at one context length.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from trtspec.engines.torch.eagle3 import Eagle3Head, HeadEngine, HeadRow
+from trtspec.engines.torch.engine import ForwardItem, TorchEngine
+
+CONTEXT = 128  # positions before the timed step
+REPEATS = 9
+
+
+def _best_s(fn, repeats: int = REPEATS) -> float:
+    """The fastest of ``repeats`` timed calls after a warm one: on a machine shared with other
+    work the minimum is the machine's cost, a median its load."""
+    fn()  # warm
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def measure_costs(target: TorchEngine, head: Eagle3Head, depth: int) -> dict:
+    """Target decode step (ms), verify(k) for k = 1..depth and c, each the best of REPEATS."""
+    vocab = min(target.vocab_size, 1000)
+    ctx = [(7 * i) % (vocab - 8) + 1 for i in range(CONTEXT)]
+    target.run([ForwardItem(ctx, 1)])
+    flip = [0]
+
+    def forward(n_new: int):
+        def run():
+            flip[0] ^= 1  # another token each time: the slot keeps ctx and recomputes n_new positions
+            target.run([ForwardItem(ctx + [3 + flip[0] + i for i in range(n_new)], n_new)])
+
+        return run
+
+    decode = _best_s(forward(1))
+    verify = [_best_s(forward(k + 1)) / decode for k in range(1, depth + 1)]
+    engine = HeadEngine(head, target.model.model.embed_tokens, target.cos, target.sin, CONTEXT + 2, torch.float32, 1)
+    h = head.cfg.hidden_size
+    engine.extend([HeadRow(0, 0, torch.zeros(CONTEXT, h), ctx)])
+    state = torch.zeros(1, h)
+
+    def head_step():
+        out = engine.extend([HeadRow(0, CONTEXT, state, [5])])  # rewritten in place each time
+        engine.next_ids(out[0][-1:])
+
+    c = _best_s(head_step) / decode
+    return {"decode_ms": round(decode * 1e3, 2), "verify": [round(v, 3) for v in verify], "head": round(c, 4)}
+
+
+def recommend_k(accepted: list[float], costs: dict) -> tuple[int, list[float]]:
+    """(the k with the highest bound, 0 when none beats target-only; the bound of each k)."""
+    bounds = []
+    for k in range(1, min(len(accepted), len(costs["verify"])) + 1):
+        tokens, run = 1.0, 1.0
+        for a in accepted[:k]:
+            run *= a
+            tokens += run
+        bounds.append(round(tokens / (costs["verify"][k - 1] + k * costs["head"]), 3))
+    best = max(range(len(bounds)), key=lambda i: bounds[i], default=-1)
+    return (best + 1 if best >= 0 and bounds[best] > 1.0 else 0), bounds

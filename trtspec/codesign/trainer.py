@@ -1,0 +1,207 @@
+"""Training a head: the optimiser over what trains, the learning-rate schedule, the loop with
+checkpoints and held-out evaluation, and the final report on unseen prompts.
+
+What trains: ``fc``, the decoder layer and the output norm; the LM head is the target's,
+frozen unless asked (EAGLE-1 freezes it; official EAGLE-3 trains its own only over ~800k
+steps, far beyond what a CPU run sees). The token embeddings are the target's and never get a
+gradient. Schedule: linear warmup, then cosine decay to a tenth of the peak.
+
+Deterministic with a seed: the batch of step s is drawn from a generator seeded by (seed, s),
+so a run resumed from its last checkpoint equals an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from trtspec import console
+from trtspec.codesign.data import Sample, collate
+from trtspec.codesign.train import agreement, step_weights, ttt_loss
+from trtspec.engines.torch.eagle3 import Eagle3Head
+from trtspec.errors import TrtspecError
+from trtspec.files import write_bytes_atomic
+
+MIN_EVAL_DEPTH = 3  # chains are scored at least this deep: per-position acceptance for choosing k
+
+
+class Trainer:
+    def __init__(self, head: Eagle3Head, target, draft_ids: list[int], opts, steps: int, store):
+        self.head, self.opts, self.steps, self.store = head, opts, steps, store
+        self.embed, self.cos, self.sin = target.model.model.embed_tokens, target.cos, target.sin
+        self.t2d = torch.full((target.vocab_size,), -1, dtype=torch.long)
+        self.t2d[torch.tensor(draft_ids)] = torch.arange(len(draft_ids))
+        head.lm_head.weight.requires_grad_(opts.train_lm_head)
+        self.params = [p for p in head.parameters() if p.requires_grad]
+        self.optim = torch.optim.AdamW(self.params, lr=opts.lr, weight_decay=opts.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, self.lr_factor)
+        self.weights = step_weights(steps, opts.step_decay)
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of the peak learning rate at ``step`` (0-based)."""
+        if self.opts.schedule == "constant":
+            return 1.0
+        warmup = max(1, round(self.opts.warmup * self.opts.max_steps))
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, self.opts.max_steps - warmup))
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def batches(self, samples: list[Sample]):
+        """Evaluation batches, a training batch's size at a time (memory of one batch)."""
+        for n in range(0, len(samples), self.opts.batch_size):
+            yield collate(samples[n : n + self.opts.batch_size], self.opts.max_len, self.store)
+
+    def evaluate(self, samples: list[Sample], depth: int) -> dict:
+        was = self.head.training
+        self.head.eval()
+        a = agreement(self.head, self.embed, self.batches(samples), depth, self.cos, self.sin)
+        self.head.train(was)
+        return a
+
+    def step_loss(self, batch) -> torch.Tensor:
+        soft = self.opts.labels == "soft"
+        loss, _ = ttt_loss(
+            self.head,
+            self.embed,
+            batch,
+            self.steps,
+            self.t2d,
+            self.cos,
+            self.sin,
+            soft=soft,
+            weights=self.weights,
+            response_only=self.opts.response_only,
+        )
+        return loss
+
+    def fit(self, train_s, held_s, ckpt: Path, run_key: str, start: float, on_step=None):
+        """Train until max_steps or the time budget; (steps done, curve, what stopped it)."""
+        opts = self.opts
+        step, curve = 0, []
+        if opts.resume:
+            step, curve = self._resume(ckpt, run_key)
+        self.head.train()
+        stopped_by = "max_steps"
+        t_train, first_step = time.monotonic(), step
+        updating = False  # True while the weights are half-updated: no checkpoint then
+        soft = opts.labels == "soft"
+        try:
+            with _deferred_interrupt() as asked:
+                while step < opts.max_steps:
+                    if asked():  # Ctrl-C: stop at this step boundary, weights consistent
+                        raise KeyboardInterrupt
+                    if opts.time_budget_s is not None and time.monotonic() - start >= opts.time_budget_s:
+                        stopped_by = "time_budget"
+                        break
+                    gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + step)
+                    idx = torch.randint(len(train_s), (min(opts.batch_size, len(train_s)),), generator=gen).tolist()
+                    loss = self.step_loss(collate([train_s[i] for i in idx], opts.max_len, self.store, soft=soft))
+                    self.optim.zero_grad()
+                    loss.backward()
+                    torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+                    updating = True
+                    self.optim.step()
+                    self.sched.step()
+                    step += 1
+                    updating = False
+                    row = {"step": step, "loss": float(loss.detach()), "lr": self.optim.param_groups[0]["lr"]}
+                    if step % opts.eval_every == 0 or step == opts.max_steps:
+                        row.update(self._eval_row(held_s))
+                        self._progress(row, step, first_step, t_train, start)
+                    curve.append(row)
+                    if step % opts.eval_every == 0:
+                        write_bytes_atomic(ckpt, self._checkpoint(step, curve, run_key))
+                    if on_step:
+                        on_step(row)
+        except KeyboardInterrupt:
+            if not updating:
+                write_bytes_atomic(ckpt, self._checkpoint(step, curve, run_key))
+            console.info(f"interrupted: the last good checkpoint is in {ckpt}; finish with --resume")
+            raise
+        write_bytes_atomic(ckpt, self._checkpoint(step, curve, run_key))
+        self.head.eval()
+        return step, curve, stopped_by
+
+    def _eval_row(self, held_s) -> dict:
+        a = self.evaluate(held_s, self.steps)
+        return {"held_out_top1": a["top1"], "held_out_acceptance_length": a["acceptance_length"], "held_out_chains": a["chains"]}
+
+    def _progress(self, row: dict, step: int, first_step: int, t_train: float, start: float) -> None:
+        opts = self.opts
+        eta = (time.monotonic() - t_train) / max(1, step - first_step) * (opts.max_steps - step)
+        if opts.time_budget_s is not None:
+            eta = min(eta, max(0.0, opts.time_budget_s - (time.monotonic() - start)))
+        console.info(
+            f"step {step}/{opts.max_steps}  loss {row['loss']:.3f}  held-out top-1 "
+            + "/".join(f"{a:.2f}" for a in row["held_out_top1"])
+            + f"  acceptance length {row['held_out_acceptance_length']:.2f}  ETA {eta:.0f}s"
+        )
+
+    def report(self, held_s: list[Sample], unseen_s: list[Sample]) -> dict:
+        """Held-out figures at the trained depth; on the unseen prompts, per-position
+        acceptance at least MIN_EVAL_DEPTH deep (what choosing k needs)."""
+        final = self._eval_row(held_s)
+        depth = max(self.steps, MIN_EVAL_DEPTH)
+        u = self.evaluate(unseen_s, depth) if unseen_s else {"top1": [], "acceptance_length": 1.0, "accepted": [], "chains": 0}
+        final.update(
+            unseen_top1=u["top1"],
+            unseen_accepted=u["accepted"],
+            unseen_acceptance_length=u["acceptance_length"],
+            unseen_chains=u["chains"],
+        )
+        return final
+
+    def _checkpoint(self, step: int, curve: list, key: str) -> bytes:
+        buf = io.BytesIO()
+        state = {
+            "head": self.head.state_dict(),
+            "optim": self.optim.state_dict(),
+            "sched": self.sched.state_dict(),
+            "step": step,
+            "curve": json.dumps(curve),
+            "key": key,
+            "seed": self.opts.seed,
+        }
+        torch.save(state, buf)
+        return buf.getvalue()
+
+    def _resume(self, ckpt: Path, run_key: str) -> tuple[int, list]:
+        state = torch.load(ckpt, map_location="cpu", weights_only=True)
+        if state.get("key") != run_key or state.get("seed") != self.opts.seed or "sched" not in state:
+            raise TrtspecError(f"--resume: {ckpt} was made with other data, seed or training options (--labels, the recipe); run without --resume")
+        self.head.load_state_dict(state["head"])
+        self.optim.load_state_dict(state["optim"])
+        self.sched.load_state_dict(state["sched"])
+        console.info(f"resuming at step {state['step']}")
+        return int(state["step"]), json.loads(state["curve"])
+
+
+@contextmanager
+def _deferred_interrupt():
+    """The first Ctrl-C only asks the loop to stop at the next step boundary; a second one
+    interrupts at once. Outside the main thread, signals stay as they are."""
+    asked = {"flag": False}
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+
+    def handler(signum, frame):
+        if asked["flag"]:
+            raise KeyboardInterrupt
+        asked["flag"] = True
+        console.info("stopping after this step (Ctrl-C again to stop now)")
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield lambda: asked["flag"]
+    finally:
+        signal.signal(signal.SIGINT, previous)
