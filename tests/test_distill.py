@@ -157,9 +157,7 @@ def test_a_trained_head_beats_an_untrained_one(tmp_path, tiny_ckpts):
     # The untrained head: the same (anchored) initialisation, vocabulary and layers, no training step.
     d2t = load_file(str(tmp_path / "head" / "model.safetensors"))["d2t"]
     hf = AutoConfig.from_pretrained(target)
-    untrained, config = new_head(
-        hf, tmp_path / "engines" / "target", (0, 1), (torch.arange(len(d2t)) + d2t).tolist(), seed=0
-    )
+    untrained, config = new_head(hf, tmp_path / "engines" / "target", (0, 1), (torch.arange(len(d2t)) + d2t).tolist(), seed=0)
     save_head(tmp_path / "head", untrained, config)
     before = acceptance(tmp_path / "head")
     assert trained > before + 0.3, (trained, before)

@@ -177,7 +177,9 @@ class Trainer:
     def _resume(self, ckpt: Path, run_key: str) -> tuple[int, list]:
         state = torch.load(ckpt, map_location="cpu", weights_only=True)
         if state.get("key") != run_key or state.get("seed") != self.opts.seed or "sched" not in state:
-            raise TrtspecError(f"--resume: {ckpt} was made with other data, seed or training options (--labels, the recipe); run without --resume")
+            raise TrtspecError(
+                f"--resume: {ckpt} was made with other data, seed or training options (--labels, the recipe); run without --resume"
+            )
         self.head.load_state_dict(state["head"])
         self.optim.load_state_dict(state["optim"])
         self.sched.load_state_dict(state["sched"])
