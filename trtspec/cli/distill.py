@@ -45,11 +45,28 @@ def _layers(text: str | None) -> tuple[int, ...] | None:
         raise TrtspecError(f"--layers takes comma-separated target layer ids, e.g. 1,14,26 (got {text!r})") from None
 
 
+def _fractions(text: str | None) -> tuple[float, ...]:
+    if text is None:
+        return ()
+    try:
+        out = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        out = ()
+    if not out or not all(0 < f < 1 for f in out):
+        raise TrtspecError(f"--scaling takes comma-separated fractions of the data below 1, e.g. 0.125,0.25,0.5 (got {text!r})")
+    return out
+
+
 @handle_errors
 def distill(
     spec: SpecArg,
     prompts: Path | None = typer.Option(
         None, "--prompts", help='JSONL prompts ({"prompt": ...} per line); default: the shipped set.'
+    ),
+    eval_prompts: Path | None = typer.Option(
+        None,
+        "--eval-prompts",
+        help="JSONL prompts scored as unseen beside the spec's verify prompts (never trained on), e.g. bench/prompts.jsonl.",
     ),
     output: Path | None = typer.Option(None, "--output", "-o", help="Head folder (default: the spec's draft.path)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing head folder."),
@@ -120,6 +137,12 @@ def distill(
         0.8, "--step-decay", min=0.0, max=1.0, help="Loss weight of unrolled step j: DECAY^j (1: equal weights)."
     ),
     schedule: Schedule = typer.Option(Schedule.cosine, "--schedule", help="cosine: warmup then cosine decay; constant."),
+    scaling: str | None = typer.Option(
+        None,
+        "--scaling",
+        help="Also train on these fractions of the data (e.g. 0.125,0.25,0.5; steps in proportion) and plot "
+        "unseen-prompt acceptance against training tokens (data-scaling.png in the head folder).",
+    ),
     eval_every: int = typer.Option(50, "--eval-every", min=1, help="Held-out evaluation and checkpoint every N steps."),
     allow_pickle: AllowPickleOpt = False,
     as_json: JsonOpt = False,
@@ -145,6 +168,7 @@ def distill(
     loaded = load_spec(spec)
     opts = DistillOptions(
         prompts=prompts,
+        eval_prompts=eval_prompts,
         output=output,
         force=force,
         resume=resume,
@@ -168,6 +192,7 @@ def distill(
         response_only=not all_positions,
         step_decay=step_decay,
         schedule=schedule.value,
+        scaling=_fractions(scaling),
         eval_every=eval_every,
         layer_ids=_layers(layers),
         allow_pickle=allow_pickle,

@@ -24,7 +24,7 @@ import shutil
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -51,6 +51,7 @@ from trtspec.speculative.sampling import SamplingParams
 @dataclass
 class DistillOptions:
     prompts: Path | None = None  # JSONL; default: the shipped prompt set
+    eval_prompts: Path | None = None  # JSONL scored as unseen beside the spec's verify prompts, never trained on
     output: Path | None = None  # default: the spec's draft.path
     force: bool = False
     resume: bool = False
@@ -79,6 +80,7 @@ class DistillOptions:
     step_decay: float = 0.8  # loss weight of unrolled step j: step_decay^j (1.0: equal)
     schedule: str = "cosine"  # cosine: linear warmup then cosine decay to lr/10; constant
     warmup: float = 0.05  # fraction of max_steps
+    scaling: tuple[float, ...] = ()  # data fractions (< 1) also trained, for the data-scaling curve
     allow_pickle: bool = False
 
 
@@ -149,6 +151,7 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
         draft_ids = draft_vocabulary(train_s, opts.draft_vocab, target_hf.vocab_size)
         head, config = new_head(target_hf, folder, layer_ids, draft_ids, opts.seed, anchor=opts.anchor)
         run_key = f"{data_info['key']}+{_recipe_key(opts, steps)}"  # what a checkpoint was trained on
+        scaling = _scaling(target_hf, folder, layer_ids, draft_ids, target, opts, steps, store, train_s, unseen_s, work)
         trainer = Trainer(head, target, draft_ids, opts, steps, store)
         step, curve, stopped_by = trainer.fit(train_s, held_s, work / "checkpoint.pt", run_key, start, on_step)
         final = trainer.report(held_s, unseen_s)
@@ -180,7 +183,13 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
     }
     png = work / "training-curve.png"
     _plot(curve, png)
-    save_head(out, head, config, manifest, {"training-curve.png": png})
+    extra = {"training-curve.png": png}
+    if scaling:
+        scaling.append(_scaling_point(1.0, train_s, final))
+        manifest["scaling"] = scaling
+        extra["data-scaling.png"] = work / "data-scaling.png"
+        _plot_scaling(scaling, extra["data-scaling.png"])
+    save_head(out, head, config, manifest, extra)
     _summary(out, step, final, advice)
     return DistillResult(out, step, final, curve, stopped_by, advice)
 
@@ -203,15 +212,70 @@ def _summary(out: Path, step: int, final: dict, advice: dict) -> None:
     )
 
 
+def _scaling(target_hf, folder, layer_ids, draft_ids, target, opts, steps, store, train_s, unseen_s, work) -> list[dict]:
+    """The data-scaling curve: the same recipe trained on a seeded fraction of the training
+    sequences (steps in proportion: the same number of passes over the data), scored on the
+    unseen prompts. The full run is the last point."""
+    points = []
+    order = torch.randperm(len(train_s), generator=torch.Generator().manual_seed(opts.seed + 99)).tolist()
+    for f in sorted(x for x in opts.scaling if x < 1.0):
+        part = [train_s[i] for i in sorted(order[: max(1, round(f * len(train_s)))])]
+        sub = replace(opts, max_steps=max(1, round(opts.max_steps * f)), resume=False, time_budget_s=None)
+        head, _ = new_head(target_hf, folder, layer_ids, draft_ids, opts.seed, anchor=opts.anchor)
+        trainer = Trainer(head, target, draft_ids, sub, steps, store)
+        console.info(f"data scaling: {f:g}x of the data ({len(part)} sequences, {sub.max_steps} steps)")
+        ckpt = work / "scaling-checkpoint.pt"
+        trainer.fit(part, [], ckpt, "scaling", time.monotonic())
+        ckpt.unlink(missing_ok=True)
+        points.append(_scaling_point(f, part, trainer.report([], unseen_s)))
+    return points
+
+
+def _scaling_point(fraction: float, part: list, metrics: dict) -> dict:
+    return {
+        "fraction": fraction,
+        "sequences": len(part),
+        "response_tokens": sum(int(s.response_mask().sum()) for s in part),
+        "unseen_accepted": metrics["unseen_accepted"],
+        "unseen_acceptance_length": metrics["unseen_acceptance_length"],
+    }
+
+
+def _plot_scaling(points: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    x = [p["response_tokens"] for p in points]
+    ax.plot(x, [p["unseen_accepted"][0] for p in points], "o-", label="acceptance at k=1 (first draft)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("training response tokens")
+    ax.set_ylabel("acceptance on unseen prompts")
+    ax2 = ax.twinx()
+    ax2.plot(x, [p["unseen_acceptance_length"] for p in points], "s--", color="tab:red", label="acceptance length")
+    ax2.set_ylabel("acceptance length (tokens per target forward)")
+    ax.legend(loc="upper left")
+    ax2.legend(loc="lower right")
+    ax.set_title("data scaling (same recipe, same passes over the data)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def _split(loaded: LoadedSpec, opts: DistillOptions) -> Split:
     prompts_path = Path(opts.prompts) if opts.prompts else SHIPPED_PROMPTS
     prompts = read_prompts(prompts_path)
-    # The gate measures on prompts the head never saw: the spec's verify prompts are left out.
-    unseen = list(dict.fromkeys(loaded.verify_prompts()))
+    # The gate measures on prompts the head never saw: the spec's verify prompts (and
+    # --eval-prompts) are left out of training and scored at the end.
+    extra = read_prompts(Path(opts.eval_prompts)) if opts.eval_prompts else []
+    unseen = list(dict.fromkeys(loaded.verify_prompts() + extra))
     gate = set(unseen)
     kept = [p for p in prompts if p not in gate]
     if len(kept) < len(prompts):
-        console.info(f"left out {len(prompts) - len(kept)} prompt(s) that are also the spec's verify prompts")
+        console.info(f"left out {len(prompts) - len(kept)} prompt(s) that are also evaluation prompts (verify, --eval-prompts)")
     if len(kept) < 2:
         raise SpecError(f"--prompts: {prompts_path} holds fewer than 2 prompts besides the spec's verify prompts")
     held_n = max(1, round(len(kept) * opts.held_out))
