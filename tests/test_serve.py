@@ -80,7 +80,7 @@ def served(deployment, backend_cache):
     repo = write_repository(loaded, loaded.output_dir(), loaded.base_dir / "repo")
     server = TritonServer.for_repository(repo, cache_root=backend_cache)
     server.start(loaded.base_dir / "server.log")
-    server.wait_ready(timeout=300)
+    server.wait_ready(timeout=900)
     yield server
     server.stop()
     assert processes_mentioning(str(repo)) == [], "tritonserver or stub processes survived stop()"
