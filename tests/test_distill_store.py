@@ -11,8 +11,9 @@ from test_distill import eagle_spec, small_opts
 
 import trtspec.codesign.distill as distill_mod
 import trtspec.codesign.trainer as trainer_mod
-from trtspec.codesign.data import Sample, collate
+from trtspec.codesign.data import collate
 from trtspec.codesign.distill import distill
+from trtspec.codesign.sample import Sample
 from trtspec.codesign.store import CorruptStore, open_store, paths, write_store
 from trtspec.spec import load_spec
 

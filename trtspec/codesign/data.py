@@ -13,12 +13,12 @@ many sequences per forward.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
+from trtspec.codesign.sample import SOFT_TOP_K, FeatureRows, Sample
+from trtspec.codesign.store import read_part, write_part
 from trtspec.codesign.train import Batch
 from trtspec.engines.torch.engine import ForwardItem, TorchEngine
 from trtspec.errors import SpecError
@@ -27,36 +27,6 @@ from trtspec.speculative.requests import GenerationRequest
 from trtspec.speculative.verifier import LogitsVerifier
 
 SHIPPED_PROMPTS = Path(__file__).with_name("prompts.jsonl")
-# The target's top SOFT_TOP_K logits at each position are kept with the greedy label: soft
-# labels (--labels soft) train the head on the target's distribution, not only its argmax.
-SOFT_TOP_K = 32
-
-
-@dataclass
-class Sample:
-    tokens: torch.Tensor  # [T] int64: prompt + the target's response
-    prompt_len: int
-    features: torch.Tensor | None  # [T, n_layers * hidden]; None: rows row..row+T-1 of a FeatureStore
-    labels: torch.Tensor  # [T] int64: the target's greedy next token after each position (-1: not known)
-    row: int = -1
-    top_ids: torch.Tensor | None = None  # [T, SOFT_TOP_K] int: the target's most likely next tokens
-    top_logits: torch.Tensor | None = None  # [T, SOFT_TOP_K] float32: their logits
-    response: torch.Tensor | None = None  # [T] bool: response text (None: positions >= prompt_len)
-
-    def response_mask(self) -> torch.Tensor:
-        """[T] bool: the positions whose token is response text (what the runtime drafts after)."""
-        if self.response is not None:
-            return self.response
-        return torch.arange(len(self.tokens)) >= self.prompt_len
-
-
-class FeatureRows(Protocol):
-    """Where samples captured to disk keep their features (codesign/store.py's FeatureStore)."""
-
-    width: int
-    dtype: torch.dtype
-
-    def read_into(self, out: torch.Tensor, row: int) -> None: ...  # out [n, width] <- rows row..row+n-1
 
 
 def read_prompts(path: Path) -> list[str]:
@@ -101,8 +71,12 @@ class LabelRecorder:
 
     def slot_of(self, tokens: list[int], n: int) -> int:
         """The slot holding the first ``n`` of ``tokens``."""
+        head = tokens if n == len(tokens) else tokens[:n]
+        for slot, cached in enumerate(self.target.pool.tokens):  # a slot holds exactly what it last ran
+            if len(cached) == n and cached == head:
+                return slot
         for slot, cached in enumerate(self.target.pool.tokens):
-            if len(cached) >= n and cached[:n] == tokens[:n]:
+            if len(cached) > n and cached[:n] == head:
                 return slot
         raise RuntimeError("the target holds no slot with this sequence (it was evicted); generate fewer at once")
 
@@ -141,8 +115,6 @@ def generated(
     called before the first batch (done: the requests whose batch was found) and after each
     generated one. ``response_from``: per request, the first position whose token is response
     text (default: its prompt's length)."""
-    from trtspec.codesign.store import read_part, write_part
-
     size = target.max_batch_size
     starts = response_from or [len(r.prompt_ids) for r in requests]
     batches = [list(range(n, min(n + size, len(requests)))) for n in range(0, len(requests), size)]

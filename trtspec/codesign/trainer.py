@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from trtspec import console
-from trtspec.codesign.data import Sample, collate
+from trtspec.codesign.data import collate
+from trtspec.codesign.sample import Sample
 from trtspec.codesign.train import agreement, step_weights, ttt_loss
 from trtspec.engines.torch.eagle3 import Eagle3Head
 from trtspec.errors import TrtspecError

@@ -1,0 +1,120 @@
+"""The distill recipe, one change at a time: each variant reverts one change of the current
+recipe (or all of them), trains on the same data with the same seed and steps, and is scored on
+prompts no head saw (the spec's verify prompts and bench/prompts.jsonl).
+
+    python bench/distill_ablation.py engine_specs/smollm2-135m-eagle3-demo.yaml --steps 400 \
+        --out bench/results/ablation [--variants all,no-anchor,...]
+
+The first variant ("all", the current defaults) generates and captures the data; the others
+reuse its capture (hard links into their work folders), except "trt-layers", whose features are
+other layers. Writes ablation.json, ablation.md (the table) and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRTSPEC = str(Path(sys.executable).with_name("trtspec"))
+
+# name -> (what it reverts, extra distill flags)
+VARIANTS = {
+    "all": ("nothing: the current recipe", []),
+    "no-anchor": ("random fc and layer, norm 1 (no anchoring)", ["--no-anchor"]),
+    "trt-layers": ("TensorRT-LLM's default layers {1, L//2-1, L-4}", ["--layers", "1,14,26"]),
+    "lm-head-trained": ("the LM head trained too", ["--train-lm-head"]),
+    "ttt3-equal": ("3 training-time-test steps weighted equally", ["--ttt-steps", "3", "--step-decay", "1.0"]),
+    "constant-lr": ("a constant learning rate", ["--schedule", "constant"]),
+    "none": (
+        "every change above",
+        [
+            "--no-anchor",
+            "--layers",
+            "1,14,26",
+            "--train-lm-head",
+            "--ttt-steps",
+            "3",
+            "--step-decay",
+            "1.0",
+            "--schedule",
+            "constant",
+        ],
+    ),
+}
+
+
+def link_capture(src_work: Path, dst_work: Path) -> None:
+    dst_work.mkdir(parents=True, exist_ok=True)
+    for f in src_work.iterdir():
+        if f.name.startswith(("features-", "data-")) and not (dst_work / f.name).exists():
+            os.link(f, dst_work / f.name)
+
+
+def run(spec: str, out: Path, name: str, flags: list[str], steps: int, common: list[str]) -> dict:
+    head = out / name
+    cmd = [TRTSPEC, "distill", spec, "-o", str(head), "--force", "--max-steps", str(steps), *common, *flags]
+    cmd += ["--json-file", str(out / f"{name}.json")]
+    t0 = time.monotonic()
+    with open(out / f"{name}.log", "w") as log:
+        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
+    if rc != 0:
+        raise SystemExit(f"{name}: distill exited {rc}; see {out / f'{name}.log'}")
+    manifest = json.loads((head / "trtspec-head.json").read_text())
+    m = manifest["metrics"]
+    return {
+        "variant": name,
+        "reverts": VARIANTS[name][0],
+        "k1_acceptance": round(m["unseen_accepted"][0], 3),
+        "acceptance_length_k3": round(m["unseen_acceptance_length"], 3),
+        "per_position": [round(a, 3) for a in m["unseen_accepted"]],
+        "unseen_chains": m["unseen_chains"],
+        "seconds": round(time.monotonic() - t0, 1),
+        "command": " ".join(cmd[1:]),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("spec")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "ablation")
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args()
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    common = ["--max-tokens", str(args.max_tokens), "--weight-decay", "0.01"]
+    common += ["--eval-prompts", str(ROOT / "bench" / "prompts.jsonl")]
+    rows = []
+    names = args.variants.split(",")
+    for name in names:
+        if name not in VARIANTS:
+            raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+        # the capture of the same layers, made by an earlier variant
+        source = out / (".trt-layers.distill" if "--layers" in VARIANTS[name][1] else ".all.distill")
+        if source.is_dir() and source.name != f".{name}.distill":
+            link_capture(source, out / f".{name}.distill")
+        print(f"running {name} ...", flush=True)
+        rows.append(run(args.spec, out, name, VARIANTS[name][1], args.steps, common))
+        (out / "ablation.json").write_text(json.dumps(rows, indent=2) + "\n")
+    table = [
+        "| variant | reverts | k=1 acceptance | acceptance length k=3 | per position | distill s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        per = "/".join(f"{a:.2f}" for a in r["per_position"])
+        table.append(
+            f"| {r['variant']} | {r['reverts']} | {r['k1_acceptance']:.3f} | {r['acceptance_length_k3']:.2f} | {per} | {r['seconds']:.0f} |"
+        )
+    (out / "ablation.md").write_text("\n".join(table) + "\n")
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()
