@@ -19,6 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from trtspec.errors import RequestError
+from trtspec.spec import ServeSpec
 from trtspec.speculative.processing import Processing
 from trtspec.speculative.sampling import SamplingParams
 
@@ -325,10 +326,10 @@ def processing_of(inputs: Mapping[str, np.ndarray], rows: int, tokenizer, vocab_
 # Inputs that are tokenized. Their size is checked before any tokenizing, so a multi-megabyte
 # text costs a length check, not seconds of a tokenizer (operations: Triton backend).
 TEXT_INPUTS = ("text_input", "stop_words", "bad_words", "embedding_bias_words")
-# One response may hold at most this much (serve.max_response_mb when the spec sets it): a
-# vocab-sized float32 row per token of generation_logits is what grows; the Python backend
-# carries responses through /dev/shm (64 MB in a default container).
-DEFAULT_MAX_RESPONSE_MB = 32
+# One response may hold at most serve.max_response_mb (the spec's default where a repository
+# does not say): a vocab-sized float32 row per token of generation_logits is what grows; the
+# Python backend carries responses through /dev/shm (64 MB in a default container).
+DEFAULT_MAX_RESPONSE_MB: int = ServeSpec.model_fields["max_response_mb"].default
 
 
 def longest_token_bytes(tokenizer) -> int:

@@ -260,6 +260,7 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path, llmapi_impl: str = "t
             "apply_chat_template": "false",  # raw text in, as upstream's preprocessing
             "engine_margins": "true" if margins else "false",
             "max_queue": str(spec.serve.max_queue),  # the speculative endpoints' scheduler
+            "max_response_mb": str(spec.serve.max_response_mb),  # contract.check_response_size
         } | engine_params
         if mode == "speculative":
             params |= schedule_params(spec.speculative)
