@@ -135,3 +135,39 @@ def test_failed_forward_never_leaves_half_written_kv_reusable(dep, monkeypatch):
     assert prefix in eng.pool.tokens  # the slot's record kept only the still-valid prefix
     (again,) = eng.run([ForwardItem(prefix + tail, 1)])
     torch.testing.assert_close(again, clean, rtol=1e-5, atol=1e-5)
+
+
+def _greedy(engine, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy ids and each step's logits, one decode step at a time through run()."""
+    engine.forget_prefixes()
+    seq, logits = list(prompt), []
+    for _ in range(n):
+        (out,) = engine.run([ForwardItem(seq, 1)])  # [1, vocab]
+        logits.append(out[0])
+        seq.append(int(out[0].argmax()))
+    return seq[len(prompt) :], logits
+
+
+def test_fused_projections_decode_as_the_checkpoint_layout(dep, monkeypatch):
+    """load() fuses q/k/v and gate/up into one matmul each; the model with the checkpoint's
+    separate projections (what the EAGLE-3 head keeps) gives the same greedy ids."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from trtspec.engines.torch.engine import TorchEngine
+    from trtspec.engines.torch.model import DecoderConfig, DecoderLM
+
+    monkeypatch.setenv("TRTSPEC_ONEDNN", "0")  # both dense: only the fusion differs
+    fused = TorchEngine.load(dep.target.folder, slots=1)
+    layer = fused.model.model.layers[0]
+    assert layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
+    assert not hasattr(layer.self_attn, "q_proj") and not hasattr(layer.mlp, "up_proj")
+    hf = AutoConfig.from_pretrained(dep.target.folder)
+    separate = DecoderLM.from_state_dict(DecoderConfig.from_hf(hf), load_file(str(dep.target.folder / "model.safetensors")))
+    plain = TorchEngine(dep.target.folder, fused.manifest, separate, hf, 1)
+    prompt = _seq(9, 42)
+    ids_fused, logits_fused = _greedy(fused, prompt, 16)
+    ids_plain, logits_plain = _greedy(plain, prompt, 16)
+    assert ids_fused == ids_plain
+    for a, b in zip(logits_fused, logits_plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

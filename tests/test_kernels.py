@@ -199,3 +199,30 @@ def test_bfloat16_without_the_cpu_support_stays_dense(built, monkeypatch, tmp_pa
     assert (choice.layout, choice.source) == ("dense", "fallback")
     assert "oneDNN cannot run this model" in choice.reason
     assert _layout_of(engine.model) == "dense"
+
+
+def test_the_packed_layout_converts_nothing_per_call(built, monkeypatch):
+    """onednn runs reordered weights on dense activations: no per-Linear conversion of the
+    input to an mkldnn tensor and back (which cost more than the matmul at decode)."""
+    from torch.profiler import profile
+
+    monkeypatch.setenv("TRTSPEC_ONEDNN", "1")
+    engine = TorchEngine.load(built().target.folder, slots=1)
+    assert _layout_of(engine.model) == "onednn"
+    from trtspec.engines.torch.engine import ForwardItem
+
+    engine.run([ForwardItem(list(range(10, 30)), 1)])
+    with profile() as prof:
+        engine.run([ForwardItem(list(range(10, 31)), 1)])  # one decode step
+    names = {e.key for e in prof.key_averages()}
+    assert "mkldnn::_linear_pointwise" in names
+    assert not names & {"aten::to_mkldnn", "aten::_to_dense", "aten::mkldnn_linear"}
+
+
+def test_a_choice_made_with_other_kernels_is_measured_again(dense_engine, tmp_path, monkeypatch):
+    calls: list[str] = []
+    monkeypatch.setattr(kernels, "step_timer", _fake_timer("onednn", calls))
+    first = _choose(dense_engine, tmp_path)
+    monkeypatch.setattr(kernels, "KERNELS_VERSION", "older")
+    again = _choose(_dense(dense_engine.folder, monkeypatch), tmp_path)
+    assert first.source == again.source == "measured" and again.key != first.key

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from trtspec.device import check_dtype, resolve, uses_cpu_kernels
 from trtspec.engines.manifest import Manifest, read_manifest
 from trtspec.engines.torch.kernels import KernelChoice, choose_kernels
 from trtspec.engines.torch.model import DecoderConfig, DecoderLM, KVCache, StepInputs, rope_tables
@@ -99,8 +100,20 @@ class SlotPool:
 class TorchEngine:
     """One model, ``slots`` KV caches of ``max_seq_len`` positions; thread-safe run()."""
 
-    def __init__(self, folder: Path, manifest: Manifest, model: DecoderLM, hf_config, slots: int, max_seq_len: int | None = None):
+    def __init__(
+        self,
+        folder: Path,
+        manifest: Manifest,
+        model: DecoderLM,
+        hf_config,
+        slots: int,
+        max_seq_len: int | None = None,
+        device: torch.device | None = None,
+    ):
         self.folder = folder
+        # Where the weights, KV cache, features and RoPE tables live (trtspec/device.py decides);
+        # run() still returns logits on the CPU, where the loop reads them.
+        self.device = device or torch.device("cpu")
         self.manifest = manifest
         self.model = model
         self.config = model.cfg
@@ -109,8 +122,9 @@ class TorchEngine:
         self.max_seq_len = min(max_seq_len or manifest.limits["max_seq_len"], manifest.limits["max_seq_len"])
         self.max_batch_size = slots
         dtype = DTYPES[manifest.dtype]
-        self.cache = KVCache(model.cfg, slots, self.max_seq_len, dtype)
-        self.cos, self.sin = rope_tables(hf_config, self.max_seq_len)
+        with self.device:  # the cache's buffers are made on the engine's device
+            self.cache = KVCache(model.cfg, slots, self.max_seq_len, dtype)
+        self.cos, self.sin = (t.to(self.device) for t in rope_tables(hf_config, self.max_seq_len))
         # A sequence comes back with up to max_draft_len rejected drafts (+ the bonus) replaced.
         self.pool = SlotPool(slots, rollback=manifest.max_draft_len + 1)
         self._lock = threading.Lock()
@@ -123,24 +137,46 @@ class TorchEngine:
         self.capture: tuple[int, ...] = ()
         self.features: torch.Tensor | None = None  # [slots, max_seq, len(capture) * hidden]
         self.kernels: KernelChoice | None = None  # how load() chose the Linear kernels
+        self.weight_bytes = 0  # weights one forward reads (load() counts them)
 
     @classmethod
-    def load(cls, folder: Path, slots: int | None = None, max_seq_len: int | None = None) -> TorchEngine:
+    def load(
+        cls, folder: Path, slots: int | None = None, max_seq_len: int | None = None, device: torch.device | str | None = None
+    ) -> TorchEngine:
+        """``device``: a torch.device, or a name trtspec/device.py resolves (None: cpu)."""
         from transformers import AutoConfig
 
         folder = Path(folder)
         manifest = read_manifest(folder)
         if manifest.backend != "torch":
             raise EngineError(f"{folder} holds a {manifest.backend} engine, not a torch engine")
+        device = device if isinstance(device, torch.device) else resolve(device)
+        check_dtype(device, manifest.dtype, f"{folder} ({manifest.role})")
         hf_config = AutoConfig.from_pretrained(folder)
         cfg = DecoderConfig.from_hf(hf_config)
-        state = load_file(str(folder / WEIGHTS))
+        state = load_file(str(folder / WEIGHTS), device=str(device))
         model = DecoderLM.from_state_dict(cfg, state)
+        model.fuse_projections()
         n = slots if slots is not None else manifest.limits["max_batch_size"]
-        engine = cls(folder, manifest, model, hf_config, n, max_seq_len)
+        engine = cls(folder, manifest, model, hf_config, n, max_seq_len, device)
+        # Counted before packing (a packed weight is opaque): what one decode step must read.
+        # The embedding table is read one row a token; tied to the LM head, it is read whole there.
+        engine.weight_bytes = sum(
+            t.nbytes for name, t in model.named_parameters(remove_duplicate=False) if not name.startswith("model.embed_tokens")
+        )
         # The Linear kernels: whichever is faster on this CPU, measured once per machine.
-        engine.kernels = choose_kernels(model, engine.cos, engine.sin, verify_tokens=manifest.max_draft_len + 1)
+        if uses_cpu_kernels(device):
+            engine.kernels = choose_kernels(model, engine.cos, engine.sin, verify_tokens=manifest.max_draft_len + 1)
+        else:
+            engine.kernels = KernelChoice("dense", "fallback", reason=f"{device}: PyTorch's own kernels (the CPU choice does not apply)")
         return engine
+
+    def step_bytes(self, context: int, rows: int = 1) -> tuple[int, int]:
+        """(weight bytes, KV bytes) a decode step reads: every weight once, and per row the
+        keys and values of ``context`` cached positions plus its new one, in every layer."""
+        c = self.config
+        kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * (context + 1) * self.cache.k[0].element_size()
+        return self.weight_bytes, rows * kv
 
     def capture_features(self, layers: tuple[int, ...]) -> None:
         """Keep the outputs of ``layers`` (ascending ids) for every position computed from now on."""
@@ -149,7 +185,9 @@ class TorchEngine:
         with self._lock:
             self.capture = tuple(layers)
             width = len(layers) * self.config.hidden_size
-            self.features = torch.zeros((self.max_batch_size, self.max_seq_len, width), dtype=self.cache.k[0].dtype)
+            self.features = torch.zeros(
+                (self.max_batch_size, self.max_seq_len, width), dtype=self.cache.k[0].dtype, device=self.device
+            )
             self.pool.forget()  # cached prefixes have no features yet
 
     def features_of(self, tokens: list[int], start: int, stop: int) -> torch.Tensor | None:
@@ -211,7 +249,7 @@ class TorchEngine:
         for row, (it, start) in enumerate(zip(items, starts)):
             n_new = len(it.tokens) - start
             rows = hidden[row, n_new - it.n_logits : n_new]  # [n_logits, hidden]
-            out.append(self.model.logits(rows))  # [n_logits, vocab]
+            out.append(self.model.logits(rows).cpu())  # [n_logits, vocab], where the loop reads it
         for it, (slot, _) in zip(items, assigned):
             self.pool.commit(slot, it.tokens)
         return out
@@ -227,12 +265,14 @@ class TorchEngine:
             tokens[row, : len(new)] = torch.tensor(new, dtype=torch.long)
             positions[row, : len(new)] = torch.arange(start, start + len(new))
             rows.append((slot, start, len(new)))
+        # Filled on the CPU row by row, copied to the engine's device once (no copy on CPU).
+        tokens, positions = tokens.to(self.device), positions.to(self.device)
         span = max(start + n for _, start, n in rows)
         window = self.config.sliding_window
         mask = None
         # One sequence decoding one token attends to every cached position: no mask needed.
         if b > 1 or q > 1 or (window is not None and span > window):
-            keys = torch.arange(span)  # [S]
+            keys = torch.arange(span, device=self.device)  # [S]
             # Causal over each row's own positions; padding rows see key 0 only (no empty rows).
             allowed = keys.view(1, 1, span) <= positions.unsqueeze(-1)  # [b, q, S]
             if window is not None:
@@ -241,7 +281,7 @@ class TorchEngine:
         return StepInputs(
             tokens=tokens,
             positions=positions,
-            slots=torch.tensor([slot for slot, _ in assigned], dtype=torch.long),
+            slots=torch.tensor([slot for slot, _ in assigned], dtype=torch.long, device=self.device),
             mask=mask,
             rows=rows,
             span=span,

@@ -51,6 +51,10 @@ from trtspec.engines.torch.model import PACKABLE, DecoderLM, KVCache, OneDnnLine
 from trtspec.files import write_json_atomic
 
 LAYOUTS = ("dense", "onednn", "head")
+# What the layouts run; bumped when that changes, so cached choices are measured again.
+# 2: q/k/v and gate/up fused; onednn = weights reordered without a batch hint, run by
+# _linear_pointwise (1: float32 as mkldnn tensors through mkldnn_linear).
+KERNELS_VERSION = "2"
 ROUNDS = 7
 MIN_ROUNDS = 3  # fewer when every sample of one layout beats every sample of the other
 PREFILL = 32  # context before the timed steps: a short prompt, as in decoding
@@ -98,6 +102,7 @@ def choice_key(model: DecoderLM, verify_tokens: int) -> str:
         "dtype": str(model.model.embed_tokens.weight.dtype),
         "verify_tokens": str(verify_tokens),
         "layouts": ",".join(LAYOUTS),  # a choice made among fewer candidates is measured again
+        "kernels": KERNELS_VERSION,  # a choice made with other kernels behind a layout, too
     }
     return json.dumps(parts, sort_keys=True)
 
