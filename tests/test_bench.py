@@ -41,6 +41,39 @@ def test_run_bench_fills_every_section(built, tmp_path):
         assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["complete"] and data["metrics"]["acceptance_rate"] == 1.0 and data["efficiency"] > 0
+    assert data["costs"]["achieved_gbps"] == pytest.approx(report.costs.achieved_gbps)
+    assert data["costs"]["bandwidth"]["copy_gbps"] == report.costs.bandwidth.copy_gbps > 0
+
+
+def test_decode_step_bytes_are_the_weights_and_the_kv_read(built):
+    """Counted independently from the checkpoint: every tensor but the embedding table (read
+    one row a token), the LM head counted where it is tied to that table; K/V of the context
+    and the new position in every layer."""
+    from safetensors.torch import load_file
+
+    dep = built("same")
+    eng = dep.target
+    state = load_file(str(eng.folder / "model.safetensors"))
+    weights = sum(t.nbytes for name, t in state.items() if name != "model.embed_tokens.weight")
+    if "lm_head.weight" not in state:
+        weights += state["model.embed_tokens.weight"].nbytes
+    c = eng.config
+    costs = b.measure_engine_costs(dep, PROMPTS[0], 2, repeats=1)
+    context = len(dep.encode(PROMPTS[0])) + 4
+    assert costs.weight_bytes == weights
+    assert costs.kv_bytes == 2 * c.num_layers * c.num_kv_heads * c.head_dim * (context + 1) * 4
+    assert costs.achieved_gbps == pytest.approx(costs.step_bytes / costs.target_step / 1e9)
+    assert costs.bandwidth.copy_gbps > 0 and costs.bandwidth.read_gbps > 0
+
+
+def test_the_floor_line_holds_the_step_against_the_copy_bandwidth():
+    c = b.Costs(0.025, None, 0.03, 3, weight_bytes=500_000_000, kv_bytes=10_000_000, bandwidth=b.Bandwidth(25.0, 30.0, 256, 2))
+    assert c.achieved_gbps == pytest.approx(20.4)  # 0.51 GB in 25 ms
+    assert c.floor_step == pytest.approx(0.0204)  # 0.51 GB at 25 GB/s
+    assert c.of_copy_bandwidth == pytest.approx(0.816)
+    line = b.floor_line(c)
+    assert "0.510 GB" in line and "20.4 GB/s" in line and "25.0 GB/s" in line and "20.4 ms: 0.82 of the floor" in line
+    assert b.Costs(0.02, None, 0.03, 3).of_copy_bandwidth is None  # measured over gRPC: no bytes
 
 
 def test_latency_percentiles():
@@ -55,6 +88,7 @@ def test_cli_bench_writes_report(spec_file, tmp_path):
     r = runner.invoke(app, ["bench", str(spec_file), "--sweep", "1-2", "-c", "1,2", "--out", str(tmp_path)])
     assert r.exit_code == 0, r.output
     assert "speedup" in r.stdout and "recommended k" in r.stdout and "efficiency" in r.stdout
+    assert "memory floor: a decode step moves" in r.stdout and "of the floor" in r.stdout
     assert json.loads((tmp_path / "bench.json").read_text())["complete"] is True
 
 

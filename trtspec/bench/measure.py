@@ -91,6 +91,44 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 @dataclass
+class Bandwidth:
+    """Memory bandwidth measured here, GB/s (medians): copy = bytes read + bytes written by a
+    tensor copy (STREAM's count), read = bytes of a tensor summed; both over ``megabytes``
+    (far larger than any cache) with the threads the engines use."""
+
+    copy_gbps: float
+    read_gbps: float
+    megabytes: int
+    threads: int
+
+
+def measure_bandwidth(megabytes: int = 256, repeats: int = 5) -> Bandwidth:
+    """Copy and read bandwidth of this machine's memory, as torch sees it."""
+    import torch
+
+    n = megabytes * 2**20 // 4
+    src = torch.ones(n, dtype=torch.float32)  # written: its pages are real, not the zero page
+    dst = torch.zeros(n, dtype=torch.float32)
+    copies, reads = [], []
+    with torch.inference_mode():
+        dst.copy_(src)  # warm-up
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            copies.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            src.sum()
+            reads.append(time.perf_counter() - t0)
+    nbytes = n * 4
+    return Bandwidth(
+        copy_gbps=2 * nbytes / statistics.median(copies) / 1e9,
+        read_gbps=nbytes / statistics.median(reads) / 1e9,
+        megabytes=megabytes,
+        threads=torch.get_num_threads(),
+    )
+
+
+@dataclass
 class Costs:
     """Measured step costs (seconds, medians) and the ratios the bound needs."""
 
@@ -98,6 +136,34 @@ class Costs:
     draft_step: float | None
     verify_step: float  # one target forward over k+1 tokens
     k: int
+    # How close the decode step is to the memory-bandwidth floor (in process only):
+    weight_bytes: int | None = None  # the target's weights, all read once per decode step
+    kv_bytes: int | None = None  # the K/V the timed decode step reads (its context + itself)
+    bandwidth: Bandwidth | None = None  # this machine's measured memory bandwidth
+
+    @property
+    def step_bytes(self) -> int | None:
+        """Bytes a target decode step must move: its weights and the K/V it attends to."""
+        return None if self.weight_bytes is None else self.weight_bytes + (self.kv_bytes or 0)
+
+    @property
+    def achieved_gbps(self) -> float | None:
+        """step_bytes / target_step, in GB/s: the bandwidth the decode step reaches."""
+        return None if self.step_bytes is None else self.step_bytes / self.target_step / 1e9
+
+    @property
+    def floor_step(self) -> float | None:
+        """The shortest decode step this machine allows: step_bytes at the copy bandwidth."""
+        if self.step_bytes is None or self.bandwidth is None:
+            return None
+        return self.step_bytes / (self.bandwidth.copy_gbps * 1e9)
+
+    @property
+    def of_copy_bandwidth(self) -> float | None:
+        """achieved_gbps / the copy bandwidth (= floor_step / target_step); 1.0 is the floor."""
+        if self.achieved_gbps is None or self.bandwidth is None:
+            return None
+        return self.achieved_gbps / self.bandwidth.copy_gbps
 
     @property
     def cost_ratio(self) -> float:
@@ -215,6 +281,10 @@ class BenchReport:
                 **asdict(self.costs),
                 "cost_ratio": self.costs.cost_ratio,
                 "verify_cost": self.costs.verify_cost,
+                "step_bytes": self.costs.step_bytes,
+                "achieved_gbps": self.costs.achieved_gbps,
+                "floor_step": self.costs.floor_step,
+                "of_copy_bandwidth": self.costs.of_copy_bandwidth,
             },
             "expected_tokens_per_forward_iid": expected_tokens_per_forward(self.metrics.acceptance_rate, self.k),
             "bound": self.bound,
@@ -420,7 +490,8 @@ def measure_engine_costs(deployment, prompt: str, k: int, repeats: int = 7) -> C
     draft_step = timed(deployment.draft, 1) if deployment.draft is not None else None
     if getattr(deployment, "head", None) is not None:
         draft_step = _head_step(deployment, ctx, k, repeats)
-    return Costs(target_step, draft_step, verify_step, k)
+    weights, kv = deployment.target.step_bytes(len(ctx) + 4)  # the timed step's context: ctx + 4
+    return Costs(target_step, draft_step, verify_step, k, weights, kv, measure_bandwidth())
 
 
 def _head_step(deployment, ctx: list[int], k: int, repeats: int) -> float:
@@ -473,6 +544,8 @@ def render(report: BenchReport, console) -> None:
             f"bound {report.bound:.2f}x | efficiency {report.efficiency:.2f} | bound with the measured "
             f"acceptance length {report.bound_from_measured_length:.2f}x"
         )
+        if c.step_bytes is not None and c.bandwidth is not None:
+            console.print(floor_line(c))
     if report.sweep:
         st = Table(title="draft-length sweep")
         for col in ("k", "tok/s", "speedup", "acceptance", "mean acc. len"):
@@ -557,6 +630,17 @@ def _render_grid(report: BenchReport, console) -> None:
         console.print(f"vLLM speculative_config: {sched['vllm']}")
     else:
         console.print("target-only wins even at concurrency 1: leave speculation off on this machine")
+
+
+def floor_line(c: Costs) -> str:
+    """One line: the decode step's bytes over its time, against the machine's bandwidth."""
+    bw = c.bandwidth
+    return (
+        f"memory floor: a decode step moves {c.step_bytes / 1e9:.3f} GB (weights {c.weight_bytes / 1e9:.3f} + "
+        f"KV {(c.kv_bytes or 0) / 1e6:.1f} MB) in {c.target_step * 1e3:.1f} ms = {c.achieved_gbps:.1f} GB/s | this "
+        f"machine copies {bw.copy_gbps:.1f} GB/s (reads {bw.read_gbps:.1f}; {bw.threads} threads), so the floor step "
+        f"is {c.floor_step * 1e3:.1f} ms: {c.of_copy_bandwidth:.2f} of the floor"
+    )
 
 
 def _ms_pair(a: float | None, b: float | None, digits: int) -> str:
