@@ -7,10 +7,16 @@ engines, takes target-only references from the independent `target_only` control
 ``--concurrency`` client threads for ``--duration`` seconds (at most 3600). Each request picks a
 prompt, a max_tokens and an endpoint (streamed `tensorrt_llm_bls_streaming` or unary
 `tensorrt_llm_bls`) at random; ``--cancel`` of the streams are cancelled after a random number
-of streamed responses. It reports and checks:
+of streamed responses. ``--faults F`` makes a fraction F of the requests hostile, drawn evenly
+from: a stream whose client disconnects (closes its channel, no cancel) after a few responses,
+a 4 MB prompt, and (where the model's vocabulary makes it possible within max_seq_len) a
+return_generation_logits request over serve.max_response_mb; the oversized ones must be
+refused with their named error. It reports and checks:
 
-  failed        requests that were not cancelled and did not complete (must be 0)
-  mismatched    completed outputs that differ from target-only (must be 0)
+  failed        requests that were not cancelled and did not complete, and hostile ones not
+                refused with their named error (must be 0)
+  differing     completed outputs that differ from target-only (must be 0; also "mismatched")
+  unanswered    requests with no final answer within --answer-timeout seconds (must be 0)
   rss growth    server + stub processes' resident memory: from the end of --warmup seconds of
                 the same load (the engines' static KV buffers are touched page by page as
                 slots and positions are first used: that is not a leak) to the end; the
@@ -43,7 +49,15 @@ import numpy as np
 STREAMING, UNARY, CONTROL = "tensorrt_llm_bls_streaming", "tensorrt_llm_bls", "target_only"
 
 
-def _inputs(prompt: str, max_tokens: int, chat: bool, stream: bool):
+HUGE_PROMPT = "tell me a story. " * 250_000  # 4.25 MB: refused before tokenizing
+ANSWER_TIMEOUT = 600.0  # seconds without a final answer: unanswered
+
+
+class Unanswered(Exception):
+    """No final answer came within the answer timeout."""
+
+
+def _inputs(prompt: str, max_tokens: int, chat: bool, stream: bool, logits: bool = False):
     import tritonclient.grpc as grpcclient
 
     values = [
@@ -53,6 +67,8 @@ def _inputs(prompt: str, max_tokens: int, chat: bool, stream: bool):
         ("exclude_input_in_output", True, "BOOL"),
         ("stream", stream, "BOOL"),
     ]
+    if logits:
+        values.append(("return_generation_logits", True, "BOOL"))
     out = []
     for name, value, dt in values:
         arr = np.array([[value]], dtype={"BYTES": np.object_, "INT32": np.int32, "BOOL": np.bool_}[dt])
@@ -62,11 +78,50 @@ def _inputs(prompt: str, max_tokens: int, chat: bool, stream: bool):
     return out
 
 
-def unary(url, model, prompt, max_tokens, chat) -> list[int]:
+def unary(url, model, prompt, max_tokens, chat, logits: bool = False) -> list[int]:
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    inputs = _inputs(prompt, max_tokens, chat, False, logits)
+    try:
+        r = grpcclient.InferenceServerClient(url).infer(model, inputs, client_timeout=ANSWER_TIMEOUT)
+    except InferenceServerException as err:
+        if "Deadline Exceeded" in str(err):
+            raise Unanswered(str(err)) from None
+        raise
+    return r.as_numpy("output_ids")[0, : r.as_numpy("sequence_length")[0, 0]].tolist()
+
+
+def refused(call, needle: str) -> str | None:
+    """None when ``call`` is refused with an error naming ``needle``; else what went wrong."""
+    try:
+        call()
+    except Unanswered:
+        raise
+    except Exception as err:
+        return None if needle in str(err) else f"refused with another error: {err}"
+    return "answered instead of refused"
+
+
+def disconnect(url, prompt, max_tokens, chat, after: int) -> None:
+    """A stream whose client goes away after ``after`` responses (a crashed or killed client)."""
     import tritonclient.grpc as grpcclient
 
-    r = grpcclient.InferenceServerClient(url).infer(model, _inputs(prompt, max_tokens, chat, False), client_timeout=600)
-    return r.as_numpy("output_ids")[0, : r.as_numpy("sequence_length")[0, 0]].tolist()
+    client = grpcclient.InferenceServerClient(url)
+    got: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    client.async_stream_infer(STREAMING, _inputs(prompt, max_tokens, chat, True), enable_empty_final_response=True)
+    for _ in range(after):
+        try:
+            result, error = got.get(timeout=ANSWER_TIMEOUT)
+        except queue.Empty:
+            raise Unanswered("no response within the answer timeout") from None
+        if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
+            break
+    # Drop the connection under the open stream, as a killed client would: no cancel is sent
+    # (stop_stream would cancel or wait for the end), the server sees the transport go away.
+    client._channel.close()
+    client.stop_stream(cancel_requests=True)  # only reaps the client's own reader thread
 
 
 def stream(url, prompt, max_tokens, chat, cancel_after: int | None) -> list[int] | None:
@@ -81,7 +136,10 @@ def stream(url, prompt, max_tokens, chat, cancel_after: int | None) -> list[int]
     try:
         client.async_stream_infer(STREAMING, _inputs(prompt, max_tokens, chat, True), enable_empty_final_response=True)
         while True:
-            result, error = got.get(timeout=600)
+            try:
+                result, error = got.get(timeout=ANSWER_TIMEOUT)
+            except queue.Empty:
+                raise Unanswered("no final response within the answer timeout") from None
             if error is not None:
                 raise RuntimeError(str(error))
             ids = result.as_numpy("output_ids")
@@ -138,6 +196,8 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=120.0, help="seconds of load (at most 3600)")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--cancel", type=float, default=0.2, help="fraction of streams cancelled (default 0.2)")
+    ap.add_argument("--faults", type=float, default=0.0, help="fraction of requests that are hostile (default 0)")
+    ap.add_argument("--answer-timeout", type=float, default=600.0, help="seconds to a final answer (default 600)")
     ap.add_argument("--max-tokens", default="16,48", help="max_tokens values drawn from (default 16,48)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup", type=float, default=30.0, help="seconds of load before the RSS baseline (default 30)")
@@ -146,8 +206,10 @@ def main() -> int:
     args = ap.parse_args()
     if not 0 < args.duration <= 3600:
         raise SystemExit("--duration must be in (0, 3600] seconds")
-    if not 0 <= args.cancel <= 1 or args.concurrency < 1:
-        raise SystemExit("--cancel must be in [0, 1] and --concurrency at least 1")
+    if not 0 <= args.cancel <= 1 or not 0 <= args.faults <= 1 or args.concurrency < 1:
+        raise SystemExit("--cancel and --faults must be in [0, 1] and --concurrency at least 1")
+    global ANSWER_TIMEOUT
+    ANSWER_TIMEOUT = args.answer_timeout
 
     from trtspec.spec import load_spec
     from trtspec.triton.repository.writer import write_repository
@@ -157,6 +219,13 @@ def main() -> int:
     prompts = loaded.verify_prompts()
     chat = loaded.spec.verify.chat_template
     lengths = [int(x) for x in args.max_tokens.split(",")]
+    faults = ["disconnect", "huge_prompt"]
+    # generation_logits over the cap: max_tokens x vocab x 4 bytes > serve.max_response_mb,
+    # possible only where that many tokens fit in max_seq_len
+    vocab = json.loads((loaded.output_dir() / "target" / "config.json").read_text()).get("vocab_size", 0)
+    logits_tokens = loaded.spec.serve.max_response_mb * 2**20 // max(1, 4 * vocab) + 1
+    if vocab and logits_tokens < loaded.spec.limits("target").max_seq_len - 128:
+        faults.append("oversized_logits")
     repo = write_repository(loaded, loaded.output_dir(), Path(tempfile.mkdtemp(prefix="trtspec-soak-")) / "repo")
     server = TritonServer.for_repository(repo)  # binds 127.0.0.1, free ports
     server.start()
@@ -174,10 +243,36 @@ def main() -> int:
         stop_at = time.monotonic() + args.warmup + args.duration
         samples: list[tuple[float, int]] = []
 
+        def fault(kind: str, p: str, n: int, rng: random.Random) -> None:
+            """One hostile request; a wrong or missing refusal counts failed."""
+            try:
+                if kind == "disconnect":
+                    disconnect(url, p, max(n, 8), chat, rng.randint(1, 3))
+                    wrong = None
+                elif kind == "huge_prompt":
+                    wrong = refused(lambda: unary(url, rng.choice([UNARY, CONTROL]), HUGE_PROMPT, n, chat), "text_input is")
+                else:
+                    wrong = refused(lambda: unary(url, UNARY, p, logits_tokens, chat, True), "serve.max_response_mb")
+            except Unanswered as err:
+                with lock:
+                    counts["unanswered"] += 1
+                    problems.append(f"fault {kind}: {err}")
+                return
+            except Exception as err:
+                wrong = f"{type(err).__name__}: {err}"
+            with lock:
+                counts[f"fault_{kind}"] += 1
+                if wrong is not None:
+                    counts["failed"] += 1
+                    problems.append(f"fault {kind}: {wrong}")
+
         def worker(seed: int) -> None:
             rng = random.Random(seed)
             while time.monotonic() < stop_at:
                 p, n = rng.choice(prompts), rng.choice(lengths)
+                if rng.random() < args.faults:
+                    fault(rng.choice(faults), p, n, rng)
+                    continue
                 kind = rng.choice(["stream", "unary"])
                 cancel_after = rng.randint(1, 3) if kind == "stream" and rng.random() < args.cancel else None
                 try:
@@ -185,6 +280,11 @@ def main() -> int:
                         got = stream(url, p, n, chat, cancel_after)
                     else:
                         got = unary(url, UNARY, p, n, chat)
+                except Unanswered as err:
+                    with lock:
+                        counts["unanswered"] += 1
+                        problems.append(f"{kind} {p!r} max_tokens {n}: {err}")
+                    continue
                 except Exception as err:
                     with lock:
                         counts["failed"] += 1
@@ -243,7 +343,11 @@ def main() -> int:
         "completed": counts["completed"],
         "cancelled": counts["cancelled"],
         "failed": counts["failed"],
+        "differing": counts["mismatched"],
         "mismatched": counts["mismatched"],
+        "unanswered": counts["unanswered"],
+        "fault_fraction": args.faults,
+        "faults": {k.removeprefix("fault_"): v for k, v in sorted(counts.items()) if k.startswith("fault_")},
         "output_tokens": counts["tokens"],
         "warmup_s": args.warmup,
         "rss_before_load_mib": round(rss_cold / 1024, 1),
@@ -259,7 +363,8 @@ def main() -> int:
     print(json.dumps(report, indent=2))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
-    ok = not counts["failed"] and not counts["mismatched"] and probe_ok and growth <= args.max_rss_growth
+    ok = not counts["failed"] and not counts["mismatched"] and not counts["unanswered"]
+    ok = ok and probe_ok and growth <= args.max_rss_growth
     return 0 if ok and held_after in (0, None) else 1
 
 
