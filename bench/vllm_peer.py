@@ -123,4 +123,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stderr.flush()
+    # Leave at once, skipping the interpreter's shutdown with vLLM's engine in this process:
+    # workers whose parent had died were seen spinning on the CPU (state R) until killed.
+    os._exit(code)

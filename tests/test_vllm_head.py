@@ -142,7 +142,7 @@ def vllm_runs(dep, head: Path, prompt_ids, log: Path):
         "enable_prefix_caching": False,
         "speculative": {"method": "eagle3", "model": str(head), "num_speculative_tokens": K},
     }
-    worker = VllmWorker(VLLM_PYTHON, VLLM_PEER, load, vllm_env(2, 1), log)
+    worker = VllmWorker(VLLM_PYTHON, VLLM_PEER, load, vllm_env(1), log)
     try:
         out = []
         for ids in prompt_ids:

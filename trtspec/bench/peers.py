@@ -17,8 +17,8 @@ Paths (greedy, the same prompt ids and max_tokens for all):
                        draft_model), k drafts; vLLM runs the draft in the target's dtype
   vllm_ngram           vLLM prompt lookup (method ngram, prompt_lookup_min/max = the spec's
                        min_ngram/max_ngram), k drafts
-  vLLM paths run with prefix caching off (each call prefills, as ours and HF's do), the same
-  thread count as ours (OMP_NUM_THREADS) and the spec's end ids as stop ids.
+  vLLM paths run with prefix caching off (each call prefills, as ours and HF's do), vLLM's own
+  thread setup (vllm_env) and the spec's end ids as stop ids.
 
 Concurrency c: the prompts in consecutive groups of c, each group sent at once (our loop batches
 them; vLLM gets them in one generate call). HF paths run at concurrency 1 only. A group's wall
@@ -367,14 +367,14 @@ class VllmWorker:
                 stream.close()
 
 
-def vllm_env(threads: int, kv_cache_gib: int) -> dict[str, str]:
-    """The worker's environment: the engine in its process, the thread count ours runs with,
-    a KV cache sized for a bench (vLLM's CPU default would take GiBs per process)."""
-    return os.environ | {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "OMP_NUM_THREADS": str(threads),
-        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-    }
+def vllm_env(kv_cache_gib: int) -> dict[str, str]:
+    """The worker's environment: the engine in its process, a KV cache sized for a bench (vLLM's
+    CPU default would take GiBs per process), threads as vLLM sets them itself (OMP_NUM_THREADS
+    removed): on a 2-CPU machine vLLM 0.32 runs 1 torch thread bound to a core. Forcing 2 threads
+    there binds both to that core, and a decode step then took seconds (seen on the shared
+    2-core machine)."""
+    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+    return env | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
 
 
 def vllm_metrics(spec: dict, k: int) -> SpecMetrics:
@@ -405,7 +405,7 @@ def vllm_paths(
 
     spec = dep.spec.speculative
     k = spec.default_draft_tokens
-    env = vllm_env(torch.get_num_threads(), kv_cache_gib)
+    env = vllm_env(kv_cache_gib)
     stop_ids = sorted(dep.end_ids)
     base = {
         "model": str(dep.target.folder),
@@ -438,7 +438,7 @@ def vllm_paths(
         for w in workers:
             w.close()
 
-    paths, settings = [], {"env": {key: env[key] for key in ("OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE")}, "paths": {}}
+    paths, settings = [], {"env": {"VLLM_CPU_KVCACHE_SPACE": env["VLLM_CPU_KVCACHE_SPACE"]}, "paths": {}}
     try:
         for key, label, speculative in configs:
             load = base | {"speculative": speculative and speculative | {"num_speculative_tokens": k}}
