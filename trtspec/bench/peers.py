@@ -370,9 +370,10 @@ class VllmWorker:
 def vllm_env(kv_cache_gib: int) -> dict[str, str]:
     """The worker's environment: the engine in its process, a KV cache sized for a bench (vLLM's
     CPU default would take GiBs per process), threads as vLLM sets them itself (OMP_NUM_THREADS
-    removed): on a 2-CPU machine vLLM 0.32 runs 1 torch thread bound to a core. Forcing 2 threads
-    there binds both to that core, and a decode step then took seconds (seen on the shared
-    2-core machine)."""
+    removed): vLLM 0.32 reduces torch to 1 thread for serving and binds its OpenMP threads to
+    cores. With OMP_NUM_THREADS=2 forced (vLLM warns of spin-wait contention), its decode steps
+    took seconds on the shared, loaded 2-core machine; why exactly (binding, spinning) was not
+    pinned down."""
     env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
     return env | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
 
