@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from trtspec.device import place
 from trtspec.engines.manifest import check_manifest
 from trtspec.engines.torch.engine import TorchEngine
 from trtspec.errors import EngineError, RequestError
@@ -43,6 +44,8 @@ class Deployment:
             )
         self.loaded = loaded
         self.spec = spec
+        # One device for every engine of the deployment (the head reads the target's features).
+        self.device = place(spec.device, {role: m.dtype for role, m in spec.models().items()})
         self.engines: dict[str, TorchEngine] = {}
         self.head = None  # method eagle3: the head, reading the target's features
         for role in spec.models():
@@ -54,7 +57,7 @@ class Deployment:
                 self.head = HeadEngine.load(folder, self.engines["target"], slots)
                 self.engines["target"].capture_features(self.head.cfg.layer_ids)
                 continue
-            self.engines[role] = TorchEngine.load(folder, slots)
+            self.engines[role] = TorchEngine.load(folder, slots, device=self.device)
         self.target = self.engines["target"]
         self.draft = self.engines.get("draft")
         self.tokenizer = AutoTokenizer.from_pretrained(self.target.folder, trust_remote_code=spec.target.trust_remote_code)

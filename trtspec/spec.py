@@ -16,6 +16,7 @@ from typing import Annotated, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from trtspec.device import check_name as check_device_name
 from trtspec.errors import SpecError
 from trtspec.files import read_text_file
 
@@ -211,6 +212,9 @@ class VerifySpec(_Strict):
 class EngineSpec(_Strict):
     name: str
     backend: Backend = "torch"
+    # Where the torch backend runs: cpu | cuda | cuda:N | auto (trtspec/device.py). Not part
+    # of the build hash: one engine folder loads on any device.
+    device: str = "cpu"
     target: ModelSpec
     draft: ModelSpec | None = None
     speculative: SpeculativeSpec = Field(default_factory=SpeculativeSpec)
@@ -229,9 +233,18 @@ class EngineSpec(_Strict):
             )
         return v
 
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, v: str) -> str:
+        return check_device_name(v)
+
     @model_validator(mode="after")
     def _cross_field(self) -> EngineSpec:
         method = self.speculative.method
+        if self.backend != "torch" and "device" in self.model_fields_set:
+            raise ValueError(
+                "`device` applies to backend: torch; TensorRT-LLM picks its GPUs with gpu_device_ids, so remove device"
+            )
         if method == "draft_target" and self.draft is None:
             raise ValueError("method draft_target needs a `draft` model; add one or use method: ngram")
         if method == "eagle3" and self.draft is None:

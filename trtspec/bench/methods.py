@@ -197,7 +197,7 @@ def other_drafter(dep, other) -> tuple[Callable[[], Drafter], Callable[[], None]
         from trtspec.engines.torch.engine import TorchEngine
         from trtspec.speculative.drafters import ModelDrafter
 
-        engine = TorchEngine.load(folder, dep.target.max_batch_size)
+        engine = TorchEngine.load(folder, dep.target.max_batch_size, device=dep.device)  # beside the target
         vocab = min(engine.vocab_size, dep.target.vocab_size)
         return (lambda: ModelDrafter(engine.run, vocab)), engine.forget_prefixes
     from trtspec.engines.torch.eagle3 import HeadEngine

@@ -8,7 +8,18 @@ from typing import Annotated
 import typer
 
 from trtspec import console
-from trtspec.cli.common import JsonFileOpt, JsonOpt, LlmapiOpt, OutputOpt, SpecArg, UrlOpt, handle_errors, parse_url
+from trtspec.cli.common import (
+    DeviceOpt,
+    JsonFileOpt,
+    JsonOpt,
+    LlmapiOpt,
+    OutputOpt,
+    SpecArg,
+    UrlOpt,
+    handle_errors,
+    parse_url,
+    with_device,
+)
 from trtspec.cli.output import emit
 from trtspec.errors import EXIT_INTERRUPTED
 from trtspec.spec import load_spec, read_prompts_file
@@ -67,6 +78,7 @@ def bench(
     as_json: JsonOpt = False,
     json_file: JsonFileOpt = None,
     llmapi_impl: LlmapiOpt = "tensorrt_llm",
+    device: DeviceOpt = None,
 ) -> None:
     """Measure speculative vs target-only on SPEC's pair, prompts and load.
 
@@ -85,7 +97,7 @@ def bench(
     """
     from trtspec.bench import measure, run
 
-    loaded = load_spec(spec)
+    loaded = with_device(load_spec(spec), device)
     url = parse_url(url)
     llmapi_spec = loaded.spec.backend == "trtllm" and loaded.spec.trtllm.runtime == "llmapi"
     prompts = list(prompt or [])

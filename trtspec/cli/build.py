@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from trtspec.cli.common import AllowPickleOpt, JsonFileOpt, JsonOpt, OutputOpt, SpecArg, handle_errors
+from trtspec.cli.common import AllowPickleOpt, DeviceOpt, JsonFileOpt, JsonOpt, OutputOpt, SpecArg, handle_errors, with_device
 from trtspec.cli.output import emit
 from trtspec.engines import build as builder
 from trtspec.spec import load_spec
@@ -17,6 +17,7 @@ def build(
     force: bool = typer.Option(False, "--force", help="Rebuild even if the engines are up to date."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; write nothing."),
     allow_pickle: AllowPickleOpt = False,
+    device: DeviceOpt = None,
     as_json: JsonOpt = False,
     json_file: JsonFileOpt = None,
 ) -> None:
@@ -28,8 +29,9 @@ def build(
     Examples:
       trtspec build engine_specs/smollm2-135m-cpu.yaml
       trtspec build engine_specs/tiny-llama.yaml -o /tmp/engines --force
+      trtspec build my-spec.yaml --device cuda     # refuses at once where no GPU is usable
     """
-    loaded = load_spec(spec)
+    loaded = with_device(load_spec(spec), device)
     out_dir = loaded.output_dir(output)
     if dry_run:
         plan = builder.dry_run(loaded, out_dir, force)

@@ -11,7 +11,9 @@ from typing import Annotated
 import typer
 
 from trtspec import console
+from trtspec.device import check_name as check_device_name
 from trtspec.errors import EXIT_INTERRUPTED, RequestError, TrtspecError
+from trtspec.spec import LoadedSpec
 
 SpecArg = Annotated[Path, typer.Argument(help="Engine spec YAML (engine_specs/*.yaml).", show_default=False)]
 OutputOpt = Annotated[
@@ -36,6 +38,15 @@ LlmapiOpt = Annotated[
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout instead of the table.")]
 JsonFileOpt = Annotated[Path | None, typer.Option("--json-file", help="Also write the report as JSON to this file.")]
+DeviceOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--device",
+        help="Where the torch backend runs: cpu, cuda, cuda:N or auto (a GPU if this torch sees one); "
+        "default: the spec's device (cpu unless set).",
+        show_default=False,
+    ),
+]
 UrlOpt = Annotated[
     str | None,
     typer.Option(
@@ -58,6 +69,23 @@ def parse_url(url: str | None) -> str | None:
     ):
         raise RequestError(f"--url takes HOST:PORT (the gRPC port, e.g. 127.0.0.1:8001), not {url!r}")
     return url
+
+
+def with_device(loaded: LoadedSpec, device: str | None) -> LoadedSpec:
+    """The spec with --device in place of its ``device`` (unchanged without --device);
+    RequestError (exit 2) for a name that is not a device or a backend that takes none."""
+    if device is None:
+        return loaded
+    try:
+        name = check_device_name(device)
+    except ValueError as e:
+        raise RequestError(f"--device: {e}") from None
+    if loaded.spec.backend != "torch":
+        raise RequestError(
+            f"--device applies to backend: torch; {loaded.path.name} is backend {loaded.spec.backend} "
+            "(TensorRT-LLM picks its GPUs with gpu_device_ids): drop --device"
+        )
+    return loaded.model_copy(update={"spec": loaded.spec.model_copy(update={"device": name})})
 
 
 def handle_errors(fn):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from trtspec.cli.common import AllowPickleOpt, JsonFileOpt, JsonOpt, SpecArg, handle_errors
+from trtspec.cli.common import AllowPickleOpt, DeviceOpt, JsonFileOpt, JsonOpt, SpecArg, handle_errors, with_device
 from trtspec.cli.output import emit
 from trtspec.errors import TrtspecError
 from trtspec.spec import load_spec
@@ -114,8 +114,14 @@ def distill(
     temperature: float = typer.Option(
         0.8, "--temperature", min=0.05, max=2.0, help="Temperature of the sampled responses (top-p 0.95)."
     ),
-    gen_batch: int = typer.Option(
-        64, "--gen-batch", min=1, max=512, help="Sequences generated at once (one decode step reads the weights once for all)."
+    gen_batch: int | None = typer.Option(
+        None,
+        "--gen-batch",
+        min=1,
+        max=512,
+        help="Sequences generated at once (one decode step reads the weights once for all); default 64 on CPU, "
+        "on CUDA as many as fit in the free GPU memory (docs/codesign.md).",
+        show_default=False,
     ),
     corpus: Path | None = typer.Option(
         None,
@@ -145,6 +151,7 @@ def distill(
     ),
     eval_every: int = typer.Option(50, "--eval-every", min=1, help="Held-out evaluation and checkpoint every N steps."),
     allow_pickle: AllowPickleOpt = False,
+    device: DeviceOpt = None,
     as_json: JsonOpt = False,
     json_file: JsonFileOpt = None,
 ) -> None:
@@ -161,11 +168,12 @@ def distill(
       trtspec distill engine_specs/smollm2-135m-eagle3.yaml --time-budget 25m
       trtspec distill engine_specs/smollm2-135m-eagle3.yaml --corpus chats.jsonl --max-steps 3000
       trtspec distill engine_specs/tiny-llama-eagle3.yaml --max-steps 200 --force
+      trtspec distill my-8b-eagle3.yaml --device cuda --time-budget 2h   # target, capture and training on the GPU
     """
     from trtspec.codesign.distill import DistillOptions
     from trtspec.codesign.distill import distill as run
 
-    loaded = load_spec(spec)
+    loaded = with_device(load_spec(spec), device)
     opts = DistillOptions(
         prompts=prompts,
         eval_prompts=eval_prompts,

@@ -12,7 +12,18 @@ from rich.progress import Progress
 from trtspec import console, report_html
 from trtspec.acceptance import check as check_acceptance
 from trtspec.acceptance import identity, load_baseline, parse_fraction
-from trtspec.cli.common import JsonFileOpt, JsonOpt, LlmapiOpt, OutputOpt, SpecArg, UrlOpt, handle_errors, parse_url
+from trtspec.cli.common import (
+    DeviceOpt,
+    JsonFileOpt,
+    JsonOpt,
+    LlmapiOpt,
+    OutputOpt,
+    SpecArg,
+    UrlOpt,
+    handle_errors,
+    parse_url,
+    with_device,
+)
 from trtspec.cli.output import emit
 from trtspec.errors import EXIT_DIVERGED, EXIT_OK, RequestError
 from trtspec.spec import load_spec
@@ -111,6 +122,7 @@ def verify(
         ),
     ] = None,
     llmapi_impl: LlmapiOpt = "tensorrt_llm",
+    device: DeviceOpt = None,
 ) -> None:
     """Prove greedy speculative outputs are token-identical to target-only outputs.
 
@@ -128,8 +140,9 @@ def verify(
       trtspec verify engine_specs/smollm2-135m-cpu.yaml --url 127.0.0.1:8001 --stream
       trtspec verify engine_specs/llama3.1-8b-instruct-llmapi.yaml     # LLM API, on a GPU
       trtspec verify my-llmapi-spec.yaml --llmapi double               # CPU conformance double
+      trtspec verify my-spec.yaml --device cuda --fail-on algorithmic  # torch engines on a GPU
     """
-    loaded = load_spec(spec)
+    loaded = with_device(load_spec(spec), device)
     prompts = list(prompt) if prompt else loaded.verify_prompts()
     drop = parse_fraction(max_acceptance_drop) if max_acceptance_drop is not None else None
     if (drop is None) != (baseline is None):

@@ -7,7 +7,9 @@ Speedup of drafting k tokens per target forward (the Leviathan bound, with measu
 
 a_j: per-position acceptance (P(draft j right | drafts before it right), measured on unseen
 prompts); verify(k): a target forward over k + 1 new tokens in target decode steps; c: one
-head step in target decode steps. All on this machine, in this process, at one context length.
+head step in target decode steps. All on this machine, in this process, at one context length,
+on the target's device (every timed call ends by reading its result on the CPU, so a GPU's
+queued work is inside the time).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def measure_costs(target: TorchEngine, head: Eagle3Head, depth: int) -> dict:
     engine = HeadEngine(head, target.model.model.embed_tokens, target.cos, target.sin, CONTEXT + 2, torch.float32, 1)
     h = head.cfg.hidden_size
     engine.extend([HeadRow(0, 0, torch.zeros(CONTEXT, h), ctx)])
-    state = torch.zeros(1, h)
+    state = torch.zeros(1, h, device=engine.device)  # on the head's device: the timed step copies nothing in
 
     def head_step():
         out = engine.extend([HeadRow(0, CONTEXT, state, [5])])  # rewritten in place each time

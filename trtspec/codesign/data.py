@@ -86,7 +86,7 @@ class LabelRecorder:
         tokens = list(prompt_ids) + list(output_ids)
         n = len(tokens) - 1
         slot = self.slot_of(tokens, n)
-        feats = self.target.features_of(tokens, 0, n)  # [n, n_layers * hidden]
+        feats = self.target.features_of(tokens, 0, n).cpu()  # [n, n_layers * hidden]; the store is on disk
         top_ids = self.top_ids[slot, :n].long()
         top_ids[: len(prompt_ids) - 1] = -1  # the prompt's positions got no logits here (stale rows)
         return Sample(
@@ -162,7 +162,7 @@ def capture_batch(
             group.append(seqs[i + len(group)])
         logits = target.run([ForwardItem(list(s), len(s)) for s in group])  # each [T, vocab]
         for s, lg, r in zip(group, logits, response_from[i : i + len(group)]):
-            feats = target.features_of(s, 0, len(s))  # [T, n_layers * hidden]
+            feats = target.features_of(s, 0, len(s)).cpu()  # [T, n_layers * hidden]; the store is on disk
             top = torch.topk(lg.float(), min(SOFT_TOP_K, lg.shape[-1]), dim=-1)
             mask = r if isinstance(r, torch.Tensor) else None
             plen = int(r) if mask is None else int(mask.long().argmax()) if bool(mask.any()) else len(s)

@@ -36,10 +36,12 @@ from trtspec.codesign.data import SHIPPED_PROMPTS, capture_batch, draft_vocabula
 from trtspec.codesign.heads import new_head, refuse_existing, save_head
 from trtspec.codesign.store import CorruptStore, FeatureStore, open_store, remove_store, write_store
 from trtspec.codesign.trainer import Trainer
+from trtspec.device import describe, free_bytes, place
 from trtspec.engines.build import build
 from trtspec.engines.eagle3 import distill_layer_ids
 from trtspec.engines.manifest import check_manifest, versions
-from trtspec.engines.torch.engine import TorchEngine
+from trtspec.engines.torch.engine import DTYPES, WEIGHTS, TorchEngine
+from trtspec.engines.torch.model import DecoderConfig
 from trtspec.errors import SpecError, TrtspecError
 from trtspec.files import sha256_file
 from trtspec.layout import engine_folder
@@ -71,7 +73,7 @@ class DistillOptions:
     branches_per_prompt: int = 0  # sampled continuations from a point inside each greedy response
     temperature: float = 0.8  # of the sampled responses (labels stay the target's greedy tokens)
     weight_decay: float = 0.0
-    gen_batch: int = 64  # sequences generated at once (the engine's slots during distill)
+    gen_batch: int | None = None  # sequences generated at once (the engine's slots); None: generation_rows
     labels: str = "hard"  # hard: the target's greedy token; soft: its top-k distribution (train.ttt_loss)
     corpus: Path | None = None  # a user's conversations (codesign/corpus.py), captured without generation
     anchor: bool = True  # start from the target's own prediction (codesign/heads.py)
@@ -300,9 +302,46 @@ def _target(loaded: LoadedSpec, opts: DistillOptions, split: Split):
     # Generation batches far more sequences than the deployment serves: a decode step reads
     # the weights once for all its rows, so on CPU 64 rows cost a few times 1, not 64 times.
     longest = 1024 + opts.max_tokens  # encode_prompt refuses longer prompts below
-    target = TorchEngine.load(folder, slots=max(opts.gen_batch, 1), max_seq_len=max(longest, opts.max_len) + 1)
+    max_seq = min(max(longest, opts.max_len) + 1, loaded.spec.limits("target").max_seq_len)
+    device = place(loaded.spec.device, {"target": loaded.spec.target.dtype})
+    rows = opts.gen_batch
+    if rows is None:
+        rows = generation_rows(device, folder, target_hf, len(layer_ids), max_seq)
+        console.info(f"generating {rows} sequences at once on {describe(device)}")
+    target = TorchEngine.load(folder, slots=max(rows, 1), max_seq_len=max_seq, device=device)
     target.capture_features(layer_ids)
     return target, folder, target_hf, layer_ids
+
+
+GEN_BATCH_CPU = 64  # rows generated at once on CPU (a decode step's cost grows slowly with rows there)
+GEN_BATCH_MAX = 512  # --gen-batch's upper limit
+GPU_MEMORY_USE = 0.8  # of the GPU memory free once the weights are in; the rest: allocator, LM-head logits
+
+
+def generation_rows(device, folder: Path, hf, n_features: int, max_seq: int, free: int | None = None) -> int:
+    """Rows generated at once: GEN_BATCH_CPU on CPU; on a GPU as many as fit in GPU_MEMORY_USE of
+    the memory free after the weights (the engine file's size), at a per-row cost of
+
+        KV cache   2 x layers x kv_heads x head_dim x max_seq x e      (e: bytes per element)
+        features   n_features x hidden x max_seq x e                   (kept per position for the head)
+        prefill    heads x max_seq^2 x 4                                (one layer's attention scores in
+                                                                         float32, if SDPA uses its math kernel)
+                 + max_seq x (2 x intermediate + 4 x hidden) x e       (one layer's activations)
+
+    between 1 and GEN_BATCH_MAX. ``free``: bytes free on the device (default: measured now)."""
+    free = free_bytes(device) if free is None else free
+    if free is None:  # the CPU: rows are not sized from memory there
+        return GEN_BATCH_CPU
+    cfg = DecoderConfig.from_hf(hf)
+    e = DTYPES[json.loads((folder / "manifest.json").read_text())["dtype"]].itemsize
+    per_row = (
+        2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * max_seq * e
+        + n_features * cfg.hidden_size * max_seq * e
+        + cfg.num_heads * max_seq * max_seq * 4
+        + max_seq * (2 * cfg.intermediate_size + 4 * cfg.hidden_size) * e
+    )
+    usable = GPU_MEMORY_USE * (free - (folder / WEIGHTS).stat().st_size)
+    return max(1, min(GEN_BATCH_MAX, int(usable // per_row)))
 
 
 def _recipe_key(opts: DistillOptions, steps: int) -> str:

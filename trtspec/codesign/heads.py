@@ -103,7 +103,7 @@ def save_head(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         state = head.state_for_checkpoint()
-        state = {k: (v if k == "d2t" else v.float()) for k, v in state.items()}
+        state = {k: (v if k == "d2t" else v.float()).cpu() for k, v in state.items()}  # trained on any device
         save_file(state, str(tmp / HEAD_WEIGHTS), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         for name, src in (extra_files or {}).items():

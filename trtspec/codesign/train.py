@@ -33,6 +33,14 @@ class Batch:
     top_logits: torch.Tensor | None = None  # [B, T, k] float32: their logits
 
 
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """The batch on ``device`` (the same object on its own device: no copy on CPU)."""
+    if batch.tokens.device == device:
+        return batch
+    move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return Batch(*(move(getattr(batch, f)) for f in ("tokens", "features", "labels", "response", "top_ids", "top_logits")))
+
+
 def chain_in_response(batch: Batch, j: int) -> torch.Tensor:
     """[B, T] bool: position t at step j belongs to a chain drafted inside a response.
 
@@ -83,7 +91,7 @@ def unrolled_logits(head: Eagle3Head, embed, batch: Batch, steps: int, cos_table
     nxt = torch.cat([batch.tokens[:, 1:], torch.zeros_like(batch.tokens[:, :1])], dim=1)  # x_{t+1}
     with torch.no_grad():  # the target's embeddings are frozen: no [vocab, hidden] gradient
         embeds = embed(nxt).to(dtype)  # [B, T, hidden]
-    pos = torch.arange(t)
+    pos = torch.arange(t, device=batch.tokens.device)
     cos = cos_table[pos].to(dtype).view(1, 1, t, -1)
     sin = sin_table[pos].to(dtype).view(1, 1, t, -1)
     scale = 1.0 / math.sqrt(head.cfg.head_dim)
@@ -97,7 +105,7 @@ def unrolled_logits(head: Eagle3Head, embed, batch: Batch, steps: int, cos_table
         keys.append(k)
         values.append(v)
         # Step-0 keys at positions s <= t - j (rows t < j keep key 0 so no row is empty).
-        s = torch.arange(t)
+        s = torch.arange(t, device=pos.device)
         allowed = s.view(1, t) <= (pos.view(t, 1) - j).clamp(min=0)  # [T, S]
         scores = [torch.matmul(q, keys[0].transpose(-1, -2)).masked_fill(~allowed, float("-inf")) * scale]
         own = []
@@ -125,7 +133,7 @@ def step_targets(batch: Batch, steps: int, response_only: bool = True) -> list[t
     """
     b, t = batch.tokens.shape
     label = torch.cat([batch.labels[:, 1:], torch.full_like(batch.labels[:, :1], -1)], dim=1)
-    pos = torch.arange(t).view(1, t)
+    pos = torch.arange(t, device=batch.tokens.device).view(1, t)
     out = []
     for j in range(steps):
         keep = pos >= j
@@ -178,7 +186,7 @@ def ttt_loss(
         per_pos = -(probs * logq.masked_fill(~keep, 0.0)).sum(-1)  # [B, T]
         scored = (tgt >= 0) & has
         losses.append(per_pos[scored].sum() / scored.sum().clamp(min=1))
-    w = torch.tensor(weights if weights is not None else [1.0 / steps] * steps)
+    w = torch.tensor(weights if weights is not None else [1.0 / steps] * steps, device=losses[0].device)
     # A batch may hold no scored position for some step (all prompt): cross_entropy is nan there.
     return (torch.stack(losses).nan_to_num(0.0) * w).sum(), logits
 
@@ -215,13 +223,13 @@ def agreement(head, embed, batches: Iterable[Batch], steps: int, cos, sin) -> di
             scored_n[len(right)] += int(scored.sum())
             right.append(ok)
         # A chain drafted from a context ending at position p + 1 uses step j at position p + j.
-        full = torch.ones(b, t, dtype=torch.bool)
+        full = torch.ones(b, t, dtype=torch.bool, device=batch.tokens.device)
         for j in range(steps):
             full &= _shift_left(targets[j] >= 0, j)
         starts = full & chain_in_response(batch, 0)
         alive = starts.clone()
         alive_n[0] += int(alive.sum())
-        runs = torch.zeros(b, t)
+        runs = torch.zeros(b, t, device=batch.tokens.device)
         for j in range(steps):
             alive &= _shift_left(right[j], j)  # [B, T]: steps 0..j of the chain starting at p are right
             alive_n[j + 1] += int(alive.sum())

@@ -26,7 +26,7 @@ import torch
 from trtspec import console
 from trtspec.codesign.data import collate
 from trtspec.codesign.sample import Sample
-from trtspec.codesign.train import agreement, step_weights, ttt_loss
+from trtspec.codesign.train import agreement, step_weights, to_device, ttt_loss
 from trtspec.engines.torch.eagle3 import Eagle3Head
 from trtspec.errors import TrtspecError
 from trtspec.files import write_bytes_atomic
@@ -37,9 +37,14 @@ MIN_EVAL_DEPTH = 3  # chains are scored at least this deep: per-position accepta
 class Trainer:
     def __init__(self, head: Eagle3Head, target, draft_ids: list[int], opts, steps: int, store):
         self.head, self.opts, self.steps, self.store = head, opts, steps, store
+        # Training runs where the target runs (its embeddings and RoPE tables are used as they
+        # are); batches are collated on the CPU from the store and copied over one at a time.
+        self.device = getattr(target, "device", torch.device("cpu"))
+        head.to(self.device)
         self.embed, self.cos, self.sin = target.model.model.embed_tokens, target.cos, target.sin
         self.t2d = torch.full((target.vocab_size,), -1, dtype=torch.long)
         self.t2d[torch.tensor(draft_ids)] = torch.arange(len(draft_ids))
+        self.t2d = self.t2d.to(self.device)
         head.lm_head.weight.requires_grad_(opts.train_lm_head)
         self.params = [p for p in head.parameters() if p.requires_grad]
         self.optim = torch.optim.AdamW(self.params, lr=opts.lr, weight_decay=opts.weight_decay)
@@ -59,7 +64,7 @@ class Trainer:
     def batches(self, samples: list[Sample]):
         """Evaluation batches, a training batch's size at a time (memory of one batch)."""
         for n in range(0, len(samples), self.opts.batch_size):
-            yield collate(samples[n : n + self.opts.batch_size], self.opts.max_len, self.store)
+            yield to_device(collate(samples[n : n + self.opts.batch_size], self.opts.max_len, self.store), self.device)
 
     def evaluate(self, samples: list[Sample], depth: int) -> dict:
         was = self.head.training
@@ -105,7 +110,8 @@ class Trainer:
                         break
                     gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + step)
                     idx = torch.randint(len(train_s), (min(opts.batch_size, len(train_s)),), generator=gen).tolist()
-                    loss = self.step_loss(collate([train_s[i] for i in idx], opts.max_len, self.store, soft=soft))
+                    batch = collate([train_s[i] for i in idx], opts.max_len, self.store, soft=soft)
+                    loss = self.step_loss(to_device(batch, self.device))
                     self.optim.zero_grad()
                     loss.backward()
                     torch.nn.utils.clip_grad_norm_(self.params, 1.0)

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from trtspec import console
 from trtspec.checkpoints import Checkpoint, check_embedding_rows, require_shared_tokenizer, resolve
+from trtspec.device import place
 from trtspec.engines.manifest import Manifest, SourceRecord, now, read_manifest, write_manifest
 from trtspec.errors import EngineError
 from trtspec.files import ensure_writable, file_record, remove_stale_temps, swap_into_place
@@ -229,6 +230,10 @@ def build(loaded: LoadedSpec, output_dir: Path, force: bool = False, allow_pickl
     if (llmapi := _llmapi(loaded)) is not None:
         return llmapi.build(loaded, output_dir, force=force, allow_pickle=allow_pickle)
     backend = backend_for(loaded.spec.backend)
+    if loaded.spec.backend == "torch":
+        # The folders are the same on every device; refusing here (a CPU-only torch asked for
+        # cuda, bfloat16 on a pre-Ampere GPU) saves building what would not load there.
+        place(loaded.spec.device, {role: m.dtype for role, m in loaded.spec.models().items()})
     prepare: Callable[[], None] | None = getattr(backend, "prepare", None)
     if prepare is not None:  # e.g. trtllm: refuse at once where tensorrt_llm is missing
         prepare()

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from trtspec.device import check_dtype
 from trtspec.engines.eagle3 import HeadConfig, read_head_config
 from trtspec.engines.manifest import read_manifest
 from trtspec.engines.torch.engine import DTYPES, WEIGHTS, SlotPool, TorchEngine
@@ -137,10 +138,14 @@ class HeadEngine:
         self.head = head
         self.cfg = head.cfg
         self.dtype = dtype
+        # The head's device is its weights' (in process: the target's, see load); inputs,
+        # K/V and states are made there, draft ids come back as Python ints.
+        self.device = head.fc.weight.device
         self.embed = embed
         self.cos, self.sin = cos, sin  # [max_seq_len, head_dim]
         self.max_seq_len = max_seq_len
-        self.cache = KVCache(decoder_config(self.cfg), slots, max_seq_len, dtype)
+        with self.device:
+            self.cache = KVCache(decoder_config(self.cfg), slots, max_seq_len, dtype)
         self.pool = SlotPool(slots)  # per slot: the context whose positions 0..len-2 are valid
         self.lock = threading.Lock()
 
@@ -155,9 +160,11 @@ class HeadEngine:
 
     @classmethod
     def load(cls, folder: Path, target: TorchEngine, slots: int | None = None) -> HeadEngine:
-        """In process: share the loaded target's embeddings and RoPE tables."""
+        """In process: share the loaded target's embeddings and RoPE tables, on its device."""
         c = target.config
         head, dtype = cls._head(folder, c.num_layers, c.hidden_size, target.vocab_size)
+        check_dtype(target.device, read_manifest(Path(folder)).dtype, f"{folder} (EAGLE-3 head)")
+        head = head.to(target.device)
         return cls(
             head,
             target.model.model.embed_tokens,
@@ -187,7 +194,7 @@ class HeadEngine:
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The first-step state [n, hidden] from target features [n, n_layers * target_hidden]."""
         with torch.inference_mode():
-            return self.head.fc(features.to(self.dtype))
+            return self.head.fc(features.to(self.device, self.dtype))
 
     @torch.inference_mode()
     def extend(self, rows: list[HeadRow]) -> list[torch.Tensor]:
@@ -196,24 +203,25 @@ class HeadEngine:
         b = len(rows)
         q = max(len(r.tokens) for r in rows)
         h = self.cfg.hidden_size
-        state = torch.zeros((b, q, h), dtype=self.dtype)
+        state = torch.zeros((b, q, h), dtype=self.dtype, device=self.device)
         tokens = torch.zeros((b, q), dtype=torch.long)
         positions = torch.zeros((b, q), dtype=torch.long)
         for i, r in enumerate(rows):
             n = len(r.tokens)
-            state[i, :n] = r.state.to(self.dtype)
+            state[i, :n] = r.state.to(self.device, self.dtype)
             tokens[i, :n] = torch.tensor(r.tokens, dtype=torch.long)
             positions[i, :n] = torch.arange(r.start, r.start + n)
+        tokens, positions = tokens.to(self.device), positions.to(self.device)  # filled on the CPU, copied once
         spans = [(r.slot, r.start, len(r.tokens)) for r in rows]
         span = max(s + n for _, s, n in spans)
         mask = None
         if b > 1 or q > 1:
-            keys = torch.arange(span)
+            keys = torch.arange(span, device=self.device)
             mask = (keys.view(1, 1, span) <= positions.unsqueeze(-1)).unsqueeze(1)  # [b, 1, q, S]
         step = StepInputs(
             tokens=tokens,
             positions=positions,
-            slots=torch.tensor([r.slot for r in rows], dtype=torch.long),
+            slots=torch.tensor([r.slot for r in rows], dtype=torch.long, device=self.device),
             mask=mask,
             rows=spans,
             span=span,

@@ -168,7 +168,9 @@ class TorchEngine:
         if uses_cpu_kernels(device):
             engine.kernels = choose_kernels(model, engine.cos, engine.sin, verify_tokens=manifest.max_draft_len + 1)
         else:
-            engine.kernels = KernelChoice("dense", "fallback", reason=f"{device}: PyTorch's own kernels (the CPU choice does not apply)")
+            engine.kernels = KernelChoice(
+                "dense", "fallback", reason=f"{device}: PyTorch's own kernels (the CPU choice does not apply)"
+            )
         return engine
 
     def step_bytes(self, context: int, rows: int = 1) -> tuple[int, int]:
