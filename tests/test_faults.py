@@ -682,3 +682,46 @@ def test_a_real_server_keeps_streaming_through_hostile_requests(hostile_server):
     again = _GrpcStream(url, PROMPTS[1], 10).read(lambda s: False)
     again.close()
     assert again.error is None and again.tokens == _target_only(dep, PROMPTS[1], 10)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the dying worker re-raises
+def test_the_orchestrator_models_readiness_follows_its_worker(built, monkeypatch):
+    """models/orchestrator.py's is_ready() (what Triton asks where python_backend supports
+    user readiness): True while the worker serves, False once it died; the control, which
+    has no worker, is ready."""
+    import sys
+    import types
+
+    names = ["triton_python_backend_utils", "trtspec.triton.backend.models", "trtspec.triton.backend.models.pb"]
+    names.append("trtspec.triton.backend.models.orchestrator")
+    for name in names:  # imported here against a stand-in, then forgotten again
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.ModuleType("triton_python_backend_utils"))
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")  # models/__init__ would set it for the stub
+    from trtspec.triton.backend.models.orchestrator import TritonPythonModel
+
+    try:
+        dep = built()
+        orch = _orchestrator(dep)
+        model = object.__new__(TritonPythonModel)
+        model.scheduler = Scheduler(orch, max_active=2, max_queue=2)
+        model.worker = _serve(model.scheduler)
+        assert model.is_ready()
+
+        def new_batch():
+            raise OSError("the drafter could not be made")
+
+        def step():
+            raise RuntimeError("a scheduler bug")
+
+        model.scheduler.step, orch.new_batch = step, new_batch
+        reply = Recorder()
+        model.scheduler.submit(_request(PROMPTS[0], max_tokens=4), reply)
+        model.worker.join(10)
+        assert not model.is_ready() and isinstance(reply.error, Unavailable)
+        control = object.__new__(TritonPythonModel)
+        control.scheduler = None
+        assert control.is_ready()
+    finally:
+        for name in names[1:]:
+            sys.modules.pop(name, None)
