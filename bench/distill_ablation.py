@@ -56,15 +56,16 @@ def link_capture(src_work: Path, dst_work: Path) -> None:
             os.link(f, dst_work / f.name)
 
 
-def run(spec: str, out: Path, name: str, flags: list[str], steps: int, common: list[str]) -> dict:
+def run(spec: str, out: Path, name: str, flags: list[str], steps: int, common: list[str], reuse: bool) -> dict:
     head = out / name
     cmd = [TRTSPEC, "distill", spec, "-o", str(head), "--force", "--max-steps", str(steps), *common, *flags]
     cmd += ["--json-file", str(out / f"{name}.json")]
     t0 = time.monotonic()
-    with open(out / f"{name}.log", "w") as log:
-        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
-    if rc != 0:
-        raise SystemExit(f"{name}: distill exited {rc}; see {out / f'{name}.log'}")
+    if not (reuse and (head / "trtspec-head.json").is_file()):
+        with open(out / f"{name}.log", "w") as log:
+            rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
+        if rc != 0:
+            raise SystemExit(f"{name}: distill exited {rc}; see {out / f'{name}.log'}")
     manifest = json.loads((head / "trtspec-head.json").read_text())
     m = manifest["metrics"]
     return {
@@ -74,7 +75,7 @@ def run(spec: str, out: Path, name: str, flags: list[str], steps: int, common: l
         "acceptance_length_k3": round(m["unseen_acceptance_length"], 3),
         "per_position": [round(a, 3) for a in m["unseen_accepted"]],
         "unseen_chains": m["unseen_chains"],
-        "seconds": round(time.monotonic() - t0, 1),
+        "seconds": manifest["elapsed_s"] if reuse else round(time.monotonic() - t0, 1),
         "command": " ".join(cmd[1:]),
     }
 
@@ -86,6 +87,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--reuse", action="store_true", help="read a variant's finished head instead of training it again")
     args = ap.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -101,7 +103,7 @@ def main() -> None:
         if source.is_dir() and source.name != f".{name}.distill":
             link_capture(source, out / f".{name}.distill")
         print(f"running {name} ...", flush=True)
-        rows.append(run(args.spec, out, name, VARIANTS[name][1], args.steps, common))
+        rows.append(run(args.spec, out, name, VARIANTS[name][1], args.steps, common, args.reuse))
         (out / "ablation.json").write_text(json.dumps(rows, indent=2) + "\n")
     table = [
         "| variant | reverts | k=1 acceptance | acceptance length k=3 | per position | distill s |",

@@ -514,9 +514,7 @@ def _timed(target, reqs, parts: Path, rates: DataRates, what: str, starts=None, 
                 console.info(f"target {what} {done}/{total} found in {parts}")
             return
         eta = (time.monotonic() - t0) / max(1, done - first[0]) * (total - done)
-        console.info(
-            f"target {what} {done}/{total}  {rates.generated_tokens / max(rates.generation_s + time.monotonic() - t0, 1e-9):.0f} tok/s  ETA {eta:.0f}s"
-        )
+        console.info(f"target {what} {done}/{total}  ETA {eta:.0f}s")
 
     base = rates.generation_s
     for n, s in enumerate(generated(target, reqs, parts, progress, starts)):
