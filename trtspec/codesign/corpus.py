@@ -101,15 +101,18 @@ def tokenize_conversations(tok, conversations: list[list[dict]], max_len: int) -
     does not render a conversation's prefix as a prefix of the whole)."""
     out, skipped = [], 0
     for messages in conversations:
-        full = tok.apply_chat_template(messages, tokenize=True)
-        full = list(full["input_ids"] if isinstance(full, dict) else full)
+        full = _ids(tok.apply_chat_template(messages, tokenize=True))
         mask = torch.zeros(len(full), dtype=torch.bool)
         sound = True
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            before = _ids(tok.apply_chat_template(messages[:i], tokenize=True, add_generation_prompt=True))
-            upto = _ids(tok.apply_chat_template(messages[: i + 1], tokenize=True))
+            try:
+                before = _ids(tok.apply_chat_template(messages[:i], tokenize=True, add_generation_prompt=True))
+                upto = _ids(tok.apply_chat_template(messages[: i + 1], tokenize=True))
+            except Exception:  # noqa: BLE001 - a template that refuses a partial conversation (e.g. one starting with the assistant)
+                sound = False
+                break
             if full[: len(before)] != before or full[: len(upto)] != upto:
                 sound = False
                 break
@@ -123,4 +126,5 @@ def tokenize_conversations(tok, conversations: list[list[dict]], max_len: int) -
 
 
 def _ids(x) -> list[int]:
-    return list(x["input_ids"] if isinstance(x, dict) else x)
+    """Token ids from apply_chat_template: a list, or a BatchEncoding (transformers 5)."""
+    return list(x) if isinstance(x, list) else list(x["input_ids"])

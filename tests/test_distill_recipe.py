@@ -1,0 +1,210 @@
+"""The distill recipe: the anchored head starts as the target's own predictor, only response
+positions train, frozen tensors get no gradient, the schedule and step weights, the bound and
+the recommended k, and --corpus conversations (both formats) as data."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from test_distill import eagle_spec, small_opts
+
+from trtspec.codesign.corpus import read_conversations, tokenize_conversations
+from trtspec.codesign.costs import recommend_k
+from trtspec.codesign.data import capture, collate
+from trtspec.codesign.heads import new_head
+from trtspec.codesign.train import step_weights, ttt_loss, unrolled_logits
+from trtspec.engines.torch.engine import ForwardItem
+from trtspec.errors import SpecError
+
+ROLE_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory, tiny_ckpts):
+    """The tiny target built as an engine, with its HF config."""
+    from transformers import AutoConfig
+
+    from trtspec.engines.build import build
+    from trtspec.engines.torch.engine import TorchEngine
+    from trtspec.spec import load_spec
+
+    folder = tmp_path_factory.mktemp("recipe")
+    loaded = load_spec(eagle_spec(folder, tiny_ckpts["target"]))
+    build(loaded, folder / "engines", roles=["target"])
+    engine_dir = folder / "engines" / "target"
+    return engine_dir, AutoConfig.from_pretrained(engine_dir), TorchEngine
+
+
+@pytest.mark.parametrize("layer_ids", [(0,), (0, 1)])  # a copy of the last layer / the last layer's own output
+def test_an_anchored_head_starts_as_the_targets_own_prediction(target, layer_ids):
+    """Untrained, the anchored head's step-0 logits at position t are the target's logits at t
+    over the draft vocabulary: fc passes the late feature through and the layer is the target
+    layer after it (or the identity when the feature is the last layer's output)."""
+    folder, hf, engine_cls = target
+    eng = engine_cls.load(folder, slots=1)
+    eng.capture_features(layer_ids)
+    draft_ids = list(range(0, hf.vocab_size, 3))
+    head, _ = new_head(hf, folder, layer_ids, draft_ids, seed=0)
+    tokens = [5 + (7 * i) % 300 for i in range(24)]
+    s = capture(eng, tokens[:10], tokens[10:])
+    batch = collate([s], 64)
+    with torch.no_grad():
+        lg = unrolled_logits(head, eng.model.model.embed_tokens, batch, 1, eng.cos, eng.sin)[0][0]  # [T, draft]
+        want = eng.run([ForwardItem(tokens, len(tokens))])[0]  # [T, vocab]
+    assert torch.allclose(lg, want[:, draft_ids], atol=1e-4, rtol=1e-4)
+    unanchored, _ = new_head(hf, folder, layer_ids, draft_ids, seed=0, anchor=False)
+    with torch.no_grad():
+        other = unrolled_logits(unanchored, eng.model.model.embed_tokens, batch, 1, eng.cos, eng.sin)[0][0]
+    assert not torch.allclose(other, want[:, draft_ids], atol=1e-2)
+
+
+def test_only_response_positions_train_and_frozen_tensors_get_no_gradient(target):
+    """Changing the labels of prompt positions changes nothing; changing a response label does.
+    The LM head (frozen by default) and the shared embeddings get no gradient."""
+    folder, hf, engine_cls = target
+    eng = engine_cls.load(folder, slots=1)
+    eng.capture_features((0, 1))
+    draft_ids = list(range(hf.vocab_size))
+    head, _ = new_head(hf, folder, (0, 1), draft_ids, seed=0)
+    head.lm_head.weight.requires_grad_(False)
+    t2d = torch.arange(hf.vocab_size)
+    tokens = [5 + (11 * i) % 300 for i in range(30)]
+    s = capture(eng, tokens[:12], tokens[12:])
+    embed = eng.model.model.embed_tokens
+
+    def loss(sample) -> torch.Tensor:
+        return ttt_loss(head, embed, collate([sample], 64), 2, t2d, eng.cos, eng.sin, weights=step_weights(2))[0]
+
+    base = loss(s)
+    prompt_relabelled = type(s)(**{**s.__dict__, "labels": s.labels.clone()})
+    prompt_relabelled.labels[:10] = (prompt_relabelled.labels[:10] + 1) % hf.vocab_size
+    assert float(loss(prompt_relabelled)) == float(base)
+    response_relabelled = type(s)(**{**s.__dict__, "labels": s.labels.clone()})
+    response_relabelled.labels[20] = (response_relabelled.labels[20] + 1) % hf.vocab_size
+    assert float(loss(response_relabelled)) != float(base)
+    base.backward()
+    assert head.lm_head.weight.grad is None and embed.weight.grad is None
+    assert head.fc.weight.grad is not None and float(head.fc.weight.grad.abs().sum()) > 0
+
+
+def test_step_weights_and_the_schedule():
+    w = step_weights(3)
+    assert sum(w) == pytest.approx(1.0) and w[1] / w[0] == pytest.approx(0.8) and w[2] / w[1] == pytest.approx(0.8)
+    assert step_weights(2, 1.0) == [0.5, 0.5]
+
+    from types import SimpleNamespace
+
+    from trtspec.codesign.trainer import Trainer
+
+    t = Trainer.__new__(Trainer)
+    t.opts = SimpleNamespace(schedule="cosine", warmup=0.1, max_steps=100)
+    f = [t.lr_factor(s) for s in range(100)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)  # 10 warmup steps
+    assert f[10] == pytest.approx(1.0) and f[-1] == pytest.approx(0.1, abs=1e-3)
+    assert all(a >= b for a, b in zip(f[10:], f[11:]))  # decays monotonically
+    assert f[55] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 45 / 90)))
+    t.opts = SimpleNamespace(schedule="constant", warmup=0.1, max_steps=100)
+    assert {t.lr_factor(s) for s in range(100)} == {1.0}
+
+
+def test_the_bound_and_the_recommended_k():
+    costs = {"verify": [1.1, 1.2, 1.3], "head": 0.05}
+    k, bound = recommend_k([0.6, 0.5, 0.4], costs)
+    assert bound == [round(1.6 / 1.15, 3), round((1.6 + 0.3) / 1.3, 3), round((1.6 + 0.3 + 0.12) / 1.45, 3)]
+    assert k == 2  # 1.462 > 1.393 > 1.391
+    assert recommend_k([0.1, 0.1, 0.1], costs)[0] == 0  # nothing beats target-only
+
+
+def test_corpus_formats_and_refusals(tmp_path):
+    openai = tmp_path / "chats.jsonl"
+    openai.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]})
+        + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "no answer"}]})
+        + "\n"
+    )
+    assert read_conversations(openai) == [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]]
+    sharegpt = tmp_path / "sharegpt.json"
+    sharegpt.write_text(
+        json.dumps(
+            [
+                {
+                    "conversations": [
+                        {"from": "system", "value": "be brief"},
+                        {"from": "human", "value": "a"},
+                        {"from": "gpt", "value": "b"},
+                    ]
+                }
+            ]
+        )
+    )
+    assert [m["role"] for m in read_conversations(sharegpt)[0]] == ["system", "user", "assistant"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "plain"}\n')
+    with pytest.raises(SpecError, match="line 1: expected"):
+        read_conversations(bad)
+    bad.write_bytes(b"\xff\xfe")
+    with pytest.raises(SpecError, match="not UTF-8"):
+        read_conversations(bad)
+    with pytest.raises(SpecError, match="no conversation with an assistant turn"):
+        read_conversations(_write(tmp_path / "q.jsonl", {"messages": [{"role": "user", "content": "only"}]}))
+
+
+def _write(path: Path, row: dict) -> Path:
+    path.write_text(json.dumps(row) + "\n")
+    return path
+
+
+def test_assistant_turns_are_the_response_positions(tiny_ckpts):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_ckpts["target"])
+    tok.chat_template = ROLE_TEMPLATE
+    msgs = [
+        {"role": "user", "content": "one two"},
+        {"role": "assistant", "content": "three four"},
+        {"role": "user", "content": "five"},
+        {"role": "assistant", "content": "six"},
+    ]
+    (conv,), skipped = tokenize_conversations(tok, [msgs], max_len=512)
+    assert skipped == 0
+    text = [tok.decode([t]) for t, r in zip(conv.tokens, conv.response.tolist()) if r]
+    assert "".join(text).replace(" ", "") == "threefour<|end|>six<|end|>".replace(" ", "")
+    tok.chat_template = "{% for m in messages %}<|user|>{{ m['content'] }}<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    assert tokenize_conversations(tok, [msgs], max_len=512) == ([], 1)  # a template that hides the turns
+
+
+def test_distill_trains_on_a_corpus(tmp_path, tiny_ckpts):
+    """--corpus: conversations captured without generation join the training data (their
+    assistant turns only); the unseen prompts are still scored."""
+    from trtspec.codesign.distill import distill
+    from trtspec.spec import load_spec
+
+    ckpt = tmp_path / "target"
+    shutil.copytree(tiny_ckpts["target"], ckpt)
+    cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = ROLE_TEMPLATE
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (ckpt / "chat_template.jinja").unlink(missing_ok=True)
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": f"{w} {w} {w}"}]})
+            + "\n"
+            for w in ("fox", "box", "pack", "quick", "brown")
+        )
+    )
+    loaded = load_spec(eagle_spec(tmp_path, ckpt))
+    res = distill(loaded, small_opts(tmp_path, corpus=corpus, max_steps=3))
+    man = json.loads((tmp_path / "head" / "trtspec-head.json").read_text())
+    assert man["data"]["corpus_conversations"] == 5 and man["data"]["rates"]["sequences"]["corpus"] == 5
+    assert man["data"]["rates"]["captured_tokens"] > 0
+    assert res.metrics["unseen_chains"] > 0 and len(res.metrics["unseen_accepted"]) >= 3
