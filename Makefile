@@ -21,7 +21,7 @@ EAGLE3_DEMO_SPEC := engine_specs/smollm2-135m-eagle3-demo.yaml
 DEMO_DISTILL_STEPS ?= 400
 DEMO_DISTILL_BUDGET ?= 30m
 
-.PHONY: install browser demo demo-codesign demo-eagle3 lint test test-fast test-gpu bench bench-eagle3 bench-aiperf aiperf vllm test-vllm clean
+.PHONY: install browser demo demo-codesign demo-eagle3 lint test test-fast test-gpu gpu-check bench bench-eagle3 bench-aiperf aiperf vllm test-vllm clean
 
 install: $(VENV)/.installed
 
@@ -146,6 +146,17 @@ TRTSPEC_TRTLLM_EXAMPLES ?= /opt/TensorRT-LLM/examples
 test-gpu:
 	python3 -m pip install -e '.[serve,openai,dev]'
 	TRTSPEC_TRTLLM_EXAMPLES=$(TRTSPEC_TRTLLM_EXAMPLES) python3 -m pytest -m trtllm tests/test_trtllm_gpu.py tests/test_llmapi_gpu.py -v -rs
+
+# On a machine with an NVIDIA GPU, in a Python whose torch is a CUDA build with trtspec installed
+# (pip install -e '.[dev]' there; not the CPU pin of `make install`): the torch engine's costs for
+# 1B- and 8B-class Llama shapes (random weights made on the GPU, bfloat16; nothing downloaded),
+# as one table and bench/results/gpu-check.json, then pytest -m cuda; within 8 minutes
+# (bench/gpu_check.py). ACCEPTANCE=0.8,0.7,0.6 (per-position, as `trtspec distill` reports it on
+# unseen prompts) adds the projected speedup of such a head on this GPU, labelled a projection.
+GPU_PYTHON ?= python3
+ACCEPTANCE ?=
+gpu-check:
+	$(GPU_PYTHON) bench/gpu_check.py $(if $(ACCEPTANCE),--acceptance $(ACCEPTANCE))
 
 clean:
 	rm -rf engines model_repo/*/ bench/results

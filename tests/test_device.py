@@ -9,6 +9,7 @@ can show (its kernels, its speed) is in tests/test_cuda.py (pytest -m cuda).
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -331,3 +332,65 @@ def test_generation_rows_from_free_gpu_memory(tmp_path, built):
     assert generation_rows(gpu, folder, hf, 3, 512, free=free) == 10
     assert generation_rows(gpu, folder, hf, 3, 512, free=weights) == 1  # never fewer than one
     assert generation_rows(gpu, folder, hf, 3, 512, free=10**15) == GEN_BATCH_MAX
+
+
+# ------------------------------------------------------------------ bench/gpu_check.py, its CPU-safe parts
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_without_a_gpu_is_exit_2(gpu_check, no_gpu, capsys):
+    assert gpu_check.main(["--no-tests"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Error: gpu-check needs a CUDA GPU: device cuda: torch ")
+    assert "install a CUDA build of torch" in err
+
+
+def test_gpu_check_refuses_bad_acceptance(gpu_check):
+    assert gpu_check.parse_acceptance("0.7") == [0.7] * 7
+    assert gpu_check.parse_acceptance("0.8,0.6") == [0.8, 0.6]
+    for bad in ("1.5", "x", ""):
+        with pytest.raises(ValueError, match="--acceptance takes rates in"):
+            gpu_check.parse_acceptance(bad)
+
+
+def test_gpu_check_measures_a_tiny_shape_on_the_cpu(gpu_check):
+    """The whole measurement path on a tiny random Llama (random_pair: weights made in the
+    engine dtype on the device, no files), its table, JSON and projection."""
+    report = gpu_check.run_shapes(["tiny"], torch.device("cpu"), torch.bfloat16, acceptance=[0.8, 0.6, 0.5], repeats=1)
+    s = report["shapes"]["tiny"]
+    assert report["machine"]["torch"] == torch.__version__ and report["machine"]["gpu"] == "none (CPU)"
+    assert report["dtype"] == "bfloat16" and s["parameters"] > 0
+    assert sorted(s["verify"]) == [str(k) for k in range(1, 8)] and sorted(s["tokens_per_s"], key=int) == ["1", "8", "32"]
+    for k, ratio in s["verify"].items():  # the ratios are the measured milliseconds divided
+        assert ratio == pytest.approx(s["verify_ms"][k] / s["decode_ms"], rel=0.01, abs=0.002)
+    assert s["head"] == pytest.approx(s["head_ms"] / s["decode_ms"], rel=0.01, abs=0.0002)
+    json.loads(json.dumps(report))  # what --json writes
+    lines = gpu_check.table(report)
+    assert lines[0] == f"trtspec gpu-check: cpu, torch {torch.__version__}, CUDA none"
+    assert lines[1].split()[:4] == ["shape", "params", "decode", "ms"] and lines[2].split()[0] == "tiny"
+    assert any(line.startswith("tiny PROJECTION (not measured): acceptance 0.80/0.60/0.50") for line in lines)
+    assert "projection" in s["projection"]["label"] and len(s["projection"]["bound"]) == 3
+
+
+def test_gpu_check_projection_arithmetic(gpu_check):
+    costs = {"verify": {str(k): 1.0 + 0.05 * k for k in range(1, 8)}, "head": 0.04}
+    p = gpu_check.projection(costs, [0.8, 0.5, 0.5])
+    # tokens per forward over (verify(k) + k c), k = 1..3
+    expected = [1.8 / (1.05 + 0.04), (1.8 + 0.4) / (1.10 + 0.08), (2.2 + 0.2) / (1.15 + 0.12)]
+    assert list(p["bound"].values()) == [round(x, 3) for x in expected]
+    assert p["best_k"] == 3 and p["speedup"] == round(expected[2], 3)
+    assert gpu_check.goals({"verify": {"1": 1.02, "7": 1.12}, "head": 0.04}) == {
+        "verify_le_1.1_decode_steps": {"value": 1.12, "met": False},
+        "head_le_0.05_target_step": {"value": 0.04, "met": True},
+    }
