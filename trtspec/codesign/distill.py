@@ -301,8 +301,10 @@ def _target(loaded: LoadedSpec, opts: DistillOptions, split: Split):
     layer_ids = tuple(opts.layer_ids or distill_layer_ids(target_hf.num_hidden_layers))
     # Generation batches far more sequences than the deployment serves: a decode step reads
     # the weights once for all its rows, so on CPU 64 rows cost a few times 1, not 64 times.
-    longest = 1024 + opts.max_tokens  # encode_prompt refuses longer prompts below
-    max_seq = min(max(longest, opts.max_len) + 1, loaded.spec.limits("target").max_seq_len)
+    # The KV cache holds 2 x 30 x 3 x 64 x 4 bytes a position for SmolLM2: sized to the longest
+    # prompt + response (or training sequence), not the manifest's max_seq_len.
+    longest = _longest_prompt(loaded, folder, split) + opts.max_tokens
+    max_seq = min(max(longest, opts.max_len if opts.corpus else 0) + 1, loaded.spec.limits("target").max_seq_len)
     device = place(loaded.spec.device, {"target": loaded.spec.target.dtype})
     rows = opts.gen_batch
     if rows is None:
@@ -311,6 +313,13 @@ def _target(loaded: LoadedSpec, opts: DistillOptions, split: Split):
     target = TorchEngine.load(folder, slots=max(rows, 1), max_seq_len=max_seq, device=device)
     target.capture_features(layer_ids)
     return target, folder, target_hf, layer_ids
+
+
+def _longest_prompt(loaded: LoadedSpec, folder: Path, split: Split) -> int:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=loaded.spec.target.trust_remote_code)
+    return max(len(encode_prompt(tok, p, loaded.spec.verify.chat_template)) for p in split.prompts + split.unseen)
 
 
 GEN_BATCH_CPU = 64  # rows generated at once on CPU (a decode step's cost grows slowly with rows there)
