@@ -249,7 +249,7 @@ def check_url(
             f"--sampling with --url scores the served samples with the target engine built here ({err}); "
             "run `trtspec build SPEC` on this machine first"
         ) from None
-    target = TorchEngine.load(folder, slots=1)
+    target = TorchEngine.load(folder, slots=1, device=loaded.spec.device)  # the spec's or --device's
     tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=loaded.spec.target.trust_remote_code)
     if tok.eos_token_id is None:
         raise RequestError("--sampling with --url needs the tokenizer's eos_token_id to end samples; this tokenizer has none")
