@@ -171,3 +171,27 @@ def test_fused_projections_decode_as_the_checkpoint_layout(dep, monkeypatch):
     assert ids_fused == ids_plain
     for a, b in zip(logits_fused, logits_plain):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_batched_decode_in_consecutive_slots_gathers_no_kv(dep):
+    """Rows in consecutive slots (a fresh batch takes slots 0..b-1 in order and keeps them)
+    attend to a view of the cache; each layer writes every row's new K/V in one scatter
+    instead of one copy per row. Same logits as each row alone."""
+    from torch.profiler import profile
+
+    eng = dep.target
+    seqs = [_seq(n, 50 + n) for n in (7, 12, 9)]
+    eng.forget_prefixes()
+    eng.run([ForwardItem(s, 1) for s in seqs])
+    assert [slot for slot, _ in eng.pool.assign(seqs)] == [0, 1, 2]
+    longer = [s + [5] for s in seqs]
+    with profile() as prof:
+        batched = eng.run([ForwardItem(s, 1) for s in longer])
+    counts = {e.key: e.count for e in prof.key_averages()}
+    layers = eng.config.num_layers
+    assert counts.get("aten::index_select", 0) <= 1  # the embedding lookup, no K/V gather
+    assert counts.get("aten::index_put_", 0) == 2 * layers  # K and V, all rows at once
+    for s, b in zip(longer, batched):
+        eng.forget_prefixes()
+        (alone,) = eng.run([ForwardItem(s, 1)])
+        torch.testing.assert_close(b, alone, rtol=1e-5, atol=1e-5)

@@ -12,7 +12,7 @@ Supported ``model_type``: llama, mistral, qwen2 (biases are picked up from the c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -125,6 +125,24 @@ class StepInputs:
     mask: torch.Tensor | None  # [b, 1, q, S] bool, True = may attend; None: attend to all S
     rows: list[tuple[int, int, int]]  # per row: (slot, first position, real tokens)
     span: int  # S: keys attended (max position + 1)
+    # Derived once per step (not per layer), for batches of 2+ rows:
+    first_slot: int | None = field(init=False, default=None)  # rows sit in consecutive slots from here
+    writes: tuple[torch.Tensor, ...] | None = field(init=False, default=None)  # see __post_init__
+
+    def __post_init__(self):
+        s0 = self.rows[0][0]
+        if all(slot == s0 + i for i, (slot, _, _) in enumerate(self.rows)):
+            self.first_slot = s0  # the K/V to attend is a view of the cache, no gather
+        if len(self.rows) > 1:
+            # Where each real token's K/V goes: (slot, position) and where it comes from:
+            # (row, token); one scatter per layer instead of one slice copy per row.
+            slot_i, pos_i, row_i, tok_i = [], [], [], []
+            for r, (slot, start, n) in enumerate(self.rows):
+                slot_i += [slot] * n
+                pos_i += range(start, start + n)
+                row_i += [r] * n
+                tok_i += range(n)
+            self.writes = tuple(torch.tensor(x, dtype=torch.long) for x in (slot_i, pos_i, row_i, tok_i))
 
 
 def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
@@ -171,15 +189,19 @@ class Attention(nn.Module):
             xv = self.v_proj(x).view(b, q, kv, d).transpose(1, 2)
             xq = xq * cos + _rotate_half(xq) * sin
             xk = xk * cos + _rotate_half(xk) * sin
-        # Each row's real tokens are a contiguous run of positions: write them as slices
-        # (padding must never clobber another position).
-        for r, (slot, start, n) in enumerate(step.rows):
-            k_cache[slot, :, start : start + n] = xk[r, :, :n]
-            v_cache[slot, :, start : start + n] = xv[r, :, :n]
-        if b == 1:  # a view, no copy
-            slot = step.rows[0][0]
-            keys = k_cache[slot : slot + 1, :, : step.span]  # [1, kv_heads, S, head_dim]
-            values = v_cache[slot : slot + 1, :, : step.span]
+        # Only the real tokens are written (padding must never clobber another position).
+        if step.writes is None:  # one row: its tokens are a contiguous run of positions
+            slot, start, n = step.rows[0]
+            k_cache[slot, :, start : start + n] = xk[0, :, :n]
+            v_cache[slot, :, start : start + n] = xv[0, :, :n]
+        else:
+            slot_i, pos_i, row_i, tok_i = step.writes  # each [real tokens]
+            k_cache[slot_i, :, pos_i] = xk[row_i, :, tok_i]  # [real tokens, kv_heads, head_dim]
+            v_cache[slot_i, :, pos_i] = xv[row_i, :, tok_i]
+        if step.first_slot is not None:  # consecutive slots (always so for one row): a view
+            s0 = step.first_slot
+            keys = k_cache[s0 : s0 + b, :, : step.span]  # [b, kv_heads, S, head_dim]
+            values = v_cache[s0 : s0 + b, :, : step.span]
         else:
             keys = k_cache[:, :, : step.span].index_select(0, step.slots)  # [b, kv_heads, S, head_dim]
             values = v_cache[:, :, : step.span].index_select(0, step.slots)
