@@ -45,9 +45,7 @@ def random_head(target: Path, out: Path, seed: int = 0, scale: float = 0.3, draf
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(target)
-    head, config = new_head(
-        hf, target, default_layer_ids(hf.num_hidden_layers), list(draft_ids), seed, scale=scale, anchor=False
-    )
+    head, config = new_head(hf, target, default_layer_ids(hf.num_hidden_layers), list(draft_ids), seed, scale=scale, anchor=False)
     save_head(out, head, config)
     return out
 
