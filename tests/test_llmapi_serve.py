@@ -183,6 +183,30 @@ def test_double_stop_strings_and_streaming_follow_upstream(llmapi_dep):
     assert list(result)[-1].outputs[0].finish_reason == "cancelled"
 
 
+def test_ignore_eos_generates_exactly_max_tokens_on_the_llmapi_path(llmapi_dep):
+    """The OpenAI front's ignore_eos reaches the LLM API endpoints as end_id -1 (no end ids):
+    they ask for SamplingParams(ignore_eos=True), and the generation runs to max_tokens past
+    a token that would otherwise have ended it."""
+    from types import SimpleNamespace
+
+    from trtspec.speculative.llmapi import greedy_params
+    from trtspec.triton.backend.llmapi_core import LlmapiEndpoint
+
+    api, llm = llmapi_dep.api, llmapi_dep.speculative
+    ids = llmapi_dep.tokenizer(PROMPTS[0])["input_ids"]
+    full = llm.generate([ids], api.SamplingParams(max_tokens=MAX_TOKENS))[0].outputs[0].token_ids
+    end = full[3]  # as if it were the end id
+    stops = llm.generate([ids], greedy_params(api, MAX_TOKENS, False, end))[0].outputs[0].token_ids
+    assert stops == full[: full.index(end)]
+    assert llm.generate([ids], greedy_params(api, MAX_TOKENS, False, end, ignore_eos=True))[0].outputs[0].token_ids == full
+    core = LlmapiEndpoint.__new__(LlmapiEndpoint)
+    core.api, core.speculative, core.default_end_ids = api, False, frozenset({2})
+    row = SimpleNamespace(request=SimpleNamespace(end_ids=frozenset(), max_tokens=7))
+    assert core._params(row, []).ignore_eos is True
+    row.request.end_ids = frozenset({2})
+    assert core._params(row, []).ignore_eos is False
+
+
 def test_llmapi_eagle3_spec_builds_and_verifies_through_the_double(tmp_path, tiny_ckpts):
     from test_eagle3 import random_head
 

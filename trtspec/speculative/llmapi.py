@@ -70,10 +70,20 @@ def make_llm(api: SimpleNamespace, path: Path):
         raise TrtspecError(f"{path}: the LLM API refused these arguments: {e}") from e
 
 
-def greedy_params(api: SimpleNamespace, max_tokens: int, perf: bool, end_id: int | None = None, stop: list[str] | None = None):
+def greedy_params(
+    api: SimpleNamespace,
+    max_tokens: int,
+    perf: bool,
+    end_id: int | None = None,
+    stop: list[str] | None = None,
+    ignore_eos: bool = False,
+):
+    """``ignore_eos``: generate exactly max_tokens (SamplingParams.ignore_eos: no end id ends it)."""
     kwargs = {"max_tokens": max_tokens, "top_k": 1, "return_perf_metrics": perf}
     if end_id is not None:
         kwargs["end_id"] = end_id
+    if ignore_eos:
+        kwargs["ignore_eos"] = True
     if stop:
         # kept in the output, as every other trtspec endpoint emits the stop sequence
         kwargs |= {"stop": list(stop), "include_stop_str_in_output": True}

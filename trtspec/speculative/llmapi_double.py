@@ -96,6 +96,7 @@ class SamplingParams:
         _refuse_unknown("SamplingParams", kwargs, SAMPLING_PARAMS[line], line)
         self.max_tokens = kwargs.get("max_tokens", 32)  # upstream default
         self.end_id = kwargs.get("end_id")
+        self.ignore_eos = bool(kwargs.get("ignore_eos", False))
         self.top_k = kwargs.get("top_k")
         self.top_p = kwargs.get("top_p")
         self.temperature = kwargs.get("temperature")
@@ -236,8 +237,9 @@ class LLM:
         ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else [int(t) for t in prompt]
         self._check(ids, sp.max_tokens)
         end = sp.end_id if sp.end_id is not None else self.tokenizer.eos_token_id
+        ends = frozenset() if sp.ignore_eos else frozenset({int(end)})  # upstream: ignore_eos ends on no id
         k = self.speculative_config.fields["max_draft_len"] if self.speculative_config else 0
-        return GenerationRequest(ids, sp.max_tokens, k, frozenset({int(end)}), tuple(w for _, w in self._stops(sp)))
+        return GenerationRequest(ids, sp.max_tokens, k, ends, tuple(w for _, w in self._stops(sp)))
 
     def _stops(self, sp: SamplingParams) -> list[tuple[str | int, tuple[int, ...]]]:
         """(stop reason, token sequence) pairs, as upstream's _get_stop_reasons_and_words."""

@@ -112,9 +112,10 @@ class LlmapiEndpoint:
 
     def _params(self, row: Row, stops: list[str]):
         ends = row.request.end_ids
-        # the request's own end_id; else the LLM API's default (the tokenizer's EOS)
+        # the request's own end_id; none at all (end_id -1, the OpenAI front's ignore_eos): the
+        # LLM API's ignore_eos; else its default (the tokenizer's EOS)
         end = next(iter(ends)) if ends != self.default_end_ids and len(ends) == 1 else None
-        return greedy_params(self.api, row.request.max_tokens, self.speculative, end, stops)
+        return greedy_params(self.api, row.request.max_tokens, self.speculative, end, stops, ignore_eos=not ends)
 
     def stream(self, inputs: Mapping[str, np.ndarray], send: StreamSend, cancelled: Callable[[], bool]) -> bool:
         """Answer one request of the decoupled model through ``send``; True once the final
