@@ -208,3 +208,15 @@ def test_distill_trains_on_a_corpus(tmp_path, tiny_ckpts):
     assert man["data"]["corpus_conversations"] == 5 and man["data"]["rates"]["sequences"]["corpus"] == 5
     assert man["data"]["rates"]["captured_tokens"] > 0
     assert res.metrics["unseen_chains"] > 0 and len(res.metrics["unseen_accepted"]) >= 3
+
+
+def test_costs_are_measured_within_an_engine_sized_to_short_data(target):
+    """distill sizes the target's KV cache to its longest prompt + response; the cost timing
+    must fit in it (a 57-position engine once failed with 'sequence of 128 tokens exceeds')."""
+    from trtspec.codesign.costs import measure_costs
+
+    folder, hf, engine_cls = target
+    eng = engine_cls.load(folder, slots=2, max_seq_len=20)
+    head, _ = new_head(hf, folder, (0, 1), list(range(hf.vocab_size)), seed=0)
+    costs = measure_costs(eng, head, 3)
+    assert len(costs["verify"]) == 3 and costs["decode_ms"] > 0 and costs["head"] > 0

@@ -21,7 +21,7 @@ import torch
 from trtspec.engines.torch.eagle3 import Eagle3Head, HeadEngine, HeadRow
 from trtspec.engines.torch.engine import ForwardItem, TorchEngine
 
-CONTEXT = 128  # positions before the timed step
+CONTEXT = 128  # positions before the timed step (fewer when the engine holds fewer)
 REPEATS = 9
 
 
@@ -40,7 +40,8 @@ def _best_s(fn, repeats: int = REPEATS) -> float:
 def measure_costs(target: TorchEngine, head: Eagle3Head, depth: int) -> dict:
     """Target decode step (ms), verify(k) for k = 1..depth and c, each the best of REPEATS."""
     vocab = min(target.vocab_size, 1000)
-    ctx = [(7 * i) % (vocab - 8) + 1 for i in range(CONTEXT)]
+    n = max(1, min(CONTEXT, target.max_seq_len - depth - 3))  # distill sizes the engine to its data
+    ctx = [(7 * i) % (vocab - 8) + 1 for i in range(n)]
     target.run([ForwardItem(ctx, 1)])
     flip = [0]
 
@@ -53,13 +54,13 @@ def measure_costs(target: TorchEngine, head: Eagle3Head, depth: int) -> dict:
 
     decode = _best_s(forward(1))
     verify = [_best_s(forward(k + 1)) / decode for k in range(1, depth + 1)]
-    engine = HeadEngine(head, target.model.model.embed_tokens, target.cos, target.sin, CONTEXT + 2, torch.float32, 1)
+    engine = HeadEngine(head, target.model.model.embed_tokens, target.cos, target.sin, n + 2, torch.float32, 1)
     h = head.cfg.hidden_size
-    engine.extend([HeadRow(0, 0, torch.zeros(CONTEXT, h), ctx)])
+    engine.extend([HeadRow(0, 0, torch.zeros(n, h), ctx)])
     state = torch.zeros(1, h, device=engine.device)  # on the head's device: the timed step copies nothing in
 
     def head_step():
-        out = engine.extend([HeadRow(0, CONTEXT, state, [5])])  # rewritten in place each time
+        out = engine.extend([HeadRow(0, n, state, [5])])  # rewritten in place each time
         engine.next_ids(out[0][-1:])
 
     c = _best_s(head_step) / decode
