@@ -151,7 +151,10 @@ def test_pod_command_serves_the_probes_and_exports_the_hpa_metric(tmp_path, tiny
             time.sleep(0.05)
         assert seen[ACTIVE_METRIC] == batch, seen  # a full batch decoding
         assert seen[QUEUE_METRIC] >= batch, seen  # the rest waiting
-        assert seen["nv_inference_pending_request_count"] == 0, seen  # why the HPA cannot use it
+        # Why the HPA cannot use Triton's count: execute() takes each request at once, so it counts
+        # at most the requests caught between arrival and execute() (a loaded machine showed 1),
+        # never the scheduler's queue.
+        assert seen["nv_inference_pending_request_count"] < seen[QUEUE_METRIC], seen
         assert float(active["target"]["averageValue"]) < seen[ACTIVE_METRIC]  # so the HPA scales up
         assert float(queue["target"]["averageValue"]) <= seen[QUEUE_METRIC]
         idle = _get(metrics_url)[1]

@@ -136,11 +136,11 @@ def test_stale_kv_cache_is_caught_as_algorithmic(dep, monkeypatch):
     # instead of rewriting it: the rejected draft's K/V stays in use.
     mutant = mutate(
         model,
-        "            k_cache[slot, :, start : start + n] = xk[r, :, :n]\n"
-        "            v_cache[slot, :, start : start + n] = xv[r, :, :n]\n",
+        "            k_cache[slot, :, start : start + n] = xk[0, :, :n]\n"
+        "            v_cache[slot, :, start : start + n] = xv[0, :, :n]\n",
         "            skip = 1 if n > 1 and start > 0 else 0\n"
-        "            k_cache[slot, :, start + skip : start + n] = xk[r, :, skip:n]\n"
-        "            v_cache[slot, :, start + skip : start + n] = xv[r, :, skip:n]\n",
+        "            k_cache[slot, :, start + skip : start + n] = xk[0, :, skip:n]\n"
+        "            v_cache[slot, :, start + skip : start + n] = xv[0, :, skip:n]\n",
     )
     monkeypatch.setattr(model.Attention, "forward", mutant.Attention.forward)
     assert_caught(gate(dep), "algorithmic")
