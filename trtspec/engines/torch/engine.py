@@ -84,9 +84,11 @@ class SlotPool:
         return out
 
     def forget(self) -> None:
-        """Drop every cached prefix (the next call recomputes from position 0)."""
+        """Drop every cached prefix (the next call recomputes from position 0); a batch then
+        takes slots 0..b-1 in order, as in a fresh pool (consecutive slots: no K/V gather)."""
         for s in range(len(self.tokens)):
             self.tokens[s] = []
+            self.last_used[s] = 0.0
 
     def truncate(self, slot: int, length: int) -> None:
         """Keep only the first ``length`` cached tokens of ``slot`` (the rest is being rewritten)."""
