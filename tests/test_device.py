@@ -316,7 +316,7 @@ def test_generation_rows_from_free_gpu_memory(tmp_path, built):
 
     folder = built().target.folder
     hf = AutoConfig.from_pretrained(folder)
-    assert generation_rows(torch.device("cpu"), folder, hf, 3, 512) == GEN_BATCH_CPU == 64
+    assert generation_rows(torch.device("cpu"), folder, hf, 3, 512) == GEN_BATCH_CPU == 32
     c = hf
     head_dim = c.hidden_size // c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads

@@ -119,7 +119,7 @@ def distill(
         "--gen-batch",
         min=1,
         max=512,
-        help="Sequences generated at once (one decode step reads the weights once for all); default 64 on CPU, "
+        help="Sequences generated at once (one decode step reads the weights once for all); default 32 on CPU, "
         "on CUDA as many as fit in the free GPU memory (docs/codesign.md).",
         show_default=False,
     ),

@@ -322,7 +322,10 @@ def _longest_prompt(loaded: LoadedSpec, folder: Path, split: Split) -> int:
     return max(len(encode_prompt(tok, p, loaded.spec.verify.chat_template)) for p in split.prompts + split.unseen)
 
 
-GEN_BATCH_CPU = 64  # rows generated at once on CPU (a decode step's cost grows slowly with rows there)
+# Rows generated at once on CPU: a decode step reads the weights once for all its rows, but past
+# ~16-32 rows it is bound by compute. SmolLM2, one thread, 2-core AVX-512 EPYC: 44 / 100 / 136 /
+# 144 / 119 / 105 tok/s at 1 / 8 / 16 / 32 / 64 / 128 rows (docs/performance.md#co-design).
+GEN_BATCH_CPU = 32
 GEN_BATCH_MAX = 512  # --gen-batch's upper limit
 GPU_MEMORY_USE = 0.8  # of the GPU memory free once the weights are in; the rest: allocator, LM-head logits
 
