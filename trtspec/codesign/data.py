@@ -133,6 +133,9 @@ def generated(
         if b in found:
             yield from found.pop(b)
             continue
+        # A fresh pool: the batch takes slots 0..b-1 in order, so its decode steps attend to a
+        # view of the KV cache instead of gathering every row's keys (engines/torch/model.py).
+        target.forget_prefixes()
         results = generate([requests[i] for i in batch], NoDrafter(), LogitsVerifier(recorder.run))
         samples = [recorder.sample(requests[i].prompt_ids, r.output_ids, starts[i]) for i, r in zip(batch, results)]
         if parts is not None:
