@@ -220,3 +220,19 @@ def test_costs_are_measured_within_an_engine_sized_to_short_data(target):
     head, _ = new_head(hf, folder, (0, 1), list(range(hf.vocab_size)), seed=0)
     costs = measure_costs(eng, head, 3)
     assert len(costs["verify"]) == 3 and costs["decode_ms"] > 0 and costs["head"] > 0
+
+
+def test_the_data_scaling_curve_is_measured_and_plotted(tmp_path, tiny_ckpts):
+    """--scaling 0.5: the same recipe on half the training sequences (half the steps), scored on
+    the unseen prompts, beside the full run; the plot lands in the head folder."""
+    from trtspec.codesign.distill import distill
+    from trtspec.spec import load_spec
+
+    loaded = load_spec(eagle_spec(tmp_path, tiny_ckpts["target"]))
+    distill(loaded, small_opts(tmp_path, scaling=(0.5,), max_steps=4))
+    man = json.loads((tmp_path / "head" / "trtspec-head.json").read_text())
+    half, full = man["scaling"]
+    assert (half["fraction"], full["fraction"]) == (0.5, 1.0)
+    assert half["sequences"] == round(full["sequences"] / 2) and 0 < half["response_tokens"] < full["response_tokens"]
+    assert full["unseen_accepted"] == man["metrics"]["unseen_accepted"]
+    assert (tmp_path / "head" / "data-scaling.png").stat().st_size > 0

@@ -153,7 +153,7 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
         draft_ids = draft_vocabulary(train_s, opts.draft_vocab, target_hf.vocab_size)
         head, config = new_head(target_hf, folder, layer_ids, draft_ids, opts.seed, anchor=opts.anchor)
         run_key = f"{data_info['key']}+{_recipe_key(opts, steps)}"  # what a checkpoint was trained on
-        scaling = _scaling(target_hf, folder, layer_ids, draft_ids, target, opts, steps, store, train_s, unseen_s, work)
+        scaling = _scaling(target_hf, folder, layer_ids, draft_ids, target, opts, steps, store, train_s, held_s, unseen_s, work)
         trainer = Trainer(head, target, draft_ids, opts, steps, store)
         step, curve, stopped_by = trainer.fit(train_s, held_s, work / "checkpoint.pt", run_key, start, on_step)
         final = trainer.report(held_s, unseen_s)
@@ -214,7 +214,7 @@ def _summary(out: Path, step: int, final: dict, advice: dict) -> None:
     )
 
 
-def _scaling(target_hf, folder, layer_ids, draft_ids, target, opts, steps, store, train_s, unseen_s, work) -> list[dict]:
+def _scaling(target_hf, folder, layer_ids, draft_ids, target, opts, steps, store, train_s, held_s, unseen_s, work) -> list[dict]:
     """The data-scaling curve: the same recipe trained on a seeded fraction of the training
     sequences (steps in proportion: the same number of passes over the data), scored on the
     unseen prompts. The full run is the last point."""
@@ -227,7 +227,7 @@ def _scaling(target_hf, folder, layer_ids, draft_ids, target, opts, steps, store
         trainer = Trainer(head, target, draft_ids, sub, steps, store)
         console.info(f"data scaling: {f:g}x of the data ({len(part)} sequences, {sub.max_steps} steps)")
         ckpt = work / "scaling-checkpoint.pt"
-        trainer.fit(part, [], ckpt, "scaling", time.monotonic())
+        trainer.fit(part, held_s, ckpt, "scaling", time.monotonic())
         ckpt.unlink(missing_ok=True)
         points.append(_scaling_point(f, part, trainer.report([], unseen_s)))
     return points
