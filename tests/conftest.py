@@ -95,3 +95,32 @@ def processes_mentioning(text: str) -> list[str]:
         if text in cmdline and state != "Z":
             found.append(f"{entry.name}: {cmdline[:200]}")
     return found
+
+
+def serve_tiny(tmp_path_factory, tiny_ckpts, name: str, **overrides):
+    """A real tritonserver on the tiny pair's repository (spec overrides as write_spec's), as a
+    generator for fixtures: yields (server, in-process Deployment of the same engines), stops
+    the server after. Skips where no tritonserver can be installed."""
+    from trtspec.engines.build import build
+    from trtspec.errors import ServerError
+    from trtspec.runtime import Deployment
+    from trtspec.spec import load_spec
+    from trtspec.triton.repository.writer import write_repository
+    from trtspec.triton.server.install import find_tritonserver
+    from trtspec.triton.server.process import TritonServer
+
+    try:
+        find_tritonserver()
+    except ServerError as err:
+        pytest.skip(str(err))
+    folder = tmp_path_factory.mktemp(name)
+    loaded = load_spec(write_spec(folder, tiny_ckpts, **overrides))
+    build(loaded, loaded.output_dir())
+    repo = write_repository(loaded, loaded.output_dir(), folder / "repo")
+    server = TritonServer.for_repository(repo, cache_root=tmp_path_factory.mktemp("backend-cache"))
+    server.start(folder / "server.log")
+    try:
+        server.wait_ready(timeout=300)
+        yield server, Deployment(loaded, loaded.output_dir())
+    finally:
+        server.stop()

@@ -24,20 +24,13 @@ pytestmark = [pytest.mark.cuda, pytest.mark.timeout(1800)]
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU (or a CPU-only torch): the device logic is covered by tests/test_device.py", allow_module_level=True)
 
+from test_distill import PROMPTS as DISTILL_PROMPTS  # noqa: E402
+
 from trtspec.cli.app import app  # noqa: E402  (after the skip: the CLI is imported only where it runs)
 from trtspec.spec import load_spec  # noqa: E402
 
 runner = CliRunner()
-PROMPTS = [
-    "The quick brown fox",
-    "Speculative decoding makes",
-    "def fibonacci(n):",
-    "Summarise the following text",
-    "Triton serves models",
-    "Pack my box with",
-    "Rewrite the paragraph",
-    "TensorRT-LLM builds engines",
-]
+PROMPTS = DISTILL_PROMPTS[:8]
 DTYPES = ["float32", "bfloat16"] if torch.cuda.get_device_capability() >= (8, 0) else ["float32", "float16"]
 
 

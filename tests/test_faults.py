@@ -554,32 +554,10 @@ def hostile_server(tmp_path_factory, tiny_ckpts):
     """Tiny engines, one instance per endpoint with 2 places and 1 queue place, and a 1 MB
     response cap (serve.max_response_mb) so a modest logits request is over it."""
     pytest.importorskip("tritonclient.grpc", reason="needs the serve extra: pip install 'trtspec[serve]'")
-    from conftest import write_spec
+    from conftest import serve_tiny
 
-    from trtspec.engines.build import build
-    from trtspec.errors import ServerError
-    from trtspec.runtime import Deployment
-    from trtspec.spec import load_spec
-    from trtspec.triton.repository.writer import write_repository
-    from trtspec.triton.server.install import find_tritonserver
-    from trtspec.triton.server.process import TritonServer
-
-    try:
-        find_tritonserver()
-    except ServerError as err:
-        pytest.skip(str(err))
-    folder = tmp_path_factory.mktemp("hostile")
     overrides = {"build.max_batch_size": 2, "serve.instance_count": 1, "serve.max_queue": 1, "serve.max_response_mb": 1}
-    loaded = load_spec(write_spec(folder, tiny_ckpts, **overrides))
-    build(loaded, loaded.output_dir())
-    repo = write_repository(loaded, loaded.output_dir(), folder / "repo")
-    server = TritonServer.for_repository(repo, cache_root=tmp_path_factory.mktemp("backend-cache"))
-    server.start(folder / "server.log")
-    try:
-        server.wait_ready(timeout=300)
-        yield server, Deployment(loaded, loaded.output_dir())
-    finally:
-        server.stop()
+    yield from serve_tiny(tmp_path_factory, tiny_ckpts, "hostile", **overrides)
 
 
 def _grpc_inputs(prompt: str, max_tokens: int, stream: bool, **flags):

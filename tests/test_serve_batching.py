@@ -16,16 +16,12 @@ import time
 import pytest
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs the serve extra: pip install 'trtspec[serve]'")
-from conftest import write_spec  # noqa: E402
+from conftest import serve_tiny  # noqa: E402
 from test_serve import _bls, _ids  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from trtspec.errors import ServerError  # noqa: E402
 from trtspec.layout import BLS_MODEL as BLS  # noqa: E402
 from trtspec.layout import BLS_STREAMING_MODEL as BLS_STREAMING  # noqa: E402
-from trtspec.triton.repository.writer import write_repository  # noqa: E402
-from trtspec.triton.server.install import find_tritonserver  # noqa: E402
-from trtspec.triton.server.process import TritonServer  # noqa: E402
 
 pytestmark = pytest.mark.server
 
@@ -36,27 +32,9 @@ SHORT = "def fibonacci(n):"
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory, tiny_ckpts):
-    try:
-        find_tritonserver()
-    except ServerError as err:
-        pytest.skip(str(err))
-    from trtspec.engines.build import build
-    from trtspec.runtime import Deployment
-    from trtspec.spec import load_spec
-
-    folder = tmp_path_factory.mktemp("batching")
-    loaded = load_spec(
-        write_spec(folder, tiny_ckpts, **{"build.max_batch_size": 2, "serve.instance_count": 1, "serve.max_queue": 1})
+    yield from serve_tiny(
+        tmp_path_factory, tiny_ckpts, "batching", **{"build.max_batch_size": 2, "serve.instance_count": 1, "serve.max_queue": 1}
     )
-    build(loaded, loaded.output_dir())
-    repo = write_repository(loaded, loaded.output_dir(), folder / "repo")
-    server = TritonServer.for_repository(repo, cache_root=tmp_path_factory.mktemp("backend-cache"))
-    server.start(folder / "server.log")
-    try:
-        server.wait_ready(timeout=300)
-        yield server, Deployment(loaded, loaded.output_dir())
-    finally:
-        server.stop()
 
 
 def _target_only(dep, prompt, max_tokens):

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, write_spec
+from test_distill import PROMPTS as DISTILL_PROMPTS
 from typer.testing import CliRunner
 
 from trtspec.bench.peers import VllmWorker, vllm_env
@@ -37,18 +38,7 @@ VLLM_PEER = ROOT / "bench" / "vllm_peer.py"
 K = 2
 MAX_TOKENS = 32
 TOLERANCE = 0.03
-TRAIN_PROMPTS = [
-    "The quick brown fox",
-    "Speculative decoding makes",
-    "def fibonacci(n):",
-    "Summarise the following text",
-    "Triton serves models",
-    "Pack my box with",
-    "Rewrite the paragraph",
-    "TensorRT-LLM builds engines",
-    "A small draft model proposes",
-    "The large target model checks",
-]
+TRAIN_PROMPTS = DISTILL_PROMPTS  # the distill tests' ten prompts
 
 
 def _vllm_missing() -> str | None:

@@ -25,7 +25,7 @@ CONTEXT = 128  # positions before the timed step (fewer when the engine holds fe
 REPEATS = 9
 
 
-def _best_s(fn, repeats: int = REPEATS) -> float:
+def best_seconds(fn, repeats: int = REPEATS) -> float:
     """The fastest of ``repeats`` timed calls after a warm one: on a machine shared with other
     work the minimum is the machine's cost, a median its load."""
     fn()  # warm
@@ -52,8 +52,8 @@ def measure_costs(target: TorchEngine, head: Eagle3Head, depth: int) -> dict:
 
         return run
 
-    decode = _best_s(forward(1))
-    verify = [_best_s(forward(k + 1)) / decode for k in range(1, depth + 1)]
+    decode = best_seconds(forward(1))
+    verify = [best_seconds(forward(k + 1)) / decode for k in range(1, depth + 1)]
     engine = HeadEngine(head, target.model.model.embed_tokens, target.cos, target.sin, n + 2, torch.float32, 1)
     h = head.cfg.hidden_size
     engine.extend([HeadRow(0, 0, torch.zeros(n, h), ctx)])
@@ -63,7 +63,7 @@ def measure_costs(target: TorchEngine, head: Eagle3Head, depth: int) -> dict:
         out = engine.extend([HeadRow(0, n, state, [5])])  # rewritten in place each time
         engine.next_ids(out[0][-1:])
 
-    c = _best_s(head_step) / decode
+    c = best_seconds(head_step) / decode
     return {"decode_ms": round(decode * 1e3, 2), "verify": [round(v, 3) for v in verify], "head": round(c, 4)}
 
 
