@@ -38,7 +38,9 @@ def engines_dir(name: str) -> Path:
 def server(name: str) -> ServerCommand:
     # A fixed admin key: the served one is random per start unless TRTSPEC_ADMIN_KEY is set.
     return ServerCommand(
-        binary=Path("/opt/tritonserver/bin/tritonserver"), model_repository=Path("/model_repo") / name, admin_key="golden-admin-key"
+        binary=Path("/opt/tritonserver/bin/tritonserver"),
+        model_repository=Path("/model_repo") / name,
+        admin_key="golden-admin-key",
     )
 
 
