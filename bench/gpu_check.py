@@ -129,19 +129,9 @@ def random_pair(shape: str, device: torch.device, dtype: torch.dtype, slots: int
     return Pair(engine, head_engine, parameters)
 
 
-def best_seconds(fn, repeats: int = REPEATS) -> float:
-    """The fastest of ``repeats`` calls after a warm one (each call ends on the CPU)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def measure(pair: Pair, repeats: int = REPEATS, ks=KS, batches=BATCHES, context: int = CONTEXT) -> dict:
     """Decode, verify(k), head c and tokens/s at each batch size (see the module doc)."""
+    from trtspec.codesign.costs import best_seconds  # each timed call ends on the CPU (a sync)
     from trtspec.engines.torch.eagle3 import HeadRow
     from trtspec.engines.torch.engine import ForwardItem
 

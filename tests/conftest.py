@@ -124,3 +124,28 @@ def serve_tiny(tmp_path_factory, tiny_ckpts, name: str, **overrides):
         yield server, Deployment(loaded, loaded.output_dir())
     finally:
         server.stop()
+
+
+def serve_app(app, log_level: str = "warning"):
+    """An ASGI app on uvicorn at 127.0.0.1 (a free port), as a generator for fixtures: yields the
+    port once the server has started, stops it after."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from trtspec.triton.server.process import free_ports
+
+    (port,) = free_ports(1)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the app did not start"
+        time.sleep(0.05)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(30)

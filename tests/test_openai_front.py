@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 import urllib.request
 
 import grpc
 import pytest
+from conftest import serve_app
 from tritonclient.utils import InferenceServerException
 
 from trtspec.openai.app import FrontSettings, create_app, token_texts
 from trtspec.openai.triton import DeploymentError, Piece, as_error
-from trtspec.triton.server.process import free_ports
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -87,19 +86,8 @@ def front(tokenizer):
     """(base url, the scripted deployment) with the app served on 127.0.0.1."""
     backend = Scripted()
     settings = FrontSettings(model=MODEL, max_seq_len=MAX_SEQ_LEN, created=0, max_body_bytes=64 * 1024)
-    (port,) = free_ports(1)
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(backend, tokenizer, settings), host="127.0.0.1", port=port, log_level="critical")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the OpenAI front did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", backend
-    server.should_exit = True
-    thread.join(30)
+    for port in serve_app(create_app(backend, tokenizer, settings), log_level="critical"):
+        yield f"http://127.0.0.1:{port}", backend
 
 
 @pytest.fixture

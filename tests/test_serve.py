@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs the serve extra: pip install 'trtspec[serve]'")
-from conftest import processes_mentioning, write_spec  # noqa: E402
+from conftest import processes_mentioning, serve_app, write_spec  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
@@ -545,23 +545,12 @@ def test_generate_endpoint_samples_with_upstream_fields_reproducibly_by_seed(ser
 @pytest.fixture(scope="module")
 def openai_url(served, deployment):
     """`trtspec openai`'s app on uvicorn at 127.0.0.1, in front of the served repository."""
-    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("uvicorn")
     from trtspec.openai.serve import make_app
 
     loaded, _ = deployment
-    (port,) = free_ports(1)
-    server = uvicorn.Server(
-        uvicorn.Config(make_app(loaded.base_dir / "repo", served.grpc_endpoint), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the OpenAI front did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/v1"
-    server.should_exit = True
-    thread.join(30)
+    for port in serve_app(make_app(loaded.base_dir / "repo", served.grpc_endpoint)):
+        yield f"http://127.0.0.1:{port}/v1"
 
 
 @pytest.fixture
