@@ -561,19 +561,10 @@ def hostile_server(tmp_path_factory, tiny_ckpts):
 
 
 def _grpc_inputs(prompt: str, max_tokens: int, stream: bool, **flags):
-    import tritonclient.grpc as grpcclient
+    from trtspec.triton.request import infer_inputs
 
-    values = [("text_input", prompt.encode(), "BYTES"), ("max_tokens", max_tokens, "INT32")]
-    values += [
-        (n, v, "BOOL") for n, v in {"apply_chat_template": True, "exclude_input_in_output": True, "stream": stream}.items()
-    ]
-    values += [(n, v, "INT32" if isinstance(v, int) and not isinstance(v, bool) else "BOOL") for n, v in flags.items()]
-    out = []
-    for name, value, dt in values:
-        t = grpcclient.InferInput(name, [1, 1], dt)
-        t.set_data_from_numpy(np.array([[value]], dtype={"BYTES": np.object_, "INT32": np.int32, "BOOL": np.bool_}[dt]))
-        out.append(t)
-    return out
+    values = {"text_input": prompt, "max_tokens": max_tokens, "apply_chat_template": True, "exclude_input_in_output": True}
+    return infer_inputs(values | {"stream": stream} | flags)
 
 
 class _GrpcStream:

@@ -231,13 +231,32 @@ def test_counts_beyond_int32_are_refused_never_wrapped(oai, scripted, field, cha
 
 def test_int32_inputs_are_checked_where_they_are_encoded():
     from trtspec.errors import RequestError
-    from trtspec.openai.triton import int32
-    from trtspec.triton.client import _input
+    from trtspec.triton.request import encode, infer_inputs
 
-    assert int32("max_tokens", 2**31 - 1).item() == 2**31 - 1
-    for encode in (lambda: int32("max_tokens", 2**31), lambda: _input("max_tokens", 2**31 + 8, "INT32")):
+    assert encode({"max_tokens": 2**31 - 1})["max_tokens"].item() == 2**31 - 1
+    for too_big in (lambda: encode({"max_tokens": 2**31}), lambda: infer_inputs({"max_tokens": 2**31 + 8})):
         with pytest.raises(RequestError, match="max_tokens must be at most 2147483647"):
-            encode()
+            too_big()
+
+
+def test_the_request_encoder_takes_each_type_from_the_contract():
+    from trtspec.errors import RequestError
+    from trtspec.triton.backend.contract import BLS_INPUTS
+    from trtspec.triton.request import encode, wire_type
+
+    arrays = encode({"text_input": "hi", "stop_words": ["a", "b"], "top_p": 0.5, "seed": 7, "stream": True, "min_tokens": 2})
+    assert arrays["text_input"].tolist() == [[b"hi"]] and arrays["stop_words"].tolist() == [[b"a", b"b"]]
+    assert {n: str(a.dtype) for n, a in arrays.items()} == {
+        "text_input": "object",
+        "stop_words": "object",
+        "top_p": "float32",
+        "seed": "uint64",
+        "stream": "bool",
+        "min_tokens": "int32",
+    }
+    assert all(wire_type(t.name) == t.data_type.removeprefix("TYPE_").replace("STRING", "BYTES") for t in BLS_INPUTS)
+    with pytest.raises(RequestError, match="not_an_input is not an input of the tensorrt_llm_bls contract"):
+        encode({"not_an_input": 1})
 
 
 @pytest.mark.parametrize("declared", [True, False])

@@ -8,9 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from trtspec.errors import RequestError
-
-# Counts travel as int32 tensors: anything larger is refused here, never wrapped by numpy.
-INT32_MAX = 2**31 - 1
+from trtspec.triton.request import INT32_MAX  # counts travel as int32 tensors: refused here beyond it
 
 
 class _Body(BaseModel):

@@ -18,12 +18,10 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import numpy as np
-
 from trtspec.errors import RequestError
 from trtspec.layout import BLS_MODEL, BLS_STREAMING_MODEL, CONTROL_MODEL
+from trtspec.triton.request import infer_inputs
 
-INT32_MAX = 2**31 - 1
 # gRPC status (as tritonclient and grpc name it) -> HTTP status of the OpenAI front.
 STATUS_OF = {
     "INVALID_ARGUMENT": 400,
@@ -120,42 +118,32 @@ class TritonText:
                 pass
         return names
 
-    def _inputs(self, g: Generation, stream: bool) -> list:
-        import tritonclient.grpc as grpcclient
-
-        def tensor(name, arr):
-            t = grpcclient.InferInput(name, list(arr.shape), _triton_type(arr))
-            t.set_data_from_numpy(arr)
-            return t
-
-        arrays = {
-            "text_input": np.array([[g.text.encode()]], dtype=np.object_),
-            "max_tokens": int32("max_tokens", g.max_tokens),
-            "exclude_input_in_output": np.array([[True]]),
-            "apply_chat_template": np.array([[g.apply_chat_template]]),
-            "return_perf_metrics": np.array([[True]]),
-            "return_num_input_tokens": np.array([[True]]),
-            "return_num_output_tokens": np.array([[True]]),
+    @staticmethod
+    def _inputs(g: Generation, stream: bool) -> list:
+        values: dict = {
+            "text_input": g.text,
+            "max_tokens": g.max_tokens,
+            "exclude_input_in_output": True,
+            "apply_chat_template": g.apply_chat_template,
+            "return_perf_metrics": True,
+            "return_num_input_tokens": True,
+            "return_num_output_tokens": True,
         }
         if stream:
-            arrays["stream"] = np.array([[True]])
+            values["stream"] = True
         if g.stop:
-            arrays["stop_words"] = np.array([[s.encode() for s in g.stop]], dtype=np.object_)
+            values["stop_words"] = list(g.stop)
         if g.num_draft_tokens is not None:
-            arrays["num_draft_tokens"] = int32("num_draft_tokens", g.num_draft_tokens)
+            values["num_draft_tokens"] = g.num_draft_tokens
         if g.ignore_eos:  # as TensorRT-LLM's executor carries ignore_eos: end_id -1, no end token
-            arrays["end_id"] = np.array([[-1]], dtype=np.int32)
+            values["end_id"] = -1
         if g.sampling is not None:  # upstream BLS names: top_k 0 (all) with top_p samples
             temperature, top_p, seed = g.sampling
-            arrays["temperature"] = np.array([[temperature]], dtype=np.float32)
-            arrays["top_k"] = np.array([[0]], dtype=np.int32)
-            arrays["top_p"] = np.array([[top_p]], dtype=np.float32)
-            arrays["seed"] = np.array([[seed]], dtype=np.uint64)
-        for name, value in g.processing:
-            arrays[name] = int32(name, value) if name == "min_tokens" else np.array([[value]], dtype=np.float32)
+            values |= {"temperature": temperature, "top_k": 0, "top_p": top_p, "seed": seed}
+        values |= dict(g.processing)  # each under its contract type (min_tokens INT32, the rest FP32)
         if g.log_probs:
-            arrays["return_log_probs"] = np.array([[True]])
-        return [tensor(k, v) for k, v in arrays.items()]
+            values["return_log_probs"] = True
+        return infer_inputs(values)
 
     @staticmethod
     def _wanted(g: Generation) -> list:
@@ -210,20 +198,6 @@ class TritonText:
 
     def _error(self, err: Exception) -> DeploymentError:
         return as_error(err, self.url, self.timeout)
-
-
-def int32(name: str, value: int) -> np.ndarray:
-    """``value`` as the [1, 1] INT32 tensor the contract takes; RequestError beyond int32
-    (numpy would wrap 2**31 to a negative number, or a large one to a small one)."""
-    if not -(2**31) <= int(value) <= INT32_MAX:
-        raise RequestError(f"{name} must be at most {INT32_MAX} (got {value})")
-    return np.array([[value]], dtype=np.int32)
-
-
-def _triton_type(arr: np.ndarray) -> str:
-    from tritonclient.utils import np_to_triton_dtype
-
-    return np_to_triton_dtype(arr.dtype)
 
 
 def as_error(err: Exception, url: str, timeout: float) -> DeploymentError:

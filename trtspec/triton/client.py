@@ -17,19 +17,7 @@ from trtspec.errors import RequestError, RuntimeFailure
 from trtspec.layout import BLS_MODEL, BLS_STREAMING_MODEL, CONTROL_MODEL
 from trtspec.speculative.loop import PathRun
 from trtspec.speculative.metrics import metrics_from_json
-
-
-def _input(name: str, value, datatype: str):
-    import tritonclient.grpc as grpcclient
-
-    if datatype == "INT32" and not -(2**31) <= int(value) < 2**31:  # numpy would wrap it to another number
-        raise RequestError(f"{name} must be at most {2**31 - 1} (got {value})")
-    arr = np.array([[value]], dtype=np.object_ if datatype == "BYTES" else None)
-    if datatype in ("INT32", "FP32", "UINT64"):
-        arr = arr.astype({"INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64}[datatype])
-    tensor = grpcclient.InferInput(name, list(arr.shape), datatype)
-    tensor.set_data_from_numpy(arr)
-    return tensor
+from trtspec.triton.request import infer_inputs
 
 
 class GrpcBackend:
@@ -76,20 +64,20 @@ class GrpcBackend:
         except self._error:
             return False
 
-    def _inputs(self, prompt: str, max_tokens: int, stream: bool) -> list:
-        inputs = [
-            _input("text_input", prompt.encode(), "BYTES"),
-            _input("max_tokens", max_tokens, "INT32"),
-            _input("apply_chat_template", self.chat_template, "BOOL"),
-            _input("exclude_input_in_output", True, "BOOL"),
-            _input("return_perf_metrics", True, "BOOL"),
-            _input("return_margins", not stream, "BOOL"),
-        ]
+    def _values(self, prompt: str, max_tokens: int, stream: bool) -> dict:
+        values = {
+            "text_input": prompt,
+            "max_tokens": max_tokens,
+            "apply_chat_template": self.chat_template,
+            "exclude_input_in_output": True,
+            "return_perf_metrics": True,
+            "return_margins": not stream,
+        }
         if self.k is not None:
-            inputs.append(_input("num_draft_tokens", self.k, "INT32"))
+            values["num_draft_tokens"] = self.k
         if stream:
-            inputs.append(_input("stream", True, "BOOL"))
-        return inputs
+            values["stream"] = True
+        return values
 
     def run(self, prompt: str, max_tokens: int, speculative: bool) -> PathRun:
         start = time.perf_counter()
@@ -100,7 +88,7 @@ class GrpcBackend:
         """(output ids, margins, SpecMetrics) of one request; ``on_tokens()`` is called when
         a streamed response brings tokens."""
         stream = speculative and self.stream
-        inputs = self._inputs(prompt, max_tokens, stream)
+        inputs = infer_inputs(self._values(prompt, max_tokens, stream))
         try:
             if stream:
                 return self._run_stream(inputs, on_tokens)
@@ -119,15 +107,16 @@ class GrpcBackend:
     def sample(self, prompt: str, max_tokens: int, sampling, end_id: int):
         """One sampled generation from the speculative endpoint: (output ids, finish reason,
         SpecMetrics). Sampling inputs under upstream's BLS names (top_k 0: all tokens)."""
-        # no margins: sampled tokens have none
-        inputs = [t for t in self._inputs(prompt, max_tokens, False) if t.name() != "return_margins"]
-        inputs += [
-            _input("temperature", np.float32(sampling.temperature), "FP32"),
-            _input("top_k", sampling.top_k, "INT32"),
-            _input("top_p", np.float32(sampling.top_p), "FP32"),
-            _input("seed", np.uint64(sampling.seed), "UINT64"),
-            _input("end_id", end_id, "INT32"),
-        ]
+        values = self._values(prompt, max_tokens, False)
+        del values["return_margins"]  # sampled tokens have no margins
+        values |= {
+            "temperature": sampling.temperature,
+            "top_k": sampling.top_k,
+            "top_p": sampling.top_p,
+            "seed": sampling.seed,
+            "end_id": end_id,
+        }
+        inputs = infer_inputs(values)
         try:
             result = self.client.infer(BLS_MODEL, inputs, client_timeout=self.timeout)
         except self._error as err:
