@@ -2,7 +2,9 @@
 
 ModelDrafter runs a draft engine greedily; NgramDrafter (prompt lookup) copies the
 continuation of an earlier occurrence of the context's suffix. Both only propose.
-make_drafter is the one place a spec's method becomes a drafter, for every runtime.
+make_drafter is the one place a spec's method becomes a drafter, for every runtime;
+engine_drafter is the draft model's drafter over engines in memory (in process and in the
+LLM API's conformance double).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from trtspec.engines.torch.engine import ForwardItem, RunFn
+from trtspec.engines.torch.engine import ForwardItem, RunFn, TorchEngine
 from trtspec.errors import EngineError
 from trtspec.speculative.loop import Drafter
 from trtspec.speculative.processing import RowRules, warp_params
@@ -87,6 +89,19 @@ class NgramDrafter:
                 if ctx[j : j + n] == suffix:
                     return ctx[j + n : j + n + k]
         return []
+
+
+def engine_drafter(target: TorchEngine, draft: TorchEngine | None = None, head=None) -> Drafter | None:
+    """The draft engine's greedy drafter (never past the target's vocabulary), or EAGLE-3's
+    ``head`` (engines.torch.eagle3.HeadEngine) reading the target's captured features; None
+    without either (method ngram)."""
+    if draft is not None:
+        return ModelDrafter(draft.run, min(draft.vocab_size, target.vocab_size))
+    if head is not None:
+        from trtspec.speculative.eagle3 import Eagle3Drafter, engine_features
+
+        return Eagle3Drafter(head, engine_features(target))
+    return None
 
 
 def make_drafter(

@@ -37,6 +37,7 @@ from trtspec.engines.trtllm.llmapi_fields import (
     DECODING_TYPES,
     KV_CACHE_CONFIG,
     LLM_ARGS,
+    METHOD_OF,
     SAMPLING_PARAMS,
 )
 from trtspec.spec import MAX_DRAFT_LEN_LIMIT
@@ -83,7 +84,7 @@ class DecodingConfig:
             data["speculative_model"] = data.pop("speculative_model_dir")
         if not data.get("max_draft_len"):
             raise ValueError(f"max_draft_len must be > 0 for {kind}")
-        if kind in ("DraftTarget", "Draft_Target", "Eagle", "Eagle3") and not data.get("speculative_model"):
+        if METHOD_OF[kind] in ("draft_target", "eagle3") and not data.get("speculative_model"):
             raise ValueError(f"speculative_model must be specified for {kind}")
         if kind == "NGram" and line == "1.2" and not data.get("max_matching_ngram_size"):
             # 1.2.1 defaults it to 0 and asserts it is positive when the drafter is built
@@ -199,11 +200,11 @@ class LLM:
         self.target = _engine(target_dir, dtype, self.max_seq_len, self.max_batch_size, trust)
         self.draft = None
         self.head = None
-        if spec is not None and spec.decoding_type in ("Eagle", "Eagle3"):
-            # 1.2's "Eagle" is what trtspec writes for EAGLE-3 there (engines/trtllm/llmapi.py)
+        method = METHOD_OF[spec.decoding_type] if spec is not None else None
+        if method == "eagle3":  # 1.2's "Eagle", 1.3+'s "Eagle3"
             head_dir = _local_folder(spec.fields["speculative_model"], "speculative_model")
             self.head = _eagle3_head(head_dir, self.target, dtype, spec.fields.get("eagle3_layers_to_capture"))
-        if spec is not None and spec.decoding_type in ("DraftTarget", "Draft_Target"):
+        if method == "draft_target":
             draft_dir = _local_folder(spec.fields["speculative_model"], "speculative_model")
             self.draft = _engine(draft_dir, dtype, self.max_seq_len, self.max_batch_size, trust)
         from transformers import AutoTokenizer
@@ -248,19 +249,17 @@ class LLM:
         return [(r, w) for r, w in pairs if w]
 
     def _drafter(self):
-        from trtspec.speculative.drafters import ModelDrafter, NgramDrafter
+        from trtspec.speculative.drafters import engine_drafter, make_drafter
         from trtspec.speculative.loop import NoDrafter
 
         spec = self.speculative_config
         if spec is None:
             return NoDrafter()
-        if self.draft is not None:
-            return ModelDrafter(self.draft.run, min(self.draft.vocab_size, self.target.vocab_size))
-        if self.head is not None:
-            from trtspec.speculative.eagle3 import Eagle3Drafter, engine_features
-
-            return Eagle3Drafter(self.head, engine_features(self.target))
-        return NgramDrafter(int(spec.fields["max_matching_ngram_size"]), 1)
+        method = METHOD_OF[spec.decoding_type]
+        max_ngram = int(spec.fields["max_matching_ngram_size"]) if method == "ngram" else 0
+        return make_drafter(
+            method, max_ngram=max_ngram, min_ngram=1, draft_model=engine_drafter(self.target, self.draft, self.head)
+        )
 
     def _run(self, requests, on_step=None):
         from trtspec.speculative.loop import generate

@@ -28,7 +28,7 @@ from trtspec import console
 from trtspec.checkpoints import Checkpoint, check_embedding_rows, require_shared_tokenizer, resolve
 from trtspec.engines.build import BuildPlan, BuildResult, BuildState, UnitPlan
 from trtspec.engines.manifest import SourceRecord, now, versions
-from trtspec.engines.trtllm.llmapi_fields import LINES, unknown_keys
+from trtspec.engines.trtllm.llmapi_fields import DECODING_TYPE, LINES, METHOD_OF, unknown_keys
 from trtspec.errors import CheckpointError, EngineError
 from trtspec.files import (
     FileRecord,
@@ -47,17 +47,6 @@ CONTROL = "control.yaml"
 MANIFEST = "manifest.json"
 FORMAT = 1
 
-# decoding_type per (method, line). 1.2.x: the keys of DecodingBaseConfig.from_dict, where
-# "Eagle" runs EAGLE-3 on the PyTorch backend; 1.3+: the discriminator Literals of the
-# SpeculativeConfig union (llm_args.py@0004396720054fd8e205cbf616f21f0b57c6b412).
-DECODING_TYPE = {
-    ("draft_target", "1.2"): "DraftTarget",
-    ("draft_target", "1.3+"): "Draft_Target",
-    ("eagle3", "1.2"): "Eagle",
-    ("eagle3", "1.3+"): "Eagle3",
-    ("ngram", "1.2"): "NGram",
-    ("ngram", "1.3+"): "NGram",
-}
 _QUANT_FILES = ("hf_quant_config.json",)
 
 
@@ -169,8 +158,7 @@ def check_keys(args: dict, what: str, lines: tuple[str, ...] = LINES) -> None:
         probe = json.loads(json.dumps(args))
         spec_cfg = probe.get("speculative_config")
         if spec_cfg is not None:
-            method = next(m for (m, ln), v in DECODING_TYPE.items() if v == spec_cfg["decoding_type"])
-            spec_cfg["decoding_type"] = DECODING_TYPE[(method, line)]
+            spec_cfg["decoding_type"] = DECODING_TYPE[(METHOD_OF[spec_cfg["decoding_type"]], line)]
         missing += unknown_keys(probe, line)
     if missing:
         raise EngineError(

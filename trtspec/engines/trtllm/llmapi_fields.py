@@ -234,6 +234,20 @@ ALL_DECODING_TYPES = {
     ),
 }
 
+# decoding_type per (method, line). 1.2.x: the keys of DecodingBaseConfig.from_dict, where
+# "Eagle" runs EAGLE-3 on the PyTorch backend; 1.3+: the discriminator Literals of the
+# SpeculativeConfig union (llm_args.py@0004396720054fd8e205cbf616f21f0b57c6b412).
+DECODING_TYPE = {
+    ("draft_target", "1.2"): "DraftTarget",
+    ("draft_target", "1.3+"): "Draft_Target",
+    ("eagle3", "1.2"): "Eagle",
+    ("eagle3", "1.3+"): "Eagle3",
+    ("ngram", "1.2"): "NGram",
+    ("ngram", "1.3+"): "NGram",
+}
+# and back: the trtspec method a decoding_type of either line runs
+METHOD_OF = {decoding_type: method for (method, _line), decoding_type in DECODING_TYPE.items()}
+
 # SamplingParams (complete, both lines; 1.2.1 also has prompt_ignore_length).
 _SAMPLING = {
     "end_id",
