@@ -10,6 +10,7 @@ import typer
 from trtspec import console
 from trtspec.cli.common import EnginesOpt, LlmapiOpt, SpecArg, handle_errors
 from trtspec.spec import load_spec
+from trtspec.speculative.llmapi import TENSORRT_LLM
 from trtspec.triton.repository.writer import write_repository
 
 
@@ -20,7 +21,7 @@ def repo(
         Path | None, typer.Option("--output", "-o", help="Repository folder (default: serve.repo_dir, else model_repo/<name>).")
     ] = None,
     engines: EnginesOpt = None,
-    llmapi_impl: LlmapiOpt = "tensorrt_llm",
+    llmapi_impl: LlmapiOpt = TENSORRT_LLM,
 ) -> None:
     """Write a Triton model repository for the engines of SPEC.
 

@@ -10,6 +10,7 @@ import typer
 
 from trtspec import console
 from trtspec.cli.common import EnginesOpt, LlmapiOpt, handle_errors
+from trtspec.speculative.llmapi import TENSORRT_LLM
 from trtspec.triton.server import serving
 
 
@@ -44,7 +45,7 @@ def serve(
     log_file: Annotated[
         Path | None, typer.Option("--log-file", help="Server log (default: beside the pid file when detached, else a temp file).")
     ] = None,
-    llmapi_impl: LlmapiOpt = "tensorrt_llm",
+    llmapi_impl: LlmapiOpt = TENSORRT_LLM,
 ) -> None:
     """Serve SPEC (or a written REPO) on tritonserver and wait until every model is ready.
 

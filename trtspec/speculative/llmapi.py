@@ -5,8 +5,9 @@ yaml.safe_load, drop Triton's reserved `triton_config` block, merge through
 `update_llm_args_with_extra_dict({}, cfg)` and call `LLM(**args)` -- what upstream's Triton
 llmapi model.py does (triton_backend/all_models/llmapi/tensorrt_llm/1/model.py@044a90d2).
 
-``impl`` picks the implementation: "tensorrt_llm" (the library; GPU) or "double" (trtspec's
-CPU conformance double, speculative/llmapi_double.py). Never chosen silently: callers pass it.
+``impl`` picks the implementation: TENSORRT_LLM (the library; GPU; every signature's default)
+or DOUBLE (trtspec's CPU conformance double, speculative/llmapi_double.py), which is only ever
+chosen by asking for it.
 """
 
 from __future__ import annotations
@@ -18,17 +19,19 @@ import yaml
 
 from trtspec.errors import RuntimeFailure, TrtspecError
 
-IMPLS = ("tensorrt_llm", "double")
+TENSORRT_LLM = "tensorrt_llm"  # the library
+DOUBLE = "double"  # trtspec's CPU conformance double
+IMPLS = (TENSORRT_LLM, DOUBLE)
 TRITON_CONFIG = "triton_config"  # reserved key of upstream's model.yaml
 
 
 def load_api(impl: str, line: str) -> SimpleNamespace:
     """LLM, SamplingParams and update_llm_args_with_extra_dict of ``impl`` for ``line``."""
-    if impl == "double":
+    if impl == DOUBLE:
         from trtspec.speculative.llmapi_double import api
 
         return api(line)
-    if impl != "tensorrt_llm":
+    if impl != TENSORRT_LLM:
         raise TrtspecError(f"unknown LLM API implementation {impl!r}; use one of {', '.join(IMPLS)}")
     try:
         import tensorrt_llm

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from trtspec.errors import EXIT_INTERRUPTED, EXIT_OK, ServerError, SpecError
 from trtspec.spec import LoadedSpec, ServeSpec, load_spec
+from trtspec.speculative.llmapi import TENSORRT_LLM
 from trtspec.triton.repository.writer import plan_repository, read_repo_info, write_repository
 from trtspec.triton.server.process import TritonServer
 
@@ -29,7 +30,7 @@ class ServeTarget:
 
 
 def serve_target(
-    path: Path, engines: Path | None = None, repo_out: Path | None = None, write: bool = True, llmapi_impl: str = "tensorrt_llm"
+    path: Path, engines: Path | None = None, repo_out: Path | None = None, write: bool = True, llmapi_impl: str = TENSORRT_LLM
 ) -> ServeTarget:
     """A folder is a model repository; a file is a spec whose repository is (re)written."""
     path = Path(path)
