@@ -200,9 +200,9 @@ def main() -> None:
     if shutil.which(args.aiperf) is None:
         raise SystemExit(f"{args.aiperf}: AIPerf not found; `make aiperf` installs it in .venv-aiperf (or pass --aiperf)")
 
-    from trtspec.bench.measure import machine_description
     from trtspec.files import write_json_atomic
     from trtspec.layout import tokenizer_folder
+    from trtspec.machine import description as machine_description
     from trtspec.spec import load_spec
 
     loaded = load_spec(args.spec)

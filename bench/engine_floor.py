@@ -61,9 +61,9 @@ def load_engine(folder: Path, force: str | None):
 
 
 def main(argv=None) -> int:
-    from trtspec.bench.measure import machine_description
     from trtspec.bench.peers import _cut_at_end, encode_prompts, load_hf, read_prompts
     from trtspec.engines.torch.kernels import cpu_signature
+    from trtspec.machine import description as machine_description
     from trtspec.runtime import Deployment
     from trtspec.spec import load_spec
     from trtspec.speculative.loop import NoDrafter, generate

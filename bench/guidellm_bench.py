@@ -106,9 +106,9 @@ def main() -> None:
             ".venv-guidellm/bin/pip install 'guidellm==0.8.1' (or pass --guidellm)"
         )
 
-    from trtspec.bench.measure import machine_description
     from trtspec.files import write_json_atomic
     from trtspec.layout import tokenizer_folder
+    from trtspec.machine import description as machine_description
     from trtspec.spec import load_spec
 
     loaded = load_spec(args.spec)

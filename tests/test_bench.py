@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from trtspec.bench import measure as b
 from trtspec.cli.app import app
+from trtspec.machine import description
 
 runner = CliRunner()
 PROMPTS = ["The quick brown fox", "def fibonacci(n):"]
@@ -24,7 +25,7 @@ def spec_file(tmp_path_factory, tiny_ckpts):
 
 def test_run_bench_fills_every_section(built, tmp_path):
     dep = built("same")  # draft == target: every draft accepted
-    report = b.BenchReport("tiny", "in-process", b.machine_description(), len(PROMPTS), 12, 3)
+    report = b.BenchReport("tiny", "in-process", description(), len(PROMPTS), 12, 3)
     b.run_bench(b.InProcessBench(dep), report, PROMPTS, [1, 2], [1, 2], lambda k: b.measure_engine_costs(dep, PROMPTS[0], k))
     assert report.complete
     assert report.target.tokens == report.speculative.tokens == 24

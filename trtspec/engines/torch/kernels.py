@@ -35,7 +35,6 @@ import functools
 import hashlib
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -49,6 +48,7 @@ from torch import nn
 from trtspec.cache import cache_root
 from trtspec.engines.torch.model import PACKABLE, DecoderLM, KVCache, OneDnnLinear, StepInputs
 from trtspec.files import write_json_atomic
+from trtspec.machine import cpu_name
 
 LAYOUTS = ("dense", "onednn", "head")
 # What the layouts run; bumped when that changes, so cached choices are measured again.
@@ -75,17 +75,15 @@ class KernelChoice:
 
 def cpu_signature() -> dict[str, str]:
     """What identifies this CPU's kernels: model name and ISA flags, as the OS reports them."""
-    name, flags = platform.processor() or platform.machine(), ""
+    flags = ""
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            key = key.strip()
-            if key == "model name" and name in ("", platform.machine(), platform.processor()):
-                name = value.strip()
-            elif key == "flags" and not flags:
+            if key.strip() == "flags":
                 flags = " ".join(sorted(value.split()))
+                break
     return {
-        "cpu": name,
+        "cpu": cpu_name(),
         "flags": hashlib.sha256(flags.encode()).hexdigest()[:16],
         "capability": str(torch.backends.cpu.get_cpu_capability()),
         "isa_env": ",".join(f"{k}={os.environ[k]}" for k in ISA_ENV if k in os.environ),
