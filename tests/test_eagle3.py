@@ -328,14 +328,12 @@ def _eagle_orchestrator(dep, log=None):
             raise answer
         return {n: answer[n] for n in names}
 
-    s = dep.spec
     settings = OrchestratorSettings(
         mode="speculative",
         decoupled=False,
         target_model="tensorrt_llm",
         draft_model=None,
         method="eagle3",
-        default_draft_tokens=s.speculative.default_draft_tokens,
         max_ngram=3,
         min_ngram=1,
         limits=dep.limits,

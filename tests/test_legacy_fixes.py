@@ -210,7 +210,6 @@ def _trtllm_orchestrator(dep, mode, fake, per_row=True, continued=True):
         target_model="tensorrt_llm",
         draft_model="tensorrt_llm_draft",
         method=spec.speculative.method,
-        default_draft_tokens=spec.speculative.default_draft_tokens,
         max_ngram=spec.speculative.max_ngram,
         min_ngram=spec.speculative.min_ngram,
         limits=dep.limits,

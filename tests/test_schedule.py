@@ -219,7 +219,6 @@ def test_triton_parameters_carry_the_schedule_to_the_orchestrator(tmp_path, tiny
         target_model="t",
         draft_model="d",
         method="draft_target",
-        default_draft_tokens=5,
         max_ngram=3,
         min_ngram=1,
         limits=None,

@@ -55,7 +55,6 @@ def _orchestrator(dep, mode="speculative", decoupled=False, log=None, sampling=T
         target_model="tensorrt_llm",
         draft_model="tensorrt_llm_draft",
         method=spec.speculative.method,
-        default_draft_tokens=spec.speculative.default_draft_tokens,
         max_ngram=spec.speculative.max_ngram,
         min_ngram=spec.speculative.min_ngram,
         limits=dep.limits,

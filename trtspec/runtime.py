@@ -94,9 +94,16 @@ class Deployment:
         processing: Processing | None = None,
         log_probs: bool = False,
     ):
-        k = self.spec.speculative.default_draft_tokens if num_draft_tokens is None else num_draft_tokens
+        """A checked request; ``num_draft_tokens`` None: the spec's default k (the request rules fill it in)."""
         return make_request(
-            prompt_ids, max_tokens, k, self.limits, self.end_ids, sampling=sampling, processing=processing, log_probs=log_probs
+            prompt_ids,
+            max_tokens,
+            num_draft_tokens,
+            self.limits,
+            self.end_ids,
+            sampling=sampling,
+            processing=processing,
+            log_probs=log_probs,
         )
 
     def generate(

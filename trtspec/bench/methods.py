@@ -139,6 +139,7 @@ def method_set(dep, methods: Sequence[str], k: int, other=None, other_k: int | N
     """
     from trtspec.errors import RequestError
     from trtspec.speculative.drafters import make_drafter
+    from trtspec.speculative.requests import draft_tokens
 
     s = dep.spec.speculative
     drafters: dict[str, tuple[Callable[[], Drafter], int]] = {}
@@ -155,7 +156,7 @@ def method_set(dep, methods: Sequence[str], k: int, other=None, other_k: int | N
         elif name == "ngram":
             drafters[f"ngram k={k}"] = (lambda: make_drafter("ngram", max_ngram=s.max_ngram, min_ngram=s.min_ngram), k)
         elif other is not None and name == other.spec.speculative.method:
-            kk = other_k or other.spec.speculative.default_draft_tokens
+            kk = draft_tokens(other_k, other.spec.speculative.default_draft_tokens)
             drafters[f"{name} k={kk}"] = (extra, kk)
         else:
             raise RequestError(

@@ -150,7 +150,7 @@ def trtspec_paths(dep: Deployment, other_draft: tuple[str, Callable, Callable[[]
     or eagle3), ``other_draft`` (method name, drafter factory, forget: another spec's draft
     loaded beside this target), and prompt lookup."""
     spec = dep.spec.speculative
-    k = spec.default_draft_tokens
+    k = dep.limits.default_draft_tokens  # what our requests draft when they ask for no k
     forget_other = other_draft[2] if other_draft else (lambda: None)
 
     def run_with(drafter_factory):
@@ -199,7 +199,7 @@ def hf_paths(dep: Deployment, assistant: tuple[Path, str] | None = None) -> tupl
 
     hf_logging.set_verbosity_error()  # generate() warns about unused sampling flags per call
     spec = dep.spec.speculative
-    k = spec.default_draft_tokens
+    k = dep.limits.default_draft_tokens  # what our requests draft when they ask for no k
     target = load_hf(dep.target.folder, dep.target.manifest.dtype)
     end_ids = sorted(dep.end_ids)
     pad = dep.tokenizer.pad_token_id if dep.tokenizer.pad_token_id is not None else end_ids[0]
@@ -405,7 +405,7 @@ def vllm_paths(
     from trtspec.layout import engine_folder
 
     spec = dep.spec.speculative
-    k = spec.default_draft_tokens
+    k = dep.limits.default_draft_tokens  # what our requests draft when they ask for no k
     env = vllm_env(kv_cache_gib)
     stop_ids = sorted(dep.end_ids)
     base = {
@@ -774,7 +774,7 @@ def describe_setup(dep: Deployment, settings: dict, vllm: dict | None = None) ->
     return ({"vllm": vllm} if vllm else {}) | {
         "spec": dep.spec.name,
         "spec_path": str(dep.loaded.path),
-        "num_draft_tokens": dep.spec.speculative.default_draft_tokens,
+        "num_draft_tokens": dep.limits.default_draft_tokens,
         "max_ngram": dep.spec.speculative.max_ngram,
         "target_dtype": dep.target.manifest.dtype,
         "draft_dtype": dep.draft.manifest.dtype if dep.draft else None,

@@ -4,13 +4,14 @@ repository), measure, and return the report; the CLI only parses and prints."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from trtspec import console
 from trtspec.bench import measure as m
 from trtspec.errors import RequestError
 from trtspec.spec import LoadedSpec
+from trtspec.speculative.requests import draft_tokens
 
 
 def int_list(text: str, what: str) -> list[int]:
@@ -31,7 +32,7 @@ def int_list(text: str, what: str) -> list[int]:
 class BenchOptions:
     prompts: list[str]
     max_tokens: int
-    k: int
+    k: int | None  # the main comparison's draft length; None: the spec's (speculative.requests)
     sweep: list[int]
     concurrency: list[int]
     rounds: int = 1
@@ -48,6 +49,7 @@ def run(
     """Measure; returns the report and whether Ctrl-C cut it short (what was measured stays)."""
     if not opts.prompts:
         raise RequestError("no prompts: add verify.prompts to the spec or pass --prompt/--prompts-file")
+    opts = replace(opts, k=draft_tokens(opts.k, loaded.spec.speculative.default_draft_tokens))
     m.validate_args(opts.k, opts.sweep, opts.concurrency, loaded.spec.speculative.max_draft_len)
     if opts.schedule and opts.url:
         raise RequestError(

@@ -106,7 +106,7 @@ def bench(
     opts = run.BenchOptions(
         prompts=prompts or loaded.verify_prompts(),
         max_tokens=max_tokens or loaded.spec.verify.max_tokens,
-        k=k if k is not None else loaded.spec.speculative.default_draft_tokens,
+        k=k,
         sweep=run.int_list(sweep if sweep is not None else ("none" if llmapi_spec else "1-8"), "--sweep"),
         concurrency=run.int_list(concurrency if concurrency is not None else ("1,2,4,8" if url else "1,2,4"), "--concurrency"),
         rounds=rounds,

@@ -23,7 +23,8 @@ class Limits:
     """What a request may ask for: the engine's limits and the speculative settings.
 
     ``max_draft_len`` 0 means the engine verifies no drafts (a draft engine);
-    ``max_input_len`` and ``max_batch_size`` are None where nothing bounds them separately.
+    ``max_input_len`` and ``max_batch_size`` are None where nothing bounds them separately;
+    ``default_draft_tokens`` is the k of a request that asks for none (:func:`draft_tokens`).
     """
 
     vocab_size: int
@@ -31,6 +32,7 @@ class Limits:
     max_draft_len: int
     max_input_len: int | None = None
     max_batch_size: int | None = None
+    default_draft_tokens: int = 0
 
     @classmethod
     def from_spec(cls, spec: EngineSpec, vocab_size: int, role: str = "target") -> Limits:
@@ -41,6 +43,7 @@ class Limits:
             max_draft_len=spec.speculative.max_draft_len if role == "target" else 0,
             max_input_len=lim.max_input_len,
             max_batch_size=lim.max_batch_size,
+            default_draft_tokens=spec.speculative.default_draft_tokens if role == "target" else 0,
         )
 
     def check_batch(self, rows: int, what: str = "sequences") -> None:
@@ -48,10 +51,18 @@ class Limits:
             raise RequestError(f"batch of {rows} {what} exceeds max_batch_size {self.max_batch_size}; send fewer at once")
 
 
+def draft_tokens(asked: int | None, default: int) -> int:
+    """The draft length k a request runs with: the k it asked for, else the deployment's
+    default (speculative.default_draft_tokens of its spec; inside the orchestrator, the
+    num_draft_tokens parameter written from it). The one place a default k is filled in:
+    everything above passes None through."""
+    return default if asked is None else asked
+
+
 def make_request(
     prompt_ids: list[int],
     max_tokens: int,
-    num_draft_tokens: int,
+    num_draft_tokens: int | None,
     limits: Limits,
     end_ids: frozenset[int] = frozenset(),
     stop_sequences: tuple[tuple[int, ...], ...] = (),
@@ -60,7 +71,9 @@ def make_request(
     log_probs: bool = False,
     generation_logits: bool = False,
 ) -> GenerationRequest:
-    """Validate a request against the deployment's limits; RequestError names the fix."""
+    """Validate a request against the deployment's limits; RequestError names the fix.
+    ``num_draft_tokens`` None: the deployment's default k (``limits.default_draft_tokens``)."""
+    num_draft_tokens = draft_tokens(num_draft_tokens, limits.default_draft_tokens)
     n = len(prompt_ids)
     if n == 0:
         raise RequestError("the prompt is empty; send at least one token of text")

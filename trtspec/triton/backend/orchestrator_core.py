@@ -71,10 +71,9 @@ class OrchestratorSettings:
     target_model: str
     draft_model: str | None  # None: method ngram
     method: str
-    default_draft_tokens: int
     max_ngram: int
     min_ngram: int
-    limits: Limits  # max_batch_size bounds the prompts of one request
+    limits: Limits  # max_batch_size bounds the prompts of one request; default_draft_tokens: k when asked none
     draft_vocab_limit: int | None = None
     chat_template_default: bool = False
     margins_supported: bool = True  # the target engine answers return_margins (torch engines)
@@ -219,7 +218,7 @@ class Orchestrator:
                 raise RequestError("text_input is empty; send the prompt text")
             use_chat = self.s.chat_template_default if chat is None else bool(chat[r])
             ids = encode_prompt(self.input_tokenizer, prompt, use_chat)
-            n_draft = self.s.default_draft_tokens if k is None else int(k[r])
+            n_draft = None if k is None else int(k[r])  # None: the request rules fill in the default
             ends = self.end_ids
             if end_id is not None:
                 e = int(end_id[r])

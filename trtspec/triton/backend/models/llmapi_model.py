@@ -43,7 +43,6 @@ class TritonPythonModel:
             target_model="",
             draft_model=None,
             method=p["method"],
-            default_draft_tokens=int(p["num_draft_tokens"]),
             max_ngram=0,
             min_ngram=1,
             limits=Limits(
@@ -52,6 +51,7 @@ class TritonPythonModel:
                 max_draft_len=int(p["max_draft_len"]),
                 max_input_len=int(p["max_input_len"]),
                 max_batch_size=int(config["max_batch_size"]),
+                default_draft_tokens=int(p["num_draft_tokens"]),
             ),
             chat_template_default=p.get("apply_chat_template", "false") == "true",
             margins_supported=False,

@@ -43,7 +43,6 @@ class TritonPythonModel:
             target_model=p["tensorrt_llm_model_name"],
             draft_model=p.get("tensorrt_llm_draft_model_name"),
             method=p["method"],
-            default_draft_tokens=int(p["num_draft_tokens"]),
             max_ngram=int(p["max_ngram"]),
             min_ngram=int(p["min_ngram"]),
             limits=Limits(
@@ -52,6 +51,7 @@ class TritonPythonModel:
                 max_draft_len=int(p["max_draft_len"]),
                 max_input_len=int(p["max_input_len"]),
                 max_batch_size=int(config["max_batch_size"]),
+                default_draft_tokens=int(p["num_draft_tokens"]),
             ),
             draft_vocab_limit=int(p["vocab_size"]),
             chat_template_default=p.get("apply_chat_template", "false") == "true",
