@@ -22,9 +22,7 @@ from trtspec.speculative.schedule import (
     GridPoint,
     LoadPolicy,
     break_even_length,
-    from_params,
     recommend,
-    to_params,
     vllm_shape,
 )
 
@@ -193,6 +191,7 @@ def test_llmapi_schedule_refusals(tmp_path, tiny_ckpts, over, needle):
 def test_triton_parameters_carry_the_schedule_to_the_orchestrator(tmp_path, tiny_ckpts):
     from trtspec.engines.build import build
     from trtspec.triton.backend.orchestrator_core import OrchestratorSettings
+    from trtspec.triton.backend.params import EngineEndpointParams, load_aware
     from trtspec.triton.repository.writer import plan_repository
 
     schedule = {
@@ -210,20 +209,11 @@ def test_triton_parameters_carry_the_schedule_to_the_orchestrator(tmp_path, tiny
     )
     spec_params = next(p for p in params.values() if p["mode"] == "speculative")
     assert json.loads(spec_params["draft_len_schedule"]) == {"1": 5, "4": 2, "8": 0}
-    assert to_params(loaded.spec.speculative) == {k: spec_params[k] for k in ("draft_len_schedule", "switch_off")}
-    back = from_params(spec_params)
-    assert back == {"schedule": ((1, 5), (4, 2), (8, 0)), "switch_off": (16, 1.3)}
-    settings = OrchestratorSettings(
-        mode="speculative",
-        decoupled=False,
-        target_model="t",
-        draft_model="d",
-        method="draft_target",
-        max_ngram=3,
-        min_ngram=1,
-        limits=None,
-        **back,
-    )
+    back = EngineEndpointParams.from_params(spec_params)
+    assert EngineEndpointParams(**{**back.__dict__, **load_aware(loaded.spec.speculative)}) == back
+    assert back.to_params() == spec_params
+    assert (back.schedule, back.switch_off) == (((1, 5), (4, 2), (8, 0)), (16, 1.3))
+    settings = back.settings(decoupled=False, max_batch_size=4)
     policy = settings.load_policy()
     assert [policy.cap(n) for n in (1, 4, 9)] == [5, 2, 0]
     assert OrchestratorSettings(**{**settings.__dict__, "mode": "target_only"}).load_policy() is None

@@ -173,36 +173,3 @@ def vllm_shape(schedule: DraftSchedule, max_batch_size: int) -> dict:
     if top == 0:
         raise ValueError("the schedule drafts nothing at any load: leave speculation off instead")
     return {"num_speculative_tokens": top, "num_speculative_tokens_per_batch_size": ranges}
-
-
-# ---------------------------------------------------------------- model config parameters
-
-SCHEDULE_PARAM = "draft_len_schedule"  # JSON {"active sequences": k}
-SWITCH_OFF_PARAM = "switch_off"  # JSON {"window": N, "min_acceptance_length": L}
-
-
-def to_params(speculative) -> dict[str, str]:
-    """The spec's schedule / switch-off as Triton model config parameters (strings)."""
-    import json
-
-    out = {}
-    if speculative.schedule:
-        out[SCHEDULE_PARAM] = json.dumps({str(n): k for n, k in sorted(speculative.schedule.items())})
-    if speculative.switch_off is not None:
-        s = speculative.switch_off
-        out[SWITCH_OFF_PARAM] = json.dumps({"window": s.window, "min_acceptance_length": s.min_acceptance_length})
-    return out
-
-
-def from_params(params: Mapping[str, str]) -> dict:
-    """OrchestratorSettings keywords (schedule, switch_off) from model config parameters."""
-    import json
-
-    out: dict = {}
-    if params.get(SCHEDULE_PARAM):
-        raw = json.loads(params[SCHEDULE_PARAM])
-        out["schedule"] = DraftSchedule.from_mapping({int(n): int(k) for n, k in raw.items()}).points
-    if params.get(SWITCH_OFF_PARAM):
-        raw = json.loads(params[SWITCH_OFF_PARAM])
-        out["switch_off"] = (int(raw["window"]), float(raw["min_acceptance_length"]))
-    return out

@@ -24,6 +24,7 @@ from trtspec.engines.trtllm import llmapi
 from trtspec.errors import EngineError, TrtspecError
 from trtspec.spec import LoadedSpec
 from trtspec.speculative.llmapi import IMPLS, TRITON_CONFIG, read_config
+from trtspec.triton.backend.params import LlmapiEndpointParams
 from trtspec.triton.repository.pbtxt import DynamicBatching, ModelConfig
 
 LLMAPI_SHIM = "from trtspec.triton.backend.models.llmapi_model import TritonPythonModel  # noqa: F401\n"
@@ -64,29 +65,28 @@ def plan(
     if spec.serve.streaming:
         endpoints[names["streaming"]] = ("speculative", llmapi.SPECULATIVE, True)
     for name, (mode, args_file, decoupled) in endpoints.items():
-        params = {
-            "mode": mode,
-            "llmapi_impl": impl,
-            "trtllm_line": spec.trtllm.line,
-            "method": spec.speculative.method,
-            "num_draft_tokens": str(spec.speculative.default_draft_tokens),
-            "max_input_len": str(lim.max_input_len),
-            "max_seq_len": str(lim.max_seq_len),
-            "max_draft_len": str(spec.speculative.max_draft_len),
-            "vocab_size": str(vocab),
-            "tokenizer_dir": str(tokenizer_dir),
-            "apply_chat_template": "false",
-            "max_queue": str(spec.serve.max_queue),  # the streaming endpoint's bound (llmapi_core)
-        }
-        if spec.target.gpu_device_ids:
-            params["gpu_device_ids"] = ",".join(map(str, spec.target.gpu_device_ids))
+        params = LlmapiEndpointParams(
+            mode=mode,
+            llmapi_impl=impl,
+            trtllm_line=spec.trtllm.line,
+            method=spec.speculative.method,
+            num_draft_tokens=spec.speculative.default_draft_tokens,
+            max_input_len=lim.max_input_len,
+            max_seq_len=lim.max_seq_len,
+            max_draft_len=spec.speculative.max_draft_len,
+            vocab_size=vocab,
+            tokenizer_dir=str(tokenizer_dir),
+            apply_chat_template=False,
+            max_queue=spec.serve.max_queue,  # the streaming endpoint's bound (llmapi_core)
+            gpu_device_ids=",".join(map(str, spec.target.gpu_device_ids)) if spec.target.gpu_device_ids else None,
+        )
         cfg = ModelConfig(
             name=name,
             backend="python",
             max_batch_size=lim.max_batch_size,
             inputs=endpoint_inputs,
             outputs=endpoint_outputs,
-            parameters=params,
+            parameters=params.to_params(),
             instance_count=1,
             decoupled=decoupled,
             dynamic_batching=DynamicBatching(max_queue_delay_microseconds=0),

@@ -47,9 +47,10 @@ from trtspec.layout import (
     tokenizer_folder,
 )
 from trtspec.spec import LoadedSpec
-from trtspec.speculative.schedule import to_params as schedule_params
+from trtspec.speculative.llmapi import TENSORRT_LLM
 from trtspec.triton.backend import contract
 from trtspec.triton.backend.contract import Tensor
+from trtspec.triton.backend.params import EngineEndpointParams, load_aware
 from trtspec.triton.repository import pbtxt
 from trtspec.triton.repository.pbtxt import DynamicBatching, ModelConfig, TensorSpec
 
@@ -156,7 +157,7 @@ def _vocab_size(folder: Path) -> int:
     return int(config["vocab_size"])
 
 
-def plan_repository(loaded: LoadedSpec, engines_dir: Path, llmapi_impl: str = "tensorrt_llm") -> RepoPlan:
+def plan_repository(loaded: LoadedSpec, engines_dir: Path, llmapi_impl: str = TENSORRT_LLM) -> RepoPlan:
     """Typed configs for every model; EngineError when the engines are missing or stale."""
     spec = loaded.spec
     engines_dir = Path(engines_dir).resolve()
@@ -228,7 +229,7 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path, llmapi_impl: str = "t
             models[name] = (cfg, ENGINE_SHIM)
         control_target = ENGINE_MODELS["control"]
         margins = True
-        engine_params = {"engine_requests": "batched", "engine_continues": "false"}
+        engine_params = {"engine_requests": "batched", "engine_continues": False}
     else:
         from trtspec.triton.repository.trtllm_models import engine_model_configs
 
@@ -239,43 +240,41 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path, llmapi_impl: str = "t
         margins = False
         # tensorrtllm models are non-decoupled: one request per row (the in-flight batcher
         # merges them); a TensorRT-LLM target keeps decoding after a rejected draft.
-        engine_params = {"engine_requests": "per_row", "engine_continues": "true"}
+        engine_params = {"engine_requests": "per_row", "engine_continues": True}
     tokenizer_dir = tokenizer_folder(engines_dir, spec.backend)
     endpoints = {BLS_MODEL: ("speculative", False), CONTROL_MODEL: ("target_only", False)}
     if spec.serve.streaming:
         endpoints[BLS_STREAMING_MODEL] = ("speculative", True)
     for name, (mode, decoupled) in endpoints.items():
-        params = {
-            "mode": mode,
-            "tensorrt_llm_model_name": control_target if mode == "target_only" else TARGET_MODEL,
-            "method": spec.speculative.method,
-            "num_draft_tokens": str(spec.speculative.default_draft_tokens),
-            "max_ngram": str(spec.speculative.max_ngram),
-            "min_ngram": str(spec.speculative.min_ngram),
-            "max_input_len": str(limits.max_input_len),
-            "max_seq_len": str(limits.max_seq_len),
-            "max_draft_len": str(spec.speculative.max_draft_len),
-            "vocab_size": str(vocab),
-            "tokenizer_dir": str(tokenizer_dir),
-            "apply_chat_template": "false",  # raw text in, as upstream's preprocessing
-            "engine_margins": "true" if margins else "false",
-            "max_queue": str(spec.serve.max_queue),  # the speculative endpoints' scheduler
-            "max_response_mb": str(spec.serve.max_response_mb),  # contract.check_response_size
-        } | engine_params
-        if mode == "speculative":
-            params |= schedule_params(spec.speculative)
-        if has_draft:
-            params["tensorrt_llm_draft_model_name"] = DRAFT_MODEL
-        if spec.speculative.method == "eagle3":
-            params["eagle3_head_dir"] = str(engines_dir / "draft")
-            params["eagle3_target_dir"] = str(engines_dir / "target")
+        params = EngineEndpointParams(
+            mode=mode,
+            target_model=control_target if mode == "target_only" else TARGET_MODEL,
+            draft_model=DRAFT_MODEL if has_draft else None,
+            method=spec.speculative.method,
+            num_draft_tokens=spec.speculative.default_draft_tokens,
+            max_ngram=spec.speculative.max_ngram,
+            min_ngram=spec.speculative.min_ngram,
+            max_input_len=limits.max_input_len,
+            max_seq_len=limits.max_seq_len,
+            max_draft_len=spec.speculative.max_draft_len,
+            vocab_size=vocab,
+            tokenizer_dir=str(tokenizer_dir),
+            apply_chat_template=False,  # raw text in, as upstream's preprocessing
+            engine_margins=margins,
+            max_queue=spec.serve.max_queue,  # the speculative endpoints' scheduler
+            max_response_mb=spec.serve.max_response_mb,  # contract.check_response_size
+            eagle3_head_dir=str(engines_dir / "draft") if spec.speculative.method == "eagle3" else None,
+            eagle3_target_dir=str(engines_dir / "target") if spec.speculative.method == "eagle3" else None,
+            **engine_params,
+            **(load_aware(spec.speculative) if mode == "speculative" else {}),
+        )
         cfg = ModelConfig(
             name=name,
             backend="python",
             max_batch_size=batch,
             inputs=BLS_INPUTS,
             outputs=BLS_OUTPUTS,
-            parameters=params,
+            parameters=params.to_params(),
             instance_count=spec.serve.instance_count,
             decoupled=decoupled,
             # The control answers inside execute(), so Triton's queue is where its requests
@@ -300,7 +299,7 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path, llmapi_impl: str = "t
     return RepoPlan(models, info)
 
 
-def write_repository(loaded: LoadedSpec, engines_dir: Path, repo_dir: Path, llmapi_impl: str = "tensorrt_llm") -> Path:
+def write_repository(loaded: LoadedSpec, engines_dir: Path, repo_dir: Path, llmapi_impl: str = TENSORRT_LLM) -> Path:
     """Write the repository atomically (temp folder + rename); return its path."""
     plan = plan_repository(loaded, engines_dir, llmapi_impl)
     repo_dir = Path(repo_dir).resolve()

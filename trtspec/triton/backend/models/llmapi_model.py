@@ -14,55 +14,36 @@ import os
 from pathlib import Path
 
 from trtspec.triton.backend.models import pb
+from trtspec.triton.backend.params import LlmapiEndpointParams
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        p = pb.parameters(args)
+        params = LlmapiEndpointParams.from_params(pb.parameters(args))
         config = pb.model_config(args)
-        if p.get("gpu_device_ids"):
+        if params.gpu_device_ids:
             # before tensorrt_llm (and CUDA) load, so its workers inherit the restriction
-            os.environ["CUDA_VISIBLE_DEVICES"] = p["gpu_device_ids"]
+            os.environ["CUDA_VISIBLE_DEVICES"] = params.gpu_device_ids
         from transformers import AutoTokenizer
 
         from trtspec.speculative.llmapi import load_api, make_llm
-        from trtspec.speculative.requests import Limits, end_token_ids
+        from trtspec.speculative.requests import end_token_ids
         from trtspec.triton.backend.llmapi_core import LlmapiEndpoint
-        from trtspec.triton.backend.orchestrator_core import OrchestratorSettings
 
         default = Path(args["model_repository"]) / str(args["model_version"]) / "model.yaml"
         yaml_path = Path(os.environ.get("LLM_CONFIG_PATH", default))
-        self.api = load_api(p["llmapi_impl"], p["trtllm_line"])
+        self.api = load_api(params.llmapi_impl, params.trtllm_line)
         self.llm = make_llm(self.api, yaml_path)
-        tokenizer_dir = Path(p["tokenizer_dir"])
+        tokenizer_dir = Path(params.tokenizer_dir)
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         self.decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
-        settings = OrchestratorSettings(
-            mode=p["mode"],
-            decoupled=self.decoupled,
-            target_model="",
-            draft_model=None,
-            method=p["method"],
-            max_ngram=0,
-            min_ngram=1,
-            limits=Limits(
-                vocab_size=int(p["vocab_size"]),
-                max_seq_len=int(p["max_seq_len"]),
-                max_draft_len=int(p["max_draft_len"]),
-                max_input_len=int(p["max_input_len"]),
-                max_batch_size=int(config["max_batch_size"]),
-                default_draft_tokens=int(p["num_draft_tokens"]),
-            ),
-            chat_template_default=p.get("apply_chat_template", "false") == "true",
-            margins_supported=False,
-        )
         self.core = LlmapiEndpoint(
-            settings,
+            params.settings(self.decoupled, int(config["max_batch_size"])),
             tokenizer,
             end_token_ids(tokenizer, tokenizer_dir),
             self.llm,
             self.api,
-            max_queue=int(p.get("max_queue", "64")),  # serve.max_queue
+            max_queue=params.max_queue,  # serve.max_queue
         )
 
     def execute(self, requests):

@@ -18,13 +18,12 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
-from trtspec.speculative.requests import Limits, end_token_ids
-from trtspec.speculative.schedule import from_params as schedule_settings
+from trtspec.speculative.requests import end_token_ids
 from trtspec.triton.backend.bls import ENGINE_TIMEOUT_S, split_rows, with_timeout
-from trtspec.triton.backend.contract import DEFAULT_MAX_RESPONSE_MB
 from trtspec.triton.backend.metrics import EndpointMetrics, TritonSink
 from trtspec.triton.backend.models import pb
-from trtspec.triton.backend.orchestrator_core import Orchestrator, OrchestratorSettings
+from trtspec.triton.backend.orchestrator_core import Orchestrator
+from trtspec.triton.backend.params import EngineEndpointParams
 from trtspec.triton.backend.scheduler import Scheduler
 
 
@@ -32,45 +31,21 @@ class TritonPythonModel:
     def initialize(self, args):
         from transformers import AutoTokenizer
 
-        p = pb.parameters(args)
         config = pb.model_config(args)
         self.decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
-        tokenizer_dir = Path(p["tokenizer_dir"])
+        params = EngineEndpointParams.from_params(pb.parameters(args))
+        tokenizer_dir = Path(params.tokenizer_dir)
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        settings = OrchestratorSettings(
-            mode=p["mode"],
-            decoupled=self.decoupled,
-            target_model=p["tensorrt_llm_model_name"],
-            draft_model=p.get("tensorrt_llm_draft_model_name"),
-            method=p["method"],
-            max_ngram=int(p["max_ngram"]),
-            min_ngram=int(p["min_ngram"]),
-            limits=Limits(
-                vocab_size=int(p["vocab_size"]),
-                max_seq_len=int(p["max_seq_len"]),
-                max_draft_len=int(p["max_draft_len"]),
-                max_input_len=int(p["max_input_len"]),
-                max_batch_size=int(config["max_batch_size"]),
-                default_draft_tokens=int(p["num_draft_tokens"]),
-            ),
-            draft_vocab_limit=int(p["vocab_size"]),
-            chat_template_default=p.get("apply_chat_template", "false") == "true",
-            margins_supported=p.get("engine_margins", "false") == "true",
-            eagle3_head_dir=p.get("eagle3_head_dir"),
-            eagle3_target_dir=p.get("eagle3_target_dir"),
-            target_continues=p.get("engine_continues", "false") == "true",
-            sampling_supported=p.get("engine_margins", "false") == "true",  # torch engine models
-            kv_blocks_supported=p.get("engine_margins", "false") == "true",
-            max_response_mb=int(p.get("max_response_mb", DEFAULT_MAX_RESPONSE_MB)),
-            **schedule_settings(p),
-        )
+        settings = params.settings(self.decoupled, int(config["max_batch_size"]))
         # The speculative endpoints' engine requests are bounded (bls.with_timeout), so a hung
         # engine model fails the step instead of stalling the scheduler; the control answers
         # inside execute() (one request per answer) and keeps Triton's own unbounded wait.
-        timeout_s = float(p.get("engine_timeout_s", ENGINE_TIMEOUT_S)) if settings.mode == "speculative" else 0.0
+        timeout_s = 0.0
+        if settings.mode == "speculative":
+            timeout_s = ENGINE_TIMEOUT_S if params.engine_timeout_s is None else params.engine_timeout_s
         us = int(timeout_s * 1e6)
         call = functools.partial(pb.bls_call, timeout_us=us)
-        if p.get("engine_requests", "batched") == "per_row":
+        if params.engine_requests == "per_row":
             call = split_rows(functools.partial(pb.bls_call_many, timeout_us=us))
         if timeout_s > 0:
             call = with_timeout(call, timeout_s)
@@ -84,8 +59,9 @@ class TritonPythonModel:
         if settings.mode == "speculative":
             # Each instance holds up to max_batch_size live sequences: the engines have that
             # many KV slots per calling instance (triton/repository/writer.py).
-            max_queue = int(p.get("max_queue", "64"))
-            self.scheduler = Scheduler(self.core, settings.limits.max_batch_size, max_queue, observe=self.core.observe_step)
+            self.scheduler = Scheduler(
+                self.core, settings.limits.max_batch_size, params.max_queue, observe=self.core.observe_step
+            )
             self.worker = threading.Thread(target=self.scheduler.serve, name="trtspec-scheduler", daemon=True)
             self.worker.start()
 

@@ -1,0 +1,185 @@
+"""The text endpoints' config.pbtxt parameters, typed: one home for how they are written and read.
+
+The repository writers fill an ``EngineEndpointParams`` (torch and trtllm engine models behind
+the endpoint) or an ``LlmapiEndpointParams`` (the LLM API inside the endpoint) and write
+``to_params()`` into config.pbtxt; the backend models read them back with ``from_params`` and
+turn them into the endpoint's ``OrchestratorSettings`` (``settings``). Each field is one
+parameter (its name, unless the field's metadata says another) as a string: numbers in
+decimal, flags "true"/"false", the load-aware schedule and switch-off as JSON. A field left
+None is not written; a parameter that is not there reads back as the field's default.
+
+Light on purpose (no torch): models/llmapi_model.py reads gpu_device_ids before anything
+that may load CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+P = TypeVar("P", bound="EndpointParams")
+
+
+def _param(name: str | None = None, default=None, codec: str | None = None):
+    return field(default=default, metadata={"param": name, "codec": codec})
+
+
+@dataclass(frozen=True, kw_only=True)
+class EndpointParams:
+    """What every text endpoint is told (triton/repository/writer.py, llmapi_models.py)."""
+
+    mode: str  # "speculative" or "target_only"
+    method: str
+    num_draft_tokens: int  # the spec's default_draft_tokens: a request's k when it sends none
+    max_input_len: int
+    max_seq_len: int
+    max_draft_len: int
+    vocab_size: int  # the target's
+    tokenizer_dir: str
+    apply_chat_template: bool = False  # the default when a request does not say
+    max_queue: int = 64  # serve.max_queue: requests waiting beyond a full batch
+
+    def to_params(self) -> dict[str, str]:
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                out[f.metadata.get("param") or f.name] = _encode(value, f.metadata.get("codec"))
+        return out
+
+    @classmethod
+    def from_params(cls: type[P], params: Mapping[str, str]) -> P:
+        hints = typing.get_type_hints(cls)
+        values = {}
+        for f in dataclasses.fields(cls):
+            name = f.metadata.get("param") or f.name
+            if params.get(name):
+                values[f.name] = _decode(params[name], hints[f.name], f.metadata.get("codec"))
+        return cls(**values)
+
+    def _limits(self, max_batch_size: int):
+        from trtspec.speculative.requests import Limits
+
+        return Limits(
+            vocab_size=self.vocab_size,
+            max_seq_len=self.max_seq_len,
+            max_draft_len=self.max_draft_len,
+            max_input_len=self.max_input_len,
+            max_batch_size=max_batch_size,
+            default_draft_tokens=self.num_draft_tokens,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineEndpointParams(EndpointParams):
+    """An endpoint that calls engine models over BLS (models/orchestrator.py)."""
+
+    target_model: str = _param("tensorrt_llm_model_name", "")
+    draft_model: str | None = _param("tensorrt_llm_draft_model_name")  # method draft_target
+    max_ngram: int = 0
+    min_ngram: int = 1
+    # The target engine model answers return_margins, return_generation_logits and the
+    # kv_cache_* counts (torch engine models).
+    engine_margins: bool = False
+    engine_requests: str = "batched"  # "per_row": one request per row (tensorrtllm models)
+    engine_continues: bool = False  # a TensorRT-LLM target keeps decoding after a rejected draft
+    max_response_mb: int | None = None  # None: contract.DEFAULT_MAX_RESPONSE_MB
+    engine_timeout_s: float | None = None  # None: bls.ENGINE_TIMEOUT_S (speculative endpoints)
+    eagle3_head_dir: str | None = None  # method eagle3: the head engine folder ...
+    eagle3_target_dir: str | None = None  # ... and the target's (its embeddings and RoPE)
+    # Load-aware speculation (spec speculative.schedule / switch_off): {active sequences: k}
+    # as JSON {"n": k}, and (window, min acceptance length) as JSON {"window", "min_acceptance_length"}.
+    schedule: tuple[tuple[int, int], ...] | None = _param("draft_len_schedule", codec="schedule")
+    switch_off: tuple[int, float] | None = _param(codec="switch_off")
+
+    def settings(self, decoupled: bool, max_batch_size: int):
+        from trtspec.triton.backend.contract import DEFAULT_MAX_RESPONSE_MB
+        from trtspec.triton.backend.orchestrator_core import OrchestratorSettings
+
+        return OrchestratorSettings(
+            mode=self.mode,
+            decoupled=decoupled,
+            target_model=self.target_model,
+            draft_model=self.draft_model,
+            method=self.method,
+            max_ngram=self.max_ngram,
+            min_ngram=self.min_ngram,
+            limits=self._limits(max_batch_size),
+            draft_vocab_limit=self.vocab_size,
+            chat_template_default=self.apply_chat_template,
+            margins_supported=self.engine_margins,
+            eagle3_head_dir=self.eagle3_head_dir,
+            eagle3_target_dir=self.eagle3_target_dir,
+            target_continues=self.engine_continues,
+            sampling_supported=self.engine_margins,  # generation_logits: torch engine models
+            kv_blocks_supported=self.engine_margins,
+            schedule=self.schedule,
+            switch_off=self.switch_off,
+            max_response_mb=DEFAULT_MAX_RESPONSE_MB if self.max_response_mb is None else self.max_response_mb,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LlmapiEndpointParams(EndpointParams):
+    """An endpoint that runs the LLM API itself (models/llmapi_model.py)."""
+
+    llmapi_impl: str  # speculative.llmapi.IMPLS
+    trtllm_line: str
+    gpu_device_ids: str | None = None  # "0,1": CUDA_VISIBLE_DEVICES for the LLM's workers
+
+    def settings(self, decoupled: bool, max_batch_size: int):
+        from trtspec.triton.backend.orchestrator_core import OrchestratorSettings
+
+        # No engine models to call: the LLM API drafts and verifies; only parsing and packing
+        # are the orchestrator's.
+        return OrchestratorSettings(
+            mode=self.mode,
+            decoupled=decoupled,
+            target_model="",
+            draft_model=None,
+            method=self.method,
+            max_ngram=0,
+            min_ngram=1,
+            limits=self._limits(max_batch_size),
+            chat_template_default=self.apply_chat_template,
+            margins_supported=False,
+        )
+
+
+def _encode(value, codec: str | None) -> str:
+    if codec == "schedule":
+        return json.dumps({str(n): k for n, k in sorted(value)})
+    if codec == "switch_off":
+        window, length = value
+        return json.dumps({"window": window, "min_acceptance_length": length})
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _decode(text: str, hint, codec: str | None):
+    if codec == "schedule":
+        from trtspec.speculative.schedule import DraftSchedule
+
+        return DraftSchedule.from_mapping({int(n): int(k) for n, k in json.loads(text).items()}).points
+    if codec == "switch_off":
+        raw = json.loads(text)
+        return int(raw["window"]), float(raw["min_acceptance_length"])
+    kind = next((a for a in typing.get_args(hint) if a is not type(None)), hint)  # int | None -> int
+    if kind is bool:
+        return text == "true"
+    return kind(text)
+
+
+def load_aware(speculative) -> dict:
+    """The spec's `speculative.schedule` / `switch_off` as EngineEndpointParams keywords."""
+    out: dict = {}
+    if speculative.schedule:
+        out["schedule"] = tuple(sorted(speculative.schedule.items()))
+    if speculative.switch_off is not None:
+        out["switch_off"] = (speculative.switch_off.window, speculative.switch_off.min_acceptance_length)
+    return out
