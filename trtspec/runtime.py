@@ -14,7 +14,7 @@ from trtspec.engines.torch.engine import TorchEngine
 from trtspec.errors import EngineError, RequestError
 from trtspec.layout import engine_folder
 from trtspec.spec import LoadedSpec
-from trtspec.speculative.drafters import ModelDrafter, make_drafter
+from trtspec.speculative.drafters import engine_drafter, make_drafter
 from trtspec.speculative.loop import (
     Drafter,
     GenerationRequest,
@@ -69,13 +69,7 @@ class Deployment:
     def drafter(self, method: str | None = None) -> Drafter:
         """The spec's drafter, or another method's over the same engines (bench peers)."""
         s = self.spec.speculative
-        model = None
-        if self.draft is not None:
-            model = ModelDrafter(self.draft.run, min(self.draft.vocab_size, self.target.vocab_size))
-        elif self.head is not None:
-            from trtspec.speculative.eagle3 import Eagle3Drafter, engine_features
-
-            model = Eagle3Drafter(self.head, engine_features(self.target))
+        model = engine_drafter(self.target, self.draft, self.head)
         return make_drafter(method or s.method, max_ngram=s.max_ngram, min_ngram=s.min_ngram, draft_model=model)
 
     def verifier(self) -> LogitsVerifier:
