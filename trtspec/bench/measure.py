@@ -302,15 +302,6 @@ class BenchReport:
         }
 
 
-def machine_description() -> str:
-    import os
-    import platform
-
-    import torch
-
-    return f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
-
-
 def validate_args(k: int, ks: Sequence[int], concurrency: Sequence[int], max_k: int) -> None:
     for value in [k, *ks]:
         if not 1 <= value <= max_k:

@@ -49,7 +49,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import platform
 import subprocess
 import time
 from collections.abc import Callable
@@ -58,6 +57,7 @@ from pathlib import Path
 
 import torch
 
+from trtspec import machine
 from trtspec.errors import EngineError, SpecError
 from trtspec.runtime import Deployment
 from trtspec.spec import read_prompt_rows
@@ -757,17 +757,6 @@ def plot(results: list[tuple[Measurement, list[PathSummary]]], out: Path) -> Pat
     return out
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    info = Path("/proc/cpuinfo")
-    if info.is_file():
-        for line in info.read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return f"{cpu}, {platform.system()} {platform.release()}"
-
-
 def describe_setup(dep: Deployment, settings: dict, vllm: dict | None = None) -> dict:
     import transformers
 
@@ -779,7 +768,7 @@ def describe_setup(dep: Deployment, settings: dict, vllm: dict | None = None) ->
         "target_dtype": dep.target.manifest.dtype,
         "draft_dtype": dep.draft.manifest.dtype if dep.draft else None,
         "hf": settings,
-        "machine": machine(),
+        "machine": machine.description(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from trtspec import console
+from trtspec import console, machine
 from trtspec.bench import measure as m
 from trtspec.errors import RequestError
 from trtspec.spec import LoadedSpec
@@ -78,7 +78,7 @@ def run(
         sweeper = m.InProcessBench(dep, use_schedule=False)
         first = opts.prompts[0]
         measure_costs, mode = (lambda k: m.measure_engine_costs(dep, first, k)), "in-process"
-    report = m.BenchReport(loaded.spec.name, mode, m.machine_description(), len(opts.prompts), opts.max_tokens, opts.k)
+    report = m.BenchReport(loaded.spec.name, mode, machine.description(), len(opts.prompts), opts.max_tokens, opts.k)
     report.max_batch_size = loaded.spec.build.max_batch_size
     methods = None
     if opts.methods:
@@ -131,7 +131,7 @@ def _run_llmapi(loaded: LoadedSpec, engines_dir: Path, opts: BenchOptions, progr
         dep = LlmapiDeployment(loaded, engines_dir, opts.llmapi_impl)
     label = "llmapi conformance double, not TensorRT-LLM" if opts.llmapi_impl == "double" else "TensorRT-LLM LLM API"
     report = m.BenchReport(
-        loaded.spec.name, f"in-process ({label})", m.machine_description(), len(opts.prompts), opts.max_tokens, k
+        loaded.spec.name, f"in-process ({label})", machine.description(), len(opts.prompts), opts.max_tokens, k
     )
     try:
         m.run_bench(LlmapiBench(dep), report, opts.prompts, [], opts.concurrency, None, progress=progress, rounds=opts.rounds)
