@@ -133,7 +133,7 @@ def test_a_trained_head_beats_an_untrained_one(tmp_path, tiny_ckpts):
     from transformers import AutoConfig
 
     from trtspec.codesign.heads import new_head, save_head
-    from trtspec.codesign.tiny import make_bigram_target
+    from trtspec.demo.tiny import make_bigram_target
     from trtspec.engines.build import build
     from trtspec.runtime import Deployment
 

@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from trtspec.cli.app import app
 from trtspec.codesign.heads import new_head, save_head
-from trtspec.codesign.tiny import bigram_map, make_bigram_target, make_exact_head
+from trtspec.codesign.tiny import make_exact_head
+from trtspec.demo.tiny import bigram_map, make_bigram_target
 from trtspec.engines.eagle3 import default_layer_ids
 
 runner = CliRunner()

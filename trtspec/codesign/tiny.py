@@ -1,9 +1,6 @@
-"""Tiny targets whose greedy next token depends only on the current token (x -> g(x)), and an
-EAGLE-3 head that reproduces such a target exactly: test fixtures for method eagle3.
-
-Target: attention and MLP outputs are zero (o_proj, down_proj = 0), so every layer's output
-at position t is the embedding of x_t and the greedy next token is argmax lm_head(norm(e_x)).
-With one-hot embeddings (hidden >= vocab) and lm_head = the matrix of g, that is exactly g(x).
+"""An EAGLE-3 head that reproduces a one-hot bigram target exactly (demo.tiny.make_bigram_target:
+greedy next token g(x), one-hot embeddings, lm_head = the matrix of g): a test fixture for
+method eagle3.
 
 Exact head: the features at position t are e_{x_t}; ``fc`` maps them to e_{g(x_t)}, which is
 e_{x_{t+1}} whenever x_{t+1} came from the target; the head's MLP is a lookup table that
@@ -19,55 +16,6 @@ from pathlib import Path
 import torch
 
 
-def bigram_map(vocab: int, lo: int = 10, hi: int = 60) -> list[int]:
-    """g: every token maps into lo..hi-1 (never a special token such as EOS)."""
-    span = hi - lo
-    return [lo + (7 * a + 3) % span for a in range(vocab)]
-
-
-def make_bigram_target(out: Path, tokenizer_from: Path, hidden: int | None = None, layers: int = 2, seed: int = 0) -> Path:
-    """A target with greedy next token g(x), with the tokenizer of ``tokenizer_from``.
-    hidden None: one-hot embeddings (hidden = vocab, exact); otherwise random embeddings of
-    that width (g is then what they make it)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_from)
-    vocab = 400
-    width = hidden or vocab
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=width,
-        intermediate_size=width,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).eval()
-    g = bigram_map(vocab)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        if hidden is None:
-            model.model.embed_tokens.weight.copy_(torch.eye(vocab))
-            lm = torch.zeros(vocab, vocab)
-            lm[torch.tensor(g), torch.arange(vocab)] = 1.0
-            model.lm_head.weight.copy_(lm)
-        else:
-            model.model.embed_tokens.weight.normal_(0, 1.0)
-            model.lm_head.weight.normal_(0, 1.0)
-    out = Path(out)
-    model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
-    return out
-
-
 def make_exact_head(target_folder: Path, out: Path) -> Path:
     """The head that reproduces a one-hot bigram target exactly (see the module docstring)."""
     from transformers import AutoConfig
@@ -77,7 +25,7 @@ def make_exact_head(target_folder: Path, out: Path) -> Path:
 
     hf = AutoConfig.from_pretrained(target_folder)
     vocab = hf.vocab_size
-    g = torch.tensor(bigram_map(vocab))
+    g = _bigram_of(target_folder)
     image = sorted(set(g.tolist()))
     layer_ids = default_layer_ids(hf.num_hidden_layers)
     head, config = new_head(hf, target_folder, layer_ids, image, seed=0, anchor=False)
@@ -99,3 +47,10 @@ def make_exact_head(target_folder: Path, out: Path) -> Path:
         head.lm_head.weight.copy_(eye[torch.tensor(image)] * 10.0)
     save_head(out, head, config)
     return Path(out)
+
+
+def _bigram_of(target_folder: Path) -> torch.Tensor:
+    """g as the target holds it: column a of a one-hot target's lm_head is e_{g(a)}."""
+    from safetensors.torch import load_file
+
+    return load_file(Path(target_folder) / "model.safetensors")["lm_head.weight"].argmax(dim=0)

@@ -1,4 +1,5 @@
-"""Tiny random Llama checkpoints (seeded, about 1 MB) for tests and the tiny-llama spec.
+"""Tiny Llama checkpoints (seeded, about 1 MB) for tests and the tiny-llama spec: the one
+factory of test models (llama_config is their shape).
 
     python -m trtspec.demo.tiny weights/tiny-llama
 
@@ -53,32 +54,81 @@ def make_tokenizer(vocab_size: int = 384, extra_corpus: str = ""):
     return fast
 
 
-def make_model(seed: int, vocab_size: int, noise_from=None, noise: float = 0.0, tokenizer=None):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config(vocab_size: int, tokenizer, hidden: int = 64, intermediate: int = 160, layers: int = 2, **extra):
+    """The tiny Llama shape every test checkpoint has (4 heads, 2 KV heads, 1024 positions,
+    untied lm_head), with the special ids of ``tokenizer``."""
+    from transformers import LlamaConfig
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
+    return LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=1024,
-        # A wide init makes logits peaky, so greedy choices are far from ties.
-        initializer_range=0.25,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
+        **extra,
     )
-    model = LlamaForCausalLM(cfg).eval()
+
+
+def make_model(seed: int, vocab_size: int, noise_from=None, noise: float = 0.0, tokenizer=None):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    # A wide init makes logits peaky, so greedy choices are far from ties.
+    model = LlamaForCausalLM(llama_config(vocab_size, tokenizer, initializer_range=0.25)).eval()
     if noise_from is not None:
         with torch.no_grad():
             for p, q in zip(model.parameters(), noise_from.parameters()):
                 p.copy_(q + noise * torch.randn_like(q) * q.std())
     return model
+
+
+def bigram_map(vocab: int, lo: int = 10, hi: int = 60) -> list[int]:
+    """g: every token maps into lo..hi-1 (never a special token such as EOS)."""
+    span = hi - lo
+    return [lo + (7 * a + 3) % span for a in range(vocab)]
+
+
+def make_bigram_target(out: Path, tokenizer_from: Path, hidden: int | None = None, layers: int = 2, seed: int = 0) -> Path:
+    """A target whose greedy next token depends only on the current token, g(x) = bigram_map,
+    with the tokenizer of ``tokenizer_from`` (a test fixture for method eagle3).
+
+    Attention and MLP outputs are zero (o_proj, down_proj = 0), so every layer's output at
+    position t is the embedding of x_t and the greedy next token is argmax lm_head(norm(e_x)).
+    hidden None: one-hot embeddings (hidden = vocab) and lm_head = the matrix of g, so that is
+    exactly g(x) (codesign.tiny.make_exact_head drafts it exactly); otherwise random
+    embeddings of that width (g is then what they make it)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_from)
+    vocab = 400
+    width = hidden or vocab
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(llama_config(vocab, tok, width, width, layers)).eval()
+    g = bigram_map(vocab)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        if hidden is None:
+            model.model.embed_tokens.weight.copy_(torch.eye(vocab))
+            lm = torch.zeros(vocab, vocab)
+            lm[torch.tensor(g), torch.arange(vocab)] = 1.0
+            model.lm_head.weight.copy_(lm)
+        else:
+            model.model.embed_tokens.weight.normal_(0, 1.0)
+            model.lm_head.weight.normal_(0, 1.0)
+    out = Path(out)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
 
 
 def make_tiny_pair(out: Path, seed: int = 0) -> dict[str, Path]:
