@@ -36,7 +36,7 @@ from trtspec.files import write_json_atomic  # noqa: E402
 from trtspec.speculative import loop  # noqa: E402
 from trtspec.speculative.loop import GenerationRequest, NoDrafter, generate  # noqa: E402
 from trtspec.speculative.sampling import SamplingParams, accept_all, accept_or_resample, warp  # noqa: E402
-from trtspec.verify_sampling import ALPHA, chi_square_uniform  # noqa: E402
+from trtspec.verify.sampling import ALPHA, chi_square_uniform  # noqa: E402
 
 
 def clopper_pearson(k: int, n: int, conf: float = 0.95) -> tuple[float, float]:

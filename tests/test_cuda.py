@@ -63,7 +63,8 @@ def assert_identical_or_numerical(dep, reqs, base, spec) -> None:
     numerical (a near-tie the verifier's forward shape flipped): what verify passes with
     --fail-on algorithmic."""
     from trtspec.speculative.loop import PathRun
-    from trtspec.verify import InProcessBackend, first_divergence
+    from trtspec.verify.backends import InProcessBackend
+    from trtspec.verify.identity import first_divergence
 
     backend = InProcessBackend(dep)
     for req, b, s in zip(reqs, base, spec):

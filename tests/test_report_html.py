@@ -23,11 +23,12 @@ from typer.testing import CliRunner
 
 import trtspec.runtime as runtime
 import trtspec.speculative.loop as loop
-from trtspec import report_html
 from trtspec.cli.app import app
 from trtspec.speculative.loop import PathRun
 from trtspec.speculative.metrics import SpecMetrics
-from trtspec.verify import InProcessBackend, run_verify
+from trtspec.verify import html_report
+from trtspec.verify.backends import InProcessBackend
+from trtspec.verify.identity import run_verify
 
 runner = CliRunner()
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -36,7 +37,7 @@ needs_browser = pytest.mark.skipif(
     reason="no headless browser: install Debian's chromium (`apt-get install -y chromium`; .ci/run does it)",
 )
 HOSTILE = "<script>alert(1)</script> <img src=x onerror=alert(2)> & \"quoted\" 'x'"
-HIGHLIGHT = (255, 210, 77)  # mark.div's background in report_html's CSS
+HIGHLIGHT = (255, 210, 77)  # mark.div's background in html_report's CSS
 
 
 # ----------------------------------------------------------------------- the browser
@@ -234,7 +235,7 @@ def test_algorithmic_bug_in_the_browser(built, tmp_path, monkeypatch):
     data = report.to_dict()
     assert data["verdicts"]["algorithmic"] == data["diverged"] > 0
     page = tmp_path / "report.html"
-    report_html.write(page, data, backend.token_text, machine="test", fail_on="any", passed=report.passes("any"))
+    html_report.write(page, data, backend.token_text, machine="test", fail_on="any", passed=report.passes("any"))
     root = dom_of(page, tmp_path)
     assert_divergences_marked(root, data)
     steps = data["results"][0]["spec_steps"]
@@ -268,7 +269,7 @@ def test_served_run_is_unclassified_and_says_what_is_missing(built, tmp_path, mo
     data = report.to_dict()
     assert data["verdicts"]["unclassified"] == data["diverged"] > 0
     page = tmp_path / "report.html"
-    report_html.write(page, data, backend.token_text, machine="test", fail_on="algorithmic", passed=False)
+    html_report.write(page, data, backend.token_text, machine="test", fail_on="algorithmic", passed=False)
     root = dom_of(page, tmp_path)
     assert_divergences_marked(root, data)
     notes = " ".join(n.text() for n in root.find_all("p", "note"))
@@ -280,7 +281,7 @@ def test_served_run_is_unclassified_and_says_what_is_missing(built, tmp_path, mo
 def test_page_is_self_contained_and_escapes_model_text(tmp_path):
     data = _report_dict(token_text_of_divergence="<img src=x onerror=alert(1)>")
     evil = {7: "<script>alert(3)</script>", 8: '"><iframe src=//x>'}
-    page = report_html.render(data, lambda t: evil.get(t, f"tok{t}"), machine="m & <n>", fail_on="any", passed=False)
+    page = html_report.render(data, lambda t: evil.get(t, f"tok{t}"), machine="m & <n>", fail_on="any", passed=False)
     tags = re.findall(r"<[a-zA-Z][^>]*>", page)
     assert {t.split()[0].strip("<>").lower() for t in tags}.isdisjoint({"<script", "script", "img", "iframe", "link", "object"})
     # References only within the page (the plots' own clip paths and glyphs).
@@ -294,13 +295,13 @@ def test_page_is_self_contained_and_escapes_model_text(tmp_path):
 
 def test_sampling_and_gate_sections(tmp_path):
     from trtspec.speculative.sampling import SamplingParams
-    from trtspec.verify_sampling import SamplingCheck
+    from trtspec.verify.sampling import SamplingCheck
 
     data = _report_dict()
     data["sampling"] = SamplingCheck(SamplingParams(0.8, top_p=0.9), 10, 5, [5] * 10, 0.0, 1.0).to_dict()
     data["acceptance_gate"] = {"passed": False, "checks": ["FAILED: acceptance rate on <set>: baseline 0.5 -> now 0.2"]}
     page = tmp_path / "r.html"
-    report_html.write(page, data, str, machine="m", fail_on="any", passed=False)
+    html_report.write(page, data, str, machine="m", fail_on="any", passed=False)
     text = page.read_text()
     assert "Sampling check: passed" in text and "temperature 0.8, top_k 0, top_p 0.9" in text
     assert "Acceptance gate: FAILED" in text and "acceptance rate on &lt;set&gt;" in text

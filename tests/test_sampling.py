@@ -13,7 +13,7 @@ from trtspec.errors import RequestError
 from trtspec.speculative import loop
 from trtspec.speculative.loop import GenerationRequest, NoDrafter, Verdict, generate
 from trtspec.speculative.sampling import SamplingParams, accept_all, warp
-from trtspec.verify_sampling import chi_square_uniform
+from trtspec.verify.sampling import chi_square_uniform
 
 V = 6  # vocabulary
 # Tokens per generation: the first comes from the target's prefill (a sequence's first step

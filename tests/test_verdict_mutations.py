@@ -20,7 +20,8 @@ import torch
 import trtspec.engines.torch.model as model
 import trtspec.runtime as runtime
 import trtspec.speculative.loop as loop
-from trtspec.verify import InProcessBackend, run_verify
+from trtspec.verify.backends import InProcessBackend
+from trtspec.verify.identity import run_verify
 
 PROMPTS = [
     "The quick brown fox",

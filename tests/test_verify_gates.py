@@ -188,7 +188,7 @@ def test_sampling_check_passes_and_catches_a_sampler_without_rejection(built, mo
     or mismatched draft would be (seeded: deterministic)."""
     from trtspec.speculative import loop
     from trtspec.speculative.sampling import SamplingParams, accept_all
-    from trtspec.verify_sampling import check_deployment
+    from trtspec.verify.sampling import check_deployment
 
     dep = built("unrelated")
     prompts = ["The quick brown fox", "def fibonacci(n):", "Triton serves models over HTTP and gRPC."]
@@ -207,7 +207,7 @@ def test_sampling_check_gives_every_prompt_its_own_random_stream(built, monkeypa
     twice (and prompts that end alike on dependent ones), raising the false-alarm rate."""
     from trtspec.runtime import Deployment
     from trtspec.speculative.sampling import SamplingParams
-    from trtspec.verify_sampling import check_deployment
+    from trtspec.verify.sampling import check_deployment
 
     dep = built("unrelated")
     seeds, outputs = [], []

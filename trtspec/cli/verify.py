@@ -9,9 +9,7 @@ from typing import Annotated
 import typer
 from rich.progress import Progress
 
-from trtspec import console, report_html
-from trtspec.acceptance import check as check_acceptance
-from trtspec.acceptance import identity, load_baseline, parse_fraction
+from trtspec import console
 from trtspec.cli.common import (
     DeviceOpt,
     JsonFileOpt,
@@ -28,8 +26,8 @@ from trtspec.cli.output import emit
 from trtspec.errors import EXIT_DIVERGED, EXIT_OK, RequestError
 from trtspec.spec import load_spec
 from trtspec.speculative.sampling import SamplingParams
-from trtspec.verify import open_backend, render_table, run_verify, write_junit
-from trtspec.verify_sampling import check_deployment, check_sample_count, check_url
+from trtspec.verify.acceptance import parse_fraction
+from trtspec.verify.run import VerifyOptions, run
 
 
 class FailOn(str, Enum):
@@ -143,90 +141,57 @@ def verify(
       trtspec verify my-spec.yaml --device cuda --fail-on algorithmic  # torch engines on a GPU
     """
     loaded = with_device(load_spec(spec), device)
-    prompts = list(prompt) if prompt else loaded.verify_prompts()
-    drop = parse_fraction(max_acceptance_drop) if max_acceptance_drop is not None else None
-    if (drop is None) != (baseline is None):
-        raise RequestError(
-            "--baseline and --max-acceptance-drop go together: pass both (e.g. --baseline previous.json --max-acceptance-drop 5%)"
-        )
-    if not prompts:
-        raise RequestError("no prompts to verify: add verify.prompts to the spec or pass --prompt")
-    n_tokens = max_tokens if max_tokens is not None else loaded.spec.verify.max_tokens
-    url = parse_url(url)
-    if html_file is not None and html_file.is_dir():
-        raise RequestError(f"--html {html_file} is a folder; give a file path (e.g. {html_file / 'report.html'})")
-    sampling_params = _sampling_params(sampling, temperature, top_k, top_p, seed)
-    if sampling is not None:
-        check_sample_count(sampling, len(prompts))
-    k = num_draft_tokens if num_draft_tokens is not None else loaded.spec.speculative.default_draft_tokens
-    prompt_set = _prompt_set_name(loaded, prompt)
-    # A baseline that cannot compare is refused before minutes of generation, not after.
-    base = None
-    if baseline is not None:
-        base = load_baseline(baseline, identity(loaded.spec.name, prompts, prompt_set, k, n_tokens))
-    backend, mode = open_backend(loaded, loaded.output_dir(output), url, stream, num_draft_tokens, tie_epsilon, llmapi_impl)
-    with Progress(console=console.err, transient=True) as bar:
-        task = bar.add_task("verifying prompts", total=len(prompts))
-        report = run_verify(
-            backend,
-            prompts,
-            n_tokens,
-            loaded.spec.name,
-            mode=mode,
-            progress=lambda i, n: bar.update(task, completed=i),
-            prompt_set=prompt_set,
-            num_draft_tokens=k,
-        )
-    gate = None
-    if baseline is not None or min_acceptance_length is not None:
-        gate = check_acceptance(report.to_dict(), base, drop, min_acceptance_length)
-    sampled = None
-    if sampling_params is not None:
-        with Progress(console=console.err, transient=True) as bar:
-            task = bar.add_task("sampling", total=sampling * len(prompts))
-            tick = lambda i, n: bar.update(task, completed=i)  # noqa: E731
-            if url is None:
-                sampled = check_deployment(backend.dep, prompts, sampling, n_tokens, sampling_params, num_draft_tokens, tick)
-            else:
-                sampled = check_url(
-                    loaded, loaded.output_dir(output), backend, prompts, sampling, n_tokens, sampling_params, tick
-                )
-
-    def human(out) -> None:
-        render_table(report, out)
-        for line in gate.lines if gate else []:
-            out.print(line, markup=False)
-        if sampled is not None:
-            out.print(sampled.describe(), markup=False)
-
-    full = _WithGates(report, gate, sampled)
-    emit(full, human, as_json=as_json, json_file=json_file)
+    opts = VerifyOptions(
+        prompts=list(prompt) if prompt else None,
+        max_tokens=max_tokens,
+        num_draft_tokens=num_draft_tokens,
+        url=parse_url(url),
+        stream=stream,
+        fail_on=fail_on.value,
+        baseline=baseline,
+        max_acceptance_drop=parse_fraction(max_acceptance_drop) if max_acceptance_drop is not None else None,
+        min_acceptance_length=min_acceptance_length,
+        samples=sampling,
+        sampling=_sampling_params(sampling, temperature, top_k, top_p, seed),
+        tie_epsilon=tie_epsilon,
+        llmapi_impl=llmapi_impl,
+        html_file=html_file,
+    )
+    bars = _Bars()
+    try:
+        outcome = run(loaded, loaded.output_dir(output), opts, progress=bars.update)
+    finally:
+        bars.close()
+    emit(outcome, outcome.render, as_json=as_json, json_file=json_file)
     if junit_file:
-        write_junit(report, junit_file, fail_on.value)
-    ok = report.passes(fail_on.value) and (gate is None or gate.passed) and (sampled is None or sampled.passed)
+        outcome.write_junit(junit_file)
     if html_file:
-        from trtspec.bench.measure import machine_description
+        from trtspec.machine import description as machine_description
 
-        report_html.write(
-            html_file, full.to_dict(), backend.token_text, machine=machine_description(), fail_on=fail_on.value, passed=ok
-        )
+        outcome.write_html(html_file, machine_description())
         console.info(f"wrote {html_file}")
-    raise typer.Exit(EXIT_OK if ok else EXIT_DIVERGED)
+    raise typer.Exit(EXIT_OK if outcome.passed else EXIT_DIVERGED)
 
 
-class _WithGates:
-    """The verify report's JSON plus the acceptance gate and sampling check, when run."""
+class _Bars:
+    """One transient progress bar per phase of the run (rich shows one live display at a
+    time, and loading the engines shows its own)."""
 
-    def __init__(self, report, gate, sampled):
-        self.report, self.gate, self.sampled = report, gate, sampled
+    def __init__(self):
+        self.phase, self.bar, self.task = None, None, None
 
-    def to_dict(self) -> dict:
-        data = self.report.to_dict()
-        if self.gate is not None:
-            data["acceptance_gate"] = self.gate.to_dict()
-        if self.sampled is not None:
-            data["sampling"] = self.sampled.to_dict()
-        return data
+    def update(self, phase: str, done: int, total: int) -> None:
+        if phase != self.phase:
+            self.close()
+            self.phase, self.bar = phase, Progress(console=console.err, transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task(phase, total=total)
+        self.bar.update(self.task, completed=done)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+        self.phase, self.bar = None, None
 
 
 def _sampling_params(n, temperature, top_k, top_p, seed):
@@ -245,12 +210,3 @@ def _sampling_params(n, temperature, top_k, top_p, seed):
         top_p=1.0 if top_p is None else top_p,
         seed=seed or 0,
     )
-
-
-def _prompt_set_name(loaded, prompt: list[str] | None) -> str:
-    if prompt:
-        return "--prompt"
-    where = [f"{loaded.path.name} verify.prompts"] if loaded.spec.verify.prompts else []
-    if loaded.spec.verify.prompts_file:
-        where.append(loaded.spec.verify.prompts_file)
-    return " + ".join(where)
