@@ -61,7 +61,7 @@ def load_engine(folder: Path, force: str | None):
 
 
 def main(argv=None) -> int:
-    from trtspec.bench.peers import _cut_at_end, encode_prompts, load_hf, read_prompts
+    from trtspec.bench.peers import _cut_at_end, encode_prompts, load_hf, read_kinded_prompts
     from trtspec.engines.torch.kernels import cpu_signature
     from trtspec.machine import description as machine_description
     from trtspec.runtime import Deployment
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     loaded = load_spec(args.spec)
     dep = Deployment(loaded, loaded.output_dir(), slots=1)
-    prompts = encode_prompts(dep, read_prompts(args.prompts))
+    prompts = encode_prompts(dep, read_kinded_prompts(args.prompts))
     room = dep.limits.max_input_len or dep.limits.max_seq_len
     fits = [p for p in prompts if len(p.ids) <= room and len(p.ids) + args.max_tokens <= dep.limits.max_seq_len]
     if len(fits) < len(prompts):

@@ -27,7 +27,7 @@ from trtspec.bench.peers import (
     measure,
     peer_paths,
     plot,
-    read_prompts,
+    read_kinded_prompts,
     render_markdown,
     summarise,
     to_json,
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         loaded = load_spec(args.spec)
         draft_from = load_spec(args.draft_from) if args.draft_from else None
-        rows = read_prompts(args.prompts, args.limit)
+        rows = read_kinded_prompts(args.prompts, args.limit)
         progress(f"loading {loaded.spec.name} (trtspec engines and transformers checkpoints)")
         if max(args.concurrency) > loaded.spec.build.max_batch_size:
             raise RequestError(

@@ -342,12 +342,12 @@ def test_shipped_prompts_are_unique_and_never_a_gate_or_bench_prompt():
     shipped spec's verify list measures on (distill drops the latter, bench relies on this)."""
     import yaml
 
-    from trtspec.codesign.data import SHIPPED_PROMPTS, read_prompts
+    from trtspec.codesign.data import SHIPPED_PROMPTS, distill_prompts
 
     root = Path(__file__).resolve().parents[1]
-    shipped = read_prompts(SHIPPED_PROMPTS)
+    shipped = distill_prompts(SHIPPED_PROMPTS)
     assert len(shipped) == len(set(shipped)) >= 500
-    measured = set(read_prompts(root / "bench" / "prompts.jsonl"))
+    measured = set(distill_prompts(root / "bench" / "prompts.jsonl"))
     for spec in sorted((root / "engine_specs").glob("*.yaml")):
         verify = (yaml.safe_load(spec.read_text()) or {}).get("verify") or {}
         measured |= set(verify.get("prompts") or [])

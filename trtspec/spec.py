@@ -440,21 +440,26 @@ class LoadedSpec(BaseModel):
         """Inline prompts followed by those of prompts_file (JSONL, key "prompt")."""
         prompts = list(self.spec.verify.prompts)
         if self.spec.verify.prompts_file:
-            prompts += read_prompts_file(self.resolve(self.spec.verify.prompts_file))
+            prompts += read_prompts(self.resolve(self.spec.verify.prompts_file))
         return prompts
 
 
-def read_prompts_file(path: Path) -> list[str]:
-    """Prompts of a JSONL file, one {"prompt": "..."} object per line."""
-    return [row["prompt"] for row in read_prompt_rows(path, "verify.prompts_file")]
+def read_prompts(path: Path, what: str = "verify.prompts_file") -> list[str]:
+    """Prompts of a JSONL file, one {"prompt": "..."} object per line: the one prompt reader
+    (``what`` names the setting or option the file came from in errors)."""
+    return [row["prompt"] for row in read_prompt_rows(path, what)]
 
 
 def read_prompt_rows(path: Path, what: str) -> list[dict]:
     """The JSON objects of a prompts file, each checked to hold a non-empty "prompt"."""
     if not path.is_file():
         raise SpecError(f"{what}: {path} does not exist; create it or fix the path")
+    try:
+        text = read_text_file(path, what)
+    except OSError as e:
+        raise SpecError(f"{what}: cannot read {path} ({e.strerror}); fix the path or permissions") from e
     rows = []
-    for n, line in enumerate(read_text_file(path, what).splitlines(), start=1):
+    for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:

@@ -125,8 +125,8 @@ class Measurement:
 # ---- prompts ---------------------------------------------------------------------------
 
 
-def read_prompts(path: Path, limit: int | None = None) -> list[tuple[str, str]]:
-    """(text, kind) per JSONL line {"prompt": ..., "kind": "chat|code|rewrite"}."""
+def read_kinded_prompts(path: Path, limit: int | None = None) -> list[tuple[str, str]]:
+    """(text, kind) per JSONL line {"prompt": ..., "kind": "chat|code|rewrite"} (spec.read_prompt_rows)."""
     rows = []
     for n, row in enumerate(read_prompt_rows(path, "--prompts"), start=1):
         if row.get("kind") not in KINDS:

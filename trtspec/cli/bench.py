@@ -22,7 +22,7 @@ from trtspec.cli.common import (
 )
 from trtspec.cli.output import emit
 from trtspec.errors import EXIT_INTERRUPTED
-from trtspec.spec import load_spec, read_prompts_file
+from trtspec.spec import load_spec, read_prompts
 
 
 @handle_errors
@@ -102,7 +102,7 @@ def bench(
     llmapi_spec = loaded.spec.backend == "trtllm" and loaded.spec.trtllm.runtime == "llmapi"
     prompts = list(prompt or [])
     if prompts_file:
-        prompts += read_prompts_file(prompts_file)
+        prompts += read_prompts(prompts_file)
     opts = run.BenchOptions(
         prompts=prompts or loaded.verify_prompts(),
         max_tokens=max_tokens or loaded.spec.verify.max_tokens,

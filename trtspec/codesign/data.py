@@ -29,22 +29,17 @@ from trtspec.speculative.verifier import LogitsVerifier
 SHIPPED_PROMPTS = Path(__file__).with_name("prompts.jsonl")
 
 
-def read_prompts(path: Path) -> list[str]:
-    """Prompts of a JSONL file ({"prompt": ...} per line); SpecError when empty or unreadable."""
-    from trtspec.spec import read_prompt_rows
+def distill_prompts(path: Path) -> list[str]:
+    """The prompts of a --prompts / --eval-prompts file (spec.read_prompts), at least 2: one is held out."""
+    from trtspec.spec import read_prompts
 
-    try:
-        rows = read_prompt_rows(Path(path), "--prompts")
-    except UnicodeDecodeError as e:
-        raise SpecError(f"--prompts: {path} is not UTF-8 text ({e.reason}); pass a JSONL file") from e
-    except OSError as e:
-        raise SpecError(f"--prompts: cannot read {path} ({e.strerror}); fix the path or permissions") from e
-    if len(rows) < 2:
+    prompts = read_prompts(Path(path), "--prompts")
+    if len(prompts) < 2:
         raise SpecError(
-            f"--prompts: {path} holds {len(rows)} prompt(s); distill needs at least 2 (one is held out), "
+            f"--prompts: {path} holds {len(prompts)} prompt(s); distill needs at least 2 (one is held out), "
             'one {"prompt": "..."} object per line'
         )
-    return [r["prompt"] for r in rows]
+    return prompts
 
 
 class LabelRecorder:

@@ -32,7 +32,7 @@ import torch
 from trtspec import console
 from trtspec.codesign.corpus import read_conversations, tokenize_conversations
 from trtspec.codesign.costs import measure_costs, recommend_k
-from trtspec.codesign.data import SHIPPED_PROMPTS, capture_batch, draft_vocabulary, generated, read_prompts
+from trtspec.codesign.data import SHIPPED_PROMPTS, capture_batch, distill_prompts, draft_vocabulary, generated
 from trtspec.codesign.heads import new_head, refuse_existing, save_head
 from trtspec.codesign.store import CorruptStore, FeatureStore, open_store, remove_store, write_store
 from trtspec.codesign.trainer import Trainer
@@ -269,10 +269,10 @@ def _plot_scaling(points: list[dict], path: Path) -> None:
 
 def _split(loaded: LoadedSpec, opts: DistillOptions) -> Split:
     prompts_path = Path(opts.prompts) if opts.prompts else SHIPPED_PROMPTS
-    prompts = read_prompts(prompts_path)
+    prompts = distill_prompts(prompts_path)
     # The gate measures on prompts the head never saw: the spec's verify prompts (and
     # --eval-prompts) are left out of training and scored at the end.
-    extra = read_prompts(Path(opts.eval_prompts)) if opts.eval_prompts else []
+    extra = distill_prompts(Path(opts.eval_prompts)) if opts.eval_prompts else []
     unseen = list(dict.fromkeys(loaded.verify_prompts() + extra))
     gate = set(unseen)
     kept = [p for p in prompts if p not in gate]
