@@ -11,6 +11,7 @@ from trtspec import console, machine
 from trtspec.bench import measure as m
 from trtspec.errors import RequestError
 from trtspec.spec import LoadedSpec
+from trtspec.speculative.llmapi import DOUBLE, TENSORRT_LLM
 from trtspec.speculative.requests import draft_tokens
 
 
@@ -37,7 +38,7 @@ class BenchOptions:
     concurrency: list[int]
     rounds: int = 1
     url: str | None = None  # HOST:PORT of a served repository; None: in process
-    llmapi_impl: str = "tensorrt_llm"  # trtllm.runtime llmapi in process: the library or "double"
+    llmapi_impl: str = TENSORRT_LLM  # trtllm.runtime llmapi in process: the library or DOUBLE
     methods: list[str] = field(default_factory=list)  # also compare these drafting methods (in process)
     draft_from: LoadedSpec | None = None  # the source of a method that is not the spec's own
     schedule: bool = False  # also the k x concurrency grid and a recommended schedule (in process)
@@ -129,7 +130,7 @@ def _run_llmapi(loaded: LoadedSpec, engines_dir: Path, opts: BenchOptions, progr
         raise RequestError(f"-k {opts.k}: this llmapi build drafts {k} (speculative.max_draft_len); pass -k {k} or rebuild")
     with console.step("loading the LLM API (speculative and control)"):
         dep = LlmapiDeployment(loaded, engines_dir, opts.llmapi_impl)
-    label = "llmapi conformance double, not TensorRT-LLM" if opts.llmapi_impl == "double" else "TensorRT-LLM LLM API"
+    label = "llmapi conformance double, not TensorRT-LLM" if opts.llmapi_impl == DOUBLE else "TensorRT-LLM LLM API"
     report = m.BenchReport(
         loaded.spec.name, f"in-process ({label})", machine.description(), len(opts.prompts), opts.max_tokens, k
     )

@@ -23,6 +23,7 @@ from trtspec.cli.common import (
 from trtspec.cli.output import emit
 from trtspec.errors import EXIT_INTERRUPTED
 from trtspec.spec import load_spec, read_prompts
+from trtspec.speculative.llmapi import TENSORRT_LLM
 
 
 @handle_errors
@@ -77,7 +78,7 @@ def bench(
     ] = None,
     as_json: JsonOpt = False,
     json_file: JsonFileOpt = None,
-    llmapi_impl: LlmapiOpt = "tensorrt_llm",
+    llmapi_impl: LlmapiOpt = TENSORRT_LLM,
     device: DeviceOpt = None,
 ) -> None:
     """Measure speculative vs target-only on SPEC's pair, prompts and load.

@@ -25,6 +25,7 @@ from trtspec.cli.common import (
 from trtspec.cli.output import emit
 from trtspec.errors import EXIT_DIVERGED, EXIT_OK, RequestError
 from trtspec.spec import load_spec
+from trtspec.speculative.llmapi import TENSORRT_LLM
 from trtspec.speculative.sampling import SamplingParams
 from trtspec.verify.acceptance import parse_fraction
 from trtspec.verify.run import VerifyOptions, run
@@ -119,7 +120,7 @@ def verify(
             help="Logit gap below which a flip reproduced by the verifier's forward shape is numerical (default per target dtype: float32 0.01, float16 0.25, bfloat16 1.0).",
         ),
     ] = None,
-    llmapi_impl: LlmapiOpt = "tensorrt_llm",
+    llmapi_impl: LlmapiOpt = TENSORRT_LLM,
     device: DeviceOpt = None,
 ) -> None:
     """Prove greedy speculative outputs are token-identical to target-only outputs.

@@ -9,6 +9,7 @@ from pathlib import Path
 from trtspec import console
 from trtspec.errors import EngineError, RequestError
 from trtspec.layout import tokenizer_folder
+from trtspec.speculative.llmapi import TENSORRT_LLM
 from trtspec.speculative.loop import PathRun
 from trtspec.speculative.metrics import SpecMetrics
 from trtspec.verify.identity import Divergence, VerifyBackend
@@ -85,7 +86,7 @@ def open_backend(
     stream: bool = False,
     num_draft_tokens: int | None = None,
     epsilon: float | None = None,
-    llmapi_impl: str = "tensorrt_llm",
+    llmapi_impl: str = TENSORRT_LLM,
 ) -> tuple[VerifyBackend, str]:
     """The backend verify runs on, and its mode line: the engines in this process (for
     trtllm.runtime llmapi: the LLM API, real or the double), or a served repository over gRPC

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from trtspec.errors import RequestError
 from trtspec.spec import LoadedSpec
+from trtspec.speculative.llmapi import TENSORRT_LLM
 from trtspec.speculative.requests import draft_tokens
 from trtspec.speculative.sampling import SamplingParams
 from trtspec.verify import html_report
@@ -38,7 +39,7 @@ class VerifyOptions:
     samples: int | None = None  # --sampling N: N samples per prompt, tested against the target
     sampling: SamplingParams | None = None  # with samples; None: temperature 1, no cuts, seed 0
     tie_epsilon: float | None = None  # None: per target dtype (verify/verdicts.py)
-    llmapi_impl: str = "tensorrt_llm"  # trtllm.runtime llmapi in process: the library or "double"
+    llmapi_impl: str = TENSORRT_LLM  # trtllm.runtime llmapi in process: the library or DOUBLE
     html_file: Path | None = None  # the page is written after the run; a folder is refused before it
 
 
