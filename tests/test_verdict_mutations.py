@@ -59,17 +59,17 @@ LOOP_MUTANTS = {
     ),
     # After a fully accepted draft, emits the last draft token again instead of the target's.
     "wrong_bonus_token": (
-        "                new = verdicts[j].target_ids[:keep]\n",
-        "                new = verdicts[j].target_ids[:keep]\n"
-        "                if drafts[j] and n == len(drafts[j]):\n"
-        "                    new = new[:n] + [drafts[j][-1]]\n",
+        "        new = verdict.target_ids[:keep]\n",
+        "        new = verdict.target_ids[:keep]\n"
+        "        if draft and n == len(draft):\n"
+        "            new = new[:n] + [draft[-1]]\n",
     ),
     # At a rejection, emits the draft's token instead of the target's correction.
     "draft_token_emitted_unverified": (
-        "                new = verdicts[j].target_ids[:keep]\n",
-        "                new = verdicts[j].target_ids[:keep]\n"
-        "                if n < len(drafts[j]):\n"
-        "                    new = new[:n] + [drafts[j][n]]\n",
+        "        new = verdict.target_ids[:keep]\n",
+        "        new = verdict.target_ids[:keep]\n"
+        "        if n < len(draft):\n"
+        "            new = new[:n] + [draft[n]]\n",
     ),
     # Checks for EOS only at the step's last token: an EOS inside accepted drafts is emitted.
     "eos_inside_drafts_ignored": (

@@ -9,6 +9,11 @@ for EOS, stop sequences and max_tokens. A sequence's first step drafts nothing: 
 token comes from the target's prefill, at target-only speed, and the drafter joins on the
 next step.
 
+A step is three stages with plain data between them: ``propose`` (the drafter's one call)
+returns a Proposal, ``score`` (the target's one forward) returns a Verdict per row, and
+``accept`` turns each verdict into a Decision (``decide``, a pure function) that is appended
+to the row's result under the EOS, stop and max_tokens rules.
+
 ``Batch`` is the loop as an object whose sequences join and leave between steps (the Triton
 orchestrator's continuous batching); ``generate`` runs one to the end.
 
@@ -167,6 +172,34 @@ def accepted_prefix(draft: list[int], verdict: Verdict) -> int:
 
 
 @dataclass
+class Proposal:
+    """One step's drafts, row j for sequence keys[j]: what the verifier scores next."""
+
+    keys: list[int]  # the sequences the step runs, in the order they were added
+    contexts: list[list[int]]  # prompt + output so far
+    # Draft length asked: num_draft_tokens within max_tokens and the load cap; 0 on a
+    # sequence's first step.
+    ks: list[int]
+    drafts: list[list[int]]  # at most ks[j] tokens; a drafter may propose fewer
+    qs: list[torch.Tensor | None]  # sampled rows' draft distributions [len(draft), vocab]; None: a point mass
+    cap: int | None = None  # the load policy's draft-length cap this step (None: no cap)
+
+
+@dataclass
+class Decision:
+    """What one row's verdict keeps: the drafts it accepted, then the target's own token(s).
+    EOS, stop sequences and max_tokens may still cut ``tokens`` when they are appended."""
+
+    tokens: list[int]
+    accepted: int  # drafts accepted (the first ``accepted`` of tokens)
+    margins: list[float] | None = None  # the target's top-1 minus top-2 logit at each token
+    log_probs: list[float] | None = None  # when the request asks for them
+    logit_rows: torch.Tensor | None = None  # [len(tokens), vocab]: generation logits, when asked
+    # Further forwards of a target that kept decoding past a rejection (Verdict.continued).
+    extra: int = 0
+
+
+@dataclass
 class StepReport:
     """What one step did: the counts monitoring reads, in one place."""
 
@@ -238,11 +271,17 @@ class Batch:
         return self.cancel(key)
 
     def step(self) -> StepReport:
-        report = StepReport()
+        """Propose, score, accept: the drafter's one call, the target's one forward, and the
+        tokens each sequence keeps, with plain data (Proposal, Verdicts) between them."""
         active = self.active
         if not active:
-            return report
-        requests, results, gens = self.requests, self.results, self.gens
+            return StepReport()
+        proposal = self.propose(active)
+        return self.accept(proposal, self.score(proposal))
+
+    def propose(self, active: list[int]) -> Proposal:
+        """Drafts for the sequences ``active`` (the drafter's only call this step)."""
+        requests, results = self.requests, self.results
         contexts = [requests[i].prompt_ids + results[i].output_ids for i in active]
         # Never draft past the token budget: n accepted + 1 target token <= tokens left. A
         # sequence's first step drafts nothing (its first token is the target's prefill).
@@ -256,7 +295,7 @@ class Batch:
         if cap is not None:
             ks = [min(k, cap) for k in ks]
         drafts: list[list[int]] = [[] for _ in active]
-        qs: list[torch.Tensor | None] = [None for _ in active]  # draft distributions [k, vocab]
+        qs: list[torch.Tensor | None] = [None for _ in active]
         wants = [j for j, k in enumerate(ks) if k > 0 and requests[active[j]].sampling is None]
         if wants:
             rules = [requests[active[j]].rules(len(results[active[j]].output_ids)) for j in wants]
@@ -271,60 +310,59 @@ class Batch:
                 contexts,
                 ks,
                 [requests[active[j]] for j in sampled],
-                [gens[active[j]] for j in sampled],
+                [self.gens[active[j]] for j in sampled],
                 drafts,
                 qs,
                 [len(results[active[j]].output_ids) for j in sampled],
             )
+        return Proposal(active, contexts, ks, drafts, qs, cap)
+
+    def score(self, proposal: Proposal) -> list[Verdict]:
+        """The target's one forward over every row's context + drafts (the verifier's only call)."""
         asks: dict[str, list[bool]] = {}
-        wants_logits = [requests[i].needs_logits for i in active]
+        wants_logits = [self.requests[i].needs_logits for i in proposal.keys]
         if any(wants_logits):
             asks["want_logits"] = wants_logits
-        first = [not results[i].steps for i in active]
+        first = [not self.results[i].steps for i in proposal.keys]
         if any(first):
             asks["context_phase"] = first
-        verdicts = self.verifier.verify(contexts, drafts, **asks)
-        report.sequences, report.k = len(active), max(ks)
-        report.asked_k = max(requests[i].num_draft_tokens for i in active)
-        if cap is not None:
-            report.asked_k = min(report.asked_k, cap)
-        for j, i in enumerate(active):
-            req = requests[i]
-            extra = 0
-            log_probs = logit_rows = None
-            if not req.needs_logits:
-                n = accepted_prefix(drafts[j], verdicts[j])
-                # A target that kept decoding after a rejection (continued) keeps those tokens.
-                keep = len(verdicts[j].target_ids) if verdicts[j].continued else n + 1
-                extra = keep - (n + 1)
-                new = verdicts[j].target_ids[:keep]
-                margins = verdicts[j].margins
-                margins = margins[:keep] if margins else None
-            else:
-                new, n, margins, log_probs = _decide(req, results[i], contexts[j], drafts[j], qs[j], verdicts[j], gens.get(i))
-                if req.generation_logits:
-                    logit_rows = verdicts[j].logits[: len(new)].float()  # the target's own, unprocessed
-            results[i].metrics.record_step(len(drafts[j]), n)
-            for _ in range(extra):  # each further token cost the target one decode step
-                results[i].metrics.record_step(0, 0)
-            if not results[i].steps:
-                results[i].kv_blocks = verdicts[j].kv_blocks
-            results[i].steps.append((len(results[i].output_ids), len(drafts[j])))
-            emitted = _emit(req, results[i], new, margins, log_probs, logit_rows)
-            report.drafted += len(drafts[j])
-            report.extra_forwards += extra
-            report.accepted += n
-            if drafts[j]:
-                report.accepted_each.append(n)
-            report.emitted[i] = emitted
-            if results[i].done:
-                report.finished.append(i)
-                if self.policy is not None:
-                    m = results[i].metrics
-                    self.policy.finished(m.drafted, m.mean_acceptance_length)
-            if self.on_step:
-                self.on_step(i, emitted, results[i].done)
+        return self.verifier.verify(proposal.contexts, proposal.drafts, **asks)
+
+    def accept(self, proposal: Proposal, verdicts: list[Verdict]) -> StepReport:
+        """Each row's tokens decided from its verdict and appended to its result, in row order."""
+        keys, cap = proposal.keys, proposal.cap
+        asked_k = max(self.requests[i].num_draft_tokens for i in keys)
+        report = StepReport(len(keys), k=max(proposal.ks), asked_k=asked_k if cap is None else min(asked_k, cap))
+        for j, i in enumerate(keys):
+            req, res, draft = self.requests[i], self.results[i], proposal.drafts[j]
+            decision = decide(
+                req, len(res.output_ids), proposal.contexts[j], draft, proposal.qs[j], verdicts[j], self.gens.get(i)
+            )
+            self._record(i, draft, verdicts[j], decision, report)
         return report
+
+    def _record(self, key: int, draft: list[int], verdict: Verdict, decision: Decision, report: StepReport) -> None:
+        """Append one row's decision to its result, metrics and the step's report; tell on_step."""
+        req, res = self.requests[key], self.results[key]
+        res.metrics.record_step(len(draft), decision.accepted)
+        for _ in range(decision.extra):  # each further token cost the target one decode step
+            res.metrics.record_step(0, 0)
+        if not res.steps:
+            res.kv_blocks = verdict.kv_blocks
+        res.steps.append((len(res.output_ids), len(draft)))
+        emitted = _emit(req, res, decision.tokens, decision.margins, decision.log_probs, decision.logit_rows)
+        report.drafted += len(draft)
+        report.extra_forwards += decision.extra
+        report.accepted += decision.accepted
+        if draft:
+            report.accepted_each.append(decision.accepted)
+        report.emitted[key] = emitted
+        if res.done:
+            report.finished.append(key)
+            if self.policy is not None:
+                self.policy.finished(res.metrics.drafted, res.metrics.mean_acceptance_length)
+        if self.on_step:
+            self.on_step(key, emitted, res.done)
 
 
 def generate(
@@ -367,15 +405,31 @@ def _propose_sampled(drafter, sampled, contexts, ks, reqs, gens, drafts, qs, gen
             drafts[j] = list(d[: ks[j]])
 
 
-def _decide(req: GenerationRequest, res: GenerationResult, context, draft, q, verdict: Verdict, gen):
-    """(tokens to emit, drafts accepted, margins, log probs) of a request decided from the
-    target's logits: processed as the request asks, then greedy argmax or rejection sampling."""
+def decide(
+    req: GenerationRequest,
+    generated: int,
+    context: list[int],
+    draft: list[int],
+    q: torch.Tensor | None,
+    verdict: Verdict,
+    gen: torch.Generator | None,
+) -> Decision:
+    """What the target's verdict keeps of one row's draft (``generated`` tokens already out).
+    Greedy requests read its greedy ids; the others its logits, processed as the request
+    asks, then argmax or rejection sampling with ``gen`` against the draft distribution q."""
+    if not req.needs_logits:
+        n = accepted_prefix(draft, verdict)
+        # A target that kept decoding after a rejection (continued) keeps those tokens.
+        keep = len(verdict.target_ids) if verdict.continued else n + 1
+        new = verdict.target_ids[:keep]
+        margins = verdict.margins[:keep] if verdict.margins else None
+        return Decision(new, n, margins, extra=keep - (n + 1))
     if verdict.logits is None:
         raise RequestError(
             "this verifier returns no logits, so it cannot sample, process logits or return log probs; "
             "send a plain greedy request"
         )
-    logits = processed(verdict.logits, req.processing, context, len(res.output_ids), draft, req.end_ids)
+    logits = processed(verdict.logits, req.processing, context, generated, draft, req.end_ids)
     if req.sampling is None:
         ids = torch.argmax(logits, dim=-1).tolist()  # lowest index among exact ties
         n = accepted_prefix(draft, Verdict(ids))
@@ -390,7 +444,9 @@ def _decide(req: GenerationRequest, res: GenerationResult, context, draft, q, ve
         t = req.sampling.temperature if req.sampling is not None else None
         lp = torch.log_softmax(log_prob_logits(logits[: len(new)], req.processing, t).double(), dim=-1)
         log_probs = lp.gather(-1, torch.tensor(new).unsqueeze(-1)).squeeze(-1).tolist()
-    return new, n, margins, log_probs
+    # The target's own logits, unprocessed.
+    logit_rows = verdict.logits[: len(new)].float() if req.generation_logits else None
+    return Decision(new, n, margins, log_probs, logit_rows)
 
 
 def finish(req: GenerationRequest, tokens: list[int], margins: list[float] | None = None) -> GenerationResult:
