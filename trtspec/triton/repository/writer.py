@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,115 +157,138 @@ def _vocab_size(folder: Path) -> int:
     return int(config["vocab_size"])
 
 
+# How the text endpoints call each backend's engine models (EngineEndpointParams keywords).
+# Torch engine models take a batch of rows in one request and return margins, logits and
+# KV-block counts; tensorrtllm models are non-decoupled: one request per row (the in-flight
+# batcher merges them), and a TensorRT-LLM target keeps decoding after a rejected draft.
+TORCH_ENGINE_CALLS = {"engine_margins": True, "engine_requests": "batched", "engine_continues": False}
+TRTLLM_ENGINE_CALLS = {"engine_margins": False, "engine_requests": "per_row", "engine_continues": True}
+
+
 def plan_repository(loaded: LoadedSpec, engines_dir: Path, llmapi_impl: str = TENSORRT_LLM) -> RepoPlan:
     """Typed configs for every model; EngineError when the engines are missing or stale."""
     spec = loaded.spec
     engines_dir = Path(engines_dir).resolve()
     if spec.backend == "trtllm" and spec.trtllm.runtime == "llmapi":
-        from trtspec.triton.repository import llmapi_models
-
-        models, extra, _, _ = llmapi_models.plan(
-            loaded,
-            engines_dir,
-            llmapi_impl,
-            BLS_INPUTS,
-            BLS_OUTPUTS,
-            {"bls": BLS_MODEL, "control": CONTROL_MODEL, "streaming": BLS_STREAMING_MODEL},
-        )
-        info = {
-            "spec": spec.name,
-            "spec_path": str(loaded.path),
-            "engines_dir": str(engines_dir),
-            "backend": spec.backend,
-            "runtime": "llmapi",
-            "llmapi_impl": llmapi_impl,
-            "serve": spec.serve.model_dump(mode="json"),
-            "models": sorted(models),
-        }
-        return RepoPlan(models, info, extra)
+        return _plan_llmapi(loaded, engines_dir, llmapi_impl)
     for kind in engine_kinds(spec.backend, spec.models()):  # trtllm: target + control engines
         check_manifest(engine_folder(engines_dir, kind), kind, spec.build_hash(role_of(kind)))
-    limits = spec.limits("target")
-    batch = limits.max_batch_size
-    models: dict[str, tuple[ModelConfig, str | None]] = {}
-    has_draft = spec.speculative.method == "draft_target"
+    batch = spec.limits("target").max_batch_size
     if spec.backend == "torch":
         vocab = _vocab_size(engines_dir / "target")
-        # The control endpoint gets its own copy of the target (own KV cache): verify --url
-        # must compare two paths that share no cache state, or a cache bug would pass as
-        # "identical". Slots: one per batch row of every orchestrator instance that calls the
-        # engine (speculative, plus streaming), so live sequences never evict each other.
-        callers = spec.serve.instance_count * (2 if spec.serve.streaming else 1)
-        engines = {TARGET_MODEL: ("target", batch * callers)}
-        if has_draft:
-            engines[DRAFT_MODEL] = ("draft", batch * callers)
-        engines[ENGINE_MODELS["control"]] = ("control", batch * spec.serve.instance_count)
-        for name, (kind, slots) in engines.items():
-            role = role_of(kind)
-            params = {
-                "engine_dir": str(engine_folder(engines_dir, role)),
-                "role": kind,
-                "kv_cache_slots": str(slots),
-                "max_draft_len": str(spec.speculative.max_draft_len if kind == "target" else 0),
-                "exclude_input_in_output": "false",
-                "enable_kv_cache_reuse": "true",
-            }
-            if kind == "draft":
-                params["vocab_limit"] = str(min(vocab, _vocab_size(engines_dir / "draft")))
-            inputs, outputs = ENGINE_INPUTS, ENGINE_OUTPUTS
-            if spec.speculative.method == "eagle3":  # the target answers the head's feature requests
-                params["capture_layers"] = ",".join(str(i) for i in _head_layers(engines_dir))
-                inputs, outputs = ENGINE_INPUTS + EAGLE3_INPUTS, ENGINE_OUTPUTS + EAGLE3_OUTPUTS
-            cfg = ModelConfig(
-                name=name,
-                backend="python",
-                max_batch_size=spec.limits(role).max_batch_size,
-                inputs=inputs,
-                outputs=outputs,
-                parameters=params,
-                instance_count=1,
-                dynamic_batching=DynamicBatching(max_queue_delay_microseconds=0),
-            )
-            models[name] = (cfg, ENGINE_SHIM)
-        control_target = ENGINE_MODELS["control"]
-        margins = True
-        engine_params = {"engine_requests": "batched", "engine_continues": False}
+        models = _torch_engine_models(loaded, engines_dir, batch, vocab)
+        engine = TORCH_ENGINE_CALLS
     else:
         from trtspec.triton.repository.trtllm_models import engine_model_configs
 
-        for cfg in engine_model_configs(spec, engines_dir):
-            models[cfg.name] = (cfg, None)
+        models = {cfg.name: (cfg, None) for cfg in engine_model_configs(spec, engines_dir)}
         vocab = _vocab_size(engines_dir / "target")
-        control_target = ENGINE_MODELS["control"]
-        margins = False
-        # tensorrtllm models are non-decoupled: one request per row (the in-flight batcher
-        # merges them); a TensorRT-LLM target keeps decoding after a rejected draft.
-        engine_params = {"engine_requests": "per_row", "engine_continues": True}
-    tokenizer_dir = tokenizer_folder(engines_dir, spec.backend)
+        engine = TRTLLM_ENGINE_CALLS
+    models.update(_endpoint_models(loaded, engines_dir, vocab, engine))
+    # The streaming endpoint answers stream=false with one response too, so upstream's
+    # clients get both behaviours from `ensemble`.
+    models[ENSEMBLE_MODEL] = (ensemble_config(BLS_STREAMING_MODEL if spec.serve.streaming else BLS_MODEL, batch), None)
+    return RepoPlan(models, _repo_info(loaded, engines_dir, models))
+
+
+def _plan_llmapi(loaded: LoadedSpec, engines_dir: Path, llmapi_impl: str) -> RepoPlan:
+    """Runtime llmapi: the LLM API models (llmapi_models.py) behind the same endpoint names."""
+    from trtspec.triton.repository import llmapi_models
+
+    models, extra, _, _ = llmapi_models.plan(
+        loaded,
+        engines_dir,
+        llmapi_impl,
+        BLS_INPUTS,
+        BLS_OUTPUTS,
+        {"bls": BLS_MODEL, "control": CONTROL_MODEL, "streaming": BLS_STREAMING_MODEL},
+    )
+    return RepoPlan(models, _repo_info(loaded, engines_dir, models, runtime="llmapi", llmapi_impl=llmapi_impl), extra)
+
+
+def _repo_info(loaded: LoadedSpec, engines_dir: Path, models: Mapping[str, object], **runtime: str) -> dict:
+    """The repository's REPO_INFO record (``runtime``: what only some runtimes record)."""
+    spec = loaded.spec
+    return {
+        "spec": spec.name,
+        "spec_path": str(loaded.path),
+        "engines_dir": str(engines_dir),
+        "backend": spec.backend,
+        **runtime,
+        "serve": spec.serve.model_dump(mode="json"),
+        "models": sorted(models),
+    }
+
+
+def _torch_engine_models(
+    loaded: LoadedSpec, engines_dir: Path, batch: int, vocab: int
+) -> dict[str, tuple[ModelConfig, str | None]]:
+    """The torch engines as Python-backend models: target, draft (draft_target) and control."""
+    spec = loaded.spec
+    has_draft = spec.speculative.method == "draft_target"
+    models: dict[str, tuple[ModelConfig, str | None]] = {}
+    # The control endpoint gets its own copy of the target (own KV cache): verify --url
+    # must compare two paths that share no cache state, or a cache bug would pass as
+    # "identical". Slots: one per batch row of every orchestrator instance that calls the
+    # engine (speculative, plus streaming), so live sequences never evict each other.
+    callers = spec.serve.instance_count * (2 if spec.serve.streaming else 1)
+    engines = {TARGET_MODEL: ("target", batch * callers)}
+    if has_draft:
+        engines[DRAFT_MODEL] = ("draft", batch * callers)
+    engines[ENGINE_MODELS["control"]] = ("control", batch * spec.serve.instance_count)
+    for name, (kind, slots) in engines.items():
+        role = role_of(kind)
+        params = {
+            "engine_dir": str(engine_folder(engines_dir, role)),
+            "role": kind,
+            "kv_cache_slots": str(slots),
+            "max_draft_len": str(spec.speculative.max_draft_len if kind == "target" else 0),
+            "exclude_input_in_output": "false",
+            "enable_kv_cache_reuse": "true",
+        }
+        if kind == "draft":
+            params["vocab_limit"] = str(min(vocab, _vocab_size(engines_dir / "draft")))
+        inputs, outputs = ENGINE_INPUTS, ENGINE_OUTPUTS
+        if spec.speculative.method == "eagle3":  # the target answers the head's feature requests
+            params["capture_layers"] = ",".join(str(i) for i in _head_layers(engines_dir))
+            inputs, outputs = ENGINE_INPUTS + EAGLE3_INPUTS, ENGINE_OUTPUTS + EAGLE3_OUTPUTS
+        cfg = ModelConfig(
+            name=name,
+            backend="python",
+            max_batch_size=spec.limits(role).max_batch_size,
+            inputs=inputs,
+            outputs=outputs,
+            parameters=params,
+            instance_count=1,
+            dynamic_batching=DynamicBatching(max_queue_delay_microseconds=0),
+        )
+        models[name] = (cfg, ENGINE_SHIM)
+    return models
+
+
+def _endpoint_models(
+    loaded: LoadedSpec, engines_dir: Path, vocab: int, engine: Mapping[str, object]
+) -> dict[str, tuple[ModelConfig, str | None]]:
+    """The text endpoints (orchestrator models): speculative, target-only control, streaming."""
+    spec = loaded.spec
+    limits = spec.limits("target")
+    batch = limits.max_batch_size
+    has_draft = spec.speculative.method == "draft_target"
+    models: dict[str, tuple[ModelConfig, str | None]] = {}
     endpoints = {BLS_MODEL: ("speculative", False), CONTROL_MODEL: ("target_only", False)}
     if spec.serve.streaming:
         endpoints[BLS_STREAMING_MODEL] = ("speculative", True)
     for name, (mode, decoupled) in endpoints.items():
         params = EngineEndpointParams(
-            mode=mode,
-            target_model=control_target if mode == "target_only" else TARGET_MODEL,
+            **EngineEndpointParams.from_spec(spec, mode, vocab, tokenizer_folder(engines_dir, spec.backend)),
+            target_model=ENGINE_MODELS["control"] if mode == "target_only" else TARGET_MODEL,
             draft_model=DRAFT_MODEL if has_draft else None,
-            method=spec.speculative.method,
-            num_draft_tokens=spec.speculative.default_draft_tokens,
             max_ngram=spec.speculative.max_ngram,
             min_ngram=spec.speculative.min_ngram,
-            max_input_len=limits.max_input_len,
-            max_seq_len=limits.max_seq_len,
-            max_draft_len=spec.speculative.max_draft_len,
-            vocab_size=vocab,
-            tokenizer_dir=str(tokenizer_dir),
-            apply_chat_template=False,  # raw text in, as upstream's preprocessing
-            engine_margins=margins,
-            max_queue=spec.serve.max_queue,  # the speculative endpoints' scheduler
             max_response_mb=spec.serve.max_response_mb,  # contract.check_response_size
             eagle3_head_dir=str(engines_dir / "draft") if spec.speculative.method == "eagle3" else None,
             eagle3_target_dir=str(engines_dir / "target") if spec.speculative.method == "eagle3" else None,
-            **engine_params,
+            **engine,
             **(load_aware(spec.speculative) if mode == "speculative" else {}),
         )
         cfg = ModelConfig(
@@ -285,18 +308,7 @@ def plan_repository(loaded: LoadedSpec, engines_dir: Path, llmapi_impl: str = TE
             ),
         )
         models[name] = (cfg, ORCHESTRATOR_SHIM)
-    # The streaming endpoint answers stream=false with one response too, so upstream's
-    # clients get both behaviours from `ensemble`.
-    models[ENSEMBLE_MODEL] = (ensemble_config(BLS_STREAMING_MODEL if spec.serve.streaming else BLS_MODEL, batch), None)
-    info = {
-        "spec": loaded.spec.name,
-        "spec_path": str(loaded.path),
-        "engines_dir": str(engines_dir),
-        "backend": spec.backend,
-        "serve": spec.serve.model_dump(mode="json"),
-        "models": sorted(models),
-    }
-    return RepoPlan(models, info)
+    return models
 
 
 def write_repository(loaded: LoadedSpec, engines_dir: Path, repo_dir: Path, llmapi_impl: str = TENSORRT_LLM) -> Path:
