@@ -37,13 +37,16 @@ import copy
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import numpy as np
 
 from trtspec.errors import RequestError
 from trtspec.speculative.drafters import make_drafter
 from trtspec.speculative.loop import Batch, GenerationResult, NoDrafter
+from trtspec.speculative.processing import Processing
 from trtspec.speculative.requests import Limits, encode_prompt, make_request
+from trtspec.speculative.sampling import SamplingParams
 from trtspec.speculative.schedule import LoadPolicy
 from trtspec.tokens import check_token_ids
 from trtspec.triton.backend.bls import BlsDecoder, BlsDrafter, BlsVerifier, EngineCall
@@ -98,6 +101,56 @@ class OrchestratorSettings:
         if self.mode != "speculative":
             return None
         return LoadPolicy.of(dict(self.schedule) if self.schedule else None, self.switch_off)
+
+
+@dataclass(frozen=True)
+class RequestInputs:
+    """One request's inputs as the orchestrator reads them: per batch row, batch dim first;
+    an optional input is None when the request left it out."""
+
+    arrival: int  # time.time_ns() when parsing began
+    prompts: np.ndarray  # [rows] text_input
+    max_tokens: np.ndarray  # [rows]
+    n_seqs: list[int]  # num_return_sequences per row
+    sampling: list[SamplingParams | None]
+    processing: list[Processing | None]
+    log_probs: np.ndarray | None
+    generation_logits: np.ndarray | None
+    num_draft_tokens: np.ndarray | None
+    end_id: np.ndarray | None
+    pad_id: np.ndarray | None
+    stream: np.ndarray | None
+    exclude_input_in_output: np.ndarray | None
+    return_perf_metrics: np.ndarray | None
+    return_margins: np.ndarray | None
+    apply_chat_template: np.ndarray | None
+    return_num_input_tokens: np.ndarray | None
+    return_num_output_tokens: np.ndarray | None
+    stop_words: np.ndarray | None  # BYTES [rows, n] or [n] (stop_words reads a row's)
+
+    # The optional per-row inputs stored under their contract names, in reading order.
+    OPTIONAL: ClassVar[tuple[str, ...]] = (
+        "num_draft_tokens",
+        "end_id",
+        "pad_id",
+        "stream",
+        "exclude_input_in_output",
+        "return_perf_metrics",
+        "return_margins",
+        "apply_chat_template",
+        "return_num_input_tokens",
+        "return_num_output_tokens",
+    )
+
+    @property
+    def wants_stream(self) -> bool:
+        """Any row asks to stream (a request streams as a whole)."""
+        return self.stream is not None and bool(self.stream.any())
+
+    def flag(self, field: str, row: int) -> bool:
+        """A boolean input of one row; False when the request left it out."""
+        value = getattr(self, field)
+        return value is not None and bool(value[row])
 
 
 # Sends tensors for request i; final=True ends that request's stream.
@@ -157,7 +210,49 @@ class Orchestrator:
 
     def parse(self, inputs: Mapping[str, np.ndarray]) -> list[Row]:
         """Validate one request into rows; RequestError names the input and the fix."""
+        request = self._read(inputs)
+        return [row for r in range(len(request.prompts)) for row in self._prompt_rows(request, r)]
+
+    def _read(self, inputs: Mapping[str, np.ndarray]) -> RequestInputs:
+        """The request's inputs, per row, with every check that needs the whole request made
+        before any prompt is tokenized."""
         arrival = time.time_ns()
+        prompts = self._prompts(inputs)
+        rows = len(prompts)
+        sampling = sampling_of(inputs, rows)
+        processing = processing_of(inputs, rows, self.input_tokenizer, self.s.limits.vocab_size)
+        log_probs = _optional(inputs, "return_log_probs", rows)
+        gen_logits = _optional(inputs, "return_generation_logits", rows)
+        wants_log_probs = log_probs is not None and bool(log_probs.any())
+        wants_logits = gen_logits is not None and bool(gen_logits.any())
+        if not self.s.sampling_supported:
+            self._refuse_logits_features(any(sampling), any(processing), wants_log_probs, wants_logits)
+        n_seqs = _optional(inputs, "num_return_sequences", rows)
+        n_seqs = [1] * rows if n_seqs is None else [int(n) for n in n_seqs]
+        # every sequence is a row of the batch: they must fit in it together
+        self.s.limits.check_batch(sum(n_seqs), "sequences (prompts x num_return_sequences)")
+        max_tokens = _optional(inputs, "max_tokens", rows)
+        if wants_logits:  # what the request would hold and send, refused before it runs
+            asking = [r for r in range(rows) if gen_logits is not None and bool(gen_logits[r])]
+            most = max(int(max_tokens[r]) for r in asking)
+            check_response_size(sum(n_seqs[r] for r in asking), most, self.s.limits.vocab_size, True, self.s.max_response_mb)
+        request = RequestInputs(
+            arrival,
+            prompts,
+            max_tokens,
+            n_seqs,
+            sampling,
+            processing,
+            log_probs,
+            gen_logits,
+            **{name: _optional(inputs, name, rows) for name in RequestInputs.OPTIONAL},
+            stop_words=inputs.get("stop_words"),
+        )
+        self._check_decoupled(request.wants_stream, max(n_seqs))
+        return request
+
+    def _prompts(self, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The request's prompts, one per batch row [rows], within the batch and text limits."""
         check_supported(inputs)
         text = inputs.get("text_input")
         max_tokens = inputs.get("max_tokens")
@@ -169,36 +264,10 @@ class Orchestrator:
             raise RequestError(f"text_input must hold one prompt per batch row; got shape {list(text.shape)}")
         self.s.limits.check_batch(rows, "prompts")
         check_text_sizes(inputs, self.max_text_bytes, self.max_input_len)  # before any tokenizing
-        sampling = sampling_of(inputs, rows)
-        processing = processing_of(inputs, rows, self.input_tokenizer, self.s.limits.vocab_size)
-        log_probs = _optional(inputs, "return_log_probs", rows)
-        gen_logits = _optional(inputs, "return_generation_logits", rows)
-        wants_log_probs = log_probs is not None and bool(log_probs.any())
-        wants_logits = gen_logits is not None and bool(gen_logits.any())
-        if not self.s.sampling_supported:
-            self._refuse_logits_features(any(sampling), any(processing), wants_log_probs, wants_logits)
-        n_seqs = _optional(inputs, "num_return_sequences", rows)
-        n_seqs = [1] * rows if n_seqs is None else [int(n) for n in n_seqs]
-        n_seq = max(n_seqs)
-        # every sequence is a row of the batch: they must fit in it together
-        self.s.limits.check_batch(sum(n_seqs), "sequences (prompts x num_return_sequences)")
-        max_tokens = _optional(inputs, "max_tokens", rows)
-        if wants_logits:  # what the request would hold and send, refused before it runs
-            asking = [r for r in range(rows) if gen_logits is not None and bool(gen_logits[r])]
-            most = max(int(max_tokens[r]) for r in asking)
-            check_response_size(sum(n_seqs[r] for r in asking), most, self.s.limits.vocab_size, True, self.s.max_response_mb)
-        k = _optional(inputs, "num_draft_tokens", rows)
-        end_id = _optional(inputs, "end_id", rows)
-        pad_id = _optional(inputs, "pad_id", rows)
-        stream = _optional(inputs, "stream", rows)
-        exclude = _optional(inputs, "exclude_input_in_output", rows)
-        metrics = _optional(inputs, "return_perf_metrics", rows)
-        margins = _optional(inputs, "return_margins", rows)
-        chat = _optional(inputs, "apply_chat_template", rows)
-        n_in = _optional(inputs, "return_num_input_tokens", rows)
-        n_out = _optional(inputs, "return_num_output_tokens", rows)
-        stops = inputs.get("stop_words")
-        wants_stream = stream is not None and bool(stream.any())
+        return text.reshape(rows)
+
+    def _check_decoupled(self, wants_stream: bool, n_seq: int) -> None:
+        """Streams and several sequences per prompt need the decoupled model."""
         if wants_stream and not self.s.decoupled:
             raise RequestError(
                 "stream=true needs the decoupled model tensorrt_llm_bls_streaming (gRPC "
@@ -210,63 +279,64 @@ class Orchestrator:
                 "decoupled model (as upstream): send it to tensorrt_llm_bls_streaming, or repeat the "
                 "request with other seeds"
             )
-        vocab = self.s.limits.vocab_size
+
+    def _prompt_rows(self, request: RequestInputs, r: int) -> list[Row]:
+        """Batch row r's prompt, tokenized, as one Row per sequence it asks for."""
+        rows, vocab = len(request.prompts), self.s.limits.vocab_size
+        prompt = _text(request.prompts[r])
+        if not prompt.strip():
+            raise RequestError("text_input is empty; send the prompt text")
+        chat = request.apply_chat_template
+        use_chat = self.s.chat_template_default if chat is None else bool(chat[r])
+        ids = encode_prompt(self.input_tokenizer, prompt, use_chat)
+        k = request.num_draft_tokens
+        n_draft = None if k is None else int(k[r])  # None: the request rules fill in the default
+        ends = self.end_ids
+        if request.end_id is not None:
+            e = int(request.end_id[r])
+            if e == -1:  # TensorRT-LLM's ignore_eos: no end token, generate max_tokens
+                ends = frozenset()
+            else:
+                check_token_ids([e], vocab, "end_id")
+                ends = frozenset({e})
+        pad = 0 if request.pad_id is None else int(request.pad_id[r])
+        check_token_ids([pad], vocab, "pad_id")
+        sampling, n_seqs = request.sampling[r], request.n_seqs
         out = []
-        for r in range(rows):
-            prompt = _text(text.reshape(rows)[r])
-            if not prompt.strip():
-                raise RequestError("text_input is empty; send the prompt text")
-            use_chat = self.s.chat_template_default if chat is None else bool(chat[r])
-            ids = encode_prompt(self.input_tokenizer, prompt, use_chat)
-            n_draft = None if k is None else int(k[r])  # None: the request rules fill in the default
-            ends = self.end_ids
-            if end_id is not None:
-                e = int(end_id[r])
-                if e == -1:  # TensorRT-LLM's ignore_eos: no end token, generate max_tokens
-                    ends = frozenset()
-                else:
-                    check_token_ids([e], vocab, "end_id")
-                    ends = frozenset({e})
-            pad = 0 if pad_id is None else int(pad_id[r])
-            check_token_ids([pad], vocab, "pad_id")
-            for seq in range(n_seqs[r]):
-                # Sequence i samples with seed + i, as upstream's child requests do.
-                params = (
-                    sampling[r]
-                    if seq == 0 or sampling[r] is None
-                    else replace(sampling[r], seed=(sampling[r].seed + seq) % 2**63)
+        for seq in range(n_seqs[r]):
+            # Sequence i samples with seed + i, as upstream's child requests do.
+            params = sampling if seq == 0 or sampling is None else replace(sampling, seed=(sampling.seed + seq) % 2**63)
+            req = make_request(
+                ids,
+                int(request.max_tokens[r]),
+                n_draft,
+                self.s.limits,
+                ends,
+                self._stop_sequences(request.stop_words, r, rows),
+                params,
+                request.processing[r],
+                request.flag("log_probs", r),
+                request.flag("generation_logits", r),
+            )
+            if self.s.mode == "target_only":
+                req.num_draft_tokens = 0
+            out.append(
+                Row(
+                    request=req,
+                    exclude_input=request.flag("exclude_input_in_output", r),
+                    want_metrics=request.flag("return_perf_metrics", r),
+                    want_margins=request.flag("return_margins", r),
+                    stream=request.wants_stream,
+                    pad_id=pad,
+                    want_counts=(request.flag("return_num_input_tokens", r), request.flag("return_num_output_tokens", r)),
+                    batch_index=r,
+                    times={"arrival_time_ns": request.arrival},
+                    sequence_index=seq,
+                    sequences=n_seqs[r],
+                    # a decoupled model answers each prompt and sequence on its own, as upstream
+                    separate=self.s.decoupled and sum(n_seqs) > 1,
                 )
-                req = make_request(
-                    ids,
-                    int(max_tokens[r]),
-                    n_draft,
-                    self.s.limits,
-                    ends,
-                    self._stop_sequences(stops, r, rows),
-                    params,
-                    processing[r],
-                    log_probs is not None and bool(log_probs[r]),
-                    gen_logits is not None and bool(gen_logits[r]),
-                )
-                if self.s.mode == "target_only":
-                    req.num_draft_tokens = 0
-                out.append(
-                    Row(
-                        request=req,
-                        exclude_input=False if exclude is None else bool(exclude[r]),
-                        want_metrics=False if metrics is None else bool(metrics[r]),
-                        want_margins=False if margins is None else bool(margins[r]),
-                        stream=wants_stream,
-                        pad_id=pad,
-                        want_counts=(n_in is not None and bool(n_in[r]), n_out is not None and bool(n_out[r])),
-                        batch_index=r,
-                        times={"arrival_time_ns": arrival},
-                        sequence_index=seq,
-                        sequences=n_seqs[r],
-                        # a decoupled model answers each prompt and sequence on its own, as upstream
-                        separate=self.s.decoupled and sum(n_seqs) > 1,
-                    )
-                )
+            )
         return out
 
     def _refuse_logits_features(self, sampling: bool, processing: bool, log_probs: bool, logits: bool) -> None:
