@@ -21,7 +21,7 @@ from typing import Protocol
 from trtspec import console
 from trtspec.checkpoints import Checkpoint, check_embedding_rows, require_shared_tokenizer, resolve
 from trtspec.device import place
-from trtspec.engines.manifest import Manifest, SourceRecord, now, read_manifest, write_manifest
+from trtspec.engines.manifest import Manifest, SourceRecord, now, read_manifest, versions, write_manifest
 from trtspec.errors import EngineError
 from trtspec.files import ensure_writable, file_record, remove_stale_temps, swap_into_place
 from trtspec.layout import KINDS_OF_ROLE, EngineKind, engine_folder, role_of
@@ -297,3 +297,19 @@ def finish_engine(
     if swap:
         swap_into_place(tmp, folder)
     return manifest
+
+
+def finish_torch_engine(loaded: LoadedSpec, ckpt: Checkpoint, role: str, tmp: Path, folder: Path, state: dict, **extra) -> None:
+    """finish_engine for a torch engine folder whose weights are ``state`` (a state dict)."""
+    finish_engine(
+        loaded,
+        ckpt,
+        role,
+        tmp,
+        folder,
+        backend="torch",
+        parameters=sum(t.numel() for t in state.values()),
+        versions=versions(),
+        max_draft_len=loaded.spec.speculative.max_draft_len,
+        **extra,
+    )

@@ -9,7 +9,7 @@ LLM API's conformance double).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -41,33 +41,33 @@ class ModelDrafter:
     def propose(
         self, contexts: Sequence[list[int]], ks: Sequence[int], rules: Sequence[RowRules | None] | None = None
     ) -> list[list[int]]:
-        drafts: list[list[int]] = [[] for _ in contexts]
-        rules = rules or [None] * len(contexts)
-        for step in range(max(ks, default=0)):
-            live = [i for i, k in enumerate(ks) if k > step]
-            logits = self.run([ForwardItem(list(contexts[i]) + drafts[i], 1) for i in live])
-            for i, row in zip(live, logits):
-                x = self._next_logits(row, rules[i], list(contexts[i]) + drafts[i], step)
-                drafts[i].append(int(torch.argmax(x[0])))
-        return drafts
+        return self._draft(contexts, ks, rules, lambda i, x: int(torch.argmax(x[0])))
 
     def propose_sampled(self, contexts, ks, params, gens, rules=None) -> list[tuple[list[int], torch.Tensor]]:
         """Drafts drawn from the draft's warped distribution, with those distributions
         ([k, vocab_limit] per sequence) for the rejection step."""
         from trtspec.speculative.sampling import draw, warp
 
-        drafts: list[list[int]] = [[] for _ in contexts]
         dists: list[list[torch.Tensor]] = [[] for _ in contexts]
+
+        def pick(i: int, x: torch.Tensor) -> int:
+            q = warp(x, warp_params(params[i], rules[i].processing if rules and rules[i] else None))[0]  # [vocab_limit]
+            dists[i].append(q)
+            return draw(q, gens[i])
+
+        drafts = self._draft(contexts, ks, rules, pick)
+        return [(d, torch.stack(q) if q else torch.zeros(0)) for d, q in zip(drafts, dists)]
+
+    def _draft(self, contexts, ks, rules, pick: Callable[[int, torch.Tensor], int]) -> list[list[int]]:
+        """k single-token steps; ``pick(i, logits [1, vocab_limit])`` chooses row i's next token."""
+        drafts: list[list[int]] = [[] for _ in contexts]
         rules = rules or [None] * len(contexts)
         for step in range(max(ks, default=0)):
             live = [i for i, k in enumerate(ks) if k > step]
             logits = self.run([ForwardItem(list(contexts[i]) + drafts[i], 1) for i in live])
             for i, row in zip(live, logits):
-                x = self._next_logits(row, rules[i], list(contexts[i]) + drafts[i], step)
-                q = warp(x, warp_params(params[i], rules[i] and rules[i].processing))[0]  # [vocab_limit]
-                drafts[i].append(draw(q, gens[i]))
-                dists[i].append(q)
-        return [(d, torch.stack(q) if q else torch.zeros(0)) for d, q in zip(drafts, dists)]
+                drafts[i].append(pick(i, self._next_logits(row, rules[i], list(contexts[i]) + drafts[i], step)))
+        return drafts
 
 
 class NgramDrafter:

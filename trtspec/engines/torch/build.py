@@ -9,8 +9,7 @@ from pathlib import Path
 
 from trtspec import console
 from trtspec.checkpoints import Checkpoint
-from trtspec.engines.build import BuildPlan, finish_engine
-from trtspec.engines.manifest import versions
+from trtspec.engines.build import BuildPlan, finish_torch_engine
 from trtspec.engines.torch.engine import DTYPES, WEIGHTS
 from trtspec.engines.torch.model import SUPPORTED_MODEL_TYPES, DecoderConfig, DecoderLM
 from trtspec.errors import CheckpointError
@@ -75,17 +74,7 @@ def build_torch_engine(loaded: LoadedSpec, ckpt: Checkpoint, folder: Path) -> No
             save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
             hf_config.dtype = ckpt.model.dtype
             hf_config.save_pretrained(tmp)
-            finish_engine(
-                loaded,
-                ckpt,
-                role,
-                tmp,
-                folder,
-                backend="torch",
-                parameters=sum(t.numel() for t in state.values()),
-                versions=versions(),
-                max_draft_len=loaded.spec.speculative.max_draft_len,
-            )
+            finish_torch_engine(loaded, ckpt, role, tmp, folder, state)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -10,8 +10,7 @@ from pathlib import Path
 
 from trtspec import console
 from trtspec.checkpoints import Checkpoint
-from trtspec.engines.build import finish_engine
-from trtspec.engines.manifest import versions
+from trtspec.engines.build import finish_torch_engine
 from trtspec.engines.torch.engine import DTYPES, WEIGHTS
 from trtspec.spec import LoadedSpec
 
@@ -29,18 +28,8 @@ def build_head_engine(loaded: LoadedSpec, ckpt: Checkpoint, folder: Path) -> Non
             config = json.loads((ckpt.folder / "config.json").read_text(encoding="utf-8"))
             config["torch_dtype"] = ckpt.model.dtype
             (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-            finish_engine(
-                loaded,
-                ckpt,
-                "draft",
-                tmp,
-                folder,
-                backend="torch",
-                parameters=sum(t.numel() for t in state.values()),
-                versions=versions(),
-                max_draft_len=loaded.spec.speculative.max_draft_len,
-                tokenizer_dir=None,  # a head reads the target's token ids; it has no tokenizer
-            )
+            # a head reads the target's token ids; it has no tokenizer
+            finish_torch_engine(loaded, ckpt, "draft", tmp, folder, state, tokenizer_dir=None)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -71,19 +71,15 @@ class Layout:
 
 def convert_command(role: str, model: ModelSpec, family: Family, layout: Layout) -> Command:
     """HF -> TensorRT-LLM checkpoint, sharded for the role's tp/pp, quantized if asked."""
-    src, out = str(layout.sources[role]), str(layout.checkpoints[role])
+    # in, out and dtype, as both scripts take them
+    io = ["--model_dir", str(layout.sources[role]), "--output_dir", str(layout.checkpoints[role]), "--dtype", model.dtype]
     parallel = ["--tp_size", str(model.tp_size), "--pp_size", str(model.pp_size)]
     if model.quantization in ("fp8", "int4_awq"):
         script = f"{layout.examples}/{QUANTIZE_SCRIPT}"
         argv = [
             layout.python,
             script,
-            "--model_dir",
-            src,
-            "--output_dir",
-            out,
-            "--dtype",
-            model.dtype,
+            *io,
             "--qformat",
             model.quantization,
             "--calib_size",
@@ -95,17 +91,7 @@ def convert_command(role: str, model: ModelSpec, family: Family, layout: Layout)
         else:
             argv += ["--awq_block_size", str(AWQ_BLOCK_SIZE)]
         return Command(f"quantize {role} checkpoint ({model.quantization})", "quantize", tuple(argv))
-    argv = [
-        layout.python,
-        f"{layout.examples}/{family.converter}",
-        "--model_dir",
-        src,
-        "--output_dir",
-        out,
-        "--dtype",
-        model.dtype,
-        *parallel,
-    ]
+    argv = [layout.python, f"{layout.examples}/{family.converter}", *io, *parallel]
     if model.quantization == "int8_wo":
         argv += ["--use_weight_only", "--weight_only_precision", "int8"]
     suffix = " (int8 weight-only)" if model.quantization == "int8_wo" else ""

@@ -197,12 +197,15 @@ def parse_engine_request(
             "streaming=true needs a decoupled model; this engine model answers once per request "
             "(stream through tensorrt_llm_bls_streaming)"
         )
-    end_ids = per_row(inputs, "end_id", rows)
-    pad_ids = per_row(inputs, "pad_id", rows)
-    exclude = per_row(inputs, "exclude_input_in_output", rows)
-    margins = per_row(inputs, "return_margins", rows)
-    gen_logits = per_row(inputs, "return_generation_logits", rows)
-    perf = per_row(inputs, "return_perf_metrics", rows)
+    optional = (
+        "end_id",
+        "pad_id",
+        "exclude_input_in_output",
+        "return_margins",
+        "return_generation_logits",
+        "return_perf_metrics",
+    )
+    end_ids, pad_ids, exclude, margins, gen_logits, perf = (per_row(inputs, name, rows) for name in optional)
     drafts = inputs.get("draft_input_ids")
     if drafts is not None:
         drafts = np.asarray(drafts)

@@ -43,6 +43,23 @@ class EndpointParams:
     apply_chat_template: bool = False  # the default when a request does not say
     max_queue: int = 64  # serve.max_queue: requests waiting beyond a full batch
 
+    @staticmethod
+    def from_spec(spec, mode: str, vocab_size: int, tokenizer_dir) -> dict:
+        """The fields every endpoint takes from the engine spec (spec.EngineSpec), as keywords."""
+        lim = spec.limits("target")
+        return {
+            "mode": mode,
+            "method": spec.speculative.method,
+            "num_draft_tokens": spec.speculative.default_draft_tokens,
+            "max_input_len": lim.max_input_len,
+            "max_seq_len": lim.max_seq_len,
+            "max_draft_len": spec.speculative.max_draft_len,
+            "vocab_size": vocab_size,
+            "tokenizer_dir": str(tokenizer_dir),
+            "apply_chat_template": False,  # raw text in, as upstream's preprocessing
+            "max_queue": spec.serve.max_queue,  # the speculative endpoints' scheduler / streams' bound
+        }
+
     def to_params(self) -> dict[str, str]:
         out = {}
         for f in dataclasses.fields(self):

@@ -66,18 +66,9 @@ def plan(
         endpoints[names["streaming"]] = ("speculative", llmapi.SPECULATIVE, True)
     for name, (mode, args_file, decoupled) in endpoints.items():
         params = LlmapiEndpointParams(
-            mode=mode,
+            **LlmapiEndpointParams.from_spec(spec, mode, vocab, tokenizer_dir),
             llmapi_impl=impl,
             trtllm_line=spec.trtllm.line,
-            method=spec.speculative.method,
-            num_draft_tokens=spec.speculative.default_draft_tokens,
-            max_input_len=lim.max_input_len,
-            max_seq_len=lim.max_seq_len,
-            max_draft_len=spec.speculative.max_draft_len,
-            vocab_size=vocab,
-            tokenizer_dir=str(tokenizer_dir),
-            apply_chat_template=False,
-            max_queue=spec.serve.max_queue,  # the streaming endpoint's bound (llmapi_core)
             gpu_device_ids=",".join(map(str, spec.target.gpu_device_ids)) if spec.target.gpu_device_ids else None,
         )
         cfg = ModelConfig(
