@@ -229,10 +229,7 @@ def sampling_of(inputs: Mapping[str, np.ndarray], rows: int) -> list[SamplingPar
     when temperature is 0; otherwise sampling at temperature (default 1) from the top_k most
     likely tokens (0: all) within nucleus mass top_p (0: all), with seed (default 0)."""
     check_sampling_values(inputs)
-    t = _column(inputs, "temperature", rows, 1.0, np.float64)
-    k = _column(inputs, "top_k", rows, 0, np.int64)
-    p = _column(inputs, "top_p", rows, 0.0, np.float64)
-    seed = _column(inputs, "seed", rows, 0, np.uint64)
+    t, k, p, seed = _columns(inputs, rows, "temperature", "top_k", "top_p", "seed")
     out: list[SamplingParams | None] = []
     for r in range(rows):
         if k[r] == 1 or (k[r] == 0 and p[r] == 0) or t[r] == 0:
@@ -247,6 +244,25 @@ def sampling_of(inputs: Mapping[str, np.ndarray], rows: int) -> list[SamplingPar
                 )
             )
     return out
+
+
+# Upstream's value of each sampling and logits-processing input a request leaves out, and the
+# dtype it is read as.
+DEFAULTS: dict[str, tuple[float | int, type]] = {
+    "temperature": (1.0, np.float64),
+    "top_k": (0, np.int64),
+    "top_p": (0.0, np.float64),
+    "seed": (0, np.uint64),
+    "repetition_penalty": (1.0, np.float64),
+    "presence_penalty": (0.0, np.float64),
+    "frequency_penalty": (0.0, np.float64),
+    "min_tokens": (1, np.int64),
+}
+
+
+def _columns(inputs: Mapping[str, np.ndarray], rows: int, *names: str) -> list[np.ndarray]:
+    """Each input in ``names`` as a [rows] array, its DEFAULTS value where it is left out."""
+    return [_column(inputs, name, rows, *DEFAULTS[name]) for name in names]
 
 
 def _column(inputs: Mapping[str, np.ndarray], name: str, rows: int, default, dtype) -> np.ndarray:
@@ -285,11 +301,8 @@ def processing_of(inputs: Mapping[str, np.ndarray], rows: int, tokenizer, vocab_
     weight, summed (``_get_embedding_bias``). min_tokens 0 and 1 are off (upstream's default
     is 1). The temperature goes along: upstream applies it before the penalties.
     """
-    rep = _column(inputs, "repetition_penalty", rows, 1.0, np.float64)
-    pres = _column(inputs, "presence_penalty", rows, 0.0, np.float64)
-    freq = _column(inputs, "frequency_penalty", rows, 0.0, np.float64)
-    min_tokens = _column(inputs, "min_tokens", rows, 1, np.int64)
-    temperature = _column(inputs, "temperature", rows, 1.0, np.float64)
+    names = ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "temperature")
+    rep, pres, freq, min_tokens, temperature = _columns(inputs, rows, *names)
     out: list[Processing | None] = []
     for r in range(rows):
         bad = tuple(tuple(tokenizer(w, add_special_tokens=False)["input_ids"]) for w in _words(inputs, "bad_words", r, rows) if w)
