@@ -527,64 +527,86 @@ def render(report: BenchReport, console) -> None:
         f"length {m.mean_acceptance_length:.2f} | per-position [{', '.join(f'{x:.2f}' for x in m.per_position_rate)}]"
     )
     if report.costs:
-        c = report.costs
-        draft = f"{c.draft_step * 1e3:.1f} ms" if c.draft_step else "none"
-        console.print(
-            f"costs: target step {c.target_step * 1e3:.1f} ms, draft step {draft}, verify {c.k + 1} tokens "
-            f"{c.verify_step * 1e3:.1f} ms | c = {c.cost_ratio:.3f}, verify cost {c.verify_cost:.2f} | "
-            f"bound {report.bound:.2f}x | efficiency {report.efficiency:.2f} | bound with the measured "
-            f"acceptance length {report.bound_from_measured_length:.2f}x"
-        )
-        if c.step_bytes is not None and c.bandwidth is not None:
-            console.print(floor_line(c))
+        _render_costs(report, console)
     if report.sweep:
-        st = Table(title="draft-length sweep")
-        for col in ("k", "tok/s", "speedup", "acceptance", "mean acc. len"):
-            st.add_column(col)
-        for p in report.sweep:
-            mark = " *" if p.k == report.recommended_k else ""
-            st.add_row(
-                f"{p.k}{mark}",
-                f"{p.tokens_per_s:.1f}",
-                f"{p.speedup:.2f}x",
-                f"{p.acceptance_rate:.3f}",
-                f"{p.mean_acceptance_length:.2f}",
-            )
-        console.print(st)
-        console.print(f"recommended k = {report.recommended_k} (highest tokens/s)")
+        _render_sweep(report, console)
     if report.concurrency:
-        ct = Table(title="concurrency")
-        for col in ("concurrency", "target tok/s", "spec tok/s", "spec latency p50/p95 s", "spec vs c=1"):
-            ct.add_column(col)
-        base = report.concurrency[0].speculative.tokens_per_s
-        for p in report.concurrency:
-            ct.add_row(
-                str(p.concurrency),
-                f"{p.target.tokens_per_s:.1f}",
-                f"{p.speculative.tokens_per_s:.1f}",
-                f"{p.speculative.latency_p50:.2f}/{p.speculative.latency_p95:.2f}",
-                f"{p.speculative.tokens_per_s / base:.2f}x" if base else "-",
-            )
-        console.print(ct)
+        _render_concurrency(report, console)
     if report.methods:
-        mt = Table(title="drafting methods over the same target (tokens/s incl. prefill)")
-        for col in ("method", "tok/s", "speedup", "acceptance", "mean acc. len", "draft cost c", "identical"):
-            mt.add_column(col)
-        for r in report.methods:
-            mt.add_row(
-                r["method"],
-                f"{r['tokens_per_s']:.1f}",
-                f"{r.get('speedup', 1.0):.2f}x",
-                f"{r['acceptance_rate']:.3f}" if "acceptance_rate" in r else "-",
-                f"{r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else "1.00",
-                f"{r['draft_cost_c']:.3f}" if "draft_cost_c" in r else "-",
-                "yes" if r["identical_to_target_only"] else f"NO (prompts {r['mismatched_prompts']})",
-            )
-        console.print(mt)
+        _render_methods(report, console)
     if report.grid:
         _render_grid(report, console)
     if not report.complete:
         console.print("[yellow]interrupted: partial results[/yellow]")
+
+
+def _render_costs(report: BenchReport, console) -> None:
+    c = report.costs
+    draft = f"{c.draft_step * 1e3:.1f} ms" if c.draft_step else "none"
+    console.print(
+        f"costs: target step {c.target_step * 1e3:.1f} ms, draft step {draft}, verify {c.k + 1} tokens "
+        f"{c.verify_step * 1e3:.1f} ms | c = {c.cost_ratio:.3f}, verify cost {c.verify_cost:.2f} | "
+        f"bound {report.bound:.2f}x | efficiency {report.efficiency:.2f} | bound with the measured "
+        f"acceptance length {report.bound_from_measured_length:.2f}x"
+    )
+    if c.step_bytes is not None and c.bandwidth is not None:
+        console.print(floor_line(c))
+
+
+def _render_sweep(report: BenchReport, console) -> None:
+    from rich.table import Table
+
+    st = Table(title="draft-length sweep")
+    for col in ("k", "tok/s", "speedup", "acceptance", "mean acc. len"):
+        st.add_column(col)
+    for p in report.sweep:
+        mark = " *" if p.k == report.recommended_k else ""
+        st.add_row(
+            f"{p.k}{mark}",
+            f"{p.tokens_per_s:.1f}",
+            f"{p.speedup:.2f}x",
+            f"{p.acceptance_rate:.3f}",
+            f"{p.mean_acceptance_length:.2f}",
+        )
+    console.print(st)
+    console.print(f"recommended k = {report.recommended_k} (highest tokens/s)")
+
+
+def _render_concurrency(report: BenchReport, console) -> None:
+    from rich.table import Table
+
+    ct = Table(title="concurrency")
+    for col in ("concurrency", "target tok/s", "spec tok/s", "spec latency p50/p95 s", "spec vs c=1"):
+        ct.add_column(col)
+    base = report.concurrency[0].speculative.tokens_per_s
+    for p in report.concurrency:
+        ct.add_row(
+            str(p.concurrency),
+            f"{p.target.tokens_per_s:.1f}",
+            f"{p.speculative.tokens_per_s:.1f}",
+            f"{p.speculative.latency_p50:.2f}/{p.speculative.latency_p95:.2f}",
+            f"{p.speculative.tokens_per_s / base:.2f}x" if base else "-",
+        )
+    console.print(ct)
+
+
+def _render_methods(report: BenchReport, console) -> None:
+    from rich.table import Table
+
+    mt = Table(title="drafting methods over the same target (tokens/s incl. prefill)")
+    for col in ("method", "tok/s", "speedup", "acceptance", "mean acc. len", "draft cost c", "identical"):
+        mt.add_column(col)
+    for r in report.methods:
+        mt.add_row(
+            r["method"],
+            f"{r['tokens_per_s']:.1f}",
+            f"{r.get('speedup', 1.0):.2f}x",
+            f"{r['acceptance_rate']:.3f}" if "acceptance_rate" in r else "-",
+            f"{r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else "1.00",
+            f"{r['draft_cost_c']:.3f}" if "draft_cost_c" in r else "-",
+            "yes" if r["identical_to_target_only"] else f"NO (prompts {r['mismatched_prompts']})",
+        )
+    console.print(mt)
 
 
 def _render_grid(report: BenchReport, console) -> None:
@@ -650,83 +672,99 @@ def write_outputs(report: BenchReport, out_dir: Path) -> list[Path]:
 
 
 def plot(report: BenchReport, out_dir: Path) -> list[Path]:
+    """One PNG per part of the report that holds data; returns the files written."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    figures = (
+        (report.sweep, _plot_sweep, "sweep.png"),
+        (report.metrics.per_position_rate, _plot_per_position, "per_position.png"),
+        (report.concurrency, _plot_concurrency, "concurrency.png"),
+        (report.methods, _plot_methods, "methods.png"),
+        (report.grid, _plot_schedule, "schedule.png"),
+    )
     files = []
-    if report.sweep:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ks = [p.k for p in report.sweep]
-        ax.plot(ks, [p.speedup for p in report.sweep], "o-", label="speedup vs target-only")
-        ax.set_xlabel("draft length k")
-        ax.set_ylabel("speedup (x)")
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax2 = ax.twinx()
-        ax2.plot(ks, [p.acceptance_rate for p in report.sweep], "s--", color="tab:orange", label="acceptance rate")
-        ax2.set_ylabel("acceptance rate")
-        ax2.set_ylim(0, 1.05)
-        fig.legend(loc="lower right", bbox_to_anchor=(0.86, 0.16), fontsize=8)
-        ax.set_title(f"{report.spec_name}: speedup and acceptance vs k")
-        files.append(_save(fig, out_dir / "sweep.png"))
-    rates = report.metrics.per_position_rate
-    if rates:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.bar(range(1, len(rates) + 1), rates)
-        ax.set_xlabel("draft position")
-        ax.set_ylabel("P(accepted | drafted)")
-        ax.set_ylim(0, 1.05)
-        ax.set_title(f"{report.spec_name}: per-position acceptance (k={report.k})")
-        files.append(_save(fig, out_dir / "per_position.png"))
-    if report.concurrency:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        cs = [p.concurrency for p in report.concurrency]
-        ax.plot(cs, [p.target.tokens_per_s for p in report.concurrency], "o-", label="target-only tok/s")
-        ax.plot(cs, [p.speculative.tokens_per_s for p in report.concurrency], "s-", label="speculative tok/s")
-        ax.set_xlabel("concurrency")
-        ax.set_ylabel("aggregate tokens/s")
-        ax2 = ax.twinx()
-        ax2.plot(
-            cs, [p.speculative.latency_p50 for p in report.concurrency], "^--", color="tab:red", label="spec latency p50 (s)"
-        )
-        ax2.set_ylabel("request latency p50 (s)")
-        fig.legend(loc="upper left", fontsize=8)
-        ax.set_title(f"{report.spec_name}: throughput and latency vs concurrency")
-        files.append(_save(fig, out_dir / "concurrency.png"))
-    if report.methods:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        names = [r["method"] for r in report.methods]
-        bars = ax.bar(names, [r.get("speedup", 1.0) for r in report.methods], color="tab:blue")
-        for bar, r in zip(bars, report.methods):
-            label = f"len {r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else ""
-            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_ylabel("speedup vs target-only (x)")
-        ax.set_title(f"{report.spec_name}: drafting methods, one target ({report.machine.split(',')[0]})")
-        ax.tick_params(axis="x", labelsize=8)
-        files.append(_save(fig, out_dir / "methods.png"))
-    if report.grid:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        cs = sorted({p.concurrency for p in report.grid})
-        for k in sorted({p.k for p in report.grid}):
-            pts = sorted((p for p in report.grid if p.k == k), key=lambda p: p.concurrency)
-            style = ("o-", "black") if k == 0 else ("s--", None)
-            ax.plot(
-                [p.concurrency for p in pts],
-                [p.tokens_per_s for p in pts],
-                style[0],
-                color=style[1],
-                label="target-only" if k == 0 else f"k={k}",
-            )
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(cs, [str(c) for c in cs])
-        ax.set_xlabel("concurrency (active sequences)")
-        ax.set_ylabel("aggregate tokens/s")
-        ax.legend(fontsize=8)
-        ax.set_title(f"{report.spec_name}: k x concurrency (recommended {report.schedule['spec']['schedule']})", fontsize=9)
-        files.append(_save(fig, out_dir / "schedule.png"))
+    for data, draw, name in figures:
+        if data:
+            fig, ax = plt.subplots(figsize=(6, 4))
+            draw(report, fig, ax)
+            files.append(_save(fig, out_dir / name))
     return files
+
+
+def _plot_sweep(report: BenchReport, fig, ax) -> None:
+    """Speedup (left axis) and acceptance rate (right axis) by draft length."""
+    ks = [p.k for p in report.sweep]
+    ax.plot(ks, [p.speedup for p in report.sweep], "o-", label="speedup vs target-only")
+    ax.set_xlabel("draft length k")
+    ax.set_ylabel("speedup (x)")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax2 = ax.twinx()
+    ax2.plot(ks, [p.acceptance_rate for p in report.sweep], "s--", color="tab:orange", label="acceptance rate")
+    ax2.set_ylabel("acceptance rate")
+    ax2.set_ylim(0, 1.05)
+    fig.legend(loc="lower right", bbox_to_anchor=(0.86, 0.16), fontsize=8)
+    ax.set_title(f"{report.spec_name}: speedup and acceptance vs k")
+
+
+def _plot_per_position(report: BenchReport, fig, ax) -> None:
+    """P(accepted | drafted) at each draft position."""
+    rates = report.metrics.per_position_rate
+    ax.bar(range(1, len(rates) + 1), rates)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("P(accepted | drafted)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"{report.spec_name}: per-position acceptance (k={report.k})")
+
+
+def _plot_concurrency(report: BenchReport, fig, ax) -> None:
+    """Both paths' aggregate tokens/s (left axis) and the speculative latency (right) by concurrency."""
+    cs = [p.concurrency for p in report.concurrency]
+    ax.plot(cs, [p.target.tokens_per_s for p in report.concurrency], "o-", label="target-only tok/s")
+    ax.plot(cs, [p.speculative.tokens_per_s for p in report.concurrency], "s-", label="speculative tok/s")
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("aggregate tokens/s")
+    ax2 = ax.twinx()
+    ax2.plot(cs, [p.speculative.latency_p50 for p in report.concurrency], "^--", color="tab:red", label="spec latency p50 (s)")
+    ax2.set_ylabel("request latency p50 (s)")
+    fig.legend(loc="upper left", fontsize=8)
+    ax.set_title(f"{report.spec_name}: throughput and latency vs concurrency")
+
+
+def _plot_methods(report: BenchReport, fig, ax) -> None:
+    """Each drafting method's speedup over target-only, labelled with its acceptance length."""
+    names = [r["method"] for r in report.methods]
+    bars = ax.bar(names, [r.get("speedup", 1.0) for r in report.methods], color="tab:blue")
+    for bar, r in zip(bars, report.methods):
+        label = f"len {r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else ""
+        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_ylabel("speedup vs target-only (x)")
+    ax.set_title(f"{report.spec_name}: drafting methods, one target ({report.machine.split(',')[0]})")
+    ax.tick_params(axis="x", labelsize=8)
+
+
+def _plot_schedule(report: BenchReport, fig, ax) -> None:
+    """The schedule grid: aggregate tokens/s by concurrency, one line per k."""
+    cs = sorted({p.concurrency for p in report.grid})
+    for k in sorted({p.k for p in report.grid}):
+        pts = sorted((p for p in report.grid if p.k == k), key=lambda p: p.concurrency)
+        style = ("o-", "black") if k == 0 else ("s--", None)
+        ax.plot(
+            [p.concurrency for p in pts],
+            [p.tokens_per_s for p in pts],
+            style[0],
+            color=style[1],
+            label="target-only" if k == 0 else f"k={k}",
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(cs, [str(c) for c in cs])
+    ax.set_xlabel("concurrency (active sequences)")
+    ax.set_ylabel("aggregate tokens/s")
+    ax.legend(fontsize=8)
+    ax.set_title(f"{report.spec_name}: k x concurrency (recommended {report.schedule['spec']['schedule']})", fontsize=9)
 
 
 def _save(fig, path: Path) -> Path:
