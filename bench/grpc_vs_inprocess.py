@@ -18,27 +18,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 
 def _inputs(prompt: str, max_tokens: int, chat: bool, stream: bool = False):
-    import tritonclient.grpc as grpcclient
+    from trtspec.triton.request import infer_inputs
 
-    values = [
-        ("text_input", prompt.encode(), "BYTES"),
-        ("max_tokens", max_tokens, "INT32"),
-        ("apply_chat_template", chat, "BOOL"),
-        ("exclude_input_in_output", True, "BOOL"),
-    ]
-    if stream:
-        values.append(("stream", True, "BOOL"))
-    out = []
-    for name, value, dt in values:
-        arr = np.array([[value]], dtype={"BYTES": np.object_, "INT32": np.int32, "BOOL": np.bool_}[dt])
-        t = grpcclient.InferInput(name, [1, 1], dt)
-        t.set_data_from_numpy(arr)
-        out.append(t)
-    return out
+    values = {"text_input": prompt, "max_tokens": max_tokens, "apply_chat_template": chat, "exclude_input_in_output": True}
+    return infer_inputs(values | ({"stream": True} if stream else {}))
 
 
 def in_process(dep, prompts, max_tokens):

@@ -44,8 +44,6 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
-
 STREAMING, UNARY, CONTROL = "tensorrt_llm_bls_streaming", "tensorrt_llm_bls", "target_only"
 
 
@@ -58,24 +56,10 @@ class Unanswered(Exception):
 
 
 def _inputs(prompt: str, max_tokens: int, chat: bool, stream: bool, logits: bool = False):
-    import tritonclient.grpc as grpcclient
+    from trtspec.triton.request import infer_inputs
 
-    values = [
-        ("text_input", prompt.encode(), "BYTES"),
-        ("max_tokens", max_tokens, "INT32"),
-        ("apply_chat_template", chat, "BOOL"),
-        ("exclude_input_in_output", True, "BOOL"),
-        ("stream", stream, "BOOL"),
-    ]
-    if logits:
-        values.append(("return_generation_logits", True, "BOOL"))
-    out = []
-    for name, value, dt in values:
-        arr = np.array([[value]], dtype={"BYTES": np.object_, "INT32": np.int32, "BOOL": np.bool_}[dt])
-        t = grpcclient.InferInput(name, [1, 1], dt)
-        t.set_data_from_numpy(arr)
-        out.append(t)
-    return out
+    values = {"text_input": prompt, "max_tokens": max_tokens, "apply_chat_template": chat, "exclude_input_in_output": True}
+    return infer_inputs(values | {"stream": stream} | ({"return_generation_logits": True} if logits else {}))
 
 
 def unary(url, model, prompt, max_tokens, chat, logits: bool = False) -> list[int]:

@@ -32,24 +32,10 @@ import numpy as np
 
 
 def _inputs(prompt: str, max_tokens: int, chat: bool, k: int | None, stream: bool):
-    import tritonclient.grpc as grpcclient
+    from trtspec.triton.request import infer_inputs
 
-    values = [
-        ("text_input", prompt.encode(), "BYTES"),
-        ("max_tokens", max_tokens, "INT32"),
-        ("apply_chat_template", chat, "BOOL"),
-        ("exclude_input_in_output", True, "BOOL"),
-        ("stream", stream, "BOOL"),
-    ]
-    if k is not None:
-        values.append(("num_draft_tokens", k, "INT32"))
-    out = []
-    for name, value, dt in values:
-        arr = np.array([[value]], dtype={"BYTES": np.object_, "INT32": np.int32, "BOOL": np.bool_}[dt])
-        t = grpcclient.InferInput(name, [1, 1], dt)
-        t.set_data_from_numpy(arr)
-        out.append(t)
-    return out
+    values = {"text_input": prompt, "max_tokens": max_tokens, "apply_chat_template": chat, "exclude_input_in_output": True}
+    return infer_inputs(values | {"stream": stream} | ({"num_draft_tokens": k} if k is not None else {}))
 
 
 def streamed(url: str, prompt: str, max_tokens: int, chat: bool, k: int | None) -> tuple[float, list[int]]:
