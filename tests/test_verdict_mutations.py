@@ -67,9 +67,7 @@ LOOP_MUTANTS = {
     # At a rejection, emits the draft's token instead of the target's correction.
     "draft_token_emitted_unverified": (
         "        new = verdict.target_ids[:keep]\n",
-        "        new = verdict.target_ids[:keep]\n"
-        "        if n < len(draft):\n"
-        "            new = new[:n] + [draft[n]]\n",
+        "        new = verdict.target_ids[:keep]\n        if n < len(draft):\n            new = new[:n] + [draft[n]]\n",
     ),
     # Checks for EOS only at the step's last token: an EOS inside accepted drafts is emitted.
     "eos_inside_drafts_ignored": (
