@@ -27,12 +27,18 @@ class SourceRecord(BaseModel):
     weights: dict[str, FileRecord]  # source weight files, by name
 
 
-class Manifest(BaseModel):
+class BuildRecord(BaseModel):
+    """What every build's manifest.json begins with: its format, whether the build finished
+    (written last, so a folder without complete=true is no build) and the spec's name."""
+
     model_config = ConfigDict(extra="forbid")
 
     format: int = FORMAT
     complete: bool
     name: str
+
+
+class Manifest(BuildRecord):
     role: str
     backend: str
     spec_hash: str

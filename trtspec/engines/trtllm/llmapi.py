@@ -22,12 +22,12 @@ import tempfile
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from trtspec import console
 from trtspec.checkpoints import Checkpoint, check_embedding_rows, require_shared_tokenizer, resolve
 from trtspec.engines.build import BuildPlan, BuildResult, BuildState, UnitPlan
-from trtspec.engines.manifest import SourceRecord, now, versions
+from trtspec.engines.manifest import BuildRecord, SourceRecord, now, versions
 from trtspec.engines.trtllm.llmapi_fields import DECODING_TYPE, LINES, METHOD_OF, unknown_keys
 from trtspec.errors import CheckpointError, EngineError
 from trtspec.files import (
@@ -50,14 +50,10 @@ FORMAT = 1
 _QUANT_FILES = ("hf_quant_config.json",)
 
 
-class LlmapiManifest(BaseModel):
+class LlmapiManifest(BuildRecord):
     """What an llmapi build wrote and from what; written last."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    format: int = FORMAT
-    complete: bool
-    name: str
+    format: int = FORMAT  # this file's own format
     spec_hash: str
     line: str
     method: str
