@@ -21,7 +21,7 @@ Projection (labelled so, never a measurement): with per-position acceptance a_1.
 on the command line (acceptance does not depend on the device: `trtspec distill` measures it
 on CPU), the speedup bound of drafting k tokens is
     (1 + a_1 + a_1 a_2 + ... + a_1...a_k) / (verify(k) + k c)
-(codesign/costs.py recommend_k), and the k with the highest bound is the projected pair.
+(distill/costs.py recommend_k), and the k with the highest bound is the projected pair.
 
 Goals (issue 25), checked for the 8B-class shape at batch 1: verify(k) <= 1.1 decode steps for
 k + 1 <= 8 tokens, and c <= 0.05.
@@ -131,7 +131,7 @@ def random_pair(shape: str, device: torch.device, dtype: torch.dtype, slots: int
 
 def measure(pair: Pair, repeats: int = REPEATS, ks=KS, batches=BATCHES, context: int = CONTEXT) -> dict:
     """Decode, verify(k), head c and tokens/s at each batch size (see the module doc)."""
-    from trtspec.codesign.costs import best_seconds  # each timed call ends on the CPU (a sync)
+    from trtspec.distill.costs import best_seconds  # each timed call ends on the CPU (a sync)
     from trtspec.engines.torch.eagle3 import HeadRow
     from trtspec.engines.torch.engine import ForwardItem
 
@@ -187,7 +187,7 @@ def parse_acceptance(text: str | None, depth: int = max(KS)) -> list[float] | No
 
 def projection(costs: dict, acceptance: list[float]) -> dict:
     """The speedup bound per k from measured costs and the given acceptance (a projection)."""
-    from trtspec.codesign.costs import recommend_k
+    from trtspec.distill.costs import recommend_k
 
     verify = [costs["verify"][str(k)] for k in sorted(int(k) for k in costs["verify"])]
     k, bounds = recommend_k(acceptance, {"verify": verify, "head": costs["head"]})

@@ -1,6 +1,7 @@
 """An EAGLE-3 head that reproduces a one-hot bigram target exactly (demo.tiny.make_bigram_target:
 greedy next token g(x), one-hot embeddings, lm_head = the matrix of g): a test fixture for
-method eagle3.
+method eagle3. It lives with the tests, not beside the tiny models in trtspec/demo/tiny.py,
+because it builds the head with trtspec.distill.heads, a room on demo's own floor.
 
 Exact head: the features at position t are e_{x_t}; ``fc`` maps them to e_{g(x_t)}, which is
 e_{x_{t+1}} whenever x_{t+1} came from the target; the head's MLP is a lookup table that
@@ -20,7 +21,7 @@ def make_exact_head(target_folder: Path, out: Path) -> Path:
     """The head that reproduces a one-hot bigram target exactly (see the module docstring)."""
     from transformers import AutoConfig
 
-    from trtspec.codesign.heads import new_head, save_head
+    from trtspec.distill.heads import new_head, save_head
     from trtspec.engines.eagle3 import default_layer_ids
 
     hf = AutoConfig.from_pretrained(target_folder)

@@ -102,7 +102,7 @@ def test_distill_on_cuda_for_a_few_steps(tmp_path, tiny_ckpts):
     CPU (float32 safetensors) loads back on the GPU and drafts with identical outputs."""
     from safetensors.torch import load_file
 
-    from trtspec.codesign.distill import DistillOptions, distill
+    from trtspec.distill.run import DistillOptions, distill
     from trtspec.engines.build import build
     from trtspec.runtime import Deployment
 
@@ -131,7 +131,7 @@ def test_distill_on_cuda_for_a_few_steps(tmp_path, tiny_ckpts):
 def test_generation_rows_fit_this_gpu(tmp_path, tiny_ckpts):
     from transformers import AutoConfig
 
-    from trtspec.codesign.distill import GEN_BATCH_MAX, generation_rows
+    from trtspec.distill.run import GEN_BATCH_MAX, generation_rows
     from trtspec.engines.build import build
 
     loaded = load_spec(write_spec(tmp_path, tiny_ckpts, device="cuda"))

@@ -239,7 +239,7 @@ def eagle_engines(tmp_path_factory, tiny_ckpts) -> Path:
     """A built eagle3 pair (the tiny target, a random head): its engines folder."""
     from transformers import AutoConfig
 
-    from trtspec.codesign.heads import new_head, save_head
+    from trtspec.distill.heads import new_head, save_head
     from trtspec.engines.build import build
     from trtspec.engines.eagle3 import default_layer_ids
 
@@ -277,8 +277,8 @@ def test_training_runs_on_the_batch_device(built, monkeypatch):
     (meta here): positions, masks, step weights."""
     from transformers import AutoConfig
 
-    from trtspec.codesign.heads import new_head
-    from trtspec.codesign.train import Batch, to_device, ttt_loss
+    from trtspec.distill.heads import new_head
+    from trtspec.distill.train import Batch, to_device, ttt_loss
     from trtspec.engines.eagle3 import default_layer_ids
 
     dep = built()
@@ -312,7 +312,7 @@ def test_generation_rows_from_free_gpu_memory(tmp_path, built):
     """On a GPU distill generates as many rows as fit (docs/codesign.md), on CPU 64 as before."""
     from transformers import AutoConfig
 
-    from trtspec.codesign.distill import GEN_BATCH_CPU, GEN_BATCH_MAX, GPU_MEMORY_USE, generation_rows
+    from trtspec.distill.run import GEN_BATCH_CPU, GEN_BATCH_MAX, GPU_MEMORY_USE, generation_rows
 
     folder = built().target.folder
     hf = AutoConfig.from_pretrained(folder)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from trtspec.cli.app import app
-from trtspec.codesign.distill import DistillOptions, distill
+from trtspec.distill.run import DistillOptions, distill
 from trtspec.errors import TrtspecError
 from trtspec.spec import load_spec
 
@@ -92,7 +92,7 @@ def test_an_interrupt_while_generating_keeps_the_finished_responses(tmp_path, ti
     """Ctrl-C during data generation keeps every finished batch (features and labels as
     captured while generating); the rerun generates only the rest and trains on data equal to
     an uninterrupted run's (same head, bit for bit)."""
-    import trtspec.codesign.data as data
+    import trtspec.distill.data as data
 
     straight = distill(load_spec(eagle_spec(tmp_path / "a", tiny_ckpts["target"])), small_opts(tmp_path / "a"))
     b = tmp_path / "b"
@@ -132,8 +132,8 @@ def test_a_trained_head_beats_an_untrained_one(tmp_path, tiny_ckpts):
     spec's verify prompts (none of them trained on): identical outputs, higher acceptance."""
     from transformers import AutoConfig
 
-    from trtspec.codesign.heads import new_head, save_head
     from trtspec.demo.tiny import make_bigram_target
+    from trtspec.distill.heads import new_head, save_head
     from trtspec.engines.build import build
     from trtspec.runtime import Deployment
 
@@ -167,7 +167,7 @@ def test_soft_labels_of_a_certain_target_are_the_hard_labels():
     """The soft loss is cross-entropy against the target's top-k distribution over the draft
     vocabulary: where the target puts (almost) all its mass on its greedy token, it equals the
     hard loss; where it hesitates, it is a different objective (its runner-up counts)."""
-    from trtspec.codesign.train import Batch, ttt_loss
+    from trtspec.distill.train import Batch, ttt_loss
     from trtspec.engines.eagle3 import HeadConfig
     from trtspec.engines.torch.eagle3 import Eagle3Head
 
@@ -284,7 +284,7 @@ def test_a_spec_without_an_eagle3_head_needs_output(tmp_path, tiny_ckpts):
 
 
 def test_an_interrupted_write_leaves_nothing_build_accepts(tmp_path, tiny_ckpts, monkeypatch):
-    import trtspec.codesign.heads as heads
+    import trtspec.distill.heads as heads
 
     spec = eagle_spec(tmp_path, tiny_ckpts["target"])
 
@@ -307,7 +307,7 @@ def test_sampled_responses_add_training_contexts_only(tmp_path, tiny_ckpts):
     """--samples-per-prompt 3: each training prompt gets its greedy response and two sampled
     ones (seeded: two runs give the same data and head); held-out prompts keep their greedy
     response only, and every label is still the target's greedy next token."""
-    import trtspec.codesign.store as store
+    import trtspec.distill.store as store
 
     runs = []
     for name in ("a", "b"):
@@ -342,7 +342,7 @@ def test_shipped_prompts_are_unique_and_never_a_gate_or_bench_prompt():
     shipped spec's verify list measures on (distill drops the latter, bench relies on this)."""
     import yaml
 
-    from trtspec.codesign.data import SHIPPED_PROMPTS, distill_prompts
+    from trtspec.distill.data import SHIPPED_PROMPTS, distill_prompts
 
     root = Path(__file__).resolve().parents[1]
     shipped = distill_prompts(SHIPPED_PROMPTS)

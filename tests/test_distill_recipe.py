@@ -13,11 +13,11 @@ import pytest
 import torch
 from test_distill import eagle_spec, small_opts
 
-from trtspec.codesign.corpus import read_conversations, tokenize_conversations
-from trtspec.codesign.costs import recommend_k
-from trtspec.codesign.data import capture, collate
-from trtspec.codesign.heads import new_head
-from trtspec.codesign.train import step_weights, ttt_loss, unrolled_logits
+from trtspec.distill.corpus import read_conversations, tokenize_conversations
+from trtspec.distill.costs import recommend_k
+from trtspec.distill.data import capture, collate
+from trtspec.distill.heads import new_head
+from trtspec.distill.train import step_weights, ttt_loss, unrolled_logits
 from trtspec.engines.torch.engine import ForwardItem
 from trtspec.errors import SpecError
 
@@ -102,7 +102,7 @@ def test_step_weights_and_the_schedule():
 
     from types import SimpleNamespace
 
-    from trtspec.codesign.trainer import Trainer
+    from trtspec.distill.trainer import Trainer
 
     t = Trainer.__new__(Trainer)
     t.opts = SimpleNamespace(schedule="cosine", warmup=0.1, max_steps=100)
@@ -185,7 +185,7 @@ def test_assistant_turns_are_the_response_positions(tiny_ckpts):
 def test_distill_trains_on_a_corpus(tmp_path, tiny_ckpts):
     """--corpus: conversations captured without generation join the training data (their
     assistant turns only); the unseen prompts are still scored."""
-    from trtspec.codesign.distill import distill
+    from trtspec.distill.run import distill
     from trtspec.spec import load_spec
 
     ckpt = tmp_path / "target"
@@ -213,7 +213,7 @@ def test_distill_trains_on_a_corpus(tmp_path, tiny_ckpts):
 def test_costs_are_measured_within_an_engine_sized_to_short_data(target):
     """distill sizes the target's KV cache to its longest prompt + response; the cost timing
     must fit in it (a 57-position engine once failed with 'sequence of 128 tokens exceeds')."""
-    from trtspec.codesign.costs import measure_costs
+    from trtspec.distill.costs import measure_costs
 
     folder, hf, engine_cls = target
     eng = engine_cls.load(folder, slots=2, max_seq_len=20)
@@ -225,7 +225,7 @@ def test_costs_are_measured_within_an_engine_sized_to_short_data(target):
 def test_the_data_scaling_curve_is_measured_and_plotted(tmp_path, tiny_ckpts):
     """--scaling 0.5: the same recipe on half the training sequences (half the steps), scored on
     the unseen prompts, beside the full run; the plot lands in the head folder."""
-    from trtspec.codesign.distill import distill
+    from trtspec.distill.run import distill
     from trtspec.spec import load_spec
 
     loaded = load_spec(eagle_spec(tmp_path, tiny_ckpts["target"]))

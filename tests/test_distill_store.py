@@ -9,12 +9,12 @@ import torch
 from safetensors.torch import load_file
 from test_distill import eagle_spec, small_opts
 
-import trtspec.codesign.distill as distill_mod
-import trtspec.codesign.trainer as trainer_mod
-from trtspec.codesign.data import collate
-from trtspec.codesign.distill import distill
-from trtspec.codesign.sample import Sample
-from trtspec.codesign.store import CorruptStore, open_store, paths, write_store
+import trtspec.distill.run as distill_mod
+import trtspec.distill.trainer as trainer_mod
+from trtspec.distill.data import collate
+from trtspec.distill.run import distill
+from trtspec.distill.sample import Sample
+from trtspec.distill.store import CorruptStore, open_store, paths, write_store
 from trtspec.spec import load_spec
 
 
@@ -133,7 +133,7 @@ def test_an_interrupted_capture_leaves_no_store(tmp_path, tiny_ckpts, monkeypatc
     """Ctrl-C while the store is being written: no index, no features file, no partial file;
     the batches generated so far survive, and the rerun trains the head an uninterrupted run
     trains."""
-    import trtspec.codesign.data as data
+    import trtspec.distill.data as data
 
     distill(load_spec(eagle_spec(tmp_path / "a", tiny_ckpts["target"])), small_opts(tmp_path / "a"))
     b = tmp_path / "b"
@@ -176,7 +176,7 @@ def test_two_runs_never_share_a_work_folder(tmp_path, tiny_ckpts):
     import os
     import subprocess
 
-    from trtspec.codesign.distill import work_lock
+    from trtspec.distill.run import work_lock
     from trtspec.errors import TrtspecError
 
     work = tmp_path / ".head.distill"
@@ -197,7 +197,7 @@ def test_held_out_agreement_is_the_same_in_one_batch_or_many(tmp_path, tiny_ckpt
     batch); the counts it sums equal those of one batch holding every sequence."""
     import json
 
-    from trtspec.codesign.train import agreement
+    from trtspec.distill.train import agreement
     from trtspec.engines.eagle3 import head_config_from_dict
     from trtspec.engines.torch.eagle3 import Eagle3Head
     from trtspec.engines.torch.engine import TorchEngine

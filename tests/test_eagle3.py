@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import write_spec
+from exact_head import make_exact_head
 from safetensors import safe_open
 from typer.testing import CliRunner
 
 from trtspec.cli.app import app
-from trtspec.codesign.heads import new_head, save_head
-from trtspec.codesign.tiny import make_exact_head
 from trtspec.demo.tiny import bigram_map, make_bigram_target
+from trtspec.distill.heads import new_head, save_head
 from trtspec.engines.eagle3 import default_layer_ids
 
 runner = CliRunner()
@@ -259,8 +259,8 @@ def test_head_that_reproduces_the_target_accepts_every_draft(eagle_deploy):
 def test_drafter_chain_equals_the_unrolled_training_steps(eagle_deploy):
     """The drafter (KV cache, rollback, feedback) proposes exactly the argmax of the
     training-time-test forward over context + drafts: training trains what runs."""
-    from trtspec.codesign.data import capture, collate
-    from trtspec.codesign.train import unrolled_logits
+    from trtspec.distill.data import capture, collate
+    from trtspec.distill.train import unrolled_logits
     from trtspec.engines.torch.engine import ForwardItem
 
     dep = eagle_deploy("random")

@@ -170,8 +170,8 @@ def distill(
       trtspec distill engine_specs/tiny-llama-eagle3.yaml --max-steps 200 --force
       trtspec distill my-8b-eagle3.yaml --device cuda --time-budget 2h   # target, capture and training on the GPU
     """
-    from trtspec.codesign.distill import DistillOptions
-    from trtspec.codesign.distill import distill as run
+    from trtspec.distill.run import DistillOptions
+    from trtspec.distill.run import distill as run
 
     loaded = with_device(load_spec(spec), device)
     opts = DistillOptions(

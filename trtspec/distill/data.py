@@ -6,7 +6,7 @@ batches of the engine's slots. Generating IS capturing: the engine keeps the fea
 position it computes (capture_features) and a LabelRecorder keeps the target's top-k logits at
 every position it scores, so a finished response already holds its features and labels — no
 second forward. Sequences that were not generated in this process (a resumed run's logged
-responses, a user's conversations: codesign/corpus.py) are captured by teacher-forced forwards,
+responses, a user's conversations: distill/corpus.py) are captured by teacher-forced forwards,
 many sequences per forward.
 """
 
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from trtspec.codesign.sample import SOFT_TOP_K, FeatureRows, Sample
-from trtspec.codesign.store import read_part, write_part
-from trtspec.codesign.train import Batch
+from trtspec.distill.sample import SOFT_TOP_K, FeatureRows, Sample
+from trtspec.distill.store import read_part, write_part
+from trtspec.distill.train import Batch
 from trtspec.engines.torch.engine import ForwardItem, TorchEngine
 from trtspec.errors import SpecError
 from trtspec.speculative.loop import NoDrafter, generate

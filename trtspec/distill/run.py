@@ -2,12 +2,12 @@
 
 1. build (or reuse) the target engine; 2. the data: the target's greedy responses to a prompt
 set (and sampled ones, continuations from inside them, a user's conversations), captured as
-they are generated (codesign/data.py) into a feature store in the work folder, read per batch,
-so RAM does not grow with the data (codesign/store.py); 3. the draft vocabulary from the
-target's outputs in training responses; 4. an anchored head (codesign/heads.py) trained with
+they are generated (distill/data.py) into a feature store in the work folder, read per batch,
+so RAM does not grow with the data (distill/store.py); 3. the draft vocabulary from the
+target's outputs in training responses; 4. an anchored head (distill/heads.py) trained with
 the training-time test on response positions, evaluated on held-out prompts never trained on
-(codesign/trainer.py); 5. the unseen prompts (the spec's verify prompts) scored per draft
-position, the head's costs measured, and a draft length recommended (codesign/costs.py);
+(distill/trainer.py); 5. the unseen prompts (the spec's verify prompts) scored per draft
+position, the head's costs measured, and a draft length recommended (distill/costs.py);
 6. the head folder (config, safetensors, manifest, training curve) written atomically at the
 spec's draft path.
 
@@ -30,13 +30,13 @@ from pathlib import Path
 import torch
 
 from trtspec import console
-from trtspec.codesign.corpus import read_conversations, tokenize_conversations
-from trtspec.codesign.costs import measure_costs, recommend_k
-from trtspec.codesign.data import SHIPPED_PROMPTS, capture_batch, distill_prompts, draft_vocabulary, generated
-from trtspec.codesign.heads import new_head, refuse_existing, save_head
-from trtspec.codesign.store import CorruptStore, FeatureStore, open_store, remove_store, write_store
-from trtspec.codesign.trainer import Trainer
 from trtspec.device import describe, free_bytes, place
+from trtspec.distill.corpus import read_conversations, tokenize_conversations
+from trtspec.distill.costs import measure_costs, recommend_k
+from trtspec.distill.data import SHIPPED_PROMPTS, capture_batch, distill_prompts, draft_vocabulary, generated
+from trtspec.distill.heads import new_head, refuse_existing, save_head
+from trtspec.distill.store import CorruptStore, FeatureStore, open_store, remove_store, write_store
+from trtspec.distill.trainer import Trainer
 from trtspec.engines.build import build
 from trtspec.engines.eagle3 import distill_layer_ids
 from trtspec.engines.manifest import check_manifest, versions
@@ -75,8 +75,8 @@ class DistillOptions:
     weight_decay: float = 0.0
     gen_batch: int | None = None  # sequences generated at once (the engine's slots); None: generation_rows
     labels: str = "hard"  # hard: the target's greedy token; soft: its top-k distribution (train.ttt_loss)
-    corpus: Path | None = None  # a user's conversations (codesign/corpus.py), captured without generation
-    anchor: bool = True  # start from the target's own prediction (codesign/heads.py)
+    corpus: Path | None = None  # a user's conversations (distill/corpus.py), captured without generation
+    anchor: bool = True  # start from the target's own prediction (distill/heads.py)
     train_lm_head: bool = False  # the LM head is the target's, frozen, unless asked
     response_only: bool = True  # loss on chains drafted inside responses only
     step_decay: float = 0.8  # loss weight of unrolled step j: step_decay^j (1.0: equal)

@@ -32,7 +32,7 @@ class Sample:
 
 
 class FeatureRows(Protocol):
-    """Where samples captured to disk keep their features (codesign/store.py's FeatureStore)."""
+    """Where samples captured to disk keep their features (distill/store.py's FeatureStore)."""
 
     width: int
     dtype: torch.dtype

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from trtspec.codesign.sample import Sample
+from trtspec.distill.sample import Sample
 from trtspec.errors import TrtspecError
 from trtspec.files import write_bytes_atomic
 

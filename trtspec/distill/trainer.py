@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from trtspec import console
-from trtspec.codesign.data import collate
-from trtspec.codesign.sample import Sample
-from trtspec.codesign.train import agreement, step_weights, to_device, ttt_loss
+from trtspec.distill.data import collate
+from trtspec.distill.sample import Sample
+from trtspec.distill.train import agreement, step_weights, to_device, ttt_loss
 from trtspec.engines.torch.eagle3 import Eagle3Head
 from trtspec.errors import TrtspecError
 from trtspec.files import write_bytes_atomic

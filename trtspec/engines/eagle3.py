@@ -47,7 +47,7 @@ def distill_layer_ids(num_layers: int) -> tuple[int, ...]:
 
     The high feature is the output of layer L-2 (= the input of the last layer), not
     TensorRT-LLM's default L-4: a head that reads it can start as a copy of the target's last
-    layer and predict exactly what the target does (codesign/heads.py), instead of relearning
+    layer and predict exactly what the target does (distill/heads.py), instead of relearning
     layers L-3..L-1 from a few thousand sequences. L-1's own output is the latest layer, but
     vLLM names features by the INPUT of a layer (``eagle_aux_hidden_state_layer_ids`` = i + 1),
     and L-1's output is the input of the final norm, not of a layer: L-2 is the latest choice
