@@ -1,7 +1,7 @@
 """trtllm.runtime llmapi on CPU: the conformance double, in-process verify, and a real
 tritonserver serving the llmapi models (build -> repo -> serve -> verify over gRPC).
 
-The double (llmapi_double.py) stands in for tensorrt_llm: it refuses any argument the field
+The double (speculative/llmapi/double.py) stands in for tensorrt_llm: it refuses any argument the field
 inventory of its TensorRT-LLM line lacks, so these tests fail when trtspec writes a key or a
 spelling upstream would reject. The same code runs against the real library with
 `--llmapi tensorrt_llm` (tests/test_llmapi_gpu.py, -m trtllm).
@@ -21,7 +21,7 @@ from trtspec.cli.app import app
 from trtspec.engines.build import build
 from trtspec.runtime import LlmapiDeployment
 from trtspec.spec import load_spec
-from trtspec.speculative.llmapi_double import api as double_api
+from trtspec.speculative.llmapi.double import api as double_api
 
 PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Triton serves models over HTTP and gRPC."]
 MAX_TOKENS = 20

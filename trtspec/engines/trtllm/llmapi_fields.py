@@ -2,7 +2,7 @@
 
 Read by hand from the upstream sources below (NVIDIA/TensorRT-LLM, path@commit) and typed in
 here as data; tests check every key trtspec writes against it, and the conformance double
-(llmapi_double.py) refuses any argument it lacks. Where a class was read only in part the set
+(speculative/llmapi/double.py) refuses any argument it lacks. Where a class was read only in part the set
 says so; a name missing here is refused even if upstream has it (we never guess a field).
 
 Sources:

@@ -6,7 +6,7 @@ yaml.safe_load, drop Triton's reserved `triton_config` block, merge through
 llmapi model.py does (triton_backend/all_models/llmapi/tensorrt_llm/1/model.py@044a90d2).
 
 ``impl`` picks the implementation: TENSORRT_LLM (the library; GPU; every signature's default)
-or DOUBLE (trtspec's CPU conformance double, speculative/llmapi_double.py), which is only ever
+or DOUBLE (trtspec's CPU conformance double, speculative/llmapi/double.py), which is only ever
 chosen by asking for it.
 """
 
@@ -28,7 +28,7 @@ TRITON_CONFIG = "triton_config"  # reserved key of upstream's model.yaml
 def load_api(impl: str, line: str) -> SimpleNamespace:
     """LLM, SamplingParams and update_llm_args_with_extra_dict of ``impl`` for ``line``."""
     if impl == DOUBLE:
-        from trtspec.speculative.llmapi_double import api
+        from trtspec.speculative.llmapi.double import api
 
         return api(line)
     if impl != TENSORRT_LLM:
