@@ -85,7 +85,7 @@ demo-eagle3: install weights/smollm2-135m-eagle3-head
 bench: install weights/smollm2-135m
 	$(TRTSPEC) build $(DEMO_SPEC)
 	$(TRTSPEC) bench $(DEMO_SPEC) --sweep 1-8 -c 1,2,4
-	$(PY) bench/peers.py --repeats 2
+	$(PY) bench/peers_bench.py --repeats 2
 	$(PY) bench/grpc_vs_inprocess.py $(DEMO_SPEC)
 
 bench-eagle3: install weights/smollm2-135m-eagle3-head
@@ -93,7 +93,7 @@ bench-eagle3: install weights/smollm2-135m-eagle3-head
 	$(TRTSPEC) build $(DEMO_SPEC)
 	$(TRTSPEC) bench $(EAGLE3_SPEC) --methods eagle3,draft_target,ngram --draft-from $(DEMO_SPEC) \
 	  --sweep 1-6 -c 1,2,4 --rounds 2 --out bench/results/smollm2-135m-eagle3
-	$(PY) bench/peers.py --spec $(EAGLE3_SPEC) --draft-from $(DEMO_SPEC) --repeats 2 --out bench/results/peers-eagle3.md
+	$(PY) bench/peers_bench.py --spec $(EAGLE3_SPEC) --draft-from $(DEMO_SPEC) --repeats 2 --out bench/results/peers-eagle3.md
 
 # NVIDIA AIPerf, a client tool with a heavy dependency set: its own environment, run as a command.
 AIPERF_VENV ?= .venv-aiperf

@@ -1,11 +1,11 @@
 """trtspec vs Hugging Face transformers (and vLLM) on the same pair and prompts, in one run.
 
-    python bench/peers.py                                   # the CPU demo pair, all prompts
-    python bench/peers.py --limit 3 --max-tokens 16         # a quick look
-    python bench/peers.py --spec engine_specs/tiny-llama.yaml --out bench/results/tiny.md
-    python bench/peers.py --spec engine_specs/smollm2-135m-eagle3.yaml \
+    python bench/peers_bench.py                             # the CPU demo pair, all prompts
+    python bench/peers_bench.py --limit 3 --max-tokens 16   # a quick look
+    python bench/peers_bench.py --spec engine_specs/tiny-llama.yaml --out bench/results/tiny.md
+    python bench/peers_bench.py --spec engine_specs/smollm2-135m-eagle3.yaml \
         --draft-from engine_specs/smollm2-135m-cpu.yaml --out bench/results/peers-eagle3.md
-    make vllm && python bench/peers.py --vllm .venv-vllm/bin/python --concurrency 1,4
+    make vllm && python bench/peers_bench.py --vllm .venv-vllm/bin/python --concurrency 1,4
 
 Build the spec's engines first (`trtspec build SPEC`). Progress goes to stderr; the markdown
 tables (one per concurrency) go to stdout and to --out, with the full measurements as JSON
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         close()
         progress("interrupted before anything was measured")
         return EXIT_INTERRUPTED
-    command = " ".join(["python", "bench/peers.py", *(sys.argv[1:] if argv is None else argv)])
+    command = " ".join(["python", "bench/peers_bench.py", *(sys.argv[1:] if argv is None else argv)])
     setup = describe_setup(dep, settings, vllm) | {"command": command}
     results = []
     try:

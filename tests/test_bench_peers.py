@@ -1,4 +1,4 @@
-"""The peers harness (trtspec/peers.py, bench/peers.py) on the tiny pair: every path runs,
+"""The peers harness (trtspec/bench/peers.py, bench/peers_bench.py) on the tiny pair: every path runs,
 the table lists them all, and greedy outputs agree token for token where they must."""
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def test_interrupt_keeps_the_prompts_every_path_completed():
 
 
 def _load_cli():
-    spec = importlib.util.spec_from_file_location("bench_peers", ROOT / "bench" / "peers.py")
+    spec = importlib.util.spec_from_file_location("bench_peers", ROOT / "bench" / "peers_bench.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
