@@ -24,6 +24,7 @@ from trtspec.triton.server.procgroup import (
     proc_stat,
     signal_group,
     signal_pid,
+    start_time,
 )
 
 
@@ -39,16 +40,6 @@ class DetachedServer:
     model_repository: str
     argv: list[str] = field(default_factory=list)
     start_time: int | None = None  # /proc/<pid>/stat starttime; None in files of older trtspec
-
-
-def start_time(pid: int) -> int | None:
-    """When ``pid`` started (clock ticks since boot), or None when it is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # after the command name (which may hold spaces and ')'): field 3 is index 0, field 22 index 19
-    return int(raw[raw.rindex(")") + 2 :].split()[19])
 
 
 def write_pid_file(path: Path, server) -> None:

@@ -15,15 +15,27 @@ from pathlib import Path
 from trtspec.errors import ServerError
 
 
-def proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state, process group) of ``pid``, or None when it is gone."""
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat from the third (state) on, or None when ``pid`` is gone:
+    field n of proc(5) is index n - 3."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     # The command name (field 2) may contain spaces and ')': split after the last ')'.
-    fields = raw[raw.rindex(")") + 2 :].split()
-    return fields[0], int(fields[2])
+    return raw[raw.rindex(")") + 2 :].split()
+
+
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, process group) of ``pid``, or None when it is gone."""
+    fields = stat_fields(pid)
+    return None if fields is None else (fields[0], int(fields[2]))
+
+
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot), or None when it is gone."""
+    fields = stat_fields(pid)
+    return None if fields is None else int(fields[19])
 
 
 def group_members(pgid: int) -> list[int]:
@@ -94,11 +106,8 @@ def descendants(root: int) -> list[int]:
 
 
 def _ppid(pid: int) -> int | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(raw[raw.rindex(")") + 2 :].split()[1])
+    fields = stat_fields(pid)
+    return None if fields is None else int(fields[1])
 
 
 def signal_pid(pid: int, sig: int) -> None:
