@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -17,6 +18,7 @@ from trtspec.files import FileRecord, file_record, write_json_atomic  # noqa: F4
 
 MANIFEST = "manifest.json"
 FORMAT = 1
+REBUILD = "run `trtspec build SPEC` (add --force to replace it)"  # what every manifest error says to do
 
 
 class SourceRecord(BaseModel):
@@ -36,6 +38,9 @@ class BuildRecord(BaseModel):
     format: int = FORMAT
     complete: bool
     name: str
+
+
+B = TypeVar("B", bound=BuildRecord)
 
 
 class Manifest(BuildRecord):
@@ -72,24 +77,38 @@ def write_manifest(folder: Path, manifest: Manifest) -> None:
     write_json_atomic(folder / MANIFEST, manifest.model_dump(mode="json"))
 
 
-def read_manifest(folder: Path) -> Manifest:
-    """Parse a folder's manifest; EngineError says to (re)build when it is not an engine."""
+def read_build(folder: Path, model: type[B], whole: str, stale: str) -> B:
+    """``folder``'s manifest.json parsed as ``model``; EngineError, saying to rebuild, when it
+    is missing, unreadable, unfinished or of another format than ``model`` writes. ``whole``
+    and ``stale`` name what the folder should hold in those errors ("not a complete {whole}",
+    "an incomplete or outdated {stale}")."""
     path = folder / MANIFEST
-    hint = "run `trtspec build SPEC` (add --force to replace it)"
-    if not folder.is_dir():
-        raise EngineError(f"engine folder {folder} does not exist; {hint}")
     if not path.is_file():
-        raise EngineError(f"{folder} has no {MANIFEST}: not a complete engine; {hint}")
+        raise EngineError(f"{folder} has no {MANIFEST}: not a complete {whole}; {REBUILD}")
     try:
-        manifest = Manifest.model_validate_json(path.read_text(encoding="utf-8"))
+        record = model.model_validate_json(path.read_text(encoding="utf-8"))
     except (ValidationError, ValueError) as e:
-        raise EngineError(f"{path} is unreadable ({type(e).__name__}); {hint}") from e
-    if not manifest.complete or manifest.format != FORMAT:
-        raise EngineError(f"{folder} holds an incomplete or outdated engine; {hint}")
-    for rel, rec in manifest.files.items():
+        raise EngineError(f"{path} is unreadable ({type(e).__name__}); {REBUILD}") from e
+    if not record.complete or record.format != model.model_fields["format"].default:
+        raise EngineError(f"{folder} holds an incomplete or outdated {stale}; {REBUILD}")
+    return record
+
+
+def check_files(folder: Path, files: dict[str, FileRecord], label: str = "") -> None:
+    """EngineError, saying to rebuild, when a file a manifest lists (by path relative to
+    ``folder``) is missing or not of its recorded size."""
+    for rel, rec in files.items():
         f = folder / rel
         if not f.is_file() or f.stat().st_size != rec.bytes:
-            raise EngineError(f"{folder}: engine file {rel} is missing or truncated; {hint}")
+            raise EngineError(f"{folder}: {label}{rel} is missing or truncated; {REBUILD}")
+
+
+def read_manifest(folder: Path) -> Manifest:
+    """Parse a folder's manifest; EngineError says to (re)build when it is not an engine."""
+    if not folder.is_dir():
+        raise EngineError(f"engine folder {folder} does not exist; {REBUILD}")
+    manifest = read_build(folder, Manifest, "engine", "engine")
+    check_files(folder, manifest.files, "engine file ")
     return manifest
 
 

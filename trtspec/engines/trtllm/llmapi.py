@@ -22,12 +22,11 @@ import tempfile
 from pathlib import Path
 
 import yaml
-from pydantic import ValidationError
 
 from trtspec import console
 from trtspec.checkpoints import Checkpoint, check_embedding_rows, require_shared_tokenizer, resolve
 from trtspec.engines.build import BuildPlan, BuildResult, BuildState, UnitPlan
-from trtspec.engines.manifest import BuildRecord, SourceRecord, now, versions
+from trtspec.engines.manifest import MANIFEST, REBUILD, BuildRecord, SourceRecord, check_files, now, read_build, versions
 from trtspec.engines.trtllm.llmapi_fields import DECODING_TYPE, LINES, METHOD_OF, unknown_keys
 from trtspec.errors import CheckpointError, EngineError
 from trtspec.files import (
@@ -44,7 +43,6 @@ from trtspec.spec import EngineSpec, LoadedSpec
 FOLDER = "llmapi"
 SPECULATIVE = "speculative.yaml"
 CONTROL = "control.yaml"
-MANIFEST = "manifest.json"
 FORMAT = 1
 
 _QUANT_FILES = ("hf_quant_config.json",)
@@ -307,22 +305,10 @@ def _up_to_date(folder: Path, spec: EngineSpec, sources: dict[str, SourceRecord]
 
 def read_manifest(folder: Path, spec: EngineSpec) -> LlmapiManifest:
     """The manifest of an llmapi folder built from ``spec``; EngineError says to rebuild."""
-    hint = "run `trtspec build SPEC` (add --force to replace it)"
-    path = folder / MANIFEST
-    if not path.is_file():
-        raise EngineError(f"{folder} has no {MANIFEST}: not a complete llmapi build; {hint}")
-    try:
-        m = LlmapiManifest.model_validate_json(path.read_text(encoding="utf-8"))
-    except (ValidationError, ValueError) as e:
-        raise EngineError(f"{path} is unreadable ({type(e).__name__}); {hint}") from e
-    if not m.complete or m.format != FORMAT:
-        raise EngineError(f"{folder} holds an incomplete or outdated build; {hint}")
+    m = read_build(folder, LlmapiManifest, "llmapi build", "build")
     if m.spec_hash != spec.build_hash("target"):
-        raise EngineError(f"{folder} was built from a different spec; {hint}")
-    for name, rec in m.files.items():
-        f = folder / name
-        if not f.is_file() or f.stat().st_size != rec.bytes:
-            raise EngineError(f"{folder}: {name} is missing or truncated; {hint}")
+        raise EngineError(f"{folder} was built from a different spec; {REBUILD}")
+    check_files(folder, m.files)
     return m
 
 
