@@ -36,10 +36,12 @@ from trtspec.speculative.sampling import SamplingParams, accept_or_resample, war
 from trtspec.speculative.schedule import LoadPolicy
 
 FinishReason = Literal["length", "eos", "stop"]
+TokenRows = Sequence[list[int]]  # one list of token ids per row (sequence) of a step
+RowFlags = Sequence[bool] | None  # one flag per row of a step; None: no row is flagged
 
 
 class Drafter(Protocol):
-    def propose(self, contexts: Sequence[list[int]], ks: Sequence[int]) -> list[list[int]]:
+    def propose(self, contexts: TokenRows, ks: Sequence[int]) -> list[list[int]]:
         """Up to ks[i] draft tokens continuing contexts[i] (fewer is allowed).
 
         A drafter that also takes ``rules`` (a keyword, one RowRules or None per context)
@@ -71,11 +73,7 @@ class Verdict:
 
 class Verifier(Protocol):
     def verify(
-        self,
-        contexts: Sequence[list[int]],
-        drafts: Sequence[list[int]],
-        want_logits: Sequence[bool] | None = None,
-        context_phase: Sequence[bool] | None = None,
+        self, contexts: TokenRows, drafts: TokenRows, want_logits: RowFlags = None, context_phase: RowFlags = None
     ) -> list[Verdict]:
         """``want_logits`` (passed only when the step has a request that needs logits: sampling,
         logits processing, log probs or generation logits): rows whose Verdict must carry the

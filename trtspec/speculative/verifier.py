@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from trtspec.engines.torch.engine import ForwardItem, RunFn
-from trtspec.speculative.loop import Verdict
+from trtspec.speculative.loop import RowFlags, TokenRows, Verdict
 
 
 def greedy_with_margins(logits: torch.Tensor) -> tuple[list[int], list[float]]:
@@ -30,11 +28,7 @@ class LogitsVerifier:
         self.vocab_limit = vocab_limit
 
     def verify(
-        self,
-        contexts: Sequence[list[int]],
-        drafts: Sequence[list[int]],
-        want_logits: Sequence[bool] | None = None,
-        context_phase: Sequence[bool] | None = None,
+        self, contexts: TokenRows, drafts: TokenRows, want_logits: RowFlags = None, context_phase: RowFlags = None
     ) -> list[Verdict]:
         """Every verdict carries its logits (they are at hand); ``want_logits`` is not needed.
         No KV-cache block counts: ``context_phase`` is not needed either."""

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from trtspec.speculative.loop import GenerationRequest, GenerationResult, Verdict, finish
+from trtspec.speculative.loop import GenerationRequest, GenerationResult, RowFlags, TokenRows, Verdict, finish
 from trtspec.speculative.processing import RowRules
 
 EngineCall = Callable[[str, Mapping[str, np.ndarray], Sequence[str]], Mapping[str, np.ndarray]]
@@ -169,33 +170,21 @@ def _until_outside(draft: list[int], limit: int) -> list[int]:
     return draft
 
 
+@dataclass(eq=False)
 class BlsVerifier:
     """One target request per distinct draft length (normally one per loop step)."""
 
-    def __init__(
-        self,
-        call: EngineCall,
-        model: str,
-        want_margins: bool = False,
-        pad_id: int = 0,
-        continued: bool = False,
-        kv_blocks: bool = False,
-    ):
-        self.call = call
-        self.model = model
-        self.want_margins = want_margins
-        self.pad_id = pad_id
-        self.kv_blocks = kv_blocks  # ask return_perf_metrics for the kv_cache_* block counts
-        # TensorRT-LLM keeps decoding to request_output_len after a rejected draft; those
-        # tokens are the target's own greedy ones and are kept (as upstream's BLS does).
-        self.continued = continued
+    call: EngineCall
+    model: str
+    want_margins: bool = False
+    pad_id: int = 0
+    # TensorRT-LLM keeps decoding to request_output_len after a rejected draft; those
+    # tokens are the target's own greedy ones and are kept (as upstream's BLS does).
+    continued: bool = False
+    kv_blocks: bool = False  # ask return_perf_metrics for the kv_cache_* block counts
 
     def verify(
-        self,
-        contexts: Sequence[list[int]],
-        drafts: Sequence[list[int]],
-        want_logits: Sequence[bool] | None = None,
-        context_phase: Sequence[bool] | None = None,
+        self, contexts: TokenRows, drafts: TokenRows, want_logits: RowFlags = None, context_phase: RowFlags = None
     ) -> list[Verdict]:
         """``want_logits``: rows that sample; their request asks the engine model for
         return_generation_logits (the target's logits at the len(draft) + 1 positions).
@@ -285,24 +274,16 @@ class BlsFeatures:
         return [None if got[r] < 0 else torch.from_numpy(np.ascontiguousarray(feats[r, : got[r]])) for r in range(len(wants))]
 
 
+@dataclass(eq=False)
 class BlsDecoder:
     """Target-only: one request per prompt for all its tokens (request_output_len = max_tokens)."""
 
-    def __init__(
-        self,
-        call: EngineCall,
-        model: str,
-        eos_id: int | None,
-        want_margins: bool = False,
-        pad_id: int = 0,
-        kv_blocks: bool = False,
-    ):
-        self.call = call
-        self.model = model
-        self.eos_id = eos_id
-        self.want_margins = want_margins
-        self.pad_id = pad_id
-        self.kv_blocks = kv_blocks
+    call: EngineCall
+    model: str
+    eos_id: int | None
+    want_margins: bool = False
+    pad_id: int = 0
+    kv_blocks: bool = False
 
     def decode(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         results: list[GenerationResult | None] = [None] * len(requests)
