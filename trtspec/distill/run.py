@@ -439,33 +439,42 @@ def _data(loaded: LoadedSpec, opts: DistillOptions, split: Split, target: TorchE
 
 
 @dataclass
-class DataRates:
-    """What the data cost: generated and captured tokens and their seconds."""
+class Tokens:
+    """Tokens made and the seconds they took."""
 
-    generated_tokens: int = 0
-    generation_s: float = 0.0
-    captured_tokens: int = 0
-    capture_s: float = 0.0
+    n: int = 0
+    seconds: float = 0.0
+
+    def per_s(self) -> float | None:
+        return round(self.n / self.seconds, 1) if self.seconds else None
+
+
+@dataclass
+class DataRates:
+    """What the data cost: the responses generated (and captured as generated) and the corpus
+    captured, each in tokens and seconds."""
+
+    generated: Tokens = field(default_factory=Tokens)
+    captured: Tokens = field(default_factory=Tokens)
     sequences: dict = field(default_factory=dict)  # kind -> count
 
     def to_dict(self) -> dict:
+        g, c = self.generated, self.captured  # the record's keys and their order are distill's format
         return {
-            **asdict(self),
-            "generated_tokens_per_s": round(self.generated_tokens / self.generation_s, 1) if self.generation_s else None,
-            "captured_tokens_per_s": round(self.captured_tokens / self.capture_s, 1) if self.capture_s else None,
+            "generated_tokens": g.n,
+            "generation_s": g.seconds,
+            "captured_tokens": c.n,
+            "capture_s": c.seconds,
+            "sequences": dict(self.sequences),
+            "generated_tokens_per_s": g.per_s(),
+            "captured_tokens_per_s": c.per_s(),
         }
 
     def line(self) -> str:
-        d = self.to_dict()
+        g, c = self.generated, self.captured
         mix = ", ".join(f"{n} {k}" for k, n in self.sequences.items())
-        return (
-            f"data: {mix}; generated {self.generated_tokens} response tokens in {self.generation_s:.0f}s "
-            f"({d['generated_tokens_per_s']} tok/s, captured as generated)"
-            + (
-                f"; captured {self.captured_tokens} corpus tokens in {self.capture_s:.0f}s ({d['captured_tokens_per_s']} tok/s)"
-                if self.captured_tokens
-                else ""
-            )
+        return f"data: {mix}; generated {g.n} response tokens in {g.seconds:.0f}s ({g.per_s()} tok/s, captured as generated)" + (
+            f"; captured {c.n} corpus tokens in {c.seconds:.0f}s ({c.per_s()} tok/s)" if c.n else ""
         )
 
 
@@ -528,10 +537,10 @@ def _timed(target, reqs, parts: Path, rates: DataRates, what: str, starts=None, 
         eta = (time.monotonic() - t0) / max(1, done - first[0]) * (total - done)
         console.info(f"target {what} {done}/{total}  ETA {eta:.0f}s")
 
-    base = rates.generation_s
+    base = rates.generated.seconds
     for n, s in enumerate(generated(target, reqs, parts, progress, starts)):
-        rates.generated_tokens += len(s.tokens) + 1 - len(reqs[n].prompt_ids)  # its output ids
-        rates.generation_s = base + time.monotonic() - t0
+        rates.generated.n += len(s.tokens) + 1 - len(reqs[n].prompt_ids)  # its output ids
+        rates.generated.seconds = base + time.monotonic() - t0
         if keep is not None and reqs[n].sampling is None:
             keep[n] = s.tokens[len(reqs[n].prompt_ids) :].tolist()  # all but its last token
         yield s
@@ -558,14 +567,13 @@ def _corpus_samples(target: TorchEngine, convs: list, rates: DataRates):
     for n in range(0, len(convs), 64):
         part = convs[n : n + 64]
         for s in capture_batch(target, [c.tokens for c in part], [c.response for c in part]):
-            rates.captured_tokens += len(s.tokens)
+            rates.captured.n += len(s.tokens)
             yield s
-        rates.capture_s = time.monotonic() - t0
+        captured = rates.captured
+        captured.seconds = time.monotonic() - t0
         if n + 64 < len(convs):
-            eta = rates.capture_s / (n + 64) * (len(convs) - n - 64)
-            console.info(
-                f"corpus captured {n + 64}/{len(convs)}  {rates.captured_tokens / rates.capture_s:.0f} tok/s  ETA {eta:.0f}s"
-            )
+            eta = captured.seconds / (n + 64) * (len(convs) - n - 64)
+            console.info(f"corpus captured {n + 64}/{len(convs)}  {captured.n / captured.seconds:.0f} tok/s  ETA {eta:.0f}s")
 
 
 def _cached_store(work: Path, key: str) -> FeatureStore | None:
