@@ -102,7 +102,7 @@ def make_bigram_target(out: Path, tokenizer_from: Path, hidden: int | None = Non
     Attention and MLP outputs are zero (o_proj, down_proj = 0), so every layer's output at
     position t is the embedding of x_t and the greedy next token is argmax lm_head(norm(e_x)).
     hidden None: one-hot embeddings (hidden = vocab) and lm_head = the matrix of g, so that is
-    exactly g(x) (tests/exact_head.py make_exact_head drafts it exactly); otherwise random
+    exactly g(x) (make_exact_head in tests/exact_head.py drafts it exactly); otherwise random
     embeddings of that width (g is then what they make it)."""
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
