@@ -72,6 +72,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the python of vLLM's own environment (make vllm: .venv-vllm/bin/python): adds vLLM's paths",
     )
     ap.add_argument("--vllm-kv-gib", type=int, default=1, help="vLLM's CPU KV cache per path, GiB (default 1)")
+    ap.add_argument(
+        "--paths",
+        default=None,
+        help="comma-separated path keys to measure, e.g. ours_target,ours_eagle3,vllm_target,vllm_eagle3 "
+        "(ours_target, the reference, is always kept; default: every path)",
+    )
     args = ap.parse_args(argv)
     try:
         args.concurrency = sorted({int(c) for c in args.concurrency.split(",")})
@@ -89,6 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--repeats must be at least 1")
     if args.limit is not None and args.limit < 1:
         ap.error("--limit must be at least 1")
+    if args.paths is not None:
+        args.paths = frozenset({"ours_target", *(k.strip() for k in args.paths.split(",") if k.strip())})
     return args
 
 
@@ -118,9 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.vllm is not None:
             log = args.out.with_suffix(".vllm.log")
             more, vllm, close = vllm_paths(
-                dep, args.vllm, VLLM_PEER, log, draft_from, args.vllm_kv_gib, max(args.concurrency), progress
+                dep, args.vllm, VLLM_PEER, log, draft_from, args.vllm_kv_gib, max(args.concurrency), progress, args.paths
             )
             paths += more
+        if args.paths is not None:
+            unknown = sorted(args.paths - {p.key for p in paths})
+            if unknown:
+                raise RequestError(f"--paths {','.join(unknown)}: no such path here; known: {', '.join(p.key for p in paths)}")
+            paths = [p for p in paths if p.key in args.paths]
     except TrtspecError as e:
         close()
         print(f"Error: {e}", file=sys.stderr)

@@ -140,6 +140,21 @@ def test_cli_measures_each_concurrency(tmp_path, tiny_ckpts, built, capsys):
     assert "concurrency 2 (groups of 2 prompts sent at once)" in table and "| HF target-only |" in table
 
 
+def test_cli_measures_only_the_paths_asked_for(tmp_path, tiny_ckpts, built, capsys):
+    dep = built("draft")
+    spec = write_spec(tmp_path, tiny_ckpts, "draft", output_dir=str(dep.target.folder.parent))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t, "kind": k}) + "\n" for t, k in ROWS))
+    out = tmp_path / "peers.md"
+    args = ["--spec", str(spec), "--prompts", str(prompts), "--max-tokens", "4", "--limit", "1", "--out", str(out)]
+    assert _load_cli().main([*args, "--paths", "ours_ngram,hf_target"]) == 0
+    (data,) = json.loads(out.with_suffix(".json").read_text())["results"]
+    assert [p["key"] for p in data["paths"]] == ["ours_target", "ours_ngram", "hf_target"]  # the reference stays
+    capsys.readouterr()
+    assert _load_cli().main([*args, "--paths", "ours_eagle9"]) == 2
+    assert "--paths ours_eagle9: no such path here" in capsys.readouterr().err
+
+
 def test_cli_refuses_concurrency_beyond_the_build(tmp_path, tiny_ckpts, built, capsys):
     dep = built("draft")
     spec = write_spec(tmp_path, tiny_ckpts, "draft", output_dir=str(dep.target.folder.parent))

@@ -398,10 +398,12 @@ def vllm_paths(
     kv_cache_gib: int = 1,
     max_num_seqs: int = 4,
     progress: Callable[[str], None] = lambda _: None,
+    only: frozenset[str] | None = None,
 ) -> tuple[list[PeerPath], dict, Callable[[], None]]:
     """vLLM's paths over our engine folders: target-only, the spec's eagle3 head, a draft model
-    (the spec's, else ``draft_from``'s), prompt lookup. One worker process per path, loaded one
-    after another. Returns the paths, their settings and a function that stops the workers."""
+    (the spec's, else ``draft_from``'s), prompt lookup (``only``: these keys alone, none other
+    started). One worker process per path, loaded one after another. Returns the paths, their
+    settings and a function that stops the workers."""
     from trtspec.layout import engine_folder
 
     spec = dep.spec.speculative
@@ -433,6 +435,8 @@ def vllm_paths(
             {"method": "ngram", "prompt_lookup_min": spec.min_ngram, "prompt_lookup_max": spec.max_ngram},
         )
     )
+    if only is not None:
+        configs = [c for c in configs if c[0] in only]
     workers: list[VllmWorker] = []
 
     def close() -> None:
