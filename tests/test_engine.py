@@ -69,6 +69,23 @@ def test_ragged_batch_equals_one_by_one(dep):
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
+def test_a_batch_reads_the_lm_head_once_and_each_item_gets_its_own_rows(dep, monkeypatch):
+    eng = dep.target
+    seqs = [_seq(n, 10 + n) for n in (5, 17, 9)]
+    wants = (1, 4, 2)
+    alone = [eng.run([ForwardItem(s, k)])[0] for s, k in zip(seqs, wants)]
+    eng.forget_prefixes()
+    calls = []
+    head = eng.model.logits
+    monkeypatch.setattr(eng.model, "logits", lambda h: calls.append(h.shape[0]) or head(h))
+    batched = eng.run([ForwardItem(s, k) for s, k in zip(seqs, wants)])
+    assert calls == [sum(wants)]  # one LM-head call for the whole step
+    for a, b, k in zip(alone, batched, wants):
+        assert b.shape == (k, eng.vocab_size)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
 def test_more_sequences_than_slots_evicts_correctly(dep):
     eng = dep.target
     seqs = [_seq(10, 100 + i) for i in range(eng.max_batch_size + 3)]

@@ -249,11 +249,14 @@ class TorchEngine:
             for row, (slot, start, n) in enumerate(step.rows):
                 self.features[slot, start : start + n] = feats[row, :n]
         self.forwards += 1
-        out = []
-        for row, (it, start) in enumerate(zip(items, starts)):
-            n_new = len(it.tokens) - start
-            rows = hidden[row, n_new - it.n_logits : n_new]  # [n_logits, hidden]
-            out.append(self.model.logits(rows).cpu())  # [n_logits, vocab], where the loop reads it
+        # Every row's positions that need logits go through the LM head in ONE call: the head
+        # (vocab x hidden, the largest weight) is then read once a step, not once per row.
+        wanted = [
+            hidden[row, len(it.tokens) - start - it.n_logits : len(it.tokens) - start]
+            for row, (it, start) in enumerate(zip(items, starts))
+        ]
+        logits = self.model.logits(wanted[0] if len(wanted) == 1 else torch.cat(wanted)).cpu()  # where the loop reads it
+        out = list(logits.split([it.n_logits for it in items]))  # per item [n_logits, vocab]
         for it, (slot, _) in zip(items, assigned):
             self.pool.commit(slot, it.tokens)
         return out
