@@ -30,6 +30,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from engine_floor import load_engine  # noqa: E402  (the target engine with a forced kernel layout)
+
 PATHS = ("eager", "eager_dense", "compiled_mlp", "compiled_frozen", "compiled_layers")
 
 
@@ -48,20 +52,6 @@ def parse_args(argv=None):
     if args.max_tokens < 1 or args.limit < 1:
         ap.error("--max-tokens and --limit must be at least 1")
     return args
-
-
-def load(folder: Path, onednn: str | None):
-    from trtspec.engines.torch.engine import TorchEngine
-
-    saved = os.environ.pop("TRTSPEC_ONEDNN", None)
-    try:
-        if onednn is not None:
-            os.environ["TRTSPEC_ONEDNN"] = onednn
-        return TorchEngine.load(folder, slots=1)
-    finally:
-        os.environ.pop("TRTSPEC_ONEDNN", None)
-        if saved is not None:
-            os.environ["TRTSPEC_ONEDNN"] = saved
 
 
 def compile_parts(engine, whole_layers: bool) -> None:
@@ -91,7 +81,7 @@ def main(argv=None) -> int:
     folder = dep.target.folder
     engines = {}
     for name in args.paths:
-        engine = dep.target if name == "eager" else load(folder, "0")
+        engine = dep.target if name == "eager" else load_engine(folder, "0")
         if name.startswith("compiled"):
             compile_parts(engine, whole_layers=name == "compiled_layers")
         engines[name] = engine

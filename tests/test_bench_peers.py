@@ -121,14 +121,19 @@ def test_cli_writes_table_and_json(tmp_path, tiny_ckpts, built, capsys):
     assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
 
 
-def test_cli_measures_each_concurrency(tmp_path, tiny_ckpts, built, capsys):
+def _cli_setup(tmp_path, tiny_ckpts, built) -> tuple[list[str], Path]:
+    """Arguments naming a built tiny spec and the ROWS prompts, and the --out table path."""
     dep = built("draft")
     spec = write_spec(tmp_path, tiny_ckpts, "draft", output_dir=str(dep.target.folder.parent))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": t, "kind": k}) + "\n" for t, k in ROWS))
     out = tmp_path / "peers.md"
-    args = ["--spec", str(spec), "--prompts", str(prompts), "--max-tokens", "6", "--out", str(out), "-c", "1,2"]
-    assert _load_cli().main(args) == 0
+    return ["--spec", str(spec), "--prompts", str(prompts), "--out", str(out)], out
+
+
+def test_cli_measures_each_concurrency(tmp_path, tiny_ckpts, built, capsys):
+    args, out = _cli_setup(tmp_path, tiny_ckpts, built)
+    assert _load_cli().main([*args, "--max-tokens", "6", "-c", "1,2"]) == 0
     one, two = json.loads(out.with_suffix(".json").read_text())["results"]
     assert (one["concurrency"], two["concurrency"]) == (1, 2)
     # HF paths run one request at a time only; ours run batched, token-identical to batch 1.
@@ -141,12 +146,8 @@ def test_cli_measures_each_concurrency(tmp_path, tiny_ckpts, built, capsys):
 
 
 def test_cli_measures_only_the_paths_asked_for(tmp_path, tiny_ckpts, built, capsys):
-    dep = built("draft")
-    spec = write_spec(tmp_path, tiny_ckpts, "draft", output_dir=str(dep.target.folder.parent))
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": t, "kind": k}) + "\n" for t, k in ROWS))
-    out = tmp_path / "peers.md"
-    args = ["--spec", str(spec), "--prompts", str(prompts), "--max-tokens", "4", "--limit", "1", "--out", str(out)]
+    args, out = _cli_setup(tmp_path, tiny_ckpts, built)
+    args += ["--max-tokens", "4", "--limit", "1"]
     assert _load_cli().main([*args, "--paths", "ours_ngram,hf_target"]) == 0
     (data,) = json.loads(out.with_suffix(".json").read_text())["results"]
     assert [p["key"] for p in data["paths"]] == ["ours_target", "ours_ngram", "hf_target"]  # the reference stays
