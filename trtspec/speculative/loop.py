@@ -46,7 +46,8 @@ class Drafter(Protocol):
 
         A drafter that also takes ``rules`` (a keyword, one RowRules or None per context)
         mirrors the requests' logits processing in its drafts (``mirrors_processing = True``);
-        the others draft as usual, which costs acceptance, never correctness."""
+        the others draft as usual, which costs acceptance, never correctness. A drafter with
+        ``release(prompt_ids, output_ids)`` is told when a sequence leaves the loop."""
         ...
 
 
@@ -257,10 +258,14 @@ class Batch:
         return [key for key, res in self.results.items() if not res.done]
 
     def cancel(self, key: int) -> GenerationResult:
-        """Stop ``key`` now (its tokens so far stay in the result) and forget it."""
+        """Stop ``key`` now (its tokens so far stay in the result) and forget it. A drafter
+        that keeps per-request state (suffix decoding) is told, through ``release``."""
         self.gens.pop(key, None)
-        del self.requests[key]
-        return self.results.pop(key)
+        request, result = self.requests.pop(key), self.results.pop(key)
+        release = getattr(self.drafter, "release", None)
+        if release is not None:
+            release(request.prompt_ids, result.output_ids)
+        return result
 
     def pop(self, key: int) -> GenerationResult:
         """The result of a finished sequence, forgotten here."""
