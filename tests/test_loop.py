@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from trtspec.speculative.drafters import NgramDrafter
 from trtspec.speculative.loop import (
@@ -250,3 +251,30 @@ def test_a_cancelled_sequence_leaves_the_next_step():
     assert batch.step().sequences == 1 and batch.active == [b]
     with pytest.raises(ValueError, match="has not finished"):
         batch.pop(b)
+
+
+class LogitsOracleVerifier(OracleVerifier):
+    """The oracle's verdicts with logits, each row a view into one array for the whole
+    step ([rows, k + 1, vocab]), as engines return them."""
+
+    def verify(self, contexts, drafts, want_logits=None, context_phase=None):
+        verdicts = super().verify(contexts, drafts)
+        width = max(len(d) for d in drafts) + 1
+        step = torch.zeros(len(contexts), width, VOCAB)  # [rows, k+1, vocab]
+        for r, v in enumerate(verdicts):
+            step[r, torch.arange(len(v.target_ids)), v.target_ids] = 1.0
+            v.logits = step[r, : len(v.target_ids)]
+        return verdicts
+
+
+def test_generation_logits_rows_hold_only_their_own_memory():
+    """Each kept row owns a storage of one vocab row: a view would pin the whole step's
+    [rows, k + 1, vocab] array for as long as the request lives."""
+    reqs = [GenerationRequest([i, i + 1], 20, 4, generation_logits=True) for i in (1, 5, 9)]
+    results = generate(reqs, NoisyDrafter(0.7, seed=1), LogitsOracleVerifier())
+    for req, res in zip(reqs, results):
+        assert res.output_ids == reference(20, prompt=req.prompt_ids)
+        assert len(res.generation_logits) == len(res.output_ids)
+        for tok, row in zip(res.output_ids, res.generation_logits):
+            assert int(row.argmax()) == tok
+            assert row.untyped_storage().nbytes() == row.numel() * row.element_size() == VOCAB * 4

@@ -480,7 +480,9 @@ def _emit(req: GenerationRequest, res: GenerationResult, new: list[int], margins
         if log_probs is not None:
             res.log_probs.append(log_probs[pos])
         if logit_rows is not None:
-            res.generation_logits.append(logit_rows[pos])
+            # A copy of its own: a view would keep the whole step's logits alive (every row
+            # of the batch x every scored position x vocab) for as long as the result lives.
+            res.generation_logits.append(logit_rows[pos].clone())
         emitted.append(tok)
         if any(_ends_with(res.output_ids, s) for s in req.stop_sequences):
             res.finish_reason = "stop"

@@ -392,7 +392,11 @@ class Scheduler:
                 continue
             new = emitted.get(key, [])
             tensors = stream.step(new, res.done) | log_prob_tensors([row], [res])
-            tensors |= logits_tensors([row], [res], [len(res.output_ids) - len(new)])
+            if row.want_logits:
+                # Only rows not sent yet are held (this step's): the response has its own copy,
+                # so a long stream holds one step's logits, not its whole answer's.
+                tensors |= logits_tensors([row], [res])
+                res.generation_logits.clear()
             if row.separate:
                 tensors["sequence_index"] = np.array([[row.sequence_index]], dtype=np.int32)
                 tensors["batch_index"] = np.array([[row.batch_index]], dtype=np.int32)
