@@ -17,17 +17,19 @@ refused with their named error. It reports and checks:
                 refused with their named error (must be 0)
   differing     completed outputs that differ from target-only (must be 0; also "mismatched")
   unanswered    requests with no final answer within --answer-timeout seconds (must be 0)
-  rss growth    server + stub processes' resident memory: from the end of --warmup seconds of
-                the same load (the engines' static KV buffers are touched page by page as
-                slots and positions are first used: that is not a leak) to the end; the
-                growth from before any load and a sample every 10 s are reported too
+  memory        per process (tritonserver and each Python-backend stub, by model): Pss,
+                RssAnon, RssShmem and the number of /dev/shm mappings, from the end of
+                --warmup seconds of the same load (the engines' static KV buffers are touched
+                page by page as slots and positions are first used: that is not a leak) to the
+                end; the growth from before any load and a sample every 10 s are reported too
   held after    sequences still holding a place and requests still queued, read from the
                 trtspec_active_sequences / trtspec_queue_depth gauges on /metrics when the
                 server exports them; and a probe: max_batch_size fresh streams per instance
                 all complete, identical to target-only
 
-Exit status 0 when failed, mismatched and held-after are 0 and RSS grew at most --max-rss-growth
-percent; 1 otherwise. Writes --json.
+Exit status 0 when failed, mismatched and held-after are 0 and no process's Pss grew more than
+--max-growth percent after the warm-up (a process that began or ended in that span counts as
+grown); 1 otherwise. Writes --json.
 """
 
 from __future__ import annotations
@@ -139,29 +141,6 @@ def stream(url, prompt, max_tokens, chat, cancel_after: int | None) -> list[int]
         client.stop_stream()
 
 
-def server_rss_kib(pid: int) -> int:
-    """Resident memory of the server and every process under it (the model stubs)."""
-    children: dict[int, list[int]] = {}
-    rss: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            status = (entry / "status").read_text()
-        except OSError:
-            continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        p = int(entry.name)
-        children.setdefault(int(fields["PPid"].strip()), []).append(p)
-        rss[p] = int(fields.get("VmRSS", "0 kB").split()[0])
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        total += rss.get(p, 0)
-        todo += children.get(p, [])
-    return total
-
-
 def gauges(metrics_url: str) -> dict[str, float] | None:
     """Sum of each trtspec load gauge over models and instances; None when not exported."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -184,8 +163,16 @@ def main() -> int:
     ap.add_argument("--answer-timeout", type=float, default=600.0, help="seconds to a final answer (default 600)")
     ap.add_argument("--max-tokens", default="16,48", help="max_tokens values drawn from (default 16,48)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--warmup", type=float, default=30.0, help="seconds of load before the RSS baseline (default 30)")
-    ap.add_argument("--max-rss-growth", type=float, default=5.0, help="percent (default 5)")
+    ap.add_argument("--warmup", type=float, default=30.0, help="seconds of load before the memory baseline (default 30)")
+    ap.add_argument(
+        "--max-growth",
+        "--max-rss-growth",
+        type=float,
+        default=5.0,
+        help="most any one process's Pss may grow after the warm-up, percent (default 5)",
+    )
+    ap.add_argument("--allocator", default="auto", choices=["auto", "glibc", "jemalloc", "tcmalloc"])
+    ap.add_argument("--server-arg", action="append", default=[], help="extra tritonserver option (repeatable)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if not 0 < args.duration <= 3600:
@@ -197,6 +184,7 @@ def main() -> int:
 
     from trtspec.spec import load_spec
     from trtspec.triton.repository.writer import write_repository
+    from trtspec.triton.server.memory import compact, growth, total, tree_memory, worst_growth
     from trtspec.triton.server.process import TritonServer
 
     loaded = load_spec(args.spec)
@@ -211,7 +199,8 @@ def main() -> int:
     if vocab and logits_tokens < loaded.spec.limits("target").max_seq_len - 128:
         faults.append("oversized_logits")
     repo = write_repository(loaded, loaded.output_dir(), Path(tempfile.mkdtemp(prefix="trtspec-soak-")) / "repo")
-    server = TritonServer.for_repository(repo)  # binds 127.0.0.1, free ports
+    # binds 127.0.0.1, free ports
+    server = TritonServer.for_repository(repo, allocator=args.allocator, extra_args=args.server_arg)
     server.start()
     print(f"server ready in {server.wait_ready(600):.1f}s", flush=True)
     url = server.grpc_endpoint
@@ -223,9 +212,9 @@ def main() -> int:
         for p in prompts:  # warm-up of both speculative endpoints, checked too
             assert stream(url, p, lengths[0], chat, None) == expected[(p, lengths[0])], p
             assert unary(url, UNARY, p, lengths[0], chat) == expected[(p, lengths[0])], p
-        rss_cold = server_rss_kib(server.pid)
+        mem_cold = tree_memory(server.pid)
         stop_at = time.monotonic() + args.warmup + args.duration
-        samples: list[tuple[float, int]] = []
+        samples: list[dict] = []
 
         def fault(kind: str, p: str, n: int, rng: random.Random) -> None:
             """One hostile request; a wrong or missing refusal counts failed."""
@@ -289,15 +278,15 @@ def main() -> int:
         for t in threads:
             t.start()
         time.sleep(args.warmup)  # requests of the warm-up count like the rest
-        rss_start = server_rss_kib(server.pid)
+        mem_start = tree_memory(server.pid)
         while any(t.is_alive() for t in threads):
-            samples.append((round(time.monotonic() - begin, 1), server_rss_kib(server.pid)))
+            samples.append({"t": round(time.monotonic() - begin, 1)} | compact(tree_memory(server.pid)))
             time.sleep(10)
         for t in threads:
             t.join()
         seconds = time.monotonic() - begin
         time.sleep(1.0)  # the last cancellations reach the scheduler within a step
-        rss_end = server_rss_kib(server.pid)
+        mem_end = tree_memory(server.pid)
         held = gauges(server.metrics_url)
         # Every place must be free again: as many fresh streams as one endpoint instance has
         # places, at once, all complete and identical to target-only.
@@ -317,10 +306,13 @@ def main() -> int:
     finally:
         server.stop()
 
-    growth = 100.0 * (rss_end - rss_start) / rss_start
+    per_process = growth(mem_start, mem_end)
+    worst, worst_pct = worst_growth(per_process)
     held_after = None if held is None else int(held.get("trtspec_active_sequences", 0) + held.get("trtspec_queue_depth", 0))
     report = {
         "spec": loaded.spec.name,
+        "allocator": server.env.get("LD_PRELOAD") or "glibc",
+        "server_args": args.server_arg,
         "load_s": round(seconds, 1),  # warm-up included: every count covers it
         "concurrency": args.concurrency,
         "cancel_fraction": args.cancel,
@@ -334,12 +326,18 @@ def main() -> int:
         "faults": {k.removeprefix("fault_"): v for k, v in sorted(counts.items()) if k.startswith("fault_")},
         "output_tokens": counts["tokens"],
         "warmup_s": args.warmup,
-        "rss_before_load_mib": round(rss_cold / 1024, 1),
-        "rss_growth_from_before_load_pct": round(100.0 * (rss_end - rss_cold) / rss_cold, 2),
-        "rss_samples_mib": [(t, round(k / 1024, 1)) for t, k in samples],
-        "rss_start_mib": round(rss_start / 1024, 1),
-        "rss_end_mib": round(rss_end / 1024, 1),
-        "rss_growth_pct": round(growth, 2),
+        # Per process from the end of the warm-up to the end (the goal: worst Pss growth).
+        "memory_growth": per_process,
+        "worst_pss_growth_pct": round(worst_pct, 2),
+        "worst_process": worst,
+        # The tree's Pss (what it holds, shared pages counted once) before load, after the
+        # warm-up and at the end; the growth from before load includes the warm-up's.
+        "pss_total_mib": {
+            k: round(total(m) / 1024, 1) for k, m in (("before_load", mem_cold), ("start", mem_start), ("end", mem_end))
+        },
+        "from_before_load": growth(mem_cold, mem_end),
+        # Every 10 s, per process: [Pss, RssAnon, RssShmem] MiB and the /dev/shm mappings.
+        "memory_samples": samples,
         "held_after": held_after,  # None: the server exports no trtspec load gauges
         "probe_after_ok": probe_ok,
         "problems": problems[:20],
@@ -348,7 +346,7 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     ok = not counts["failed"] and not counts["mismatched"] and not counts["unanswered"]
-    ok = ok and probe_ok and growth <= args.max_rss_growth
+    ok = ok and probe_ok and worst_pct <= args.max_growth
     return 0 if ok and held_after in (0, None) else 1
 
 

@@ -20,12 +20,22 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from trtspec.cache import cache_root
 from trtspec.errors import ServerError
 
 STUB_NAME = "triton_python_backend_stub"
 _OPT_BINARY = Path("/opt/tritonserver/bin/tritonserver")
+
+# Allocators that hand freed memory back to the system, preloaded into tritonserver (and so
+# into its stubs), as Triton's documentation on memory growth recommends: glibc's malloc keeps
+# what a large request's buffers freed (operations.md: memory). Each name -> its shared
+# library (Debian packages libjemalloc2 and libtcmalloc-minimal4); "auto" takes the first
+# present, "glibc" preloads nothing.
+ALLOCATORS: dict[str, str] = {"jemalloc": "libjemalloc.so.2", "tcmalloc": "libtcmalloc_minimal.so.4"}
+Allocator = Literal["auto", "jemalloc", "tcmalloc", "glibc"]
+_LIB_DIRS = (f"/usr/lib/{sysconfig.get_config_var('MULTIARCH') or 'x86_64-linux-gnu'}", "/usr/lib64", "/usr/lib", "/lib64")
 
 
 @dataclass(frozen=True)
@@ -157,10 +167,34 @@ def prepare_backend_dir(install: TritonInstall, python_version: str, cache_root:
     return target
 
 
+def find_allocator(name: Allocator, lib_dirs: Sequence[str] = _LIB_DIRS) -> Path | None:
+    """The shared library of allocator ``name`` ("auto": the first of ALLOCATORS present);
+    None for "glibc" and for "auto" when none is installed. A named one that is missing is an
+    error that says which package provides it."""
+    if name == "glibc":
+        return None
+    names = list(ALLOCATORS) if name == "auto" else [name]
+    for candidate in names:
+        if candidate not in ALLOCATORS:
+            raise ServerError(f"unknown allocator {candidate!r}; choose one of auto, glibc, {', '.join(ALLOCATORS)}")
+        for folder in lib_dirs:
+            path = Path(folder) / ALLOCATORS[candidate]
+            if path.is_file():
+                return path
+    if name == "auto":
+        return None
+    package = {"jemalloc": "libjemalloc2", "tcmalloc": "libtcmalloc-minimal4"}[name]
+    raise ServerError(
+        f"allocator {name} is not installed (no {ALLOCATORS[name]} in {', '.join(lib_dirs)}); "
+        f"install it (Debian/Ubuntu: apt-get install {package}) or choose allocator auto or glibc"
+    )
+
+
 def server_env(
     venv: str | os.PathLike[str] | PythonEnv | None = None,
     install: TritonInstall | None = None,
     base: Mapping[str, str] | None = None,
+    allocator: Allocator = "auto",
 ) -> dict[str, str]:
     """The environment for tritonserver so that its Python-backend stub runs in ``venv``.
 
@@ -168,6 +202,7 @@ def server_env(
     links ``libpython3.X.so`` dynamically, and must get the base interpreter's copy, not a
     system one of another patch level (undefined symbols), hence LIBDIR first on
     LD_LIBRARY_PATH. A relocated stub/backend also needs the wheel's bundled libraries.
+    ``allocator`` (find_allocator) goes first on LD_PRELOAD.
     """
     py = venv if isinstance(venv, PythonEnv) else python_env(venv)
     install = install or find_tritonserver()
@@ -175,6 +210,9 @@ def server_env(
     env["PATH"] = _prepend([str(py.prefix / "bin")], env.get("PATH", ""))
     libs = [str(py.libdir)] + ([str(install.libs_dir)] if install.libs_dir else [])
     env["LD_LIBRARY_PATH"] = _prepend(libs, env.get("LD_LIBRARY_PATH", ""))
+    malloc = find_allocator(allocator)
+    if malloc is not None:
+        env["LD_PRELOAD"] = " ".join([str(malloc), *(p for p in env.get("LD_PRELOAD", "").split() if p != str(malloc))])
     return env
 
 

@@ -33,7 +33,7 @@ from typing import Literal
 
 from trtspec.errors import ServerError, TrtspecError
 from trtspec.triton.server.detached import write_pid_file
-from trtspec.triton.server.install import find_tritonserver, prepare_backend_dir, python_env, server_env
+from trtspec.triton.server.install import Allocator, find_tritonserver, prepare_backend_dir, python_env, server_env
 from trtspec.triton.server.procgroup import end_group, signal_group
 
 _LOG_EXCERPT_LINES = 30
@@ -201,9 +201,11 @@ class TritonServer:
         venv: str | os.PathLike[str] | None = None,
         address: str = "127.0.0.1",
         cache_root: Path | None = None,
+        allocator: Allocator = "auto",
         **options: object,
     ) -> TritonServer:
-        """A server for ``model_repository`` on free ports, its stub running in ``venv``.
+        """A server for ``model_repository`` on free ports, its stub running in ``venv``, with
+        ``allocator`` preloaded (install.find_allocator).
 
         ``options`` are further :class:`ServerCommand` fields (log_verbose, ports, ...).
         """
@@ -219,7 +221,7 @@ class TritonServer:
             address=address,
             **fields,  # type: ignore[arg-type]
         )
-        return cls(command, server_env(py, install))
+        return cls(command, server_env(py, install, allocator=allocator))
 
     def argv(self) -> list[str]:
         """What start() runs: the launcher when set, else the plain server command."""

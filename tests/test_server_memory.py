@@ -1,0 +1,69 @@
+"""Per-process memory (what bench/memory.py reports): each process of a tree on its own, shared memory apart."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from trtspec.triton.server import memory
+from trtspec.triton.server.procgroup import descendants
+
+# A child that, once told, grows its heap by 64 MiB and maps and touches 16 MiB of /dev/shm.
+CHILD = """
+import mmap, os, sys, time
+from pathlib import Path
+go, done = Path(sys.argv[1]), Path(sys.argv[2])
+while not go.exists():
+    time.sleep(0.02)
+heap = bytearray(64 << 20)
+for i in range(0, len(heap), 4096):
+    heap[i] = 1
+fd = os.open(f"/dev/shm/trtspec-soak-test-{os.getpid()}", os.O_CREAT | os.O_RDWR, 0o600)
+os.ftruncate(fd, 16 << 20)
+shm = mmap.mmap(fd, 16 << 20)
+os.unlink(f"/dev/shm/trtspec-soak-test-{os.getpid()}")
+for i in range(0, 16 << 20, 4096):
+    shm[i] = 1
+done.touch()
+time.sleep(60)
+"""
+PARENT = "import subprocess, sys; subprocess.run([sys.executable, '-c', sys.argv[1], *sys.argv[2:]])"
+
+
+def test_memory_growth_is_measured_per_process_and_names_the_one_that_grew(tmp_path):
+    go, done = tmp_path / "go", tmp_path / "done"
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD, str(go), str(done)])
+    try:
+        deadline = time.monotonic() + 30
+        while len(memory.tree_memory(parent.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        start = memory.tree_memory(parent.pid)
+        assert len(start) == 2 and all(m["pss"] > 0 and m["rss_anon"] > 0 for m in start.values())
+        go.touch()
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        end = memory.tree_memory(parent.pid)
+    finally:
+        for pid in descendants(parent.pid):
+            os.kill(pid, signal.SIGKILL)
+        parent.kill()
+        parent.wait()
+    per_process = memory.growth(start, end)
+    worst, pct = memory.worst_growth(per_process)
+    child = per_process[worst]["growth_kib"]
+    assert child["rss_anon"] >= 63 << 10  # the heap, in this process only
+    assert child["rss_shmem"] >= 15 << 10 and child["shm_maps"] == 1  # the shared pages, apart
+    assert child["pss"] >= 78 << 10 and pct > 100
+    (other,) = set(per_process) - {worst}
+    assert per_process[other]["growth_kib"]["rss_anon"] < 4 << 10  # the parent did not grow
+    assert memory.total(end) - memory.total(start) >= 78 << 10
+
+
+def test_a_process_that_began_or_ended_in_the_span_counts_as_unbounded_growth():
+    mem = {"pss": 100, "rss_anon": 50, "rss_shmem": 10, "shm_maps": 1}
+    grown = {"pss": 100, "rss_anon": 50, "rss_shmem": 10, "shm_maps": 1}
+    assert memory.worst_growth(memory.growth({"a [1]": mem}, {"a [1]": grown})) == ("a [1]", 0.0)
+    assert memory.worst_growth(memory.growth({"a [1]": mem}, {"a [2]": mem}))[1] == float("inf")

@@ -1,0 +1,108 @@
+"""What a server's process tree holds, process by process, from the kernel's own accounting.
+
+Summed VmRSS counts a shared page once per process that maps it (the Python backend's /dev/shm
+pool is mapped by tritonserver and by every stub), so it cannot tell a leak from pool growth.
+The fields kept here can (KiB; shm_maps a count):
+
+  pss        proportional set size (Pss, /proc/<pid>/smaps_rollup): each shared page divided
+             among the processes that map it, so a tree's Pss adds up to what it holds
+  rss_anon   private heap and stacks (RssAnon, /proc/<pid>/status): where a leak shows
+  rss_shmem  shared-memory pages the process touched (RssShmem): the Python backend's pool
+  shm_maps   mappings of /dev/shm files (/proc/<pid>/maps): the pool's regions; a pool that
+             grows adds one
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from trtspec.triton.server.procgroup import cmdline, descendants
+
+MEMORY_FIELDS = ("pss", "rss_anon", "rss_shmem", "shm_maps")
+STUB_NAME = "triton_python_backend_stub"
+
+Memory = dict[str, int]  # MEMORY_FIELDS -> KiB (shm_maps: a count)
+
+
+def _kib(text: str, key: str) -> int:
+    m = re.search(rf"^{key}:\s+(\d+) kB", text, re.M)
+    return int(m.group(1)) if m else 0
+
+
+def process_memory(pid: int) -> Memory | None:
+    """MEMORY_FIELDS of one process; None once it is gone."""
+    proc = Path("/proc") / str(pid)
+    try:
+        status = (proc / "status").read_text()
+        rollup = (proc / "smaps_rollup").read_text()
+        maps = (proc / "maps").read_text()
+    except OSError:
+        return None
+    return {
+        "pss": _kib(rollup, "Pss"),
+        "rss_anon": _kib(status, "RssAnon"),
+        "rss_shmem": _kib(status, "RssShmem"),
+        "shm_maps": sum(1 for line in maps.splitlines() if " /dev/shm/" in line),
+    }
+
+
+def label(pid: int) -> str:
+    """ "tritonserver [pid]", or for a Python-backend stub the model it serves (the stub's first
+    argument is the model's file, <model>/<version>/model.py): "stub <model> [pid]"."""
+    argv = cmdline(pid)
+    name = Path(argv[0]).name if argv else "?"
+    if name == STUB_NAME and len(argv) > 1:
+        model = Path(argv[1])
+        name = f"stub {model.parent.parent.name if model.suffix == '.py' else model.name}"
+    return f"{name} [{pid}]"
+
+
+def tree_memory(root: int) -> dict[str, Memory]:
+    """MEMORY_FIELDS of ``root`` and every process under it, by :func:`label`."""
+    out = {}
+    for pid in [root, *descendants(root)]:
+        mem = process_memory(pid)
+        if mem is not None:
+            out[label(pid)] = mem
+    return out
+
+
+def total(memory: dict[str, Memory], field: str = "pss") -> int:
+    return sum(m[field] for m in memory.values())
+
+
+def growth(start: dict[str, Memory], end: dict[str, Memory]) -> dict[str, dict]:
+    """Per process alive at both ends: each field's start, end and growth (KiB, and percent of
+    its start). A process that ended or began in between is reported as such, never hidden."""
+    out: dict[str, dict] = {}
+    for name in sorted(start.keys() | end.keys()):
+        if name not in end:
+            out[name] = {"ended": True}
+        elif name not in start:
+            out[name] = {"began": True, "end_kib": end[name]}
+        else:
+            a, b = start[name], end[name]
+            out[name] = {
+                "start_kib": a,
+                "end_kib": b,
+                "growth_kib": {f: b[f] - a[f] for f in MEMORY_FIELDS},
+                "growth_pct": {f: round(100.0 * (b[f] - a[f]) / a[f], 2) if a[f] else None for f in MEMORY_FIELDS[:3]},
+            }
+    return out
+
+
+def worst_growth(per_process: dict[str, dict], field: str = "pss") -> tuple[str | None, float]:
+    """The process whose ``field`` grew most, in percent; a process that began or ended in the
+    span counts as unbounded growth (inf)."""
+    worst, pct = None, float("-inf")
+    for name, g in per_process.items():
+        p = g["growth_pct"][field] if "growth_pct" in g else float("inf")
+        if p is not None and p > pct:
+            worst, pct = name, p
+    return worst, pct
+
+
+def compact(memory: dict[str, Memory]) -> dict[str, list]:
+    """One sample for a report: per process [Pss, RssAnon, RssShmem] in MiB and shm_maps."""
+    return {k: [round(m[f] / 1024, 1) for f in MEMORY_FIELDS[:3]] + [m["shm_maps"]] for k, m in memory.items()}
