@@ -162,6 +162,8 @@ _UNSUPPORTED_PRESENT = {
     "guided_decoding_guide_type": "guided decoding (guided_decoding_guide_type)",
     "guided_decoding_guide": "guided decoding (guided_decoding_guide)",
 }
+# The inputs above: config.pbtxt gives them the smallest shape (triton/repository/bounds.py).
+UNSERVED_INPUTS = frozenset(_UNSUPPORTED_PRESENT)
 
 
 def _values(inputs: Mapping[str, np.ndarray], name: str) -> np.ndarray | None:

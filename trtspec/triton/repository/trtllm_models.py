@@ -35,6 +35,7 @@ from pathlib import Path
 from trtspec.errors import TrtspecError
 from trtspec.layout import ENGINE_KINDS, ENGINE_MODELS, TRTLLM_TOKENIZER_DIR
 from trtspec.spec import EngineSpec, ModelSpec
+from trtspec.triton.repository.bounds import smallest_unserved
 from trtspec.triton.repository.pbtxt import DynamicBatching, ModelConfig, TensorSpec
 
 # Read unguarded by the backend; an empty value disables guided decoding.
@@ -84,6 +85,9 @@ def engine_inputs(activation_dtype: str) -> list[TensorSpec]:
         TensorSpec("encoder_input_features", activation_dtype, [-1, -1], optional=True),
     ]
 
+
+# Declared as upstream's template does, never sent by trtspec's orchestrator: the smallest shape.
+UNSERVED_ENGINE_INPUTS = frozenset({"draft_logits", "prompt_embedding_table", "encoder_input_features"})
 
 ENGINE_OUTPUTS = [
     TensorSpec("output_ids", "TYPE_INT32", [-1, -1]),  # [beams, tokens], prompt included
@@ -174,7 +178,7 @@ def engine_model_configs(
                 name=repo_names[kind],
                 backend="tensorrtllm",
                 max_batch_size=limits.max_batch_size,
-                inputs=engine_inputs(_ACTIVATION_DTYPE[role_model.dtype]),
+                inputs=smallest_unserved(engine_inputs(_ACTIVATION_DTYPE[role_model.dtype]), UNSERVED_ENGINE_INPUTS),
                 outputs=ENGINE_OUTPUTS,
                 parameters=params,
                 instance_count=1,

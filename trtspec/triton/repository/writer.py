@@ -52,6 +52,7 @@ from trtspec.triton.backend import contract
 from trtspec.triton.backend.contract import Tensor
 from trtspec.triton.backend.params import EngineEndpointParams, load_aware
 from trtspec.triton.repository import pbtxt
+from trtspec.triton.repository.bounds import smallest_unserved
 from trtspec.triton.repository.pbtxt import DynamicBatching, ModelConfig, TensorSpec
 
 ENGINE_SHIM = "from trtspec.triton.backend.models.engine_model import TritonPythonModel  # noqa: F401\n"
@@ -109,14 +110,14 @@ def tensor_specs(table: Sequence[Tensor], outputs: bool = False) -> list[TensorS
     ]
 
 
-BLS_INPUTS = tensor_specs(contract.BLS_INPUTS)
+BLS_INPUTS = smallest_unserved(tensor_specs(contract.BLS_INPUTS))
 BLS_OUTPUTS = tensor_specs(contract.BLS_OUTPUTS, outputs=True)
 
 
 def ensemble_config(step_model: str, batch: int) -> ModelConfig:
     """Upstream's `ensemble` name and tensors, one step: the text endpoint ``step_model``
     (tokenizing and detokenizing happen inside it, so no pre/postprocessing models)."""
-    inputs = tensor_specs(contract.ENSEMBLE_INPUTS)
+    inputs = smallest_unserved(tensor_specs(contract.ENSEMBLE_INPUTS))
     outputs = tensor_specs(contract.ENSEMBLE_OUTPUTS, outputs=True)
     maps = "".join(f'  input_map {{ key: "{t.name}" value: "{t.name}" }}\n' for t in inputs)
     maps += "".join(f'  output_map {{ key: "{t.name}" value: "{t.name}" }}\n' for t in outputs)
@@ -260,7 +261,10 @@ def _torch_engine_models(
             outputs=outputs,
             parameters=params,
             instance_count=1,
-            dynamic_batching=DynamicBatching(max_queue_delay_microseconds=0),
+            # Each calling endpoint instance waits on one engine call at a time, so a queue of
+            # one request per caller holds every legitimate call; beyond it (a client calling
+            # the engine model directly) Triton answers UNAVAILABLE instead of queueing.
+            dynamic_batching=DynamicBatching(max_queue_delay_microseconds=0, max_queue_size=slots // batch),
         )
         models[name] = (cfg, ENGINE_SHIM)
     return models

@@ -1,0 +1,120 @@
+"""Bounded inputs: every generated config.pbtxt has finite input shapes, so Triton refuses an
+oversized input by its shape before any model process holds it; engine models' queues are
+bounded; the server process runs with an allocator that returns freed memory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import serve_tiny
+
+from trtspec.errors import ServerError
+from trtspec.layout import BLS_MODEL, ENGINE_MODELS, TARGET_MODEL
+from trtspec.triton.backend.contract import UNSERVED_INPUTS
+from trtspec.triton.repository import pbtxt
+from trtspec.triton.repository.writer import write_repository
+from trtspec.triton.server.install import ALLOCATORS, find_allocator, server_env
+from trtspec.triton.server.memory import tree_memory
+
+grpcclient = pytest.importorskip("tritonclient.grpc")
+
+
+def test_inputs_trtspec_does_not_serve_get_the_smallest_shape_in_every_generated_config(built, tmp_path):
+    dep = built()
+    repo = write_repository(dep.loaded, dep.loaded.output_dir(), tmp_path / "repo")
+    configs = {p.parent.name: pbtxt.parse(p.read_text()) for p in repo.glob("*/config.pbtxt")}
+    declared = 0
+    for name, cfg in configs.items():
+        for tensor in cfg.input:
+            if tensor.name in UNSERVED_INPUTS:
+                declared += 1
+                assert -1 not in tensor.dims, f"{name}.{tensor.name} has a variable dimension: {list(tensor.dims)}"
+                assert max(tensor.dims) <= 3, f"{name}.{tensor.name}"  # 3: upstream's fixed channels / triples
+    assert declared >= 2 * len(UNSERVED_INPUTS) - 8  # the text endpoints and the ensemble declare them
+    bls = {t.name: list(t.dims) for t in configs[BLS_MODEL].input}
+    ensemble = {t.name: list(t.dims) for t in configs["ensemble"].input}
+    # upstream's rank, 1 in every variable dimension
+    assert bls["image_bytes_input"] == [1, 1, 1, 1] and bls["image_input"] == [1, 3, 1, 1]
+    assert bls["prompt_embedding_table"] == [1, 1] and bls["lora_weights"] == [1, 1] and bls["lora_config"] == [1, 3]
+    assert ensemble["prompt_embedding_table"] == ensemble["lora_weights"] == [1, 1]
+    # Served inputs stay variable: Triton's dims are exact or -1 (the models bound their sizes).
+    assert bls["stop_words"] == bls["bad_words"] == [-1]
+    assert [list(t.dims) for t in configs[TARGET_MODEL].input if t.name == "input_ids"] == [[-1]]
+
+
+def test_engine_models_queue_one_request_per_calling_endpoint_instance(built, tmp_path):
+    dep = built(**{"serve.instance_count": 2})
+    repo = write_repository(dep.loaded, dep.loaded.output_dir(), tmp_path / "repo")
+    queue = lambda name: pbtxt.parse((repo / name / "config.pbtxt").read_text()).dynamic_batching  # noqa: E731
+    # target and draft: both instances of the unary and of the streaming endpoint call them
+    assert queue(TARGET_MODEL).default_queue_policy.max_queue_size == 4
+    assert queue(ENGINE_MODELS["draft"]).default_queue_policy.max_queue_size == 4
+    assert queue(ENGINE_MODELS["control"]).default_queue_policy.max_queue_size == 2  # the control's instances
+
+
+def test_an_allocator_is_found_by_name_or_first_present_and_a_missing_one_says_what_to_install(tmp_path):
+    (tmp_path / ALLOCATORS["tcmalloc"]).write_bytes(b"")
+    assert find_allocator("auto", [str(tmp_path)]) == tmp_path / ALLOCATORS["tcmalloc"]
+    assert find_allocator("glibc", [str(tmp_path)]) is None
+    (tmp_path / ALLOCATORS["jemalloc"]).write_bytes(b"")
+    assert find_allocator("auto", [str(tmp_path)]) == tmp_path / ALLOCATORS["jemalloc"]
+    assert find_allocator("auto", [str(tmp_path / "none")]) is None
+    with pytest.raises(ServerError, match="apt-get install libjemalloc2"):
+        find_allocator("jemalloc", [str(tmp_path / "none")])
+
+
+@pytest.fixture(scope="module")
+def bounded_server(tmp_path_factory, tiny_ckpts):
+    yield from serve_tiny(tmp_path_factory, tiny_ckpts, "bounds")
+
+
+def _request(*extra):
+    text = grpcclient.InferInput("text_input", [1, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[b"hello"]], dtype=object))
+    max_tokens = grpcclient.InferInput("max_tokens", [1, 1], "INT32")
+    max_tokens.set_data_from_numpy(np.array([[4]], dtype=np.int32))
+    return [text, max_tokens, *extra]
+
+
+def _image(shape):
+    image = grpcclient.InferInput("image_bytes_input", list(shape), "UINT8")
+    image.set_data_from_numpy(np.ones(shape, np.uint8))
+    return image
+
+
+@pytest.mark.server
+def test_an_oversized_unserved_input_is_refused_by_shape_and_no_model_process_keeps_it(bounded_server):
+    server, _ = bounded_server
+    client = grpcclient.InferenceServerClient(server.grpc_endpoint)
+    # At upstream's rank and the smallest size, the endpoint names the feature it lacks.
+    with pytest.raises(Exception, match=r"multimodal inputs \(image_bytes_input\) is not supported"):
+        client.infer(BLS_MODEL, _request(_image((1, 1, 1, 1, 1))))
+    stubs = lambda: {k: m for k, m in tree_memory(server.pid).items() if k.startswith("stub")}  # noqa: E731
+    before = stubs()
+    with pytest.raises(Exception, match="unexpected shape for input 'image_bytes_input'"):
+        client.infer(BLS_MODEL, _request(_image((1, 1, 1, 64, 1 << 20))))  # 64 MiB
+    after = stubs()
+    assert before.keys() == after.keys()
+    for name in before:  # no stub's shared-memory pool took the 64 MiB in
+        assert after[name]["shm_maps"] == before[name]["shm_maps"], name
+        assert after[name]["rss_shmem"] - before[name]["rss_shmem"] < 8 << 10, name
+    assert client.infer(BLS_MODEL, _request()).as_numpy("output_ids").size  # still serving
+
+
+@pytest.mark.server
+def test_the_server_runs_with_the_first_allocator_installed(bounded_server):
+    server, _ = bounded_server
+    lib = find_allocator("auto")
+    if lib is None:
+        pytest.skip("no jemalloc or tcmalloc installed (apt-get install libjemalloc2)")
+    assert server.env["LD_PRELOAD"].split()[0] == str(lib)
+    assert str(lib) in open(f"/proc/{server.pid}/maps").read()
+
+
+def test_server_env_preloads_the_allocator_once(tmp_path):
+    lib = find_allocator("auto")
+    if lib is None:
+        pytest.skip("no jemalloc or tcmalloc installed")
+    env = server_env(base={"PATH": "/usr/bin", "LD_PRELOAD": f"/x.so {lib}"})
+    assert env["LD_PRELOAD"] == f"{lib} /x.so"
+    assert "LD_PRELOAD" not in server_env(base={"PATH": "/usr/bin"}, allocator="glibc")
