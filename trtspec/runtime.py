@@ -13,8 +13,8 @@ from trtspec.engines.manifest import check_manifest
 from trtspec.engines.torch.engine import TorchEngine
 from trtspec.errors import EngineError, RequestError
 from trtspec.layout import engine_folder
-from trtspec.spec import LoadedSpec
-from trtspec.speculative.drafters import engine_drafter, make_drafter
+from trtspec.spec import LoadedSpec, SuffixSpec
+from trtspec.speculative.drafters import engine_drafter, make_drafter, response_cache
 from trtspec.speculative.loop import (
     Drafter,
     GenerationRequest,
@@ -65,12 +65,19 @@ class Deployment:
         self.limits = Limits.from_spec(spec, self.target.vocab_size)
         # The spec's load-aware schedule / switch-off, one per deployment (its window spans calls).
         self.policy = LoadPolicy.from_spec(spec.speculative)
+        # Suffix decoding's earlier responses, one cache per deployment (bounded; None: none kept).
+        self.suffix_cache = response_cache(spec.speculative.suffix_drafting)
 
-    def drafter(self, method: str | None = None) -> Drafter:
-        """The spec's drafter, or another method's over the same engines (bench peers)."""
+    def drafter(self, method: str | None = None, suffix: SuffixSpec | None = None) -> Drafter:
+        """The spec's drafter (with the deployment's suffix cache), or ``method``'s over the
+        same engines with ``suffix`` drafting and no cache (bench: requests kept apart)."""
         s = self.spec.speculative
         model = engine_drafter(self.target, self.draft, self.head)
-        return make_drafter(method or s.method, max_ngram=s.max_ngram, min_ngram=s.min_ngram, draft_model=model)
+        if method is None:
+            method, suffix, cache = s.method, s.suffix_drafting, self.suffix_cache
+        else:
+            cache = None
+        return make_drafter(method, max_ngram=s.max_ngram, min_ngram=s.min_ngram, draft_model=model, suffix=suffix, cache=cache)
 
     def verifier(self) -> LogitsVerifier:
         return LogitsVerifier(self.target.run)

@@ -22,7 +22,7 @@ from trtspec.files import read_text_file
 
 Dtype = Literal["float32", "float16", "bfloat16"]
 Backend = Literal["torch", "trtllm"]
-Method = Literal["draft_target", "eagle3", "ngram"]
+Method = Literal["draft_target", "eagle3", "ngram", "suffix"]
 Quantization = Literal["none", "fp8", "int4_awq", "int8_wo"]
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 
@@ -115,6 +115,28 @@ class SwitchOffSpec(_Strict):
     min_acceptance_length: Annotated[float, Field(gt=1.0, le=MAX_DRAFT_LEN_LIMIT + 1)]
 
 
+class SuffixSpec(_Strict):
+    """Suffix decoding (speculative/suffix.py): for method suffix, or layered on a
+    draft_target / eagle3 draft. Defaults as vLLM's suffix decoding."""
+
+    # Longest match + draft considered (vLLM suffix_decoding_max_tree_depth).
+    max_depth: Annotated[int, Field(ge=3, le=64)] = 24
+    # A draft is at most spec_factor x its match length (vLLM suffix_decoding_max_spec_factor).
+    spec_factor: Annotated[float, Field(gt=0, le=16)] = 1.0
+    # The draft stops where the estimated probability of its next token (the share of matches
+    # that continue so, along the path) falls below this (vLLM suffix_decoding_min_token_prob).
+    min_token_prob: Annotated[float, Field(ge=0, le=1)] = 0.1
+    # Earlier responses kept per deployment for every request to draft from; 0 keeps requests
+    # apart: each drafts from its own prompt and output only.
+    cache_responses: Annotated[int, Field(ge=0, le=1_000_000)] = 1000
+    # The cache's memory cap, in tokens (about suffix.BYTES_PER_TOKEN bytes each); the oldest
+    # responses are evicted first.
+    cache_tokens: Annotated[int, Field(ge=2, le=1 << 26)] = 262_144
+    # Layered on a model draft: rows whose suffix match is at least this long take the suffix
+    # draft, the others the model's (TensorRT-LLM sa_config.threshold).
+    threshold: Annotated[int, Field(ge=2, le=64)] = 4
+
+
 class SpeculativeSpec(_Strict):
     method: Method = "draft_target"
     max_draft_len: Annotated[int, Field(ge=1, le=MAX_DRAFT_LEN_LIMIT)] = 4
@@ -131,6 +153,17 @@ class SpeculativeSpec(_Strict):
     # measures and recommends one. None: the same k at every load.
     schedule: dict[Annotated[int, Field(ge=1, le=4096)], Annotated[int, Field(ge=0, le=MAX_DRAFT_LEN_LIMIT)]] | None = None
     switch_off: SwitchOffSpec | None = None
+    # Suffix decoding's settings: method suffix (None: the defaults), or suffix drafting
+    # layered on a draft_target / eagle3 draft (None: not layered).
+    suffix: SuffixSpec | None = None
+
+    @property
+    def suffix_drafting(self) -> SuffixSpec | None:
+        """The suffix settings drafting uses: method suffix's (defaults if none given), the
+        layered ones of draft_target / eagle3, else None."""
+        if self.method == "suffix":
+            return self.suffix or SuffixSpec()
+        return self.suffix
 
     @model_validator(mode="after")
     def _consistent(self) -> SpeculativeSpec:
@@ -154,6 +187,16 @@ class SpeculativeSpec(_Strict):
             )
         if self.min_ngram > self.max_ngram:
             raise ValueError(f"min_ngram ({self.min_ngram}) exceeds max_ngram ({self.max_ngram})")
+        if self.suffix is not None and self.method == "ngram":
+            raise ValueError(
+                "suffix applies to method suffix, or layered on draft_target / eagle3; "
+                "method ngram takes no suffix settings: remove suffix or use method: suffix"
+            )
+        if self.method == "suffix" and self.suffix is not None and "threshold" in self.suffix.model_fields_set:
+            raise ValueError(
+                "suffix.threshold chooses between a suffix draft and a model draft; method suffix has "
+                "no model draft: remove threshold (or layer suffix on draft_target / eagle3)"
+            )
         return self
 
     @property
@@ -252,8 +295,8 @@ class EngineSpec(_Strict):
                 "method eagle3 needs `draft`: the EAGLE-3 head folder (path, or repo + revision "
                 "of a Hub EAGLE-3 checkpoint); train one with `trtspec distill SPEC`"
             )
-        if method == "ngram" and self.draft is not None:
-            raise ValueError("method ngram uses no draft model; remove `draft`")
+        if method in ("ngram", "suffix") and self.draft is not None:
+            raise ValueError(f"method {method} uses no draft model; remove `draft`")
         if self.backend == "trtllm":
             check_trtllm_runtime(self)
         elif "trtllm" in self.model_fields_set:
@@ -336,7 +379,7 @@ NEEDS = {
     "llmapi": "TensorRT-LLM 1.2.x (trtllm.line: '1.2') or 1.3 and later (trtllm.line: '1.3+')",
     "engine": "TensorRT-LLM 1.2.x or older (trtllm-build and the tensorrtllm Triton backend were removed in 1.3)",
 }
-LLMAPI_METHODS = ("draft_target", "eagle3", "ngram")
+LLMAPI_METHODS = ("draft_target", "eagle3", "ngram", "suffix")
 ENGINE_METHODS = ("draft_target",)
 
 
@@ -354,6 +397,11 @@ def check_trtllm_runtime(spec: EngineSpec) -> None:
             raise ValueError(
                 f"trtllm.runtime engine needs {NEEDS['engine']}; set trtllm.line: '1.2' or use "
                 f"trtllm.runtime: llmapi (needs {NEEDS['llmapi']})"
+            )
+        if s.suffix is not None and s.method in ENGINE_METHODS:
+            raise ValueError(
+                "speculative.suffix: trtllm.runtime engine has no suffix drafting; remove suffix or use "
+                f"trtllm.runtime: llmapi with method eagle3 (needs {NEEDS['llmapi']})"
             )
         if s.method not in ENGINE_METHODS:
             raise ValueError(
@@ -380,6 +428,7 @@ def check_trtllm_runtime(spec: EngineSpec) -> None:
             "rate (acceptance_rate_window_size / acceptance_rate_threshold), not on the acceptance "
             "length trtspec measures; remove switch_off or set trtllm.line: '1.2'"
         )
+    check_llmapi_suffix(spec)
     if s.method == "ngram" and s.min_ngram != 1:
         raise ValueError(
             "speculative.min_ngram: the LLM API's NGram drafter has no minimum match length "
@@ -403,6 +452,41 @@ def check_trtllm_runtime(spec: EngineSpec) -> None:
             f"trtllm.max_num_tokens ({t.max_num_tokens}) is below build.max_input_len "
             f"({spec.limits('target').max_input_len}); without chunked prefill a prompt must fit "
             "one step: raise max_num_tokens or lower max_input_len"
+        )
+
+
+def check_llmapi_suffix(spec: EngineSpec) -> None:
+    """Suffix decoding under the LLM API is TensorRT-LLM's suffix automaton (1.3+): SA
+    standalone, ``sa_config`` on Eagle3. What it lacks is refused by name (ValueError)."""
+    s, line = spec.speculative, spec.trtllm.line
+    sx = s.suffix_drafting
+    if sx is None:
+        return
+    what = "method suffix" if s.method == "suffix" else f"speculative.suffix on method {s.method}"
+    if line == "1.2":
+        raise ValueError(
+            f"{what}: TensorRT-LLM 1.2 has no suffix automaton (SADecodingConfig / sa_config came in 1.3); "
+            "set trtllm.line: '1.3+' or remove it"
+        )
+    if s.method == "draft_target":
+        raise ValueError(
+            "speculative.suffix on method draft_target: TensorRT-LLM's Draft_Target config has no sa_config "
+            "(Eagle3, MTP and PARD have); remove suffix or use method eagle3"
+        )
+    defaults = SuffixSpec()
+    for name, why in (
+        ("max_depth", "matches as long as it can"),
+        ("spec_factor", "drafts max_draft_len tokens on a match"),
+        ("min_token_prob", "keeps no frequencies"),
+        ("cache_tokens", "bounds its pool in requests (cache_responses), not tokens"),
+    ):
+        if getattr(sx, name) != getattr(defaults, name):
+            raise ValueError(f"speculative.suffix.{name}: TensorRT-LLM's suffix automaton {why}; remove {name}")
+    limit = spec.limits("target").max_batch_size
+    if s.method == "suffix" and 0 < sx.cache_responses < limit:
+        raise ValueError(
+            f"speculative.suffix.cache_responses ({sx.cache_responses}): TensorRT-LLM's global_pool_size "
+            f"must be >= max_batch_size ({limit}); raise it, or set 0 to keep requests apart"
         )
 
 

@@ -435,6 +435,8 @@ def vllm_paths(
             {"method": "ngram", "prompt_lookup_min": spec.min_ngram, "prompt_lookup_max": spec.max_ngram},
         )
     )
+    if spec.method == "suffix":  # needs Arctic Inference in vLLM's environment
+        configs.append(("vllm_suffix", f"vLLM suffix k={k}", vllm_suffix(spec.suffix_drafting)))
     if only is not None:
         configs = [c for c in configs if c[0] in only]
     workers: list[VllmWorker] = []
@@ -457,6 +459,19 @@ def vllm_paths(
         close()
         raise
     return paths, settings, close
+
+
+def vllm_suffix(sx) -> dict:
+    """vLLM's speculative config for suffix decoding (spec.SuffixSpec -> SpeculativeConfig's
+    suffix_decoding_* fields, bench/vllm_fields.py). vLLM bounds its cache in requests only;
+    cache_tokens has no counterpart there."""
+    return {
+        "method": "suffix",
+        "suffix_decoding_max_tree_depth": sx.max_depth,
+        "suffix_decoding_max_cached_requests": sx.cache_responses,
+        "suffix_decoding_max_spec_factor": sx.spec_factor,
+        "suffix_decoding_min_token_prob": sx.min_token_prob,
+    }
 
 
 def _vllm_run(worker: VllmWorker, stop_ids: list[int], end_ids: frozenset[int], k: int | None):

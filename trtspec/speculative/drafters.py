@@ -1,8 +1,10 @@
 """Drafters: who proposes the tokens the target verifies.
 
 ModelDrafter runs a draft engine greedily; NgramDrafter (prompt lookup) copies the
-continuation of an earlier occurrence of the context's suffix. Both only propose.
-make_drafter is the one place a spec's method becomes a drafter, for every runtime;
+continuation of an earlier occurrence of the context's suffix; suffix decoding
+(speculative/suffix.py) drafts from the request's own text and earlier responses;
+LayeredDrafter sends the suffix draft where its match is long and the model's elsewhere.
+All only propose. make_drafter is the one place a spec's method becomes a drafter, for every runtime;
 engine_drafter is the draft model's drafter over engines in memory (in process and in the
 LLM API's conformance double).
 """
@@ -15,8 +17,11 @@ import torch
 
 from trtspec.engines.torch.engine import ForwardItem, RunFn, TorchEngine
 from trtspec.errors import EngineError
+from trtspec.spec import SuffixSpec
 from trtspec.speculative.loop import Drafter
+from trtspec.speculative.metrics import SourceCounts
 from trtspec.speculative.processing import RowRules, warp_params
+from trtspec.speculative.suffix import MODEL, SUFFIX, ResponseCache, SuffixDrafter
 
 
 class ModelDrafter:
@@ -91,6 +96,75 @@ class NgramDrafter:
         return []
 
 
+class LayeredDrafter:
+    """Suffix drafting layered on a model draft (TensorRT-LLM's ``sa_config``): a row whose
+    suffix match is at least ``suffix.settings.threshold`` tokens long gets the suffix draft;
+    the others get the model's, asked for those rows only. Drafted and accepted tokens are
+    counted per source in ``suffix.sources``."""
+
+    def __init__(self, suffix: SuffixDrafter, model: Drafter):
+        self.suffix = suffix
+        self.model = model
+        self.mirrors_processing = getattr(model, "mirrors_processing", False)
+
+    @property
+    def sources(self):
+        return self.suffix.sources
+
+    def release(self, prompt: Sequence[int], output: Sequence[int]) -> None:
+        self.suffix.release(prompt, output)
+
+    def _split(self, contexts, ks):
+        """The suffix drafts, and the rows that go to the model instead."""
+        drafts = self.suffix.drafts(contexts, ks)
+        threshold = self.suffix.settings.threshold
+        to_model = [j for j, d in enumerate(drafts) if not d.tokens or d.match < threshold]
+        return drafts, to_model
+
+    def _sent(self, contexts, drafts, out, to_model) -> None:
+        for j, (ctx, d) in enumerate(zip(contexts, drafts)):
+            self.suffix.sent(d.session, len(ctx), out[j], MODEL if j in to_model else SUFFIX)
+
+    def propose(self, contexts, ks, rules: Sequence[RowRules | None] | None = None) -> list[list[int]]:
+        drafts, to_model = self._split(contexts, ks)
+        out = [d.tokens for d in drafts]
+        if to_model:
+            sub = ([contexts[j] for j in to_model], [ks[j] for j in to_model])
+            kw = {"rules": [rules[j] for j in to_model]} if rules is not None and self.mirrors_processing else {}
+            for j, d in zip(to_model, self.model.propose(*sub, **kw)):
+                out[j] = list(d)
+        self._sent(contexts, drafts, out, to_model)
+        return out
+
+    def propose_sampled(self, contexts, ks, params, gens, rules=None) -> list[tuple[list[int], torch.Tensor]]:
+        """Model rows sampled from the model's distributions; suffix rows are point masses
+        (one-hot q), as a deterministic drafter's are (speculative/sampling.py)."""
+        drafts, to_model = self._split(contexts, ks)
+        out = [(d.tokens, _point_masses(d.tokens)) for d in drafts]
+        if to_model:
+            sub_ctx, sub_k = [contexts[j] for j in to_model], [ks[j] for j in to_model]
+            kw = {"rules": [rules[j] for j in to_model]} if rules is not None and self.mirrors_processing else {}
+            if hasattr(self.model, "propose_sampled"):
+                sampled = self.model.propose_sampled(
+                    sub_ctx, sub_k, [params[j] for j in to_model], [gens[j] for j in to_model], **kw
+                )
+            else:
+                sampled = [(d, _point_masses(d)) for d in self.model.propose(sub_ctx, sub_k, **kw)]
+            for j, (d, q) in zip(to_model, sampled):
+                out[j] = (list(d), q)
+        self._sent(contexts, drafts, [d for d, _ in out], to_model)
+        return out
+
+
+def _point_masses(tokens: list[int]) -> torch.Tensor:
+    """q for a deterministic draft: one-hot rows [len(tokens), max(tokens) + 1] (the
+    sampler pads q to the target's vocabulary)."""
+    q = torch.zeros(len(tokens), max(tokens, default=0) + 1)
+    if tokens:
+        q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+    return q
+
+
 def engine_drafter(target: TorchEngine, draft: TorchEngine | None = None, head=None) -> Drafter | None:
     """The draft engine's greedy drafter (never past the target's vocabulary), or EAGLE-3's
     ``head`` (engines.torch.eagle3.HeadEngine) reading the target's captured features; None
@@ -110,14 +184,32 @@ def make_drafter(
     max_ngram: int = 3,
     min_ngram: int = 1,
     draft_model: Drafter | None = None,
+    suffix: SuffixSpec | None = None,
+    cache: ResponseCache | None = None,
+    sources: SourceCounts | None = None,
 ) -> Drafter:
     """The drafter a speculative method uses. ``draft_model`` proposes from the draft engine
     over the runtime's own transport (ModelDrafter in process, BlsDrafter inside Triton); for
-    eagle3 it is the head's drafter (speculative.eagle3.Eagle3Drafter)."""
+    eagle3 it is the head's drafter (speculative.eagle3.Eagle3Drafter). ``suffix``: method
+    suffix's settings, or for draft_target / eagle3 the suffix drafting layered on the model
+    draft; ``cache``: the deployment's earlier responses (None: requests kept apart);
+    ``sources``: where suffix drafting counts tokens per source (None: the drafter's own)."""
     if method == "ngram":
         return NgramDrafter(max_ngram, min_ngram)
+    if method == "suffix":
+        return SuffixDrafter(suffix or SuffixSpec(), cache, sources)
     if method in ("draft_target", "eagle3"):
         if draft_model is None:
             raise EngineError(f"method {method} needs a draft engine; build the spec's draft")
+        if suffix is not None:
+            return LayeredDrafter(SuffixDrafter(suffix, cache, sources), draft_model)
         return draft_model
     raise EngineError(f"no drafter for speculative method {method!r}")
+
+
+def response_cache(suffix: SuffixSpec | None) -> ResponseCache | None:
+    """A deployment's cache of earlier responses for its suffix drafting (None: no suffix
+    drafting, or requests kept apart)."""
+    if suffix is None or suffix.cache_responses <= 0:
+        return None
+    return ResponseCache(suffix.cache_responses, suffix.cache_tokens)

@@ -118,3 +118,26 @@ def metrics_from_json(text: str) -> SpecMetrics:
     data = json.loads(text)
     fields = SpecMetrics.__dataclass_fields__
     return SpecMetrics(**{k: v for k, v in data.items() if k in fields})
+
+
+@dataclass
+class SourceCounts:
+    """Draft tokens by where they came from (suffix decoding: "suffix"; layered on a model
+    draft: "suffix" or "model"). drafted[s]: tokens source s proposed to the target;
+    accepted[s]: of those, the ones the target agreed with; acceptance_rate(s) = their ratio."""
+
+    drafted: dict[str, int] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)
+
+    def record(self, source: str, n_drafted: int, n_accepted: int) -> None:
+        if not 0 <= n_accepted <= n_drafted:
+            raise ValueError(f"accepted {n_accepted} of {n_drafted} drafted")
+        self.drafted[source] = self.drafted.get(source, 0) + n_drafted
+        self.accepted[source] = self.accepted.get(source, 0) + n_accepted
+
+    def acceptance_rate(self, source: str) -> float:
+        drafted = self.drafted.get(source, 0)
+        return self.accepted.get(source, 0) / drafted if drafted else 0.0
+
+    def to_dict(self) -> dict:
+        return {s: {"drafted": n, "accepted": self.accepted.get(s, 0)} for s, n in sorted(self.drafted.items())}

@@ -27,7 +27,7 @@ from trtspec import console
 from trtspec.checkpoints import Checkpoint, check_embedding_rows, require_shared_tokenizer, resolve
 from trtspec.engines.build import BuildPlan, BuildResult, BuildState, UnitPlan
 from trtspec.engines.manifest import MANIFEST, REBUILD, BuildRecord, SourceRecord, check_files, now, read_build, versions
-from trtspec.engines.trtllm.llmapi_fields import DECODING_TYPE, LINES, METHOD_OF, unknown_keys
+from trtspec.engines.trtllm.llmapi_fields import DECODING_TYPE, LINES, METHOD_OF, Unknown, unknown_keys
 from trtspec.errors import CheckpointError, EngineError
 from trtspec.files import (
     FileRecord,
@@ -71,6 +71,15 @@ def speculative_config(spec: EngineSpec, draft_dir: Path | None, line: str) -> d
         if s.method == "eagle3" and (layers := _head_layers_if_not_default(draft_dir)) is not None:
             # upstream captures {1, L//2-1, L-4} unless told; a head trained on other layers says so
             cfg["eagle3_layers_to_capture"] = layers
+        if s.suffix is not None:  # layered: spec validation allows it on eagle3, 1.3+ only
+            cfg["sa_config"] = {"threshold": s.suffix.threshold, "enable_global_pool": s.suffix.cache_responses > 0}
+    elif s.method == "suffix":
+        sx = s.suffix_drafting
+        # -1: the longest match the automaton finds (trtspec matches as long as max_depth allows)
+        cfg["max_matching_ngram_size"] = -1
+        cfg["enable_global_pool"] = sx.cache_responses > 0
+        if sx.cache_responses > 0:  # slots kept for cross-request search, finished ones included
+            cfg["global_pool_size"] = sx.cache_responses
     else:
         # 1.2.1 defaults this to 0 and asserts > 0; main defaults to 2: always write it.
         cfg["max_matching_ngram_size"] = s.max_ngram
@@ -152,7 +161,11 @@ def check_keys(args: dict, what: str, lines: tuple[str, ...] = LINES) -> None:
         probe = json.loads(json.dumps(args))
         spec_cfg = probe.get("speculative_config")
         if spec_cfg is not None:
-            spec_cfg["decoding_type"] = DECODING_TYPE[(METHOD_OF[spec_cfg["decoding_type"]], line)]
+            method = METHOD_OF[spec_cfg["decoding_type"]]
+            if (method, line) not in DECODING_TYPE:  # e.g. suffix before 1.3: no such class
+                missing.append(Unknown(line, f"speculative_config.decoding_type for method {method}"))
+                continue
+            spec_cfg["decoding_type"] = DECODING_TYPE[(method, line)]
         missing += unknown_keys(probe, line)
     if missing:
         raise EngineError(

@@ -198,6 +198,10 @@ _EAGLE = frozenset(
     }
 )
 _NGRAM = frozenset({"max_matching_ngram_size", "is_keep_all", "is_use_oldest", "is_public_pool"})
+# SADecodingConfig (the suffix automaton, standalone) and SAEnhancerConfig (``sa_config`` on
+# Eagle3, MTP and PARD; not on Draft_Target): complete, 1.3+ only (1.2.1 has neither).
+_SA = frozenset({"max_matching_ngram_size", "enable_global_pool", "global_pool_size"})
+SA_ENHANCER = {"1.3+": frozenset({"threshold", "enable_global_pool"})}
 
 # decoding_type spelling -> the fields that class takes (inventoried classes only).
 # 1.2: the keys of DecodingBaseConfig.from_dict's table; 1.3+: the Literal of each class.
@@ -211,6 +215,7 @@ DECODING_TYPES = {
         "Draft_Target": DECODING_BASE["1.3+"],
         "Eagle3": DECODING_BASE["1.3+"] | _EAGLE | {"sa_config"},
         "NGram": DECODING_BASE["1.3+"] | _NGRAM,
+        "SA": DECODING_BASE["1.3+"] | _SA,
     },
 }
 # Spellings the other line uses, named in errors (1.2 has no Eagle3/Draft_Target key).
@@ -244,6 +249,7 @@ DECODING_TYPE = {
     ("eagle3", "1.3+"): "Eagle3",
     ("ngram", "1.2"): "NGram",
     ("ngram", "1.3+"): "NGram",
+    ("suffix", "1.3+"): "SA",  # 1.2 has no suffix automaton: spec validation refuses it there
 }
 # and back: the trtspec method a decoding_type of either line runs
 METHOD_OF = {decoding_type: method for (method, _line), decoding_type in DECODING_TYPE.items()}
@@ -325,4 +331,7 @@ def unknown_keys(args: dict, line: str) -> list[Unknown]:
             out.append(Unknown(line, f"speculative_config.decoding_type={kind}"))
         else:
             out += [Unknown(line, f"speculative_config.{k}") for k in spec if k not in fields]
+        sa = spec.get("sa_config")
+        if isinstance(sa, dict) and "sa_config" in (fields or ()):
+            out += [Unknown(line, f"speculative_config.sa_config.{k}") for k in sa if k not in SA_ENHANCER[line]]
     return out

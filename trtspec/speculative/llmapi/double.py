@@ -26,6 +26,7 @@ _handle_sequence), and update_llm_args_with_extra_dict(llm_args, extra, path=Non
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from trtspec.engines.trtllm.llmapi_fields import (
     KV_CACHE_CONFIG,
     LLM_ARGS,
     METHOD_OF,
+    SA_ENHANCER,
     SAMPLING_PARAMS,
 )
 from trtspec.spec import MAX_DRAFT_LEN_LIMIT
@@ -79,6 +81,8 @@ class DecodingConfig:
         if kind not in DECODING_TYPES[line]:
             raise NotImplementedError(f"decoding type {kind} is not inventoried by trtspec")
         _refuse_unknown(f"{kind} speculative_config", data, DECODING_TYPES[line][kind], line)
+        if isinstance(data.get("sa_config"), dict):
+            _refuse_unknown(f"{kind} sa_config", data["sa_config"], SA_ENHANCER[line], line)
         data.pop("decoding_type")
         if "speculative_model_dir" in data:  # validation alias upstream
             data["speculative_model"] = data.pop("speculative_model_dir")
@@ -258,8 +262,39 @@ class LLM:
         method = METHOD_OF[spec.decoding_type]
         max_ngram = int(spec.fields["max_matching_ngram_size"]) if method == "ngram" else 0
         return make_drafter(
-            method, max_ngram=max_ngram, min_ngram=1, draft_model=engine_drafter(self.target, self.draft, self.head)
+            method,
+            max_ngram=max_ngram,
+            min_ngram=1,
+            draft_model=engine_drafter(self.target, self.draft, self.head),
+            suffix=self._suffix,
+            cache=self._suffix_cache,
         )
+
+    @functools.cached_property
+    def _suffix(self):
+        """Suffix drafting as the SA config / sa_config asks: the automaton's longest match
+        and pool, with trtspec's defaults for what upstream does not set (None: none)."""
+        from trtspec.spec import SuffixSpec
+
+        spec = self.speculative_config
+        if spec is None:
+            return None
+        f = spec.fields
+        if spec.decoding_type == "SA":
+            # upstream's pool when global_pool_size is None: max(64, max_batch_size)
+            pool = int(f.get("global_pool_size") or max(64, self.max_batch_size)) if f.get("enable_global_pool") else 0
+            return SuffixSpec(cache_responses=pool)
+        if isinstance(f.get("sa_config"), dict):
+            sa = f["sa_config"]
+            keep = SuffixSpec().cache_responses if sa.get("enable_global_pool") else 0
+            return SuffixSpec(threshold=int(sa.get("threshold", 4)), cache_responses=keep)
+        return None
+
+    @functools.cached_property
+    def _suffix_cache(self):
+        from trtspec.speculative.drafters import response_cache
+
+        return response_cache(self._suffix)
 
     def _run(self, requests, on_step=None):
         from trtspec.speculative.loop import generate

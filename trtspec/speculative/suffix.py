@@ -1,0 +1,275 @@
+"""Suffix decoding (arXiv 2411.04975): drafts copied from wherever the text repeats.
+
+Two indexes answer "where did the context's last tokens occur before, and what followed":
+each request's own prompt + output (``TokenIndex``, grown as the request decodes) and, per
+deployment, the outputs of earlier requests (``ResponseCache``, bounded in tokens and in
+responses, oldest evicted first). An occurrence is a *candidate* when at least the last two
+tokens match; its match length is how far back the match goes (at most ``max_depth``).
+
+A proposal is scored by match length and frequency, as the paper does: for a match length L,
+the candidates matching at least L tokens vote on the next token; the draft follows the
+majority token while the estimated probability (the share of candidates that continue that
+way, multiplied along the path) stays >= ``min_token_prob``, for at most
+``min(k, spec_factor * L, max_depth - L)`` tokens. The score is the expected number of
+accepted tokens (the sum of the path's probabilities); every distinct L is tried and the best
+score wins, so the number of drafted tokens per step follows from how long the match is and
+how often its continuation was seen.
+
+The drafter is deterministic (a point mass per token), so speculative sampling stays lossless
+exactly as for prompt lookup (speculative/sampling.py). Memory: the per-request indexes live
+only while their requests do; the cache holds at most ``cache_tokens`` tokens (about
+``BYTES_PER_TOKEN`` bytes each, index included) and ``cache_responses`` responses.
+``cache_responses: 0`` keeps requests apart (each drafts only from its own prompt and output).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from trtspec.spec import SuffixSpec
+from trtspec.speculative.metrics import SourceCounts
+
+# What one cached token costs, index included, at most (measured by tests/test_suffix.py with
+# tracemalloc; the cache may hold up to twice its live tokens between compactions).
+BYTES_PER_TOKEN = 160
+_SEPARATOR = -1  # between cached responses: no match or continuation crosses it
+_MAX_CANDIDATES = 64  # latest occurrences of the last two tokens examined per index
+_MAX_SESSIONS = 1024  # per-request indexes kept for requests never released (safety bound)
+SUFFIX, MODEL = "suffix", "model"  # draft sources, as SourceCounts and the metrics name them
+
+
+@dataclass(frozen=True)
+class SuffixDraft:
+    """One row's proposal: the tokens, the match length they follow, and their score (the
+    expected number of them the target accepts)."""
+
+    tokens: list[int]
+    match: int = 0
+    score: float = 0.0
+    session: int = -1  # the request's index in SuffixDrafter.sessions
+
+
+def _key(a: int, b: int) -> int:
+    return (a << 32) | (b & 0xFFFFFFFF)
+
+
+class TokenIndex:
+    """A token stream and, for every pair of adjacent tokens, the positions where it ends."""
+
+    __slots__ = ("tokens", "at")
+
+    def __init__(self, tokens: Sequence[int] = ()):
+        self.tokens: list[int] = []
+        self.at: dict[int, array] = {}
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        t, at = self.tokens, self.at
+        for x in tokens:
+            t.append(x)
+            if len(t) >= 2:
+                k = _key(t[-2], x)
+                pos = at.get(k)
+                if pos is None:
+                    at[k] = array("i", (len(t) - 1,))
+                else:
+                    pos.append(len(t) - 1)
+
+    def candidates(self, ctx: list[int], max_depth: int, limit: int) -> list[tuple[int, int]]:
+        """(match length, end position) of the latest occurrences of ctx's last two tokens
+        that end before ``limit`` and have a token after them."""
+        if len(ctx) < 2:
+            return []
+        pos = self.at.get(_key(ctx[-2], ctx[-1]))
+        if not pos:
+            return []
+        t, out, n = self.tokens, [], len(ctx)
+        for p in reversed(pos):
+            if p >= limit or p + 1 >= len(t):
+                continue
+            m = 2
+            while m < max_depth and m < n and p - m >= 0 and t[p - m] == ctx[n - 1 - m]:
+                m += 1
+            out.append((m, p))
+            if len(out) >= _MAX_CANDIDATES:
+                break
+        return out
+
+
+class ResponseCache:
+    """Earlier responses of one deployment, oldest evicted first, within ``max_tokens``
+    live tokens and ``max_responses`` responses. Evicted tokens stay in the stream until they
+    are as many as the live ones, then the stream is rebuilt from the live part."""
+
+    def __init__(self, max_responses: int, max_tokens: int):
+        self.max_responses = max_responses
+        self.max_tokens = max_tokens
+        self.index = TokenIndex()
+        self.start = 0  # stream position of the oldest live token
+        self.sizes: deque[int] = deque()  # live responses' lengths (separator included), oldest first
+
+    @property
+    def live_tokens(self) -> int:
+        return len(self.index.tokens) - self.start
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Remember one response (a longer one than the cap keeps its last tokens)."""
+        if self.max_responses <= 0 or self.max_tokens <= 1 or not tokens:
+            return
+        tokens = list(tokens[-(self.max_tokens - 1) :]) + [_SEPARATOR]
+        self.index.extend(tokens)
+        self.sizes.append(len(tokens))
+        while self.sizes and (len(self.sizes) > self.max_responses or self.live_tokens > self.max_tokens):
+            self.start += self.sizes.popleft()
+        if self.start >= self.live_tokens:
+            self.index = TokenIndex(self.index.tokens[self.start :])
+            self.start = 0
+
+    def candidates(self, ctx: list[int], max_depth: int) -> list[tuple[int, int]]:
+        """As TokenIndex.candidates, over live responses only (a match is cut where they begin)."""
+        out = []
+        for m, p in self.index.candidates(ctx, max_depth, len(self.index.tokens)):
+            m = min(m, p - self.start + 1)
+            if m >= 2:
+                out.append((m, p))
+        return out
+
+
+class SuffixDrafter:
+    """Suffix decoding's drafter: each request's own index plus the deployment's
+    ``cache`` (None: requests kept apart). ``release`` (the loop calls it when a sequence
+    leaves) drops the request's index and caches its output.
+
+    ``sources`` counts drafted and accepted tokens by source ("suffix", or "model" where a
+    layered drafter sent the model's draft instead): a draft sent for a context is settled
+    when the same request comes back (the tokens that followed show how many the target
+    accepted) or leaves."""
+
+    def __init__(self, settings: SuffixSpec, cache: ResponseCache | None = None, sources: SourceCounts | None = None):
+        self.settings = settings
+        self.cache = cache
+        self.sessions: OrderedDict[int, TokenIndex] = OrderedDict()  # id -> a live request's index
+        self.sources = sources if sources is not None else SourceCounts()  # may be the deployment's
+        self._sent: dict[int, tuple[int, list[int], str]] = {}  # session -> (context length, draft, source)
+        self._next = 0
+
+    def propose(self, contexts: Sequence[list[int]], ks: Sequence[int]) -> list[list[int]]:
+        drafts = self.drafts(contexts, ks)
+        for ctx, d in zip(contexts, drafts):
+            self.sent(d.session, len(ctx), d.tokens, SUFFIX)
+        return [d.tokens for d in drafts]
+
+    def drafts(self, contexts: Sequence[list[int]], ks: Sequence[int]) -> list[SuffixDraft]:
+        """Each row's best suffix draft (not yet counted as sent: see ``sent``)."""
+        used: set[int] = set()
+        out = []
+        for ctx, k in zip(contexts, ks):
+            ctx = list(ctx)
+            sid = self._session(ctx, used)
+            d = self._draft(self.sessions[sid], ctx, k)
+            out.append(SuffixDraft(d.tokens, d.match, d.score, sid))
+        return out
+
+    def sent(self, session: int, context_len: int, tokens: list[int], source: str) -> None:
+        """``tokens`` went to the target after ``context_len`` tokens of ``session``."""
+        if tokens and session in self.sessions:
+            self._sent[session] = (context_len, list(tokens), source)
+
+    def release(self, prompt: Sequence[int], output: Sequence[int]) -> None:
+        """The sequence prompt + output left the loop: forget its index, cache its output."""
+        ctx = list(prompt) + list(output)
+        sid = self._find(ctx, set())
+        if sid is not None:
+            self._settle(sid, ctx)
+            del self.sessions[sid]
+        if self.cache is not None:
+            self.cache.add(output)
+
+    def _settle(self, sid: int, ctx: list[int]) -> None:
+        """Count the draft last sent for ``sid``: accepted = how many of its tokens came next."""
+        sent = self._sent.pop(sid, None)
+        if sent is None:
+            return
+        start, tokens, source = sent
+        n = 0
+        while n < len(tokens) and start + n < len(ctx) and ctx[start + n] == tokens[n]:
+            n += 1
+        self.sources.record(source, len(tokens), n)
+
+    # -- per-request indexes ---------------------------------------------------------------
+
+    def _find(self, ctx: list[int], used: set[int]) -> int | None:
+        """The longest live index whose tokens begin ``ctx`` (not yet used this step)."""
+        best, best_len = None, -1
+        for sid, idx in self.sessions.items():
+            n = len(idx.tokens)
+            if sid not in used and best_len < n <= len(ctx) and ctx[:n] == idx.tokens:
+                best, best_len = sid, n
+        return best
+
+    def _session(self, ctx: list[int], used: set[int]) -> int:
+        """The id of ctx's request index (a new one for a new request), grown to ctx."""
+        sid = self._find(ctx, used)
+        if sid is None:
+            sid, self._next = self._next, self._next + 1
+            self.sessions[sid] = TokenIndex()
+            while len(self.sessions) > _MAX_SESSIONS:
+                old, _ = self.sessions.popitem(last=False)
+                self._sent.pop(old, None)
+        else:
+            self._settle(sid, ctx)
+        idx = self.sessions[sid]
+        self.sessions.move_to_end(sid)
+        used.add(sid)
+        idx.extend(ctx[len(idx.tokens) :])
+        return sid
+
+    # -- scoring ---------------------------------------------------------------------------
+
+    def _draft(self, own: TokenIndex, ctx: list[int], k: int) -> SuffixDraft:
+        s = self.settings
+        if k <= 0:
+            return SuffixDraft([])
+        # Each candidate: (match length, stream, end position); its continuation follows.
+        cands = [(m, own.tokens, p) for m, p in own.candidates(ctx, s.max_depth, len(ctx) - 1)]
+        if self.cache is not None:
+            cands += [(m, self.cache.index.tokens, p) for m, p in self.cache.candidates(ctx, s.max_depth)]
+        best = SuffixDraft([])
+        # Each candidate's match length, and that length cut to leave k tokens under max_depth
+        # (a match too long to draft after still drafts as a shorter one).
+        cap = max(2, s.max_depth - k)
+        for length in sorted({m for m, _, _ in cands} | {min(m, cap) for m, _, _ in cands}, reverse=True):
+            # The longest matches may leave no room under max_depth; shorter ones still may.
+            n_max = min(k, int(s.spec_factor * length), s.max_depth - length)
+            pool = [(t, p) for m, t, p in cands if m >= length]
+            tokens, score = _follow(pool, n_max, s.min_token_prob)
+            if score > best.score:
+                best = SuffixDraft(tokens, length, score)
+        return best
+
+
+def _follow(pool: list[tuple[list[int], int]], n_max: int, min_prob: float) -> tuple[list[int], float]:
+    """Walk the continuations of ``pool`` (stream, end position): the majority next token
+    while the path probability stays >= min_prob. Returns (tokens, sum of probabilities)."""
+    tokens: list[int] = []
+    prob, score = 1.0, 0.0
+    for step in range(1, n_max + 1):
+        votes: dict[int, list[tuple[list[int], int]]] = {}
+        for t, p in pool:
+            q = p + step
+            if q < len(t) and t[q] != _SEPARATOR:
+                votes.setdefault(t[q], []).append((t, p))
+        if not votes:
+            break
+        # The most frequent continuation; ties go to the latest occurrence (listed first).
+        token, group = max(votes.items(), key=lambda kv: len(kv[1]))
+        prob *= len(group) / len(pool)  # ends count against it, as a tree node's count does
+        if prob < min_prob:
+            break
+        tokens.append(token)
+        score += prob
+        pool = group
+    return tokens, score
