@@ -12,6 +12,7 @@ so a run resumed from its last checkpoint equals an uninterrupted one.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -27,6 +28,7 @@ from trtspec import console
 from trtspec.distill.data import collate
 from trtspec.distill.sample import Sample
 from trtspec.distill.train import agreement, step_weights, to_device, ttt_loss
+from trtspec.engines.torch import threads
 from trtspec.engines.torch.eagle3 import Eagle3Head
 from trtspec.errors import TrtspecError
 from trtspec.files import write_bytes_atomic
@@ -100,6 +102,7 @@ class Trainer:
         t_train, first_step = time.monotonic(), step
         updating = False  # True while the weights are half-updated: no checkpoint then
         soft = opts.labels == "soft"
+        on_cpu = torch.device(self.device).type == "cpu"
         try:
             with _deferred_interrupt() as asked:
                 while step < opts.max_steps:
@@ -111,12 +114,14 @@ class Trainer:
                     gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + step)
                     idx = torch.randint(len(train_s), (min(opts.batch_size, len(train_s)),), generator=gen).tolist()
                     batch = collate([train_s[i] for i in idx], opts.max_len, self.store, soft=soft)
-                    loss = self.step_loss(to_device(batch, self.device))
-                    self.optim.zero_grad()
-                    loss.backward()
-                    torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-                    updating = True
-                    self.optim.step()
+                    # On the CPU the step's threads follow the cores a neighbour leaves free.
+                    with threads.governor().forward("train") if on_cpu else contextlib.nullcontext():
+                        loss = self.step_loss(to_device(batch, self.device))
+                        self.optim.zero_grad()
+                        loss.backward()
+                        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+                        updating = True
+                        self.optim.step()
                     self.sched.step()
                     step += 1
                     updating = False

@@ -8,6 +8,7 @@ common prefix with the slot's tokens is what stays valid.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from safetensors.torch import load_file
 
 from trtspec.device import check_dtype, resolve, uses_cpu_kernels
 from trtspec.engines.manifest import Manifest, read_manifest
+from trtspec.engines.torch import threads
 from trtspec.engines.torch.kernels import KernelChoice, choose_kernels
 from trtspec.engines.torch.model import DecoderConfig, DecoderLM, KVCache, StepInputs, rope_tables
 from trtspec.errors import EngineError, RequestError
@@ -240,22 +242,23 @@ class TorchEngine:
             self.pool.truncate(slot, start)
         step = self._step_inputs(items, assigned, starts)
         captured: list[torch.Tensor] = []  # each [b, q, hidden]
-        if self.capture:
-            hidden = self.model.hidden_states(step, self.cos, self.sin, self.cache, self.capture, captured)
-        else:
-            hidden = self.model.hidden_states(step, self.cos, self.sin, self.cache)  # [b, q, hidden]
+        # The thread count for this shape (rows, new tokens, keys attended), chosen from measured
+        # forwards: fewer threads while a neighbour holds a core (threads.py).
+        shape = (id(self), len(items), step.tokens.shape[1].bit_length(), step.span.bit_length())
+        with threads.governor().forward(shape) if self.device.type == "cpu" else contextlib.nullcontext():
+            hidden = self.model.hidden_states(step, self.cos, self.sin, self.cache, self.capture, captured)  # [b, q, hidden]
+            # Every row's positions that need logits go through the LM head in ONE call: the
+            # head (vocab x hidden, the largest weight) is then read once a step, not once per row.
+            wanted = [
+                hidden[row, len(it.tokens) - start - it.n_logits : len(it.tokens) - start]
+                for row, (it, start) in enumerate(zip(items, starts))
+            ]
+            logits = self.model.logits(wanted[0] if len(wanted) == 1 else torch.cat(wanted)).cpu()  # where the loop reads it
         if captured:
             feats = torch.cat(captured, dim=-1)  # [b, q, len(capture) * hidden]
             for row, (slot, start, n) in enumerate(step.rows):
                 self.features[slot, start : start + n] = feats[row, :n]
         self.forwards += 1
-        # Every row's positions that need logits go through the LM head in ONE call: the head
-        # (vocab x hidden, the largest weight) is then read once a step, not once per row.
-        wanted = [
-            hidden[row, len(it.tokens) - start - it.n_logits : len(it.tokens) - start]
-            for row, (it, start) in enumerate(zip(items, starts))
-        ]
-        logits = self.model.logits(wanted[0] if len(wanted) == 1 else torch.cat(wanted)).cpu()  # where the loop reads it
         out = list(logits.split([it.n_logits for it in items]))  # per item [n_logits, vocab]
         for it, (slot, _) in zip(items, assigned):
             self.pool.commit(slot, it.tokens)

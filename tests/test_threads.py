@@ -1,0 +1,151 @@
+"""The thread governor: fewer threads while a neighbour holds a core, all of them back when it
+leaves, chosen from measured forward times (a fake clock stands in for the neighbour)."""
+
+from __future__ import annotations
+
+import pytest
+
+from trtspec.engines.torch import threads
+from trtspec.errors import SpecError
+
+
+class Machine:
+    """A fake clock whose forwards cost what a 2-core machine's did (ms): quiet, 2 threads 38 and
+    1 thread 60; beside a busy neighbour, 2 threads 590 and 1 thread 63."""
+
+    COST = {(2, False): 0.038, (1, False): 0.060, (2, True): 0.590, (1, True): 0.063}
+
+    def __init__(self):
+        self.now = 0.0
+        self.neighbour = False
+        self.applied: list[int] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def run(self, gov: threads.Governor, key="decode", gap: float = 0.0) -> int:
+        with gov.forward(key) as n:
+            self.now += self.COST[(n, self.neighbour)]
+        self.now += gap
+        return n
+
+
+def make(machine: Machine, most: int = 2) -> threads.Governor:
+    return threads.Governor(most, clock=machine.clock, set_threads=machine.applied.append)
+
+
+def test_quiet_it_keeps_every_core_after_trying_fewer_once():
+    m = Machine()
+    gov = make(m)
+    used = [m.run(gov) for _ in range(50)]
+    assert used[:2] == [2, 1]  # the shape is tried at each count once
+    assert gov.current == 2 and gov.switches == 0
+    # Probes of one thread are rare once the choice holds (backoff doubles to PROBE_MAX).
+    assert used[2:].count(1) <= 2
+
+
+def test_a_neighbour_costs_at_most_a_few_forwards_and_its_departure_is_noticed():
+    m = Machine()
+    gov = make(m)
+    for _ in range(10):
+        m.run(gov)
+    m.neighbour = True
+    slow = [m.run(gov) for _ in range(10)]
+    assert gov.current == 1
+    assert slow.count(2) <= 3, slow  # two slow forwards move the median; at most one probe more
+    m.neighbour = False
+    m.now += threads.PROBE_MAX  # the next probe is due
+    back = [m.run(gov) for _ in range(3)]
+    assert back[0] == 2 and gov.current == 2, back
+
+
+def test_probes_back_off_while_the_choice_holds():
+    m = Machine()
+    gov = make(m)
+    m.neighbour = True
+    used = [m.run(gov, gap=0.1) for _ in range(400)]  # 400 forwards over ~65 s
+    assert gov.current == 1
+    probes = used[5:].count(2)
+    assert 1 <= probes <= 8, probes  # every 1, 2, 4, 8, 16, 16 ... s, not every forward
+    assert gov.backoff == threads.PROBE_MAX
+
+
+def test_each_shape_is_judged_on_its_own_times():
+    m = Machine()
+    gov = make(m)
+    for _ in range(5):
+        m.run(gov, key="decode")
+    # A new shape is tried at both counts before the governor compares anything for it.
+    assert [m.run(gov, key="verify") for _ in range(2)] == [2, 1]
+
+
+def test_the_pool_is_resized_only_when_the_count_changes():
+    m = Machine()
+    gov = make(m)
+    for _ in range(20):
+        m.run(gov)
+    assert m.applied[:3] == [2, 1, 2]
+    assert len(m.applied) <= 5
+
+
+def test_candidate_counts():
+    assert threads.candidates(1) == [1]
+    assert threads.candidates(2) == [2, 1]
+    assert threads.candidates(16) == [16, 15, 8, 1]
+
+
+def test_a_fixed_count_and_malformed_values(monkeypatch):
+    assert threads.fixed_threads("auto") is None
+    assert threads.fixed_threads("") is None
+    assert threads.fixed_threads("3") == 3
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(SpecError, match="TRTSPEC_THREADS"):
+            threads.fixed_threads(bad)
+    monkeypatch.setenv(threads.ENV, "1")
+    threads.reset()
+    try:
+        gov = threads.governor()
+        assert gov.current == 1
+        with gov.forward("x") as n:
+            assert n == 1
+    finally:
+        threads.reset()
+
+
+def test_usable_cores_follow_the_cgroup_quota(tmp_path):
+    assert threads.usable_cores(quota=1.5, affinity=2) == 1
+    assert threads.usable_cores(quota=0.5, affinity=2) == 1  # never below one
+    assert threads.usable_cores(quota=8.0, affinity=2) == 2
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert threads.quota_cores(tmp_path) == 1.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert threads.quota_cores(tmp_path) is None
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("200000\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert threads.quota_cores(v1) == 2.0
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert threads.quota_cores(v1) is None
+
+
+def test_the_engine_runs_each_forward_under_the_governor(built, monkeypatch):
+    """Every forward of the torch engine asks the governor, per shape (rows, new tokens, keys)."""
+    from trtspec.engines.torch.engine import ForwardItem, TorchEngine
+
+    seen = []
+
+    class Recorder:
+        current = 1
+
+        def forward(self, key):
+            import contextlib
+
+            seen.append(key[1:])
+            return contextlib.nullcontext(1)
+
+    monkeypatch.setattr(threads, "_governor", Recorder())
+    engine = TorchEngine.load(built().target.folder, slots=1)
+    engine.run([ForwardItem([1, 2, 3, 4], 1)])  # prefill of 4 tokens
+    engine.run([ForwardItem([1, 2, 3, 4, 5], 1)])  # a decode step
+    assert seen == [(1, (4).bit_length(), (4).bit_length()), (1, 1, (5).bit_length())]

@@ -1,0 +1,205 @@
+"""How many threads torch's CPU kernels use: the cores this process can have, and fewer while a
+neighbour takes one.
+
+Why: torch's CPU kernels run on an OpenMP pool (libgomp in torch's wheels) whose threads spin
+while they wait for each other, and a decode step is a few hundred short parallel regions. When
+another process holds one of the cores, every region waits for the thread that shares that core
+with it. Measured on a 2-core Xeon (SmolLM2-135M float32 decode step, median of 40): quiet, 2
+threads 38.8 ms, 1 thread 58.9 ms; beside one busy single-threaded process, 2 threads
+589 ms (15x), 2 threads with ``OMP_WAIT_POLICY=PASSIVE`` 68 ms (but 54 ms quiet: 1.4x slower
+when nobody is there), 1 thread 62.6 ms. So the pool keeps spinning (fastest when quiet) and
+shrinks while a neighbour is there:
+
+1. At start the pool gets the cores the process may run on: the affinity mask and a cgroup CPU
+   quota (a container limited to 1.5 CPUs gets 1 thread), never more than torch's own default
+   (``OMP_NUM_THREADS`` when set).
+2. ``Governor`` times each forward under a shape key (the engine, its rows and new tokens)
+   per thread count and runs each forward with the count whose recent forwards of that shape
+   were fastest (the current count wins ties within ``HYSTERESIS``). Every ``PROBE_MIN``
+   seconds, doubling to ``PROBE_MAX`` while the choice holds, one forward runs with another
+   candidate count, so a neighbour's arrival and departure are both noticed. A shape never
+   seen at a candidate count is tried there once first.
+
+``TRTSPEC_THREADS=N`` fixes N threads (the governor keeps its hands off); ``auto``, the default,
+does the above. Process-wide: one pool, so one governor for every engine in the process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import statistics
+import threading
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable, Hashable, Iterator
+from pathlib import Path
+
+import torch
+
+from trtspec.errors import SpecError
+
+ENV = "TRTSPEC_THREADS"
+PROBE_MIN = 1.0  # seconds between probes of another thread count, after a change
+PROBE_MAX = 16.0  # ... doubling up to this while the choice holds
+HYSTERESIS = 0.9  # another count must be this much faster than the current one to take over
+RECENT = 3  # forwards per (count, shape) whose median stands for it
+
+
+def quota_cores(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """The cgroup CPU quota in cores (v2 ``cpu.max``, or v1 ``cpu.cfs_quota_us``), None if unlimited."""
+    with contextlib.suppress(OSError, ValueError):
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    with contextlib.suppress(OSError, ValueError):
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return None if quota <= 0 else quota / period
+    return None
+
+
+def usable_cores(quota: float | None = None, affinity: int | None = None) -> int:
+    """Cores this process may run on: its affinity mask, capped by the cgroup quota (at least 1)."""
+    if affinity is None:
+        affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = quota_cores() if quota is None else quota
+    cores = affinity if quota is None else min(affinity, math.floor(quota))
+    return max(1, cores)
+
+
+def fixed_threads(value: str | None = None) -> int | None:
+    """``TRTSPEC_THREADS`` as a fixed count, None for ``auto`` (or unset); SpecError when malformed."""
+    value = os.environ.get(ENV, "auto") if value is None else value
+    if value.strip().lower() in ("", "auto"):
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise SpecError(f"{ENV}={value!r}: give a thread count >= 1, or 'auto' to let trtspec choose")
+    return n
+
+
+def candidates(most: int) -> list[int]:
+    """The counts the governor compares: all of them, then one fewer, half and one (descending)."""
+    return sorted({most, max(1, most - 1), max(1, most // 2), 1}, reverse=True)
+
+
+class Governor:
+    """Chooses the thread count for each forward from measured forward times (see the module doc).
+
+    ``clock`` and ``set_threads`` are injectable so the policy is testable without a neighbour.
+    """
+
+    def __init__(
+        self,
+        most: int,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+        set_threads: Callable[[int], None] = torch.set_num_threads,
+    ):
+        self.counts = candidates(most)
+        self.current = self.counts[0]
+        self.clock = clock
+        self.set_threads = set_threads
+        self.times: dict[tuple[int, Hashable], deque[float]] = defaultdict(lambda: deque(maxlen=RECENT))
+        self.tried: dict[tuple[int, Hashable], float] = {}  # when each (count, shape) last ran
+        self.backoff = PROBE_MIN
+        self.next_probe = clock() + PROBE_MIN
+        self.applied: int | None = None
+        self.switches = 0  # how often the chosen count changed (reported by bench)
+        self._lock = threading.Lock()
+
+    def _time(self, n: int, key: Hashable) -> float | None:
+        """What a forward of ``key`` costs with ``n`` threads now: the median of the recent ones
+        at the current count, the latest probe at any other (older ones may predate a change)."""
+        seen = self.times.get((n, key))
+        if not seen:
+            return None
+        return statistics.median(seen) if n == self.current else seen[-1]
+
+    def pick(self, key: Hashable) -> int:
+        """The thread count this forward of shape ``key`` runs with."""
+        with self._lock:
+            untried = [n for n in self.counts if (n, key) not in self.times]
+            if self.current in untried:
+                return self.current
+            if untried:  # a shape seen only at some counts: try it at the next once
+                return untried[0]
+            now = self.clock()
+            if now >= self.next_probe:  # a probe: the other count this shape ran longest ago
+                self.next_probe = now + self.backoff
+                self.backoff = min(self.backoff * 2, PROBE_MAX)
+                others = [n for n in self.counts if n != self.current]
+                return min(others, key=lambda n: self.tried.get((n, key), 0.0))
+            return self.current
+
+    def record(self, n: int, key: Hashable, seconds: float) -> None:
+        """A forward of shape ``key`` took ``seconds`` with ``n`` threads; maybe change the count."""
+        with self._lock:
+            self.times[(n, key)].append(seconds)
+            self.tried[(n, key)] = self.clock()
+            mine = self._time(self.current, key)
+            if mine is None:
+                return
+            best, best_time = self.current, HYSTERESIS * mine
+            for m in self.counts:
+                t = self._time(m, key)
+                if m != self.current and t is not None and t < best_time:
+                    best, best_time = m, t
+            if best != self.current:
+                self.current = best
+                self.switches += 1
+                self.backoff = PROBE_MIN
+                self.next_probe = self.clock() + PROBE_MIN
+
+    @contextlib.contextmanager
+    def forward(self, key: Hashable) -> Iterator[int]:
+        """Run one forward of shape ``key`` under the chosen count; its time is recorded."""
+        n = self.pick(key)
+        if n != self.applied:
+            self.set_threads(n)
+            self.applied = n
+        start = self.clock()
+        yield n
+        self.record(n, key, self.clock() - start)
+
+
+class _Fixed:
+    """A fixed count (``TRTSPEC_THREADS=N``): set once, never changed."""
+
+    switches = 0
+
+    def __init__(self, n: int):
+        self.current = n
+        torch.set_num_threads(n)
+
+    @contextlib.contextmanager
+    def forward(self, key: Hashable) -> Iterator[int]:
+        yield self.current
+
+
+_governor: Governor | _Fixed | None = None
+_made = threading.Lock()
+
+
+def governor() -> Governor | _Fixed:
+    """The process's one governor, made on first use (after torch set up its pool)."""
+    global _governor
+    with _made:
+        if _governor is None:
+            fixed = fixed_threads()
+            if fixed is not None:
+                _governor = _Fixed(fixed)
+            else:
+                _governor = Governor(max(1, min(torch.get_num_threads(), usable_cores())))
+        return _governor
+
+
+def reset() -> None:
+    """Forget the governor (tests; a changed ``TRTSPEC_THREADS``)."""
+    global _governor
+    with _made:
+        _governor = None
