@@ -20,7 +20,13 @@ from test_scheduler import _step_until, _target_only
 from test_triton_cores import PROMPTS, _call, _cores, _orchestrator, _request
 
 from trtspec.errors import RequestError
-from trtspec.triton.backend.bls import EngineTimeout, with_timeout
+from trtspec.triton.backend.bls import (
+    ENGINE_CALL_THREADS,
+    UNREADY_AFTER_TIMEOUTS,
+    EngineCallsClosed,
+    EngineTimeout,
+    with_timeout,
+)
 from trtspec.triton.backend.scheduler import Cancelled, Scheduler, Unavailable
 
 CLOSED = "Unable to send response. Response sender has been closed."  # the stub's words
@@ -30,7 +36,12 @@ class Recorder:
     """A Reply that records every answer, final or not, and can fail on purpose:
     ``send_raises`` (the n-th send raises, 1-based; "final": the final one), ``fail_raises``
     (fail() raises too: a closed sender), ``cancel_after`` (the client gives up after that
-    many responses), ``cancelled_raises`` (cancelled() itself raises)."""
+    many responses), ``cancelled_raises`` (cancelled() itself raises).
+
+    It closes as Triton's Python backend's response sender does (response_sender.cc): a
+    final send (a final response, an error, a bare final flag) marks it closed BEFORE the
+    response is written, so a final whose write raises still closes it; every send after
+    that raises the stub's words and is counted in ``refused``."""
 
     def __init__(self, send_raises=None, fail_raises=False, cancel_after=None, cancelled_raises=False):
         self.sent: list[tuple[dict, bool, float]] = []
@@ -39,8 +50,18 @@ class Recorder:
         self.cancel_after, self.cancelled_raises = cancel_after, cancelled_raises
         self.sends = 0
         self.closed = 0  # bare final flags (llmapi streams whose client left)
+        self.shut = False  # a final was sent (or tried): the sender refuses everything now
+        self.refused = 0  # sends after the final
+
+    def _write(self, final: bool) -> None:
+        if self.shut:
+            self.refused += 1
+            raise RuntimeError(CLOSED)
+        if final:
+            self.shut = True  # before the write, as the stub does
 
     def send(self, tensors, final):
+        self._write(final)
         self.sends += 1
         if self.send_raises == self.sends or (self.send_raises == "final" and final):
             raise RuntimeError("Failed to increase the shared memory pool size")
@@ -49,6 +70,7 @@ class Recorder:
     def fail(self, err):
         if self.fail_raises:
             raise RuntimeError(CLOSED)
+        self._write(True)
         self.errors.append(err)
 
     def cancelled(self):
@@ -57,7 +79,11 @@ class Recorder:
         return self.cancel_after is not None and len(self.sent) >= self.cancel_after
 
     def close(self):
+        self._write(True)
         self.closed += 1
+
+    def request_id(self):
+        return f"req-{id(self)}"
 
     @property
     def answers(self) -> int:
@@ -83,7 +109,7 @@ def _still_serves(scheduler: Scheduler, dep, stream: bool = False) -> None:
     fresh = Recorder()
     scheduler.submit(_request(PROMPTS[1], max_tokens=10, stream=stream), fresh)
     _step_until(scheduler, lambda: fresh.answers)
-    assert fresh.answers == 1 and fresh.ids() == _target_only(dep, PROMPTS[1], 10)
+    assert fresh.answers == 1 and fresh.refused == 0 and fresh.ids() == _target_only(dep, PROMPTS[1], 10)
     assert not scheduler.busy and scheduler.batch.results == {}
 
 
@@ -114,7 +140,7 @@ def test_a_response_that_cannot_be_built_is_answered_with_the_error(built):
     _still_serves(scheduler, dep)
 
 
-@pytest.mark.parametrize(("stream", "at"), [(True, 1), (True, 3), (True, "final"), (False, "final")])
+@pytest.mark.parametrize(("stream", "at"), [(True, 1), (True, 3)])
 def test_a_sender_raising_at_each_point_gets_the_error_while_it_works(built, stream, at):
     dep = built()
     scheduler = Scheduler(_orchestrator(dep, decoupled=True), max_active=4, max_queue=8)
@@ -126,6 +152,28 @@ def test_a_sender_raising_at_each_point_gets_the_error_while_it_works(built, str
         seen.append(scheduler.step())
     assert broken.answers == 1 and "could not send the response" in str(broken.error)
     assert sum(s.failed for s in seen) == 1 and sum(s.cancelled for s in seen) == 0
+    assert kept.answers == 1 and kept.ids() == _target_only(dep, PROMPTS[2], 20)
+    _still_serves(scheduler, dep, stream=True)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_final_that_cannot_be_sent_is_logged_and_counted_never_answered_twice(built, stream, caplog):
+    """The sender closes before it writes a final response, so when that write raises
+    nothing else can reach the client: the request is not answered a second time (no
+    error after it), it is counted unsent (not a cancel), and the log names its request id."""
+    dep = built()
+    scheduler = Scheduler(_orchestrator(dep, decoupled=True), max_active=4, max_queue=8)
+    broken, kept = Recorder(send_raises="final"), Recorder()
+    scheduler.submit(_request(PROMPTS[0], max_tokens=20, stream=stream), broken)
+    scheduler.submit(_request(PROMPTS[2], max_tokens=20, stream=True), kept)
+    seen = []
+    with caplog.at_level("ERROR", logger="trtspec.triton.backend"):
+        while scheduler.busy:
+            seen.append(scheduler.step())
+    assert broken.answers == 0 and broken.refused == 0  # nothing sent after the final that raised
+    assert sum(s.unsent for s in seen) == 1
+    assert sum(s.failed for s in seen) == 0 and sum(s.cancelled for s in seen) == 0
+    assert any("final response could not be sent" in r.message and broken.request_id() in r.message for r in caplog.records)
     assert kept.answers == 1 and kept.ids() == _target_only(dep, PROMPTS[2], 20)
     _still_serves(scheduler, dep, stream=True)
 
@@ -302,9 +350,60 @@ def test_a_hung_engine_fails_the_step_by_name_and_the_next_request_is_served(bui
     assert victim.answers == 1 and isinstance(victim.error, EngineTimeout)
     assert "engine model tensorrt_llm did not answer within 0.5 s" in str(victim.error)
     release.set()
-    _wait(lambda: threading.active_count() == threads)  # the abandoned call's thread ends
     _still_serves(scheduler, dep)
-    _wait(lambda: threading.active_count() == threads)  # every engine call's thread has ended
+    # the abandoned call's thread serves the next calls: threads are the pool's, never one per call
+    assert threading.active_count() - threads <= orch.call.workers <= 2
+    assert orch.call.healthy
+
+
+def test_a_hung_engine_holds_a_bounded_number_of_threads_and_readiness_follows_it():
+    """Every call to a hung engine times out; the calls hold at most ENGINE_CALL_THREADS
+    threads (those still in line are dropped), readiness turns False after
+    UNREADY_AFTER_TIMEOUTS timeouts in a row, and True again once the engine answers."""
+    release = threading.Event()
+    ran = []
+
+    def hung(model, inputs, names):
+        ran.append(inputs["x"])
+        release.wait(30)
+        return {n: inputs["x"] for n in names}
+
+    threads = threading.active_count()
+    calls = with_timeout(hung, 0.05)
+    for x in range(ENGINE_CALL_THREADS + 3):
+        with pytest.raises(EngineTimeout, match="did not answer within 0.05 s"):
+            calls("tensorrt_llm", {"x": x}, ["y"])
+        assert threading.active_count() - threads <= ENGINE_CALL_THREADS
+        assert calls.healthy == (x + 1 < UNREADY_AFTER_TIMEOUTS)
+    release.set()
+    _wait(lambda: len(ran) == ENGINE_CALL_THREADS)  # the ones still in line never ran
+    assert calls("tensorrt_llm", {"x": 99}, ["y"]) == {"y": 99} and calls.healthy
+    assert threading.active_count() - threads == calls.workers == ENGINE_CALL_THREADS
+
+
+def test_closing_the_engine_calls_ends_a_waiting_step_at_once():
+    """Unload (EngineCalls.close) ends a call waiting on a hung engine now, not at its timeout."""
+    release = threading.Event()
+    calls = with_timeout(lambda model, inputs, names: release.wait(30), 60)
+    errors = []
+
+    def step():
+        try:
+            calls("tensorrt_llm", {}, [])
+        except Exception as err:
+            errors.append(err)
+
+    waiting = threading.Thread(target=step)
+    waiting.start()
+    _wait(lambda: calls.workers == 1)
+    t0 = time.monotonic()
+    calls.close()
+    waiting.join(10)
+    assert time.monotonic() - t0 < 2 and isinstance(errors[0], EngineCallsClosed)
+    assert errors[0].triton_code == "UNAVAILABLE" and "unloading" in str(errors[0])
+    with pytest.raises(EngineCallsClosed):
+        calls("tensorrt_llm", {}, [])
+    release.set()
 
 
 def test_the_engine_call_timeout_passes_answers_and_errors_through():
@@ -698,6 +797,7 @@ def test_the_orchestrator_models_readiness_follows_its_worker(built, monkeypatch
         model = object.__new__(TritonPythonModel)
         model.scheduler = Scheduler(orch, max_active=2, max_queue=2)
         model.worker = _serve(model.scheduler)
+        model.calls = None  # engine calls without a timeout (test_backend_models covers them)
         assert model.is_ready()
 
         def new_batch():

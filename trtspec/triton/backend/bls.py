@@ -20,6 +20,7 @@ in-flight batcher merges. Target-only control decodes a whole answer in one requ
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ import numpy as np
 
 from trtspec.speculative.loop import GenerationRequest, GenerationResult, RowFlags, TokenRows, Verdict, finish
 from trtspec.speculative.processing import RowRules
+from trtspec.triton.backend import log
 
 EngineCall = Callable[[str, Mapping[str, np.ndarray], Sequence[str]], Mapping[str, np.ndarray]]
 # Sends several single-row requests to one model at once; answers in order.
@@ -45,35 +47,144 @@ class EngineTimeout(RuntimeError):
     triton_code = "UNAVAILABLE"
 
 
-def with_timeout(call: EngineCall, seconds: float) -> EngineCall:
-    """``call`` bounded by ``seconds``: each request runs on its own daemon thread and the
-    caller stops waiting when time is up (Triton's own request timeout, passed along by
-    models/pb.py, only ends a request still queued at the engine model, not one it is
-    running). A request abandoned that way ends its thread when the engine answers."""
+class EngineCallsClosed(RuntimeError):
+    """The endpoint is unloading: an engine call still waiting was given up."""
 
-    def timed(model: str, inputs: Mapping[str, np.ndarray], names: Sequence[str]) -> Mapping[str, np.ndarray]:
-        box: dict = {}
-        done = threading.Event()
+    triton_code = "UNAVAILABLE"
 
-        def run() -> None:
-            try:
-                box["out"] = call(model, inputs, names)
-            except BaseException as err:  # handed to the caller
-                box["err"] = err
-            finally:
-                done.set()
 
-        threading.Thread(target=run, name=f"trtspec-engine-call-{model}", daemon=True).start()
-        if not done.wait(seconds):
+# Threads that run one endpoint instance's engine requests. Its scheduler makes one request at
+# a time, so one thread serves it while the engines answer; the others run requests that were
+# abandoned at their timeout, until the engine answers them. When all are held by such
+# requests, new ones wait in line and time out in turn: a hung engine costs these threads,
+# never more.
+ENGINE_CALL_THREADS = 4
+# Consecutive engine timeouts after which the instance reports itself not ready (Triton's
+# readiness, where python_backend asks is_ready()); any engine answer makes it ready again.
+UNREADY_AFTER_TIMEOUTS = 3
+
+
+@dataclass(eq=False)
+class _Pending:
+    model: str
+    inputs: Mapping[str, np.ndarray]
+    names: Sequence[str]
+    done: threading.Event
+    outcome: tuple[str, object] | None = None  # ("out", outputs) | ("err", error) | ("closed", None)
+    abandoned: bool = False  # timed out while still in line: never run
+
+
+class EngineCalls:
+    """An EngineCall bounded in time and in threads: each request runs on one of at most
+    ``threads`` daemon threads, and the caller stops waiting after ``seconds`` (Triton's own
+    request timeout, passed along by models/pb.py, only ends a request still queued at the
+    engine model, not one it is running). A request abandoned that way keeps its thread until
+    the engine answers; one still in line is dropped. ``healthy`` turns False after
+    ``unready_after`` timeouts in a row and True again when an engine answers (readiness);
+    ``close()`` (unload) ends every wait at once with EngineCallsClosed."""
+
+    def __init__(
+        self,
+        call: EngineCall,
+        seconds: float,
+        threads: int = ENGINE_CALL_THREADS,
+        unready_after: int = UNREADY_AFTER_TIMEOUTS,
+    ):
+        self.call, self.seconds, self.threads, self.unready_after = call, seconds, threads, unready_after
+        self.timeouts = 0  # in a row
+        self._lock = threading.Lock()
+        self._line: deque[_Pending] = deque()
+        self._waiting: set[_Pending] = set()  # callers still waiting, ended by close()
+        self._workers = 0
+        self._idle = 0
+        self._more = threading.Condition(self._lock)
+        self._closed = False
+
+    @property
+    def healthy(self) -> bool:
+        with self._lock:
+            return self.timeouts < self.unready_after
+
+    @property
+    def workers(self) -> int:
+        with self._lock:
+            return self._workers
+
+    def __call__(self, model: str, inputs: Mapping[str, np.ndarray], names: Sequence[str]) -> Mapping[str, np.ndarray]:
+        job = _Pending(model, inputs, names, threading.Event())
+        with self._lock:
+            if self._closed:
+                raise EngineCallsClosed("the model is unloading; retry on another instance or later")
+            self._line.append(job)
+            self._waiting.add(job)
+            if self._idle == 0 and self._workers < self.threads:
+                self._workers += 1
+                threading.Thread(target=self._work, name=f"trtspec-engine-calls-{self._workers}", daemon=True).start()
+            else:
+                self._more.notify()
+        job.done.wait(self.seconds)
+        with self._lock:
+            self._waiting.discard(job)
+            outcome = job.outcome
+            if outcome is None:  # no answer in time: drop it if it has not started
+                job.abandoned = True
+                self.timeouts += 1
+                timeouts = self.timeouts
+        if outcome is None:
+            log.error(
+                f"engine model {model} did not answer within {self.seconds:g} s ({timeouts} timeout(s) in a row; "
+                f"not ready from {self.unready_after})"
+            )
             raise EngineTimeout(
-                f"generation failed: engine model {model} did not answer within {seconds:g} s (engine timeout); "
+                f"generation failed: engine model {model} did not answer within {self.seconds:g} s (engine timeout); "
                 "retry the request; if it keeps happening, look at that model's log"
             )
-        if "err" in box:
-            raise box["err"]
-        return box["out"]
+        kind, value = outcome
+        if kind == "out":
+            return value  # type: ignore[return-value]
+        if kind == "closed":
+            raise EngineCallsClosed("the model is unloading; retry on another instance or later")
+        raise value  # type: ignore[misc]
 
-    return timed
+    def close(self) -> None:
+        """Unload: no new requests; every caller still waiting gets EngineCallsClosed now."""
+        with self._lock:
+            self._closed = True
+            for job in self._waiting:
+                if job.outcome is None:
+                    job.outcome = ("closed", None)
+                    job.done.set()
+            self._line.clear()
+            self._more.notify_all()
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                self._idle += 1
+                while not self._line and not self._closed:
+                    self._more.wait()
+                self._idle -= 1
+                if not self._line:  # closed
+                    self._workers -= 1
+                    return
+                job = self._line.popleft()
+                if job.abandoned:
+                    continue
+            try:
+                outcome = ("out", self.call(job.model, job.inputs, job.names))
+            except BaseException as err:  # handed to the caller; its frames would pin the arrays
+                outcome = ("err", err.with_traceback(None))
+            with self._lock:
+                self.timeouts = 0  # the engine answered: it is not hung
+                if job.outcome is None:
+                    job.outcome = outcome
+                    job.done.set()
+            del job, outcome  # an abandoned request's arrays are not kept until the next one
+
+
+def with_timeout(call: EngineCall, seconds: float) -> EngineCalls:
+    """``call`` bounded by ``seconds`` on a bounded set of threads (EngineCalls)."""
+    return EngineCalls(call, seconds)
 
 
 def sequence_inputs(contexts: Sequence[list[int]], pad_id: int = 0) -> dict[str, np.ndarray]:

@@ -409,7 +409,9 @@ class EngineCore:
                     continue
                 parsed[i] = parse_engine_request(inputs, self.limits, self.exclude_default)
             except RequestError as err:
-                answers[i] = err
+                # kept as the answer without its traceback: the traceback's frames hold the
+                # request's arrays, in a cycle with this list, until the garbage collector runs
+                answers[i] = err.with_traceback(None)
         jobs = [job for i in parsed for job in parsed[i][0]]
         try:
             results = []
@@ -418,7 +420,7 @@ class EngineCore:
                 results += run_jobs(self.run, jobs[s : s + self.limits.max_batch_size], self.vocab_limit, self.cache_use)
         except Exception as err:  # an engine failure fails this batch, not the server
             for i in parsed:
-                answers[i] = err
+                answers[i] = err.with_traceback(None)
             return answers
         start = 0
         for i, (req_jobs, excl, want, pad) in parsed.items():

@@ -88,7 +88,7 @@ class LlmapiEndpoint:
                 parsed[i] = self.parse(inputs)
                 words[i] = [stop_words(inputs.get("stop_words"), r, len(parsed[i])) for r in range(len(parsed[i]))]
             except RequestError as err:
-                answers[i] = err
+                answers[i] = err.with_traceback(None)  # its frames would pin the request's arrays
         owners = [(i, r) for i in parsed for r in range(len(parsed[i]))]
         rows = [parsed[i][r] for i, r in owners]
         if not rows:

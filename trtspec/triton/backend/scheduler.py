@@ -9,11 +9,15 @@ active sequence, streams that step's tokens, and answers each request the moment
 row ends. So a request never waits for another request's generation to end, only for the
 step in progress. A full queue answers at once with UNAVAILABLE.
 
-Every request it took gets exactly one final answer or one named error: a failed answer
-(packing or sending raised) is answered with that error while the sender still works, and
-only a client that is gone (cancelled, or its sender refuses the error too) counts as a
-cancel; a raising ``fail()`` never stops the others; if the worker itself dies, everything it
-held and everything submitted later is answered UNAVAILABLE and ``ready`` turns False.
+Every request it took gets at most one final answer, and exactly one while its sender works:
+a failed answer (packing or a non-final send raised) is answered with that error, and only a
+client that is gone (cancelled, or its sender refuses the error too) counts as a cancel. A
+FINAL send that raises cannot be followed by anything: Triton's Python backend closes a
+response sender before it writes the final response, so the error would be refused too; such
+a request is logged (with its request id) and counted ``unsent``, never answered twice. A
+raising ``fail()`` or observer never stops the others; if the worker itself dies, everything
+it held and everything submitted later is answered UNAVAILABLE and ``ready`` turns False.
+Every error swallowed here is logged through the backend's logger (log.py).
 
 ``StepStats`` is the one place the counts of a step are gathered (for monitoring).
 """
@@ -31,6 +35,7 @@ import numpy as np
 
 from trtspec.errors import RequestError
 from trtspec.speculative.loop import Batch, GenerationResult
+from trtspec.triton.backend import log
 from trtspec.triton.backend.responses import Row, TextStream, log_prob_tensors, logits_tensors, row_tensors
 
 
@@ -72,7 +77,8 @@ def deliver(reply: Reply, err: Exception) -> bool:
     """Answer ``err`` as the request's final response; False when its sender refused (gone)."""
     try:
         reply.fail(err)
-    except Exception:
+    except Exception as refused:
+        log.warn(f"the error answer ({err}) could not be sent: {type(refused).__name__}: {refused}", log.request_id(reply))
         return False
     return True
 
@@ -81,7 +87,8 @@ def gone(reply: Reply) -> bool:
     """The client cancelled or disconnected; a sender that cannot tell counts as gone."""
     try:
         return bool(reply.cancelled())
-    except Exception:
+    except Exception as err:
+        log.warn(f"the request counts as cancelled: asking its sender raised {type(err).__name__}: {err}", log.request_id(reply))
         return True
 
 
@@ -103,6 +110,9 @@ class StepStats:
     finished: int = 0  # requests answered this step
     cancelled: int = 0  # requests dropped this step (cancelled, disconnected, timed out)
     failed: int = 0  # requests answered with an error this step (their answer could not be made or sent)
+    # Requests whose FINAL response raised as it was sent: the sender closes before it writes,
+    # so nothing else can reach the client (logged with the request id).
+    unsent: int = 0
     # Per sequence that left this step: (finish reason, output tokens); reason "cancelled"
     # when the client cancelled or it timed out, None when it failed.
     ended: list[tuple[str | None, int]] = field(default_factory=list)
@@ -223,6 +233,7 @@ class Scheduler:
                 try:
                     self.step()
                 except Exception as err:  # a bug here must not leave every later request hanging
+                    log.error(f"the scheduler failed a step: {type(err).__name__}: {err}")
                     self._fail_active(RuntimeError(f"the scheduler failed: {type(err).__name__}: {err}"))
                     self.batch = self._new_batch()
         except BaseException as err:
@@ -232,7 +243,7 @@ class Scheduler:
             with self._cv:
                 if not self._stopping:
                     self.dead = "its worker died" if why is None else f"its worker died: {type(why).__name__}: {why}"
-            self._fail_all(self._dead_error() if self.dead else Unavailable("the model is unloading; retry later"))
+            self.fail_all(self._dead_error() if self.dead else Unavailable("the model is unloading; retry later"))
 
     def stop(self) -> None:
         with self._cv:
@@ -249,7 +260,9 @@ class Scheduler:
                 report = self.batch.step()
             except Exception as err:  # an engine failure fails the running requests, not the server
                 named = isinstance(err, RequestError) or hasattr(err, "triton_code")  # e.g. bls.EngineTimeout
-                failure = err if named else RuntimeError(f"generation failed: {err}")
+                # answered by message; its traceback's frames would pin the step's arrays
+                failure = err.with_traceback(None) if named else RuntimeError(f"generation failed: {err}")
+                log.error(f"a step failed, failing its {len(self.active)} request(s): {type(err).__name__}: {err}")
                 self._fail_active(failure, stats)
                 self.batch = self._new_batch()
             else:
@@ -266,7 +279,10 @@ class Scheduler:
             stats.queued = len(self.waiting)
             stats.held = sum(len(j.keys) for j in self.active)
         if self.observe is not None:
-            self.observe(stats)
+            try:
+                self.observe(stats)
+            except Exception as err:  # monitoring must never fail the requests it watches
+                log.error(f"the step observer (metrics) raised {type(err).__name__}: {err}; the requests go on")
         return stats
 
     def _drop_cancelled(self, stats: StepStats) -> None:
@@ -341,13 +357,18 @@ class Scheduler:
                     job, done, ended, RuntimeError(f"could not build the response: {type(err).__name__}: {err}"), stats
                 )
                 continue
+            final = False
             try:
                 for n, tensors in enumerate(out):
-                    job.reply.send(tensors, done and n == len(out) - 1)
+                    final = done and n == len(out) - 1
+                    job.reply.send(tensors, final)
             except Exception as err:
-                self._answer_failed(
-                    job, done, ended, RuntimeError(f"could not send the response: {type(err).__name__}: {err}"), stats
-                )
+                if final:  # the sender closed before writing it: nothing more can be sent
+                    self._final_unsent(job, ended, err, stats)
+                else:
+                    self._answer_failed(
+                        job, done, ended, RuntimeError(f"could not send the response: {type(err).__name__}: {err}"), stats
+                    )
                 continue
             if done:
                 stats.ended += [(res.finish_reason, len(res.output_ids)) for res in ended]
@@ -380,6 +401,20 @@ class Scheduler:
         else:
             stats.ended += [(None, len(res.output_ids)) for res in ended]
             stats.failed += 1
+
+    def _final_unsent(self, job: _Job, ended: list[GenerationResult], err: Exception, stats: StepStats) -> None:
+        """The request's final response raised as it was sent. Triton's Python backend marks a
+        response sender closed BEFORE it writes the final response, so an error answer would
+        be refused as well: the request leaves unanswered, logged with its id and counted."""
+        with self._cv:
+            self.active.remove(job)
+        log.error(
+            f"the final response could not be sent ({type(err).__name__}: {err}); the sender is closed, so the "
+            "client gets no answer for this request",
+            log.request_id(job.reply),
+        )
+        stats.ended += [(None, len(res.output_ids)) for res in ended]
+        stats.unsent += 1
 
     @staticmethod
     def _stream_step(job: _Job, results: list[GenerationResult], emitted: dict[int, list[int]]) -> list[dict]:
@@ -416,7 +451,8 @@ class Scheduler:
                 stats.ended += [(None, len(self.batch.results[k].output_ids)) for k in job.keys if k in self.batch.results]
             deliver(job.reply, err)
 
-    def _fail_all(self, err: Exception) -> None:
+    def fail_all(self, err: Exception) -> None:
+        """Answer every request held, running or waiting, with ``err`` (unload)."""
         self._fail_active(err)
         with self._cv:
             waiting, self.waiting = list(self.waiting), deque()

@@ -51,7 +51,8 @@ class TritonPythonModel:
             answers = self.core.run([pb.inputs_of(r) for r in requests])
             return [pb.error_response(a) if isinstance(a, Exception) else pb.response(a) for a in answers]
         for request in requests:  # each stream runs on its own thread; the LLM API batches them
-            self.core.submit_stream(pb.inputs_of(request), pb.Reply(request))
+            # each on its own: execute() never raises (pb.guarded says why)
+            pb.guarded(request, lambda r=request: self.core.submit_stream(pb.inputs_of(r), pb.Reply(r)))
         return None
 
     def finalize(self):

@@ -19,12 +19,16 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from trtspec.speculative.requests import end_token_ids
+from trtspec.triton.backend import log
 from trtspec.triton.backend.bls import ENGINE_TIMEOUT_S, split_rows, with_timeout
 from trtspec.triton.backend.metrics import EndpointMetrics, TritonSink
 from trtspec.triton.backend.models import pb
 from trtspec.triton.backend.orchestrator_core import Orchestrator
 from trtspec.triton.backend.params import EngineEndpointParams
-from trtspec.triton.backend.scheduler import Scheduler
+from trtspec.triton.backend.scheduler import Scheduler, Unavailable
+
+# How long unload waits for the scheduler's worker once its engine calls are closed.
+UNLOAD_WAIT_S = 10.0
 
 
 class TritonPythonModel:
@@ -47,8 +51,9 @@ class TritonPythonModel:
         call = functools.partial(pb.bls_call, timeout_us=us)
         if params.engine_requests == "per_row":
             call = split_rows(functools.partial(pb.bls_call_many, timeout_us=us))
-        if timeout_s > 0:
-            call = with_timeout(call, timeout_s)
+        self.calls = None
+        if timeout_s > 0:  # on a bounded set of threads; readiness follows the engines' answers
+            call = self.calls = with_timeout(call, timeout_s)
         # Prometheus metrics on Triton's metrics port (README: Monitoring).
         self.sink = TritonSink(pb_utils)
         metrics = EndpointMetrics(
@@ -67,13 +72,20 @@ class TritonPythonModel:
 
     def is_ready(self) -> bool:
         """Triton's readiness of this instance (python_backend calls it where it supports
-        user readiness, 2026 releases on): False once the scheduler's worker has died."""
-        return self.scheduler is None or (self.scheduler.ready and self.worker.is_alive())
+        user readiness, 2026 releases on): False once the scheduler's worker has died, and
+        while the engine models keep timing out (bls.UNREADY_AFTER_TIMEOUTS in a row; True
+        again when one answers)."""
+        if self.scheduler is None:
+            return True
+        engines = self.calls is None or self.calls.healthy
+        return self.scheduler.ready and self.worker.is_alive() and engines
 
     def execute(self, requests):
         if self.scheduler is not None:
+            # Each request on its own: one that cannot be read is answered alone, and execute()
+            # never raises (Triton would answer the whole batch, queued requests included, twice).
             for r in requests:
-                self.scheduler.submit(pb.inputs_of(r), pb.Reply(r), timeout_us=int(r.timeout()))
+                pb.guarded(r, lambda r=r: self.scheduler.submit(pb.inputs_of(r), pb.Reply(r), timeout_us=int(r.timeout())))
             return None
         inputs = [pb.inputs_of(r) for r in requests]
         if not self.decoupled:
@@ -87,12 +99,22 @@ class TritonPythonModel:
 
         for i, err in enumerate(self.core.run(inputs, send)):
             if err is not None:
-                senders[i].send(pb.error_response(err), flags=final)
+                pb.guarded(requests[i], lambda i=i, err=err: senders[i].send(pb.error_response(err), flags=final))
         return None
 
     def finalize(self):
+        """Unload: every request held is answered before this returns. The worker stops after
+        its step; a step waiting on an engine model ends at once (its requests are answered
+        UNAVAILABLE, "unloading") instead of at the engine timeout, so the wait below is for
+        the worker's own bookkeeping; should it not end within UNLOAD_WAIT_S, whatever it still
+        holds is answered from here (a second final is refused by the sender, and logged)."""
         if self.scheduler is not None:
             self.scheduler.stop()  # the worker answers what is left with UNAVAILABLE
-            self.worker.join(timeout=30)
+            if self.calls is not None:
+                self.calls.close()
+            self.worker.join(timeout=UNLOAD_WAIT_S)
+            if self.worker.is_alive():
+                log.error(f"the scheduler did not stop within {UNLOAD_WAIT_S:g} s; answering what it holds")
+                self.scheduler.fail_all(Unavailable("the model is unloading; retry on another instance or later"))
         self.core.metrics = None
         self.sink.close()

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from trtspec.errors import RequestError
+from trtspec.triton.backend import log
 
 
 def parameters(args: Mapping[str, str]) -> dict[str, str]:
@@ -57,9 +58,30 @@ class Reply:
         """The client cancelled, disconnected or let its deadline pass."""
         return self.request.is_cancelled()
 
+    def request_id(self) -> str:
+        """The client's request id ('' when it sent none), for the log."""
+        return self.request.request_id()
+
     def close(self) -> None:
         """End the request without a response (its client left), so Triton releases it."""
         self.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+def guarded(request, take: Callable[[], None]) -> None:
+    """Run ``take``, which answers ``request`` itself (now, or later from the scheduler). If it
+    raises, the request alone is answered with the error and execute() goes on: a raising
+    execute() makes Triton answer every request of the batch, the ones already handed over
+    too, which would then be answered twice. A sender that refuses (already closed) is logged."""
+    try:
+        take()
+    except Exception as err:
+        rid = log.request_id(request)
+        log.error(f"could not take the request: {type(err).__name__}: {err}", rid)
+        try:
+            answer = error_response(RuntimeError(f"could not take the request: {type(err).__name__}: {err}"))
+            request.get_response_sender().send(answer, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception as refused:
+            log.error(f"its error answer could not be sent either: {type(refused).__name__}: {refused}", rid)
 
 
 def _request(model: str, inputs: Mapping[str, np.ndarray], output_names, timeout_us: int = 0):

@@ -1,0 +1,181 @@
+"""The Triton model classes (trtspec/triton/backend/models/) and the backend's own guards,
+run against a stand-in for triton_python_backend_utils whose response sender closes as the
+real one does (tests/pb_standin.py): execute() answers each request once even when one of
+its batch cannot be read, readiness follows the engine models' timeouts, unload answers
+every held request at once, swallowed errors reach Triton's log with the request id, a
+raising metrics observer fails nobody, and stored errors do not pin request arrays."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import types
+import weakref
+
+import numpy as np
+import pb_standin
+import pytest
+from test_faults import _serve, _wait
+from test_scheduler import _step_until, _target_only
+from test_triton_cores import PROMPTS, _call, _cores, _orchestrator, _request
+
+from trtspec.errors import RequestError
+from trtspec.speculative.requests import Limits
+from trtspec.triton.backend.bls import UNREADY_AFTER_TIMEOUTS, with_timeout
+from trtspec.triton.backend.engine_core import EngineCore
+from trtspec.triton.backend.scheduler import Scheduler
+
+
+@pytest.fixture
+def pb(monkeypatch):
+    module = pb_standin.install(monkeypatch)
+    yield module
+    pb_standin.forget()
+
+
+def _model(scheduler, calls=None, orch=None):
+    from trtspec.triton.backend.models.orchestrator import TritonPythonModel
+
+    model = object.__new__(TritonPythonModel)
+    model.scheduler, model.calls, model.core = scheduler, calls, orch
+    model.sink = types.SimpleNamespace(close=lambda: None)
+    return model
+
+
+def _ids(sender) -> list[int]:
+    ((response, flags),) = sender.responses
+    assert flags == pb_standin.FINAL and not response.has_error(), sender.errors
+    out = {t.name(): t.as_numpy() for t in response.output_tensors}
+    return out["output_ids"][0, : out["sequence_length"][0, 0]].tolist()
+
+
+def test_execute_answers_a_request_it_cannot_read_alone_and_never_raises(built, pb):
+    """One unreadable request in a batch: it alone gets one error (and a log line with its id);
+    the others, already queued, get their own answers once (a raising execute() would have
+    made Triton answer all of them with its error too)."""
+    dep = built()
+    scheduler = Scheduler(_orchestrator(dep), max_active=4, max_queue=8)
+    model = _model(scheduler)
+    good = pb_standin.Request(_request(PROMPTS[0], max_tokens=6), "good-1")
+    bad = pb_standin.Request(_request(PROMPTS[1], max_tokens=6), "bad-2", unreadable=True)
+    late = pb_standin.Request(_request(PROMPTS[2], max_tokens=6), "good-3")
+    assert model.execute([good, bad, late]) is None
+    assert bad.sender.finals == 1 and "could not take the request" in bad.sender.errors[0]
+    assert any(level == "error" and "'bad-2'" in line for level, line in pb.Logger.lines)
+    _step_until(scheduler, lambda: not scheduler.busy)
+    assert _ids(good.sender) == _target_only(dep, PROMPTS[0], 6)
+    assert _ids(late.sender) == _target_only(dep, PROMPTS[2], 6)
+    assert all(r.sender.refused == 0 for r in (good, bad, late))
+
+
+def test_a_final_that_cannot_be_written_is_logged_through_triton_with_the_request_id(built, pb):
+    dep = built()
+    scheduler = Scheduler(_orchestrator(dep), max_active=4, max_queue=8)
+    model = _model(scheduler)
+    broken = pb_standin.Request(
+        _request(PROMPTS[0], max_tokens=6), "big-1", sender=pb_standin.ResponseSender(write_raises="final")
+    )
+    kept = pb_standin.Request(_request(PROMPTS[2], max_tokens=6), "ok-2")
+    model.execute([broken, kept])
+    seen = []
+    while scheduler.busy:
+        seen.append(scheduler.step())
+    assert broken.sender.responses == [] and broken.sender.refused == 0  # nothing after the final that raised
+    assert sum(s.unsent for s in seen) == 1
+    assert any("final response could not be sent" in line and "'big-1'" in line for _, line in pb.Logger.lines)
+    assert _ids(kept.sender) == _target_only(dep, PROMPTS[2], 6)
+
+
+def test_readiness_turns_false_after_engine_timeouts_and_back_when_one_answers(built, pb):
+    dep = built()
+    release = threading.Event()
+
+    def hung(model, inputs, names):
+        release.wait(30)
+        return {n: np.zeros(1) for n in names}
+
+    calls = with_timeout(hung, 0.05)
+    scheduler = Scheduler(_orchestrator(dep), max_active=2, max_queue=2)
+    model = _model(scheduler, calls)
+    model.worker = _serve(scheduler)
+    try:
+        assert model.is_ready()
+        for _ in range(UNREADY_AFTER_TIMEOUTS):
+            assert model.is_ready()
+            with pytest.raises(RuntimeError, match="did not answer"):
+                calls("tensorrt_llm", {}, ["y"])
+        assert not model.is_ready()
+        release.set()
+        _wait(model.is_ready)  # the engine answered (the abandoned requests): ready again
+    finally:
+        scheduler.stop()
+        model.worker.join(10)
+
+
+def test_unload_answers_every_held_request_at_once_while_a_step_waits_on_a_hung_engine(built, pb):
+    """finalize() closes the engine calls, so the step waiting on a hung engine ends now
+    (not at its 60 s timeout): the running and the queued requests each get one UNAVAILABLE
+    answer before finalize returns."""
+    dep = built()
+    real = _call(_cores(dep))
+    release, hung = threading.Event(), threading.Event()
+
+    def call(model, inputs, names):
+        if model == "tensorrt_llm":
+            hung.set()
+            release.wait(60)
+        return real(model, inputs, names)
+
+    orch = _orchestrator(dep)
+    orch.call = calls = with_timeout(call, 60)
+    scheduler = Scheduler(orch, max_active=1, max_queue=4)
+    model = _model(scheduler, calls, orch)
+    model.worker = _serve(scheduler)
+    requests = [pb_standin.Request(_request(p, max_tokens=6), f"r{i}") for i, p in enumerate(PROMPTS)]
+    model.execute(requests)
+    _wait(hung.is_set)
+    t0 = time.monotonic()
+    model.finalize()
+    assert time.monotonic() - t0 < 5 and not model.worker.is_alive()
+    for r in requests:
+        assert r.sender.finals == 1 and r.sender.refused == 0
+        assert "unloading" in r.sender.errors[0]
+    release.set()
+
+
+def test_a_raising_metrics_observer_fails_no_request(built, caplog):
+    dep = built()
+
+    def observe(stats):
+        raise ValueError("a metric family was unregistered")
+
+    scheduler = Scheduler(_orchestrator(dep), max_active=4, max_queue=8, observe=observe)
+    from test_faults import Recorder
+
+    reply = Recorder()
+    with caplog.at_level("ERROR", logger="trtspec.triton.backend"):
+        scheduler.submit(_request(PROMPTS[0], max_tokens=8), reply)
+        _step_until(scheduler, lambda: reply.answers)
+    assert reply.answers == 1 and reply.ids() == _target_only(dep, PROMPTS[0], 8)
+    assert any("observer (metrics) raised ValueError" in r.message for r in caplog.records)
+
+
+def test_an_error_kept_as_an_answer_does_not_pin_the_request_arrays():
+    """An error stored as a request's answer carries no traceback: its frames would hold the
+    request's arrays in a reference cycle, alive until the garbage collector ran."""
+
+    def run(items):
+        raise AssertionError("never runs: the request is refused first")
+
+    core = EngineCore(run, Limits(vocab_size=32, max_seq_len=64, max_draft_len=4, max_batch_size=2))
+    ids = np.full((1, 8), 99, dtype=np.int32)  # outside the vocabulary: refused while parsing
+    alive = weakref.ref(ids)
+    request = {"input_ids": ids, "input_lengths": np.array([[8]], np.int32), "request_output_len": np.array([[2]], np.int32)}
+    gc.disable()
+    try:
+        (answer,) = core.infer([request])
+        del request, ids
+        assert isinstance(answer, RequestError) and alive() is None
+    finally:
+        gc.enable()
