@@ -406,7 +406,7 @@ class Orchestrator:
             try:
                 parsed[i] = self.parse(inputs)
             except RequestError as err:
-                answers[i] = err
+                answers[i] = err.with_traceback(None)  # its frames would pin the request's arrays
             except Exception as err:  # a tokenizer or chat-template failure: this request only
                 answers[i] = RuntimeError(f"could not prepare the request: {type(err).__name__}: {err}")
         rows = [row for i in parsed for row in parsed[i]]
@@ -442,7 +442,9 @@ class Orchestrator:
         except Exception as err:  # an engine failure fails these requests, not the server
             self._report_finished([None] * len(rows))
             for i in parsed:
-                answers[i] = err if isinstance(err, RequestError) else RuntimeError(f"generation failed: {err}")
+                answers[i] = (
+                    err.with_traceback(None) if isinstance(err, RequestError) else RuntimeError(f"generation failed: {err}")
+                )
             return
         self._report_finished(results)
         done = time.time_ns()  # one request: every token arrives with the answer
@@ -494,7 +496,7 @@ class _Collect:
             self.answers[self.i] = tensors
 
     def fail(self, err: Exception) -> None:
-        self.answers[self.i] = err
+        self.answers[self.i] = err.with_traceback(None)  # its frames would pin the request's arrays
 
     def cancelled(self) -> bool:
         return False
