@@ -192,6 +192,34 @@ def test_two_runs_never_share_a_work_folder(tmp_path, tiny_ckpts):
         assert (work / "lock").read_text() == str(os.getpid())
 
 
+def test_a_fresh_lock_is_never_taken_over(tmp_path):
+    """A run that has just taken the lock, before its pid is written (an empty lock file), or
+    one whose pid was reused, still holds it: the kernel's lock decides, not the file's text."""
+    import subprocess
+    import sys
+
+    from trtspec.distill.run import work_lock
+    from trtspec.errors import TrtspecError
+
+    work = tmp_path / ".head.distill"
+    work.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+         "print('held', flush=True); sys.stdin.read()", str(work / "lock")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(TrtspecError, match="in use by another distill"):
+            with work_lock(work):
+                pass
+    finally:
+        holder.stdin.close()
+        holder.wait(10)
+    with work_lock(work):  # its run ended: the kernel released the lock
+        pass
+
+
 def test_held_out_agreement_is_the_same_in_one_batch_or_many(tmp_path, tiny_ckpts):
     """distill evaluates the held-out set a training batch at a time (memory bounded by one
     batch); the counts it sums equal those of one batch holding every sequence."""

@@ -612,41 +612,36 @@ def remove_superseded(work: Path, key: str) -> None:
 
 @contextmanager
 def work_lock(work: Path):
-    """One distill per work folder: two runs would share (and corrupt) one checkpoint. A lock
-    left by a run that died (its pid gone) is taken over."""
+    """One distill per work folder: two runs would share (and corrupt) one checkpoint. The
+    lock is the kernel's (``fcntl.flock`` on ``work/lock``, as the kernel-choice cache does):
+    held from the moment it is taken, even before the file names its owner, and released by
+    the kernel when its run ends, however it ends, so a dead run's lock is simply free."""
+    import fcntl
+
     work.mkdir(parents=True, exist_ok=True)
     lock = work / "lock"
-    for _ in range(2):
+    while True:
+        fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
         try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            try:
-                pid = int(lock.read_text().strip() or 0)
-            except (OSError, ValueError):
-                pid = 0
-            if pid and _alive(pid):
-                raise TrtspecError(
-                    f"{work} is in use by another distill (pid {pid}); wait for it to finish, or stop it"
-                ) from None
-            lock.unlink(missing_ok=True)  # a dead run's lock
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(str(os.getpid()))
-        break
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.read(fd, 32).decode(errors="replace").strip() or "not written yet"
+            os.close(fd)
+            raise TrtspecError(f"{work} is in use by another distill (pid {owner}); wait for it to finish, or stop it") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+        except FileNotFoundError:  # its last holder removed it as we opened it
+            same = False
+        if same:
+            break
+        os.close(fd)  # locked a file no longer at the path: take the one there now
     try:
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())  # for the message a second run prints
         yield
     finally:
-        lock.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        lock.unlink(missing_ok=True)  # still held: nobody can take the removed file's lock
+        os.close(fd)
 
 
 def _plot(curve: list[dict], path: Path) -> None:
