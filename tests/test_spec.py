@@ -244,3 +244,9 @@ def test_a_draft_built_smaller_than_the_target_is_refused(tmp_path, limits, name
     assert "raise draft.build or remove it" in msg
     bigger = {"max_batch_size": 8, "max_input_len": 1024, "max_seq_len": 4096}
     assert load_spec(_write(tmp_path, _with(draft__build=bigger))).spec.limits("draft").max_batch_size == 8
+
+
+def test_max_response_mb_is_bounded_by_what_one_grpc_message_can_hold(tmp_path):
+    msg = _error(tmp_path, _with(serve__max_response_mb=65_536))
+    assert "serve.max_response_mb" in msg and "one gRPC message" in msg and "set at most 2047" in msg
+    assert load_spec(_write(tmp_path, _with(serve__max_response_mb=2047))).spec.serve.max_response_mb == 2047

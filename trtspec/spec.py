@@ -204,6 +204,11 @@ class SpeculativeSpec(_Strict):
         return self.max_draft_len if self.num_draft_tokens is None else self.num_draft_tokens
 
 
+# The largest serve.max_response_mb: one response is one gRPC message, and protobuf refuses a
+# message of 2 GiB or more (Triton's and tritonclient's gRPC limits are INT32_MAX bytes).
+MAX_RESPONSE_MB = 2047
+
+
 class ServeSpec(_Strict):
     host: str = "127.0.0.1"
     http_port: Annotated[int, Field(ge=1, le=65535)] = 8000
@@ -216,8 +221,20 @@ class ServeSpec(_Strict):
     max_queue: Annotated[int, Field(ge=1, le=100_000)] = 64
     # The most one response may hold (MB); a request that would make more (generation_logits:
     # rows x max_tokens x vocab x 4 bytes) is refused by name (triton/backend/contract.py).
-    max_response_mb: Annotated[int, Field(ge=1, le=65_536)] = 32
+    # At most MAX_RESPONSE_MB: a response is one gRPC message.
+    max_response_mb: Annotated[int, Field(ge=1)] = 32
     repo_dir: str | None = None  # default model_repo/<name>
+
+    @field_validator("max_response_mb")
+    @classmethod
+    def _response_fits_a_message(cls, mb: int) -> int:
+        if mb > MAX_RESPONSE_MB:
+            raise ValueError(
+                f"{mb} MB cannot be answered: a response is one gRPC message, which protobuf caps at 2 GiB; "
+                f"set at most {MAX_RESPONSE_MB} (the server's /dev/shm must also hold it: the Python backend "
+                "passes every response through its shared-memory pool there)"
+            )
+        return mb
 
     @model_validator(mode="after")
     def _distinct_ports(self) -> ServeSpec:
