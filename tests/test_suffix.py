@@ -449,3 +449,35 @@ def test_vllm_suffix_config_against_the_inventory(tmp_path, tiny_ckpts):
     assert unknown_fields(cfg | {"num_speculative_tokens": 8}) == []
     assert unknown_fields({"method": "suffix", "suffix_max_depth": 3}) == ["suffix_max_depth"]
     assert unknown_fields({"method": "sa"}) == ["method=sa"]
+
+
+# ---------------------------------------------------------------- bench --methods, two prompt sets
+
+
+def test_bench_methods_reports_each_prompt_set_with_suffix_and_layered_rows(built, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from trtspec.cli.app import app
+
+    dep = built("draft")  # a draft_target spec: suffix and draft_target+suffix over its target
+    chat, repeat = tmp_path / "chat.jsonl", tmp_path / "repeat.jsonl"
+    chat.write_text(json.dumps({"prompt": "The quick brown fox"}) + "\n")
+    repeat.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in TINY_PROMPTS[1:]))
+    out = tmp_path / "bench.json"
+    args = ["bench", str(dep.loaded.path), "--max-tokens", "16", "--sweep", "none", "-c", "1", "--out", str(tmp_path / "o")]
+    args += ["--methods", "suffix,draft_target,draft_target+suffix,ngram", "--json-file", str(out)]
+    r = CliRunner().invoke(app, [*args, "--methods-prompts", str(chat), "--methods-prompts", str(repeat)])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(out.read_text())["methods"]
+    assert [(row["prompt_set"], row["method"].split()[0]) for row in rows] == [
+        (s, m) for s in ("chat", "repeat") for m in ("target-only", "suffix", "draft_target", "draft_target+suffix", "ngram")
+    ]
+    assert [row["prompts"] for row in rows] == [1] * 5 + [2] * 5
+    assert all(row["identical_to_target_only"] for row in rows)
+    layered = [row for row in rows if row["method"].startswith("draft_target+suffix")]
+    assert all(set(row["by_source"]) <= {"model", "suffix"} and row["by_source"] for row in layered)
+    assert sum(row["by_source"].get("model", {}).get("drafted", 0) for row in layered) > 0
+    r = CliRunner().invoke(app, [*args[:-4], "--methods-prompts", str(chat)])
+    assert r.exit_code == 2 and "--methods-prompts chooses the prompts --methods compares on" in r.output

@@ -594,10 +594,11 @@ def _render_methods(report: BenchReport, console) -> None:
     from rich.table import Table
 
     mt = Table(title="drafting methods over the same target (tokens/s incl. prefill)")
-    for col in ("method", "tok/s", "speedup", "acceptance", "mean acc. len", "draft cost c", "identical"):
+    for col in ("prompts", "method", "tok/s", "speedup", "acceptance", "mean acc. len", "draft cost c", "identical"):
         mt.add_column(col)
     for r in report.methods:
         mt.add_row(
+            r.get("prompt_set", "-"),
             r["method"],
             f"{r['tokens_per_s']:.1f}",
             f"{r.get('speedup', 1.0):.2f}x",
@@ -735,7 +736,8 @@ def _plot_concurrency(report: BenchReport, fig, ax) -> None:
 
 def _plot_methods(report: BenchReport, fig, ax) -> None:
     """Each drafting method's speedup over target-only, labelled with its acceptance length."""
-    names = [r["method"] for r in report.methods]
+    sets = {r.get("prompt_set") for r in report.methods}
+    names = [r["method"] if len(sets) < 2 else f"{r['method']}\n({r['prompt_set']})" for r in report.methods]
     bars = ax.bar(names, [r.get("speedup", 1.0) for r in report.methods], color="tab:blue")
     for bar, r in zip(bars, report.methods):
         label = f"len {r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else ""

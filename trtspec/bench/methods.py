@@ -1,5 +1,8 @@
 """Several drafting methods over ONE target, same prompts, one run: target-only, eagle3,
-draft_target and ngram, each through the one loop with the same verifier.
+draft_target, ngram, suffix, and suffix layered on a model draft (eagle3+suffix,
+draft_target+suffix), each through the one loop with the same verifier. Suffix drafting
+runs with requests kept apart (no cache of earlier responses): a run never drafts from its
+own prompt's output in another run or round, so its figures are a lower bound.
 
 Definitions (per method, summed over prompts and rounds):
   tokens/s          output tokens / wall seconds of generate() (prefill included, prefix cache
@@ -9,6 +12,8 @@ Definitions (per method, summed over prompts and rounds):
   mean acceptance length   output tokens / target forwards (the bonus token included)
   draft cost c      seconds inside drafter.propose per drafted token / target-only seconds per
                     token (what one draft step costs in target steps)
+  by source         layered and suffix drafters: drafted and accepted tokens per draft source
+                    (suffix | model), counted by the drafter (speculative/metrics.SourceCounts)
 Every method's output ids are compared with target-only's: a difference is reported, never
 averaged away.
 """
@@ -20,11 +25,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from trtspec.speculative.loop import Drafter, GenerationRequest, NoDrafter, generate
-from trtspec.speculative.metrics import SpecMetrics
+from trtspec.speculative.metrics import SourceCounts, SpecMetrics
 
 
 class TimedDrafter:
-    """Counts the seconds a drafter spends proposing."""
+    """Counts the seconds a drafter spends proposing (and passes ``release`` on)."""
 
     def __init__(self, inner: Drafter):
         self.inner = inner
@@ -37,6 +42,13 @@ class TimedDrafter:
         finally:
             self.seconds += time.perf_counter() - t0
 
+    def release(self, prompt_ids, output_ids) -> None:
+        release = getattr(self.inner, "release", None)
+        if release is not None:
+            t0 = time.perf_counter()
+            release(prompt_ids, output_ids)
+            self.seconds += time.perf_counter() - t0
+
 
 @dataclass
 class MethodStats:
@@ -45,6 +57,7 @@ class MethodStats:
     seconds: float = 0.0
     draft_seconds: float = 0.0
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
+    sources: SourceCounts = field(default_factory=SourceCounts)
     identical: bool = True
     mismatches: list[int] = field(default_factory=list)  # prompt indices
 
@@ -75,6 +88,8 @@ class MethodStats:
             if base is not None and base.tokens:
                 per_target_token = base.seconds / base.tokens
                 d["draft_cost_c"] = round(self.draft_seconds / m.drafted / per_target_token, 4)
+        if self.sources.drafted:
+            d["by_source"] = self.sources.to_dict()
         return d
 
 
@@ -107,6 +122,8 @@ def compare_methods(
                 s.draft_seconds += drafter.seconds
                 s.tokens += len(res.output_ids)
                 s.metrics = s.metrics.merge(res.metrics)
+                for source, n in getattr(drafter.inner, "sources", SourceCounts()).drafted.items():
+                    s.sources.record(source, n, drafter.inner.sources.accepted.get(source, 0))
                 outputs[name] = res.output_ids
             for name in drafters:
                 if outputs[name] != outputs["target-only"]:
@@ -117,7 +134,7 @@ def compare_methods(
 
 # ---------------------------------------------------------------- the drafters of `bench --methods`
 
-METHODS = ("eagle3", "draft_target", "ngram")
+METHODS = ("eagle3", "draft_target", "ngram", "suffix", "eagle3+suffix", "draft_target+suffix")
 
 
 @dataclass
@@ -132,16 +149,20 @@ class MethodSet:
 def method_set(dep, methods: Sequence[str], k: int, other=None, other_k: int | None = None) -> MethodSet:
     """The drafters for ``methods`` over ``dep``'s target (the verifier of every method).
 
-    A method is the spec's own (its draft engine or EAGLE-3 head), ``ngram`` (prompt lookup
-    with the spec's n-gram sizes), or the method of ``other`` (a LoadedSpec with the same
-    target weights, e.g. the draft_target demo beside the eagle3 one): only its draft engine or
-    head is loaded, next to ``dep``'s target. RequestError names a method that has no source.
+    A method is the spec's own draft alone (its draft engine or EAGLE-3 head), ``ngram``
+    (prompt lookup with the spec's n-gram sizes), ``suffix`` (the spec's suffix settings or
+    the defaults), the method of ``other`` (a LoadedSpec with the same target weights, e.g.
+    the draft_target demo beside the eagle3 one: only its draft engine or head is loaded, next
+    to ``dep``'s target), or one of those model drafts with suffix drafting layered on
+    (``eagle3+suffix``). RequestError names a method that has no source.
     """
     from trtspec.errors import RequestError
+    from trtspec.spec import SuffixSpec
     from trtspec.speculative.drafters import make_drafter
     from trtspec.speculative.requests import draft_tokens
 
     s = dep.spec.speculative
+    sx = s.suffix_drafting or SuffixSpec()  # the spec's suffix settings, else the defaults
     drafters: dict[str, tuple[Callable[[], Drafter], int]] = {}
     forgets: list[Callable[[], None]] = [dep.forget_prefixes]
     extra = None
@@ -151,13 +172,20 @@ def method_set(dep, methods: Sequence[str], k: int, other=None, other_k: int | N
     for name in methods:
         if name not in METHODS:
             raise RequestError(f"--methods: unknown method '{name}'; choose from {', '.join(METHODS)}")
-        if name == s.method:
-            drafters[f"{name} k={k}"] = (dep.drafter, k)
+        base, _, layer = name.partition("+")
+        layered = sx if layer else None
+        if base == s.method and base != "suffix":
+            drafters[f"{name} k={k}"] = ((lambda b=base, x=layered: dep.drafter(b, x)), k)
         elif name == "ngram":
             drafters[f"ngram k={k}"] = (lambda: make_drafter("ngram", max_ngram=s.max_ngram, min_ngram=s.min_ngram), k)
-        elif other is not None and name == other.spec.speculative.method:
+        elif name == "suffix":
+            drafters[f"suffix k={k}"] = (lambda: make_drafter("suffix", suffix=sx), k)
+        elif other is not None and base == other.spec.speculative.method:
             kk = draft_tokens(other_k, other.spec.speculative.default_draft_tokens)
-            drafters[f"{name} k={kk}"] = (extra, kk)
+            drafters[f"{name} k={kk}"] = (
+                (lambda b=base, x=layered: make_drafter(b, draft_model=extra(), suffix=x)) if layer else extra,
+                kk,
+            )
         else:
             raise RequestError(
                 f"--methods: {name} needs a {name} draft for this target; this spec's method is {s.method}: "

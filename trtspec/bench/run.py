@@ -40,6 +40,9 @@ class BenchOptions:
     url: str | None = None  # HOST:PORT of a served repository; None: in process
     llmapi_impl: str = TENSORRT_LLM  # trtllm.runtime llmapi in process: the library or DOUBLE
     methods: list[str] = field(default_factory=list)  # also compare these drafting methods (in process)
+    # The prompt sets the methods are compared on, each reported on its own: (name, prompts).
+    # Empty: the bench's own prompts, as one set.
+    method_prompts: list[tuple[str, list[str]]] = field(default_factory=list)
     draft_from: LoadedSpec | None = None  # the source of a method that is not the spec's own
     schedule: bool = False  # also the k x concurrency grid and a recommended schedule (in process)
 
@@ -57,6 +60,8 @@ def run(
             "--schedule measures the k x concurrency grid in process (a served deployment applies "
             "its own schedule); drop --url, then put the recommendation in speculative.schedule and serve"
         )
+    if opts.method_prompts and not opts.methods:
+        raise RequestError("--methods-prompts chooses the prompts --methods compares on; add --methods (e.g. suffix,ngram)")
     if (opts.methods or opts.draft_from) and opts.url:
         raise RequestError(
             "--methods compares drafters over one target in process; drop --url (a served repository runs one method)"
@@ -110,9 +115,12 @@ def _compare(dep, methods, opts: BenchOptions, report: m.BenchReport, progress) 
     """Every method over the same target and prompts, interleaved per prompt (bench/methods.py)."""
     from trtspec.bench.methods import compare_methods, methods_table
 
-    requests = [dep.request(dep.encode(p), opts.max_tokens, 0) for p in opts.prompts]
-    stats = compare_methods(dep.verifier(), methods.drafters, requests, methods.forget, opts.rounds, progress or (lambda s: None))
-    report.methods = methods_table(stats)
+    report.methods = []
+    for name, prompts in opts.method_prompts or [("prompts", opts.prompts)]:
+        requests = [dep.request(dep.encode(p), opts.max_tokens, 0) for p in prompts]
+        say = (lambda s, n=name: progress(f"{n}: {s}")) if progress else (lambda s: None)
+        stats = compare_methods(dep.verifier(), methods.drafters, requests, methods.forget, opts.rounds, say)
+        report.methods += [{"prompt_set": name, "prompts": len(prompts)} | row for row in methods_table(stats)]
 
 
 def _run_llmapi(loaded: LoadedSpec, engines_dir: Path, opts: BenchOptions, progress) -> tuple[m.BenchReport, bool]:

@@ -57,6 +57,14 @@ def bench(
             "(in process; target-only is always included).",
         ),
     ] = None,
+    methods_prompts: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--methods-prompts",
+            help="A JSONL prompt set to compare --methods on, reported as its own set (repeatable; "
+            "default: the bench's prompts), e.g. bench/prompts.jsonl and bench/repeat_prompts.jsonl.",
+        ),
+    ] = None,
     draft_from: Annotated[
         Path | None,
         typer.Option(
@@ -95,6 +103,8 @@ def bench(
       trtspec bench engine_specs/smollm2-135m-cpu.yaml --url 127.0.0.1:8001 -c 1,4
       trtspec bench engine_specs/smollm2-135m-eagle3.yaml --methods eagle3,draft_target,ngram \\
         --draft-from engine_specs/smollm2-135m-cpu.yaml
+      trtspec bench engine_specs/smollm2-135m-cpu-suffix.yaml --methods suffix,ngram --sweep none -c 1 \\
+        --methods-prompts bench/prompts.jsonl --methods-prompts bench/repeat_prompts.jsonl
     """
     from trtspec.bench import measure, run
 
@@ -113,6 +123,7 @@ def bench(
         rounds=rounds,
         url=url,
         methods=[x.strip() for x in methods.split(",") if x.strip()] if methods else [],
+        method_prompts=[(f.stem, read_prompts(f, "--methods-prompts")) for f in methods_prompts or []],
         draft_from=load_spec(draft_from) if draft_from else None,
         llmapi_impl=llmapi_impl,
         schedule=schedule,

@@ -18,8 +18,12 @@ Definitions (one "step" = one target forward of one sequence, as in speculative/
   trtspec_active_sequences              gauge: sequences in the loop (in the last step)
   trtspec_queue_depth                   gauge: requests this instance holds but has not started
   trtspec_draft_length                  gauge: the draft length k the last step's requests ask for (num_draft_tokens)
+  trtspec_source_draft_tokens_total     counter, label ``source``: draft tokens by where they came from
+                                        (suffix decoding: suffix; layered on a model draft: suffix | model)
+  trtspec_source_accepted_tokens_total  counter, label ``source``: of those, the ones the target accepted
+                                        (counted when the request's next step or its end shows them)
 
-acceptance rate = rate(accepted) / rate(drafted); mean acceptance length =
+acceptance rate = rate(accepted) / rate(drafted) (per source: the source_* pair); mean acceptance length =
 rate(acceptance_length_sum) / rate(acceptance_length_count).
 
 ``EndpointMetrics`` is the plain-Python core (tests run it against ``MemorySink``); inside
@@ -106,6 +110,9 @@ class EndpointMetrics:
         self.active = sink.gauge(PREFIX + "active_sequences", "Sequences in the decoding loop.", labels)
         self.queued = sink.gauge(PREFIX + "queue_depth", "Requests held by this instance, not started yet.", labels)
         self.k = sink.gauge(PREFIX + "draft_length", "Draft length k the last step asked for.", labels)
+        self._sink, self._labels = sink, labels
+        self._by_source: dict[str, tuple[Counter, Counter]] = {}
+        self._seen: dict[str, tuple[int, int]] = {}  # source -> (drafted, accepted) already counted
 
     def step(self, counts: StepCounts) -> None:
         """One loop step. ``counts`` may be any object with StepCounts' fields."""
@@ -130,6 +137,27 @@ class EndpointMetrics:
     def load(self, active: int, queued: int) -> None:
         self.active.set(active)
         self.queued.set(queued)
+
+    def sources(self, counts) -> None:
+        """Bring the per-source counters up to ``counts`` (a speculative.metrics.SourceCounts
+        that only grows: the instance's drafters count into it)."""
+        for source, drafted in counts.drafted.items():
+            accepted = counts.accepted.get(source, 0)
+            if source not in self._by_source:
+                labels = self._labels | {"source": source}
+                self._by_source[source] = (
+                    self._sink.counter(PREFIX + "source_draft_tokens_total", "Draft tokens by source.", labels),
+                    self._sink.counter(
+                        PREFIX + "source_accepted_tokens_total", "Draft tokens the target accepted, by source.", labels
+                    ),
+                )
+            seen_d, seen_a = self._seen.get(source, (0, 0))
+            c_d, c_a = self._by_source[source]
+            if drafted > seen_d:
+                c_d.increment(drafted - seen_d)
+            if accepted > seen_a:
+                c_a.increment(accepted - seen_a)
+            self._seen[source] = (drafted, accepted)
 
 
 class MeteredVerifier:

@@ -42,8 +42,10 @@ from typing import ClassVar
 import numpy as np
 
 from trtspec.errors import RequestError
-from trtspec.speculative.drafters import make_drafter
+from trtspec.spec import SuffixSpec
+from trtspec.speculative.drafters import make_drafter, response_cache
 from trtspec.speculative.loop import Batch, GenerationResult, NoDrafter
+from trtspec.speculative.metrics import SourceCounts
 from trtspec.speculative.processing import Processing
 from trtspec.speculative.requests import Limits, encode_prompt, make_request
 from trtspec.speculative.sampling import SamplingParams
@@ -96,6 +98,8 @@ class OrchestratorSettings:
     switch_off: tuple[int, float] | None = None
     # The most one response may hold (contract.check_response_size; serve.max_response_mb).
     max_response_mb: int = DEFAULT_MAX_RESPONSE_MB
+    # Suffix drafting: method suffix's settings, or layered on the model draft (None: none).
+    suffix: SuffixSpec | None = None
 
     def load_policy(self) -> LoadPolicy | None:
         if self.mode != "speculative":
@@ -205,6 +209,10 @@ class Orchestrator:
         self.end_ids = end_ids
         self.metrics = metrics  # Prometheus (triton/backend/metrics.py); None: not reported
         self.policy = settings.load_policy()  # one per instance: its window spans batches
+        # Suffix drafting's earlier responses and its per-source counts: one per instance
+        # (each instance runs its own loop), kept across batches; the cache is bounded.
+        self.suffix_cache = response_cache(settings.suffix) if settings.mode == "speculative" else None
+        self.sources = SourceCounts()
 
     # -- parsing -------------------------------------------------------------------------
 
@@ -372,7 +380,15 @@ class Orchestrator:
             model = BlsDrafter(self.call, self.s.draft_model, self.s.draft_vocab_limit)
         elif self.s.method == "eagle3":
             model = self._eagle3_drafter()
-        return make_drafter(self.s.method, max_ngram=self.s.max_ngram, min_ngram=self.s.min_ngram, draft_model=model)
+        return make_drafter(
+            self.s.method,
+            max_ngram=self.s.max_ngram,
+            min_ngram=self.s.min_ngram,
+            draft_model=model,
+            suffix=self.s.suffix,
+            cache=self.suffix_cache,
+            sources=self.sources,
+        )
 
     def _eagle3_drafter(self):
         """The head runs here, beside the loop; the target's features come from the target
@@ -467,6 +483,7 @@ class Orchestrator:
             # max_tokens (or the prefill step, which drafts nothing)
             self.metrics.k.set(stats.asked_k)
         self.metrics.load(active=stats.held, queued=stats.queued)
+        self.metrics.sources(self.sources)
         for reason, tokens in stats.ended:
             self.metrics.finished(reason, tokens)  # None (failed) counts as error
 

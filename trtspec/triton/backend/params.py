@@ -112,6 +112,9 @@ class EngineEndpointParams(EndpointParams):
     # as JSON {"n": k}, and (window, min acceptance length) as JSON {"window", "min_acceptance_length"}.
     schedule: tuple[tuple[int, int], ...] | None = _param("draft_len_schedule", codec="schedule")
     switch_off: tuple[int, float] | None = _param(codec="switch_off")
+    # Suffix drafting (spec speculative.suffix_drafting: method suffix, or layered on the
+    # model draft) as JSON of its SuffixSpec fields; None: none.
+    suffix: object | None = _param(codec="suffix")
 
     def settings(self, decoupled: bool, max_batch_size: int):
         from trtspec.triton.backend.contract import DEFAULT_MAX_RESPONSE_MB
@@ -137,6 +140,7 @@ class EngineEndpointParams(EndpointParams):
             schedule=self.schedule,
             switch_off=self.switch_off,
             max_response_mb=DEFAULT_MAX_RESPONSE_MB if self.max_response_mb is None else self.max_response_mb,
+            suffix=self.suffix,
         )
 
 
@@ -170,6 +174,8 @@ class LlmapiEndpointParams(EndpointParams):
 def _encode(value, codec: str | None) -> str:
     if codec == "schedule":
         return json.dumps({str(n): k for n, k in sorted(value)})
+    if codec == "suffix":
+        return json.dumps(value.model_dump(), sort_keys=True)
     if codec == "switch_off":
         window, length = value
         return json.dumps({"window": window, "min_acceptance_length": length})
@@ -183,6 +189,10 @@ def _decode(text: str, hint, codec: str | None):
         from trtspec.speculative.schedule import DraftSchedule
 
         return DraftSchedule.from_mapping({int(n): int(k) for n, k in json.loads(text).items()}).points
+    if codec == "suffix":
+        from trtspec.spec import SuffixSpec
+
+        return SuffixSpec(**json.loads(text))
     if codec == "switch_off":
         raw = json.loads(text)
         return int(raw["window"]), float(raw["min_acceptance_length"])

@@ -289,6 +289,7 @@ def _endpoint_models(
             draft_model=DRAFT_MODEL if has_draft else None,
             max_ngram=spec.speculative.max_ngram,
             min_ngram=spec.speculative.min_ngram,
+            suffix=spec.speculative.suffix_drafting if mode == "speculative" else None,
             max_response_mb=spec.serve.max_response_mb,  # contract.check_response_size
             eagle3_head_dir=str(engines_dir / "draft") if spec.speculative.method == "eagle3" else None,
             eagle3_target_dir=str(engines_dir / "target") if spec.speculative.method == "eagle3" else None,
