@@ -16,6 +16,12 @@ paths in an order rotated per prompt (machine noise hits all alike), one warm-up
 tokens/s = generated tokens (EOS excluded) / wall seconds, prefill included, summed over the
 prompts; each trtspec run starts with an empty prefix cache, as each HF call does. The floor
 holds when ours / hf >= 1. Token ids are compared with ours on every path.
+
+Then where a decode step's time goes (the target as it loads, batch 1, after a 64-token
+context): the step unprofiled (median), and under torch.profiler each ATen op's own time per
+step, grouped — Linear kernels (with the bytes of weights they read and the bandwidth that
+makes), attention, and the rest — and the time outside any ATen op (Python, dispatch), against
+the memory floor: the step's bytes at this machine's copy bandwidth (trtspec bench's floor).
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1, help="runs per prompt and path; the fastest counts")
     ap.add_argument("--out", type=Path, default=None, help="JSON results (default: print only)")
+    ap.add_argument("--profile-only", action="store_true", help="only the decode step's profile (no HF comparison)")
+    ap.add_argument("--profile-steps", type=int, default=30, help="decode steps timed and profiled")
     args = ap.parse_args(argv)
     if args.max_tokens < 1 or args.repeats < 1 or (args.limit is not None and args.limit < 1):
         ap.error("--max-tokens, --repeats and --limit must be at least 1")
@@ -60,6 +68,101 @@ def load_engine(folder: Path, force: str | None):
             os.environ["TRTSPEC_ONEDNN"] = saved
 
 
+# ATen ops that are a Linear layer's kernel (dense, oneDNN-packed, weight-only quantized).
+LINEAR_KERNELS = (
+    "aten::mm",
+    "aten::addmm",
+    "mkldnn::_linear_pointwise",
+    "aten::_weight_int8pack_mm",
+    "aten::_weight_int4pack_mm_for_cpu",
+)
+
+
+def profile_step(engine, steps: int) -> dict:
+    """Where one decode step's time goes (see the module doc); times in seconds per step."""
+    import statistics
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from trtspec.bench.measure import measure_bandwidth
+    from trtspec.engines.torch.engine import ForwardItem
+
+    context = list(range(1000, 1064))
+
+    def decode(n: int) -> list[float]:
+        times = []
+        for _ in range(n):
+            context.append(2000 + len(context) % 1000)
+            t0 = time.perf_counter()
+            engine.run([ForwardItem(list(context), 1)])
+            times.append(time.perf_counter() - t0)
+        return times
+
+    engine.forget_prefixes()
+    decode(5)  # warm-up: the prefix and this shape's thread count
+    wall = statistics.median(decode(steps))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        decode(steps)
+        profiled = (time.perf_counter() - t0) / steps
+    groups = {"linear": 0.0, "attention": 0.0, "other ops": 0.0}
+    calls = dict.fromkeys(groups, 0)
+    ops = []
+    for ev in prof.key_averages():
+        self_s = ev.self_cpu_time_total / 1e6 / steps
+        group = (
+            "linear"
+            if ev.key in LINEAR_KERNELS
+            else "attention"
+            if "scaled_dot_product" in ev.key or "attention" in ev.key
+            else "other ops"
+        )
+        groups[group] += self_s
+        calls[group] += ev.count // steps
+        ops.append((self_s, ev.key, ev.count // steps))
+    ops.sort(reverse=True)
+    kv = engine.step_bytes(len(context))[1]
+    bw = measure_bandwidth()
+    step_bytes = engine.weight_bytes + kv
+    return {
+        "steps": steps,
+        "step_s": wall,
+        "profiled_step_s": profiled,
+        "groups_s": groups,
+        "calls_per_step": calls,
+        "outside_ops_s": max(0.0, profiled - sum(groups.values())),
+        "top_ops": [{"op": k, "self_s": t, "calls": c} for t, k, c in ops[:12]],
+        "weight_bytes": engine.weight_bytes,
+        "kv_bytes": kv,
+        "linear_gbps": engine.weight_bytes / groups["linear"] / 1e9 if groups["linear"] else None,
+        "copy_gbps": bw.copy_gbps,
+        "read_gbps": bw.read_gbps,
+        "floor_step_s": step_bytes / (bw.copy_gbps * 1e9),
+        "of_floor": step_bytes / (bw.copy_gbps * 1e9) / wall,
+    }
+
+
+def print_profile(p: dict) -> None:
+    ms = 1e3
+    print(
+        f"decode step: {p['step_s'] * ms:.1f} ms (median of {p['steps']}); profiled {p['profiled_step_s'] * ms:.1f} ms, of which:"
+    )
+    for name, t in p["groups_s"].items():
+        extra = ""
+        if name == "linear" and p["linear_gbps"]:
+            extra = f" — {p['weight_bytes'] / 1e9:.3f} GB of weights at {p['linear_gbps']:.1f} GB/s"
+        print(f"  {name:<10} {t * ms:6.1f} ms in {p['calls_per_step'][name]} calls{extra}")
+    print(f"  {'outside ops':<10} {p['outside_ops_s'] * ms:6.1f} ms (Python, dispatch, profiler)")
+    print(
+        "  top ops (self time per step): "
+        + ", ".join(f"{o['op']} {o['self_s'] * ms:.2f} ms x{o['calls']}" for o in p["top_ops"][:8])
+    )
+    print(
+        f"memory floor: the step moves {(p['weight_bytes'] + p['kv_bytes']) / 1e9:.3f} GB; copy {p['copy_gbps']:.1f} GB/s "
+        f"(read {p['read_gbps']:.1f}) -> floor step {p['floor_step_s'] * ms:.1f} ms: {p['of_floor']:.2f} of the floor"
+    )
+
+
 def main(argv=None) -> int:
     from trtspec.bench.peers import _cut_at_end, encode_prompts, load_hf, read_kinded_prompts
     from trtspec.engines.torch.kernels import cpu_signature
@@ -72,6 +175,17 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     loaded = load_spec(args.spec)
     dep = Deployment(loaded, loaded.output_dir(), slots=1)
+    if args.profile_only:
+        print(f"machine: {machine_description()}")
+        choice = dep.target.kernels
+        print(f"kernels chosen at load: {choice.layout} ({choice.source})")
+        profile = profile_step(dep.target, args.profile_steps)
+        print_profile(profile)
+        if args.out:
+            from trtspec.files import write_json_atomic
+
+            write_json_atomic(args.out, {"machine": machine_description(), "kernels": choice.layout, "profile": profile})
+        return 0
     prompts = encode_prompts(dep, read_kinded_prompts(args.prompts))
     room = dep.limits.max_input_len or dep.limits.max_seq_len
     fits = [p for p in prompts if len(p.ids) <= room and len(p.ids) + args.max_tokens <= dep.limits.max_seq_len]
@@ -154,6 +268,8 @@ def main(argv=None) -> int:
         )
     floor = rate["ours"] / rate["hf"]
     print(f"floor (ours / hf tokens/s): {floor:.3f} -> {'held' if floor >= 1 else 'MISSED'}")
+    profile = profile_step(dep.target, args.profile_steps)
+    print_profile(profile)
     if args.out:
         from trtspec.files import write_json_atomic
 
@@ -171,6 +287,7 @@ def main(argv=None) -> int:
                 "tokens_per_s": rate,
                 "identical_to_ours": identical,
                 "floor": floor,
+                "profile": profile,
                 "load_average": os.getloadavg()[0],
             },
         )
