@@ -481,3 +481,19 @@ def test_bench_methods_reports_each_prompt_set_with_suffix_and_layered_rows(buil
     assert sum(row["by_source"].get("model", {}).get("drafted", 0) for row in layered) > 0
     r = CliRunner().invoke(app, [*args[:-4], "--methods-prompts", str(chat)])
     assert r.exit_code == 2 and "--methods-prompts chooses the prompts --methods compares on" in r.output
+
+
+def test_load_aware_schedule_caps_suffix_drafts():
+    from trtspec.speculative.schedule import LoadPolicy
+
+    d = SuffixDrafter(SuffixSpec(spec_factor=4.0))
+    batch = Batch(d, PeriodicVerifier(), policy=LoadPolicy.of({1: 8, 2: 2}, None))
+    keys = [batch.add(GenerationRequest([1, 2, 3], 40, 8)) for _ in range(2)]
+    longest = 0
+    while batch.active:
+        report = batch.step()
+        longest = max(longest, report.k)
+    results = [batch.pop(k) for k in keys]
+    assert longest == 2  # two sequences at once: the schedule's k
+    assert all(r.output_ids == greedy(NoDrafter(), [1, 2, 3], 40).output_ids for r in results)
+    assert max(len(h) for h in [r.metrics.histogram for r in results]) <= 3 and results[0].metrics.accepted > 0
