@@ -28,7 +28,7 @@ from trtspec.deploy.k8s import (
     plan_manifests,
 )
 from trtspec.deploy.options import DEFAULT_KUBE_VERSION, K8sOptions
-from trtspec.deploy.output import NO_SCHEMA, rendered_files
+from trtspec.deploy.output import NO_SCHEMA, options_from, rendered_files
 from trtspec.errors import TrtspecError
 from trtspec.layout import BLS_MODEL as BLS
 from trtspec.layout import BLS_STREAMING_MODEL as BLS_STREAMING
@@ -80,7 +80,7 @@ MODES = [
     {},
     {"engines_from": "image", "engines_image": "registry/engines:1"},
     {"engines_from": "build", "service_monitor": True},
-    {"hpa": False, "min_replicas": 3},
+    {"hpa": False, "min_replicas": 3, "clients_label": "team=chat", "clients_namespace": "apps"},
 ]
 
 
@@ -350,6 +350,7 @@ def test_dry_run_prints_every_manifest_and_writes_nothing(tmp_path):
         "Service",
         "HorizontalPodAutoscaler",
         "PodDisruptionBudget",
+        "NetworkPolicy",
         "Kustomization",
     ]
     assert not out.exists()
@@ -488,9 +489,65 @@ def test_triton_logs_to_the_container_log_and_its_admin_apis_need_a_key(tmp_path
     command = c["command"]
     assert command[command.index("--log-file") + 1] == "-"  # stdout: kubectl logs
     assert not any(a.endswith(".log") for a in command)
+    # The key comes from the optional Secret as a file: never an environment value, never argv.
     env = {e["name"]: e for e in c["env"]}
-    assert env["TRTSPEC_ADMIN_KEY"]["valueFrom"]["secretKeyRef"] == {
-        "name": "pair-triton-admin",
-        "key": "TRTSPEC_ADMIN_KEY",
-        "optional": True,
+    assert "TRTSPEC_ADMIN_KEY" not in env and env["TRTSPEC_ADMIN_KEY_FILE"] == {
+        "name": "TRTSPEC_ADMIN_KEY_FILE",
+        "value": "/etc/trtspec-admin/key",
     }
+    assert not any("admin" in a for a in command)
+    pod = p.manifests["deployment.yaml"]["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "admin-key"]
+    assert volume["secret"] == {
+        "secretName": "pair-triton-admin",
+        "optional": True,
+        "defaultMode": 0o440,  # the pod's group (fsGroup) only
+        "items": [{"key": "TRTSPEC_ADMIN_KEY", "path": "key"}],
+    }
+    assert {"name": "admin-key", "mountPath": "/etc/trtspec-admin", "readOnly": True} in c["volumeMounts"]
+    other = plan(spec_file(tmp_path, "torch"), admin_key_secret="ops-key").manifests["deployment.yaml"]
+    assert {"name": "admin-key", "secret": {**volume["secret"], "secretName": "ops-key"}} in other["spec"]["template"]["spec"][
+        "volumes"
+    ]
+
+
+def test_network_policy_admits_only_the_clients_to_the_api_and_prometheus_to_metrics(tmp_path):
+    p = plan(spec_file(tmp_path, "torch"))
+    policy = p.manifests["networkpolicy.yaml"]
+    assert "networkpolicy.yaml" in p.manifests["kustomization.yaml"]["resources"]
+    spec = policy["spec"]
+    assert spec["podSelector"]["matchLabels"] == p.manifests["deployment.yaml"]["spec"]["selector"]["matchLabels"]
+    assert spec["policyTypes"] == ["Ingress"]  # egress stays open: build mode downloads checkpoints
+    ports = {p["name"]: p["containerPort"] for p in container(p)["ports"]}
+    api, metrics = spec["ingress"]
+    assert api == {
+        "from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/component": "trtspec-front"}}}],  # same namespace
+        "ports": [{"protocol": "TCP", "port": ports["http"]}, {"protocol": "TCP", "port": ports["grpc"]}],
+    }
+    assert metrics == {
+        "from": [
+            {
+                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+            }
+        ],
+        "ports": [{"protocol": "TCP", "port": ports["metrics"]}],
+    }
+    named = plan(spec_file(tmp_path, "torch"), clients_label="team=chat", clients_namespace="apps", metrics_namespace="obs")
+    api, metrics = named.manifests["networkpolicy.yaml"]["spec"]["ingress"]
+    assert api["from"] == [
+        {
+            "podSelector": {"matchLabels": {"team": "chat"}},
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "apps"}},
+        }
+    ]
+    assert metrics["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "obs"}
+    assert "networkpolicy.yaml" not in plan(spec_file(tmp_path, "torch"), network_policy=False).manifests
+
+
+def test_a_clients_label_that_is_no_label_is_one_clear_error(tmp_path):
+    with pytest.raises(TrtspecError) as err:
+        options_from({"clients_label": "front"})
+    assert str(err.value) == (
+        "--clients-label: 'front' is not a pod label selector; write it as key=value, e.g. app.kubernetes.io/name=my-front"
+    )

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from conftest import processes_mentioning, write_spec
 
-from trtspec.deploy.k8s import ACTIVE_METRIC, ENGINES_DIR, QUEUE_METRIC, REPO_DIR, SPEC_DIR, plan_manifests
+from trtspec.deploy.k8s import ACTIVE_METRIC, ADMIN_KEY_FILE, ENGINES_DIR, QUEUE_METRIC, REPO_DIR, SPEC_DIR, plan_manifests
 from trtspec.deploy.options import K8sOptions
 from trtspec.errors import ServerError
 from trtspec.layout import BLS_MODEL as BLS
@@ -106,7 +106,11 @@ def test_pod_command_serves_the_probes_and_exports_the_hpa_metric(tmp_path, tiny
     argv = [mapping.get(a, a) for a in c["command"]]
     argv[0] = str(Path(sys.executable).with_name("trtspec"))
     admin_key = "test-admin-key"  # what the optional Secret the manifest names would hold
-    env = {**os.environ, **{e["name"]: e.get("value", admin_key) for e in c["env"]}}
+    (tmp_path / "admin-key").write_text(admin_key)  # mounted at ADMIN_KEY_FILE in the pod
+    env = {**os.environ, **{e["name"]: e["value"] for e in c["env"]}}
+    assert env["TRTSPEC_ADMIN_KEY_FILE"] == ADMIN_KEY_FILE
+    env["TRTSPEC_ADMIN_KEY_FILE"] = str(tmp_path / "admin-key")
+    env.pop("TRTSPEC_ADMIN_KEY", None)
     env["TRTSPEC_CACHE"], env["HOME"] = os.environ["TRTSPEC_CACHE"], str(tmp_path)
 
     def url(probe: str) -> str:

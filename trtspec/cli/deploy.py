@@ -76,6 +76,24 @@ def k8s(
     startup_seconds: Annotated[
         int | None, typer.Option("--startup-seconds", help="Startup probe budget (default: sized from the engines).")
     ] = None,
+    network_policy: Annotated[
+        bool,
+        typer.Option("--network-policy/--no-network-policy", help="NetworkPolicy: only the clients and Prometheus get in."),
+    ] = True,
+    clients_label: Annotated[
+        str | None,
+        typer.Option(
+            "--clients-label", help="Pods that may call HTTP/gRPC (key=value; app.kubernetes.io/component=trtspec-front)."
+        ),
+    ] = None,
+    clients_namespace: Annotated[
+        str | None, typer.Option("--clients-namespace", help="Their namespace (default: the deployment's).")
+    ] = None,
+    metrics_label: Annotated[
+        str | None,
+        typer.Option("--metrics-label", help="Pods that may scrape metrics (key=value; app.kubernetes.io/name=prometheus)."),
+    ] = None,
+    metrics_namespace: Annotated[str | None, typer.Option("--metrics-namespace", help="Their namespace (monitoring).")] = None,
     engines: EnginesOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing --out folder.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the manifests; write nothing.")] = False,
@@ -83,8 +101,8 @@ def k8s(
     """Write Kubernetes manifests (kustomize-ready) that serve SPEC on Triton.
 
     Deployment (StatefulSet with --engines-from build), Service (HTTP, gRPC, metrics),
-    probes on /v2/health/ready and /v2/health/live, HPA, PodDisruptionBudget, the spec as a
-    ConfigMap; nvidia.com/gpu from the spec's GPU counts for trtllm specs. Every manifest is
+    probes on /v2/health/ready and /v2/health/live, HPA, PodDisruptionBudget, a NetworkPolicy
+    (HTTP/gRPC from --clients-label pods, metrics from Prometheus), the spec as a ConfigMap; nvidia.com/gpu from the spec's GPU counts for trtllm specs. Every manifest is
     validated against the Kubernetes schemas of --kube-version before anything is written.
 
     Examples:
@@ -114,6 +132,11 @@ def k8s(
             "shm_size": shm_size,
             "gpus_per_node": gpus_per_node,
             "startup_seconds": startup_seconds,
+            "network_policy": network_policy,
+            "clients_label": clients_label,
+            "clients_namespace": clients_namespace,
+            "metrics_label": metrics_label,
+            "metrics_namespace": metrics_namespace,
         }
     )
     loaded = load_spec(spec)

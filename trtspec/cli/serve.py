@@ -60,7 +60,7 @@ def serve(
     t = serving.serve_target(target, engines, repo_dir, write=not dry_run, llmapi_impl=llmapi_impl)
     server = serving.server_for(t, host, http_port, grpc_port, metrics_port)
     if dry_run:
-        console.out.print(" ".join(server.argv()))
+        console.out.print(" ".join(server.shown_argv()))
         env = server.env or {}
         for key in ["PATH", "LD_LIBRARY_PATH", *sorted(k for k in env if k.startswith("TRTLLM_"))]:
             console.out.print(f"{key}={env.get(key, os.environ.get(key, ''))}")

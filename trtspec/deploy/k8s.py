@@ -22,7 +22,7 @@ from trtspec.deploy.checks import check_build_sources, check_ports, object_name,
 from trtspec.deploy.options import DEFAULT_CPU, DEFAULT_MEMORY, K8sOptions, default_image
 from trtspec.layout import BLS_MODEL, BLS_STREAMING_MODEL
 from trtspec.spec import LoadedSpec
-from trtspec.triton.server.process import ADMIN_KEY_ENV
+from trtspec.triton.server.process import ADMIN_KEY_ENV, ADMIN_KEY_FILE_ENV
 
 # Paths inside the pod.
 SPEC_DIR = "/etc/trtspec"
@@ -30,6 +30,8 @@ ENGINES_DIR = "/models/engines"
 SCRATCH_DIR = "/var/lib/trtspec"  # model repository, trtspec cache
 REPO_DIR = f"{SCRATCH_DIR}/model_repo"
 HF_HOME = "/models/hf-cache"  # build mode: checkpoints downloaded beside the engines
+ADMIN_KEY_DIR = "/etc/trtspec-admin"  # the admin-key Secret, mounted read-only
+ADMIN_KEY_FILE = f"{ADMIN_KEY_DIR}/key"
 RUN_AS = 1000  # the user both images (docker/*.Dockerfile) create and switch to
 
 HEALTH_READY = "/v2/health/ready"
@@ -143,7 +145,7 @@ def server_container(name: str, loaded: LoadedSpec, options: K8sOptions, gpus: i
             {"name": "grpc", "containerPort": s.grpc_port, "protocol": "TCP"},
             {"name": "metrics", "containerPort": s.metrics_port, "protocol": "TCP"},
         ],
-        "env": _env(_admin_key(name, options)),
+        "env": _env({"name": ADMIN_KEY_FILE_ENV, "value": ADMIN_KEY_FILE}),
         "resources": _resources(options, loaded.spec.backend, gpus),
         "startupProbe": _http_probe(HEALTH_READY, STARTUP_PERIOD_S, math.ceil(startup_s / STARTUP_PERIOD_S)),
         "readinessProbe": _http_probe(HEALTH_READY, 5, 3),
@@ -155,6 +157,7 @@ def server_container(name: str, loaded: LoadedSpec, options: K8sOptions, gpus: i
             {"name": "scratch", "mountPath": SCRATCH_DIR},
             {"name": "tmp", "mountPath": "/tmp"},
             {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "admin-key", "mountPath": ADMIN_KEY_DIR, "readOnly": True},
         ],
     }
 
@@ -175,11 +178,14 @@ def _env(*extra: dict) -> list[dict]:
     ]
 
 
-def _admin_key(name: str, options: K8sOptions) -> dict:
+def _admin_key_volume(name: str, options: K8sOptions) -> dict:
     """The key that opens Triton's restricted admin APIs (logging, trace, shared memory, model
-    repository), from an optional Secret; without it serve picks a random key nobody knows."""
+    repository): the optional Secret's TRTSPEC_ADMIN_KEY as a file readable by the pod's group
+    only (no environment variable: the value never shows in the pod's environment); without
+    the Secret, serve picks a random key nobody knows."""
     secret = options.admin_key_secret or f"{name}-triton-admin"
-    return {"name": ADMIN_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": secret, "key": ADMIN_KEY_ENV, "optional": True}}}
+    items = [{"key": ADMIN_KEY_ENV, "path": Path(ADMIN_KEY_FILE).name}]
+    return {"name": "admin-key", "secret": {"secretName": secret, "optional": True, "defaultMode": 0o440, "items": items}}
 
 
 def init_containers(name: str, loaded: LoadedSpec, options: K8sOptions, gpus: int) -> list[dict]:
@@ -229,6 +235,7 @@ def pod_template(name: str, loaded: LoadedSpec, options: K8sOptions, gpus: int, 
         {"name": "scratch", "emptyDir": {"sizeLimit": options.scratch_size}},
         {"name": "tmp", "emptyDir": {"sizeLimit": options.tmp_size}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": options.shm_size}},
+        _admin_key_volume(name, options),
     ]
     if options.engines_from == "pvc":
         claim = options.pvc or f"{name}-engines"
@@ -386,6 +393,42 @@ def service_monitor(name: str) -> dict:
     }
 
 
+def _peers(label: str, namespace: str | None) -> dict:
+    """A NetworkPolicy peer: pods with ``label`` ("key=value") in ``namespace`` (None: the
+    policy's own namespace)."""
+    key, _, value = label.partition("=")
+    peer: dict = {"podSelector": {"matchLabels": {key: value}}}
+    if namespace is not None:
+        peer["namespaceSelector"] = {"matchLabels": {"kubernetes.io/metadata.name": namespace}}
+    return peer
+
+
+def network_policy(name: str, loaded: LoadedSpec, options: K8sOptions) -> dict:
+    """Ingress to the server pods: HTTP and gRPC from the clients only (the OpenAI front or the
+    pods the options name), metrics from Prometheus only; nothing else, engine models included
+    (every model Triton serves is reachable on the same ports). Kubelet probes come from the
+    pod's node, which a NetworkPolicy always admits. Egress is left open (build mode downloads
+    checkpoints)."""
+    s = loaded.spec.serve
+    tcp = lambda port: {"protocol": "TCP", "port": port}  # noqa: E731
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(name),
+        "spec": {
+            "podSelector": {"matchLabels": _labels(name)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": [_peers(options.clients_label, options.clients_namespace)],
+                    "ports": [tcp(s.http_port), tcp(s.grpc_port)],
+                },
+                {"from": [_peers(options.metrics_label, options.metrics_namespace)], "ports": [tcp(s.metrics_port)]},
+            ],
+        },
+    }
+
+
 def kustomization(files: list[str], namespace: str | None) -> dict:
     doc: dict = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization"}
     if namespace:
@@ -424,6 +467,8 @@ def plan_manifests(loaded: LoadedSpec, options: K8sOptions, engines_dir: Path | 
     if options.hpa:
         manifests["hpa.yaml"] = autoscaler(name, loaded, options, work["kind"])
     manifests["pdb.yaml"] = disruption_budget(name)
+    if options.network_policy:
+        manifests["networkpolicy.yaml"] = network_policy(name, loaded, options)
     if options.service_monitor:
         manifests["servicemonitor.yaml"] = service_monitor(name)
     manifests["kustomization.yaml"] = kustomization(list(manifests), options.namespace)

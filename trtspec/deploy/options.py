@@ -18,6 +18,9 @@ DEFAULT_KUBE_VERSION = "1.33"
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|Ki|Mi|Gi|Ti|Pi)?$")
 # DNS-1035 label: what a Service name must be (the strictest name among our objects).
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# A label key (optional DNS prefix + "/" + name) and value, as Kubernetes accepts them.
+_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 # Suffix room inside the 63-character limit ("-headless").
 MAX_NAME_LEN = 50
 
@@ -82,8 +85,17 @@ class K8sOptions(BaseModel):
     shm_size: Quantity = "1Gi"  # /dev/shm for the Python backend's tensors
     scratch_size: Quantity = "4Gi"  # emptyDir: model repository, trtspec cache
     tmp_size: Quantity = "1Gi"  # emptyDir: /tmp (HOME)
-    # Secret (key TRTSPEC_ADMIN_KEY) opening Triton's admin APIs; default <name>-triton-admin
+    # Secret (key TRTSPEC_ADMIN_KEY) opening Triton's admin APIs, mounted as a file; default
+    # <name>-triton-admin
     admin_key_secret: str | None = None
+    # NetworkPolicy: only pods labelled clients_label ("key=value"; default: trtspec's OpenAI
+    # front) in clients_namespace (default: the deployment's own) reach HTTP and gRPC; only
+    # pods labelled metrics_label in metrics_namespace reach the metrics port.
+    network_policy: bool = True
+    clients_label: str = "app.kubernetes.io/component=trtspec-front"
+    clients_namespace: str | None = None
+    metrics_label: str = "app.kubernetes.io/name=prometheus"
+    metrics_namespace: str = "monitoring"
     gpus_per_node: Annotated[int, Field(ge=1, le=64)] = 8
     startup_seconds: Annotated[int, Field(ge=10, le=86400)] | None = None
 
@@ -92,7 +104,15 @@ class K8sOptions(BaseModel):
     def _is_quantity(cls, v: str | None) -> str | None:
         return v if v is None else _quantity(v)
 
-    @field_validator("name", "pvc", "hf_token_secret", "namespace", "admin_key_secret")
+    @field_validator("clients_label", "metrics_label")
+    @classmethod
+    def _is_label(cls, v: str) -> str:
+        key, eq, value = v.partition("=")
+        if not eq or not _LABEL_KEY.match(key) or not _LABEL_VALUE.match(value):
+            raise ValueError(f"'{v}' is not a pod label selector; write it as key=value, e.g. app.kubernetes.io/name=my-front")
+        return v
+
+    @field_validator("name", "pvc", "hf_token_secret", "namespace", "admin_key_secret", "clients_namespace", "metrics_namespace")
     @classmethod
     def _is_dns_label(cls, v: str | None) -> str | None:
         if v is not None and (not _DNS_LABEL.match(v) or len(v) > MAX_NAME_LEN):

@@ -53,7 +53,7 @@ def write_pid_file(path: Path, server) -> None:
         metrics_url=server.metrics_url,
         log_path=str(server.log_path),
         model_repository=str(server.command.model_repository),
-        argv=server.argv(),
+        argv=server.shown_argv(),  # never the admin key
         start_time=start_time(server.pid) if server.pid else None,
     )
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -71,9 +71,28 @@ _HINTS: tuple[tuple[re.Pattern[str], str], ...] = (
 RESTRICTED_APIS = ("shared-memory", "model-repository", "trace", "logging")
 ADMIN_HEADER = "triton-admin-key"
 ADMIN_KEY_ENV = "TRTSPEC_ADMIN_KEY"  # the header's value; unset: a random key nobody knows
+ADMIN_KEY_FILE_ENV = "TRTSPEC_ADMIN_KEY_FILE"  # or a file holding it (a mounted Secret)
+REDACTED = "<admin key>"  # what argv shows in place of the key anywhere trtspec writes it
 
 
 def _admin_key() -> str:
+    """The key from the file TRTSPEC_ADMIN_KEY_FILE names (absent: an optional Secret that does
+    not exist), else TRTSPEC_ADMIN_KEY, else a random key nobody knows. tritonserver 2.51 reads
+    it only from its command line (--http-restricted-api / --grpc-restricted-protocol): it is
+    in the server process's argv, which other processes of the same user (or root) can read,
+    and nowhere else: the pid file and printed commands show REDACTED."""
+    path = os.environ.get(ADMIN_KEY_FILE_ENV)
+    if path:
+        try:
+            key = Path(path).read_text(encoding="utf-8").strip()
+        except FileNotFoundError:
+            key = ""
+        except OSError as err:
+            raise TrtspecError(
+                f"cannot read the admin key file {path} ({err.strerror}); make it readable or unset {ADMIN_KEY_FILE_ENV}"
+            ) from None
+        if key:
+            return key
     return os.environ.get(ADMIN_KEY_ENV) or secrets.token_urlsafe(24)
 
 
@@ -226,6 +245,11 @@ class TritonServer:
     def argv(self) -> list[str]:
         """What start() runs: the launcher when set, else the plain server command."""
         return self.launcher if self.launcher is not None else self.command.argv()
+
+    def shown_argv(self) -> list[str]:
+        """argv() with the admin key replaced by REDACTED: what is printed or recorded."""
+        key = self.command.admin_key
+        return [a.replace(key, REDACTED) for a in self.argv()] if key else self.argv()
 
     # -- endpoints (tritonclient takes "host:port" without a scheme) --------------------------
 
