@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trtspec.engines.torch.quant import WeightOnlyLinear, is_quantized, swap_in_weight_only
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
@@ -147,6 +149,8 @@ class StepInputs:
 
 def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
     """One Linear whose output is the parts' outputs side by side (their weight rows stacked)."""
+    if isinstance(parts[0], WeightOnlyLinear):  # quantized: the codes' rows stacked (quant.py)
+        return WeightOnlyLinear.stack(parts)
     weight = torch.cat([p.weight.detach() for p in parts])  # [sum(out), in]
     has_bias = parts[0].bias is not None
     with torch.device("meta"):
@@ -301,7 +305,9 @@ class DecoderLM(nn.Module):
         with torch.device("meta"):
             model = cls(cfg, qkv_bias, o_bias, mlp_bias)
         state = dict(state)
-        if "lm_head.weight" not in state:
+        if is_quantized(state):  # weight-only quantized Linears (quant.py), activations in the embedding's dtype
+            swap_in_weight_only(model, state, state["model.embed_tokens.weight"].dtype)
+        if "lm_head.weight" not in state and "lm_head.qweight" not in state:
             if not cfg.tie_word_embeddings:
                 raise KeyError("lm_head.weight")
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
