@@ -179,3 +179,34 @@ def test_an_error_kept_as_an_answer_does_not_pin_the_request_arrays():
         assert isinstance(answer, RequestError) and alive() is None
     finally:
         gc.enable()
+
+
+def test_an_engine_model_checks_sizes_before_it_converts_any_row():
+    """A request wider than the engine can hold is refused from its shape alone: no row
+    becomes a Python list (a million-token row would be a list of a million ints first)."""
+    import tracemalloc
+
+    def run(items):
+        raise AssertionError("never runs: the request is refused first")
+
+    limits = Limits(vocab_size=32, max_seq_len=64, max_draft_len=4, max_batch_size=2)
+    core = EngineCore(run, limits)
+    wide = np.full((1, 1_000_000), 7, dtype=np.int32)
+    request = {
+        "input_ids": wide,
+        "input_lengths": np.array([[1_000_000]], np.int32),
+        "request_output_len": np.array([[1]], np.int32),
+    }
+    tracemalloc.start()
+    try:
+        (answer,) = core.infer([request])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert isinstance(answer, RequestError) and "input_ids is 1000000 tokens wide" in str(answer)
+    assert "at most 64 tokens per sequence (max_seq_len)" in str(answer)
+    assert peak < 2**20  # the old order built an 8 MB list of the row before checking it
+    # within the width, an id outside the vocabulary is still named (read from the array)
+    bad = {"input_ids": np.array([[1, 2, 40]], np.int32), "input_lengths": np.array([[3]], np.int32)}
+    (answer,) = core.infer([bad | {"request_output_len": np.array([[1]], np.int32)}])
+    assert isinstance(answer, RequestError) and "token id 40 is outside the vocabulary (0..31)" in str(answer)

@@ -187,6 +187,13 @@ def parse_engine_request(
     ids = np.asarray(ids)
     rows, width = ids.shape
     limits.check_batch(rows)
+    # Every size is checked on the arrays before any row becomes a Python list: a request
+    # this engine cannot hold costs no more than reading its shape.
+    if width > limits.max_seq_len:
+        raise RequestError(
+            f"input_ids is {width} tokens wide; this engine holds at most {limits.max_seq_len} tokens "
+            "per sequence (max_seq_len): send shorter inputs"
+        )
     lengths = per_row(inputs, "input_lengths", rows)
     out_len = per_row(inputs, "request_output_len", rows)
     if lengths is None or out_len is None:
@@ -217,21 +224,24 @@ def parse_engine_request(
             raise RequestError(f"{drafts.shape[1]} draft tokens exceed max_draft_len {limits.max_draft_len}; send fewer")
     processing = engine_processing(inputs, rows, limits.vocab_size)
     jobs = []
+    d_len = 0 if drafts is None else int(drafts.shape[1])
     for r in range(rows):
         n = int(lengths[r])
         if not 1 <= n <= width:
             raise RequestError(f"input_lengths[{r}] is {n}; it must be in 1..{width} (the input_ids width)")
-        tokens = [int(t) for t in ids[r, :n]]
-        draft = [] if drafts is None else [int(t) for t in drafts[r]]
-        check_token_ids(tokens + draft, limits.vocab_size)
         k = int(out_len[r])
         if k < 1:
             raise RequestError(f"request_output_len must be at least 1 (got {k})")
-        if draft and k < len(draft) + 1:
-            raise RequestError(f"request_output_len {k} must be at least len(draft_input_ids) + 1 = {len(draft) + 1}")
-        total = n + max(k, len(draft) + 1 if draft else 0)
+        if d_len and k < d_len + 1:
+            raise RequestError(f"request_output_len {k} must be at least len(draft_input_ids) + 1 = {d_len + 1}")
+        total = n + max(k, d_len + 1 if d_len else 0)
         if total > limits.max_seq_len:
             raise RequestError(f"input ({n} tokens) + request_output_len ({k}) exceeds max_seq_len {limits.max_seq_len}")
+        row = ids[r, :n] if drafts is None else np.concatenate([ids[r, :n], drafts[r]])
+        outside = (row < 0) | (row >= limits.vocab_size)
+        if outside.any():
+            check_token_ids([int(row[int(outside.argmax())])], limits.vocab_size)
+        tokens, draft = row[:n].tolist(), row[n:].tolist()
         end = None if end_ids is None else int(end_ids[r])
         wants = gen_logits is not None and bool(gen_logits[r])
         if wants and not (draft or k == 1):
