@@ -181,3 +181,14 @@ def test_served_suffix_streams_batches_and_cancels_with_target_only_tokens(serve
     assert total(samples, "trtspec_source_draft_tokens_total", source="suffix") > 0
     assert total(samples, "trtspec_source_accepted_tokens_total", source="suffix") > 0
     assert not [n for n in samples if re.search("source", n) and not n.startswith("trtspec_source_")]
+
+
+def test_peer_paths_of_a_suffix_spec_run_ours_identical(built):
+    from trtspec.bench.peers import trtspec_paths
+
+    dep = built(None, **{"speculative.method": "suffix", "speculative.max_draft_len": 8})
+    paths = {p.key: p for p in trtspec_paths(dep)}
+    assert list(paths) == ["ours_target", "ours_suffix", "ours_ngram"]
+    ids = dep.encode(PROMPTS[0])
+    target, suffix = paths["ours_target"].run(ids, 24), paths["ours_suffix"].run(ids, 24)
+    assert suffix.output_ids == target.output_ids and suffix.metrics is not None

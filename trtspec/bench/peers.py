@@ -5,6 +5,7 @@ Paths (greedy, the same prompt ids and max_tokens for all):
   ours_draft_target    trtspec with the spec's draft model, k = the spec's draft length
   ours_eagle3          trtspec with the spec's EAGLE-3 head (an eagle3 spec), same k
   ours_ngram           trtspec prompt lookup (NgramDrafter with the spec's n-gram sizes), same k
+  ours_suffix          trtspec suffix decoding (a suffix spec: its settings, requests kept apart), same k
   hf_target            transformers generate(do_sample=False) on the target checkpoint
   hf_assisted          generate(assistant_model=draft) drafting exactly k tokens per step
                        (constant schedule, confidence early-stop off): the same rule as ours
@@ -17,6 +18,8 @@ Paths (greedy, the same prompt ids and max_tokens for all):
                        draft_model), k drafts; vLLM runs the draft in the target's dtype
   vllm_ngram           vLLM prompt lookup (method ngram, prompt_lookup_min/max = the spec's
                        min_ngram/max_ngram), k drafts
+  vllm_suffix          vLLM suffix decoding (a suffix spec: method suffix, suffix_decoding_* from
+                       speculative.suffix; needs Arctic Inference in vLLM's environment), k drafts
   vLLM paths run with prefix caching off (each call prefills, as ours and HF's do), vLLM's own
   thread setup (vllm_env) and the spec's end ids as stop ids.
 
@@ -146,9 +149,9 @@ def encode_prompts(dep: Deployment, rows: list[tuple[str, str]]) -> list[Prompt]
 
 
 def trtspec_paths(dep: Deployment, other_draft: tuple[str, Callable, Callable[[], None]] | None = None) -> list[PeerPath]:
-    """Our paths over the spec's target engine: target-only, the spec's own method (draft_target
-    or eagle3), ``other_draft`` (method name, drafter factory, forget: another spec's draft
-    loaded beside this target), and prompt lookup."""
+    """Our paths over the spec's target engine: target-only, the spec's own method (draft_target,
+    eagle3 or suffix), ``other_draft`` (method name, drafter factory, forget: another spec's
+    draft loaded beside this target), and prompt lookup."""
     spec = dep.spec.speculative
     k = dep.limits.default_draft_tokens  # what our requests draft when they ask for no k
     forget_other = other_draft[2] if other_draft else (lambda: None)
@@ -170,6 +173,10 @@ def trtspec_paths(dep: Deployment, other_draft: tuple[str, Callable, Callable[[]
     paths = [PeerPath("ours_target", "trtspec target-only", *run_with(None))]
     if spec.method in ("draft_target", "eagle3"):
         paths.append(PeerPath(f"ours_{spec.method}", f"trtspec {spec.method} k={k}", *run_with(dep.drafter)))
+    if spec.method == "suffix":  # beside vLLM's suffix path; requests kept apart, as bench --methods
+        paths.append(
+            PeerPath("ours_suffix", f"trtspec suffix k={k}", *run_with(lambda: dep.drafter("suffix", spec.suffix_drafting)))
+        )
     if other_draft is not None:
         name, factory, _ = other_draft
         paths.append(PeerPath(f"ours_{name}", f"trtspec {name} k={k}", *run_with(factory)))
