@@ -130,3 +130,31 @@ def test_interrupted_bench_keeps_partial_results(spec_file, tmp_path, monkeypatc
     assert data["complete"] is False
     assert data["target"]["tokens"] > 0 and data["speculative"]["tokens"] > 0
     assert data["sweep"] == []
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def test_busy_neighbours_burn_a_core_each_and_stop_with_the_block():
+    import time
+
+    from trtspec.bench.neighbour import busy_neighbours
+
+    with busy_neighbours(2) as procs:
+        before = [_cpu_ticks(p.pid) for p in procs]
+        time.sleep(0.5)
+        assert all(p.poll() is None for p in procs)
+        assert all(_cpu_ticks(p.pid) > t for p, t in zip(procs, before))  # each is running, not waiting
+    assert all(p.returncode is not None for p in procs)
+
+
+def test_cli_bench_neighbour_runs_beside_busy_processes_and_says_so(spec_file, tmp_path):
+    r = runner.invoke(
+        app, ["bench", str(spec_file), "--sweep", "none", "-c", "1", "--neighbour", "1", "--json", "--out", str(tmp_path)]
+    )
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "bench.json").read_text())["machine"].endswith("; 1 busy neighbour process")
+    r = runner.invoke(app, ["bench", str(spec_file), "--neighbour", "-1"])
+    assert r.exit_code == 2

@@ -88,6 +88,13 @@ def test_the_pool_is_resized_only_when_the_count_changes():
     assert len(m.applied) <= 5
 
 
+def test_one_core_means_one_thread_and_nothing_to_probe():
+    m = Machine()
+    gov = make(m, most=1)
+    assert [m.run(gov, gap=1.0) for _ in range(40)] == [1] * 40
+    assert m.applied == [1]
+
+
 def test_candidate_counts():
     assert threads.candidates(1) == [1]
     assert threads.candidates(2) == [2, 1]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from trtspec import console, machine
 from trtspec.bench import measure as m
+from trtspec.bench.neighbour import busy_neighbours
 from trtspec.errors import RequestError
 from trtspec.spec import LoadedSpec
 from trtspec.speculative.llmapi import DOUBLE, TENSORRT_LLM
@@ -45,6 +46,7 @@ class BenchOptions:
     method_prompts: list[tuple[str, list[str]]] = field(default_factory=list)
     draft_from: LoadedSpec | None = None  # the source of a method that is not the spec's own
     schedule: bool = False  # also the k x concurrency grid and a recommended schedule (in process)
+    neighbours: int = 0  # busy processes beside the measurement, one core each (bench/neighbour.py)
 
 
 def run(
@@ -84,7 +86,10 @@ def run(
         sweeper = m.InProcessBench(dep, use_schedule=False)
         first = opts.prompts[0]
         measure_costs, mode = (lambda k: m.measure_engine_costs(dep, first, k)), "in-process"
-    report = m.BenchReport(loaded.spec.name, mode, machine.description(), len(opts.prompts), opts.max_tokens, opts.k)
+    described = machine.description()
+    if opts.neighbours:
+        described += f"; {opts.neighbours} busy neighbour process{'es' if opts.neighbours > 1 else ''}"
+    report = m.BenchReport(loaded.spec.name, mode, described, len(opts.prompts), opts.max_tokens, opts.k)
     report.max_batch_size = loaded.spec.build.max_batch_size
     methods = None
     if opts.methods:
@@ -92,20 +97,21 @@ def run(
 
         methods = method_set(dep, opts.methods, opts.k, opts.draft_from)
     try:
-        m.run_bench(
-            backend,
-            report,
-            opts.prompts,
-            opts.sweep,
-            opts.concurrency,
-            measure_costs,
-            progress=progress,
-            rounds=opts.rounds,
-            sweep_backend=None if opts.url else sweeper,
-            grid=opts.schedule,
-        )
-        if methods is not None:
-            _compare(dep, methods, opts, report, progress)
+        with busy_neighbours(opts.neighbours):
+            m.run_bench(
+                backend,
+                report,
+                opts.prompts,
+                opts.sweep,
+                opts.concurrency,
+                measure_costs,
+                progress=progress,
+                rounds=opts.rounds,
+                sweep_backend=None if opts.url else sweeper,
+                grid=opts.schedule,
+            )
+            if methods is not None:
+                _compare(dep, methods, opts, report, progress)
     except KeyboardInterrupt:
         return report, True
     return report, False

@@ -81,6 +81,14 @@ def bench(
             "recommend a load-aware schedule (speculative.schedule; TensorRT-LLM and vLLM shapes too).",
         ),
     ] = False,
+    neighbour: Annotated[
+        int,
+        typer.Option(
+            "--neighbour",
+            min=0,
+            help="Measure beside N busy processes (one core each), as on a shared machine; the machine line says so.",
+        ),
+    ] = 0,
     out: Annotated[
         Path | None, typer.Option("--out", help="Folder for bench.json and plots (default bench/results/<name>).")
     ] = None,
@@ -101,6 +109,7 @@ def bench(
     Examples:
       trtspec bench engine_specs/smollm2-135m-cpu.yaml
       trtspec bench engine_specs/smollm2-135m-cpu.yaml --url 127.0.0.1:8001 -c 1,4
+      trtspec bench engine_specs/smollm2-135m-cpu.yaml --sweep none -c 1 --neighbour 1
       trtspec bench engine_specs/smollm2-135m-eagle3.yaml --methods eagle3,draft_target,ngram \\
         --draft-from engine_specs/smollm2-135m-cpu.yaml
       trtspec bench engine_specs/smollm2-135m-cpu-suffix.yaml --methods suffix,ngram --sweep none -c 1 \\
@@ -127,6 +136,7 @@ def bench(
         draft_from=load_spec(draft_from) if draft_from else None,
         llmapi_impl=llmapi_impl,
         schedule=schedule,
+        neighbours=neighbour,
     )
     with console.err.status("benchmarking") as status:
         report, interrupted = run.run(
