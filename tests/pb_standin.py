@@ -23,7 +23,11 @@ import numpy as np
 FINAL = 1
 CLOSED = "Unable to send response. Response sender has been closed."
 NAMES = ["triton_python_backend_utils", "trtspec.triton.backend.models", "trtspec.triton.backend.models.pb"]
-MODELS = ["trtspec.triton.backend.models.orchestrator", "trtspec.triton.backend.models.llmapi_model"]
+MODELS = [
+    "trtspec.triton.backend.models.orchestrator",
+    "trtspec.triton.backend.models.llmapi_model",
+    "trtspec.triton.backend.models.engine_model",
+]
 
 
 class Tensor:
@@ -91,8 +95,15 @@ class ResponseSender:
 class Request:
     """An InferenceRequest as a model's execute() gets it; ``unreadable``: inputs() raises."""
 
-    def __init__(self, inputs: dict, request_id: str = "", unreadable: bool = False, sender: ResponseSender | None = None):
-        self._inputs, self._id, self.unreadable = inputs, request_id, unreadable
+    def __init__(
+        self,
+        inputs: dict,
+        request_id: str = "",
+        unreadable: bool = False,
+        sender: ResponseSender | None = None,
+        parameters: str = "{}",
+    ):
+        self._inputs, self._id, self.unreadable, self._parameters = inputs, request_id, unreadable, parameters
         self.sender = sender or ResponseSender()
         self.cancelled = False
 
@@ -112,6 +123,20 @@ class Request:
 
     def request_id(self) -> str:
         return self._id
+
+    def parameters(self) -> str:
+        """The request's parameters as python_backend gives them: a JSON string."""
+        return self._parameters
+
+
+class InferenceRequest:
+    """A BLS request as a model builds it; ``made`` keeps every one (the test reads them)."""
+
+    made: list[InferenceRequest] = []
+
+    def __init__(self, model_name, requested_output_names, inputs, timeout=0, parameters=None):
+        self.model_name, self.inputs, self.parameters = model_name, inputs, parameters
+        InferenceRequest.made.append(self)
 
 
 class Logger:
@@ -137,6 +162,7 @@ class Logger:
 def module() -> types.ModuleType:
     pb = types.ModuleType("triton_python_backend_utils")
     pb.Tensor, pb.TritonError, pb.InferenceResponse, pb.Logger = Tensor, TritonError, InferenceResponse, Logger
+    pb.InferenceRequest = InferenceRequest
     pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
     return pb
 
@@ -147,6 +173,7 @@ def install(monkeypatch) -> types.ModuleType:
         monkeypatch.delitem(sys.modules, name, raising=False)
     pb = module()
     Logger.lines = []
+    InferenceRequest.made = []
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb)
     monkeypatch.setenv("GOMP_SPINCOUNT", "10000")  # models/__init__ would set it for the stub
     return pb

@@ -8,6 +8,7 @@ raising metrics observer fails nobody, and stored errors do not pin request arra
 from __future__ import annotations
 
 import gc
+import json
 import threading
 import time
 import types
@@ -210,3 +211,49 @@ def test_an_engine_model_checks_sizes_before_it_converts_any_row():
     bad = {"input_ids": np.array([[1, 2, 40]], np.int32), "input_lengths": np.array([[3]], np.int32)}
     (answer,) = core.infer([bad | {"request_output_len": np.array([[1]], np.int32)}])
     assert isinstance(answer, RequestError) and "token id 40 is outside the vocabulary (0..31)" in str(answer)
+
+
+def test_the_caller_key_is_one_per_server_private_and_checked(tmp_path):
+    from trtspec.triton.backend import callers
+
+    key = callers.server_key(4242, tmp_path)
+    assert key and callers.server_key(4242, tmp_path) == key  # every stub of the server reads the same
+    assert callers.server_key(4243, tmp_path) != key  # another server, another key
+    assert (callers.key_path(4242, tmp_path).stat().st_mode & 0o777) == 0o600
+    assert callers.from_inside(f'{{"{callers.CALLER_PARAMETER}": "{key}"}}', key)
+    for given in ("{}", '{"trtspec_caller": "guess"}', '{"trtspec_caller": 1}', "not json", None):
+        assert not callers.from_inside(given, key)
+    assert callers.from_inside("{}", None)  # no key could be made: as before, every caller
+    assert callers.server_key(1, tmp_path / "missing") is None
+
+
+def test_an_engine_model_answers_only_its_repositorys_bls_models(pb, tmp_path):
+    """A direct call to an engine model is refused by name before its inputs are read (it
+    would take KV-cache slots and queue places from the speculative endpoints' sequences);
+    the endpoints' BLS requests carry the server's caller key and are served."""
+    from trtspec.triton.backend import callers
+    from trtspec.triton.backend.models import pb as models_pb
+    from trtspec.triton.backend.models.engine_model import TritonPythonModel
+
+    key = callers.server_key(777, tmp_path)
+    served = []
+
+    class Core:
+        def infer(self, inputs):
+            served.extend(inputs)
+            return [{"output_ids": np.zeros((1, 1, 1), np.int32)} for _ in inputs]
+
+    model = object.__new__(TritonPythonModel)
+    model.core, model.key, model.name = Core(), key, "tensorrt_llm"
+    models_pb._request("tensorrt_llm", {"input_ids": np.zeros((1, 2), np.int32)}, ["output_ids"], 0, key)
+    (bls,) = pb.InferenceRequest.made
+    assert bls.parameters == {callers.CALLER_PARAMETER: key}
+    inside = pb_standin.Request({"input_ids": np.ones((1, 2), np.int32)}, parameters=json.dumps(bls.parameters))
+    outside = pb_standin.Request({"input_ids": np.ones((1, 2), np.int32)}, unreadable=True)  # never read
+    guessed = pb_standin.Request({}, unreadable=True, parameters='{"trtspec_caller": "0123"}')
+    answers = model.execute([outside, inside, guessed])
+    assert len(served) == 1 and served[0]["input_ids"].sum() == 2
+    assert not answers[1].has_error()
+    for refused in (answers[0], answers[2]):
+        assert refused.has_error() and refused.error().code == "INVALID_ARG"
+        assert "tensorrt_llm is internal to this model repository" in refused.error().message()

@@ -773,6 +773,29 @@ def test_a_real_server_keeps_streaming_through_hostile_requests(hostile_server):
     again = _GrpcStream(url, PROMPTS[1], 10).read(lambda s: False)
     again.close()
     assert again.error is None and again.tokens == _target_only(dep, PROMPTS[1], 10)
+    _a_direct_engine_call_is_refused(url, dep)
+
+
+def _a_direct_engine_call_is_refused(url: str, dep) -> None:
+    """The engine models answer only the repository's own BLS models (callers.py): a client
+    calling one directly, with or without a guessed key, is refused by name."""
+    import tritonclient.grpc as grpcclient
+
+    from trtspec.layout import ENGINE_MODELS
+
+    ids = np.array([dep.encode(PROMPTS[0])], dtype=np.int32)
+    for params in (None, {"trtspec_caller": "0" * 32}):
+        inputs = []
+        for name, arr in (
+            ("input_ids", ids),
+            ("input_lengths", np.array([[ids.shape[1]]], np.int32)),
+            ("request_output_len", np.array([[4]], np.int32)),
+        ):
+            tensor = grpcclient.InferInput(name, list(arr.shape), "INT32")
+            tensor.set_data_from_numpy(arr)
+            inputs.append(tensor)
+        with pytest.raises(Exception, match="is internal to this model repository"):
+            grpcclient.InferenceServerClient(url).infer(ENGINE_MODELS["target"], inputs, parameters=params)
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the dying worker re-raises

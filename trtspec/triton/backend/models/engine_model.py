@@ -13,7 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from trtspec.engines.torch.engine import TorchEngine
+from trtspec.errors import RequestError
 from trtspec.speculative.requests import Limits
+from trtspec.triton.backend import callers, log
 from trtspec.triton.backend.engine_core import EngineCore
 from trtspec.triton.backend.models import pb
 
@@ -36,7 +38,19 @@ class TritonPythonModel:
             self.engine.capture_features(tuple(int(x) for x in params["capture_layers"].split(",")))
             features_of = self.engine.features_of
         self.core = EngineCore(self.engine.run, limits, vocab_limit, exclude, features_of, lambda: self.engine.last_use)
+        self.name = args["model_name"]
+        self.key = callers.server_key()  # only the repository's own BLS models may call (callers.py)
+        if self.key is None:
+            log.warn(f"{self.name}: no caller key could be made in /dev/shm; this engine model answers every caller")
 
     def execute(self, requests):
-        answers = self.core.infer([pb.inputs_of(r) for r in requests])
-        return [pb.error_response(a) if isinstance(a, Exception) else pb.response(a) for a in answers]
+        """One batched engine run for the requests of this repository's endpoints; any other
+        caller is refused by name before its inputs are read (callers.py says why)."""
+        inside = [pb.from_inside(r, self.key) for r in requests]
+        answers = iter(self.core.infer([pb.inputs_of(r) for r, ok in zip(requests, inside) if ok]))
+        outside = RequestError(callers.outside_error(self.name))
+        out = []
+        for ok in inside:
+            a = next(answers) if ok else outside
+            out.append(pb.error_response(a) if isinstance(a, Exception) else pb.response(a))
+        return out

@@ -19,7 +19,7 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from trtspec.speculative.requests import end_token_ids
-from trtspec.triton.backend import log
+from trtspec.triton.backend import callers, log
 from trtspec.triton.backend.bls import ENGINE_TIMEOUT_S, split_rows, with_timeout
 from trtspec.triton.backend.metrics import EndpointMetrics, TritonSink
 from trtspec.triton.backend.models import pb
@@ -48,7 +48,9 @@ class TritonPythonModel:
         if settings.mode == "speculative":
             timeout_s = ENGINE_TIMEOUT_S if params.engine_timeout_s is None else params.engine_timeout_s
         us = int(timeout_s * 1e6)
-        call = functools.partial(pb.bls_call, timeout_us=us)
+        # trtspec's torch engine models answer only this repository's BLS models (callers.py)
+        key = callers.server_key() if params.engine_margins else None
+        call = functools.partial(pb.bls_call, timeout_us=us, key=key)
         if params.engine_requests == "per_row":
             call = split_rows(functools.partial(pb.bls_call_many, timeout_us=us))
         self.calls = None

@@ -9,7 +9,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from trtspec.errors import RequestError
-from trtspec.triton.backend import log
+from trtspec.triton.backend import callers, log
+from trtspec.triton.backend.callers import CALLER_PARAMETER
 
 
 def parameters(args: Mapping[str, str]) -> dict[str, str]:
@@ -84,15 +85,29 @@ def guarded(request, take: Callable[[], None]) -> None:
             log.error(f"its error answer could not be sent either: {type(refused).__name__}: {refused}", rid)
 
 
-def _request(model: str, inputs: Mapping[str, np.ndarray], output_names, timeout_us: int = 0):
+def _request(model: str, inputs: Mapping[str, np.ndarray], output_names, timeout_us: int = 0, key: str | None = None):
     # timeout: microseconds (python_backend's InferenceRequest; 0 = none); Triton answers a
-    # request still queued at the engine model past it with an error.
+    # request still queued at the engine model past it with an error. key: this server's
+    # caller key, which torch engine models ask of every request (callers.py).
+    extra = {} if key is None else {"parameters": {CALLER_PARAMETER: key}}
     return pb_utils.InferenceRequest(
         model_name=model,
         requested_output_names=list(output_names),
         inputs=[pb_utils.Tensor(k, np.ascontiguousarray(v)) for k, v in inputs.items()],
         timeout=int(timeout_us),
+        **extra,
     )
+
+
+def from_inside(request, key: str | None) -> bool:
+    """The request came from this repository's own BLS models (callers.py)."""
+    if key is None:
+        return True
+    try:
+        parameters = request.parameters()
+    except Exception:
+        return False
+    return callers.from_inside(parameters, key)
 
 
 def _outputs(model: str, reply, output_names) -> dict[str, np.ndarray]:
@@ -108,9 +123,11 @@ def _outputs(model: str, reply, output_names) -> dict[str, np.ndarray]:
     return out
 
 
-def bls_call(model: str, inputs: Mapping[str, np.ndarray], output_names, timeout_us: int = 0) -> dict[str, np.ndarray]:
+def bls_call(
+    model: str, inputs: Mapping[str, np.ndarray], output_names, timeout_us: int = 0, key: str | None = None
+) -> dict[str, np.ndarray]:
     """One synchronous BLS request to another model of this server."""
-    return _outputs(model, _request(model, inputs, output_names, timeout_us).exec(), output_names)
+    return _outputs(model, _request(model, inputs, output_names, timeout_us, key).exec(), output_names)
 
 
 def bls_call_many(model: str, requests, output_names, timeout_us: int = 0) -> list[dict[str, np.ndarray]]:
