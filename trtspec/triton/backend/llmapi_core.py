@@ -37,6 +37,7 @@ from trtspec.errors import RequestError
 from trtspec.speculative.llmapi import acceptance, greedy_params
 from trtspec.speculative.loop import GenerationResult
 from trtspec.speculative.metrics import SpecMetrics
+from trtspec.triton.backend import log
 from trtspec.triton.backend.orchestrator_core import Orchestrator, OrchestratorSettings, stop_words
 from trtspec.triton.backend.responses import Row, TextStream, row_tensors
 from trtspec.triton.backend.scheduler import Unavailable, deliver
@@ -145,8 +146,8 @@ class LlmapiEndpoint:
             if not ended:  # cancelled, failed or a send raised: the generation must not run on
                 try:
                     result.abort()
-                except Exception:
-                    pass
+                except Exception as err:  # the stream ends anyway; the LLM may run it to its end
+                    log.warn(f"aborting an ended stream's generation raised {type(err).__name__}: {err}")
 
     def _answer_step(self, step, rows: list[Row], text: TextStream, send: StreamSend) -> bool:
         """Send one streamed step; True once the final response went out."""
