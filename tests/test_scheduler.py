@@ -16,19 +16,27 @@ from trtspec.triton.backend.scheduler import Cancelled, Scheduler, Unavailable
 
 
 class ListReply:
-    """Records what the scheduler answers; ``cancel()`` plays a client that gives up."""
+    """Records what the scheduler answers; ``cancel()`` plays a client that gives up. Like
+    Triton's Python backend's response sender, it refuses anything after a final answer
+    (counted in ``refused``: the tests check nothing was answered twice)."""
 
     def __init__(self):
         self.sent: list[tuple[dict, bool]] = []
         self.error: Exception | None = None
         self._cancelled = False
+        self.refused = 0
+
+    def _open(self):
+        if self.finished:
+            self.refused += 1
+            raise RuntimeError("Unable to send response. Response sender has been closed.")
 
     def send(self, tensors, final):
-        assert not self.finished, "a response after the final one"
+        self._open()
         self.sent.append((tensors, final))
 
     def fail(self, err):
-        assert not self.finished, "an error after the final response"
+        self._open()
         self.error = err
 
     def cancelled(self):
@@ -43,6 +51,7 @@ class ListReply:
 
     def ids(self) -> list[int]:
         assert self.error is None, self.error
+        assert self.refused == 0, "answered after its final response"
         if len(self.sent) == 1:  # unary: one answer with the whole output
             out = self.sent[0][0]
             return out["output_ids"][0, : out["sequence_length"][0, 0]].tolist()
