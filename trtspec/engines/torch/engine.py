@@ -246,7 +246,10 @@ class TorchEngine:
         # forwards: fewer threads while a neighbour holds a core (threads.py).
         shape = (id(self), len(items), step.tokens.shape[1].bit_length(), step.span.bit_length())
         with threads.governor().forward(shape) if self.device.type == "cpu" else contextlib.nullcontext():
-            hidden = self.model.hidden_states(step, self.cos, self.sin, self.cache, self.capture, captured)  # [b, q, hidden]
+            if self.capture:
+                hidden = self.model.hidden_states(step, self.cos, self.sin, self.cache, self.capture, captured)
+            else:
+                hidden = self.model.hidden_states(step, self.cos, self.sin, self.cache)  # [b, q, hidden]
             # Every row's positions that need logits go through the LM head in ONE call: the
             # head (vocab x hidden, the largest weight) is then read once a step, not once per row.
             wanted = [

@@ -12,6 +12,7 @@ Supported ``model_type``: llama, mistral, qwen2 (biases are picked up from the c
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -81,9 +82,17 @@ def _default_rope(hf_config, device):
     return inv, 1.0
 
 
+@functools.cache
+def _half_signs(dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[-1] * (dim/2) + [1] * (dim/2): rotate_half's signs (a plain tensor, usable under autograd)."""
+    with torch.inference_mode(False):
+        return torch.cat((-torch.ones(dim // 2), torch.ones(dim - dim // 2))).to(dtype=dtype, device=device)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    """cat(-x2, x1) over the last dimension's halves, as a roll and one multiply (bitwise the same:
+    negating is exact): 2 ops instead of 5 with their views, 60 times a SmolLM2 decode step."""
+    return x.roll(x.shape[-1] // 2, -1) * _half_signs(x.shape[-1], x.dtype, x.device)
 
 
 class RMSNorm(nn.Module):
@@ -145,6 +154,29 @@ class StepInputs:
                 row_i += [r] * n
                 tok_i += range(n)
             self.writes = tuple(torch.tensor(x, dtype=torch.long) for x in (slot_i, pos_i, row_i, tok_i))
+
+
+class DenseLinear(nn.Linear):
+    """nn.Linear run by its own kernel, called directly: ``mm`` (``addmm`` with a bias) on the
+    flattened input and the transposed weight, which is what F.linear runs for these shapes, so
+    the result is bitwise the same; F.linear on a [b, q, in] input gets there through linear ->
+    t -> matmul -> view -> mm, and a SmolLM2 decode step makes 121 such calls."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)  # [rows, in]
+        wt = self.weight.t()
+        out = torch.mm(flat, wt) if self.bias is None else torch.addmm(self.bias, flat, wt)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def _dense(linear: nn.Linear) -> DenseLinear:
+    """The same parameters as a DenseLinear (no copy)."""
+    with torch.device("meta"):
+        dense = DenseLinear(linear.in_features, linear.out_features, bias=linear.bias is not None, dtype=linear.weight.dtype)
+    dense.weight = linear.weight
+    if linear.bias is not None:
+        dense.bias = linear.bias
+    return dense
 
 
 def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
@@ -322,6 +354,10 @@ class DecoderLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+        for module in list(self.modules()):
+            for name, child in list(module.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(module, name, _dense(child))
 
     def pack_linears_for_onednn(self, head_only: bool = False) -> bool:
         """Re-lay every float32 or bfloat16 Linear's weight (``head_only``: the LM head's) in
