@@ -161,8 +161,12 @@ def test_a_final_that_cannot_be_sent_is_logged_and_counted_never_answered_twice(
     """The sender closes before it writes a final response, so when that write raises
     nothing else can reach the client: the request is not answered a second time (no
     error after it), it is counted unsent (not a cancel), and the log names its request id."""
+    from trtspec.triton.backend.metrics import EndpointMetrics, MemorySink
+
     dep = built()
-    scheduler = Scheduler(_orchestrator(dep, decoupled=True), max_active=4, max_queue=8)
+    orch, sink = _orchestrator(dep, decoupled=True), MemorySink()
+    orch.metrics = EndpointMetrics(sink, "m", "speculative", "m_0", dep.spec.speculative.max_draft_len)
+    scheduler = Scheduler(orch, max_active=4, max_queue=8, observe=orch.observe_step)
     broken, kept = Recorder(send_raises="final"), Recorder()
     scheduler.submit(_request(PROMPTS[0], max_tokens=20, stream=stream), broken)
     scheduler.submit(_request(PROMPTS[2], max_tokens=20, stream=True), kept)
@@ -172,6 +176,7 @@ def test_a_final_that_cannot_be_sent_is_logged_and_counted_never_answered_twice(
             seen.append(scheduler.step())
     assert broken.answers == 0 and broken.refused == 0  # nothing sent after the final that raised
     assert sum(s.unsent for s in seen) == 1
+    assert sink.value("trtspec_responses_unsent_total", model="m", mode="speculative", instance="m_0").value == 1
     assert sum(s.failed for s in seen) == 0 and sum(s.cancelled for s in seen) == 0
     assert any("final response could not be sent" in r.message and broken.request_id() in r.message for r in caplog.records)
     assert kept.answers == 1 and kept.ids() == _target_only(dep, PROMPTS[2], 20)

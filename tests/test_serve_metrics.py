@@ -119,9 +119,9 @@ def test_triton_sink_makes_one_family_per_name_and_buckets_only_for_histograms()
     sink = TritonSink(_FakePb)
     EndpointMetrics(sink, "m", "speculative", "m_0", 2)
     names = [f.name for f in _FakePb.MetricFamily.made]
-    assert len(names) == len(set(names)) == 8
+    assert len(names) == len(set(names)) == 9
     assert {f.kind for f in _FakePb.MetricFamily.made if f.name == "trtspec_acceptance_length"} == {"histogram"}
-    assert len(sink.metrics) == 12  # 5 finish reasons share one family
+    assert len(sink.metrics) == 13  # 5 finish reasons share one family
     sink.close()
     assert not sink.metrics and not sink.families
 

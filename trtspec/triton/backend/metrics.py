@@ -15,6 +15,9 @@ Definitions (one "step" = one target forward of one sequence, as in speculative/
                                         max_tokens truncation)
   trtspec_requests_finished_total       counter, label ``reason``: sequences that ended, by why
                                         (length | eos | stop | cancelled | error)
+  trtspec_responses_unsent_total        counter: requests whose final response raised as it was sent;
+                                        the sender closes before writing it, so those clients got no
+                                        answer (each is in Triton's log with its request id)
   trtspec_active_sequences              gauge: sequences in the loop (in the last step)
   trtspec_queue_depth                   gauge: requests this instance holds but has not started
   trtspec_draft_length                  gauge: the draft length k the last step's requests ask for (num_draft_tokens)
@@ -107,6 +110,9 @@ class EndpointMetrics:
             )
             for reason in FINISH_REASONS
         }
+        self.unsent = sink.counter(
+            PREFIX + "responses_unsent_total", "Requests whose final response could not be sent (see the log).", labels
+        )
         self.active = sink.gauge(PREFIX + "active_sequences", "Sequences in the decoding loop.", labels)
         self.queued = sink.gauge(PREFIX + "queue_depth", "Requests held by this instance, not started yet.", labels)
         self.k = sink.gauge(PREFIX + "draft_length", "Draft length k the last step asked for.", labels)

@@ -486,6 +486,8 @@ class Orchestrator:
         self.metrics.sources(self.sources)
         for reason, tokens in stats.ended:
             self.metrics.finished(reason, tokens)  # None (failed) counts as error
+        if stats.unsent:
+            self.metrics.unsent.increment(stats.unsent)
 
     def _report_finished(self, results: Sequence[GenerationResult | None]) -> None:
         """Every row has ended (None: failed): count them by reason; nothing is active now."""
