@@ -122,7 +122,33 @@ def test_exactly_one_source(tmp_path):
 
 def test_torch_backend_rejects_trtllm_options(tmp_path):
     msg = _error(tmp_path, _with(target__tp_size=2))
-    assert "target: tp_size, pp_size and quantization are TensorRT-LLM options" in msg
+    assert "target: tp_size and pp_size are TensorRT-LLM options" in msg
+
+
+@pytest.mark.parametrize("value", ["int8_wo", "int4_wo"])
+def test_torch_backend_takes_weight_only_quantization(tmp_path, value):
+    spec = load_spec(_write(tmp_path, _with(draft__quantization=value, target__quantization=value))).spec
+    assert spec.draft.quantization == value and spec.target.quantization == value
+
+
+@pytest.mark.parametrize("value", ["fp8", "int4_awq"])
+def test_torch_backend_refuses_trtllm_quantizations(tmp_path, value):
+    msg = _error(tmp_path, _with(draft__quantization=value))
+    assert (
+        f"draft.quantization: {value} is a TensorRT-LLM quantization; the torch backend runs none, int8_wo, int4_wo "
+        "(or set backend: trtllm)"
+    ) in msg
+
+
+def test_quantized_torch_engine_needs_the_cpu(tmp_path):
+    msg = _error(tmp_path, _with(device="cuda", draft__quantization="int4_wo"))
+    assert "draft.quantization: int4_wo runs PyTorch's CPU weight-only kernels; set device: cpu (not cuda)" in msg
+
+
+def test_eagle3_head_is_not_quantized(tmp_path):
+    data = _with(speculative__method="eagle3", draft__quantization="int8_wo")
+    msg = _error(tmp_path, data)
+    assert "draft.quantization: the torch backend runs an EAGLE-3 head as trained; remove quantization" in msg
 
 
 def test_bad_name(tmp_path):

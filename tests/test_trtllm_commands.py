@@ -79,6 +79,24 @@ def test_scripts_are_the_family_converters_and_quantize(tmp_path):
     assert qwen[1] == "/opt/trtllm/examples/models/core/qwen/convert_checkpoint.py"
 
 
+def test_int4_weight_only_is_the_converters_int4_precision(tmp_path):
+    """int4_wo means TensorRT-LLM's W4A16 (--weight_only_precision int4), for llama and qwen."""
+    data = (SPECS / "trtllm-fp8.yaml").read_text().replace("quantization: int8_wo", "quantization: int4_wo")
+    (tmp_path / "specs").mkdir()
+    path = tmp_path / "specs" / "int4.yaml"
+    path.write_text(data.replace("path: ../", f"path: {SPECS.parent}/"))
+    loaded = load_spec(path)
+    folders = {role: trtllm_build._config_folder(loaded, role) for role in loaded.spec.models()}
+    configs = {role: trtllm_build._read_config(role, f, False) for role, f in folders.items()}
+    plan = trtllm_build.make_plan(loaded, tmp_path / "out", False, folders, configs, python="python3", examples="/x")
+    cmds = {c.step: c for c in plan.commands}
+    draft = cmds["convert draft checkpoint (int4 weight-only)"]
+    flags = dict(draft.flags())
+    assert "--use_weight_only" in flags and flags["--weight_only_precision"] == "int4"
+    for family in ("llama", "qwen"):
+        assert "int4" in FLAGS["convert_checkpoint"][family]["flags"]["--weight_only_precision"]["choices"]
+
+
 def test_target_control_and_draft_flags(tmp_path):
     by_step = {c.step.split(" (")[0]: dict(c.flags()) for c in plan_for("trtllm-1gpu", tmp_path).commands}
     target, control, draft = (by_step[f"build {k} engine"] for k in ("target", "control", "draft"))

@@ -34,6 +34,7 @@ class Checkpoint:
     weight_files: list[Path]
     pickle_weights: bool
     source_weights: dict[str, FileRecord]  # what the user pointed at (GGUF or weights)
+    gguf: Path | None = None  # the GGUF file the weights were de-quantized from, if any
 
     def hf_config(self):
         from transformers import AutoConfig
@@ -93,7 +94,7 @@ def resolve(loaded: LoadedSpec, role: str, allow_pickle: bool = False) -> Checkp
         record = file_record(gguf)
         converted = _convert_gguf(role, folder, model.gguf_file, record.sha256)
         weights = sorted(converted.glob("*.safetensors"))
-        return Checkpoint(role, model, converted, weights, False, {model.gguf_file: record})
+        return Checkpoint(role, model, converted, weights, False, {model.gguf_file: record}, gguf)
     if not (folder / "config.json").is_file():
         raise CheckpointError(
             f"{role}: {folder} has no config.json; it is not a Hugging Face checkpoint (for a GGUF file set gguf_file)"

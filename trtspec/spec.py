@@ -23,8 +23,11 @@ from trtspec.files import read_text_file
 Dtype = Literal["float32", "float16", "bfloat16"]
 Backend = Literal["torch", "trtllm"]
 Method = Literal["draft_target", "eagle3", "ngram", "suffix"]
-Quantization = Literal["none", "fp8", "int4_awq", "int8_wo"]
+# TensorRT-LLM's quantization names; each backend gives a value its own meaning (docs/trtllm.md,
+# docs/quantization.md). int8_wo / int4_wo: weights in 8 / 4 bits, activations in the dtype.
+Quantization = Literal["none", "fp8", "int4_awq", "int8_wo", "int4_wo"]
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
+TORCH_QUANTIZATIONS = ("none", "int8_wo", "int4_wo")  # the torch backend's weight-only kernels
 
 MAX_DRAFT_LEN_LIMIT = 16
 _UNPINNED_REVISIONS = {"main", "master", "head", "latest"}
@@ -329,11 +332,25 @@ class EngineSpec(_Strict):
             )
         for role, model in self.models().items():
             if self.backend == "torch":
-                if model.tp_size != 1 or model.pp_size != 1 or model.quantization != "none":
+                if model.tp_size != 1 or model.pp_size != 1:
                     raise ValueError(
-                        f"{role}: tp_size, pp_size and quantization are TensorRT-LLM options; "
-                        "the torch backend needs tp_size 1, pp_size 1, quantization none "
-                        "(or set backend: trtllm)"
+                        f"{role}: tp_size and pp_size are TensorRT-LLM options; the torch backend "
+                        "needs tp_size 1 and pp_size 1 (or set backend: trtllm)"
+                    )
+                if model.quantization not in TORCH_QUANTIZATIONS:
+                    raise ValueError(
+                        f"{role}.quantization: {model.quantization} is a TensorRT-LLM quantization; "
+                        f"the torch backend runs {', '.join(TORCH_QUANTIZATIONS)} (or set backend: trtllm)"
+                    )
+                if model.quantization != "none" and role == "draft" and method == "eagle3":
+                    raise ValueError(
+                        "draft.quantization: the torch backend runs an EAGLE-3 head as trained; "
+                        "remove quantization (the target may be quantized)"
+                    )
+                if model.quantization != "none" and self.device != "cpu":
+                    raise ValueError(
+                        f"{role}.quantization: {model.quantization} runs PyTorch's CPU weight-only "
+                        f"kernels; set device: cpu (not {self.device}) or quantization: none"
                     )
                 if model.gpu_device_ids is not None:
                     raise ValueError(f"{role}: gpu_device_ids only applies to backend: trtllm")

@@ -282,6 +282,7 @@ def finish_engine(
         backend=backend,
         spec_hash=spec.build_hash(role),
         dtype=model.dtype,
+        quantization=model.quantization,
         max_draft_len=max_draft_len,
         limits=spec.limits(role).model_dump(),
         model_type=cfg.model_type,
@@ -299,8 +300,12 @@ def finish_engine(
     return manifest
 
 
-def finish_torch_engine(loaded: LoadedSpec, ckpt: Checkpoint, role: str, tmp: Path, folder: Path, state: dict, **extra) -> None:
-    """finish_engine for a torch engine folder whose weights are ``state`` (a state dict)."""
+def finish_torch_engine(
+    loaded: LoadedSpec, ckpt: Checkpoint, role: str, tmp: Path, folder: Path, state: dict, parameters: int | None = None, **extra
+) -> None:
+    """finish_engine for a torch engine folder whose weights are ``state`` (a state dict);
+    ``parameters``: the model's count where the state's tensors are not one number a weight
+    (quantized codes)."""
     finish_engine(
         loaded,
         ckpt,
@@ -308,7 +313,7 @@ def finish_torch_engine(loaded: LoadedSpec, ckpt: Checkpoint, role: str, tmp: Pa
         tmp,
         folder,
         backend="torch",
-        parameters=sum(t.numel() for t in state.values()),
+        parameters=parameters if parameters is not None else sum(t.numel() for t in state.values()),
         versions=versions(),
         max_draft_len=loaded.spec.speculative.max_draft_len,
         **extra,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trtspec.checkpoints import estimate_memory, parameter_count
+from trtspec.checkpoints import DTYPE_BYTES, estimate_memory, parameter_count
 from trtspec.engines.build import _llmapi, backend_for, resolve_pair
 from trtspec.spec import LoadedSpec
 
@@ -29,14 +29,16 @@ class CheckReport:
         for col in ("role", "source", "architecture", "parameters", "vocab", "dtype", "est. memory"):
             table.add_column(col)
         for r in self.models:
+            saved = r.get("quantization_saves_bytes")
             table.add_row(
                 r["role"],
                 r["source"],
                 r["architecture"],
                 f"{r['parameters'] / 1e6:.1f}M",
                 f"{r['vocab']} (rows {r['embedding_rows']})",
-                r["dtype"],
-                f"{r['estimated_memory_bytes'] / 2**30:.2f} GiB",
+                r["dtype"] + (f" + {r['quantization']}" if r["quantization"] != "none" else ""),
+                f"{r['estimated_memory_bytes'] / 2**30:.2f} GiB"
+                + (f" ({r['quantization']} saves {saved / 2**20:.0f} MiB)" if saved is not None else ""),
             )
         out.print(table)
         out.print(
@@ -70,6 +72,14 @@ def check(loaded: LoadedSpec, allow_pickle: bool = False) -> CheckReport:
             backend.check_model(loaded, role, cfg)
         lim = spec.limits(role)
         params = parameter_count(ckpt.weight_files)
+        memory = estimate_memory(params, ckpt.model.dtype, cfg, lim.max_batch_size, lim.max_seq_len)
+        quantization = ckpt.model.quantization
+        saved = None
+        if spec.backend == "torch" and quantization != "none":  # TensorRT-LLM sizes its own
+            from trtspec.engines.torch.quant import bytes_saved
+
+            saved = bytes_saved(cfg, quantization, DTYPE_BYTES[ckpt.model.dtype])
+            memory -= saved
         report.models.append(
             {
                 "role": role,
@@ -83,7 +93,9 @@ def check(loaded: LoadedSpec, allow_pickle: bool = False) -> CheckReport:
                 else len(ckpt.tokenizer()),
                 "embedding_rows": cfg.vocab_size,
                 "dtype": ckpt.model.dtype,
-                "estimated_memory_bytes": estimate_memory(params, ckpt.model.dtype, cfg, lim.max_batch_size, lim.max_seq_len),
+                "quantization": quantization,
+                "estimated_memory_bytes": memory,  # weights (as the engine stores them) + a full KV cache
+                **({"quantization_saves_bytes": saved} if saved is not None else {}),
             }
         )
     return report

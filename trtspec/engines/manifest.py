@@ -48,6 +48,7 @@ class Manifest(BuildRecord):
     backend: str
     spec_hash: str
     dtype: str
+    quantization: str = "none"  # the spec's value, as this engine's backend reads it
     max_draft_len: int
     limits: dict[str, int]
     model_type: str

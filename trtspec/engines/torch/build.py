@@ -1,5 +1,6 @@
-"""Torch backend of `trtspec build`: cast a checkpoint to the engine dtype and save it as a
-torch engine folder (weights, config, tokenizer) for the neutral build to finish."""
+"""Torch backend of `trtspec build`: cast a checkpoint to the engine dtype (its Linears
+weight-only quantized when the spec says so: quant.py) and save it as a torch engine folder
+(weights, config, tokenizer) for the neutral build to finish."""
 
 from __future__ import annotations
 
@@ -7,11 +8,15 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
+
 from trtspec import console
 from trtspec.checkpoints import Checkpoint
 from trtspec.engines.build import BuildPlan, finish_torch_engine
 from trtspec.engines.torch.engine import DTYPES, WEIGHTS
+from trtspec.engines.torch.gguf_blocks import read_q4_1
 from trtspec.engines.torch.model import SUPPORTED_MODEL_TYPES, DecoderConfig, DecoderLM
+from trtspec.engines.torch.quant import linear_names, quantize_state, scheme_of, unsupported_shape
 from trtspec.errors import CheckpointError
 from trtspec.spec import LoadedSpec
 
@@ -59,25 +64,58 @@ def build_torch_engine(loaded: LoadedSpec, ckpt: Checkpoint, folder: Path) -> No
             cfg = DecoderConfig.from_hf(hf_config)
             dtype = DTYPES[ckpt.model.dtype]
             expected = _expected_keys(cfg, state)
-            state = {k: v.to(dtype).contiguous() for k, v in state.items() if k in expected}
+            source = {k: v for k, v in state.items() if k in expected}
+            state = {k: v.to(dtype).contiguous() for k, v in source.items()}
             try:
-                DecoderLM.from_state_dict(cfg, state)  # strict: every tensor, right shapes
+                model = DecoderLM.from_state_dict(cfg, state)  # strict: every tensor, right shapes
             except (KeyError, RuntimeError) as e:
                 raise CheckpointError(
                     f"{role}: the checkpoint's tensors do not fit a {hf_config.model_type} model "
                     f"({str(e).splitlines()[0][:200]}); is config.json from the same checkpoint?"
                 ) from e
-        with console.step(f"{role}: writing {ckpt.model.dtype} engine"):
-            # Tied embeddings are stored once, as in the source checkpoint.
-            if cfg.tie_word_embeddings:
-                state.pop("lm_head.weight", None)
+        # Tied embeddings are stored once, as in the source checkpoint.
+        if cfg.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        parameters = sum(t.numel() for t in state.values())
+        quantization = ckpt.model.quantization
+        if quantization != "none":
+            with console.step(f"{role}: quantizing ({quantization})"):
+                state = weight_only_state(ckpt, hf_config, model, source, state)
+        with console.step(
+            f"{role}: writing {ckpt.model.dtype} engine" + (f" ({quantization})" if quantization != "none" else "")
+        ):
             save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
             hf_config.dtype = ckpt.model.dtype
             hf_config.save_pretrained(tmp)
-            finish_torch_engine(loaded, ckpt, role, tmp, folder, state)
+            finish_torch_engine(loaded, ckpt, role, tmp, folder, state, parameters=parameters)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def weight_only_state(ckpt: Checkpoint, hf_config, model: DecoderLM, source: dict, state: dict) -> dict:
+    """The engine's ``state`` with every Linear stored as the spec's weight-only quantization
+    (quant.py), quantized from the ``source`` (checkpoint-precision) weights, or for int4_wo
+    from a GGUF source, its Q4_1 blocks as they are: checked here to reproduce the
+    checkpoint's float weights bit for bit, so a wrong name or row order cannot slip in."""
+    role, quantization = ckpt.role, ckpt.model.quantization
+    names = linear_names(model)
+    for name in names:
+        linear = model.get_submodule(name)
+        why = unsupported_shape(scheme_of(name, quantization), linear.out_features, linear.in_features)
+        if why is not None:
+            raise CheckpointError(f"{role}.quantization: {name}: {why}; use int8_wo or quantization: none")
+    exact = {}
+    if quantization == "int4_wo" and ckpt.gguf is not None:
+        exact = read_q4_1(ckpt.gguf, hf_config)
+        for name, weight in exact.items():
+            if not torch.equal(weight.dequantize(), source[f"{name}.weight"].float()):
+                raise CheckpointError(
+                    f"{role}: the Q4_1 blocks of {name} in {ckpt.gguf.name} do not reproduce the weights "
+                    "transformers read from it; set quantization: int8_wo or none for this GGUF"
+                )
+    weights = {f"{name}.weight": source.get(f"{name}.weight", source["model.embed_tokens.weight"]) for name in names}
+    return quantize_state(names, state | weights, quantization, DTYPES[ckpt.model.dtype], exact)
 
 
 def _expected_keys(cfg: DecoderConfig, state: dict) -> set[str]:

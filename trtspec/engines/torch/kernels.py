@@ -26,6 +26,10 @@ weights ran a 576x1536 Linear in 35 us against 87 us for PyTorch's dense bf16 (4
 
 ``TRTSPEC_ONEDNN=0`` forces dense, ``=1`` onednn and ``=head`` head (no measurement). float16, other dtypes,
 a torch without oneDNN, or a failed measurement use dense, the transformers kernels.
+
+A weight-only quantized engine (the spec's ``quantization: int8_wo | int4_wo``) has one kernel
+per Linear, PyTorch's weight-only matmul (quant.py): nothing to choose; its codes are re-laid
+for that kernel here, at load, and the choice says so (layout = the quantization).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from torch import nn
 
 from trtspec.cache import cache_root
 from trtspec.engines.torch.model import PACKABLE, DecoderLM, KVCache, OneDnnLinear, StepInputs
+from trtspec.engines.torch.quant import WeightOnlyLinear
 from trtspec.files import write_json_atomic
 from trtspec.machine import cpu_name
 
@@ -66,8 +71,8 @@ ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL
 
 @dataclass
 class KernelChoice:
-    layout: str  # dense | onednn | head
-    source: str  # measured | cached | forced | fallback
+    layout: str  # dense | onednn | head | int8_wo | int4_wo (weight-only: every Linear quantized)
+    source: str  # measured | cached | forced | fallback | quantized
     seconds: dict[str, float] = field(default_factory=dict)  # per layout: decode + verify step
     key: str = ""
     reason: str = ""  # for forced / fallback
@@ -207,6 +212,17 @@ def choose_kernels(
     cache_dir: Path | None = None,
 ) -> KernelChoice:
     """Put ``model`` on the faster layout for this machine and say how it was chosen."""
+    quantized = weight_only_linears(model)
+    if quantized:
+        for linear in quantized:
+            linear.pack()
+        schemes = sorted({linear.scheme for linear in quantized})
+        return KernelChoice(
+            # under int4_wo the LM head is int8_wo (quant.scheme_of): the layers' scheme names the engine
+            "int4_wo" if "int4_wo" in schemes else schemes[0],
+            "quantized",
+            reason=f"weight-only quantized Linears ({', '.join(schemes)}): PyTorch's weight-only CPU kernels",
+        )
     forced = os.environ.get("TRTSPEC_ONEDNN", "").strip()
     if forced in FORCED:
         layout = FORCED[forced]
@@ -240,6 +256,10 @@ def choose_kernels(
         # (measure_layouts has put the model back on dense before raising)
         print(f"trtspec: kernel measurement failed ({type(err).__name__}: {err}); using dense", file=sys.stderr)
         return KernelChoice("dense", "fallback", reason=f"measurement failed: {err}")
+
+
+def weight_only_linears(model: DecoderLM) -> list[WeightOnlyLinear]:
+    return [m for m in model.modules() if isinstance(m, WeightOnlyLinear)]
 
 
 def _apply(model: DecoderLM, layout: str) -> None:

@@ -3,7 +3,7 @@
 For a draft/target spec the build is:
 
 1. per role, HF checkpoint -> TensorRT-LLM checkpoint: the family's ``convert_checkpoint.py``
-   (no quantization, INT8 weight-only) or ``quantization/quantize.py`` (FP8, INT4-AWQ);
+   (no quantization, INT8 or INT4 weight-only) or ``quantization/quantize.py`` (FP8, INT4-AWQ);
 2. ``trtllm-build`` of the TARGET with ``--speculative_decoding_mode draft_tokens_external
    --max_draft_len K --use_paged_context_fmha enable`` (+ ``--gather_generation_logits`` only
    when draft-logit acceptance is on);
@@ -33,6 +33,9 @@ Tool = Literal["convert_checkpoint", "quantize", "trtllm-build"]
 
 TRTLLM_BUILD = "trtllm-build"
 QUANTIZE_SCRIPT = "quantization/quantize.py"
+# Weight-only values -> the converter's --weight_only_precision (QuantAlgo W8A16 / W4A16:
+# per-channel scales, no calibration).
+WEIGHT_ONLY = {"int8_wo": "int8", "int4_wo": "int4"}
 CALIB_SIZE = 512  # quantize.py's default, written out so the manifest records it
 AWQ_BLOCK_SIZE = 128
 DEFAULT_MAX_NUM_TOKENS = 8192  # BuildConfig's default
@@ -92,9 +95,10 @@ def convert_command(role: str, model: ModelSpec, family: Family, layout: Layout)
             argv += ["--awq_block_size", str(AWQ_BLOCK_SIZE)]
         return Command(f"quantize {role} checkpoint ({model.quantization})", "quantize", tuple(argv))
     argv = [layout.python, f"{layout.examples}/{family.converter}", *io, *parallel]
-    if model.quantization == "int8_wo":
-        argv += ["--use_weight_only", "--weight_only_precision", "int8"]
-    suffix = " (int8 weight-only)" if model.quantization == "int8_wo" else ""
+    precision = WEIGHT_ONLY.get(model.quantization)
+    if precision is not None:
+        argv += ["--use_weight_only", "--weight_only_precision", precision]
+    suffix = f" ({precision} weight-only)" if precision is not None else ""
     return Command(f"convert {role} checkpoint{suffix}", "convert_checkpoint", tuple(argv))
 
 
