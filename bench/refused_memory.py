@@ -8,9 +8,9 @@ ordinary requests, then records each process's memory (triton/server/memory.py: 
 RssShmem, /dev/shm mappings) before, after --oversized requests each carrying --mib MiB of
 ``image_bytes_input`` (an input trtspec does not serve; each must be refused), and after
 --ordinary more ordinary requests (unary, 4 at a time, each identical to the first answer).
-Reports what the tree holds more than before (Pss summed: shared pages counted once) and per
-process. Exit status 0 when every oversized request was refused, every ordinary one answered
-identically, and the tree's Pss after the ordinary requests is at most --max-held MiB above
+Reports what the tree holds more than before (held memory, Pss_Anon + Pss_Shmem, summed:
+shared pages counted once) and per process. Exit status 0 when every oversized request was refused, every ordinary one answered
+identically, and the tree's held memory after the ordinary requests is at most --max-held MiB above
 before; 1 otherwise. Writes --json.
 """
 
@@ -38,6 +38,7 @@ def main() -> int:
     ap.add_argument("--warm", type=int, default=4, help="ordinary requests before the baseline (default 4)")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--max-held", type=float, default=128.0, help="MiB the tree may hold more at the end (default 128)")
+    ap.add_argument("--server-arg", action="append", default=[], help="extra tritonserver option (repeatable)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
@@ -53,7 +54,7 @@ def main() -> int:
     prompts = loaded.verify_prompts()
     chat = loaded.spec.verify.chat_template
     repo = write_repository(loaded, loaded.output_dir(), Path(tempfile.mkdtemp(prefix="trtspec-refused-")) / "repo")
-    server = TritonServer.for_repository(repo, allocator=args.allocator)
+    server = TritonServer.for_repository(repo, allocator=args.allocator, extra_args=args.server_arg)
     server.start()
     print(f"server ready in {server.wait_ready(600):.1f}s ({server.env.get('LD_PRELOAD') or 'glibc malloc'})", flush=True)
     url = server.grpc_endpoint
@@ -93,10 +94,11 @@ def main() -> int:
         "spec": loaded.spec.name,
         "allocator": args.allocator,
         "ld_preload": server.env.get("LD_PRELOAD", ""),
+        "server_args": args.server_arg,
         "oversized": f"{args.oversized} x {args.mib} MiB image_bytes_input",
         "refusals": refusals,
         "ordinary_identical": same,
-        "pss_total_mib": {
+        "held_total_mib": {
             "before": round(total(before) / 1024, 1),
             "after_oversized": round(total(after_refused) / 1024, 1),
             "after_ordinary": round(total(after) / 1024, 1),

@@ -17,8 +17,9 @@ refused with their named error. It reports and checks:
                 refused with their named error (must be 0)
   differing     completed outputs that differ from target-only (must be 0; also "mismatched")
   unanswered    requests with no final answer within --answer-timeout seconds (must be 0)
-  memory        per process (tritonserver and each Python-backend stub, by model): Pss,
-                RssAnon, RssShmem and the number of /dev/shm mappings, from the end of
+  memory        per process (tritonserver and each Python-backend stub, by model): held
+                (Pss_Anon + Pss_Shmem), Pss, RssAnon, RssShmem and the number of /dev/shm
+                mappings (triton/server/memory.py), from the end of
                 --warmup seconds of the same load (the engines' static KV buffers are touched
                 page by page as slots and positions are first used: that is not a leak) to the
                 end; the growth from before any load and a sample every 10 s are reported too
@@ -27,7 +28,7 @@ refused with their named error. It reports and checks:
                 server exports them; and a probe: max_batch_size fresh streams per instance
                 all complete, identical to target-only
 
-Exit status 0 when failed, mismatched and held-after are 0 and no process's Pss grew more than
+Exit status 0 when failed, mismatched and held-after are 0 and no process's held memory grew more than
 --max-growth percent after the warm-up (a process that began or ended in that span counts as
 grown); 1 otherwise. Writes --json.
 """
@@ -169,10 +170,11 @@ def main() -> int:
         "--max-rss-growth",
         type=float,
         default=5.0,
-        help="most any one process's Pss may grow after the warm-up, percent (default 5)",
+        help="most any one process's held memory may grow after the warm-up, percent (default 5)",
     )
     ap.add_argument("--allocator", default="auto", choices=["auto", "glibc", "jemalloc", "tcmalloc"])
     ap.add_argument("--server-arg", action="append", default=[], help="extra tritonserver option (repeatable)")
+    ap.add_argument("--server-env", action="append", default=[], help="KEY=VALUE for the server and its stubs (repeatable)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if not 0 < args.duration <= 3600:
@@ -201,6 +203,7 @@ def main() -> int:
     repo = write_repository(loaded, loaded.output_dir(), Path(tempfile.mkdtemp(prefix="trtspec-soak-")) / "repo")
     # binds 127.0.0.1, free ports
     server = TritonServer.for_repository(repo, allocator=args.allocator, extra_args=args.server_arg)
+    server.env = (server.env or {}) | dict(kv.split("=", 1) for kv in args.server_env)
     server.start()
     print(f"server ready in {server.wait_ready(600):.1f}s", flush=True)
     url = server.grpc_endpoint
@@ -313,6 +316,7 @@ def main() -> int:
         "spec": loaded.spec.name,
         "allocator": server.env.get("LD_PRELOAD") or "glibc",
         "server_args": args.server_arg,
+        "server_env": args.server_env,
         "load_s": round(seconds, 1),  # warm-up included: every count covers it
         "concurrency": args.concurrency,
         "cancel_fraction": args.cancel,
@@ -326,17 +330,18 @@ def main() -> int:
         "faults": {k.removeprefix("fault_"): v for k, v in sorted(counts.items()) if k.startswith("fault_")},
         "output_tokens": counts["tokens"],
         "warmup_s": args.warmup,
-        # Per process from the end of the warm-up to the end (the goal: worst Pss growth).
+        # Per process from the end of the warm-up to the end (the goal: worst growth of held
+        # memory, Pss_Anon + Pss_Shmem; triton/server/memory.py).
         "memory_growth": per_process,
-        "worst_pss_growth_pct": round(worst_pct, 2),
+        "worst_held_growth_pct": round(worst_pct, 2),
         "worst_process": worst,
-        # The tree's Pss (what it holds, shared pages counted once) before load, after the
-        # warm-up and at the end; the growth from before load includes the warm-up's.
-        "pss_total_mib": {
+        # What the tree holds (shared pages counted once) before load, after the warm-up and at
+        # the end; the growth from before load includes the warm-up's.
+        "held_total_mib": {
             k: round(total(m) / 1024, 1) for k, m in (("before_load", mem_cold), ("start", mem_start), ("end", mem_end))
         },
         "from_before_load": growth(mem_cold, mem_end),
-        # Every 10 s, per process: [Pss, RssAnon, RssShmem] MiB and the /dev/shm mappings.
+        # Every 10 s, per process: [held, Pss, RssAnon, RssShmem] MiB and the /dev/shm mappings.
         "memory_samples": samples,
         "held_after": held_after,  # None: the server exports no trtspec load gauges
         "probe_after_ok": probe_ok,

@@ -4,8 +4,12 @@ Summed VmRSS counts a shared page once per process that maps it (the Python back
 pool is mapped by tritonserver and by every stub), so it cannot tell a leak from pool growth.
 The fields kept here can (KiB; shm_maps a count):
 
-  pss        proportional set size (Pss, /proc/<pid>/smaps_rollup): each shared page divided
-             among the processes that map it, so a tree's Pss adds up to what it holds
+  held       Pss_Anon + Pss_Shmem (/proc/<pid>/smaps_rollup): what the process holds that the
+             kernel cannot drop, each shared page divided among the processes that map it, so
+             a tree's held memory adds up; the measure growth is judged by
+  pss        proportional set size, file-backed pages included: mapped weights are page cache,
+             evicted under memory pressure and read back, so on a loaded machine a model
+             process's Pss swings by 100+ MiB while it holds no more
   rss_anon   private heap and stacks (RssAnon, /proc/<pid>/status): where a leak shows
   rss_shmem  shared-memory pages the process touched (RssShmem): the Python backend's pool
   shm_maps   mappings of /dev/shm files (/proc/<pid>/maps): the pool's regions; a pool that
@@ -19,7 +23,7 @@ from pathlib import Path
 
 from trtspec.triton.server.procgroup import cmdline, descendants
 
-MEMORY_FIELDS = ("pss", "rss_anon", "rss_shmem", "shm_maps")
+MEMORY_FIELDS = ("held", "pss", "rss_anon", "rss_shmem", "shm_maps")
 STUB_NAME = "triton_python_backend_stub"
 
 Memory = dict[str, int]  # MEMORY_FIELDS -> KiB (shm_maps: a count)
@@ -40,6 +44,7 @@ def process_memory(pid: int) -> Memory | None:
     except OSError:
         return None
     return {
+        "held": _kib(rollup, "Pss_Anon") + _kib(rollup, "Pss_Shmem"),
         "pss": _kib(rollup, "Pss"),
         "rss_anon": _kib(status, "RssAnon"),
         "rss_shmem": _kib(status, "RssShmem"),
@@ -68,7 +73,7 @@ def tree_memory(root: int) -> dict[str, Memory]:
     return out
 
 
-def total(memory: dict[str, Memory], field: str = "pss") -> int:
+def total(memory: dict[str, Memory], field: str = "held") -> int:
     return sum(m[field] for m in memory.values())
 
 
@@ -87,12 +92,12 @@ def growth(start: dict[str, Memory], end: dict[str, Memory]) -> dict[str, dict]:
                 "start_kib": a,
                 "end_kib": b,
                 "growth_kib": {f: b[f] - a[f] for f in MEMORY_FIELDS},
-                "growth_pct": {f: round(100.0 * (b[f] - a[f]) / a[f], 2) if a[f] else None for f in MEMORY_FIELDS[:3]},
+                "growth_pct": {f: round(100.0 * (b[f] - a[f]) / a[f], 2) if a[f] else None for f in MEMORY_FIELDS[:-1]},
             }
     return out
 
 
-def worst_growth(per_process: dict[str, dict], field: str = "pss") -> tuple[str | None, float]:
+def worst_growth(per_process: dict[str, dict], field: str = "held") -> tuple[str | None, float]:
     """The process whose ``field`` grew most, in percent; a process that began or ended in the
     span counts as unbounded growth (inf)."""
     worst, pct = None, float("-inf")
@@ -104,5 +109,5 @@ def worst_growth(per_process: dict[str, dict], field: str = "pss") -> tuple[str 
 
 
 def compact(memory: dict[str, Memory]) -> dict[str, list]:
-    """One sample for a report: per process [Pss, RssAnon, RssShmem] in MiB and shm_maps."""
-    return {k: [round(m[f] / 1024, 1) for f in MEMORY_FIELDS[:3]] + [m["shm_maps"]] for k, m in memory.items()}
+    """One sample for a report: per process [held, Pss, RssAnon, RssShmem] in MiB and shm_maps."""
+    return {k: [round(m[f] / 1024, 1) for f in MEMORY_FIELDS[:-1]] + [m["shm_maps"]] for k, m in memory.items()}
