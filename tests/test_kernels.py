@@ -47,13 +47,14 @@ def _choose(engine, tmp_path, **kw):
 
 
 def _fake_timer(faster: str, calls: list[str]):
-    """A step timer that reports ``faster`` as 1 ms and the other layouts as 3 ms."""
+    """A step timer that reports ``faster``'s decode and verify steps as 1 ms each and the other
+    layouts' as 3 ms."""
 
     def make(model, cos, sin, verify_tokens):
-        def timed() -> float:
+        def timed() -> tuple[float, float]:
             layout = _layout_of(model)
             calls.append(layout)
-            return 0.001 if layout == faster else 0.003
+            return (0.001, 0.001) if layout == faster else (0.003, 0.003)
 
         return timed
 
@@ -68,7 +69,8 @@ def test_selection_measures_every_layout_and_keeps_the_fastest(dense_engine, tmp
     assert (choice.layout, choice.source) == (faster, "measured")
     assert set(calls) == set(kernels.LAYOUTS)  # all were timed, on the real model
     assert calls.count("dense") == calls.count("onednn") == calls.count("head")
-    assert choice.seconds == {name: 0.001 if name == faster else 0.003 for name in kernels.LAYOUTS}
+    assert choice.seconds == {name: 0.002 if name == faster else 0.006 for name in kernels.LAYOUTS}
+    assert choice.steps == {name: [0.001, 0.001] if name == faster else [0.003, 0.003] for name in kernels.LAYOUTS}
     assert _layout_of(dense_engine.model) == faster  # the model runs what was chosen
 
 
@@ -76,8 +78,9 @@ def test_real_measurement_times_each_and_the_choice_is_the_lowest_median(dense_e
     choice = _choose(dense_engine, tmp_path)
     assert choice.source == "measured" and set(choice.seconds) == set(kernels.LAYOUTS)
     assert all(s > 0 for s in choice.seconds.values())
-    assert choice.layout == min(choice.seconds, key=lambda k: (choice.seconds[k], k != "dense"))
-    assert _layout_of(dense_engine.model) == choice.layout
+    if "|" not in choice.layout:  # a split choice is tested below
+        assert choice.layout == min(choice.seconds, key=lambda k: (choice.seconds[k], k != "dense"))
+        assert _layout_of(dense_engine.model) == choice.layout
 
 
 def test_the_choice_is_cached_per_machine_and_measured_again_elsewhere(built, dense_engine, tmp_path, monkeypatch):
@@ -123,7 +126,7 @@ def test_a_failed_measurement_falls_back_to_dense(dense_engine, tmp_path, monkey
             calls.append(_layout_of(model))
             if len(calls) == 2:  # fails while the model is on the packed layout
                 raise RuntimeError("oneDNN kernel exploded")
-            return 0.001
+            return 0.001, 0.001
 
         return timed
 
@@ -226,3 +229,73 @@ def test_a_choice_made_with_other_kernels_is_measured_again(dense_engine, tmp_pa
     monkeypatch.setattr(kernels, "KERNELS_VERSION", "older")
     again = _choose(_dense(dense_engine.folder, monkeypatch), tmp_path)
     assert first.source == again.source == "measured" and again.key != first.key
+
+
+def _split_timer(calls: list[str]):
+    """head fastest at one row (1 ms vs 3), onednn at more rows (2 ms vs 6): no single layout
+    is best at both, as on a Xeon with AMX."""
+
+    def make(model, cos, sin, verify_tokens):
+        def timed() -> tuple[float, float]:
+            layout = _layout_of(model)
+            calls.append(layout)
+            return (0.001 if layout == "head" else 0.003), (0.002 if layout == "onednn" else 0.006)
+
+        return timed
+
+    return make
+
+
+def _forms(model) -> dict[str, tuple[type, type]]:
+    """Each Linear's (one-row, more-rows) form."""
+    out = {}
+    for module_name, module in model.named_modules():
+        for name, child in module.named_children():
+            if isinstance(child, kernels.ByRows):
+                out[f"{module_name}.{name}".lstrip(".")] = (type(child.one), type(child.many))
+            elif isinstance(child, nn.Linear | OneDnnLinear) and not isinstance(module, kernels.ByRows):
+                out[f"{module_name}.{name}".lstrip(".")] = (type(child), type(child))
+    return out
+
+
+def test_a_layout_per_shape_when_no_single_one_is_best_at_both(dense_engine, tmp_path, monkeypatch):
+    calls: list[str] = []
+    monkeypatch.setattr(kernels, "step_timer", _split_timer(calls))
+    choice = _choose(dense_engine, tmp_path)
+    assert (choice.layout, choice.source) == ("head|onednn", "measured")
+    assert choice.steps["head"] == [0.001, 0.006] and choice.steps["onednn"] == [0.003, 0.002]
+    forms = _forms(dense_engine.model)
+    assert forms.pop("lm_head") == (OneDnnLinear, OneDnnLinear)  # packed in both: no second copy
+    assert forms and all(one is not OneDnnLinear and many is OneDnnLinear for one, many in forms.values())
+    # Cached as such: the next load of the same shape gets both forms without measuring.
+    again = _dense(dense_engine.folder, monkeypatch)
+    cached = _choose(again, tmp_path)
+    assert (cached.layout, cached.source) == ("head|onednn", "cached") and _forms(again.model) == _forms(dense_engine.model)
+
+
+def test_a_split_that_would_hold_too_much_twice_is_not_taken(dense_engine, tmp_path, monkeypatch):
+    monkeypatch.setattr(kernels, "step_timer", _split_timer([]))
+    monkeypatch.setattr(kernels, "MAX_SPLIT_BYTES", 0)
+    choice = _choose(dense_engine, tmp_path)
+    assert choice.layout in kernels.LAYOUTS and "|" not in choice.layout
+
+
+def test_a_split_choice_decodes_the_same_greedy_tokens(built, monkeypatch, tmp_path):
+    """Decode steps on one form, verify steps on the other: the same token ids as dense."""
+    dep = built()
+    monkeypatch.setattr(kernels, "step_timer", _split_timer([]))
+    monkeypatch.setenv("TRTSPEC_CACHE", str(tmp_path))
+    split_dep = Deployment(dep.loaded, dep.loaded.output_dir())
+    assert split_dep.target.kernels.layout == "head|onednn"
+    monkeypatch.setenv("TRTSPEC_ONEDNN", "0")
+    dense_dep = Deployment(dep.loaded, dep.loaded.output_dir())
+    outs = []
+    for d in (split_dep, dense_dep):
+        reqs = [d.request(d.encode(p), 32, 4) for p in PROMPTS]
+        outs.append(
+            (
+                [r.output_ids for r in d.generate(reqs, speculative=False)],
+                [r.output_ids for r in d.generate(reqs, speculative=True)],
+            )
+        )
+    assert outs[0] == outs[1] and all(outs[0][0])

@@ -5,7 +5,7 @@ Candidates (the weights and the arithmetic are the same; the greedy tokens are i
   onednn   the weight re-laid once in oneDNN's blocked format, run by mkldnn_linear
   head     only the LM head re-laid for oneDNN; the layers' Linears stay dense
 
-Which is faster depends on the CPU: on a 2-core AVX-512 EPYC onednn made a SmolLM2 decode
+Which is faster depends on the CPU, and on the shape: on a 2-core AVX-512 EPYC onednn made a SmolLM2 decode
 step 38 -> 31 ms; on an AVX2-only CPU the engine with onednn was slower than transformers
 (8.0 vs 8.6 tok/s). The LM head is the odd one out: one [vocab, hidden] matrix, a quarter of
 SmolLM2's weights, where PyTorch's dense kernel for 2+ rows is slow on such a CPU. On a 2-core
@@ -14,8 +14,13 @@ and a 16-row batched decode 297 -> 219 ms, while `onednn` (every Linear) was slo
 at 1 token (82 ms). So the engine measures instead of assuming: at load, a decode step
 (1 token) and a verify step (max_draft_len + 1 tokens) at a short context, each candidate
 up to ``ROUNDS`` times in alternating order (3 when one is faster in every sample), the
-median of each; the lower sum wins (a tie keeps
-dense). The choice is cached per machine in ``$TRTSPEC_CACHE/kernels.json`` under a key made
+median of each; the lower sum wins (a tie keeps dense). When one layout is fastest for the
+decode step and another for the verify step, and the two together beat the best single
+layout by ``SPLIT_GAIN``, the engine keeps both forms of the Linears where they differ and
+runs one-row inputs on the first, larger ones on the second (the choice ``"head|onednn"``:
+one row | more rows), if the copies those Linears then need fit in ``MAX_SPLIT_BYTES``. On a
+2-core Xeon with AMX a float32 SmolLM2 decode step ran 37 ms dense and 44 ms onednn while its
+9-token verify ran 76 ms dense and 58 ms onednn: no single layout is best at both. The choice is cached per machine in ``$TRTSPEC_CACHE/kernels.json`` under a key made
 of the CPU (model name, ISA flags, ATen's CPU capability, ISA caps set in the environment),
 the thread count, the torch version and the model's shape, so each machine measures each
 model shape once; engines loading at the same time (Triton's stubs) measure one after another
@@ -50,7 +55,7 @@ import torch
 from torch import nn
 
 from trtspec.cache import cache_root
-from trtspec.engines.torch.model import PACKABLE, DecoderLM, KVCache, OneDnnLinear, StepInputs
+from trtspec.engines.torch.model import PACKABLE, ByRows, DecoderLM, KVCache, OneDnnLinear, StepInputs
 from trtspec.engines.torch.quant import WeightOnlyLinear
 from trtspec.files import write_json_atomic
 from trtspec.machine import cpu_name
@@ -59,8 +64,11 @@ LAYOUTS = ("dense", "onednn", "head")
 # What the layouts run; bumped when that changes, so cached choices are measured again.
 # 2: q/k/v and gate/up fused; onednn = weights reordered without a batch hint, run by
 # _linear_pointwise (1: float32 as mkldnn tensors through mkldnn_linear).
-KERNELS_VERSION = "2"
+# 3: a layout per shape (one row | more rows) when that is faster; seconds per step kind.
+KERNELS_VERSION = "3"
 ROUNDS = 7
+SPLIT_GAIN = 0.95  # a split choice must save 5% of the best single layout's decode + verify
+MAX_SPLIT_BYTES = 1 << 30  # ... and its second copy of the Linears that differ fit in 1 GiB
 MIN_ROUNDS = 3  # fewer when every sample of one layout beats every sample of the other
 PREFILL = 32  # context before the timed steps: a short prompt, as in decoding
 CACHE_FILE = "kernels.json"
@@ -71,11 +79,14 @@ ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL
 
 @dataclass
 class KernelChoice:
-    layout: str  # dense | onednn | head | int8_wo | int4_wo (weight-only: every Linear quantized)
+    # dense | onednn | head | int8_wo | int4_wo (weight-only: every Linear quantized), or "A|B":
+    # layout A for one-row forwards, B for larger ones (a split choice)
+    layout: str
     source: str  # measured | cached | forced | fallback | quantized
     seconds: dict[str, float] = field(default_factory=dict)  # per layout: decode + verify step
     key: str = ""
     reason: str = ""  # for forced / fallback
+    steps: dict[str, list[float]] = field(default_factory=dict)  # per layout: [decode, verify] seconds
 
 
 def cpu_signature() -> dict[str, str]:
@@ -113,9 +124,19 @@ def choice_key(model: DecoderLM, verify_tokens: int) -> str:
 # -- switching layouts ----------------------------------------------------------------------------
 
 
+def split(choice: str) -> tuple[str, str]:
+    """A choice's layouts for one-row and for larger forwards ("head|onednn" -> head, onednn)."""
+    one, _, many = choice.partition("|")
+    return one, many or one
+
+
+def _packs(layout: str, is_head: bool) -> bool:
+    return layout == "onednn" or (layout == "head" and is_head)
+
+
 class _Layouts:
     """Both forms of every Linear, so measurement can switch between the layouts; ``keep``
-    leaves the model on one and drops the other weights."""
+    leaves the model on one choice and drops the weights it does not use."""
 
     def __init__(self, model: DecoderLM):
         self.places = [
@@ -127,13 +148,25 @@ class _Layouts:
         self.packed = [OneDnnLinear(child) for _, _, child in self.places]
         self.head = model.lm_head
 
-    def use(self, layout: str) -> None:
+    def use(self, choice: str) -> None:
+        one, many = split(choice)
         for (module, name, dense), packed in zip(self.places, self.packed):
-            pack = layout == "onednn" or (layout == "head" and dense is self.head)
-            setattr(module, name, packed if pack else dense)
+            is_head = dense is self.head
+            first = packed if _packs(one, is_head) else dense
+            second = packed if _packs(many, is_head) else dense
+            setattr(module, name, first if first is second else ByRows(first, second))
 
-    def keep(self, layout: str) -> None:
-        self.use(layout)
+    def extra_bytes(self, choice: str) -> int:
+        """Weight bytes held twice under ``choice`` (the Linears kept in both forms)."""
+        one, many = split(choice)
+        return sum(
+            dense.weight.nbytes
+            for _, _, dense in self.places
+            if _packs(one, dense is self.head) != _packs(many, dense is self.head)
+        )
+
+    def keep(self, choice: str) -> None:
+        self.use(choice)
         self.places, self.packed = [], []
 
 
@@ -150,8 +183,8 @@ def _step(tokens: int, start: int, vocab: int) -> StepInputs:
     return StepInputs(ids.view(1, tokens), positions, torch.zeros(1, dtype=torch.long), mask, [(0, start, tokens)], span)
 
 
-def step_timer(model: DecoderLM, cos: torch.Tensor, sin: torch.Tensor, verify_tokens: int) -> Callable[[], float]:
-    """A function that times one decode step plus one verify step (seconds) at position
+def step_timer(model: DecoderLM, cos: torch.Tensor, sin: torch.Tensor, verify_tokens: int) -> Callable[[], tuple[float, float]]:
+    """A function that times one decode step and one verify step (seconds each) at position
     PREFILL of a private one-slot cache. The keys before it are never written (zeros): the
     work, and so the time, does not depend on their values."""
     cache = KVCache(model.cfg, 1, PREFILL + verify_tokens + 1, model.model.embed_tokens.weight.dtype)
@@ -162,21 +195,25 @@ def step_timer(model: DecoderLM, cos: torch.Tensor, sin: torch.Tensor, verify_to
         hidden = model.hidden_states(step, cos, sin, cache)  # [1, q, hidden]
         model.logits(hidden[:, -step.rows[0][2] :])
 
-    def timed() -> float:
+    def timed() -> tuple[float, float]:
         t0 = time.perf_counter()
         run(decode)
+        t1 = time.perf_counter()
         if verify_tokens > 1:
             run(verify)
-        return time.perf_counter() - t0
+        return t1 - t0, time.perf_counter() - t1
 
     return timed
 
 
-def measure_layouts(model: DecoderLM, cos: torch.Tensor, sin: torch.Tensor, verify_tokens: int) -> tuple[str, dict[str, float]]:
-    """Time both layouts on this model, interleaved; returns (the faster, median seconds per layout)."""
+def measure_layouts(
+    model: DecoderLM, cos: torch.Tensor, sin: torch.Tensor, verify_tokens: int
+) -> tuple[str, dict[str, float], dict[str, list[float]]]:
+    """Time every layout on this model, interleaved; returns (the choice, median decode + verify
+    seconds per layout, median [decode, verify] seconds per layout)."""
     layouts = _Layouts(model)
     timed = step_timer(model, cos, sin, verify_tokens)
-    samples: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in LAYOUTS}
     try:
         for layout in LAYOUTS:  # warm-up: first calls pay for allocation and kernel setup
             layouts.use(layout)
@@ -190,15 +227,28 @@ def measure_layouts(model: DecoderLM, cos: torch.Tensor, sin: torch.Tensor, veri
     except BaseException:
         layouts.keep("dense")
         raise
-    seconds = {name: statistics.median(s) for name, s in samples.items()}
-    best = min(LAYOUTS, key=lambda name: (seconds[name], name != "dense"))  # a tie keeps dense
+    steps = {name: [statistics.median(d for d, _ in s), statistics.median(v for _, v in s)] for name, s in samples.items()}
+    seconds = {name: statistics.median(d + v for d, v in s) for name, s in samples.items()}
+
+    def fastest(cost) -> str:
+        return min(LAYOUTS, key=lambda name: (cost(name), name != "dense"))  # a tie keeps dense
+
+    best = fastest(seconds.get)
+    one, many = fastest(lambda n: steps[n][0]), fastest(lambda n: steps[n][1])
+    if (
+        one != many
+        and steps[one][0] + steps[many][1] < SPLIT_GAIN * seconds[best]
+        and layouts.extra_bytes(f"{one}|{many}") <= MAX_SPLIT_BYTES
+    ):
+        best = f"{one}|{many}"
     layouts.keep(best)
-    return best, seconds
+    return best, seconds, steps
 
 
-def _separated(samples: dict[str, list[float]]) -> bool:
-    """One layout's every sample beats every sample of each other layout."""
-    return any(all(max(s) < min(o) for n, o in samples.items() if n != name) for name, s in samples.items())
+def _separated(samples: dict[str, list[tuple[float, float]]]) -> bool:
+    """One layout's every sample (decode + verify) beats every sample of each other layout."""
+    sums = {name: [d + v for d, v in s] for name, s in samples.items()}
+    return any(all(max(s) < min(o) for n, o in sums.items() if n != name) for name, s in sums.items())
 
 
 # -- choosing (cache, lock, overrides) ---------------------------------------------------------------
@@ -242,13 +292,20 @@ def choose_kernels(
     try:
         with _locked(path):
             cached = _read(path).get(key)
-            if cached is not None and cached.get("layout") in LAYOUTS:
+            if cached is not None and all(part in LAYOUTS for part in split(str(cached.get("layout")))):
                 _apply(model, cached["layout"])
-                return KernelChoice(cached["layout"], "cached", dict(cached.get("seconds", {})), key)
-            best, seconds = measure_layouts(model, cos, sin, verify_tokens)
-            choice = KernelChoice(best, "measured", seconds, key)
+                return KernelChoice(
+                    cached["layout"], "cached", dict(cached.get("seconds", {})), key, steps=dict(cached.get("steps", {}))
+                )
+            best, seconds, steps = measure_layouts(model, cos, sin, verify_tokens)
+            choice = KernelChoice(best, "measured", seconds, key, steps=steps)
             entries = _read(path)
-            entries[key] = {"layout": best, "seconds": seconds, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            entries[key] = {
+                "layout": best,
+                "seconds": seconds,
+                "steps": steps,
+                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
             with contextlib.suppress(OSError):  # a read-only cache: measure again next time
                 write_json_atomic(path, entries)
             return choice
@@ -264,7 +321,9 @@ def weight_only_linears(model: DecoderLM) -> list[WeightOnlyLinear]:
 
 def _apply(model: DecoderLM, layout: str) -> None:
     """Put a freshly loaded (dense) model on ``layout`` without measuring."""
-    if layout != "dense":
+    if "|" in layout:
+        _Layouts(model).keep(layout)
+    elif layout != "dense":
         model.pack_linears_for_onednn(head_only=layout == "head")
 
 

@@ -278,6 +278,19 @@ class OneDnnLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
+class ByRows(nn.Module):
+    """One Linear in two forms: ``one`` runs a one-row input (a decode step), ``many`` anything
+    larger (a verify step, a prefill, a batched decode). The kernel choice keeps both where
+    the fastest form differs by shape (kernels.py); both hold the same weights."""
+
+    def __init__(self, one: nn.Module, many: nn.Module):
+        super().__init__()
+        self.one, self.many = one, many
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.one(x) if x.numel() == x.shape[-1] else self.many(x)
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: DecoderConfig, bias: bool):
         super().__init__()
