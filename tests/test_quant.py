@@ -252,3 +252,32 @@ def test_int4_refuses_a_model_the_kernel_cannot_hold(tmp_path):
         "target.quantization: model.layers.0.mlp.down_proj: int4_wo needs in_features divisible by 32 and "
         "out_features by 16 (the CPU kernel's groups and packing), not 64x80; use int8_wo or quantization: none"
     )
+
+
+@pytest.mark.slow
+def test_demo_gguf_blocks_run_exactly_in_a_float32_engine(tmp_path):
+    """The demo GGUF's Q4_1 blocks in a float32 int4_wo engine: the weights its kernel multiplies
+    by are the float32 target's, bit for bit (the build also checks every block)."""
+    import yaml
+    from conftest import ROOT
+
+    from trtspec.demo.weights import find_gguf
+    from trtspec.engines.build import build
+
+    pytest.importorskip("gguf")
+    gguf = find_gguf()
+    data = yaml.safe_load((ROOT / "engine_specs" / "smollm2-135m-cpu-int4.yaml").read_text())
+    for role in ("target", "draft"):
+        data[role]["path"] = str(gguf.parent)
+    data["draft"]["dtype"] = "float32"
+    data["output_dir"] = str(tmp_path / "engines")
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(data))
+    loaded = load_spec(tmp_path / "spec.yaml")
+    build(loaded, loaded.output_dir())
+    target = _stored(loaded.output_dir() / "target")
+    draft = TorchEngine.load(loaded.output_dir() / "draft")
+    for i in (0, 29):
+        layer, prefix = draft.model.model.layers[i], f"model.layers.{i}."
+        qkv = torch.cat([target[f"{prefix}self_attn.{p}_proj.weight"] for p in "qkv"])
+        assert torch.equal(_identity_weights(layer.self_attn.qkv_proj), qkv)
+        assert torch.equal(_identity_weights(layer.mlp.down_proj), target[f"{prefix}mlp.down_proj.weight"])
