@@ -21,7 +21,7 @@ EAGLE3_DEMO_SPEC := engine_specs/smollm2-135m-eagle3-demo.yaml
 DEMO_DISTILL_STEPS ?= 400
 DEMO_DISTILL_BUDGET ?= 30m
 
-.PHONY: install browser demo demo-codesign demo-eagle3 lint test test-fast test-gpu gpu-check bench bench-eagle3 bench-aiperf aiperf guidellm bench-guidellm vllm test-vllm clean
+.PHONY: install browser allocator demo demo-codesign demo-eagle3 lint test test-fast test-gpu gpu-check bench bench-eagle3 bench-aiperf aiperf guidellm bench-guidellm vllm test-vllm clean
 
 install: $(VENV)/.installed
 
@@ -149,6 +149,12 @@ lint: install
 # skips without one). Run as root, or install chromium yourself; .ci/run does this.
 browser:
 	command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium; }
+
+# tritonserver (and its stubs) run with jemalloc when it is installed, glibc's malloc
+# otherwise (triton/server/install.py: find_allocator; operations.md: memory). Needs root,
+# as `browser`; .ci/run does this.
+allocator:
+	test -e /usr/lib/x86_64-linux-gnu/libjemalloc.so.2 || { apt-get update -qq && apt-get install -y -qq libjemalloc2; }
 
 test: install lint
 	$(VENV)/bin/pytest -q

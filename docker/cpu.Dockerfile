@@ -9,7 +9,7 @@ FROM python:3.11-slim-bookworm
 ARG PIP_INDEX_URL
 ARG PIP_EXTRA_INDEX_URL
 RUN apt-get update \
- && apt-get install -y --no-install-recommends make libstdc++6 zlib1g \
+ && apt-get install -y --no-install-recommends make libstdc++6 zlib1g libjemalloc2 \
  && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/trtspec

@@ -20,6 +20,8 @@ COPY . /opt/trtspec/src
 RUN python3 -m pip install --no-cache-dir --no-deps /opt/trtspec/src \
  && python3 -m pip install --no-cache-dir "typer>=0.12" "rich>=13" "gguf>=0.10" "tritonclient[grpc,http]>=2.40"
 
+# tritonserver runs with jemalloc when installed (trtspec's allocator choice, operations.md: memory).
+RUN apt-get update && apt-get install -y --no-install-recommends libjemalloc2 && rm -rf /var/lib/apt/lists/*
 RUN id -u 1000 >/dev/null 2>&1 || useradd --uid 1000 --user-group --no-create-home --home-dir /tmp trtspec
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 USER 1000:1000
