@@ -8,10 +8,15 @@ RssShmem, /dev/shm mappings), then sends --concurrency unary requests at once, e
 --max-tokens tokens with return_generation_logits, sampling the tree's memory every
 --every seconds while they run. Reports the tree's Pss (shared pages counted once) above the
 baseline at its peak and after, per process, and their ratio to the answers' own size
-(sequences x tokens x vocab x 4 bytes, what the requests could not do without). Every
-answer's tokens must equal a plain greedy request's, and its logits rows must pick them.
-Exit status 0 when they do and the peak is at most --max-ratio times the answers' size;
-1 otherwise. Writes --json.
+(sequences x tokens x vocab x 4 bytes, what the requests could not do without).
+
+What the tree holds is memory.py's ``held`` (Pss_Anon + Pss_Shmem: heap and the Python
+backend's shared-memory pool, shared pages divided among the processes mapping them, so it
+adds up; file-backed pages such as mapped weights are page cache and are left out), read at
+the peak, 1 s after the answers and again after --settle seconds (an allocator may keep freed
+pages for a while before it returns them). Every answer's tokens must equal a plain greedy
+request's, and its logits rows must pick them. Exit status 0 when they do and the peak is at
+most --max-ratio times the answers' size; 1 otherwise. Writes --json.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ def main() -> int:
     ap.add_argument("--warm", type=int, default=4, help="ordinary requests before the baseline (default 4)")
     ap.add_argument("--every", type=float, default=0.2, help="seconds between memory samples (default 0.2)")
     ap.add_argument("--max-ratio", type=float, default=4.0, help="peak growth / answers' size allowed (default 4)")
+    ap.add_argument("--settle", type=float, default=15.0, help="seconds before the last reading (default 15)")
     ap.add_argument("--allocator", default="auto", choices=["auto", "glibc", "jemalloc", "tcmalloc"])
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -57,7 +63,12 @@ def main() -> int:
     url = server.grpc_endpoint
 
     def ask(i: int, logits: bool):
-        values = {"text_input": prompts[i % len(prompts)], "max_tokens": args.max_tokens, "apply_chat_template": chat}
+        values = {
+            "text_input": prompts[i % len(prompts)],
+            "max_tokens": args.max_tokens,
+            "apply_chat_template": chat,
+            "exclude_input_in_output": True,  # output_ids are the generated tokens, one per logits row
+        }
         if logits:
             values["return_generation_logits"] = True
         r = grpcclient.InferenceServerClient(url).infer(MODEL, infer_inputs(values), client_timeout=1200)
@@ -86,6 +97,8 @@ def main() -> int:
         sampler.join(10)
         time.sleep(1.0)
         after = tree_memory(server.pid)
+        time.sleep(max(0.0, args.settle - 1.0))
+        settled = tree_memory(server.pid)
     finally:
         stop.set()
         server.stop()
@@ -94,8 +107,7 @@ def main() -> int:
     picks = all(lg[0, 0, : len(ids)].argmax(-1).tolist() == ids for ids, lg in answers)
     answer_bytes = sum(int(lg[0, 0, : len(ids)].nbytes) for ids, lg in answers)
     peak = max(samples, key=total) if samples else after
-    peak_mib = (total(peak) - total(before)) / 1024
-    after_mib = (total(after) - total(before)) / 1024
+    peak_mib, after_mib, settled_mib = ((total(m) - total(before)) / 1024 for m in (peak, after, settled))
     report = {
         "spec": loaded.spec.name,
         "allocator": args.allocator,
@@ -104,16 +116,24 @@ def main() -> int:
         "identical_tokens": same,
         "logits_pick_the_tokens": picks,
         "answers_mib": round(answer_bytes / 2**20, 1),
-        "pss_total_mib": {
+        "held_mib": {
             "before": round(total(before) / 1024, 1),
             "peak": round(total(peak) / 1024, 1),
             "after": round(total(after) / 1024, 1),
+            "settled": round(total(settled) / 1024, 1),
+        },
+        "pss_total_mib": {
+            "before": round(total(before, "pss") / 1024, 1),
+            "peak": round(total(peak, "pss") / 1024, 1),
+            "after": round(total(after, "pss") / 1024, 1),
         },
         "peak_growth_mib": round(peak_mib, 1),
         "after_growth_mib": round(after_mib, 1),
         "peak_ratio": round(peak_mib * 2**20 / max(answer_bytes, 1), 2),
+        "after_ratio": round(after_mib * 2**20 / max(answer_bytes, 1), 2),
+        "settled_growth_mib": round(settled_mib, 1),
         "samples": len(samples),
-        "per_process": {"before": compact(before), "peak": compact(peak), "after": compact(after)},
+        "per_process": {"before": compact(before), "peak": compact(peak), "after": compact(after), "settled": compact(settled)},
         "growth_at_peak": growth(before, peak),
     }
     print(json.dumps(report, indent=2))
