@@ -383,7 +383,7 @@ def test_a_hung_engine_holds_a_bounded_number_of_threads_and_readiness_follows_i
     release.set()
     _wait(lambda: len(ran) == ENGINE_CALL_THREADS)  # the ones still in line never ran
     assert calls("tensorrt_llm", {"x": 99}, ["y"]) == {"y": 99} and calls.healthy
-    assert threading.active_count() - threads == calls.workers == ENGINE_CALL_THREADS
+    assert threading.active_count() - threads <= calls.workers == ENGINE_CALL_THREADS
 
 
 def test_closing_the_engine_calls_ends_a_waiting_step_at_once():
