@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import threading
 import time
 import types
@@ -214,17 +215,28 @@ def test_an_engine_model_checks_sizes_before_it_converts_any_row():
 
 
 def test_the_caller_key_is_one_per_server_private_and_checked(tmp_path):
+    import subprocess
+
     from trtspec.triton.backend import callers
 
-    key = callers.server_key(4242, tmp_path)
-    assert key and callers.server_key(4242, tmp_path) == key  # every stub of the server reads the same
-    assert callers.server_key(4243, tmp_path) != key  # another server, another key
-    assert (callers.key_path(4242, tmp_path).stat().st_mode & 0o777) == 0o600
+    server, other = os.getpid(), os.getppid()  # two live "servers"
+    key = callers.server_key(server, tmp_path)
+    assert key and callers.server_key(server, tmp_path) == key  # every stub of the server reads the same
+    assert callers.server_key(other, tmp_path) != key  # another server, another key
+    assert (callers.key_path(server, tmp_path).stat().st_mode & 0o777) == 0o600
     assert callers.from_inside(f'{{"{callers.CALLER_PARAMETER}": "{key}"}}', key)
     for given in ("{}", '{"trtspec_caller": "guess"}', '{"trtspec_caller": 1}', "not json", None):
         assert not callers.from_inside(given, key)
     assert callers.from_inside("{}", None)  # no key could be made: as before, every caller
     assert callers.server_key(1, tmp_path / "missing") is None
+    # a new key removes the files of servers that are gone, never a live one's
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    callers.key_path(gone.pid, tmp_path).write_text("old")
+    callers.key_path(other, tmp_path).unlink()
+    callers.server_key(other, tmp_path)
+    assert not callers.key_path(gone.pid, tmp_path).exists()
+    assert callers.server_key(server, tmp_path) == key
 
 
 def test_an_engine_model_answers_only_its_repositorys_bls_models(pb, tmp_path):

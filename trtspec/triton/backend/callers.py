@@ -10,7 +10,8 @@ else is refused by name before its inputs are read.
 
 The key is made once per tritonserver process by whichever of its Python stubs asks first, as
 a 0600 file in /dev/shm named after the server's pid (every stub of one server shares its
-/dev/shm and its parent), under ``flock`` so all stubs read the same key. Clients reach the
+/dev/shm and its parent), under ``flock`` so all stubs read the same key; the files of servers
+that are gone are removed when a new key is made. Clients reach the
 server only through its gRPC/HTTP APIs, which never show a stub's files or environment; the
 key is not in config.pbtxt (readable through the model-configuration API). Where no key can be
 made (no writable /dev/shm), engine models answer every caller, as before, and say so in the
@@ -47,11 +48,24 @@ def server_key(server_pid: int | None = None, folder: Path = SHM) -> str | None:
         if not key:
             key = secrets.token_hex(16)
             os.write(fd, key.encode())
+            _forget_dead(folder)
         return key
     except OSError:
         return None
     finally:
         os.close(fd)  # also releases the lock
+
+
+def _forget_dead(folder: Path) -> None:
+    """Remove the key files of servers that are gone (a new server's first stub does this, so
+    /dev/shm keeps one small file per running server, however the others ended)."""
+    for path in folder.glob("trtspec-caller-*"):
+        try:
+            os.kill(int(path.name.rsplit("-", 1)[1]), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+        except (ValueError, OSError):
+            continue
 
 
 def from_inside(parameters: str | None, key: str | None) -> bool:
