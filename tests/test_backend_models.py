@@ -269,3 +269,41 @@ def test_an_engine_model_answers_only_its_repositorys_bls_models(pb, tmp_path):
     for refused in (answers[0], answers[2]):
         assert refused.has_error() and refused.error().code == "INVALID_ARG"
         assert "tensorrt_llm is internal to this model repository" in refused.error().message()
+
+
+def _engine_inputs(ids=(5, 6, 7), lengths=None, out_len=2, draft=None, **extra):
+    inputs = {
+        "input_ids": np.array([list(ids)], np.int32),
+        "input_lengths": np.array([[len(ids) if lengths is None else lengths]], np.int32),
+        "request_output_len": np.array([[out_len]], np.int32),
+    }
+    if draft is not None:
+        inputs["draft_input_ids"] = np.array([list(draft)], np.int32)
+    return inputs | {k: np.array([[v]]) for k, v in extra.items()}
+
+
+ENGINE_BAD_REQUESTS = [
+    # (draft model?, inputs, expected text): what an engine model answers a malformed request
+    # of the endpoints (clients cannot reach it: test_an_engine_model_answers_only_its_repositorys_bls_models)
+    (False, _engine_inputs(ids=(5, 6, 99999)), "token id 99999 is outside the vocabulary"),
+    (False, _engine_inputs(ids=(5, -2)), "token id -2 is outside the vocabulary"),
+    (False, _engine_inputs(draft=(1, 2, 400), out_len=4), "token id 400 is outside the vocabulary"),
+    (False, _engine_inputs(draft=(1, 2, 3)), "request_output_len 2 must be at least len(draft_input_ids) + 1 = 4"),
+    (False, _engine_inputs(draft=list(range(9)), out_len=10), "9 draft tokens exceed max_draft_len 8"),
+    (False, _engine_inputs(lengths=7), "input_lengths[0] is 7"),
+    (False, _engine_inputs(out_len=0), "request_output_len must be at least 1"),
+    (False, _engine_inputs(out_len=600), "exceeds max_seq_len 512"),
+    (False, _engine_inputs(streaming=True), "streaming=true needs a decoupled model"),
+    (True, _engine_inputs(draft=(1, 2), out_len=3), "built without speculative decoding"),
+    (False, {k: v for k, v in _engine_inputs().items() if k != "input_lengths"}, "input_lengths"),
+]
+
+
+@pytest.mark.parametrize(("draft_model", "inputs", "text"), ENGINE_BAD_REQUESTS)
+def test_an_engine_model_names_what_is_wrong_with_a_request(draft_model, inputs, text):
+    def run(items):
+        raise AssertionError("never runs: the request is refused first")
+
+    limits = Limits(vocab_size=384, max_seq_len=512, max_draft_len=0 if draft_model else 8, max_batch_size=4)
+    (answer,) = EngineCore(run, limits).infer([inputs])
+    assert isinstance(answer, RequestError) and text in str(answer)
