@@ -4,6 +4,8 @@ bounded; the server process runs with an allocator that returns freed memory."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from conftest import serve_tiny
@@ -13,7 +15,7 @@ from trtspec.layout import BLS_MODEL, ENGINE_MODELS, TARGET_MODEL
 from trtspec.triton.backend.contract import UNSERVED_INPUTS
 from trtspec.triton.repository import pbtxt
 from trtspec.triton.repository.writer import write_repository
-from trtspec.triton.server.install import ALLOCATORS, find_allocator, server_env
+from trtspec.triton.server.install import ALLOCATORS, JEMALLOC_CONF, find_allocator, server_env
 from trtspec.triton.server.memory import tree_memory
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -97,6 +99,7 @@ def test_an_oversized_unserved_input_is_refused_by_shape_and_no_model_process_ke
             client.infer(BLS_MODEL, _request(_image((1, 1, 1, 64, 1 << 20))))  # 64 MiB
     for _ in range(4):
         assert client.infer(BLS_MODEL, _request()).as_numpy("output_ids").size  # still serving
+    time.sleep(3.0)  # jemalloc's own thread purges freed pages within about a second
     after = tree_memory(server.pid)
     assert before.keys() == after.keys()
     for name in before:
@@ -123,4 +126,11 @@ def test_server_env_preloads_the_allocator_once(tmp_path):
         pytest.skip("no jemalloc or tcmalloc installed")
     env = server_env(base={"PATH": "/usr/bin", "LD_PRELOAD": f"/x.so {lib}"})
     assert env["LD_PRELOAD"] == f"{lib} /x.so"
-    assert "LD_PRELOAD" not in server_env(base={"PATH": "/usr/bin"}, allocator="glibc")
+    assert env["MALLOC_CONF"] == JEMALLOC_CONF  # its own thread returns freed pages
+    assert server_env(base={"PATH": "/usr/bin", "MALLOC_CONF": "narenas:2"})["MALLOC_CONF"] == "narenas:2"
+    glibc = server_env(base={"PATH": "/usr/bin"}, allocator="glibc")
+    assert "LD_PRELOAD" not in glibc and "MALLOC_CONF" not in glibc
+    assert glibc["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "256"  # bounded either way
+    assert (
+        server_env(base={"PATH": "/usr/bin", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16"})["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "16"
+    )

@@ -37,6 +37,16 @@ _OPT_BINARY = Path("/opt/tritonserver/bin/tritonserver")
 # than glibc in the same run with Triton's gRPC object pool on (+1.1 GiB against +0.6 GiB).
 ALLOCATORS: dict[str, str] = {"jemalloc": "libjemalloc.so.2", "tcmalloc": "libtcmalloc_minimal.so.4"}
 AUTO_ALLOCATOR = "jemalloc"
+# jemalloc returns freed pages only as later allocations in the same arena run its decay, so a
+# process that goes quiet after a large request keeps them: its own thread purges them within
+# about a second instead (a refused 2 x 64 MiB left tritonserver +106 MiB four requests later).
+JEMALLOC_CONF = "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0"
+# oneDNN keeps a compiled primitive for every matmul shape the engines meet (rows x new
+# tokens x weight), 1024 by default: under varied traffic an engine stub grew steadily by this
+# cache (in process, SmolLM2 pair, soak-like batches: +60 MiB over three rounds, flat with the
+# cache off; operations.md: memory). 256 holds a decode step's shapes (up to 4 rows x 5 new
+# tokens for each weight) with room, so prefill lengths evict each other instead of adding up.
+ONEDNN_CACHE_CAPACITY = 256
 Allocator = Literal["auto", "jemalloc", "tcmalloc", "glibc"]
 _LIB_DIRS = (f"/usr/lib/{sysconfig.get_config_var('MULTIARCH') or 'x86_64-linux-gnu'}", "/usr/lib64", "/usr/lib", "/lib64")
 
@@ -204,7 +214,8 @@ def server_env(
     links ``libpython3.X.so`` dynamically, and must get the base interpreter's copy, not a
     system one of another patch level (undefined symbols), hence LIBDIR first on
     LD_LIBRARY_PATH. A relocated stub/backend also needs the wheel's bundled libraries.
-    ``allocator`` (find_allocator) goes first on LD_PRELOAD.
+    ``allocator`` (find_allocator) goes first on LD_PRELOAD; oneDNN's primitive cache is
+    bounded (ONEDNN_CACHE_CAPACITY) unless the environment sets it.
     """
     py = venv if isinstance(venv, PythonEnv) else python_env(venv)
     install = install or find_tritonserver()
@@ -215,6 +226,9 @@ def server_env(
     malloc = find_allocator(allocator)
     if malloc is not None:
         env["LD_PRELOAD"] = " ".join([str(malloc), *(p for p in env.get("LD_PRELOAD", "").split() if p != str(malloc))])
+        if malloc.name == ALLOCATORS["jemalloc"]:
+            env.setdefault("MALLOC_CONF", JEMALLOC_CONF)  # a user's own setting wins
+    env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))  # a user's own setting wins
     return env
 
 
