@@ -72,6 +72,14 @@ def test_frequency_picks_the_majority_continuation_and_min_token_prob_cuts_the_d
     assert strict.drafts([ctx], [4])[0].tokens == []  # 2/3 < 0.7: nothing is confident enough
 
 
+def test_a_lone_last_token_matches_where_its_pair_never_occurred():
+    d = SuffixDrafter(SuffixSpec())
+    # 7 followed 0 and 5 before; the pair (6, 7) never occurred, so the two 7s vote: a tie,
+    # won by the latest (9). Token 0 before a token must not count as that token's own entry.
+    (draft,) = d.drafts([[0, 7, 8, 5, 7, 9, 6, 7]], [4])
+    assert (draft.tokens, draft.match, draft.score) == ([9], 1, 0.5)
+
+
 def test_no_match_no_draft():
     d = SuffixDrafter(SuffixSpec())
     assert d.propose([[1, 2, 3, 4, 5]], [4]) == [[]]

@@ -134,7 +134,7 @@ class SuffixSpec(_Strict):
     cache_responses: Annotated[int, Field(ge=0, le=1_000_000)] = 1000
     # The cache's memory cap, in tokens (about suffix.BYTES_PER_TOKEN bytes each); the oldest
     # responses are evicted first.
-    cache_tokens: Annotated[int, Field(ge=2, le=1 << 26)] = 262_144
+    cache_tokens: Annotated[int, Field(ge=2, le=1 << 26)] = 131_072
     # Layered on a model draft: rows whose suffix match is at least this long take the suffix
     # draft, the others the model's (TensorRT-LLM sa_config.threshold).
     threshold: Annotated[int, Field(ge=2, le=64)] = 4

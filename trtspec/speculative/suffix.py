@@ -3,8 +3,9 @@
 Two indexes answer "where did the context's last tokens occur before, and what followed":
 each request's own prompt + output (``TokenIndex``, grown as the request decodes) and, per
 deployment, the outputs of earlier requests (``ResponseCache``, bounded in tokens and in
-responses, oldest evicted first). An occurrence is a *candidate* when at least the last two
-tokens match; its match length is how far back the match goes (at most ``max_depth``).
+responses, oldest evicted first). An occurrence is a *candidate* when the context's last two
+tokens match (its last token, where that pair never occurred); its match length is how far
+back the match goes (at most ``max_depth``).
 
 A proposal is scored by match length and frequency, as the paper does: for a match length L,
 the candidates matching at least L tokens vote on the next token; the draft follows the
@@ -34,9 +35,9 @@ from trtspec.speculative.metrics import SourceCounts
 
 # What one cached token costs, index included, at most (measured by tests/test_suffix.py with
 # tracemalloc; the cache may hold up to twice its live tokens between compactions).
-BYTES_PER_TOKEN = 160
+BYTES_PER_TOKEN = 280
 _SEPARATOR = -1  # between cached responses: no match or continuation crosses it
-_MAX_CANDIDATES = 64  # latest occurrences of the last two tokens examined per index
+_MAX_CANDIDATES = 64  # latest occurrences examined per index
 _MAX_SESSIONS = 1024  # per-request indexes kept for requests never released (safety bound)
 SUFFIX, MODEL = "suffix", "model"  # draft sources, as SourceCounts and the metrics name them
 
@@ -53,48 +54,53 @@ class SuffixDraft:
 
 
 def _key(a: int, b: int) -> int:
-    return (a << 32) | (b & 0xFFFFFFFF)
+    """A pair's key: >= 2**32, apart from every single token's (a token id, or -1)."""
+    return ((a + 2) << 32) | (b & 0xFFFFFFFF)
 
 
 class TokenIndex:
-    """A token stream and, for every pair of adjacent tokens, the positions where it ends."""
+    """A token stream and, for every token and every pair of adjacent tokens, the positions
+    where it ends."""
 
     __slots__ = ("tokens", "at")
 
     def __init__(self, tokens: Sequence[int] = ()):
         self.tokens: list[int] = []
-        self.at: dict[int, array] = {}
+        self.at: dict[int, array] = {}  # a token (>= 0) or a pair (_key) -> end positions
         self.extend(tokens)
 
     def extend(self, tokens: Sequence[int]) -> None:
         t, at = self.tokens, self.at
         for x in tokens:
             t.append(x)
-            if len(t) >= 2:
-                k = _key(t[-2], x)
+            keys = (x, _key(t[-2], x)) if len(t) >= 2 else (x,)
+            for k in keys:
                 pos = at.get(k)
                 if pos is None:
                     at[k] = array("i", (len(t) - 1,))
                 else:
                     pos.append(len(t) - 1)
 
-    def candidates(self, ctx: list[int], max_depth: int, limit: int) -> list[tuple[int, int]]:
+    def candidates(self, ctx: list[int], max_depth: int, limit: int, start: int = 0) -> list[tuple[int, int]]:
         """(match length, end position) of the latest occurrences of ctx's last two tokens
-        that end before ``limit`` and have a token after them."""
-        if len(ctx) < 2:
-            return []
-        pos = self.at.get(_key(ctx[-2], ctx[-1]))
-        if not pos:
+        (of its last token where the pair never occurred) within [start, limit) that have a
+        token after them; a match does not reach back before ``start``."""
+        if not ctx:
             return []
         t, out, n = self.tokens, [], len(ctx)
-        for p in reversed(pos):
-            if p >= limit or p + 1 >= len(t):
-                continue
-            m = 2
-            while m < max_depth and m < n and p - m >= 0 and t[p - m] == ctx[n - 1 - m]:
-                m += 1
-            out.append((m, p))
-            if len(out) >= _MAX_CANDIDATES:
+        for key, m0 in ((_key(ctx[-2], ctx[-1]), 2), (ctx[-1], 1)) if n >= 2 else ((ctx[-1], 1),):
+            for p in reversed(self.at.get(key, ())):
+                if p >= limit or p + 1 >= len(t):
+                    continue
+                if p - m0 + 1 < start:
+                    break  # positions only fall from here
+                m = m0
+                while m < max_depth and m < n and p - m >= start and t[p - m] == ctx[n - 1 - m]:
+                    m += 1
+                out.append((m, p))
+                if len(out) >= _MAX_CANDIDATES:
+                    break
+            if out:
                 break
         return out
 
@@ -129,13 +135,8 @@ class ResponseCache:
             self.start = 0
 
     def candidates(self, ctx: list[int], max_depth: int) -> list[tuple[int, int]]:
-        """As TokenIndex.candidates, over live responses only (a match is cut where they begin)."""
-        out = []
-        for m, p in self.index.candidates(ctx, max_depth, len(self.index.tokens)):
-            m = min(m, p - self.start + 1)
-            if m >= 2:
-                out.append((m, p))
-        return out
+        """As TokenIndex.candidates, over live responses only."""
+        return self.index.candidates(ctx, max_depth, len(self.index.tokens), self.start)
 
 
 class SuffixDrafter:
@@ -240,7 +241,7 @@ class SuffixDrafter:
         best = SuffixDraft([])
         # Each candidate's match length, and that length cut to leave k tokens under max_depth
         # (a match too long to draft after still drafts as a shorter one).
-        cap = max(2, s.max_depth - k)
+        cap = max(1, s.max_depth - k)
         for length in sorted({m for m, _, _ in cands} | {min(m, cap) for m, _, _ in cands}, reverse=True):
             # The longest matches may leave no room under max_depth; shorter ones still may.
             n_max = min(k, int(s.spec_factor * length), s.max_depth - length)
