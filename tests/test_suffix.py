@@ -328,6 +328,9 @@ def test_tiny_deployment_keeps_one_bounded_cache_across_calls(built):
         dep.generate([dep.request(dep.encode(prompt), 40)])
         assert dep.suffix_cache.live_tokens <= 64 and len(dep.suffix_cache.sizes) <= 2
     assert dep.suffix_cache.live_tokens > 0  # outputs of earlier calls are there for later ones
+    # Comparisons (verify, bench) start cold: no prompt drafts from its own earlier run.
+    dep.forget_prefixes()
+    assert dep.suffix_cache.live_tokens == 0 and not dep.suffix_cache.sizes
     apart = built(None, **{"speculative.method": "suffix", "speculative.suffix.cache_responses": 0})
     assert apart.suffix_cache is None
 

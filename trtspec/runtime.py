@@ -122,9 +122,13 @@ class Deployment:
 
     def forget_prefixes(self) -> None:
         """Empty every engine's prefix cache. Timed comparisons call this before each run:
-        otherwise the second path on a prompt reuses the first path's prefill."""
+        otherwise the second path on a prompt reuses the first path's prefill. The suffix cache
+        of earlier responses is emptied for the same reason: a prompt must not draft from its
+        own output of an earlier run (verify's warm-up, another path or round)."""
         for engine in self.engines.values():
             engine.forget_prefixes()
+        if self.suffix_cache is not None:
+            self.suffix_cache.clear()
         if self.head is not None:
             self.head.pool.forget()
 

@@ -121,6 +121,11 @@ class ResponseCache:
     def live_tokens(self) -> int:
         return len(self.index.tokens) - self.start
 
+    def clear(self) -> None:
+        """Forget every response (comparisons start cold: see Deployment.forget_prefixes)."""
+        self.index, self.start = TokenIndex(), 0
+        self.sizes.clear()
+
     def add(self, tokens: Sequence[int]) -> None:
         """Remember one response (a longer one than the cap keeps its last tokens)."""
         if self.max_responses <= 0 or self.max_tokens <= 1 or not tokens:
