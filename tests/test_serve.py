@@ -867,6 +867,21 @@ def test_bench_url_measures_served_repository(served, deployment, tmp_path):
     assert [p["concurrency"] for p in data["concurrency"]] == [1, 2]
 
 
+def test_bench_url_without_a_readable_caller_key_measures_all_but_step_costs(served, deployment, tmp_path, monkeypatch):
+    """The engine models answer only the repository's own models: a bench that cannot read this
+    server's caller key (another user's or machine's server) says so and measures the rest."""
+    from trtspec.triton.backend import callers
+
+    monkeypatch.setattr(callers, "local_keys", lambda folder=callers.SHM: [])
+    loaded, _ = deployment
+    args = ["bench", str(loaded.path), "--url", served.grpc_endpoint, "-p", PROMPTS[0], "--max-tokens", "8"]
+    result = CliRunner().invoke(app, [*args, "--sweep", "none", "-c", "1", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "step costs not measured" in result.output
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["complete"] and data["costs"] is None and data["target"]["tokens"] == data["speculative"]["tokens"] == 8
+
+
 def test_bench_url_unreachable_exit_2(deployment):
     loaded, _ = deployment
     (port,) = free_ports(1)

@@ -59,14 +59,23 @@ class GrpcBench:
         return RequestTiming(len(ids), first[0] if first else None, time.perf_counter() - start, metrics if speculative else None)
 
 
-def measure_grpc_costs(url: str, k: int, repeats: int = 7, context: int = 64):
+def measure_grpc_costs(url: str, k: int, repeats: int = 7, context: int = 64) -> Costs | None:
     """Step costs measured through the served engine models (gRPC overhead included):
-    a target decode step, a draft decode step, and a target forward verifying k drafts."""
+    a target decode step, a draft decode step, and a target forward verifying k drafts.
+
+    The engine models answer only the repository's own models (triton/backend/callers.py), so
+    this works against a server on this machine whose caller key this user can read (one it
+    started); for any other server it says so and returns None (the rest of the bench runs)."""
     import statistics
 
     import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    from trtspec import console
+    from trtspec.triton.backend.callers import CALLER_PARAMETER, local_keys
 
     client = grpcclient.InferenceServerClient(url)
+    parameters: dict[str, str] | None = None
 
     def call(model: str, ids: list[int], out_len: int, draft: list[int] | None = None) -> float:
         def t(name, arr):
@@ -82,8 +91,24 @@ def measure_grpc_costs(url: str, k: int, repeats: int = 7, context: int = 64):
         if draft:
             inputs.append(t("draft_input_ids", np.array([draft])))
         start = time.perf_counter()
-        client.infer(model, inputs)
+        client.infer(model, inputs, parameters=parameters)
         return time.perf_counter() - start
+
+    for key in [None, *local_keys()]:  # which key (if any) this server takes
+        parameters = {CALLER_PARAMETER: key} if key else None
+        try:
+            call(TARGET_MODEL, [10, 11], 1)
+            break
+        except InferenceServerException as err:
+            if "internal to this model repository" not in str(err):
+                raise
+    else:
+        console.info(
+            f"step costs not measured: the engine models of {url} answer only its own endpoints, and no caller key "
+            "of a server on this machine is readable here (run the bench as the user who started the server, on its "
+            "machine); tokens/s, latency and acceptance are measured as usual"
+        )
+        return None
 
     def timed(model: str, n_new: int) -> float:
         times = []

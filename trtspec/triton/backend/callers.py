@@ -56,6 +56,20 @@ def server_key(server_pid: int | None = None, folder: Path = SHM) -> str | None:
         os.close(fd)  # also releases the lock
 
 
+def local_keys(folder: Path = SHM) -> list[str]:
+    """The caller keys of the running servers on this machine whose key files this user can read
+    (``trtspec bench --url`` times the engine models of a server it started itself)."""
+    keys = []
+    for path in sorted(folder.glob("trtspec-caller-*")):
+        try:
+            key = path.read_text(encoding="ascii").strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if key:
+            keys.append(key)
+    return keys
+
+
 def _forget_dead(folder: Path) -> None:
     """Remove the key files of servers that are gone (a new server's first stub does this, so
     /dev/shm keeps one small file per running server, however the others ended)."""
