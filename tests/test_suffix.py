@@ -508,3 +508,23 @@ def test_load_aware_schedule_caps_suffix_drafts():
     assert longest == 2  # two sequences at once: the schedule's k
     assert all(r.output_ids == greedy(NoDrafter(), [1, 2, 3], 40).output_ids for r in results)
     assert max(len(h) for h in [r.metrics.histogram for r in results]) <= 3 and results[0].metrics.accepted > 0
+
+
+def test_acceptance_replay_counts_what_the_loop_counts_against_the_target():
+    """bench/acceptance_replay.py answers drafts from recorded target-only outputs: its counts
+    equal those of the loop run against the target itself."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "acceptance_replay.py"
+    spec = importlib.util.spec_from_file_location("acceptance_replay", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    prompts = [[1, 2, 3], [5, 11, 12, 13, 9]]
+    runs = [
+        {"prompt_ids": p, "output_ids": greedy(NoDrafter(), p, 40).output_ids, "end": None, "finish": "length"} for p in prompts
+    ]
+    row = mod.replay(runs, lambda: SuffixDrafter(SuffixSpec()), 8)
+    real = [greedy(SuffixDrafter(SuffixSpec()), p, 40, k=8).metrics for p in prompts]
+    assert (row["drafted"], row["accepted"]) == (sum(m.drafted for m in real), sum(m.accepted for m in real)) != (0, 0)
+    assert row["tokens_per_forward"] == round(sum(m.tokens for m in real) / sum(m.target_forwards for m in real), 3)
