@@ -180,6 +180,8 @@ def test_served_suffix_streams_batches_and_cancels_with_target_only_tokens(serve
     samples = scrape(server.metrics_url)
     assert total(samples, "trtspec_source_draft_tokens_total", source="suffix") > 0
     assert total(samples, "trtspec_source_accepted_tokens_total", source="suffix") > 0
+    held = total(samples, "trtspec_suffix_cache_tokens")
+    assert 0 < held <= 2 * SuffixSpec().cache_tokens  # the outputs answered so far, within the cap
     assert not [n for n in samples if re.search("source", n) and not n.startswith("trtspec_source_")]
 
 

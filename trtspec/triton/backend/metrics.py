@@ -25,6 +25,8 @@ Definitions (one "step" = one target forward of one sequence, as in speculative/
                                         (suffix decoding: suffix; layered on a model draft: suffix | model)
   trtspec_source_accepted_tokens_total  counter, label ``source``: of those, the ones the target accepted
                                         (counted when the request's next step or its end shows them)
+  trtspec_suffix_cache_tokens           gauge: tokens the instance's cache of earlier responses holds
+                                        (live + evicted not yet compacted; <= 2 x suffix.cache_tokens)
 
 acceptance rate = rate(accepted) / rate(drafted) (per source: the source_* pair); mean acceptance length =
 rate(acceptance_length_sum) / rate(acceptance_length_count).
@@ -119,6 +121,7 @@ class EndpointMetrics:
         self._sink, self._labels = sink, labels
         self._by_source: dict[str, tuple[Counter, Counter]] = {}
         self._seen: dict[str, tuple[int, int]] = {}  # source -> (drafted, accepted) already counted
+        self._cache_tokens: Gauge | None = None  # made on first use: only suffix endpoints have a cache
 
     def step(self, counts: StepCounts) -> None:
         """One loop step. ``counts`` may be any object with StepCounts' fields."""
@@ -143,6 +146,14 @@ class EndpointMetrics:
     def load(self, active: int, queued: int) -> None:
         self.active.set(active)
         self.queued.set(queued)
+
+    def suffix_cache(self, tokens: int) -> None:
+        """The instance's suffix cache holds ``tokens`` tokens (its stream, evicted ones included)."""
+        if self._cache_tokens is None:
+            self._cache_tokens = self._sink.gauge(
+                PREFIX + "suffix_cache_tokens", "Tokens held by the cache of earlier responses.", self._labels
+            )
+        self._cache_tokens.set(tokens)
 
     def sources(self, counts) -> None:
         """Bring the per-source counters up to ``counts`` (a speculative.metrics.SourceCounts

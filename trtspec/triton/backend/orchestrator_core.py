@@ -484,6 +484,8 @@ class Orchestrator:
             self.metrics.k.set(stats.asked_k)
         self.metrics.load(active=stats.held, queued=stats.queued)
         self.metrics.sources(self.sources)
+        if self.suffix_cache is not None:
+            self.metrics.suffix_cache(len(self.suffix_cache.index.tokens))
         for reason, tokens in stats.ended:
             self.metrics.finished(reason, tokens)  # None (failed) counts as error
         if stats.unsent:
