@@ -248,7 +248,7 @@ def test_ngram_is_refused_by_the_engine_runtime(tmp_path):
     assert str(info.value) == (
         f"{path}: (top level): speculative.method ngram: trtllm.runtime engine builds "
         "draft_target pairs only; use trtllm.runtime: llmapi (needs TensorRT-LLM 1.2.x "
-        "(trtllm.line: '1.2') or 1.3 and later (trtllm.line: '1.3+')) for draft_target, eagle3, ngram"
+        "(trtllm.line: '1.2') or 1.3 and later (trtllm.line: '1.3+')) for draft_target, eagle3, ngram, suffix"
     )
 
 
