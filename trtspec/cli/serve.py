@@ -62,7 +62,8 @@ def serve(
     if dry_run:
         console.out.print(" ".join(server.shown_argv()))
         env = server.env or {}
-        for key in ["PATH", "LD_LIBRARY_PATH", *sorted(k for k in env if k.startswith("TRTLLM_"))]:
+        shown = ["PATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "MALLOC_CONF", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"]  # install.server_env
+        for key in [*shown, *sorted(k for k in env if k.startswith("TRTLLM_"))]:
             console.out.print(f"{key}={env.get(key, os.environ.get(key, ''))}")
         if t.loaded is not None:
             console.out.print(f"repository (not written in a dry run): {t.repo_dir}")
