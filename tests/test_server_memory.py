@@ -16,7 +16,10 @@ CHILD = """
 import mmap, os, sys, time
 from pathlib import Path
 go, done = Path(sys.argv[1]), Path(sys.argv[2])
+deadline = time.monotonic() + 60  # never outlive a test that failed before "go"
 while not go.exists():
+    if time.monotonic() > deadline:
+        sys.exit(1)
     time.sleep(0.02)
 heap = bytearray(64 << 20)
 for i in range(0, len(heap), 4096):
