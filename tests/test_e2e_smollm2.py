@@ -40,5 +40,5 @@ def test_demo_spec_builds_and_verifies_identical(tmp_path):
     assert result["prompts"] >= 5 and result["identical"] is True
     for p in result["results"]:
         assert p["target_ids"] == p["spec_ids"] and len(p["target_ids"]) > 0
-    # A precision-paired draft agrees most of the time; a broken pairing would not.
+    # A draft of the target's own 4-bit blocks agrees most of the time; a broken pairing would not.
     assert result["metrics"]["acceptance_rate"] > 0.8

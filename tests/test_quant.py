@@ -266,7 +266,7 @@ def test_demo_gguf_blocks_run_exactly_in_a_float32_engine(tmp_path):
 
     pytest.importorskip("gguf")
     gguf = find_gguf()
-    data = yaml.safe_load((ROOT / "engine_specs" / "smollm2-135m-cpu-int4.yaml").read_text())
+    data = yaml.safe_load((ROOT / "engine_specs" / "smollm2-135m-cpu.yaml").read_text())
     for role in ("target", "draft"):
         data[role]["path"] = str(gguf.parent)
     data["draft"]["dtype"] = "float32"
