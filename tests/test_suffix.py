@@ -8,6 +8,7 @@ import tracemalloc
 
 import pytest
 import torch
+from test_sampling import joint_p_value
 
 from trtspec.spec import SuffixSpec
 from trtspec.speculative.drafters import LayeredDrafter, make_drafter, response_cache
@@ -252,15 +253,7 @@ def _joint_p_value(drafter_factory, n=2000, t=4) -> tuple[float, int]:
     probs = p[prompt[-1]]
     for _ in range(t - 1):
         probs = probs.unsqueeze(-1) * p[torch.arange(V)].view(*([1] * (probs.dim() - 1)), V, V)
-    expected = (probs * n).flatten()
-    observed = counts.flatten()
-    big = expected >= 5
-    e = torch.cat([expected[big], expected[~big].sum().view(1)])
-    o = torch.cat([observed[big], observed[~big].sum().view(1)])
-    keep = e > 0
-    chi2 = float(((o[keep] - e[keep]) ** 2 / e[keep]).sum())
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), torch.tensor(chi2 / 2.0))), accepted
+    return joint_p_value(counts, probs), accepted
 
 
 @pytest.mark.parametrize(
