@@ -147,18 +147,23 @@ def test_pod_command_serves_the_probes_and_exports_the_hpa_metric(tmp_path, tiny
         metrics_url = f"http://127.0.0.1:{annotations['prometheus.io/port']}{annotations['prometheus.io/path']}"
         batch = loaded.spec.build.max_batch_size
         threads = _saturate(f"127.0.0.1:{grpc}", 3 * batch, 200)
-        seen = {QUEUE_METRIC: 0.0, ACTIVE_METRIC: 0.0, "nv_inference_pending_request_count": 0.0}
+        names = (QUEUE_METRIC, ACTIVE_METRIC, "nv_inference_pending_request_count")
+        seen = {name: 0.0 for name in names}
+        queued = None  # the last scrape while a batch's worth waited in the scheduler
         while any(t.is_alive() for t in threads):
             page = _get(metrics_url)[1]
-            for name in seen:
-                seen[name] = max(seen[name], _gauge(page, name, models))
+            now = {name: _gauge(page, name, models) for name in names}
+            seen = {name: max(seen[name], now[name]) for name in names}
+            if now[QUEUE_METRIC] >= batch:
+                queued = now
             time.sleep(0.05)
         assert seen[ACTIVE_METRIC] == batch, seen  # a full batch decoding
         assert seen[QUEUE_METRIC] >= batch, seen  # the rest waiting
         # Why the HPA cannot use Triton's count: execute() takes each request at once, so it counts
-        # at most the requests caught between arrival and execute() (a loaded machine showed 1),
-        # never the scheduler's queue.
-        assert seen["nv_inference_pending_request_count"] < seen[QUEUE_METRIC], seen
+        # only the requests caught between arrival and execute() (the burst's first moments, up to
+        # all of them on a fast machine), never the scheduler's queue, which holds them for the
+        # rest of the run.
+        assert queued["nv_inference_pending_request_count"] < queued[QUEUE_METRIC], queued
         assert float(active["target"]["averageValue"]) < seen[ACTIVE_METRIC]  # so the HPA scales up
         assert float(queue["target"]["averageValue"]) <= seen[QUEUE_METRIC]
         idle = _get(metrics_url)[1]

@@ -88,6 +88,22 @@ def test_the_pool_is_resized_only_when_the_count_changes():
     assert len(m.applied) <= 5
 
 
+def test_pinned_work_runs_at_the_full_count_whatever_the_neighbour():
+    # training: a count changed by a probe mid-run changes the weights' last bits
+    m = Machine()
+    gov = make(m)
+    m.neighbour = True
+    for _ in range(10):
+        m.run(gov)
+    assert gov.current == 1
+    for _ in range(5):
+        with gov.pinned() as n:
+            assert n == 2
+            m.now += 0.05
+    assert m.applied[-1] == 2 and gov.current == 1  # pinned work is not timed
+    assert m.run(gov) == 1 and m.applied[-1] == 1  # the engine's next forward gets its count back
+
+
 def test_one_core_means_one_thread_and_nothing_to_probe():
     m = Machine()
     gov = make(m, most=1)

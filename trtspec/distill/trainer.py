@@ -114,8 +114,9 @@ class Trainer:
                     gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + step)
                     idx = torch.randint(len(train_s), (min(opts.batch_size, len(train_s)),), generator=gen).tolist()
                     batch = collate([train_s[i] for i in idx], opts.max_len, self.store, soft=soft)
-                    # On the CPU the step's threads follow the cores a neighbour leaves free.
-                    with threads.governor().forward("train") if on_cpu else contextlib.nullcontext():
+                    # One thread count for every step, so a run's weights do not depend on timing
+                    # (a resumed run equals an uninterrupted one); generation follows a neighbour.
+                    with threads.governor().pinned() if on_cpu else contextlib.nullcontext():
                         loss = self.step_loss(to_device(batch, self.device))
                         self.optim.zero_grad()
                         loss.backward()

@@ -168,6 +168,19 @@ class Governor:
         yield n
         self.record(n, key, self.clock() - start)
 
+    @contextlib.contextmanager
+    def pinned(self) -> Iterator[int]:
+        """Run untimed work at the full count, whatever the governor chose: work whose numbers
+        must not depend on timing. CPU kernels split their reductions by thread count (a
+        training step's weight gradients differ in the last bits between 1 and 2 threads), so
+        a probe in the middle of training would make a run differ from the same run resumed."""
+        n = self.counts[0]
+        with self._lock:
+            if n != self.applied:
+                self.set_threads(n)
+                self.applied = n
+        yield n
+
 
 class _Fixed:
     """A fixed count (``TRTSPEC_THREADS=N``): set once, never changed."""
@@ -180,6 +193,10 @@ class _Fixed:
 
     @contextlib.contextmanager
     def forward(self, key: Hashable) -> Iterator[int]:
+        yield self.current
+
+    @contextlib.contextmanager
+    def pinned(self) -> Iterator[int]:
         yield self.current
 
 
