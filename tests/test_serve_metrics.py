@@ -10,22 +10,50 @@ from __future__ import annotations
 import re
 import urllib.request
 from collections import defaultdict
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
 from test_loop import NoisyDrafter, OracleVerifier, PerfectDrafter
 from test_triton_cores import PROMPTS, _orchestrator, _request
 
-from trtspec.speculative.loop import GenerationRequest, NoDrafter, Verdict, generate
+from trtspec.speculative.loop import GenerationRequest, NoDrafter, Verdict, Verifier, accepted_prefix, generate
 from trtspec.speculative.metrics import SpecMetrics, metrics_from_json
 from trtspec.triton.backend.metrics import (
     EndpointMetrics,
     MemorySink,
-    MeteredVerifier,
     StepCounts,
     TritonSink,
     acceptance_buckets,
 )
+
+
+class MeteredVerifier:
+    """A verifier that reports each step to ``metrics``: the loop calls verify() exactly
+    once per step, with every active sequence's context and draft (greedy requests: the
+    accepted count is the loop's own rule, loop.accepted_prefix)."""
+
+    def __init__(self, inner: Verifier, metrics: EndpointMetrics, k: int):
+        self.inner = inner
+        self.metrics = metrics
+        self.k = k  # the draft length the batch's requests ask for
+
+    def verify(self, contexts: Sequence[list[int]], drafts: Sequence[list[int]], **asks) -> list[Verdict]:
+        verdicts = self.inner.verify(contexts, drafts, **asks)  # want_logits, context_phase: as the loop asked
+        each, extra = [], 0
+        for d, v in zip(drafts, verdicts):
+            n = accepted_prefix(d, v)
+            if d:
+                each.append(n)
+            if v.continued:  # the loop keeps these tokens, one target decode step each
+                extra += len(v.target_ids) - (n + 1)
+        drafted = sum(len(d) for d in drafts)
+        self.metrics.step(StepCounts(len(contexts), drafted, sum(each), each, self.k if drafted else 0, extra))
+        return verdicts
+
+    def __getattr__(self, name: str):  # whatever else the loop reads from the verifier
+        return getattr(self.inner, name)
+
 
 LABELS = {"model": "m", "mode": "speculative", "instance": "m_0"}
 

@@ -17,6 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from trtspec.cli.app import app
+from trtspec.engines import build
 from trtspec.engines.trtllm import build as trtllm_build
 from trtspec.engines.trtllm.checks import check_model
 from trtspec.engines.trtllm.commands import Command
@@ -146,7 +147,7 @@ def write_spec(tmp_path: Path, target: str, draft: str, extra: str = "", target_
 
 def dry_run_error(path: Path) -> TrtspecError:
     with pytest.raises(TrtspecError) as info:
-        trtllm_build.print_plan(load_spec(path), path.parent / "out", False)
+        build.dry_run(load_spec(path), path.parent / "out", False)  # what `build --dry-run` runs
     assert info.value.exit_code == 2
     return info.value
 

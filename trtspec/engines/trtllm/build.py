@@ -97,19 +97,6 @@ def _commands(spec, families, layout: Layout, units: list[UnitPlan]) -> list[Com
     return plan_commands(spec, families, layout, todo)
 
 
-# --------------------------------------------------------------------------------------------
-# dry run
-# --------------------------------------------------------------------------------------------
-
-
-def print_plan(loaded: LoadedSpec, out_dir: Path, force: bool) -> BuildPlan:
-    """The dry run: check the spec against each model's config and list every command.
-
-    Needs no tensorrt_llm and no weights: Hub models contribute only config and tokenizer files.
-    """
-    return BACKEND.dry_run(loaded, plan(loaded, out_dir, force))
-
-
 def _config_folder(loaded: LoadedSpec, role: str) -> Path:
     """A folder with the role's config.json (and tokenizer if any), without weights."""
     model = loaded.spec.models()[role]

@@ -16,7 +16,6 @@ files are parsed back before the folder is renamed into place.
 from __future__ import annotations
 
 import json
-import shlex
 import shutil
 import tempfile
 from pathlib import Path
@@ -323,49 +322,6 @@ def read_manifest(folder: Path, spec: EngineSpec) -> LlmapiManifest:
         raise EngineError(f"{folder} was built from a different spec; {REBUILD}")
     check_files(folder, m.files)
     return m
-
-
-def serve_commands(spec: EngineSpec, folder: Path, host: str = "127.0.0.1", port: int = 8000) -> dict[str, str]:
-    """The trtllm-serve and trtllm-bench command lines for the written files (for README/CLI).
-
-    trtllm-serve: --extra_llm_api_options takes the YAML (tensorrt_llm/commands/serve.py);
-    trtllm-bench: the same option on `throughput` (docs: trtllm-bench reference).
-    """
-    m = read_manifest(folder, spec)
-    model = m.checkpoints["target"]
-    out = {}
-    for label, name in (("speculative", SPECULATIVE), ("control", CONTROL)):
-        out[f"serve {label}"] = shlex.join(
-            [
-                "trtllm-serve",
-                model,
-                "--host",
-                host,
-                "--port",
-                str(port),
-                "--backend",
-                "pytorch",
-                "--extra_llm_api_options",
-                str(folder / name),
-            ]
-        )
-        out[f"bench {label}"] = shlex.join(
-            [
-                "trtllm-bench",
-                "--model",
-                spec.target.source_id,
-                "--model_path",
-                model,
-                "throughput",
-                "--backend",
-                "pytorch",
-                "--dataset",
-                "DATASET.jsonl",
-                "--extra_llm_api_options",
-                str(folder / name),
-            ]
-        )
-    return out
 
 
 def dry_run(loaded: LoadedSpec, output_dir: Path, force: bool = False) -> BuildPlan:

@@ -171,10 +171,6 @@ def _values(inputs: Mapping[str, np.ndarray], name: str) -> np.ndarray | None:
     return None if x is None else np.asarray(x).reshape(-1)
 
 
-def _strings(x: np.ndarray) -> list[str]:
-    return [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in x]
-
-
 def unsupported(feature: str, fix: str) -> RequestError:
     return RequestError(f"{feature} is not supported by trtspec; {fix}")
 

@@ -41,8 +41,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from trtspec.speculative.loop import Verdict, Verifier, accepted_prefix
-
 PREFIX = "trtspec_"
 FINISH_REASONS = ("length", "eos", "stop", "cancelled", "error")
 
@@ -175,33 +173,6 @@ class EndpointMetrics:
             if accepted > seen_a:
                 c_a.increment(accepted - seen_a)
             self._seen[source] = (drafted, accepted)
-
-
-class MeteredVerifier:
-    """A verifier that reports each step to ``metrics``: the loop calls verify() exactly
-    once per step, with every active sequence's context and draft (greedy requests: the
-    accepted count is the loop's own rule, loop.accepted_prefix)."""
-
-    def __init__(self, inner: Verifier, metrics: EndpointMetrics, k: int):
-        self.inner = inner
-        self.metrics = metrics
-        self.k = k  # the draft length the batch's requests ask for
-
-    def verify(self, contexts: Sequence[list[int]], drafts: Sequence[list[int]], **asks) -> list[Verdict]:
-        verdicts = self.inner.verify(contexts, drafts, **asks)  # want_logits, context_phase: as the loop asked
-        each, extra = [], 0
-        for d, v in zip(drafts, verdicts):
-            n = accepted_prefix(d, v)
-            if d:
-                each.append(n)
-            if v.continued:  # the loop keeps these tokens, one target decode step each
-                extra += len(v.target_ids) - (n + 1)
-        drafted = sum(len(d) for d in drafts)
-        self.metrics.step(StepCounts(len(contexts), drafted, sum(each), each, self.k if drafted else 0, extra))
-        return verdicts
-
-    def __getattr__(self, name: str):  # whatever else the loop reads from the verifier
-        return getattr(self.inner, name)
 
 
 # -- sinks ------------------------------------------------------------------------------------

@@ -96,11 +96,6 @@ def _admin_key() -> str:
     return os.environ.get(ADMIN_KEY_ENV) or secrets.token_urlsafe(24)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now on ``host`` (another process may still take it later)."""
-    return free_ports(1, host)[0]
-
-
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """``count`` distinct free ports; the sockets stay open until all are chosen."""
     sockets = []
