@@ -276,3 +276,73 @@ def test_max_response_mb_is_bounded_by_what_one_grpc_message_can_hold(tmp_path):
     msg = _error(tmp_path, _with(serve__max_response_mb=65_536))
     assert "serve.max_response_mb" in msg and "one gRPC message" in msg and "set at most 2047" in msg
     assert load_spec(_write(tmp_path, _with(serve__max_response_mb=2047))).spec.serve.max_response_mb == 2047
+
+
+# --- speculative.tree: a static choice list or an EAGLE-2 dynamic tree, one error per problem
+
+
+def _tree(tree, **speculative):
+    return _with(speculative={"method": "eagle3", "max_draft_len": 3, "tree": tree} | speculative)
+
+
+def test_a_static_tree_is_kept_breadth_first(tmp_path):
+    spec = load_spec(_write(tmp_path, _tree({"choices": [[0, 0], [1], [0]]}))).spec
+    tree = spec.speculative.tree
+    assert tree.choices == ((0,), (1,), (0, 0))  # by depth, then path: vLLM's and TensorRT-LLM's order
+    assert (tree.node_count, tree.depth(spec.speculative.max_draft_len)) == (3, 2)
+
+
+def test_a_dynamic_tree_reaches_max_draft_len(tmp_path):
+    spec = load_spec(_write(tmp_path, _tree({"dynamic": {"top_k": 4, "nodes": 8}}))).spec
+    assert (spec.speculative.tree.node_count, spec.speculative.tree.depth(3)) == (8, 3)
+
+
+@pytest.mark.parametrize(
+    ("tree", "speculative", "needle"),
+    [
+        ({"choices": []}, {}, "speculative.tree.choices: no nodes: list each drafted node's path"),
+        ({"choices": [[0], [1], [0]]}, {}, "speculative.tree.choices: [0] is listed twice; list each node once"),
+        ({"choices": [[0], [1, 0]]}, {}, "speculative.tree.choices: [1, 0] has no parent: add [1] or remove it"),
+        ({"choices": [[0], []]}, {}, "speculative.tree.choices: [] names the root, which is the last accepted token"),
+        ({"choices": [[0], [-1]]}, {}, "speculative.tree.choices: [-1]: child ranks run from 0 to 15"),
+        ({"choices": [[0], [0, 0]]}, {}, "is one branch, a chain: remove speculative.tree and set max_draft_len: 2"),
+        (
+            {"choices": [[0], [1], [0, 0], [0, 0, 0], [0, 0, 0, 0]]},
+            {},
+            "speculative: tree.choices: paths 4 deep, beyond max_draft_len (3); raise max_draft_len",
+        ),
+        (
+            {
+                "choices": [[i] for i in range(16)]
+                + [[0, i] for i in range(16)]
+                + [[1, i] for i in range(16)]
+                + [[2, i] for i in range(16)]
+                + [[3, 0]]
+            },
+            {},
+            "65 nodes; a tree verifies at most 64",
+        ),
+        ({}, {}, "speculative.tree: give exactly one shape: `choices`"),
+        ({"choices": [[0], [1]], "dynamic": {"top_k": 2, "nodes": 4}}, {}, "speculative.tree: give exactly one shape"),
+        ({"dynamic": {"top_k": 1, "nodes": 3}}, {}, "tree.dynamic.top_k: top_k 1 drafts one branch, a chain"),
+        ({"dynamic": {"top_k": 2, "nodes": 7}}, {}, "tree.dynamic.nodes (7) must lie between max_draft_len (3)"),
+        ({"dynamic": {"top_k": 2, "nodes": 2}}, {}, "and top_k x max_draft_len (6)"),
+        ({"dynamic": {"top_k": 2, "nodes": 65}}, {}, "speculative.tree.dynamic.nodes: Input should be less than or equal to 64"),
+        (
+            {"dynamic": {"top_k": 2, "nodes": 4, "depth": 3}},
+            {},
+            "tree.dynamic.depth: unknown key; remove or rename it (allowed: top_k, nodes)",
+        ),
+        (
+            {"choices": [[0], [1]]},
+            {"method": "ngram"},
+            "tree: method ngram drafts one continuation, a chain; trees are drafted by draft_target and eagle3",
+        ),
+        ({"choices": [[0], [1]]}, {"suffix": {"threshold": 4}}, "tree: a layered suffix draft is a chain"),
+    ],
+)
+def test_tree_refusals(tmp_path, tree, speculative, needle):
+    data = _tree(tree, **speculative)
+    if speculative.get("method") == "ngram":
+        data.pop("draft")
+    assert needle in _error(tmp_path, data)

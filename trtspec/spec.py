@@ -140,6 +140,93 @@ class SuffixSpec(_Strict):
     threshold: Annotated[int, Field(ge=2, le=64)] = 4
 
 
+# Draft trees (docs/trees.md): the most nodes one tree verifies in a target forward (the root,
+# the last accepted token, not counted) and the most children one node may have.
+MAX_TREE_NODES = 64
+MAX_TREE_TOP_K = 16
+TREE_METHODS = ("draft_target", "eagle3")  # the methods whose drafters propose trees
+
+
+class DynamicTreeSpec(_Strict):
+    """EAGLE-2's dynamic tree: each of max_draft_len steps expands the top_k most probable
+    nodes (cumulative draft probability) into their top_k children; the ``nodes`` most
+    probable of all drafted nodes are verified."""
+
+    top_k: Annotated[int, Field(le=MAX_TREE_TOP_K)]
+    nodes: Annotated[int, Field(le=MAX_TREE_NODES)]
+
+    @field_validator("top_k")
+    @classmethod
+    def _branches(cls, k: int) -> int:
+        if k < 2:
+            raise ValueError(f"top_k {k} drafts one branch, a chain: remove speculative.tree or set top_k >= 2")
+        return k
+
+    @field_validator("nodes")
+    @classmethod
+    def _budget(cls, n: int) -> int:
+        if n < 2:
+            raise ValueError(f"a tree of {n} node is a chain: remove speculative.tree or set nodes >= 2")
+        return n
+
+
+class TreeSpec(_Strict):
+    """A draft tree: a static choice list or an EAGLE-2 dynamic tree (exactly one).
+
+    ``choices`` names every drafted node by its path from the root: [1] is the root's
+    second most probable child, [1, 0] that node's most probable child. Kept breadth-first
+    (by depth, then path), the order vLLM and TensorRT-LLM sort choices into."""
+
+    choices: tuple[tuple[int, ...], ...] | None = None
+    dynamic: DynamicTreeSpec | None = None
+
+    @field_validator("choices")
+    @classmethod
+    def _connected(cls, choices: tuple[tuple[int, ...], ...] | None) -> tuple[tuple[int, ...], ...] | None:
+        if choices is None:
+            return None
+        if not choices:
+            raise ValueError("no nodes: list each drafted node's path from the root, e.g. [[0], [1], [0, 0]]")
+        seen: set[tuple[int, ...]] = set()
+        for path in choices:
+            if not path:
+                raise ValueError("[] names the root, which is the last accepted token and never drafted; remove it")
+            if any(i < 0 or i >= MAX_TREE_TOP_K for i in path):
+                raise ValueError(f"{list(path)}: child ranks run from 0 to {MAX_TREE_TOP_K - 1}")
+            if path in seen:
+                raise ValueError(f"{list(path)} is listed twice; list each node once")
+            seen.add(path)
+        for path in choices:
+            if len(path) > 1 and path[:-1] not in seen:
+                raise ValueError(f"{list(path)} has no parent: add {list(path[:-1])} or remove it")
+        if len(choices) > MAX_TREE_NODES:
+            raise ValueError(f"{len(choices)} nodes; a tree verifies at most {MAX_TREE_NODES}")
+        if all(set(path) == {0} for path in choices):
+            raise ValueError(
+                f"{[list(p) for p in choices]} is one branch, a chain: remove speculative.tree and set "
+                f"max_draft_len: {max(map(len, choices))}"
+            )
+        return tuple(sorted(choices, key=lambda p: (len(p), p)))
+
+    @model_validator(mode="after")
+    def _one_shape(self) -> TreeSpec:
+        if (self.choices is None) == (self.dynamic is None):
+            raise ValueError(
+                "give exactly one shape: `choices` (a static tree, e.g. [[0], [1], [0, 0]]) or "
+                "`dynamic` (e.g. {top_k: 4, nodes: 8})"
+            )
+        return self
+
+    @property
+    def node_count(self) -> int:
+        """Drafted nodes verified per step (the root not counted)."""
+        return len(self.choices) if self.choices is not None else self.dynamic.nodes
+
+    def depth(self, max_draft_len: int) -> int:
+        """The deepest node: a static tree's longest path, a dynamic tree's max_draft_len."""
+        return max(map(len, self.choices)) if self.choices is not None else max_draft_len
+
+
 class SpeculativeSpec(_Strict):
     method: Method = "draft_target"
     max_draft_len: Annotated[int, Field(ge=1, le=MAX_DRAFT_LEN_LIMIT)] = 4
@@ -159,6 +246,8 @@ class SpeculativeSpec(_Strict):
     # Suffix decoding's settings: method suffix (None: the defaults), or suffix drafting
     # layered on a draft_target / eagle3 draft (None: not layered).
     suffix: SuffixSpec | None = None
+    # A draft tree (draft_target, eagle3): None drafts chains of up to max_draft_len tokens.
+    tree: TreeSpec | None = None
 
     @property
     def suffix_drafting(self) -> SuffixSpec | None:
@@ -195,12 +284,38 @@ class SpeculativeSpec(_Strict):
                 "suffix applies to method suffix, or layered on draft_target / eagle3; "
                 "method ngram takes no suffix settings: remove suffix or use method: suffix"
             )
+        if self.tree is not None:
+            self._check_tree(self.tree)
         if self.method == "suffix" and self.suffix is not None and "threshold" in self.suffix.model_fields_set:
             raise ValueError(
                 "suffix.threshold chooses between a suffix draft and a model draft; method suffix has "
                 "no model draft: remove threshold (or layer suffix on draft_target / eagle3)"
             )
         return self
+
+    def _check_tree(self, tree: TreeSpec) -> None:
+        if self.method not in TREE_METHODS:
+            raise ValueError(
+                f"tree: method {self.method} drafts one continuation, a chain; trees are drafted by "
+                f"{' and '.join(TREE_METHODS)}: remove tree or change method"
+            )
+        if self.suffix is not None:
+            raise ValueError(
+                "tree: a layered suffix draft is a chain and would replace the tree on the rows it drafts; remove suffix or tree"
+            )
+        if tree.choices is not None and tree.depth(self.max_draft_len) > self.max_draft_len:
+            raise ValueError(
+                f"tree.choices: paths {tree.depth(self.max_draft_len)} deep, beyond max_draft_len "
+                f"({self.max_draft_len}); raise max_draft_len or shorten the paths"
+            )
+        if tree.dynamic is not None:
+            d, k = tree.dynamic, self.max_draft_len
+            if not k <= d.nodes <= d.top_k * k:
+                raise ValueError(
+                    f"tree.dynamic.nodes ({d.nodes}) must lie between max_draft_len ({k}), one full "
+                    f"branch, and top_k x max_draft_len ({d.top_k * k}), every node the steps keep; "
+                    "change nodes, top_k or max_draft_len"
+                )
 
     @property
     def default_draft_tokens(self) -> int:
@@ -437,6 +552,12 @@ def check_trtllm_runtime(spec: EngineSpec) -> None:
                 "speculative.suffix: trtllm.runtime engine has no suffix drafting; remove suffix or use "
                 f"trtllm.runtime: llmapi with method eagle3 (needs {NEEDS['llmapi']})"
             )
+        if s.tree is not None:
+            raise ValueError(
+                "speculative.tree: trtllm.runtime engine builds draft_target pairs, which draft chains "
+                "(trtllm-build drafts trees only in EAGLE-1 engines, which trtspec does not build); remove "
+                f"tree, or use trtllm.runtime: llmapi with method eagle3 and tree.dynamic (needs {NEEDS['llmapi']})"
+            )
         if s.method not in ENGINE_METHODS:
             raise ValueError(
                 f"speculative.method {s.method}: trtllm.runtime engine builds draft_target "
@@ -463,6 +584,7 @@ def check_trtllm_runtime(spec: EngineSpec) -> None:
             "length trtspec measures; remove switch_off or set trtllm.line: '1.2'"
         )
     check_llmapi_suffix(spec)
+    check_llmapi_tree(spec)
     if s.method == "ngram" and s.min_ngram != 1:
         raise ValueError(
             "speculative.min_ngram: the LLM API's NGram drafter has no minimum match length "
@@ -521,6 +643,32 @@ def check_llmapi_suffix(spec: EngineSpec) -> None:
         raise ValueError(
             f"speculative.suffix.cache_responses ({sx.cache_responses}): TensorRT-LLM's global_pool_size "
             f"must be >= max_batch_size ({limit}); raise it, or set 0 to keep requests apart"
+        )
+
+
+def check_llmapi_tree(spec: EngineSpec) -> None:
+    """A draft tree under the LLM API is Eagle3DecodingConfig's dynamic tree (use_dynamic_tree,
+    dynamic_tree_max_topK, max_total_draft_tokens), on 1.3+ only; what a line lacks is refused
+    by name (ValueError). Sources: docs/trtllm.md#draft-trees."""
+    s, line = spec.speculative, spec.trtllm.line
+    if s.tree is None:
+        return
+    if s.method != "eagle3":
+        raise ValueError(
+            f"speculative.tree on method {s.method}: TensorRT-LLM drafts trees only with EAGLE "
+            "(Eagle3DecodingConfig); its Draft_Target config takes no tree: remove tree or use method eagle3"
+        )
+    if line == "1.2":
+        raise ValueError(
+            "speculative.tree: TensorRT-LLM 1.2's EagleDecodingConfig resets max_total_draft_tokens to "
+            "max_draft_len (no node budget) and marks its draft-token tree unfinished; set trtllm.line: "
+            "'1.3+' with tree.dynamic, or remove tree"
+        )
+    if s.tree.choices is not None:
+        raise ValueError(
+            "speculative.tree.choices: TensorRT-LLM removed static trees (eagle_choices) in 1.4 and "
+            "trtllm.line '1.3+' covers 1.4 and later; use tree.dynamic (use_dynamic_tree, "
+            "dynamic_tree_max_topK, max_total_draft_tokens) or remove tree"
         )
 
 
@@ -620,6 +768,8 @@ _MODELS_BY_PATH: dict[str, type[BaseModel]] = {
     "target": ModelSpec,
     "draft": ModelSpec,
     "speculative": SpeculativeSpec,
+    "speculative.tree": TreeSpec,
+    "speculative.tree.dynamic": DynamicTreeSpec,
     "build": BuildLimits,
     "target.build": BuildLimits,
     "draft.build": BuildLimits,
