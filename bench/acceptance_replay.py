@@ -26,13 +26,10 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from trtspec.machine import description  # noqa: E402
-from trtspec.spec import SuffixSpec, load_spec, read_prompts  # noqa: E402
-from trtspec.speculative.drafters import make_drafter, response_cache  # noqa: E402
-from trtspec.speculative.loop import GenerationRequest, Verdict, generate  # noqa: E402
+from trtspec.machine import description
+from trtspec.spec import SuffixSpec, load_spec, read_prompts
+from trtspec.speculative.drafters import make_drafter, response_cache
+from trtspec.speculative.loop import GenerationRequest, Verdict, generate
 
 
 class RecordedTarget:

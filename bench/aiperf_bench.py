@@ -34,10 +34,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-from openai_vs_grpc import _openai_block, served_with_front  # noqa: E402  (the front-vs-gRPC bench's code)
+from _common import ROOT
+from openai_vs_grpc import _openai_block, served_with_front  # the front-vs-gRPC bench's code
 
 
 def aiperf_profile(

@@ -29,10 +29,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-from engine_floor import load_engine  # noqa: E402  (the target engine with a forced kernel layout)
+from _common import ROOT
+from engine_floor import load_engine  # the target engine with a forced kernel layout
 
 PATHS = ("eager", "eager_dense", "compiled_mlp", "compiled_frozen", "compiled_layers")
 
@@ -67,7 +65,7 @@ def compile_parts(engine, whole_layers: bool) -> None:
 
 
 def main(argv=None) -> int:
-    from trtspec.bench.peers import encode_prompts, read_kinded_prompts
+    from peers import encode_prompts, read_kinded_prompts
     from trtspec.machine import description as machine_description
     from trtspec.runtime import Deployment
     from trtspec.spec import load_spec

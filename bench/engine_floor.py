@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from _common import ROOT
 
 
 def parse_args(argv=None):
@@ -164,7 +164,7 @@ def print_profile(p: dict) -> None:
 
 
 def main(argv=None) -> int:
-    from trtspec.bench.peers import _cut_at_end, encode_prompts, load_hf, read_kinded_prompts
+    from peers import _cut_at_end, encode_prompts, load_hf, read_kinded_prompts
     from trtspec.engines.torch.kernels import cpu_signature
     from trtspec.machine import description as machine_description
     from trtspec.runtime import Deployment

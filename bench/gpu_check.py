@@ -47,7 +47,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from _common import ROOT
+
 CONTEXT = 128
 REPEATS = 9
 KS = tuple(range(1, 8))  # verify of k + 1 tokens

@@ -40,10 +40,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-from openai_vs_grpc import served_with_front  # noqa: E402  (server + front on free loopback ports)
+from _common import ROOT
+from openai_vs_grpc import served_with_front  # server + front on free loopback ports
 
 
 def guidellm_run(
@@ -123,7 +121,7 @@ def vllm_configs(loaded, k: int) -> list[tuple[str, dict | None]]:
 def vllm_server(python: str, folder: Path, name: str, speculative: dict | None, max_len: int, seqs: int, log):
     """vLLM's OpenAI server on a free loopback port, serving ``folder`` as ``name``: yields its
     base URL (…/v1) once /v1/models answers; stopped (and waited for) after."""
-    from trtspec.bench.peers import vllm_env
+    from peers import vllm_env
     from trtspec.triton.server.process import free_ports
 
     (port,) = free_ports(1)

@@ -12,7 +12,7 @@ tables (one per concurrency) go to stdout and to --out, with the full measuremen
 (same name, .json) and a plot of tokens/s (.png) beside it. --vllm adds vLLM's paths: vLLM runs
 in its own environment, one bench/vllm_peer.py process per path, its log in --out's name with
 .vllm.log. Ctrl-C stops the run and still writes the prompts measured so far. The paths and
-every definition are in trtspec/bench/peers.py.
+every definition are in bench/peers.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from trtspec.bench.peers import (
+from _common import ROOT
+from peers import (
     describe_setup,
     encode_prompts,
     measure,
@@ -38,7 +39,6 @@ from trtspec.files import write_json_atomic, write_text_atomic
 from trtspec.runtime import Deployment
 from trtspec.spec import load_spec
 
-ROOT = Path(__file__).resolve().parents[1]
 VLLM_PEER = ROOT / "bench" / "vllm_peer.py"
 
 

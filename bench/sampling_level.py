@@ -4,7 +4,7 @@
     python bench/sampling_level.py --runs 200 --which biased
     python bench/sampling_level.py --prompts 3 [--shared-seeds] --runs 1000 --first-seed 1 --which draft
 
-The setting is tests/test_sampling.py's: a Markov target and draft over 6 tokens whose
+The setting is bench/markov_pair.py's (tests/test_sampling.py's): a Markov target and draft over 6 tokens whose
 distributions are known exactly, 100 generations of 2 tokens per run (k = 3), each run one
 `verify --sampling` test (randomized PIT of every token under the target's exact
 conditional, chi-square over 10 bins, level 0.01). An exact sampler (speculative with the
@@ -22,21 +22,17 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+import torch
 
-import torch  # noqa: E402
-from test_sampling import TARGET, MarkovDrafter, MarkovVerifier, markov_pit  # noqa: E402  (the tests' exactly known pair)
-
-from trtspec.files import write_json_atomic  # noqa: E402
-from trtspec.speculative import loop  # noqa: E402
-from trtspec.speculative.loop import GenerationRequest, NoDrafter, generate  # noqa: E402
-from trtspec.speculative.sampling import SamplingParams, accept_all, accept_or_resample, warp  # noqa: E402
-from trtspec.verify.sampling import ALPHA, chi_square_uniform  # noqa: E402
+from markov_pair import TARGET, MarkovDrafter, MarkovVerifier, markov_pit
+from trtspec.files import write_json_atomic
+from trtspec.speculative import loop
+from trtspec.speculative.loop import GenerationRequest, NoDrafter, generate
+from trtspec.speculative.sampling import SamplingParams, accept_all, accept_or_resample, warp
+from trtspec.verify.sampling import ALPHA, chi_square_uniform
 
 
 def clopper_pearson(k: int, n: int, conf: float = 0.95) -> tuple[float, float]:

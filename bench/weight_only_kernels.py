@@ -24,10 +24,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from trtspec.engines.torch.quant import GROUP, WeightOnlyLinear, quantize  # noqa: E402
+from trtspec.engines.torch.quant import GROUP, WeightOnlyLinear, quantize
 
 # SmolLM2-135M, as the engine runs it (q/k/v and gate/up fused): name -> (out, in)
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}

@@ -1,4 +1,4 @@
-"""The peers harness (trtspec/bench/peers.py, bench/peers_bench.py) on the tiny pair: every path runs,
+"""The peers harness (bench/peers.py, bench/peers_bench.py) on the tiny pair: every path runs,
 the table lists them all, and greedy outputs agree token for token where they must."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, write_spec
 
-from trtspec.bench.peers import (
+from peers import (
     Generation,
     PeerPath,
     Prompt,

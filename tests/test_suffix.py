@@ -439,8 +439,8 @@ def test_llmapi_build_and_double_run_suffix(tmp_path, tiny_ckpts):
 
 
 def test_vllm_suffix_config_against_the_inventory(tmp_path, tiny_ckpts):
-    from trtspec.bench.peers import vllm_suffix
-    from trtspec.bench.vllm_fields import unknown_fields
+    from peers import vllm_suffix
+    from vllm_fields import unknown_fields
 
     cfg = vllm_suffix(SuffixSpec(max_depth=32, spec_factor=2.0, min_token_prob=0.05, cache_responses=10))
     assert cfg == {

@@ -186,7 +186,7 @@ def test_served_suffix_streams_batches_and_cancels_with_target_only_tokens(serve
 
 
 def test_peer_paths_of_a_suffix_spec_run_ours_identical(built):
-    from trtspec.bench.peers import trtspec_paths
+    from peers import trtspec_paths
 
     dep = built(None, **{"speculative.method": "suffix", "speculative.max_draft_len": 8})
     paths = {p.key: p for p in trtspec_paths(dep)}

@@ -29,7 +29,7 @@ from conftest import ROOT, write_spec
 from test_distill import PROMPTS as DISTILL_PROMPTS
 from typer.testing import CliRunner
 
-from trtspec.bench.peers import VllmWorker, vllm_env
+from peers import VllmWorker, vllm_env
 
 pytestmark = pytest.mark.vllm
 

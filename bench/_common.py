@@ -1,0 +1,65 @@
+"""What the scripts in bench/ share: the repository root, the command line that ran, and the
+result files docs/performance.md's and README.md's figures are generated from (bench/figures.py).
+
+A result file, bench/results/NAME.json:
+
+    {"command": "python bench/ttft.py ...",       what ran (one string; several lines for several commands)
+     "machine": "x86_64 2 cores, torch ...",      trtspec.machine.description() where it ran, or as recorded
+     "time": "2026-12-01T21:47Z",                 when (ISO 8601, UTC)
+     "values": {...},                             the measured values, as the run wrote them
+     "stale": "why"}                              only where a change since makes the figures out of date
+
+The scripts run as `python bench/NAME.py`, so Python finds this module beside them; pytest
+puts bench/ on its path too (pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+
+def command_line(script: str, argv: list[str] | None = None) -> str:
+    """`python bench/SCRIPT ARGS` as it ran (argv: sys.argv[1:] unless given)."""
+    args = sys.argv[1:] if argv is None else argv
+    return shlex.join(["python", f"bench/{script}", *args])
+
+
+@dataclass(frozen=True)
+class Result:
+    """One result file: how its figures were made and the figures themselves."""
+
+    command: str
+    machine: str
+    time: str
+    values: dict
+    stale: str | None = None
+
+    @classmethod
+    def read(cls, path: Path) -> Result:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        missing = [k for k in ("command", "machine", "time", "values") if k not in data]
+        if missing:
+            raise ValueError(f"{path}: no {', '.join(missing)}; a result file holds command, machine, time and values")
+        return cls(data["command"], data["machine"], data["time"], data["values"], data.get("stale"))
+
+    def to_dict(self) -> dict:
+        out = {"command": self.command, "machine": self.machine, "time": self.time, "values": self.values}
+        return out | ({"stale": self.stale} if self.stale else {})
+
+
+def write_result(path: Path, command: str, values: dict, machine: str | None = None) -> Path:
+    """Write a result file now (machine: this machine's description unless given)."""
+    from trtspec.files import write_json_atomic
+    from trtspec.machine import description
+
+    stamp = time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())
+    write_json_atomic(path, Result(command, machine or description(), stamp, values).to_dict())
+    return path
