@@ -22,7 +22,7 @@ from trtspec.device import check_dtype, resolve, uses_cpu_kernels
 from trtspec.engines.manifest import Manifest, read_manifest
 from trtspec.engines.torch import threads
 from trtspec.engines.torch.kernels import KernelChoice, choose_kernels
-from trtspec.engines.torch.model import DecoderConfig, DecoderLM, KVCache, StepInputs, rope_tables
+from trtspec.engines.torch.model import DecoderConfig, DecoderLM, KVCache, StepInputs, rope_tables, tree_layout
 from trtspec.errors import EngineError, RequestError
 from trtspec.tokens import check_token_ids
 
@@ -32,10 +32,19 @@ WEIGHTS = "model.safetensors"
 
 @dataclass
 class ForwardItem:
-    """A sequence to run and how many of its last positions need logits."""
+    """A sequence to run and how many of its last positions need logits.
+
+    ``tree``: the last len(tree) tokens are a draft tree (speculative/tree.py), tree[i] the
+    parent of node i (an earlier node, or -1: the token before the tree). Node i goes at
+    position (tokens before the tree) - 1 + its depth and attends to everything before the
+    tree and to its own ancestors only. The slot then holds the tokens before the tree plus
+    the tree aside: a later sequence that continues along one of its paths reuses that path's
+    K/V (moved into place); every other node is forgotten.
+    """
 
     tokens: list[int]
     n_logits: int
+    tree: tuple[int, ...] | list[int] | None = None
 
 
 # Runs a batch of sequences and returns logits [n_logits, vocab] per item (TorchEngine.run).
@@ -63,6 +72,9 @@ class SlotPool:
 
     def __init__(self, slots: int, rollback: int = 0):
         self.tokens: list[list[int]] = [[] for _ in range(slots)]
+        # Per slot: a draft tree scored after its tokens, (tree tokens, parents), whose K/V sit
+        # in the cache rows right after them until a continuation settles it (TorchEngine).
+        self.trees: list[tuple[list[int], list[int]] | None] = [None] * slots
         self.last_used = [0.0] * slots
         self.rollback = rollback
 
@@ -90,15 +102,35 @@ class SlotPool:
         takes slots 0..b-1 in order, as in a fresh pool (consecutive slots: no K/V gather)."""
         for s in range(len(self.tokens)):
             self.tokens[s] = []
+            self.trees[s] = None
             self.last_used[s] = 0.0
 
     def truncate(self, slot: int, length: int) -> None:
         """Keep only the first ``length`` cached tokens of ``slot`` (the rest is being rewritten)."""
         del self.tokens[slot][length:]
+        self.trees[slot] = None
 
-    def commit(self, slot: int, tokens: list[int]) -> None:
+    def commit(self, slot: int, tokens: list[int], tree: tuple[list[int], list[int]] | None = None) -> None:
+        """The slot holds ``tokens`` (and, after them, the K/V of ``tree``: (tokens, parents))."""
         self.tokens[slot] = list(tokens)
+        self.trees[slot] = tree
         self.last_used[slot] = time.monotonic()
+
+    def tree_path(self, slot: int, seq: list[int]) -> list[int]:
+        """The nodes of the slot's pending tree that ``seq`` follows past the slot's tokens
+        (empty when the slot holds no tree or ``seq`` does not continue its tokens)."""
+        tree, held = self.trees[slot], self.tokens[slot]
+        if tree is None or len(seq) <= len(held) or seq[: len(held)] != held:
+            return []
+        toks, parents = tree
+        path: list[int] = []
+        node = -1
+        for t in seq[len(held) :]:
+            node = next((c for c, p in enumerate(parents) if p == node and toks[c] == t), -1)
+            if node < 0:
+                break
+            path.append(node)
+        return path
 
 
 class TorchEngine:
@@ -202,6 +234,7 @@ class TorchEngine:
         if self.features is None:
             raise EngineError("this engine does not capture features; call capture_features first")
         with self._lock:
+            self._settle_trees([tokens[:stop]])
             for slot, cached in enumerate(self.pool.tokens):
                 if len(cached) >= stop and common_prefix_len(tokens[:stop], cached) >= stop:
                     return self.features[slot, start:stop].clone()
@@ -226,16 +259,57 @@ class TorchEngine:
             if len(it.tokens) > self.max_seq_len:
                 raise RequestError(f"sequence of {len(it.tokens)} tokens exceeds max_seq_len {self.max_seq_len}")
             check_token_ids(it.tokens, self.vocab_size)
+            if it.tree is not None:
+                self._check_tree(it)
         with self._lock:
             return self._run_locked(items)
 
+    def _check_tree(self, it: ForwardItem) -> None:
+        tree = list(it.tree or ())
+        if not 1 <= len(tree) < len(it.tokens):
+            raise RequestError(f"a draft tree of {len(tree)} node(s) needs 1..{len(it.tokens) - 1} (a context token before it)")
+        if it.n_logits > len(tree) + 1:
+            raise RequestError(f"n_logits {it.n_logits} reaches before the tree's context token; at most {len(tree) + 1}")
+        try:
+            tree_layout(tree)
+        except ValueError as e:
+            raise RequestError(f"malformed draft tree: {e}") from None
+        if self.config.sliding_window is not None:
+            raise RequestError("draft trees are not supported on sliding-window models; draft a chain")
+
+    def _settle_trees(self, seqs: list[list[int]]) -> None:
+        """Where a sequence continues along a path of a slot's pending draft tree, move that
+        path's K/V (and features) into the rows right after the slot's tokens and hold them as
+        a plain prefix; the tree's other nodes are forgotten (they are never attended again)."""
+        for slot, tree in enumerate(self.pool.trees):
+            if tree is None:
+                continue
+            for seq in seqs:
+                path = self.pool.tree_path(slot, seq)
+                if not path:
+                    continue
+                held = len(self.pool.tokens[slot])
+                src = torch.tensor(path, device=self.device) + held  # the nodes' cache rows
+                dst = slice(held, held + len(path))
+                for k, v in zip(self.cache.k, self.cache.v):  # each [slots, kv_heads, max_seq, head_dim]
+                    k[slot, :, dst] = k[slot, :, src]
+                    v[slot, :, dst] = v[slot, :, src]
+                if self.features is not None:
+                    self.features[slot, dst] = self.features[slot, src]
+                self.pool.commit(slot, seq[: held + len(path)])
+                break
+
     def _run_locked(self, items: list[ForwardItem]) -> list[torch.Tensor]:
+        if any(t is not None for t in self.pool.trees):
+            self._settle_trees([it.tokens for it in items])
         assigned = self.pool.assign([it.tokens for it in items])
         self.last_use = [(reuse, len(self.pool.tokens[slot])) for slot, reuse in assigned]
         starts = []
         for it, (_, reuse) in zip(items, assigned):
-            # Positions that need logits must be computed now, even if already cached.
-            starts.append(min(reuse, len(it.tokens) - it.n_logits))
+            # Positions that need logits must be computed now, even if already cached; a tree
+            # is always computed whole (its nodes are not a prefix of anything cached).
+            before = len(it.tokens) - (len(it.tree) if it.tree is not None else 0)
+            starts.append(min(reuse, len(it.tokens) - it.n_logits, before))
         # K/V beyond each start is about to be overwritten: until the forward succeeds the slot
         # holds only the prefix, so a failed forward never leaves half-written K/V reusable.
         for (slot, _), start in zip(assigned, starts):
@@ -264,7 +338,11 @@ class TorchEngine:
         self.forwards += 1
         out = list(logits.split([it.n_logits for it in items]))  # per item [n_logits, vocab]
         for it, (slot, _) in zip(items, assigned):
-            self.pool.commit(slot, it.tokens)
+            if it.tree is None:
+                self.pool.commit(slot, it.tokens)
+            else:  # the context as a prefix; the tree aside until a continuation settles it
+                before = len(it.tokens) - len(it.tree)
+                self.pool.commit(slot, it.tokens[:before], (it.tokens[before:], list(it.tree)))
         return out
 
     def _step_inputs(self, items, assigned, starts) -> StepInputs:
@@ -273,10 +351,17 @@ class TorchEngine:
         tokens = torch.zeros((b, q), dtype=torch.long)
         positions = torch.zeros((b, q), dtype=torch.long)
         rows = []
+        trees = []  # (row, tokens before the tree, first tree query, ancestor mask [n, n])
         for row, (it, start, (slot, _)) in enumerate(zip(items, starts, assigned)):
             new = it.tokens[start:]
             tokens[row, : len(new)] = torch.tensor(new, dtype=torch.long)
             positions[row, : len(new)] = torch.arange(start, start + len(new))
+            if it.tree is not None:
+                before = len(it.tokens) - len(it.tree)
+                depths, ancestors = tree_layout(list(it.tree))
+                # Positions by depth: node i is where it would sit in its own path's sequence.
+                positions[row, before - start : len(new)] = torch.tensor(depths) + (before - 1)
+                trees.append((row, before, before - start, ancestors))
             rows.append((slot, start, len(new)))
         # Filled on the CPU row by row, copied to the engine's device once (no copy on CPU).
         tokens, positions = tokens.to(self.device), positions.to(self.device)
@@ -290,6 +375,12 @@ class TorchEngine:
             allowed = keys.view(1, 1, span) <= positions.unsqueeze(-1)  # [b, q, S]
             if window is not None:
                 allowed &= keys.view(1, 1, span) > positions.unsqueeze(-1) - window
+            for row, before, first, ancestors in trees:
+                # A tree node sees the whole context and its own ancestors' cache rows only.
+                n = ancestors.shape[0]
+                allowed[row, first : first + n] = False
+                allowed[row, first : first + n, :before] = True
+                allowed[row, first : first + n, before : before + n] = ancestors.to(self.device)
             mask = allowed.unsqueeze(1)  # [b, 1, q, S]
         return StepInputs(
             tokens=tokens,

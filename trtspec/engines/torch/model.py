@@ -112,6 +112,26 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
+def tree_layout(parents: list[int] | tuple[int, ...]) -> tuple[list[int], torch.Tensor]:
+    """Depths and the ancestor mask of a draft tree given by parent indices.
+
+    Node i's parent is ``parents[i]`` (an earlier node, or -1: the token before the tree).
+    Depth 1 is a child of that token. The mask [n, n] is True where node i may attend node j:
+    j is i or one of its ancestors, so a node sees its own path and no sibling branch. A chain
+    (parents -1, 0, 1, ...) gives the causal mask.
+    """
+    depths: list[int] = []
+    mask = torch.zeros((len(parents), len(parents)), dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise ValueError(f"tree node {i}: parent {p} must be -1 or an earlier node (0..{i - 1})")
+        depths.append(1 if p < 0 else depths[p] + 1)
+        if p >= 0:
+            mask[i] = mask[p]
+        mask[i, i] = True
+    return depths, mask
+
+
 class KVCache:
     """Static K/V buffers: per layer [slots, kv_heads, max_seq, head_dim].
 
