@@ -1,5 +1,7 @@
-"""The distill recipe, one change at a time: each variant reverts one change of the current
-recipe (or all of them), trains on the same data with the same seed and steps, and is scored on
+"""The distill recipe, one change at a time: each variant makes one change to the default
+recipe (reverts one of its choices, or tries one it does not make), trains on the same data
+with the same seed, the same number of steps and the same batches (so the same training
+tokens; never the same wall time, which depends on the machine's load), and is scored on
 prompts no head saw (the spec's verify prompts and bench/prompts.jsonl).
 
     python bench/distill_ablation.py engine_specs/smollm2-135m-eagle3-demo.yaml --steps 400 \
@@ -23,9 +25,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TRTSPEC = str(Path(sys.executable).with_name("trtspec"))
 
-# name -> (what it reverts, extra distill flags)
+# name -> (its one change from the default recipe, extra distill flags)
 VARIANTS = {
-    "all": ("nothing: the current recipe", []),
+    "all": ("nothing: the default recipe", []),
+    "soft": ("soft labels: KL to the target's top-32 distribution over the draft vocabulary", ["--labels", "soft"]),
+    "noise": ("uniform feature noise in [-0.05, 0.05]", ["--feature-noise", "0.05"]),
+    "ttt3": ("3 training-time-test steps, weights 0.8^j", ["--ttt-steps", "3"]),
+    "ttt3-phase": (
+        "3 training-time-test steps (0.8^j) after a depth-1 phase of half the steps",
+        ["--ttt-steps", "3", "--ttt-phase", "0.5"],
+    ),
     "no-anchor": ("random fc and layer, norm 1 (no anchoring)", ["--no-anchor"]),
     "trt-layers": ("TensorRT-LLM's default layers {1, L//2-1, L-4}", ["--layers", "1,14,26"]),
     "lm-head-trained": ("the LM head trained too", ["--train-lm-head"]),
@@ -70,11 +79,15 @@ def run(spec: str, out: Path, name: str, flags: list[str], steps: int, common: l
     m = manifest["metrics"]
     return {
         "variant": name,
-        "reverts": VARIANTS[name][0],
+        "change": VARIANTS[name][0],
         "k1_acceptance": round(m["unseen_accepted"][0], 3),
         "acceptance_length_k3": round(m["unseen_acceptance_length"], 3),
         "per_position": [round(a, 3) for a in m["unseen_accepted"]],
+        "top_r": [[round(a, 3) for a in d] for d in m.get("unseen_top_r", [])],
         "unseen_chains": m["unseen_chains"],
+        "steps": manifest["steps"],
+        "train_response_tokens": manifest["data"]["train_response_tokens"],
+        # wall time under whatever load the machine had: not a speed figure
         "seconds": manifest["elapsed_s"] if reuse else round(time.monotonic() - t0, 1),
         "command": " ".join(cmd[1:]),
     }
@@ -106,13 +119,14 @@ def main() -> None:
         rows.append(run(args.spec, out, name, VARIANTS[name][1], args.steps, common, args.reuse))
         (out / "ablation.json").write_text(json.dumps(rows, indent=2) + "\n")
     table = [
-        "| variant | reverts | k=1 acceptance | acceptance length k=3 | per position | distill s |",
-        "|---|---|---|---|---|---|",
+        "| variant | change from the default recipe | steps | k=1 acceptance | acceptance length k=3 | per position | top-3 recall per depth |",
+        "|---|---|---:|---:|---:|---|---|",
     ]
     for r in rows:
         per = "/".join(f"{a:.2f}" for a in r["per_position"])
+        top3 = "/".join(f"{d[-1]:.2f}" for d in r["top_r"])
         table.append(
-            f"| {r['variant']} | {r['reverts']} | {r['k1_acceptance']:.3f} | {r['acceptance_length_k3']:.2f} | {per} | {r['seconds']:.0f} |"
+            f"| {r['variant']} | {r['change']} | {r['steps']} | {r['k1_acceptance']:.3f} | {r['acceptance_length_k3']:.2f} | {per} | {top3} |"
         )
     (out / "ablation.md").write_text("\n".join(table) + "\n")
     print("\n".join(table))

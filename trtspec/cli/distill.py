@@ -142,6 +142,16 @@ def distill(
     step_decay: float = typer.Option(
         0.8, "--step-decay", min=0.0, max=1.0, help="Loss weight of unrolled step j: DECAY^j (1: equal weights)."
     ),
+    ttt_phase: float = typer.Option(
+        0.0,
+        "--ttt-phase",
+        min=0.0,
+        max=1.0,
+        help="Fraction of --max-steps that train the first draft step alone before every unrolled step (the depth-1 head first).",
+    ),
+    feature_noise: float = typer.Option(
+        0.0, "--feature-noise", min=0.0, help="Uniform noise in [-A, A] added to the target's features while training."
+    ),
     schedule: Schedule = typer.Option(Schedule.cosine, "--schedule", help="cosine: warmup then cosine decay; constant."),
     scaling: str | None = typer.Option(
         None,
@@ -199,6 +209,8 @@ def distill(
         train_lm_head=train_lm_head,
         response_only=not all_positions,
         step_decay=step_decay,
+        ttt_phase=ttt_phase,
+        feature_noise=feature_noise,
         schedule=schedule.value,
         scaling=_fractions(scaling),
         eval_every=eval_every,

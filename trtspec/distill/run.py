@@ -80,6 +80,8 @@ class DistillOptions:
     train_lm_head: bool = False  # the LM head is the target's, frozen, unless asked
     response_only: bool = True  # loss on chains drafted inside responses only
     step_decay: float = 0.8  # loss weight of unrolled step j: step_decay^j (1.0: equal)
+    ttt_phase: float = 0.0  # fraction of max_steps that train the first unrolled step alone, before all of them
+    feature_noise: float = 0.0  # uniform noise in [-a, a] added to the features in training (train.add_feature_noise)
     schedule: str = "cosine"  # cosine: linear warmup then cosine decay to lr/10; constant
     warmup: float = 0.05  # fraction of max_steps
     scaling: tuple[float, ...] = ()  # data fractions (< 1) also trained, for the data-scaling curve
@@ -360,7 +362,18 @@ def _recipe_key(opts: DistillOptions, steps: int) -> str:
     """What, besides the data, a checkpoint's weights depend on: resuming under other settings is refused."""
     recipe = {
         k: getattr(opts, k)
-        for k in ("labels", "anchor", "train_lm_head", "response_only", "step_decay", "schedule", "warmup", "lr")
+        for k in (
+            "labels",
+            "anchor",
+            "train_lm_head",
+            "response_only",
+            "step_decay",
+            "schedule",
+            "warmup",
+            "lr",
+            "ttt_phase",
+            "feature_noise",
+        )
     }
     recipe.update(steps=steps, max_steps=opts.max_steps, draft_vocab=opts.draft_vocab, batch_size=opts.batch_size)
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]

@@ -63,6 +63,18 @@ def step_weights(steps: int, decay: float = 0.8) -> list[float]:
     return [x / sum(w) for x in w]
 
 
+def add_feature_noise(batch: Batch, amplitude: float, gen: torch.Generator) -> Batch:
+    """The batch with uniform noise in [-amplitude, amplitude] added to its features (drawn
+    from ``gen`` on the CPU: the same noise for the same seed and step on every device).
+    EAGLE-1 trains on noisy features and speculators adds uniform noise of 0.05: at inference
+    the head's later steps read its own, imperfect states, never the exact features."""
+    if amplitude <= 0:
+        return batch
+    noise = (torch.rand(batch.features.shape, generator=gen) * 2 - 1) * amplitude
+    features = (batch.features.float() + noise.to(batch.features.device)).to(batch.features.dtype)
+    return Batch(batch.tokens, features, batch.labels, batch.response, batch.top_ids, batch.top_logits)
+
+
 def _project(head: Eagle3Head, x: torch.Tensor, cos, sin):
     """q [B, heads, T, d] and k, v [B, heads, T, d] (kv heads repeated) with RoPE."""
     attn, cfg = head.midlayer.self_attn, head.cfg
@@ -196,6 +208,9 @@ def _shift_left_3d(x: torch.Tensor, n: int, fill) -> torch.Tensor:
     return torch.cat([x[:, n:], torch.full_like(x[:, :n], fill)], dim=1)
 
 
+TOP_R = 3  # ranks the recall per depth is reported at (top-1/2/3: what a tree's width needs)
+
+
 @torch.no_grad()
 def agreement(head, embed, batches: Iterable[Batch], steps: int, cos, sin) -> dict:
     """Held-out agreement with the target over chains drafted inside responses, summed over
@@ -206,22 +221,33 @@ def agreement(head, embed, batches: Iterable[Batch], steps: int, cos, sin) -> di
     from every chain start in a response where the whole chain can be scored. accepted[j]: the
     per-position acceptance, P(draft j right | drafts 0..j-1 right), over the same chains —
     what the Leviathan bound of each k is computed from (distill recommends k with it).
+
+    For trees (a node keeps its r most likely drafts), over the same chains:
+    top_r[j][r-1]: P(the target's token at depth j is among the head's r most likely), the
+    head fed the target's tokens before it (the tree's node on the right path);
+    top_r_accepted[j][r-1]: the same given that the target's tokens at depths 0..j-1 were
+    among the top r too (a tree r wide at every depth); its r=1 column is ``accepted``.
     """
     right_n, scored_n = [0] * steps, [0] * steps
     alive_n = [0] * (steps + 1)  # chains whose first j drafts are all right
+    ranks = min(TOP_R, head.cfg.draft_vocab_size)
+    hit_n = [[0] * ranks for _ in range(steps)]  # chain starts whose depth-j token is in the top r
+    alive_r_n = [[0] * ranks for _ in range(steps + 1)]  # chains whose depths < j are all in the top r
     run_sum, chains = 0.0, 0
     for batch in batches:
         logits = unrolled_logits(head, embed, batch, steps, cos, sin)
         targets = step_targets(batch, steps)
         b, t = batch.tokens.shape
-        right = []
+        right, in_top = [], []
         for lg, tgt in zip(logits, targets):
-            ids = head.to_target_ids(torch.argmax(lg.float(), dim=-1))
-            ok = (ids == tgt) & (tgt >= 0)
+            top = head.to_target_ids(torch.topk(lg.float(), ranks, dim=-1).indices)  # [B, T, ranks]
+            ok = (top[..., 0] == tgt) & (tgt >= 0)
             scored = tgt >= 0
             right_n[len(right)] += int(ok[scored].sum())
             scored_n[len(right)] += int(scored.sum())
             right.append(ok)
+            hits = (top == tgt.unsqueeze(-1)).cumsum(-1) > 0  # [B, T, ranks]: within the top r
+            in_top.append(hits & scored.unsqueeze(-1))
         # A chain drafted from a context ending at position p + 1 uses step j at position p + j.
         full = torch.ones(b, t, dtype=torch.bool, device=batch.tokens.device)
         for j in range(steps):
@@ -229,17 +255,28 @@ def agreement(head, embed, batches: Iterable[Batch], steps: int, cos, sin) -> di
         starts = full & chain_in_response(batch, 0)
         alive = starts.clone()
         alive_n[0] += int(alive.sum())
+        alive_r = starts.unsqueeze(-1).expand(b, t, ranks).clone()
+        for r in range(ranks):
+            alive_r_n[0][r] += int(starts.sum())
         runs = torch.zeros(b, t, device=batch.tokens.device)
         for j in range(steps):
             alive &= _shift_left(right[j], j)  # [B, T]: steps 0..j of the chain starting at p are right
             alive_n[j + 1] += int(alive.sum())
             runs += alive.float()
+            hit = _shift_left_3d(in_top[j], j, fill=False)  # [B, T, ranks]
+            alive_r &= hit
+            for r in range(ranks):
+                hit_n[j][r] += int((hit[..., r] & starts).sum())
+                alive_r_n[j + 1][r] += int(alive_r[..., r].sum())
         run_sum += float(runs[starts].sum())
         chains += int(starts.sum())
+    ratio = lambda a, n: a / n if n else 0.0  # noqa: E731
     return {
-        "top1": [r / n if n else 0.0 for r, n in zip(right_n, scored_n)],
+        "top1": [ratio(r, n) for r, n in zip(right_n, scored_n)],
         "acceptance_length": 1.0 + run_sum / chains if chains else 1.0,
-        "accepted": [alive_n[j + 1] / alive_n[j] if alive_n[j] else 0.0 for j in range(steps)],
+        "accepted": [ratio(alive_n[j + 1], alive_n[j]) for j in range(steps)],
+        "top_r": [[ratio(hit_n[j][r], chains) for r in range(ranks)] for j in range(steps)],
+        "top_r_accepted": [[ratio(alive_r_n[j + 1][r], alive_r_n[j][r]) for r in range(ranks)] for j in range(steps)],
         "chains": chains,
     }
 

@@ -27,7 +27,7 @@ import torch
 from trtspec import console
 from trtspec.distill.data import collate
 from trtspec.distill.sample import Sample
-from trtspec.distill.train import agreement, step_weights, to_device, ttt_loss
+from trtspec.distill.train import add_feature_noise, agreement, step_weights, to_device, ttt_loss
 from trtspec.engines.torch import threads
 from trtspec.engines.torch.eagle3 import Eagle3Head
 from trtspec.errors import TrtspecError
@@ -52,6 +52,10 @@ class Trainer:
         self.optim = torch.optim.AdamW(self.params, lr=opts.lr, weight_decay=opts.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, self.lr_factor)
         self.weights = step_weights(steps, opts.step_decay)
+        # The first ttt_phase of the steps train the first draft step alone (the depth-1 head,
+        # cheaper), the rest every unrolled step: step 1 gets the depth-1 head's start, and the
+        # later steps learn on states that already predict well.
+        self.phase_steps = round(opts.ttt_phase * opts.max_steps) if steps > 1 else 0
 
     def lr_factor(self, step: int) -> float:
         """Multiplier of the peak learning rate at ``step`` (0-based)."""
@@ -75,18 +79,20 @@ class Trainer:
         self.head.train(was)
         return a
 
-    def step_loss(self, batch) -> torch.Tensor:
+    def step_loss(self, batch, step: int = -1) -> torch.Tensor:
+        """The loss of training step ``step`` (0-based; -1: past any depth-1 phase)."""
         soft = self.opts.labels == "soft"
+        depth, weights = (1, [1.0]) if 0 <= step < self.phase_steps else (self.steps, self.weights)
         loss, _ = ttt_loss(
             self.head,
             self.embed,
             batch,
-            self.steps,
+            depth,
             self.t2d,
             self.cos,
             self.sin,
             soft=soft,
-            weights=self.weights,
+            weights=weights,
             response_only=self.opts.response_only,
         )
         return loss
@@ -114,10 +120,11 @@ class Trainer:
                     gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + step)
                     idx = torch.randint(len(train_s), (min(opts.batch_size, len(train_s)),), generator=gen).tolist()
                     batch = collate([train_s[i] for i in idx], opts.max_len, self.store, soft=soft)
+                    batch = add_feature_noise(batch, opts.feature_noise, gen)  # the same generator: deterministic
                     # One thread count for every step, so a run's weights do not depend on timing
                     # (a resumed run equals an uninterrupted one); generation follows a neighbour.
                     with threads.governor().pinned() if on_cpu else contextlib.nullcontext():
-                        loss = self.step_loss(to_device(batch, self.device))
+                        loss = self.step_loss(to_device(batch, self.device), step)
                         self.optim.zero_grad()
                         loss.backward()
                         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
@@ -164,11 +171,14 @@ class Trainer:
         acceptance at least MIN_EVAL_DEPTH deep (what choosing k needs)."""
         final = self._eval_row(held_s)
         depth = max(self.steps, MIN_EVAL_DEPTH)
-        u = self.evaluate(unseen_s, depth) if unseen_s else {"top1": [], "acceptance_length": 1.0, "accepted": [], "chains": 0}
+        none = {"top1": [], "acceptance_length": 1.0, "accepted": [], "top_r": [], "top_r_accepted": [], "chains": 0}
+        u = self.evaluate(unseen_s, depth) if unseen_s else none
         final.update(
             unseen_top1=u["top1"],
             unseen_accepted=u["accepted"],
             unseen_acceptance_length=u["acceptance_length"],
+            unseen_top_r=u["top_r"],  # per depth: P(the target's token among the head's top 1/2/3)
+            unseen_top_r_accepted=u["top_r_accepted"],  # the same given depths before it were too
             unseen_chains=u["chains"],
         )
         return final
