@@ -9,6 +9,8 @@ from conftest import write_spec
 from typer.testing import CliRunner
 
 from trtspec.bench import measure as b
+from trtspec.bench.plot import write_outputs
+from trtspec.bench.render import floor_line
 from trtspec.cli.app import app
 from trtspec.machine import description
 
@@ -36,7 +38,7 @@ def test_run_bench_fills_every_section(built, tmp_path):
     assert [p.k for p in report.sweep] == [1, 2] and report.recommended_k in (1, 2)
     assert [p.concurrency for p in report.concurrency] == [1, 2]
     assert report.concurrency[1].speculative.tokens == 24
-    files = b.write_outputs(report, tmp_path)
+    files = write_outputs(report, tmp_path)
     assert {f.name for f in files} == {"bench.json", "sweep.png", "per_position.png", "concurrency.png"}
     for f in files[1:]:
         assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -72,7 +74,7 @@ def test_the_floor_line_holds_the_step_against_the_copy_bandwidth():
     assert c.achieved_gbps == pytest.approx(20.4)  # 0.51 GB in 25 ms
     assert c.floor_step == pytest.approx(0.0204)  # 0.51 GB at 25 GB/s
     assert c.of_copy_bandwidth == pytest.approx(0.816)
-    line = b.floor_line(c)
+    line = floor_line(c)
     assert "0.510 GB" in line and "20.4 GB/s" in line and "25.0 GB/s" in line and "20.4 ms: 0.82 of the floor" in line
     assert b.Costs(0.02, None, 0.03, 3).of_copy_bandwidth is None  # measured over gRPC: no bytes
 

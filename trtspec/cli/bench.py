@@ -115,7 +115,7 @@ def bench(
       trtspec bench engine_specs/smollm2-135m-cpu-suffix.yaml --methods suffix,ngram --sweep none -c 1 \\
         --methods-prompts bench/prompts.jsonl --methods-prompts bench/repeat_prompts.jsonl
     """
-    from trtspec.bench import measure, run
+    from trtspec.bench import plot, render, run
 
     loaded = with_device(load_spec(spec), device)
     url = parse_url(url)
@@ -142,8 +142,8 @@ def bench(
         report, interrupted = run.run(
             loaded, loaded.output_dir(output), opts, progress=lambda s: status.update(f"benchmarking: {s}")
         )
-    emit(report, lambda o: measure.render(report, o), as_json=as_json, json_file=json_file)
-    for f in measure.write_outputs(report, out or Path("bench") / "results" / loaded.spec.name):
+    emit(report, lambda o: render.render(report, o), as_json=as_json, json_file=json_file)
+    for f in plot.write_outputs(report, out or Path("bench") / "results" / loaded.spec.name):
         console.info(f"wrote {f}")
     if interrupted:
         raise typer.Exit(EXIT_INTERRUPTED)
