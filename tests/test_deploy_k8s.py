@@ -16,6 +16,7 @@ from conftest import ROOT
 from typer.testing import CliRunner
 
 from trtspec.cli.app import app
+from trtspec.cli.options import validated
 from trtspec.deploy import schemas
 from trtspec.deploy.k8s import (
     ACTIVE_METRIC,
@@ -28,7 +29,7 @@ from trtspec.deploy.k8s import (
     plan_manifests,
 )
 from trtspec.deploy.options import DEFAULT_KUBE_VERSION, K8sOptions
-from trtspec.deploy.output import NO_SCHEMA, options_from, rendered_files
+from trtspec.deploy.output import NO_SCHEMA, rendered_files
 from trtspec.errors import TrtspecError
 from trtspec.layout import BLS_MODEL as BLS
 from trtspec.layout import BLS_STREAMING_MODEL as BLS_STREAMING
@@ -405,6 +406,8 @@ def test_an_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
         ({}, ["--memory", "lots"], "--memory: 'lots' is not a Kubernetes quantity"),
         ({}, ["--min-replicas", "5", "--max-replicas", "2"], "min_replicas (5) exceeds max_replicas (2)"),
         ({}, ["--engines-from", "image"], "engines_from image needs engines_image"),
+        ({}, ["--queue-target", "0"], "--queue-target: Input should be greater than or equal to 1"),
+        ({}, ["--engines-from", "nfs"], "--engines-from: Input should be 'pvc', 'image' or 'build'"),
     ],
 )
 def test_bad_input_one_message_exit_2_nothing_written(tmp_path, spec_sections, args, message):
@@ -414,6 +417,25 @@ def test_bad_input_one_message_exit_2_nothing_written(tmp_path, spec_sections, a
     assert r.exit_code == 2, r.output
     assert r.output.startswith("Error: ") and message in r.output and "Traceback" not in r.output
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["pair.yaml"]
+
+
+def test_each_option_is_declared_once_on_k8s_options():
+    # the command's options are built from K8sOptions' flagged fields: same names, same defaults
+    import typer.main
+
+    from trtspec.cli.options import flag_of
+
+    group = typer.main.get_command(app)
+    command = group.commands["deploy"].commands["k8s"]
+    options = {p.name: p for p in command.params}
+    flagged = {name: f for name, f in K8sOptions.model_fields.items() if flag_of(f)}
+    assert len(flagged) >= 25
+    for name, field in flagged.items():
+        assert options[name].default == field.default, name
+        assert options[name].help == flag_of(field).help
+    assert options["hpa"].secondary_opts == ["--no-hpa"] and options["namespace"].opts == ["--namespace", "-n"]
+    # the command's own options (where to write) are not options of the deployment
+    assert {"out", "engines", "force", "dry_run", "spec"} == set(options) - set(flagged)
 
 
 def test_spec_name_that_cannot_be_an_object_name_needs_name(tmp_path):
@@ -547,7 +569,7 @@ def test_network_policy_admits_only_the_clients_to_the_api_and_prometheus_to_met
 
 def test_a_clients_label_that_is_no_label_is_one_clear_error(tmp_path):
     with pytest.raises(TrtspecError) as err:
-        options_from({"clients_label": "front"})
+        validated(K8sOptions, {"clients_label": "front"})
     assert str(err.value) == (
         "--clients-label: 'front' is not a pod label selector; write it as key=value, e.g. app.kubernetes.io/name=my-front"
     )

@@ -13,7 +13,6 @@ import tempfile
 from pathlib import Path
 
 import yaml
-from pydantic import ValidationError
 
 from trtspec.deploy.k8s import Plan, plan_manifests
 from trtspec.deploy.options import K8sOptions
@@ -79,18 +78,6 @@ def write_folder(files: dict[str, str], out: Path, force: bool = False) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def options_from(values: dict) -> K8sOptions:
-    """K8sOptions from CLI values (None = default), each problem rendered as one line."""
-    try:
-        return K8sOptions.model_validate({k: v for k, v in values.items() if v is not None})
-    except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            field = ".".join(str(x) for x in err["loc"]) or "options"
-            lines.append(f"--{field.replace('_', '-')}: {str(err['msg']).removeprefix('Value error, ')}")
-        raise TrtspecError("\n".join(lines)) from e
 
 
 def deploy_k8s(

@@ -1,0 +1,102 @@
+"""A command's options declared once: on the typed options model the library takes.
+
+``declared(Model)`` gives a command function, besides its own parameters, one option per field
+of ``Model`` that carries a ``trtspec.flags.Flag`` (its type, default and bounds from the field,
+its help from the flag), and calls it with the validated model in the parameter annotated with
+``Model``. A value the model refuses is one ``--flag: reason`` line per problem (exit 2).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+import typing
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
+
+import typer
+from pydantic import BaseModel, ValidationError
+
+from trtspec.errors import RequestError
+from trtspec.flags import Flag
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def flag_of(field) -> Flag | None:
+    return next((m for m in field.metadata if isinstance(m, Flag)), None)
+
+
+def _plain(annotation: Any) -> Any:
+    """The field's type as click can parse it: Annotated bounds stripped and Literal choices
+    read as text (the model checks both, so every refusal is one ``--flag: reason`` line),
+    ``X | None`` kept."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return str
+    if typing.get_origin(annotation) is Annotated:
+        return _plain(typing.get_args(annotation)[0])
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [_plain(a) for a in typing.get_args(annotation)]
+        return functools.reduce(lambda a, b: a | b, args)
+    return annotation
+
+
+def parameters(model: type[BaseModel]) -> list[inspect.Parameter]:
+    """One keyword parameter per flagged field, in the model's order."""
+    params = []
+    for name, field in model.model_fields.items():
+        flag = flag_of(field)
+        if flag is None:
+            continue
+        long = flag.long(name)
+        decls = [f"{long}/--no-{long.removeprefix('--')}" if flag.negatable else long]
+        if flag.short:
+            decls.append(flag.short)
+        option = typer.Option(*decls, help=flag.help, show_default=field.default is not None)
+        annotation = Annotated[_plain(field.annotation), option]
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=field.default))
+    return params
+
+
+def validated(model: type[M], values: dict[str, Any]) -> M:
+    """``model`` from command-line values; each problem one line naming its flag."""
+    try:
+        return model.model_validate(values)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            name = str(err["loc"][0]) if err["loc"] else ""
+            field = model.model_fields.get(name)
+            flag = flag_of(field) if field is not None else None
+            where = flag.long(name) if flag else f"--{name.replace('_', '-')}" if name else "options"
+            lines.append(f"{where}: {str(err['msg']).removeprefix('Value error, ')}")
+        raise RequestError("\n".join(lines)) from e
+
+
+def declared(model: type[M]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate a command whose parameter annotated ``model`` receives the validated options."""
+
+    def wrap(command: Callable[..., Any]) -> Callable[..., Any]:
+        own = inspect.signature(command)
+        hints = typing.get_type_hints(command, include_extras=True)
+        slot = next(name for name in own.parameters if hints.get(name) is model)
+        flags = parameters(model)
+        names = {p.name for p in flags}
+
+        @functools.wraps(command)
+        def run(**kwargs):
+            values = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+            return command(**kwargs, **{slot: validated(model, values)})
+
+        kept = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in own.parameters.values() if p.name != slot]
+        positional = [p for p in kept if p.default is inspect.Parameter.empty]
+        keyword = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in kept if p.default is not inspect.Parameter.empty]
+        run.__signature__ = own.replace(parameters=positional + flags + keyword, return_annotation=None)
+        # typer reads the signature above and resolves annotations itself: give it objects,
+        # not the command module's strings (which it would look up in this module)
+        run.__annotations__ = {p.name: p.annotation for p in run.__signature__.parameters.values()}
+        del run.__wrapped__
+        return run
+
+    return wrap
