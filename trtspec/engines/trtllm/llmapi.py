@@ -72,6 +72,8 @@ def speculative_config(spec: EngineSpec, draft_dir: Path | None, line: str) -> d
             cfg["eagle3_layers_to_capture"] = layers
         if s.suffix is not None:  # layered: spec validation allows it on eagle3, 1.3+ only
             cfg["sa_config"] = {"threshold": s.suffix.threshold, "enable_global_pool": s.suffix.cache_responses > 0}
+        if s.tree is not None:  # spec validation allows only a dynamic tree, on eagle3, 1.3+
+            cfg |= dynamic_tree_keys(s.tree)
     elif s.method == "suffix":
         sx = s.suffix_drafting
         # -1: the longest match the automaton finds (trtspec matches as long as max_depth allows)
@@ -83,6 +85,19 @@ def speculative_config(spec: EngineSpec, draft_dir: Path | None, line: str) -> d
         # 1.2.1 defaults this to 0 and asserts > 0; main defaults to 2: always write it.
         cfg["max_matching_ngram_size"] = s.max_ngram
     return cfg | schedule_keys(s.schedule, s.switch_off, line)
+
+
+def dynamic_tree_keys(tree) -> dict:
+    """EAGLE-2's dynamic tree as Eagle3DecodingConfig takes it (1.3+): expand the top K per
+    step for max_draft_len steps, verify max_total_draft_tokens nodes (the root not counted;
+    upstream's range [max_draft_len, K x max_draft_len] is spec validation's)."""
+    if tree.dynamic is None:
+        raise ValueError("TensorRT-LLM 1.4 has no static tree (eagle_choices); spec validation refuses it")
+    return {
+        "use_dynamic_tree": True,
+        "dynamic_tree_max_topK": tree.dynamic.top_k,
+        "max_total_draft_tokens": tree.dynamic.nodes,
+    }
 
 
 def schedule_keys(schedule: dict[int, int] | None, switch_off, line: str) -> dict:

@@ -11,6 +11,10 @@ Sources:
         1.2.1/_modules/tensorrt_llm/sampling_params.html@58fb435eacc402f3bd177e60f592c955d2b0719d
   1.3+  tensorrt_llm/llmapi/llm_args.py@0004396720054fd8e205cbf616f21f0b57c6b412 (main, 2026)
         tensorrt_llm/sampling_params.py@000a01de66f0eab4ab05640711f0253f50f5209c (main)
+        "1.3+" covers 1.4 too: a field the 1.4 release candidates dropped is left out (the
+        Eagle3DecodingConfig reference of 1.3.0rc27 has eagle_choices and num_eagle_layers,
+        1.4.0rc1 no eagle_choices, 1.4.0rc4 neither: nvidia.github.io/TensorRT-LLM/<version>/
+        llm-api/reference/Eagle3DecodingConfig.html)
 """
 
 from __future__ import annotations
@@ -183,20 +187,25 @@ DECODING_BASE = {
         }
     ),
 }
-_EAGLE = frozenset(
+# EagleDecodingConfig. The tree fields: eagle_choices (a static tree; 1.2.1 warns "still under
+# development, PLEASE DO NOT USE IT", 1.3 deprecates it, 1.4 removed it), use_dynamic_tree +
+# dynamic_tree_max_topK + DecodingBase's max_total_draft_tokens (EAGLE-2's dynamic tree; 1.2.1
+# resets max_total_draft_tokens to max_draft_len, 1.3+ takes it in [max_draft_len, topK x
+# max_draft_len]); max_non_leaves_per_layer (a TensorRT-engine EAGLE-1 convert setting, never
+# written by trtspec); num_eagle_layers (TensorRT flow only; gone in 1.4.0rc4).
+_EAGLE_COMMON = frozenset(
     {
-        "eagle_choices",
         "greedy_sampling",
         "posterior_threshold",
         "use_dynamic_tree",
         "dynamic_tree_max_topK",
-        "num_eagle_layers",
         "max_non_leaves_per_layer",
         "eagle3_one_model",
         "eagle3_layers_to_capture",
         "eagle3_model_arch",
     }
 )
+_EAGLE = {"1.2": _EAGLE_COMMON | {"eagle_choices", "num_eagle_layers"}, "1.3+": _EAGLE_COMMON}
 _NGRAM = frozenset({"max_matching_ngram_size", "is_keep_all", "is_use_oldest", "is_public_pool"})
 # SADecodingConfig (the suffix automaton, standalone) and SAEnhancerConfig (``sa_config`` on
 # Eagle3, MTP and PARD; not on Draft_Target): complete, 1.3+ only (1.2.1 has neither).
@@ -208,12 +217,12 @@ SA_ENHANCER = {"1.3+": frozenset({"threshold", "enable_global_pool"})}
 DECODING_TYPES = {
     "1.2": {
         "DraftTarget": DECODING_BASE["1.2"],
-        "Eagle": DECODING_BASE["1.2"] | _EAGLE,  # runs EAGLE-3 on pytorch (eagle3_one_model)
+        "Eagle": DECODING_BASE["1.2"] | _EAGLE["1.2"],  # runs EAGLE-3 on pytorch (eagle3_one_model)
         "NGram": DECODING_BASE["1.2"] | _NGRAM,
     },
     "1.3+": {
         "Draft_Target": DECODING_BASE["1.3+"],
-        "Eagle3": DECODING_BASE["1.3+"] | _EAGLE | {"sa_config"},
+        "Eagle3": DECODING_BASE["1.3+"] | _EAGLE["1.3+"] | {"sa_config"},
         "NGram": DECODING_BASE["1.3+"] | _NGRAM,
         "SA": DECODING_BASE["1.3+"] | _SA,
     },

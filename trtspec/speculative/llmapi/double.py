@@ -90,10 +90,30 @@ class DecodingConfig:
             raise ValueError(f"max_draft_len must be > 0 for {kind}")
         if METHOD_OF[kind] in ("draft_target", "eagle3") and not data.get("speculative_model"):
             raise ValueError(f"speculative_model must be specified for {kind}")
+        if data.get("use_dynamic_tree") or data.get("dynamic_tree_max_topK") is not None:
+            _check_dynamic_tree(kind, line, data)
         if kind == "NGram" and line == "1.2" and not data.get("max_matching_ngram_size"):
             # 1.2.1 defaults it to 0 and asserts it is positive when the drafter is built
             raise ValueError("max_matching_ngram_size must be > 0 for NGram (TensorRT-LLM 1.2)")
         return cls(line, kind, data)
+
+
+def _check_dynamic_tree(kind: str, line: str, data: dict) -> None:
+    """EagleDecodingConfig.validate_eagle_config's dynamic-tree rules, as each line has them."""
+    top_k, k = data.get("dynamic_tree_max_topK"), data["max_draft_len"]
+    if not top_k or top_k <= 0:
+        raise ValueError("dynamic_tree_max_topK should be provided, which indicates the number of nodes to expand each time")
+    if line == "1.2":  # 1.2.1 sets max_total_draft_tokens = max_draft_len before the tree logic
+        data["max_total_draft_tokens"] = k
+        return
+    total = data.get("max_total_draft_tokens")
+    if total is None:
+        data["max_total_draft_tokens"] = top_k * k
+    elif not k <= total <= top_k * k:
+        raise ValueError(
+            f"max_total_draft_tokens ({total}) should be >= max_draft_len ({k}) and <= "
+            f"dynamic_tree_max_topK * max_draft_len ({top_k * k}) for {kind}"
+        )
 
 
 class SamplingParams:
