@@ -649,7 +649,7 @@ def check_llmapi_suffix(spec: EngineSpec) -> None:
 def check_llmapi_tree(spec: EngineSpec) -> None:
     """A draft tree under the LLM API is Eagle3DecodingConfig's dynamic tree (use_dynamic_tree,
     dynamic_tree_max_topK, max_total_draft_tokens), on 1.3+ only; what a line lacks is refused
-    by name (ValueError). Sources: docs/trtllm.md#draft-trees."""
+    by name (ValueError). Sources: docs/trtllm.md, Draft trees."""
     s, line = spec.speculative, spec.trtllm.line
     if s.tree is None:
         return
