@@ -14,6 +14,29 @@ from trtspec.speculative.llmapi import TENSORRT_LLM
 from trtspec.triton.server import serving
 
 
+def _print_dry_run(server, t) -> None:
+    """The command line and the environment the server would get (install.server_env)."""
+    console.out.print(" ".join(server.shown_argv()))
+    env = server.env or {}
+    shown = ["PATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "MALLOC_CONF", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"]
+    for key in [*shown, *sorted(k for k in env if k.startswith("TRTLLM_"))]:
+        console.out.print(f"{key}={env.get(key, os.environ.get(key, ''))}")
+    if t.loaded is not None:
+        console.out.print(f"repository (not written in a dry run): {t.repo_dir}")
+
+
+def _run_attached(server, timeout: float, log_file: Path | None, endpoints: str) -> int:
+    """Serve until Ctrl-C / SIGTERM; the server's exit code."""
+
+    def ready(secs: float) -> None:
+        console.out.print(f"ready in {secs:.1f}s: {endpoints}", highlight=False)
+        console.err.print(f"log: {server.log_path}; Ctrl-C to stop")
+
+    code = serving.run_attached(server, timeout, log_file, ready)
+    console.err.print("tritonserver stopped")
+    return code
+
+
 @handle_errors
 def serve(
     target: Annotated[
@@ -60,13 +83,7 @@ def serve(
     t = serving.serve_target(target, engines, repo_dir, write=not dry_run, llmapi_impl=llmapi_impl)
     server = serving.server_for(t, host, http_port, grpc_port, metrics_port)
     if dry_run:
-        console.out.print(" ".join(server.shown_argv()))
-        env = server.env or {}
-        shown = ["PATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "MALLOC_CONF", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"]  # install.server_env
-        for key in [*shown, *sorted(k for k in env if k.startswith("TRTLLM_"))]:
-            console.out.print(f"{key}={env.get(key, os.environ.get(key, ''))}")
-        if t.loaded is not None:
-            console.out.print(f"repository (not written in a dry run): {t.repo_dir}")
+        _print_dry_run(server, t)
         return
     endpoints = f"gRPC {server.grpc_endpoint} | HTTP {server.http_endpoint} | metrics {server.metrics_url}"
     if detach:
@@ -76,11 +93,4 @@ def serve(
         console.out.print(f"ready in {secs:.1f}s: {endpoints}")
         console.out.print(f"pid {server.pid}; pid file {pid_file}; log {log}; stop with `trtspec stop --pid-file {pid_file}`")
         return
-
-    def ready(secs: float) -> None:
-        console.out.print(f"ready in {secs:.1f}s: {endpoints}", highlight=False)
-        console.err.print(f"log: {server.log_path}; Ctrl-C to stop")
-
-    code = serving.run_attached(server, timeout, log_file, ready)
-    console.err.print("tritonserver stopped")
-    raise typer.Exit(code)
+    raise typer.Exit(_run_attached(server, timeout, log_file, endpoints))
