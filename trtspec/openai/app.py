@@ -95,10 +95,9 @@ class _ClientGone(Exception):
     """The HTTP client disconnected before its answer: its calls were cancelled."""
 
 
-def create_app(backend: TritonText, tokenizer, settings: FrontSettings) -> FastAPI:
-    app = FastAPI(title="trtspec OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
-    front = _Front(backend, tokenizer, settings)
-    app.add_middleware(BodyLimit, limit=settings.body_limit)
+def _error_handlers(app: FastAPI) -> None:
+    """Every error leaves in OpenAI's shape: ours, the deployment's, HTTP's, validation's and
+    an unexpected one (logged); a client that went away gets nothing (499)."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, err: ApiError):
@@ -130,6 +129,14 @@ def create_app(backend: TritonText, tokenizer, settings: FrontSettings) -> FastA
         if first.get("type") == "extra_forbidden":
             message = f"{where} is not supported by trtspec; leave it out"
         return JSONResponse(error_body(message, "invalid_request_error", where or None), status_code=400)
+
+
+def create_app(backend: TritonText, tokenizer, settings: FrontSettings) -> FastAPI:
+    app = FastAPI(title="trtspec OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    front = _Front(backend, tokenizer, settings)
+    app.add_middleware(BodyLimit, limit=settings.body_limit)
+
+    _error_handlers(app)
 
     @app.get("/v1/models")
     async def models():
