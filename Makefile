@@ -1,6 +1,7 @@
 # make demo  — install, prepare the demo weights, build, verify, serve on Triton, verify over gRPC,
 #              then the co-designed pair (an EAGLE-3 head distilled once at a short budget, cached)
 # make test  — install and run the test suite
+# make figures — regenerate the figure blocks of README.md and docs/performance.md from bench/results/*.json
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TRTSPEC := $(VENV)/bin/trtspec
@@ -21,7 +22,7 @@ EAGLE3_DEMO_SPEC := engine_specs/smollm2-135m-eagle3-demo.yaml
 DEMO_DISTILL_STEPS ?= 400
 DEMO_DISTILL_BUDGET ?= 30m
 
-.PHONY: install browser allocator demo demo-codesign demo-eagle3 lint test test-fast test-gpu gpu-check bench bench-eagle3 bench-aiperf aiperf guidellm bench-guidellm vllm test-vllm clean
+.PHONY: install browser allocator demo demo-codesign demo-eagle3 lint test test-fast test-gpu gpu-check figures bench bench-eagle3 bench-aiperf aiperf guidellm bench-guidellm vllm test-vllm clean
 
 install: $(VENV)/.installed
 
@@ -94,6 +95,12 @@ bench-eagle3: install weights/smollm2-135m-eagle3-head
 	$(TRTSPEC) bench $(EAGLE3_SPEC) --methods eagle3,draft_target,ngram --draft-from $(DEMO_SPEC) \
 	  --sweep 1-6 -c 1,2,4 --rounds 2 --out bench/results/smollm2-135m-eagle3
 	$(PY) bench/peers_bench.py --spec $(EAGLE3_SPEC) --draft-from $(DEMO_SPEC) --repeats 2 --out bench/results/peers-eagle3.md
+
+# The documents' figures: each figure block of README.md and docs/performance.md is its template in
+# bench/figures.md filled from a committed result file, bench/results/NAME.json (command, machine,
+# time, values). tests/test_figures.py (make test) fails when a block differs from its result.
+figures:
+	$(PY) bench/figures.py
 
 # NVIDIA AIPerf, a client tool with a heavy dependency set: its own environment, run as a command.
 AIPERF_VENV ?= .venv-aiperf
@@ -182,5 +189,7 @@ ACCEPTANCE ?=
 gpu-check:
 	$(GPU_PYTHON) bench/gpu_check.py $(if $(ACCEPTANCE),--acceptance $(ACCEPTANCE))
 
+# clean keeps the committed result files (bench/results/*.json); what runs wrote beside them goes.
 clean:
-	rm -rf engines model_repo/*/ bench/results
+	rm -rf engines model_repo/*/
+	find bench/results -mindepth 1 -maxdepth 1 ! -name '*.json' -exec rm -rf {} +

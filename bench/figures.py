@@ -1,0 +1,205 @@
+"""The documents' figures, generated from the committed result files.
+
+    python bench/figures.py            # rewrite every figure block of README.md and docs/performance.md (make figures)
+    python bench/figures.py --check    # exit 1 and name each block that differs from what the results give
+
+A figure block in a document is a marked region:
+
+    <!-- figures: NAME -->
+    ...generated: never edit by hand...
+    <!-- /figures: NAME -->
+
+Its text is the template of the same NAME in bench/figures.md (same markers), with every
+placeholder {{RESULT.PATH:FORMAT}} replaced by a value of bench/results/RESULT.json
+(bench/_common.py describes the file):
+
+    {{demo-draft-int4.command}}                    the file's command, machine, time or stale
+    {{demo-draft-int4.target.tokens_per_s:.1f}}    a measured value (a path into "values"; list items by index)
+    {{demo-draft-int4.costs.target_step*1e3:.1f}}  the same, times a factor (seconds to ms)
+    {{demo-draft-int4.target.tokens_per_s / neighbour-busy.target.tokens_per_s:.2f}}  the ratio of two values
+    {{demo-draft-int4.metrics.per_position_rate:.2f}}  a list: each item formatted, joined by ", "
+    {{peers-hf.table:table}}                       {"columns": [...], "rows": [[...]]} as a Markdown table
+
+A block that uses a stale result file ends with a line saying so. Adding a figure: write the
+result file (a script: bench/_common.py's write_result; a figure measured by hand: the same
+four keys), add its template to bench/figures.md and an empty region with its name where the
+document shows it, then run `make figures`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from _common import RESULTS, ROOT, Result
+
+DOCUMENTS = (ROOT / "README.md", ROOT / "docs" / "performance.md")
+TEMPLATES = ROOT / "bench" / "figures.md"
+EXIT_DIFFERS = 1
+EXIT_USAGE = 2
+
+REGION = re.compile(r"<!-- figures: (?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- /figures: (?P=name) -->", re.S)
+PLACEHOLDER = re.compile(r"\{\{(?P<expr>[^{}:]+?)(?::(?P<fmt>[^{}]*))?\}\}")
+REFERENCE = re.compile(r"(?P<file>[\w-]+)\.(?P<path>[^*]+?)(?:\*(?P<factor>[0-9.e+-]+))?")
+TOP_LEVEL = ("command", "machine", "time", "stale")
+
+
+class FigureError(Exception):
+    """A template, region or result file that cannot give a figure; the message says which."""
+
+
+def regions(text: str) -> dict[str, str]:
+    """NAME -> body of every marked region in ``text``; a name twice is an error."""
+    found: dict[str, str] = {}
+    for m in REGION.finditer(text):
+        if m["name"] in found:
+            raise FigureError(f"figure block {m['name']!r} is marked twice; give each block its own name")
+        found[m["name"]] = m["body"]
+    return found
+
+
+class Results:
+    """The result files a rendering reads, each read once."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.cache: dict[str, Result] = {}
+
+    def get(self, name: str) -> Result:
+        if name not in self.cache:
+            path = self.folder / f"{name}.json"
+            if not path.is_file():
+                raise FigureError(f"no result file {path}; write it (bench/_common.py: write_result) or fix the name")
+            try:
+                self.cache[name] = Result.read(path)
+            except (ValueError, json.JSONDecodeError) as e:
+                raise FigureError(str(e)) from None
+        return self.cache[name]
+
+    def value(self, name: str, path: str):
+        result = self.get(name)
+        parts = path.split(".")
+        if parts[0] in TOP_LEVEL:
+            node, rest = getattr(result, parts[0]), parts[1:]
+        else:
+            node, rest = result.values, parts
+        for i, part in enumerate(rest):
+            try:
+                node = node[int(part)] if isinstance(node, list) else node[part]
+            except (KeyError, IndexError, ValueError, TypeError):
+                where = ".".join(rest[: i + 1])
+                raise FigureError(f"{name}.json has no value {where!r}; fix the template's path or the result file") from None
+        if node is None:
+            raise FigureError(f"{name}.json: {path!r} is empty (null); a figure needs a value")
+        return node
+
+
+def _format(value, fmt: str | None) -> str:
+    if fmt == "table":
+        return markdown_table(value)
+    if isinstance(value, list):
+        return ", ".join(_format(v, fmt) for v in value)
+    return format(value, fmt or "")
+
+
+def markdown_table(table: dict) -> str:
+    """{"columns": [...], "rows": [[...], ...], "align": "lrr..." (optional)} as Markdown."""
+    columns, rows = table["columns"], table["rows"]
+    align = table.get("align", "l" * len(columns))
+    rule = ["---:" if a == "r" else "---" for a in align]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join(rule) + "|"]
+    for row in rows:
+        if len(row) != len(columns):
+            raise FigureError(f"table row {row!r} has {len(row)} cells for {len(columns)} columns")
+        lines.append("| " + " | ".join(str(c) for c in row) + " |")
+    return "\n".join(lines)
+
+
+def evaluate(expr: str, results: Results, used: list[str]):
+    """One reference (RESULT.PATH, optionally *FACTOR), or the ratio of two: A / B."""
+    values = []
+    for ref in expr.split(" / "):
+        m = REFERENCE.fullmatch(ref.strip())
+        if m is None:
+            raise FigureError(f"{{{{{expr}}}}} is no placeholder; write {{{{RESULT.PATH:FORMAT}}}} or {{{{A / B:FORMAT}}}}")
+        if m["file"] not in used:
+            used.append(m["file"])
+        value = results.value(m["file"], m["path"])
+        values.append(value * float(m["factor"]) if m["factor"] else value)
+    if len(values) > 2:
+        raise FigureError(f"{{{{{expr}}}}}: a placeholder holds one value or the ratio of two")
+    return values[0] if len(values) == 1 else values[0] / values[1]
+
+
+def render(template: str, results: Results) -> str:
+    """The template with every placeholder filled, plus a line per stale result file it uses."""
+    used: list[str] = []
+    text = PLACEHOLDER.sub(lambda m: _format(evaluate(m["expr"], results, used), m["fmt"]), template).rstrip("\n")
+    if "{{" in text:
+        raise FigureError(f"unfilled placeholder near {text[text.index('{{') :][:60]!r}; write it as {{{{RESULT.PATH:FORMAT}}}}")
+    for name in used:
+        if results.get(name).stale:
+            text += f"\n\n*Stale ({name}.json): {results.get(name).stale}; to be measured again with its command.*"
+    return text + "\n"
+
+
+def generate(documents=DOCUMENTS, templates: Path = TEMPLATES, results_dir: Path = RESULTS) -> dict[Path, str]:
+    """Each document's text with its figure blocks as the results give them."""
+    tmpl = regions(templates.read_text(encoding="utf-8"))
+    results = Results(results_dir)
+    out, shown = {}, set()
+    for doc in documents:
+        text = doc.read_text(encoding="utf-8")
+
+        def fill(m: re.Match, doc=doc) -> str:
+            name = m["name"]
+            if name not in tmpl:
+                raise FigureError(f"{doc.name}: figure block {name!r} has no template in {templates.name}; add one")
+            try:
+                body = render(tmpl[name], results)
+            except FigureError as e:
+                raise FigureError(f"{doc.name}, figure block {name!r}: {e}") from None
+            shown.add(name)
+            return f"<!-- figures: {name} -->\n{body}<!-- /figures: {name} -->"
+
+        out[doc] = REGION.sub(fill, text)
+    unused = sorted(set(tmpl) - shown)
+    if unused:
+        raise FigureError(f"templates no document shows: {', '.join(unused)}; add their regions or remove them")
+    return out
+
+
+def differing(documents=DOCUMENTS, templates: Path = TEMPLATES, results_dir: Path = RESULTS) -> list[str]:
+    """'document: block' for each figure block whose text is not what the results give."""
+    out = []
+    for doc, text in generate(documents, templates, results_dir).items():
+        want, have = regions(text), regions(doc.read_text(encoding="utf-8"))
+        out += [f"{doc.name}: {name}" for name in want if have[name] != want[name]]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block differs from the results")
+    args = ap.parse_args(argv)
+    try:
+        if args.check:
+            stale = differing()
+            for line in stale:
+                print(f"differs from the results: {line} (run `make figures`)", file=sys.stderr)
+            return EXIT_DIFFERS if stale else 0
+        for doc, text in generate().items():
+            if doc.read_text(encoding="utf-8") != text:
+                doc.write_text(text, encoding="utf-8")
+                print(f"wrote {doc.relative_to(ROOT)}")
+    except FigureError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
