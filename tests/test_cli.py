@@ -29,6 +29,16 @@ def test_help_lists_commands_and_exit_codes():
         assert word in r.output
 
 
+def test_verify_help_says_sampling_runs_over_url_too():
+    """--sampling works in process and with --url (tests/test_serve.py runs both); its help says so."""
+    r = runner.invoke(app, ["verify", "--help"], terminal_width=400)
+    text = " ".join(r.output.replace("│", " ").split())
+    assert r.exit_code == 0
+    assert "In process only" not in text
+    assert "In process, or with --url from the served speculative endpoint" in text
+    assert "--sampling 200 --url 127.0.0.1:8001" in text
+
+
 def test_check_ok(spec_file):
     r = runner.invoke(app, ["check", str(spec_file), "--json"])
     assert r.exit_code == 0, r.output

@@ -100,7 +100,7 @@ def verify(
         typer.Option(
             "--sampling",
             min=1,
-            help="Also test speculative SAMPLING: N samples per prompt, checked against the target's exact distribution (chi-square, false-alarm rate 0.01). In process only.",
+            help="Also test speculative SAMPLING: N samples per prompt, checked against the target's exact distribution (chi-square, false-alarm rate 0.01). In process, or with --url from the served speculative endpoint, scored by the target engine built here.",
         ),
     ] = None,
     temperature: Annotated[
@@ -135,6 +135,7 @@ def verify(
       trtspec verify my-spec.yaml --json-file report.json --junit verify.xml --html report.html
       trtspec verify half-precision.yaml --fail-on algorithmic
       trtspec verify engine_specs/tiny-llama.yaml --sampling 200 --temperature 0.8 --top-p 0.95
+      trtspec verify engine_specs/tiny-llama.yaml --sampling 200 --url 127.0.0.1:8001
       trtspec verify my-spec.yaml --baseline previous.json --max-acceptance-drop 5% --min-acceptance-length 3
       trtspec verify engine_specs/smollm2-135m-cpu.yaml --url 127.0.0.1:8001 --stream
       trtspec verify engine_specs/llama3.1-8b-instruct-llmapi.yaml     # LLM API, on a GPU
