@@ -1,5 +1,6 @@
-"""Every trtspec import in the package resolves, including the lazy ones inside functions
-(model code that runs only inside tritonserver or on a GPU is not imported by other tests)."""
+"""Every trtspec import in the package and in the lab (the root bench/) resolves, including the
+lazy ones inside functions (model code that runs only inside tritonserver or on a GPU is not
+imported by other tests, nor are most benchmark scripts)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def _imports(path: Path):
 
 def test_every_trtspec_import_resolves():
     missing = []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted(PACKAGE.rglob("*.py")) + sorted((PACKAGE.parent / "bench").glob("*.py")):
         for line, module, names in _imports(path):
             try:
                 mod = importlib.import_module(module)
