@@ -59,67 +59,78 @@ class GrpcBench:
         return RequestTiming(len(ids), first[0] if first else None, time.perf_counter() - start, metrics if speculative else None)
 
 
+class _EngineModels:
+    """Timed calls to the served engine models, with this machine's caller key when it has one
+    the server takes (the engine models answer only the repository's own models:
+    triton/backend/callers.py)."""
+
+    def __init__(self, url: str):
+        import tritonclient.grpc as grpcclient
+
+        self.grpc = grpcclient
+        self.client = grpcclient.InferenceServerClient(url)
+        self.parameters: dict[str, str] | None = None
+
+    def call(self, model: str, ids: list[int], out_len: int, draft: list[int] | None = None) -> float:
+        """Seconds one engine request took."""
+        arrays = {"input_ids": [ids], "input_lengths": [[len(ids)]], "request_output_len": [[out_len]]}
+        if draft:
+            arrays["draft_input_ids"] = [draft]
+        inputs = []
+        for name, value in arrays.items():
+            x = self.grpc.InferInput(name, list(np.array(value).shape), "INT32")
+            x.set_data_from_numpy(np.array(value, dtype=np.int32))
+            inputs.append(x)
+        start = time.perf_counter()
+        self.client.infer(model, inputs, parameters=self.parameters)
+        return time.perf_counter() - start
+
+    def find_key(self) -> bool:
+        """Whether a caller key (or none) this server takes is readable here; keeps it."""
+        from tritonclient.utils import InferenceServerException
+
+        from trtspec.triton.backend.callers import CALLER_PARAMETER, local_keys
+
+        for key in [None, *local_keys()]:
+            self.parameters = {CALLER_PARAMETER: key} if key else None
+            try:
+                self.call(TARGET_MODEL, [10, 11], 1)
+                return True
+            except InferenceServerException as err:
+                if "internal to this model repository" not in str(err):
+                    raise
+        return False
+
+    def timed(self, model: str, n_new: int, repeats: int, context: int) -> float:
+        """Median seconds of a forward of ``n_new`` tokens after a cached ``context``."""
+        import statistics
+
+        times = []
+        for r in range(repeats):
+            base = [(7 * r + j) % 200 + 10 for j in range(context)]
+            self.call(model, base, 1)  # the context is cached now
+            tail = [(11 * r + j) % 200 + 10 for j in range(n_new)]
+            times.append(self.call(model, base + tail[:1], n_new, tail[1:] if n_new > 1 else None))
+        return statistics.median(times)
+
+
 def measure_grpc_costs(url: str, k: int, repeats: int = 7, context: int = 64) -> Costs | None:
     """Step costs measured through the served engine models (gRPC overhead included):
     a target decode step, a draft decode step, and a target forward verifying k drafts.
 
-    The engine models answer only the repository's own models (triton/backend/callers.py), so
-    this works against a server on this machine whose caller key this user can read (one it
+    This works against a server on this machine whose caller key this user can read (one it
     started); for any other server it says so and returns None (the rest of the bench runs)."""
-    import statistics
-
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import InferenceServerException
-
     from trtspec import console
-    from trtspec.triton.backend.callers import CALLER_PARAMETER, local_keys
 
-    client = grpcclient.InferenceServerClient(url)
-    parameters: dict[str, str] | None = None
-
-    def call(model: str, ids: list[int], out_len: int, draft: list[int] | None = None) -> float:
-        def t(name, arr):
-            x = grpcclient.InferInput(name, list(arr.shape), "INT32")
-            x.set_data_from_numpy(arr.astype(np.int32))
-            return x
-
-        inputs = [
-            t("input_ids", np.array([ids])),
-            t("input_lengths", np.array([[len(ids)]])),
-            t("request_output_len", np.array([[out_len]])),
-        ]
-        if draft:
-            inputs.append(t("draft_input_ids", np.array([draft])))
-        start = time.perf_counter()
-        client.infer(model, inputs, parameters=parameters)
-        return time.perf_counter() - start
-
-    for key in [None, *local_keys()]:  # which key (if any) this server takes
-        parameters = {CALLER_PARAMETER: key} if key else None
-        try:
-            call(TARGET_MODEL, [10, 11], 1)
-            break
-        except InferenceServerException as err:
-            if "internal to this model repository" not in str(err):
-                raise
-    else:
+    engines = _EngineModels(url)
+    if not engines.find_key():
         console.info(
             f"step costs not measured: the engine models of {url} answer only its own endpoints, and no caller key "
             "of a server on this machine is readable here (run the bench as the user who started the server, on its "
             "machine); tokens/s, latency and acceptance are measured as usual"
         )
         return None
-
-    def timed(model: str, n_new: int) -> float:
-        times = []
-        for r in range(repeats):
-            base = [(7 * r + j) % 200 + 10 for j in range(context)]
-            call(model, base, 1)  # the context is cached now
-            tail = [(11 * r + j) % 200 + 10 for j in range(n_new)]
-            times.append(call(model, base + tail[:1], n_new, tail[1:] if n_new > 1 else None))
-        return statistics.median(times)
-
-    target = timed(TARGET_MODEL, 1)
-    verify = timed(TARGET_MODEL, k + 1)
-    draft = timed(DRAFT_MODEL, 1) if client.is_model_ready(DRAFT_MODEL) else None
+    target = engines.timed(TARGET_MODEL, 1, repeats, context)
+    verify = engines.timed(TARGET_MODEL, k + 1, repeats, context)
+    draft = engines.timed(DRAFT_MODEL, 1, repeats, context) if engines.client.is_model_ready(DRAFT_MODEL) else None
     return Costs(target, draft, verify, k)
