@@ -177,3 +177,32 @@ def test_sglang_refuses_a_static_tree_and_methods_without_a_model_draft(tmp_path
         sglang_args(ngram, "/h")
     with pytest.raises(SpecError, match=r"^speculative\.method ngram: trtspec writes vLLM settings for model drafts"):
         vllm_speculative_config(ngram, "/h")
+
+
+def test_an_llmapi_tree_spec_builds_and_verifies_through_the_double(tmp_path, tiny_ckpts):
+    from test_eagle3 import random_head
+    from typer.testing import CliRunner
+
+    from trtspec.cli.app import app
+
+    ck = {"target": tiny_ckpts["target"], "head": random_head(tiny_ckpts["target"], tmp_path / "head")}
+    over = {**LLMAPI_13, **EAGLE, "speculative.tree": {"dynamic": {"top_k": 2, "nodes": 5}}, "speculative.max_draft_len": 3}
+    loaded = load_spec(write_spec(tmp_path, ck, "head", **over, **{"verify.max_tokens": 16}))
+    build(loaded, loaded.output_dir())
+    cfg = yaml.safe_load((loaded.output_dir() / "llmapi" / "speculative.yaml").read_text())["speculative_config"]
+    assert (cfg["use_dynamic_tree"], cfg["dynamic_tree_max_topK"], cfg["max_total_draft_tokens"]) == (True, 2, 5)
+    report = tmp_path / "r.json"
+    r = CliRunner().invoke(app, ["verify", str(loaded.path), "--llmapi", "double", "--json-file", str(report)])
+    assert r.exit_code == 0, r.output
+    assert json.loads(report.read_text())["identical"]
+
+
+def test_the_llmapi_endpoint_refuses_a_per_request_tree_switch():
+    import numpy as np
+
+    from trtspec.errors import RequestError
+    from trtspec.triton.backend.llmapi_core import LlmapiEndpoint
+
+    core = LlmapiEndpoint.__new__(LlmapiEndpoint)
+    with pytest.raises(RequestError, match="draft_tree is not supported by the LLM API endpoints"):
+        core.parse({"text_input": np.array([[b"hi"]], dtype=np.object_), "draft_tree": np.array([[False]])})

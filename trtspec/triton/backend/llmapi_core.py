@@ -71,6 +71,11 @@ class LlmapiEndpoint:
         self._parse_lock = threading.Lock()  # stream threads parse at once; one tokenizer
 
     def parse(self, inputs: Mapping[str, np.ndarray]) -> list[Row]:
+        if inputs.get("draft_tree") is not None:
+            raise RequestError(
+                "draft_tree is not supported by the LLM API endpoints: TensorRT-LLM drafts the tree (or chain) "
+                "its speculative_config names for every request; leave it out"
+            )
         with self._parse_lock:
             rows = self.orch.parse(inputs)
         if any(row.sequences > 1 for row in rows):
