@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-from trtspec.machine import description
+from _common import command_line, write_result
 from trtspec.spec import SuffixSpec, load_spec, read_prompts
 from trtspec.speculative.drafters import make_drafter, response_cache
 from trtspec.speculative.loop import GenerationRequest, Verdict, generate
@@ -113,7 +112,7 @@ def main() -> int:
         f"suffix k={args.k} (requests apart)": (lambda: make_drafter("suffix", suffix=apart), args.k),
         f"suffix k={args.k} (cache over the set)": (lambda: make_drafter("suffix", suffix=sx, cache=response_cache(sx)), args.k),
     }
-    result = {"command": " ".join(sys.argv), "machine": description(), "suffix": sx.model_dump(), "sets": {}}
+    result = {"suffix": sx.model_dump(), "sets": {}}
     recorded = json.loads(args.recorded.read_text()) if args.recorded and args.recorded.exists() else {}
     for path in args.prompts:
         if path.stem not in recorded:
@@ -132,8 +131,7 @@ def main() -> int:
                 f"{path.stem:16s} {name:34s} tokens/forward {row['tokens_per_forward']:.2f}  acceptance {row['acceptance_rate']:.3f}  drafted/forward {row['drafted_per_forward']:.2f}"
             )
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.json, command_line("acceptance_replay.py"), result)
     return 0
 
 

@@ -30,11 +30,10 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from _common import ROOT
+from _common import ROOT, command_line, write_result
 from openai_vs_grpc import _openai_block, served_with_front  # the front-vs-gRPC bench's code
 
 
@@ -198,7 +197,6 @@ def main() -> None:
     if shutil.which(args.aiperf) is None:
         raise SystemExit(f"{args.aiperf}: AIPerf not found; `make aiperf` installs it in .venv-aiperf (or pass --aiperf)")
 
-    from trtspec.files import write_json_atomic
     from trtspec.layout import tokenizer_folder
     from trtspec.machine import description as machine_description
     from trtspec.spec import load_spec
@@ -239,15 +237,8 @@ def main() -> None:
                             max_tokens,
                         )
                     )
-    report = {
-        "machine": machine_description(),
-        "spec": str(args.spec),
-        "prompts": len(prompts),
-        "max_tokens": max_tokens,
-        "command": "python bench/aiperf_bench.py " + " ".join(sys.argv[1:]),
-        "rows": rows,
-    }
-    write_json_atomic(args.out, report)
+    report = {"spec": str(args.spec), "prompts": len(prompts), "max_tokens": max_tokens, "rows": rows}
+    write_result(args.out, command_line("aiperf_bench.py"), report)
     print(f"\n{machine_description()}; {len(prompts)} prompts, max_tokens {max_tokens}\n")
     print(
         "| concurrency | front | model | AIPerf output tok/s (re-tokenized) | AIPerf usage tok/s | ours tok/s | "

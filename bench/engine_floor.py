@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from _common import ROOT
+from _common import ROOT, command_line, write_result
 
 
 def parse_args(argv=None):
@@ -182,9 +182,7 @@ def main(argv=None) -> int:
         profile = profile_step(dep.target, args.profile_steps)
         print_profile(profile)
         if args.out:
-            from trtspec.files import write_json_atomic
-
-            write_json_atomic(args.out, {"machine": machine_description(), "kernels": choice.layout, "profile": profile})
+            write_result(args.out, command_line("engine_floor.py"), {"kernels": choice.layout, "profile": profile})
         return 0
     prompts = encode_prompts(dep, read_kinded_prompts(args.prompts))
     room = dep.limits.max_input_len or dep.limits.max_seq_len
@@ -271,12 +269,10 @@ def main(argv=None) -> int:
     profile = profile_step(dep.target, args.profile_steps)
     print_profile(profile)
     if args.out:
-        from trtspec.files import write_json_atomic
-
-        write_json_atomic(
+        write_result(
             args.out,
+            command_line("engine_floor.py"),
             {
-                "machine": machine_description(),
                 "cpu": sig,
                 "kernels": {"layout": choice.layout, "source": choice.source, "seconds": choice.seconds},
                 "spec": loaded.spec.name,

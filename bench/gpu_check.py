@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import subprocess
 import sys
@@ -47,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from _common import ROOT
+from _common import ROOT, command_line, write_result
 
 CONTEXT = 128
 REPEATS = 9
@@ -320,8 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         report["tests"] = {"command": " ".join(cmd[2:]), "returncode": rc}
     report["seconds"] = round(time.monotonic() - start, 1)
     print("\n".join(table(report)))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    write_result(args.json, command_line("gpu_check.py", argv), report, machine=report["machine"]["line"])
     print(f"wrote {args.json}", file=sys.stderr)
     return 0 if rc == 0 else 1
 

@@ -34,13 +34,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-from _common import ROOT
+from _common import ROOT, command_line, write_result
 from openai_vs_grpc import served_with_front  # server + front on free loopback ports
 
 
@@ -187,7 +186,6 @@ def main() -> None:
             ".venv-guidellm/bin/pip install 'guidellm==0.8.1' (or pass --guidellm)"
         )
 
-    from trtspec.files import write_json_atomic
     from trtspec.layout import engine_folder, tokenizer_folder
     from trtspec.machine import description as machine_description
     from trtspec.spec import load_spec
@@ -209,16 +207,10 @@ def main() -> None:
                 folder = engine_folder(loaded.output_dir(), "target")
                 with vllm_server(args.vllm, folder, model, speculative, limits.max_seq_len, max(levels), log) as url:
                     run_levels(args, levels, url, model, tokenizer, work, rows, "vllm")
-    write_json_atomic(
+    write_result(
         args.out,
-        {
-            "machine": machine_description(),
-            "spec": str(args.spec),
-            "prompt_tokens": args.prompt_tokens,
-            "output_tokens": args.output_tokens,
-            "command": "python bench/guidellm_bench.py " + " ".join(sys.argv[1:]),
-            "rows": rows,
-        },
+        command_line("guidellm_bench.py"),
+        {"spec": str(args.spec), "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "rows": rows},
     )
     print(f"\n{machine_description()}\n")
     print("| server | concurrency | model | completed | errored | output tok/s | TTFT p50 ms | ITL p50 ms |")

@@ -29,6 +29,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from _common import command_line, write_result
+
 MODEL = "tensorrt_llm_bls"
 
 
@@ -138,7 +140,7 @@ def main() -> int:
     }
     print(json.dumps(report, indent=2))
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+        write_result(args.json, command_line("logits_memory.py"), report)
     return 0 if same and picks and peak_mib * 2**20 <= args.max_ratio * answer_bytes else 1
 
 

@@ -21,7 +21,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from _common import ROOT
+from _common import ROOT, command_line, write_result
 from peers import (
     describe_setup,
     encode_prompts,
@@ -35,7 +35,7 @@ from peers import (
     vllm_paths,
 )
 from trtspec.errors import EXIT_INTERRUPTED, RequestError, TrtspecError
-from trtspec.files import write_json_atomic, write_text_atomic
+from trtspec.files import write_text_atomic
 from trtspec.runtime import Deployment
 from trtspec.spec import load_spec
 
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         close()
         progress("interrupted before anything was measured")
         return EXIT_INTERRUPTED
-    command = " ".join(["python", "bench/peers_bench.py", *(sys.argv[1:] if argv is None else argv)])
+    command = command_line("peers_bench.py", argv)
     setup = describe_setup(dep, settings, vllm) | {"command": command}
     results = []
     try:
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         close()
     table = "\n".join(render_markdown(m, s) for m, s in results)
     write_text_atomic(args.out, table)
-    write_json_atomic(args.out.with_suffix(".json"), {"results": [to_json(m, s) for m, s in results]})
+    write_result(args.out.with_suffix(".json"), command, {"results": [to_json(m, s) for m, s in results]})
     png = plot(results, args.out.with_suffix(".png"))
     print(table, end="")
     progress(f"wrote {args.out}, {args.out.with_suffix('.json').name} and {png.name}")

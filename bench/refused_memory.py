@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from _common import command_line, write_result
+
 MODEL = "tensorrt_llm_bls"
 
 
@@ -114,7 +116,7 @@ def main() -> int:
     }
     print(json.dumps(report, indent=2))
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+        write_result(args.json, command_line("refused_memory.py"), report)
     refused = all(r != "answered instead of refused" for r in refusals)
     return 0 if refused and same and held_mib <= args.max_held else 1
 

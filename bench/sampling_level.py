@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
+from _common import command_line, write_result
 from markov_pair import TARGET, MarkovDrafter, MarkovVerifier, markov_pit
-from trtspec.files import write_json_atomic
 from trtspec.speculative import loop
 from trtspec.speculative.loop import GenerationRequest, NoDrafter, generate
 from trtspec.speculative.sampling import SamplingParams, accept_all, accept_or_resample, warp
@@ -111,7 +111,7 @@ def main() -> None:
         out[which] = {"flagged": flagged, "rate": flagged / args.runs, "ci95": [lo, hi], "seconds": time.perf_counter() - start}
     loop.accept_or_resample = accept_or_resample
     if args.out:
-        write_json_atomic(args.out, out)
+        write_result(args.out, command_line("sampling_level.py"), out)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,8 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
+from _common import command_line, write_result
+
 STREAMING, UNARY, CONTROL = "tensorrt_llm_bls_streaming", "tensorrt_llm_bls", "target_only"
 
 
@@ -349,7 +351,7 @@ def main() -> int:
     }
     print(json.dumps(report, indent=2))
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+        write_result(args.json, command_line("soak.py"), report)
     ok = not counts["failed"] and not counts["mismatched"] and not counts["unanswered"]
     ok = ok and probe_ok and worst_pct <= args.max_growth
     return 0 if ok and held_after in (0, None) else 1

@@ -21,7 +21,6 @@ engines must exist (`trtspec build SPEC`). Starts its own server on free loopbac
 from __future__ import annotations
 
 import argparse
-import json
 import queue
 import statistics
 import tempfile
@@ -29,6 +28,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from _common import command_line, write_result
 
 
 def _inputs(prompt: str, max_tokens: int, chat: bool, k: int | None, stream: bool):
@@ -134,7 +135,7 @@ def main() -> None:
         figures[name] = {"p50_ms": p50 * 1000, "p95_ms": p95 * 1000, "n": n}
         print(f"| {name} | {p50 * 1000:.1f} | {p95 * 1000:.1f} | {spec50 / p50:.2f}x |")
     if args.json:
-        args.json.write_text(json.dumps({"spec": loaded.spec.name, "rounds": args.rounds, "ttft": figures}, indent=2))
+        write_result(args.json, command_line("ttft.py"), {"spec": loaded.spec.name, "rounds": args.rounds, "ttft": figures})
 
 
 if __name__ == "__main__":

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from _common import command_line, write_result
 from trtspec.engines.torch.quant import GROUP, WeightOnlyLinear, quantize
 
 # SmolLM2-135M, as the engine runs it (q/k/v and gate/up fused): name -> (out, in)
@@ -80,12 +80,9 @@ def main(argv=None) -> None:
     from trtspec.machine import description
 
     print(f"machine: {description()}")
-    record = {"command": " ".join(sys.argv), "machine": description(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    record["us_per_call"] = {rows: measure(int(rows), args.rounds, args.reps) for rows in args.rows.split(",")}
+    record = {"us_per_call": {rows: measure(int(rows), args.rounds, args.reps) for rows in args.rows.split(",")}}
     if args.out is not None:
-        from trtspec.files import write_json_atomic
-
-        write_json_atomic(args.out, record)
+        write_result(args.out, command_line("weight_only_kernels.py", argv), record)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, write_spec
 
+from _common import Result
 from peers import (
     Generation,
     PeerPath,
@@ -116,9 +117,11 @@ def test_cli_writes_table_and_json(tmp_path, tiny_ckpts, built, capsys):
     )
     assert code == 0
     assert out.read_text() == capsys.readouterr().out
-    (data,) = json.loads(out.with_suffix(".json").read_text())["results"]
+    (data,) = json.loads(out.with_suffix(".json").read_text())["values"]["results"]
     assert data["concurrency"] == 1 and len(data["prompts"]) == 1 and len(data["paths"]) == 7
     assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
+    result = Result.read(out.with_suffix(".json"))  # a result file the documents' figures can cite
+    assert result.command.startswith("python bench/peers_bench.py --spec ") and result.machine and result.time
 
 
 def _cli_setup(tmp_path, tiny_ckpts, built) -> tuple[list[str], Path]:
@@ -134,7 +137,7 @@ def _cli_setup(tmp_path, tiny_ckpts, built) -> tuple[list[str], Path]:
 def test_cli_measures_each_concurrency(tmp_path, tiny_ckpts, built, capsys):
     args, out = _cli_setup(tmp_path, tiny_ckpts, built)
     assert _load_cli().main([*args, "--max-tokens", "6", "-c", "1,2"]) == 0
-    one, two = json.loads(out.with_suffix(".json").read_text())["results"]
+    one, two = json.loads(out.with_suffix(".json").read_text())["values"]["results"]
     assert (one["concurrency"], two["concurrency"]) == (1, 2)
     # HF paths run one request at a time only; ours run batched, token-identical to batch 1.
     assert [p["key"] for p in two["paths"]] == ["ours_target", "ours_draft_target", "ours_ngram"]
@@ -149,7 +152,7 @@ def test_cli_measures_only_the_paths_asked_for(tmp_path, tiny_ckpts, built, caps
     args, out = _cli_setup(tmp_path, tiny_ckpts, built)
     args += ["--max-tokens", "4", "--limit", "1"]
     assert _load_cli().main([*args, "--paths", "ours_ngram,hf_target"]) == 0
-    (data,) = json.loads(out.with_suffix(".json").read_text())["results"]
+    (data,) = json.loads(out.with_suffix(".json").read_text())["values"]["results"]
     assert [p["key"] for p in data["paths"]] == ["ours_target", "ours_ngram", "hf_target"]  # the reference stays
     capsys.readouterr()
     assert _load_cli().main([*args, "--paths", "ours_eagle9"]) == 2
