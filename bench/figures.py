@@ -2,6 +2,8 @@
 
     python bench/figures.py            # rewrite every figure block of README.md and docs/performance.md (make figures)
     python bench/figures.py --check    # exit 1 and name each block that differs from what the results give
+    python bench/figures.py --record NAME --from bench/results/SPEC/bench.json --command "trtspec bench ..."
+                                       # a run's own JSON as the result file bench/results/NAME.json
 
 A figure block in a document is a marked region:
 
@@ -20,10 +22,11 @@ placeholder {{RESULT.PATH:FORMAT}} replaced by a value of bench/results/RESULT.j
     {{demo-draft-int4.metrics.per_position_rate:.2f}}  a list: each item formatted, joined by ", "
     {{peers-hf.table:table}}                       {"columns": [...], "rows": [[...]]} as a Markdown table
 
-A block that uses a stale result file ends with a line saying so. Adding a figure: write the
-result file (a script: bench/_common.py's write_result; a figure measured by hand: the same
-four keys), add its template to bench/figures.md and an empty region with its name where the
-document shows it, then run `make figures`.
+A block that uses a stale result file ends with a line saying so. Adding a figure: get the
+result file (the bench scripts write one with --out/--json; `trtspec bench`'s bench.json goes
+through --record; a figure measured by hand: the same four keys written by hand), add its
+template to bench/figures.md and an empty region with its name where the document shows it,
+then run `make figures`.
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ import argparse
 import json
 import re
 import sys
+import time
 from pathlib import Path
 
 from _common import RESULTS, ROOT, Result
+from trtspec.files import write_json_atomic
 
 DOCUMENTS = (ROOT / "README.md", ROOT / "docs" / "performance.md")
 TEMPLATES = ROOT / "bench" / "figures.md"
@@ -181,11 +186,36 @@ def differing(documents=DOCUMENTS, templates: Path = TEMPLATES, results_dir: Pat
     return out
 
 
+def record(name: str, source: Path, command: str, machine: str | None = None, results_dir: Path = RESULTS) -> Path:
+    """bench/results/NAME.json from a run's own JSON (trtspec bench's bench.json, say): its values
+    as they are, the command given, the machine line it carries (or ``machine``), its file time."""
+    try:
+        values = json.loads(source.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise FigureError(f"cannot read {source} as JSON ({e}); point --from at the run's JSON output") from None
+    machine = machine or (values.get("machine") if isinstance(values, dict) else None)
+    if not isinstance(machine, str) or not machine:
+        raise FigureError(f"{source} carries no machine line; pass --machine '...' (trtspec.machine.description() where it ran)")
+    when = time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime(source.stat().st_mtime))
+    out = results_dir / f"{name}.json"
+    write_json_atomic(out, Result(command, machine, when, values).to_dict())
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block differs from the results")
+    ap.add_argument("--record", metavar="NAME", help="write bench/results/NAME.json from --from's JSON, then stop")
+    ap.add_argument("--from", dest="source", type=Path, help="with --record: the run's JSON (e.g. bench/results/SPEC/bench.json)")
+    ap.add_argument("--command", help="with --record: the command that produced it")
+    ap.add_argument("--machine", help="with --record: the machine line, where the JSON carries none")
     args = ap.parse_args(argv)
     try:
+        if args.record:
+            if not (args.source and args.command):
+                raise FigureError("--record needs --from FILE and --command '...'")
+            print(f"wrote {record(args.record, args.source, args.command, args.machine)}")
+            return 0
         if args.check:
             stale = differing()
             for line in stale:

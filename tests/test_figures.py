@@ -124,3 +124,20 @@ def test_a_block_without_a_template_and_a_template_without_a_block_are_errors(si
     doc.write_text("no blocks\n")
     with pytest.raises(figures.FigureError, match="templates no document shows: speed"):
         _generate(tmp_path, doc)
+
+
+def test_record_wraps_a_runs_own_json_as_a_result_file(tmp_path):
+    run = tmp_path / "bench.json"
+    run.write_text(json.dumps({"machine": "x86_64 2 cores", "speedup": 1.31}))
+    out = figures.record("demo", run, "trtspec bench x.yaml --sweep none", results_dir=tmp_path)
+    result = figures.Result.read(out)
+    assert (result.command, result.machine, result.values) == (
+        "trtspec bench x.yaml --sweep none",
+        "x86_64 2 cores",
+        {"machine": "x86_64 2 cores", "speedup": 1.31},
+    )
+    assert result.time.endswith("Z") and result.stale is None
+    run.write_text(json.dumps({"speedup": 1.31}))
+    with pytest.raises(figures.FigureError, match="carries no machine line; pass --machine"):
+        figures.record("demo", run, "trtspec bench x.yaml", results_dir=tmp_path)
+    assert figures.main(["--record", "demo"]) == figures.EXIT_USAGE
