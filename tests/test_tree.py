@@ -112,3 +112,294 @@ def test_greedy_acceptance_follows_the_target_chain_down_the_tree():
     assert accepted_path(TREE, [11, 21, 0, 41, 0, 0, 3]) == [0, 2, 5]
     assert accepted_path(TREE, [99] * 7) == []
     assert accepted_path(DraftTree.chain([4, 5, 6]), [4, 5, 9, 9]) == [0, 1]
+
+
+TREE_SPEC = {"choices": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]}
+PROMPTS = ["The quick brown fox", "Once upon a time", "1, 2, 3, 4,"]
+
+
+def _deployment(folder, tiny_ckpts, **overrides):
+    from conftest import write_spec
+
+    from trtspec.engines.build import build
+    from trtspec.runtime import Deployment
+    from trtspec.spec import load_spec
+
+    loaded = load_spec(write_spec(folder, tiny_ckpts, "draft", **overrides))
+    build(loaded, loaded.output_dir())
+    return Deployment(loaded, loaded.output_dir())
+
+
+@pytest.fixture(scope="module")
+def tree_dep(tmp_path_factory, tiny_ckpts):
+    """The tiny pair (a weak draft) drafting a static tree."""
+    return _deployment(tmp_path_factory.mktemp("tree"), tiny_ckpts, **{"speculative.tree": TREE_SPEC})
+
+
+@pytest.mark.parametrize("shape", ["static", "dynamic", "chain"])
+def test_greedy_tree_output_is_target_only(tree_dep, shape):
+    from trtspec.speculative.tree import DynamicTree
+
+    tree = {"static": None, "dynamic": DynamicTree(top_k=3, depth=3, budget=8), "chain": "chain"}[shape]
+    dep = tree_dep
+    reqs = [dep.request(dep.encode(p, chat_template=False), 40, tree=tree) for p in PROMPTS]
+    dep.forget_prefixes()
+    base = dep.generate(reqs, speculative=False)
+    dep.forget_prefixes()
+    spec = dep.generate(reqs)
+    for b, s in zip(base, spec):
+        assert s.output_ids == b.output_ids
+    m = spec[0].metrics.merge(spec[1].metrics).merge(spec[2].metrics)
+    assert m.accepted > 0
+    if shape == "chain":
+        assert not m.node_drafted
+    else:
+        assert m.node_drafted and m.drafted > m.target_forwards * 3
+
+
+@pytest.fixture(scope="module")
+def eagle_tree(tmp_path_factory, tiny_ckpts):
+    """method eagle3 drafting a static tree: a random head on the tiny target, and the exact
+    head on the bigram target (every rank-0 draft right)."""
+    from conftest import write_spec
+    from exact_head import make_exact_head
+    from test_eagle3 import random_head
+
+    from trtspec.demo.tiny import make_bigram_target
+    from trtspec.engines.build import build
+    from trtspec.runtime import Deployment
+    from trtspec.spec import load_spec
+
+    root = tmp_path_factory.mktemp("eagle-tree")
+    bigram = make_bigram_target(root / "bigram-target", tiny_ckpts["target"])
+    pairs = {
+        "random": {"target": tiny_ckpts["target"], "head": random_head(tiny_ckpts["target"], root / "random", scale=1.0)},
+        "exact": {"target": bigram, "head": make_exact_head(bigram, root / "exact")},
+    }
+    out = {}
+    for name, ck in pairs.items():
+        overrides = {"speculative.method": "eagle3", "speculative.tree": TREE_SPEC}
+        loaded = load_spec(write_spec(root / name, ck, "head", **overrides))
+        build(loaded, loaded.output_dir())
+        out[name] = Deployment(loaded, loaded.output_dir())
+    return out
+
+
+def _both(dep, max_tokens=40, **kw):
+    reqs = [dep.request(dep.encode(p, chat_template=False), max_tokens, **kw) for p in PROMPTS]
+    dep.forget_prefixes()
+    base = dep.generate(reqs, speculative=False)
+    dep.forget_prefixes()
+    return base, dep.generate(reqs)
+
+
+def test_eagle3_tree_output_is_target_only(eagle_tree):
+    base, spec = _both(eagle_tree["random"])
+    for b, s in zip(base, spec):
+        assert s.output_ids == b.output_ids
+    assert all(s.metrics.node_drafted for s in spec)
+
+
+def test_eagle3_head_states_follow_each_branch(eagle_tree):
+    """The exact head drafts the bigram target's own chain along rank 0: every step accepts
+    the whole (0,), (0, 0), (0, 0, 0) path, which needs each node drafted from its own
+    parent's state (a sibling's state, or the context's, drafts another token)."""
+    base, spec = _both(eagle_tree["exact"], max_tokens=33)
+    for b, s in zip(base, spec):
+        assert s.output_ids == b.output_ids
+        m = s.metrics
+        # Every step accepts the deepest rank-0 node it drafted (near max_tokens the tree is cut).
+        assert m.accepted_at == m.drafted_at and m.drafted_at[2] >= 6
+        assert m.node_rate["0.0.0"] == m.node_rate["0.0"] == m.node_rate["0"] == 1.0
+        assert m.node_rate["1"] == m.node_rate["1.0"] == 0.0
+
+
+# ------------------------------------------------------------------------------ sampling
+
+
+class MarkovTreeVerifier:
+    """The exactly known Markov target (bench/markov_pair.py), scoring chains and trees."""
+
+    def verify(self, contexts, drafts, want_logits=None, context_phase=None, trees=None):
+        from markov_pair import TARGET
+        from trtspec.speculative.loop import Verdict
+
+        out = []
+        for j, (ctx, d) in enumerate(zip(contexts, drafts)):
+            parents = trees[j] if trees is not None and trees[j] is not None else tuple(range(-1, len(d) - 1))
+            assert len(parents) == len(d)
+            prev = [ctx[-1]] + list(d)  # row 0 after the context, row i + 1 after node i (its token)
+            logits = TARGET[prev]  # [len(d) + 1, V]
+            out.append(Verdict(torch.argmax(logits, -1).tolist(), None, logits))
+        return out
+
+
+class MarkovTreeDrafter:
+    """Trees of the Markov draft's top candidates (point masses to the sampler)."""
+
+    def propose(self, contexts, ks):
+        raise AssertionError("tree requests are drafted as trees")
+
+    def propose_tree(self, contexts, shapes):
+        from markov_pair import DRAFT
+        from trtspec.speculative.tree import top_candidates
+
+        out = []
+        for ctx, shape in zip(contexts, shapes):
+            g = TreeGrowth(shape)
+            while not g.done:
+                prev = [ctx[-1] if n == ROOT else g.tokens[n] for n in g.frontier]
+                g.grow(top_candidates(DRAFT[prev], g.width))
+            out.append(g.tree())
+        return out
+
+
+SAMPLED_TREE = StaticTree.of([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+
+
+def tree_joint_counts(n: int, params, shape=SAMPLED_TREE, T=3):
+    from markov_pair import V
+    from trtspec.speculative.loop import GenerationRequest, generate
+    from trtspec.speculative.sampling import SamplingParams
+
+    reqs = [
+        GenerationRequest(
+            [0], T, 3, sampling=SamplingParams(params.temperature, params.top_k, params.top_p, params.seed + i), tree=shape
+        )
+        for i in range(n)
+    ]
+    counts = torch.zeros((V,) * T, dtype=torch.float64)
+    results = generate(reqs, MarkovTreeDrafter(), MarkovTreeVerifier())
+    for res in results:
+        counts[tuple(res.output_ids)] += 1
+    return counts, results
+
+
+def exact_joint4(params) -> torch.Tensor:
+    """P(x1..x4) of the Markov target from token 0."""
+    from markov_pair import TARGET
+    from trtspec.speculative.sampling import warp
+
+    p = warp(TARGET, params)  # [V, V] rows: p(next | prev)
+    return p[0][:, None, None, None] * p[:, :, None, None] * p[None, :, :, None] * p[None, None, :, :]
+
+
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_tree_rejection_sampling_draws_the_target_joint(which):
+    from test_sampling import PARAMS, exact_joint, joint_p_value
+
+    counts, results = tree_joint_counts(2000, PARAMS[which])
+    assert joint_p_value(counts, exact_joint(PARAMS[which])) > 1e-3
+    # Four tokens: the drafted step verifies two levels of the tree.
+    counts4, results4 = tree_joint_counts(3000, PARAMS[which], T=4)
+    assert joint_p_value(counts4, exact_joint4(PARAMS[which])) > 1e-3
+    assert any(r.metrics.node_accepted.get("0.0", 0) + r.metrics.node_accepted.get("1.0", 0) for r in results4)
+    m = results[0].metrics
+    for r in results[1:]:
+        m = m.merge(r.metrics)
+    assert m.node_drafted["0"] > 0 and m.node_accepted.get("1", 0) > 0  # second candidates accepted too
+
+
+def _siblings_against_p(tree, q, p, gen):
+    """A WRONG tree sampler: every sibling is tried against the target's p, never the
+    residual left by the siblings rejected before it."""
+    from trtspec.speculative.sampling import draw
+
+    path, node = [], ROOT
+    while True:
+        r = p[node + 1]
+        nxt = None
+        for child in tree.children(node):
+            if float(torch.rand((), generator=gen, dtype=torch.float64)) < float(r[tree.tokens[child]]):
+                nxt = child
+                break
+        if nxt is None:
+            rest = r.clone()
+            rest[[tree.tokens[c] for c in tree.children(node)]] = 0
+            return [tree.tokens[c] for c in path] + [draw(rest / rest.sum(), gen)], path
+        path.append(nxt)
+        node = nxt
+
+
+def _first_child_always(tree, q, p, gen):
+    """A WRONG tree sampler: the first candidate is always accepted (no rejection step)."""
+    from trtspec.speculative.sampling import draw
+
+    path = [c for c in tree.children(ROOT)[:1]]
+    while path and tree.children(path[-1]):
+        path.append(tree.children(path[-1])[0])
+    return [tree.tokens[c] for c in path] + [draw(p[(path[-1] if path else ROOT) + 1], gen)], path
+
+
+@pytest.mark.parametrize(
+    "wrong, n", [(_first_child_always, 2000), (_siblings_against_p, 12000)], ids=["no-rejection", "no-residual"]
+)
+def test_wrong_tree_samplers_are_caught(monkeypatch, wrong, n):
+    """The same chi-square test rejects a tree sampler without the rejection step, and one
+    that tries each sibling against p instead of the residual its rejected elders left."""
+    from test_sampling import PARAMS, exact_joint, joint_p_value
+
+    from trtspec.speculative import loop
+
+    monkeypatch.setattr(loop, "accept_tree", wrong)
+    counts, _ = tree_joint_counts(n, PARAMS[0])
+    assert joint_p_value(counts, exact_joint(PARAMS[0])) < 1e-6
+
+
+# ------------------------------------------------------------------------------ verify
+
+
+def test_verify_proves_tree_outputs_identical_and_reports_per_node(tree_dep):
+    from trtspec.verify.backends import InProcessBackend
+    from trtspec.verify.identity import run_verify
+
+    report = run_verify(InProcessBackend(tree_dep), PROMPTS, 32, "tiny-tree")
+    assert report.identical and report.passes("any")
+    m = report.metrics
+    assert m.node_drafted["2"] > 0 and sum(m.node_accepted.values()) == m.accepted
+    assert "node_rate" in m.to_dict() and len(m.per_position_rate) == 3  # per depth
+
+
+def test_a_tree_step_replays_in_its_own_shape(tree_dep):
+    """The verdict's verifier-shape replay of a tree step (its recorded parents, the accepted
+    nodes holding the run's tokens) gives back every token that step emitted."""
+    from trtspec.verify.verdicts import replay
+
+    dep = tree_dep
+    ids = dep.encode(PROMPTS[0], chat_template=False)
+    dep.forget_prefixes()
+    (res,) = dep.generate([dep.request(ids, 24)])
+    assert res.step_trees, "the run drafted no tree"
+    checked = 0
+    for step, (_, path) in list(res.step_trees.items())[:3]:
+        start = res.steps[step][0]
+        for index in range(start, start + len(path) + 1):
+            if index >= len(res.output_ids):
+                break
+            rep = replay(dep.target.run, dep.forget_prefixes, ids, res.output_ids, res.steps, index, res.step_trees)
+            assert int(rep.verifier.argmax()) == res.output_ids[index]
+            checked += 1
+    assert checked >= 3
+
+
+# ------------------------------------------------------------------------------ schedule
+
+
+def test_the_load_schedule_shrinks_trees_and_switches_them_off():
+    """Under load a tree is cut to the schedule's k nodes (breadth-first), or not drafted."""
+    from trtspec.speculative.loop import Batch, GenerationRequest
+    from trtspec.speculative.sampling import SamplingParams
+    from trtspec.speculative.schedule import LoadPolicy
+
+    def drafted_per_row(active: int) -> list[int]:
+        policy = LoadPolicy.of({1: 8, 2: 2, 3: 0}, None)
+        batch = Batch(MarkovTreeDrafter(), MarkovTreeVerifier(), policy=policy)
+        for i in range(active):
+            batch.add(GenerationRequest([0], 8, 3, sampling=SamplingParams(seed=i), tree=SAMPLED_TREE))
+        batch.step()  # the first step drafts nothing (prefill)
+        proposal = batch.propose(batch.active)
+        return [len(d) for d in proposal.drafts]
+
+    assert drafted_per_row(1) == [7]  # the whole tree
+    assert drafted_per_row(2) == [2, 2]  # (0,), (1,)
+    assert drafted_per_row(3) == [0, 0, 0]

@@ -48,26 +48,23 @@ def mutate(module, original: str, mutant: str) -> types.ModuleType:
 LOOP_MUTANTS = {
     # Accepts the first disagreeing draft token too.
     "off_by_one_accepted_prefix": (
-        '            f"verifier returned {len(target)} token(s) for a draft of {len(draft)}: "\n'
-        '            "it must include the target\'s next token after the accepted prefix"\n'
-        "        )\n"
-        "    return n\n",
-        '            f"verifier returned {len(target)} token(s) for a draft of {len(draft)}: "\n'
-        '            "it must include the target\'s next token after the accepted prefix"\n'
-        "        )\n"
-        "    return min(n + 1, len(draft))\n",
+        "        path = accepted_path(tree, verdict.target_ids)\n",
+        "        path = accepted_path(tree, verdict.target_ids)\n"
+        "        path = path + tree.children(path[-1] if path else -1)[:1]\n",
     ),
     # After a fully accepted draft, emits the last draft token again instead of the target's.
     "wrong_bonus_token": (
-        "        new = verdict.target_ids[:keep]\n",
-        "        new = verdict.target_ids[:keep]\n"
-        "        if draft and n == len(draft):\n"
-        "            new = new[:n] + [draft[-1]]\n",
+        "        new = [tree.tokens[c] for c in path] + [verdict.target_ids[rows[-1]]]\n",
+        "        new = [tree.tokens[c] for c in path] + [verdict.target_ids[rows[-1]]]\n"
+        "        if draft and len(path) == len(draft):\n"
+        "            new = new[:-1] + [draft[-1]]\n",
     ),
     # At a rejection, emits the draft's token instead of the target's correction.
     "draft_token_emitted_unverified": (
-        "        new = verdict.target_ids[:keep]\n",
-        "        new = verdict.target_ids[:keep]\n        if n < len(draft):\n            new = new[:n] + [draft[n]]\n",
+        "        new = [tree.tokens[c] for c in path] + [verdict.target_ids[rows[-1]]]\n",
+        "        new = [tree.tokens[c] for c in path] + [verdict.target_ids[rows[-1]]]\n"
+        "        if len(path) < len(draft):\n"
+        "            new = new[:-1] + [draft[len(path)]]\n",
     ),
     # Checks for EOS only at the step's last token: an EOS inside accepted drafts is emitted.
     "eos_inside_drafts_ignored": (

@@ -7,6 +7,7 @@ only its drafter and verifier differ (they call engine models instead of engines
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from trtspec.device import place
 from trtspec.engines.manifest import check_manifest
@@ -27,6 +28,7 @@ from trtspec.speculative.processing import Processing
 from trtspec.speculative.requests import Limits, encode_prompt, end_token_ids, make_request
 from trtspec.speculative.sampling import SamplingParams
 from trtspec.speculative.schedule import LoadPolicy
+from trtspec.speculative.tree import TreeShape
 from trtspec.speculative.verifier import LogitsVerifier
 
 
@@ -94,8 +96,10 @@ class Deployment:
         sampling: SamplingParams | None = None,
         processing: Processing | None = None,
         log_probs: bool = False,
+        tree: TreeShape | Literal["chain"] | None = None,
     ):
-        """A checked request; ``num_draft_tokens`` None: the spec's default k (the request rules fill it in)."""
+        """A checked request; ``num_draft_tokens`` None: the spec's default k, ``tree`` None: the
+        spec's draft tree (the request rules fill both in); tree "chain": draft a chain."""
         return make_request(
             prompt_ids,
             max_tokens,
@@ -105,6 +109,7 @@ class Deployment:
             sampling=sampling,
             processing=processing,
             log_probs=log_probs,
+            tree=tree,
         )
 
     def generate(

@@ -22,6 +22,7 @@ from trtspec.speculative.loop import Drafter
 from trtspec.speculative.metrics import SourceCounts
 from trtspec.speculative.processing import RowRules, warp_params
 from trtspec.speculative.suffix import MODEL, SUFFIX, ResponseCache, SuffixDrafter
+from trtspec.speculative.tree import DraftTree, TreeGrowth, TreeShape, top_candidates
 
 
 class ModelDrafter:
@@ -62,6 +63,24 @@ class ModelDrafter:
 
         drafts = self._draft(contexts, ks, rules, pick)
         return [(d, torch.stack(q) if q else torch.zeros(0)) for d, q in zip(drafts, dists)]
+
+    def propose_tree(self, contexts: Sequence[list[int]], shapes: Sequence[TreeShape]) -> list[DraftTree]:
+        """Draft trees, one draft forward per depth for all sequences: each round scores the
+        nodes expanded so far and the frontier under the tree mask (ForwardItem.tree) and
+        takes the frontier's top candidates."""
+        growths = [TreeGrowth(s) for s in shapes]
+        while live := [i for i, g in enumerate(growths) if not g.done]:
+            items = []
+            for i in live:
+                ctx = list(contexts[i])
+                tokens, parents, frontier = growths[i].scored()
+                if not tokens:  # the first round: the context's last token
+                    items.append(ForwardItem(ctx, 1))
+                else:
+                    items.append(ForwardItem(ctx + tokens, len(frontier), tuple(parents)))
+            for i, logits in zip(live, self.run(items)):  # each [len(frontier), vocab]
+                growths[i].grow(top_candidates(logits[:, : self.vocab_limit], growths[i].width))
+        return [g.tree() for g in growths]
 
     def _draft(self, contexts, ks, rules, pick: Callable[[int, torch.Tensor], int]) -> list[list[int]]:
         """k single-token steps; ``pick(i, logits [1, vocab_limit])`` chooses row i's next token."""

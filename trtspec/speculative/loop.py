@@ -1,9 +1,12 @@
 """The one speculative decoding loop, shared by every runtime.
 
-Each step: the drafter proposes up to k tokens per sequence; the verifier runs the target once
-over [context + drafts] and returns the target's greedy tokens; the longest prefix of the
-drafts that agrees with them is accepted, plus the target's own next token (the bonus after a
-fully accepted draft, or the correction at the first disagreement). Target-only decoding is
+Each step: the drafter proposes up to k tokens per sequence, or a draft tree (several
+candidates per position, speculative/tree.py); the verifier runs the target once over
+[context + drafts] (a tree with its tree attention mask) and returns the target's greedy
+token after the context and after every draft node; the longest path of drafts that agrees
+with them is accepted, plus the target's own next token (the bonus after a fully accepted
+path, or the correction at the first disagreement). A chain is the one-branch tree: every
+row goes through the same acceptance code. Target-only decoding is
 the same loop with a drafter that proposes nothing (k = 0), so both paths share every rule
 for EOS, stop sequences and max_tokens. A sequence's first step drafts nothing: its first
 token comes from the target's prefill, at target-only speed, and the drafter joins on the
@@ -32,8 +35,9 @@ import torch
 from trtspec.errors import RequestError
 from trtspec.speculative.metrics import SpecMetrics
 from trtspec.speculative.processing import Processing, RowRules, log_prob_logits, processed, warp_params
-from trtspec.speculative.sampling import SamplingParams, accept_or_resample, warp
+from trtspec.speculative.sampling import SamplingParams, accept_or_resample, accept_tree, warp
 from trtspec.speculative.schedule import LoadPolicy
+from trtspec.speculative.tree import DraftTree, TreeShape, accepted_path
 
 FinishReason = Literal["length", "eos", "stop"]
 TokenRows = Sequence[list[int]]  # one list of token ids per row (sequence) of a step
@@ -47,7 +51,9 @@ class Drafter(Protocol):
         A drafter that also takes ``rules`` (a keyword, one RowRules or None per context)
         mirrors the requests' logits processing in its drafts (``mirrors_processing = True``);
         the others draft as usual, which costs acceptance, never correctness. A drafter with
-        ``release(prompt_ids, output_ids)`` is told when a sequence leaves the loop."""
+        ``release(prompt_ids, output_ids)`` is told when a sequence leaves the loop. A drafter
+        with ``propose_tree(contexts, shapes) -> list[DraftTree]`` drafts the trees of requests
+        that ask for one (GenerationRequest.tree); the others draft those requests a chain."""
         ...
 
 
@@ -56,8 +62,9 @@ class Verdict:
     """The target's greedy tokens after context + draft[:i] for i = 0, 1, ...
 
     At least up to the first disagreement with the draft, or len(draft) + 1 tokens when the
-    whole draft agrees. ``margins`` (optional) are the target's top-1 minus top-2 logits at
-    the same positions.
+    whole draft agrees. For a draft tree: len(tree) + 1 tokens, the target's after the context
+    then after each node's path (speculative/tree.py). ``margins`` (optional) are the target's
+    top-1 minus top-2 logits at the same positions.
     """
 
     target_ids: list[int]
@@ -72,15 +79,26 @@ class Verdict:
     kv_blocks: tuple[int, int, int] | None = None
 
 
+# One row's draft tree as parent indices (speculative/tree.py); None: the draft is a chain.
+TreeRows = Sequence[tuple[int, ...] | None]
+
+
 class Verifier(Protocol):
     def verify(
-        self, contexts: TokenRows, drafts: TokenRows, want_logits: RowFlags = None, context_phase: RowFlags = None
+        self,
+        contexts: TokenRows,
+        drafts: TokenRows,
+        want_logits: RowFlags = None,
+        context_phase: RowFlags = None,
+        trees: TreeRows | None = None,
     ) -> list[Verdict]:
         """``want_logits`` (passed only when the step has a request that needs logits: sampling,
         logits processing, log probs or generation logits): rows whose Verdict must carry the
         target's logits (Verdict.logits). ``context_phase`` (passed only when some row is on its
         first step): the rows whose Verdict.kv_blocks the loop keeps; a verifier that has to
-        ask for those counts asks only for these rows."""
+        ask for those counts asks only for these rows. ``trees`` (passed only when some row
+        drafted a tree that is not a chain): per row the parents of its draft's nodes (drafts[j]
+        holds their tokens in node order), or None for a chain."""
         ...
 
 
@@ -95,6 +113,9 @@ class GenerationRequest:
     processing: Processing | None = None  # penalties, min_tokens, bad words, bias (processing.py)
     log_probs: bool = False  # keep the target's log prob of every output token
     generation_logits: bool = False  # keep the target's raw logits at every output token
+    # A draft tree shape (speculative/tree.py) for drafters that propose trees; None: a chain
+    # of num_draft_tokens. num_draft_tokens 0 turns drafting off either way.
+    tree: TreeShape | None = None
 
     @property
     def needs_logits(self) -> bool:
@@ -123,6 +144,9 @@ class GenerationResult:
     # Per target forward: (len(output_ids) when it began, drafts it scored). Verdicts replay
     # the forward that produced a divergent token with exactly this shape.
     steps: list[tuple[int, int]] = field(default_factory=list)
+    # Per target forward that scored a draft tree (not a chain): its index in ``steps`` -> the
+    # tree's parents and its accepted nodes, so a verdict can replay that forward's shape.
+    step_trees: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     finish_reason: FinishReason | None = None
     end_id: int | None = None  # the end id that finished it (finish_reason "eos")
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
@@ -143,6 +167,7 @@ class PathRun:
     seconds: float
     prompt_ids: list[int] | None = None  # as the target saw them (None: not known here)
     steps: list[tuple[int, int]] | None = None  # GenerationResult.steps of a speculative run
+    step_trees: dict | None = None  # GenerationResult.step_trees of a speculative run
 
 
 # on_step(request index, tokens emitted this step, finished?) — streaming hook.
@@ -179,9 +204,14 @@ class Proposal:
     # Draft length asked: num_draft_tokens within max_tokens and the load cap; 0 on a
     # sequence's first step.
     ks: list[int]
-    drafts: list[list[int]]  # at most ks[j] tokens; a drafter may propose fewer
+    drafts: list[list[int]]  # at most ks[j] tokens; a drafter may propose fewer (a tree's in node order)
     qs: list[torch.Tensor | None]  # sampled rows' draft distributions [len(draft), vocab]; None: a point mass
     cap: int | None = None  # the load policy's draft-length cap this step (None: no cap)
+    # Per row its draft as a tree (a chain: the one-branch tree of drafts[j]); None: built from drafts.
+    trees: list[DraftTree] | None = None
+
+    def tree(self, j: int) -> DraftTree:
+        return self.trees[j] if self.trees is not None else DraftTree.chain(self.drafts[j])
 
 
 @dataclass
@@ -196,6 +226,7 @@ class Decision:
     logit_rows: torch.Tensor | None = None  # [len(tokens), vocab]: generation logits, when asked
     # Further forwards of a target that kept decoding past a rejection (Verdict.continued).
     extra: int = 0
+    path: list[int] | None = None  # the accepted draft nodes (a chain's: 0..accepted-1)
 
 
 @dataclass
@@ -299,13 +330,16 @@ class Batch:
             ks = [min(k, cap) for k in ks]
         drafts: list[list[int]] = [[] for _ in active]
         qs: list[torch.Tensor | None] = [None for _ in active]
-        wants = [j for j, k in enumerate(ks) if k > 0 and requests[active[j]].sampling is None]
+        trees = self._propose_trees(active, contexts, ks, cap)
+        for j, tree in trees.items():
+            drafts[j], ks[j] = list(tree.tokens), len(tree)
+        wants = [j for j, k in enumerate(ks) if k > 0 and requests[active[j]].sampling is None and j not in trees]
         if wants:
             rules = [requests[active[j]].rules(len(results[active[j]].output_ids)) for j in wants]
             proposed = _propose(self.drafter, [contexts[j] for j in wants], [ks[j] for j in wants], rules)
             for j, d in zip(wants, proposed):
                 drafts[j] = list(d[: ks[j]])
-        sampled = [j for j, k in enumerate(ks) if k > 0 and requests[active[j]].sampling is not None]
+        sampled = [j for j, k in enumerate(ks) if k > 0 and requests[active[j]].sampling is not None and j not in trees]
         if sampled:
             _propose_sampled(
                 self.drafter,
@@ -318,7 +352,32 @@ class Batch:
                 qs,
                 [len(results[active[j]].output_ids) for j in sampled],
             )
-        return Proposal(active, contexts, ks, drafts, qs, cap)
+        rows = [trees[j] if j in trees else DraftTree.chain(d) for j, d in enumerate(drafts)]
+        return Proposal(active, contexts, ks, drafts, qs, cap, rows)
+
+    def _propose_trees(self, active: list[int], contexts, ks: list[int], cap: int | None) -> dict[int, DraftTree]:
+        """Row -> its draft tree, for the rows whose request asks for a tree and whose drafter
+        proposes trees. A tree is never deeper than the tokens left, nor larger than the load
+        cap (nodes: what a verify costs); rows whose tree shrinks to nothing draft nothing. Sampled rows get the
+        same trees: their candidates are point masses to rejection sampling (sampling.py)."""
+        propose_tree = getattr(self.drafter, "propose_tree", None)
+        if propose_tree is None:
+            return {}
+        shapes: dict[int, TreeShape] = {}
+        for j, i in enumerate(active):
+            shape = self.requests[i].tree
+            if shape is None or ks[j] == 0:
+                continue
+            left = self.requests[i].max_tokens - len(self.results[i].output_ids) - 1
+            cut = shape.cut(shape.size if cap is None else cap, left)
+            if cut is None:
+                ks[j] = 0
+            else:
+                shapes[j] = cut
+        if not shapes:
+            return {}
+        proposed = propose_tree([contexts[j] for j in shapes], list(shapes.values()))
+        return dict(zip(shapes, proposed))
 
     def score(self, proposal: Proposal) -> list[Verdict]:
         """The target's one forward over every row's context + drafts (the verifier's only call)."""
@@ -329,6 +388,9 @@ class Batch:
         first = [not self.results[i].steps for i in proposal.keys]
         if any(first):
             asks["context_phase"] = first
+        trees = [None if t.is_chain else t.parents for t in (proposal.tree(j) for j in range(len(proposal.keys)))]
+        if any(t is not None for t in trees):
+            asks["trees"] = trees
         return self.verifier.verify(proposal.contexts, proposal.drafts, **asks)
 
     def accept(self, proposal: Proposal, verdicts: list[Verdict]) -> StepReport:
@@ -337,17 +399,22 @@ class Batch:
         asked_k = max(self.requests[i].num_draft_tokens for i in keys)
         report = StepReport(len(keys), k=max(proposal.ks), asked_k=asked_k if cap is None else min(asked_k, cap))
         for j, i in enumerate(keys):
-            req, res, draft = self.requests[i], self.results[i], proposal.drafts[j]
+            req, res, draft, tree = self.requests[i], self.results[i], proposal.drafts[j], proposal.tree(j)
             decision = decide(
-                req, len(res.output_ids), proposal.contexts[j], draft, proposal.qs[j], verdicts[j], self.gens.get(i)
+                req, len(res.output_ids), proposal.contexts[j], draft, proposal.qs[j], verdicts[j], self.gens.get(i), tree
             )
-            self._record(i, draft, verdicts[j], decision, report)
+            self._record(i, tree, verdicts[j], decision, report)
         return report
 
-    def _record(self, key: int, draft: list[int], verdict: Verdict, decision: Decision, report: StepReport) -> None:
+    def _record(self, key: int, tree: DraftTree, verdict: Verdict, decision: Decision, report: StepReport) -> None:
         """Append one row's decision to its result, metrics and the step's report; tell on_step."""
         req, res = self.requests[key], self.results[key]
-        res.metrics.record_step(len(draft), decision.accepted)
+        draft = tree.tokens
+        res.metrics.record_step(len(draft), decision.accepted, tree.depth)
+        if not tree.is_chain:
+            path = decision.path or []
+            res.metrics.record_nodes([tree.key(n) for n in range(len(tree))], [tree.key(n) for n in path])
+            res.step_trees[len(res.steps)] = (tree.parents, tuple(path))
         for _ in range(decision.extra):  # each further token cost the target one decode step
             res.metrics.record_step(0, 0)
         if not res.steps:
@@ -416,40 +483,78 @@ def decide(
     q: torch.Tensor | None,
     verdict: Verdict,
     gen: torch.Generator | None,
+    tree: DraftTree | None = None,
 ) -> Decision:
     """What the target's verdict keeps of one row's draft (``generated`` tokens already out).
     Greedy requests read its greedy ids; the others its logits, processed as the request
-    asks, then argmax or rejection sampling with ``gen`` against the draft distribution q."""
+    asks, then argmax or rejection sampling with ``gen`` against the draft distribution q.
+    ``tree``: the draft as a tree (None: the chain ``draft``); either way the accepted nodes
+    form one path and the tokens kept are that path's, then the target's own."""
+    tree = tree if tree is not None else DraftTree.chain(draft)
     if not req.needs_logits:
-        n = accepted_prefix(draft, verdict)
-        # A target that kept decoding after a rejection (continued) keeps those tokens.
-        keep = len(verdict.target_ids) if verdict.continued else n + 1
-        new = verdict.target_ids[:keep]
-        margins = verdict.margins[:keep] if verdict.margins else None
-        return Decision(new, n, margins, extra=keep - (n + 1))
+        if verdict.continued:
+            if not tree.is_chain:
+                raise ValueError("a verifier that keeps decoding past a rejection scores chains only, not draft trees")
+            n = accepted_prefix(draft, verdict)
+            # A target that kept decoding after a rejection keeps those tokens.
+            keep = len(verdict.target_ids)
+            margins = verdict.margins[:keep] if verdict.margins else None
+            return Decision(verdict.target_ids[:keep], n, margins, extra=keep - (n + 1), path=list(range(n)))
+        path = accepted_path(tree, verdict.target_ids)
+        rows = _rows(path)
+        new = [tree.tokens[c] for c in path] + [verdict.target_ids[rows[-1]]]
+        margins = [verdict.margins[r] for r in rows] if verdict.margins else None
+        return Decision(new, len(path), margins, path=path)
     if verdict.logits is None:
         raise RequestError(
             "this verifier returns no logits, so it cannot sample, process logits or return log probs; "
             "send a plain greedy request"
         )
-    logits = processed(verdict.logits, req.processing, context, generated, draft, req.end_ids)
+    logits = _processed_rows(verdict.logits, req, context, generated, tree)
     if req.sampling is None:
-        ids = torch.argmax(logits, dim=-1).tolist()  # lowest index among exact ties
-        n = accepted_prefix(draft, Verdict(ids))
-        new = ids[: n + 1]
-        top = torch.topk(logits[: n + 1], k=2, dim=-1).values
+        path = accepted_path(tree, torch.argmax(logits, dim=-1).tolist())  # lowest index among exact ties
+        rows = _rows(path)
+        new = [tree.tokens[c] for c in path] + [int(torch.argmax(logits[rows[-1]]))]
+        top = torch.topk(logits[rows], k=2, dim=-1).values
         margins = (top[:, 0] - top[:, 1]).tolist()
     else:
-        new, n = accept_or_resample(draft, q, warp(logits, warp_params(req.sampling, req.processing)), gen)
+        p = warp(logits, warp_params(req.sampling, req.processing))
+        if tree.is_chain:
+            new, n = accept_or_resample(draft, q, p, gen)
+            path = list(range(n))
+        else:
+            new, path = accept_tree(tree, q, p, gen)
+        rows = _rows(path)
         margins = None
     log_probs = None
     if req.log_probs:
         t = req.sampling.temperature if req.sampling is not None else None
-        lp = torch.log_softmax(log_prob_logits(logits[: len(new)], req.processing, t).double(), dim=-1)
+        lp = torch.log_softmax(log_prob_logits(logits[rows], req.processing, t).double(), dim=-1)
         log_probs = lp.gather(-1, torch.tensor(new).unsqueeze(-1)).squeeze(-1).tolist()
     # The target's own logits, unprocessed.
-    logit_rows = verdict.logits[: len(new)].float() if req.generation_logits else None
-    return Decision(new, n, margins, log_probs, logit_rows)
+    logit_rows = verdict.logits[rows].float() if req.generation_logits else None
+    return Decision(new, len(path), margins, log_probs, logit_rows, path=path)
+
+
+def _rows(path: list[int]) -> list[int]:
+    """The verdict rows of an accepted path's tokens: after the context, then after each node."""
+    return [0] + [c + 1 for c in path]
+
+
+def _processed_rows(logits: torch.Tensor, req: GenerationRequest, context, generated: int, tree: DraftTree) -> torch.Tensor:
+    """The verdict's logits [len(tree) + 1, vocab] processed as the request asks; a tree's row
+    j + 1 continues context + node j's path (its penalties count that path's tokens only)."""
+    if tree.is_chain:
+        return processed(logits, req.processing, context, generated, list(tree.tokens), req.end_ids)
+    if req.processing is None or not req.processing.active:
+        return logits
+    rows = [processed(logits[:1], req.processing, context, generated, (), req.end_ids)]
+    for node in range(len(tree)):
+        path = [tree.tokens[c] for c in tree.path(node)]
+        rows.append(
+            processed(logits[node + 1 : node + 2], req.processing, list(context) + path, generated + len(path), (), req.end_ids)
+        )
+    return torch.cat(rows)
 
 
 def finish(req: GenerationRequest, tokens: list[int], margins: list[float] | None = None) -> GenerationResult:

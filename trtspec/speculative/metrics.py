@@ -8,8 +8,15 @@ Definitions (one "step" = one target forward that verifies a draft, possibly emp
   tokens                  tokens the steps yielded: accepted + one target token per step
                           (the bonus or the correction), before stop/max_tokens truncation
   mean_acceptance_length  tokens / target_forwards: tokens per target forward incl. the bonus
-  per_position_rate[i]    P(draft token at position i accepted | it was drafted)
+  per_position_rate[i]    P(draft token at position i accepted | it was drafted); with draft
+                          trees, position = depth: P(a node at depth i + 1 accepted | the
+                          step drafted that deep)
   histogram[n]            number of steps that accepted exactly n draft tokens
+  node_rate[key]          draft trees only: P(node accepted | drafted), the node named by the
+                          ranks along its path ("0.1": the second candidate after the first);
+                          the expected tokens per forward of any tree made of measured nodes
+                          is 1 + the sum of their rates (greedy: a node is accepted exactly
+                          when its path is the target's own chain, whatever else is drafted)
 """
 
 from __future__ import annotations
@@ -27,23 +34,34 @@ class SpecMetrics:
     drafted_at: list[int] = field(default_factory=list)  # per draft position
     accepted_at: list[int] = field(default_factory=list)
     histogram: list[int] = field(default_factory=list)  # index = accepted drafts in a step
+    node_drafted: dict[str, int] = field(default_factory=dict)  # draft trees: per node key
+    node_accepted: dict[str, int] = field(default_factory=dict)
 
-    def record_step(self, n_drafted: int, n_accepted: int) -> None:
-        """One target forward that saw ``n_drafted`` drafts and accepted ``n_accepted``."""
-        if not 0 <= n_accepted <= n_drafted:
-            raise ValueError(f"accepted {n_accepted} of {n_drafted} drafted")
+    def record_step(self, n_drafted: int, n_accepted: int, depth: int | None = None) -> None:
+        """One target forward that saw ``n_drafted`` drafts and accepted ``n_accepted``; a
+        draft tree's ``depth`` (None: a chain, as deep as it is long)."""
+        depth = n_drafted if depth is None else depth
+        if not 0 <= n_accepted <= depth <= n_drafted:
+            raise ValueError(f"accepted {n_accepted} of {n_drafted} drafted ({depth} deep)")
         self.target_forwards += 1
         self.drafted += n_drafted
         self.accepted += n_accepted
         self.tokens += n_accepted + 1
-        _grow(self.drafted_at, n_drafted)
-        _grow(self.accepted_at, n_drafted)
+        _grow(self.drafted_at, depth)
+        _grow(self.accepted_at, depth)
         _grow(self.histogram, n_accepted + 1)
-        for i in range(n_drafted):
+        for i in range(depth):
             self.drafted_at[i] += 1
             if i < n_accepted:
                 self.accepted_at[i] += 1
         self.histogram[n_accepted] += 1
+
+    def record_nodes(self, drafted: list[tuple[int, ...]], accepted: list[tuple[int, ...]]) -> None:
+        """A draft tree's nodes (by key: their ranks from the root) and the accepted ones."""
+        for key, counts in ((drafted, self.node_drafted), (accepted, self.node_accepted)):
+            for k in key:
+                name = node_name(k)
+                counts[name] = counts.get(name, 0) + 1
 
     def merge(self, other: SpecMetrics) -> SpecMetrics:
         """Sum of two sets of counts (a new object)."""
@@ -56,6 +74,8 @@ class SpecMetrics:
         out.drafted_at = _add(self.drafted_at, other.drafted_at)
         out.accepted_at = _add(self.accepted_at, other.accepted_at)
         out.histogram = _add(self.histogram, other.histogram)
+        out.node_drafted = _add_counts(self.node_drafted, other.node_drafted)
+        out.node_accepted = _add_counts(self.node_accepted, other.node_accepted)
         return out
 
     @property
@@ -70,6 +90,10 @@ class SpecMetrics:
     def per_position_rate(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
 
+    @property
+    def node_rate(self) -> dict[str, float]:
+        return {k: self.node_accepted.get(k, 0) / d for k, d in self.node_drafted.items() if d}
+
     def to_dict(self) -> dict:
         return {
             "drafted": self.drafted,
@@ -80,12 +104,25 @@ class SpecMetrics:
             "mean_acceptance_length": self.mean_acceptance_length,
             "per_position_rate": self.per_position_rate,
             "histogram": list(self.histogram),
-        }
+        } | ({"node_rate": self.node_rate} if self.node_drafted else {})
 
 
 def _grow(xs: list[int], n: int) -> None:
     if len(xs) < n:
         xs.extend([0] * (n - len(xs)))
+
+
+def node_name(key: tuple[int, ...]) -> str:
+    """A tree node's key as metrics name it: (0, 1) -> "0.1"."""
+    return ".".join(str(r) for r in key)
+
+
+def node_key(name: str) -> tuple[int, ...]:
+    return tuple(int(r) for r in name.split("."))
+
+
+def _add_counts(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {k: a.get(k, 0) + b.get(k, 0) for k in sorted(set(a) | set(b))}
 
 
 def _add(a: list[int], b: list[int]) -> list[int]:

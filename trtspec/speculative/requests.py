@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from trtspec.errors import RequestError
 from trtspec.spec import EngineSpec
 from trtspec.speculative.loop import GenerationRequest
 from trtspec.speculative.processing import Processing
 from trtspec.speculative.sampling import SamplingParams
+from trtspec.speculative.tree import TreeShape, tree_shape
 from trtspec.tokens import check_token_ids
 
 
@@ -24,7 +26,8 @@ class Limits:
 
     ``max_draft_len`` 0 means the engine verifies no drafts (a draft engine);
     ``max_input_len`` and ``max_batch_size`` are None where nothing bounds them separately;
-    ``default_draft_tokens`` is the k of a request that asks for none (:func:`draft_tokens`).
+    ``default_draft_tokens`` is the k of a request that asks for none (:func:`draft_tokens`);
+    ``default_tree`` the draft tree shape of a request that asks for none (None: chains).
     """
 
     vocab_size: int
@@ -33,6 +36,7 @@ class Limits:
     max_input_len: int | None = None
     max_batch_size: int | None = None
     default_draft_tokens: int = 0
+    default_tree: TreeShape | None = None
 
     @classmethod
     def from_spec(cls, spec: EngineSpec, vocab_size: int, role: str = "target") -> Limits:
@@ -44,6 +48,7 @@ class Limits:
             max_input_len=lim.max_input_len,
             max_batch_size=lim.max_batch_size,
             default_draft_tokens=spec.speculative.default_draft_tokens if role == "target" else 0,
+            default_tree=tree_shape(spec.speculative) if role == "target" else None,
         )
 
     def check_batch(self, rows: int, what: str = "sequences") -> None:
@@ -70,10 +75,13 @@ def make_request(
     processing: Processing | None = None,
     log_probs: bool = False,
     generation_logits: bool = False,
+    tree: TreeShape | Literal["chain"] | None = None,
 ) -> GenerationRequest:
     """Validate a request against the deployment's limits; RequestError names the fix.
-    ``num_draft_tokens`` None: the deployment's default k (``limits.default_draft_tokens``)."""
+    ``num_draft_tokens`` None: the deployment's default k (``limits.default_draft_tokens``).
+    ``tree`` None: the deployment's tree shape (``limits.default_tree``); "chain": a chain."""
     num_draft_tokens = draft_tokens(num_draft_tokens, limits.default_draft_tokens)
+    shape = limits.default_tree if tree is None else None if tree == "chain" else tree
     n = len(prompt_ids)
     if n == 0:
         raise RequestError("the prompt is empty; send at least one token of text")
@@ -97,6 +105,11 @@ def make_request(
         )
     if processing is not None:
         processing.check_ids(limits.vocab_size)
+    if shape is not None and shape.depth > limits.max_draft_len:
+        raise RequestError(
+            f"the draft tree is {shape.depth} deep, beyond max_draft_len {limits.max_draft_len}; "
+            "draft a shallower tree or rebuild with a larger speculative.max_draft_len"
+        )
     return GenerationRequest(
         list(prompt_ids),
         max_tokens,
@@ -107,6 +120,7 @@ def make_request(
         processing,
         log_probs,
         generation_logits,
+        shape if num_draft_tokens > 0 else None,
     )
 
 

@@ -8,6 +8,16 @@ alone would sample it (Leviathan et al. 2023, Chen et al. 2023). A drafter witho
 distribution (prompt lookup) is a point mass: q = 1 at its token, so acceptance is p(x) and
 the residual is p without x.
 
+A draft tree (speculative/tree.py) is verified the same way node by node, SpecInfer's
+multi-candidate rejection (Miao et al. 2024; EAGLE's recursive rejection): at a node the
+children are tried in order, each against the current distribution r (p at first); a
+rejected child x replaces r by the residual norm(max(0, r - q)), so the next child is tried
+against what is left; an accepted child moves the walk down to it (its own row of p); after
+the last rejected child the token is drawn from the residual. Each candidate must be drawn
+independently from its q, or be a point mass: tree drafters propose their top-k candidates,
+point masses (distinct siblings), so a rejected x just leaves r without x. By the one-step
+argument applied to each residual in turn, every emitted token is distributed as p.
+
 p and q are the warped distributions (temperature, then top-k, then top-p), computed in
 float64 so acceptance ratios are not rounded. Each request owns a torch.Generator seeded
 from its ``seed``: a run is reproducible, and the two paths draw from the same distribution,
@@ -21,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from trtspec.errors import RequestError
+from trtspec.speculative.tree import ROOT, DraftTree
 
 
 @dataclass(frozen=True)
@@ -73,30 +84,56 @@ def accept_or_resample(
     p: torch.Tensor,
     gen: torch.Generator,
 ) -> tuple[list[int], int]:
-    """(tokens to emit, drafts accepted) for one step.
+    """(tokens to emit, drafts accepted) for one step of a chain.
 
     draft: k tokens; q: [k, vocab_q] the draft's distributions they were drawn from (None: a
     point mass at each token); p: [k+1, vocab] the target's at the same positions.
     """
+    tokens, path = accept_tree(DraftTree.chain(draft), q, p, gen)
+    return tokens, len(path)
+
+
+def accept_tree(
+    tree: DraftTree,
+    q: torch.Tensor | None,
+    p: torch.Tensor,
+    gen: torch.Generator,
+) -> tuple[list[int], list[int]]:
+    """(tokens to emit, accepted nodes) for one step of a draft tree.
+
+    p: [len(tree) + 1, vocab], the target's after the context (row 0) and after each node's
+    path (row j + 1). q: None (every candidate a point mass), or for a chain [k, vocab_q],
+    row j the distribution node j was drawn from (a tree's candidates are point masses).
+    """
+    if q is not None and not tree.is_chain:
+        raise ValueError("a draft tree's candidates are point masses: pass q None")
     vocab = p.shape[-1]
     if q is not None and q.shape[-1] < vocab:  # draft vocabulary narrower: q is 0 beyond it
         q = torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))
-    for i, x in enumerate(draft):
-        qx = float(q[i, x]) if q is not None else 1.0
-        px = float(p[i, x])
-        u = float(torch.rand((), generator=gen, dtype=torch.float64))
-        if qx > 0 and u * qx < px:  # accept with probability min(1, p(x)/q(x))
-            continue
-        if q is not None:
-            residual = (p[i] - q[i]).clamp(min=0)  # [vocab]
-        else:
-            residual = p[i].clone()
-            residual[x] = 0
-        total = float(residual.sum())
-        # total == 0 only when p(x) = 1 for a rejected x, which cannot be rejected; guard anyway.
-        token = draw(residual / total if total > 0 else p[i], gen)
-        return draft[:i] + [token], i
-    return list(draft) + [draw(p[len(draft)], gen)], len(draft)
+    path: list[int] = []
+    node = ROOT
+    while True:
+        r = p[node + 1]  # [vocab]: the target after this node's path
+        nxt = None
+        for child in tree.children(node):
+            x = tree.tokens[child]
+            qx = float(q[child, x]) if q is not None else 1.0
+            u = float(torch.rand((), generator=gen, dtype=torch.float64))
+            if qx > 0 and u * qx < float(r[x]):  # accept with probability min(1, r(x)/q(x))
+                nxt = child
+                break
+            if q is not None:
+                residual = (r - q[child]).clamp(min=0)
+            else:
+                residual = r.clone()
+                residual[x] = 0
+            total = float(residual.sum())
+            # total == 0 only when r(x) = 1 for a rejected x, which cannot be rejected; guard anyway.
+            r = residual / total if total > 0 else r
+        if nxt is None:
+            return [tree.tokens[c] for c in path] + [draw(r, gen)], path
+        path.append(nxt)
+        node = nxt
 
 
 def accept_all(draft: list[int], q, p: torch.Tensor, gen: torch.Generator) -> tuple[list[int], int]:

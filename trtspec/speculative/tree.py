@@ -36,12 +36,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trtspec.engines.torch.model import tree_layout
+from trtspec.engines.torch.model import TREE_ROWS, tree_layout
+from trtspec.spec import SpeculativeSpec
 
 ROOT = -1  # the parent of a depth-1 node: the last token of the context
 
 # A drafter's candidates after one node: (token, log probability), most likely first.
 Candidates = list[tuple[int, float]]
+
+
+def top_candidates(logits: torch.Tensor, width: int, ids: torch.Tensor | None = None) -> list[Candidates]:
+    """Per row of ``logits`` [n, vocab] its ``width`` most likely tokens with their log
+    probabilities (``ids`` [vocab]: the token id of each column, when they differ)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(logp, min(width, logp.shape[-1]), dim=-1)
+    toks = top.indices if ids is None else ids[top.indices]
+    return [list(zip(t, v)) for t, v in zip(toks.tolist(), top.values.tolist())]
 
 
 @dataclass(frozen=True)
@@ -216,6 +226,7 @@ class TreeGrowth:
         self.scores: list[float] = []  # cumulative draft log probability
         self.keys: list[tuple[int, ...]] = []
         self.frontier: list[int] = [ROOT]
+        self.expanded: list[int] = []  # nodes expanded in earlier rounds (ROOT not counted)
         self.round = 0
         # Candidates asked per expanded node: the largest rank the shape names, + 1.
         self.width = 1 + max(c[-1] for c in shape.choices) if isinstance(shape, StaticTree) else shape.top_k
@@ -227,6 +238,7 @@ class TreeGrowth:
     def grow(self, candidates: list[Candidates]) -> None:
         """Per frontier node, its candidates (token, log prob), most likely first."""
         self.round += 1
+        self.expanded += [n for n in self.frontier if n != ROOT]
         added: list[int] = []
         for node, cands in zip(self.frontier, candidates):
             base = self.scores[node] if node != ROOT else 0.0
@@ -244,8 +256,21 @@ class TreeGrowth:
             parents = {c[:-1] for c in self.shape.choices}
             self.frontier = [n for n in added if self.keys[n] in parents]
         else:
-            top = sorted(added, key=lambda n: (-self.scores[n], n))[: self.shape.top_k]
+            # What a drafter scores (expanded nodes + frontier) stays within the cache rows a
+            # tree may use (engines/torch/model.py TREE_ROWS): the widest trees stop early.
+            room = TREE_ROWS - len(self.expanded)
+            top = sorted(added, key=lambda n: (-self.scores[n], n))[: min(self.shape.top_k, room)]
             self.frontier = sorted(top) if self.round < self.shape.depth else []
+
+    def scored(self) -> tuple[list[int], list[int], list[int]]:
+        """What a drafter runs this round: (tokens, parents) of the nodes expanded so far and
+        the frontier, renumbered (closed under parents, the frontier last), and the frontier's
+        indices among them. Empty for the first round (the frontier is ROOT: the context's
+        last token)."""
+        nodes = sorted(self.expanded + [n for n in self.frontier if n != ROOT])
+        new = {old: j for j, old in enumerate(nodes)}
+        parents = [ROOT if self.parents[n] == ROOT else new[self.parents[n]] for n in nodes]
+        return [self.tokens[n] for n in nodes], parents, [new[n] for n in self.frontier if n != ROOT]
 
     def tree(self) -> DraftTree:
         """The grown draft (a dynamic shape keeps its ``budget`` most likely nodes)."""
@@ -260,3 +285,14 @@ class TreeGrowth:
             if tree.parents[n] == ROOT or tree.parents[n] in kept:
                 kept.add(n)
         return tree.subtree(sorted(kept))
+
+
+def tree_shape(spec: SpeculativeSpec) -> TreeShape | None:
+    """The spec's ``speculative.tree`` as a shape (a dynamic tree is max_draft_len deep); None:
+    the deployment drafts chains."""
+    t = spec.tree
+    if t is None:
+        return None
+    if t.choices is not None:
+        return StaticTree.of(t.choices)
+    return DynamicTree(t.dynamic.top_k, spec.max_draft_len, t.dynamic.nodes)

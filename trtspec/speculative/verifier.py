@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from trtspec.engines.torch.engine import ForwardItem, RunFn
-from trtspec.speculative.loop import RowFlags, TokenRows, Verdict
+from trtspec.speculative.loop import RowFlags, TokenRows, TreeRows, Verdict
 
 
 def greedy_with_margins(logits: torch.Tensor) -> tuple[list[int], list[float]]:
@@ -20,7 +20,8 @@ def greedy_with_margins(logits: torch.Tensor) -> tuple[list[int], list[float]]:
 
 class LogitsVerifier:
     """Scores context + draft in ONE forward and returns the target's greedy tokens at all
-    len(draft) + 1 positions, with their top-2 margins."""
+    len(draft) + 1 positions, with their top-2 margins. A draft tree goes to the engine with
+    its parents (ForwardItem.tree): the same forward, under a tree attention mask."""
 
     def __init__(self, run: RunFn, vocab_limit: int | None = None):
         self.run = run
@@ -28,11 +29,17 @@ class LogitsVerifier:
         self.vocab_limit = vocab_limit
 
     def verify(
-        self, contexts: TokenRows, drafts: TokenRows, want_logits: RowFlags = None, context_phase: RowFlags = None
+        self,
+        contexts: TokenRows,
+        drafts: TokenRows,
+        want_logits: RowFlags = None,
+        context_phase: RowFlags = None,
+        trees: TreeRows | None = None,
     ) -> list[Verdict]:
         """Every verdict carries its logits (they are at hand); ``want_logits`` is not needed.
         No KV-cache block counts: ``context_phase`` is not needed either."""
-        items = [ForwardItem(list(c) + list(d), len(d) + 1) for c, d in zip(contexts, drafts)]
+        trees = trees or [None] * len(drafts)
+        items = [ForwardItem(list(c) + list(d), len(d) + 1, t) for c, d, t in zip(contexts, drafts, trees)]
         out = []
         for logits in self.run(items):  # each [len(draft) + 1, vocab]
             logits = logits[:, : self.vocab_limit]

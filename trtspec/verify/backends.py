@@ -38,7 +38,7 @@ class InProcessBackend:
         start = time.perf_counter()
         (res,) = self.dep.generate([req], speculative=speculative)
         seconds = time.perf_counter() - start
-        return PathRun(res.output_ids, res.margins, res.metrics if speculative else None, seconds, ids, res.steps)
+        return PathRun(res.output_ids, res.margins, res.metrics if speculative else None, seconds, ids, res.steps, res.step_trees)
 
     def token_text(self, token_id: int) -> str:
         return self.dep.tokenizer.decode([token_id])
@@ -48,7 +48,7 @@ class InProcessBackend:
         if not any(s <= div.index <= s + k for s, k in steps):
             return DivergenceVerdict("algorithmic", f"no speculative step produced token {div.index}", self.epsilon)
         engine = self.dep.target
-        rep = replay(engine.run, engine.forget_prefixes, spec.prompt_ids, spec.output_ids, steps, div.index)
+        rep = replay(engine.run, engine.forget_prefixes, spec.prompt_ids, spec.output_ids, steps, div.index, spec.step_trees)
         return classify(rep, div.target_id, div.spec_id, self.dep.end_ids, self.epsilon)
 
 

@@ -14,7 +14,9 @@ empty prefix cache over the tokens both paths share, both ways:
 
 Rows past the accepted drafts hold filler (the run's own later tokens): causal attention keeps
 them out of every kept row, their K/V is rewritten by the next step, and they keep each
-forward's shape. The draft model is not involved: only forward shapes differ between the
+forward's shape. A step that verified a draft tree is replayed as that tree (its recorded
+parents): the accepted nodes hold the run's tokens, the other nodes filler, which the tree
+mask keeps out of the accepted path's rows. The draft model is not involved: only forward shapes differ between the
 replays. The divergence is
 
     numerical    the verifier-shape replay yields the speculative path's token, the
@@ -75,10 +77,12 @@ def replay(
     spec_ids: Sequence[int],
     steps: Sequence[tuple[int, int]],
     index: int,
+    trees: dict | None = None,
 ) -> Replay:
     """Logits for output ``index`` replayed in both shapes (module doc). ``spec_ids``: the
     speculative output (its first ``index`` tokens are shared with target-only); ``steps``:
-    its GenerationResult.steps."""
+    its GenerationResult.steps; ``trees``: its GenerationResult.step_trees."""
+    trees = trees or {}
     prompt, out = list(prompt_ids), list(spec_ids)
     mine = [(s, k) for s, k in steps if s <= index]
     if not mine or index > mine[-1][0] + mine[-1][1]:
@@ -90,13 +94,25 @@ def replay(
     control = logits[-1]
 
     forget()
-    for start, k in mine:
-        block = out[start : start + k]
-        block += [(out or prompt)[-1]] * (k - len(block))  # filler past the run's end
-        (logits,) = run([ForwardItem(prompt + out[:start] + block, k + 1)])  # [k+1, vocab]
+    for step, (start, k) in enumerate(mine):
+        filler = (out or prompt)[-1]
+        if step in trees:  # a draft tree: the accepted path's tokens at its nodes, filler elsewhere
+            parents, path = trees[step]
+            block = [filler] * k
+            for j, node in enumerate(path[: len(out) - start]):
+                block[node] = out[start + j]
+            item = ForwardItem(prompt + out[:start] + block, k + 1, tuple(parents))
+        else:
+            block = out[start : start + k]
+            block += [filler] * (k - len(block))  # filler past the run's end
+            item = ForwardItem(prompt + out[:start] + block, k + 1)
+        (logits,) = run([item])  # [k+1, vocab]
     start, k = mine[-1]
+    row = index - start  # the row after the step's first index - start tokens
+    if len(mine) - 1 in trees and row > 0:
+        row = trees[len(mine) - 1][1][row - 1] + 1  # after the accepted node that emitted them
     forget()  # leave no replay state behind for timed runs
-    return Replay(control.float(), logits[index - start].float(), start, k + 1, len(mine))
+    return Replay(control.float(), logits[row].float(), start, k + 1, len(mine))
 
 
 def classify(

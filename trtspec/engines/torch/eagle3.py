@@ -25,7 +25,7 @@ from trtspec.device import check_dtype
 from trtspec.engines.eagle3 import HeadConfig, read_head_config
 from trtspec.engines.manifest import read_manifest
 from trtspec.engines.torch.engine import DTYPES, WEIGHTS, SlotPool, TorchEngine
-from trtspec.engines.torch.model import MLP, Attention, DecoderConfig, KVCache, RMSNorm, StepInputs, rope_tables
+from trtspec.engines.torch.model import MLP, TREE_ROWS, Attention, DecoderConfig, KVCache, RMSNorm, StepInputs, rope_tables
 from trtspec.errors import EngineError
 
 
@@ -112,12 +112,19 @@ class Eagle3Head(nn.Module):
 @dataclass
 class HeadRow:
     """One sequence's positions start..start+n-1 for the head: state [n, hidden] and the
-    tokens whose embeddings go with them (the token AFTER each position)."""
+    tokens whose embeddings go with them (the token AFTER each position).
+
+    A draft tree's nodes (speculative/eagle3.py) sit in cache rows start..start+n-1 but at
+    positions by depth (``positions``), each seeing only some rows (``visible`` [n, start+n]:
+    the context's and its own ancestors'); None for both: causal, positions = rows.
+    """
 
     slot: int
     start: int
     state: torch.Tensor  # [n, hidden]
     tokens: list[int]
+    positions: list[int] | None = None
+    visible: torch.Tensor | None = None  # [n, start + n] bool
 
 
 class HeadEngine:
@@ -145,7 +152,7 @@ class HeadEngine:
         self.cos, self.sin = cos, sin  # [max_seq_len, head_dim]
         self.max_seq_len = max_seq_len
         with self.device:
-            self.cache = KVCache(decoder_config(self.cfg), slots, max_seq_len, dtype)
+            self.cache = KVCache(decoder_config(self.cfg), slots, max_seq_len + TREE_ROWS, dtype)  # room for a tree's nodes
         self.pool = SlotPool(slots)  # per slot: the context whose positions 0..len-2 are valid
         self.lock = threading.Lock()
 
@@ -210,14 +217,20 @@ class HeadEngine:
             n = len(r.tokens)
             state[i, :n] = r.state.to(self.device, self.dtype)
             tokens[i, :n] = torch.tensor(r.tokens, dtype=torch.long)
-            positions[i, :n] = torch.arange(r.start, r.start + n)
+            positions[i, :n] = torch.arange(r.start, r.start + n) if r.positions is None else torch.tensor(r.positions)
         tokens, positions = tokens.to(self.device), positions.to(self.device)  # filled on the CPU, copied once
         spans = [(r.slot, r.start, len(r.tokens)) for r in rows]
         span = max(s + n for _, s, n in spans)
         mask = None
-        if b > 1 or q > 1:
+        if b > 1 or q > 1 or any(r.visible is not None for r in rows):
             keys = torch.arange(span, device=self.device)
-            mask = (keys.view(1, 1, span) <= positions.unsqueeze(-1)).unsqueeze(1)  # [b, 1, q, S]
+            allowed = keys.view(1, 1, span) <= positions.unsqueeze(-1)  # [b, q, S]
+            for i, r in enumerate(rows):
+                if r.visible is not None:  # a tree's nodes: the rows they may see, as given
+                    n = len(r.tokens)
+                    allowed[i, :n] = False
+                    allowed[i, :n, : r.start + n] = r.visible.to(self.device)
+            mask = allowed.unsqueeze(1)  # [b, 1, q, S]
         step = StepInputs(
             tokens=tokens,
             positions=positions,

@@ -22,7 +22,7 @@ from trtspec.device import check_dtype, resolve, uses_cpu_kernels
 from trtspec.engines.manifest import Manifest, read_manifest
 from trtspec.engines.torch import threads
 from trtspec.engines.torch.kernels import KernelChoice, choose_kernels
-from trtspec.engines.torch.model import DecoderConfig, DecoderLM, KVCache, StepInputs, rope_tables, tree_layout
+from trtspec.engines.torch.model import TREE_ROWS, DecoderConfig, DecoderLM, KVCache, StepInputs, rope_tables, tree_layout
 from trtspec.errors import EngineError, RequestError
 from trtspec.tokens import check_token_ids
 
@@ -159,7 +159,7 @@ class TorchEngine:
         self.max_batch_size = slots
         dtype = DTYPES[manifest.dtype]
         with self.device:  # the cache's buffers are made on the engine's device
-            self.cache = KVCache(model.cfg, slots, self.max_seq_len, dtype)
+            self.cache = KVCache(model.cfg, slots, self.max_seq_len + TREE_ROWS, dtype)
         self.cos, self.sin = (t.to(self.device) for t in rope_tables(hf_config, self.max_seq_len))
         # A sequence comes back with up to max_draft_len rejected drafts (+ the bonus) replaced.
         self.pool = SlotPool(slots, rollback=manifest.max_draft_len + 1)
@@ -224,7 +224,7 @@ class TorchEngine:
             self.capture = tuple(layers)
             width = len(layers) * self.config.hidden_size
             self.features = torch.zeros(
-                (self.max_batch_size, self.max_seq_len, width), dtype=self.cache.k[0].dtype, device=self.device
+                (self.max_batch_size, self.max_seq_len + TREE_ROWS, width), dtype=self.cache.k[0].dtype, device=self.device
             )
             self.pool.forget()  # cached prefixes have no features yet
 
@@ -256,11 +256,11 @@ class TorchEngine:
         for it in items:
             if not 1 <= it.n_logits <= len(it.tokens):
                 raise RequestError(f"n_logits {it.n_logits} not in 1..{len(it.tokens)}")
-            if len(it.tokens) > self.max_seq_len:
-                raise RequestError(f"sequence of {len(it.tokens)} tokens exceeds max_seq_len {self.max_seq_len}")
-            check_token_ids(it.tokens, self.vocab_size)
             if it.tree is not None:
                 self._check_tree(it)
+            elif len(it.tokens) > self.max_seq_len:
+                raise RequestError(f"sequence of {len(it.tokens)} tokens exceeds max_seq_len {self.max_seq_len}")
+            check_token_ids(it.tokens, self.vocab_size)
         with self._lock:
             return self._run_locked(items)
 
@@ -270,10 +270,16 @@ class TorchEngine:
             raise RequestError(f"a draft tree of {len(tree)} node(s) needs 1..{len(it.tokens) - 1} (a context token before it)")
         if it.n_logits > len(tree) + 1:
             raise RequestError(f"n_logits {it.n_logits} reaches before the tree's context token; at most {len(tree) + 1}")
+        if len(tree) > TREE_ROWS:
+            raise RequestError(f"a draft tree of {len(tree)} nodes; at most {TREE_ROWS}")
         try:
-            tree_layout(tree)
+            depths, _ = tree_layout(tree)
         except ValueError as e:
             raise RequestError(f"malformed draft tree: {e}") from None
+        if len(it.tokens) - len(tree) + max(depths) > self.max_seq_len:
+            raise RequestError(
+                f"{len(it.tokens) - len(tree)} tokens + a draft tree {max(depths)} deep exceed max_seq_len {self.max_seq_len}"
+            )
         if self.config.sliding_window is not None:
             raise RequestError("draft trees are not supported on sliding-window models; draft a chain")
 

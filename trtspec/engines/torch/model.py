@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trtspec.engines.torch.quant import WeightOnlyLinear, is_quantized, swap_in_weight_only
+from trtspec.spec import MAX_TREE_NODES
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -110,6 +111,12 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+
+# Cache rows past max_seq_len where a draft tree's nodes may sit (they are not a sequence:
+# their positions, by depth, stay within max_seq_len): the most nodes a tree verifies, and
+# the most a drafter scores while growing one (speculative/tree.py TreeGrowth).
+TREE_ROWS = MAX_TREE_NODES
 
 
 def tree_layout(parents: list[int] | tuple[int, ...]) -> tuple[list[int], torch.Tensor]:
