@@ -55,18 +55,22 @@ class MarkovDrafter:
         return out
 
 
-def markov_pit(drafter, n: int, seed: int) -> float:
-    """verify --sampling's test (randomized PIT + chi-square) on the Markov pair."""
-    params = SamplingParams(1.0, seed=seed)
-    reqs = [GenerationRequest([0], T, 3, sampling=SamplingParams(1.0, seed=seed * 100_000 + i)) for i in range(n)]
-    g = torch.Generator().manual_seed(seed)
-    p = warp(TARGET, params)
+def pit_values(drafter, reqs: list[GenerationRequest], p: torch.Tensor, g: torch.Generator) -> list[float]:
+    """The randomized PIT of every generated token under the target's exact conditional
+    ``p`` [V, V] (row: the previous token), in request order, drawing from ``g``."""
     us = []
-    for res in generate(reqs, drafter, MarkovVerifier()):
-        prev = 0
+    for req, res in zip(reqs, generate(reqs, drafter, MarkovVerifier())):
+        prev = req.prompt_ids[-1]
         for x in res.output_ids:
             row = p[prev]
             before = row[row > row[x]].sum() + row[:x][row[:x] == row[x]].sum()
             us.append(float(before + torch.rand((), generator=g, dtype=torch.float64) * row[x]))
             prev = x
+    return us
+
+
+def markov_pit(drafter, n: int, seed: int) -> float:
+    """verify --sampling's test (randomized PIT + chi-square) on the Markov pair."""
+    reqs = [GenerationRequest([0], T, 3, sampling=SamplingParams(1.0, seed=seed * 100_000 + i)) for i in range(n)]
+    us = pit_values(drafter, reqs, warp(TARGET, SamplingParams(1.0, seed=seed)), torch.Generator().manual_seed(seed))
     return chi_square_uniform(us)[2]

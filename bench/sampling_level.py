@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 from _common import command_line, write_result
-from markov_pair import TARGET, MarkovDrafter, MarkovVerifier, markov_pit
+from markov_pair import TARGET, MarkovDrafter, markov_pit, pit_values
 from trtspec.speculative import loop
-from trtspec.speculative.loop import GenerationRequest, NoDrafter, generate
+from trtspec.speculative.loop import GenerationRequest, NoDrafter
 from trtspec.speculative.sampling import SamplingParams, accept_all, accept_or_resample, warp
 from trtspec.verify.sampling import ALPHA, chi_square_uniform
 
@@ -69,14 +69,7 @@ def prompts_pit(drafter, prompts: int, seed: int, shared: bool, per_prompt: int 
     us = []
     for j in range(prompts):
         seeds = [seed * 100_000 + i + (0 if shared else j * per_prompt) for i in range(per_prompt)]
-        reqs = [GenerationRequest([j], 2, 3, sampling=SamplingParams(seed=sd)) for sd in seeds]
-        for res in generate(reqs, drafter, MarkovVerifier()):
-            prev = j
-            for x in res.output_ids:
-                row = p[prev]
-                before = row[row > row[x]].sum() + row[:x][row[:x] == row[x]].sum()
-                us.append(float(before + torch.rand((), generator=g, dtype=torch.float64) * row[x]))
-                prev = x
+        us += pit_values(drafter, [GenerationRequest([j], 2, 3, sampling=SamplingParams(seed=sd)) for sd in seeds], p, g)
     return chi_square_uniform(us)[2]
 
 
