@@ -1,5 +1,6 @@
-"""What the scripts in bench/ share: the repository root, the command line that ran, and the
-result files docs/performance.md's and README.md's figures are generated from (bench/figures.py).
+"""What the scripts in bench/ share: the repository root, a tritonserver for a spec, the command
+line that ran, and the result files docs/performance.md's and README.md's figures are generated
+from (bench/figures.py).
 
 A result file, bench/results/NAME.json:
 
@@ -53,6 +54,30 @@ class Result:
     def to_dict(self) -> dict:
         out = {"command": self.command, "machine": self.machine, "time": self.time, "values": self.values}
         return out | ({"stale": self.stale} if self.stale else {})
+
+
+def start_server(loaded, env: dict[str, str] | None = None, **options):
+    """tritonserver on a fresh temporary model repository of ``loaded``'s built engines, on free
+    loopback ports, ready; the caller stops it. ``env`` is added to the server's environment;
+    ``options`` go to TritonServer.for_repository (allocator, extra_args)."""
+    import tempfile
+
+    from trtspec.triton.repository.writer import write_repository
+    from trtspec.triton.server.process import TritonServer
+
+    repo = write_repository(loaded, loaded.output_dir(), Path(tempfile.mkdtemp(prefix="trtspec-bench-")) / "repo")
+    server = TritonServer.for_repository(repo, **options)
+    if env:
+        server.env = (server.env or {}) | env
+    server.start()
+    try:
+        seconds = server.wait_ready(600)
+    except BaseException:
+        server.stop()
+        raise
+    allocator = (server.env or {}).get("LD_PRELOAD") or "glibc malloc"
+    print(f"server ready in {seconds:.1f}s ({allocator})", flush=True)
+    return server
 
 
 def write_result(path: Path, command: str, values: dict, machine: str | None = None) -> Path:

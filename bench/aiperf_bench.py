@@ -209,7 +209,7 @@ def main() -> None:
     prompts_file.write_text("".join(json.dumps({"text": p}) + "\n" for p in prompts), encoding="utf-8")
     tokenizer = tokenizer_folder(loaded.output_dir(), loaded.spec.backend)
     rows = []
-    with served_with_front(loaded, work) as (server, base_url):
+    with served_with_front(loaded) as (server, base_url):
         port = int(base_url.rsplit(":", 1)[1].split("/")[0])
         metrics_url = server.metrics_url
         _openai_block(base_url, loaded.spec.name, prompts[:1], 4, 1)  # warm-up

@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import queue
 import statistics
-import tempfile
 import time
-from pathlib import Path
+
+from _common import start_server
 
 
 def _inputs(prompt: str, max_tokens: int, chat: bool, stream: bool = False):
@@ -88,8 +88,6 @@ def main() -> None:
 
     from trtspec.runtime import Deployment
     from trtspec.spec import load_spec
-    from trtspec.triton.repository.writer import write_repository
-    from trtspec.triton.server.process import TritonServer
 
     loaded = load_spec(args.spec)
     prompts = loaded.verify_prompts()
@@ -97,10 +95,7 @@ def main() -> None:
     chat = loaded.spec.verify.chat_template
     server = None
     if args.url is None:
-        repo = write_repository(loaded, loaded.output_dir(), Path(tempfile.mkdtemp(prefix="trtspec-bench-")) / "repo")
-        server = TritonServer.for_repository(repo)
-        server.start()
-        print(f"server ready in {server.wait_ready(600):.1f}s", flush=True)
+        server = start_server(loaded)
         url = server.grpc_endpoint
     else:
         url = args.url

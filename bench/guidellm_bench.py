@@ -195,7 +195,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="trtspec-guidellm-"))
     levels = [int(x) for x in args.concurrency.split(",")]
     rows: list[dict] = []
-    with served_with_front(loaded, work) as (_, base_url):
+    with served_with_front(loaded) as (_, base_url):
         for model in (loaded.spec.name, loaded.spec.name + "-target-only"):
             run_levels(args, levels, base_url, model, tokenizer, work, rows, "trtspec")
     if args.vllm:

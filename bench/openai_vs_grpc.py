@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import tempfile
 import threading
 import time
 from contextlib import contextmanager
-from pathlib import Path
+
+from _common import start_server
 
 
 def _grpc_block(url, prompts, max_tokens, concurrency):
@@ -96,22 +96,18 @@ def _openai_block(base_url, model, prompts, max_tokens, concurrency):
 
 
 @contextmanager
-def served_with_front(loaded, work: Path):
+def served_with_front(loaded):
     """A Triton server for ``loaded``'s built engines and the OpenAI front beside it, both on
     free loopback ports: yields (server, the front's /v1 base URL); stops both after."""
     import uvicorn
 
     from trtspec.openai.serve import make_app
-    from trtspec.triton.repository.writer import write_repository
-    from trtspec.triton.server.process import TritonServer, free_ports
+    from trtspec.triton.server.process import free_ports
 
-    repo = write_repository(loaded, loaded.output_dir(), work / "repo")
-    server = TritonServer.for_repository(repo)
-    server.start()
+    server = start_server(loaded)
     try:
-        print(f"server ready in {server.wait_ready(600):.1f}s", flush=True)
         (port,) = free_ports(1)
-        app = make_app(repo, server.grpc_endpoint)
+        app = make_app(server.command.model_repository, server.grpc_endpoint)
         front = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         thread = threading.Thread(target=front.run, daemon=True)
         thread.start()
@@ -140,7 +136,7 @@ def main() -> None:
     prompts = loaded.verify_prompts()
     max_tokens = args.max_tokens or loaded.spec.verify.max_tokens
     rows = []
-    with served_with_front(loaded, Path(tempfile.mkdtemp(prefix="trtspec-bench-"))) as (server, base_url):
+    with served_with_front(loaded) as (server, base_url):
         _grpc_block(server.grpc_endpoint, prompts[:1], 4, 1)  # warm both paths
         _openai_block(base_url, loaded.spec.name, prompts[:1], 4, 1)
         for c in [int(x) for x in args.concurrency.split(",")]:

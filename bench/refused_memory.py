@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
-from _common import command_line, write_result
+from _common import command_line, start_server, write_result
 
 MODEL = "tensorrt_llm_bls"
 
@@ -47,18 +46,13 @@ def main() -> int:
     import tritonclient.grpc as grpcclient
 
     from trtspec.spec import load_spec
-    from trtspec.triton.repository.writer import write_repository
     from trtspec.triton.request import infer_inputs
     from trtspec.triton.server.memory import compact, growth, total, tree_memory
-    from trtspec.triton.server.process import TritonServer
 
     loaded = load_spec(args.spec)
     prompts = loaded.verify_prompts()
     chat = loaded.spec.verify.chat_template
-    repo = write_repository(loaded, loaded.output_dir(), Path(tempfile.mkdtemp(prefix="trtspec-refused-")) / "repo")
-    server = TritonServer.for_repository(repo, allocator=args.allocator, extra_args=args.server_arg)
-    server.start()
-    print(f"server ready in {server.wait_ready(600):.1f}s ({server.env.get('LD_PRELOAD') or 'glibc malloc'})", flush=True)
+    server = start_server(loaded, allocator=args.allocator, extra_args=args.server_arg)
     url = server.grpc_endpoint
     values = {"text_input": prompts[0], "max_tokens": args.max_tokens, "apply_chat_template": chat}
 

@@ -40,14 +40,13 @@ import json
 import queue
 import random
 import re
-import tempfile
 import threading
 import time
 import urllib.request
 from collections import Counter
 from pathlib import Path
 
-from _common import command_line, write_result
+from _common import command_line, start_server, write_result
 
 STREAMING, UNARY, CONTROL = "tensorrt_llm_bls_streaming", "tensorrt_llm_bls", "target_only"
 
@@ -187,9 +186,7 @@ def main() -> int:
     ANSWER_TIMEOUT = args.answer_timeout
 
     from trtspec.spec import load_spec
-    from trtspec.triton.repository.writer import write_repository
     from trtspec.triton.server.memory import compact, growth, total, tree_memory, worst_growth
-    from trtspec.triton.server.process import TritonServer
 
     loaded = load_spec(args.spec)
     prompts = loaded.verify_prompts()
@@ -202,12 +199,8 @@ def main() -> int:
     logits_tokens = loaded.spec.serve.max_response_mb * 2**20 // max(1, 4 * vocab) + 1
     if vocab and logits_tokens < loaded.spec.limits("target").max_seq_len - 128:
         faults.append("oversized_logits")
-    repo = write_repository(loaded, loaded.output_dir(), Path(tempfile.mkdtemp(prefix="trtspec-soak-")) / "repo")
-    # binds 127.0.0.1, free ports
-    server = TritonServer.for_repository(repo, allocator=args.allocator, extra_args=args.server_arg)
-    server.env = (server.env or {}) | dict(kv.split("=", 1) for kv in args.server_env)
-    server.start()
-    print(f"server ready in {server.wait_ready(600):.1f}s", flush=True)
+    env = dict(kv.split("=", 1) for kv in args.server_env)
+    server = start_server(loaded, env, allocator=args.allocator, extra_args=args.server_arg)
     url = server.grpc_endpoint
     counts: Counter = Counter()
     problems: list[str] = []

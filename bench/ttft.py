@@ -23,13 +23,12 @@ from __future__ import annotations
 import argparse
 import queue
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from _common import command_line, write_result
+from _common import command_line, start_server, write_result
 
 
 def _inputs(prompt: str, max_tokens: int, chat: bool, k: int | None, stream: bool):
@@ -86,18 +85,13 @@ def main() -> None:
     args = ap.parse_args()
 
     from trtspec.spec import load_spec
-    from trtspec.triton.repository.writer import write_repository
-    from trtspec.triton.server.process import TritonServer
 
     loaded = load_spec(args.spec)
     prompts = loaded.verify_prompts()
     chat = loaded.spec.verify.chat_template
     server = None
     if args.url is None:
-        repo = write_repository(loaded, loaded.output_dir(), Path(tempfile.mkdtemp(prefix="trtspec-ttft-")) / "repo")
-        server = TritonServer.for_repository(repo)
-        server.start()
-        print(f"server ready in {server.wait_ready(600):.1f}s", flush=True)
+        server = start_server(loaded)
         url = server.grpc_endpoint
     else:
         url = args.url
