@@ -403,3 +403,84 @@ def test_the_load_schedule_shrinks_trees_and_switches_them_off():
     assert drafted_per_row(1) == [7]  # the whole tree
     assert drafted_per_row(2) == [2, 2]  # (0,), (1,)
     assert drafted_per_row(3) == [0, 0, 0]
+
+
+def test_verify_sampling_with_trees_passes_and_catches_a_sampler_without_rejection(tree_dep, monkeypatch):
+    """verify --sampling's test on the tree deployment: the tree sampler passes against the
+    target's exact conditionals; one that accepts every first candidate is caught."""
+    from trtspec.speculative import loop
+    from trtspec.speculative.sampling import SamplingParams
+    from trtspec.verify.sampling import check_deployment
+
+    params = SamplingParams(temperature=1.0, seed=7)
+    exact = check_deployment(tree_dep, PROMPTS, 20, 12, params)
+    assert exact.values >= 60 and exact.passed, exact.describe()
+    assert exact.metrics.node_drafted and exact.metrics.accepted > 0
+    monkeypatch.setattr(loop, "accept_tree", _first_child_always)
+    wrong = check_deployment(tree_dep, PROMPTS, 20, 12, params)
+    assert not wrong.passed, wrong.describe()
+
+
+# ------------------------------------------------------------------------------ bench --trees
+
+
+def test_probe_holds_the_chain_and_the_one_departure_paths():
+    from trtspec.bench.trees import probe_shape
+
+    probe = probe_shape(6)
+    assert probe.size == 64 and probe.depth == 6
+    assert all((0,) * d in probe.choices for d in range(1, 7))
+    assert {(3,), (0, 2), (0, 0, 1), (0, 0, 0, 0, 0, 1)} <= set(probe.choices)
+    assert probe_shape(2, nodes=5).choices == ((0,), (1,), (0, 0), (0, 1), (1, 0))
+
+
+def test_recommendation_weighs_node_acceptance_against_verify_cost():
+    from trtspec.bench.trees import recommend
+
+    rates = {(0,): 0.9, (0, 0): 0.8, (1,): 0.3, (0, 1): 0.05}
+    cheap = {n: 1 + 0.1 * n for n in range(1, 5)}
+    best, chain, trees = recommend(rates, cheap, 0.0, 2)
+    # {(0,), (0,0), (1,)}: (1 + 0.9 + 0.8 + 0.3) / 1.3 = 2.31 beats chain k=2: 2.7 / 1.2 = 2.25
+    assert best.choices == [(0,), (1,), (0, 0)] and round(best.expected_speedup, 2) == 2.31
+    assert chain.choices == [(0,), (0, 0)] and [len(t.choices) for t in trees] == [1, 2, 3, 4]
+    dear = {n: 1 + 0.5 * n for n in range(1, 5)}
+    best, chain, _ = recommend(rates, dear, 0.0, 2)
+    assert best.is_chain and best.choices == [(0,), (0, 0)]  # 2.7 / 2.0 = 1.35
+    best, chain, _ = recommend({(0,): 0.1, (1,): 0.05}, dear, 0.5, 1)
+    assert best is None and chain.expected_speedup < 1  # nothing beats target-only
+
+
+def test_bench_trees_measures_nodes_and_costs_and_recommends(tree_dep):
+    from trtspec.bench.trees import measure_trees, spec_block
+
+    out = measure_trees(tree_dep, PROMPTS[:2], 16, timed=True)
+    d = out.to_dict()
+    rates = d["probe"]["node_rate"]
+    assert d["probe"]["nodes"] == 64 and "0" in rates and "1" in rates
+    assert sorted(int(n) for n in d["verify_cost"]) == list(range(1, 65))
+    k1 = d["chain_k1"]
+    assert k1["nodes"] == 1 and abs(k1["expected_length"] - (1 + rates["0"])) < 1e-3
+    rec = d["recommended"]
+    assert rec is None or rec["expected_speedup"] > 1.0
+    if rec is not None:
+        assert rec["expected_speedup"] >= d["best_chain"]["expected_speedup"]
+    assert set(d["timed"]) >= {"target_only", "best_chain"}
+    assert spec_block(out.recommended).startswith("speculative:")
+
+
+def test_cli_bench_trees_prints_the_recommendation_and_writes_it(tree_dep, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from trtspec.cli.app import app
+
+    spec = tree_dep.loaded.path
+    args = ["bench", str(spec), "--trees", "--sweep", "none", "-c", "1", "--max-tokens", "12", "-p", PROMPTS[0]]
+    r = CliRunner().invoke(app, [*args, "--out", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    assert "draft trees: probe of 64 nodes" in r.stdout and "recommended" in r.stdout
+    trees = json.loads((tmp_path / "bench.json").read_text())["trees"]
+    assert trees["chain_k1"]["nodes"] == 1 and "target_only" in trees["timed"]
+    r = CliRunner().invoke(app, ["bench", str(spec), "--trees", "--url", "127.0.0.1:1"])
+    assert r.exit_code == 2 and "--trees measures acceptance per tree node" in r.stderr

@@ -208,6 +208,7 @@ class BenchReport:
     concurrency: list[ConcurrencyPoint] = field(default_factory=list)
     methods: list[dict] = field(default_factory=list)  # bench --methods: bench/methods.py rows
     grid: list[GridPoint] = field(default_factory=list)  # bench --schedule: k x concurrency
+    trees: dict | None = None  # bench --trees: bench/trees.py TreeBench.to_dict()
     max_batch_size: int = 1  # of the deployment (the last range of vLLM's schedule shape)
     complete: bool = False
 
@@ -299,6 +300,7 @@ class BenchReport:
             "methods": self.methods,
             "grid": [asdict(p) for p in self.grid],
             "schedule": self.schedule,
+            "trees": self.trees,
         }
 
 
@@ -461,28 +463,33 @@ class InProcessBench:
 def measure_engine_costs(deployment, prompt: str, k: int, repeats: int = 7) -> Costs:
     """Median times of: one target decode step, one draft decode step, one target forward
     over k+1 new tokens — each after a cached context, as in generation."""
-    from trtspec.engines.torch.engine import ForwardItem
-
     ctx = deployment.encode(prompt)
-
-    def timed(engine, n_new: int) -> float:
-        times = []
-        for r in range(repeats):
-            base = ctx + [(7 * r + j) % 100 + 10 for j in range(4)]  # a fresh tail per repeat
-            engine.run([ForwardItem(base, 1)])  # context is cached now
-            seq = base + [(11 * r + j) % 100 + 10 for j in range(n_new)]
-            t0 = time.perf_counter()
-            engine.run([ForwardItem(seq, n_new)])
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    target_step = timed(deployment.target, 1)
-    verify_step = timed(deployment.target, k + 1)
-    draft_step = timed(deployment.draft, 1) if deployment.draft is not None else None
+    target_step = forward_seconds(deployment.target, ctx, 1, repeats)
+    verify_step = forward_seconds(deployment.target, ctx, k + 1, repeats)
+    draft_step = forward_seconds(deployment.draft, ctx, 1, repeats) if deployment.draft is not None else None
     if getattr(deployment, "head", None) is not None:
         draft_step = _head_step(deployment, ctx, k, repeats)
     weights, kv = deployment.target.step_bytes(len(ctx) + 4)  # the timed step's context: ctx + 4
     return Costs(target_step, draft_step, verify_step, k, weights, kv, measure_bandwidth())
+
+
+def forward_seconds(engine, ctx: list[int], n_new: int, repeats: int, tree: bool = False) -> float:
+    """Median seconds of one forward over ``n_new`` new tokens after a cached context (a fresh
+    tail per repeat). ``tree``: the last n_new - 1 of them are a draft tree, two branches
+    side by side (the context's last token, then the nodes), as a tree verify runs."""
+    from trtspec.engines.torch.engine import ForwardItem
+
+    times = []
+    for r in range(repeats):
+        base = ctx + [(7 * r + j) % 100 + 10 for j in range(4)]  # a fresh tail per repeat
+        engine.run([ForwardItem(base, 1)])  # context is cached now
+        seq = base + [(11 * r + j) % 100 + 10 for j in range(n_new)]
+        # Two branches: node i's parent is node i - 2 (the first two are the root's children).
+        parents = tuple(max(i - 2, -1) for i in range(n_new - 1)) if tree and n_new > 2 else None
+        t0 = time.perf_counter()
+        engine.run([ForwardItem(seq, n_new, parents)])
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _head_step(deployment, ctx: list[int], k: int, repeats: int) -> float:

@@ -37,6 +37,8 @@ def render(report: BenchReport, console) -> None:
         _render_methods(report, console)
     if report.grid:
         _render_grid(report, console)
+    if report.trees:
+        _render_trees(report.trees, console)
     if not report.complete:
         console.print("[yellow]interrupted: partial results[/yellow]")
 
@@ -109,6 +111,49 @@ def _render_methods(report: BenchReport, console) -> None:
             "yes" if r["identical_to_target_only"] else f"NO (prompts {r['mismatched_prompts']})",
         )
     console.print(mt)
+
+
+def _render_trees(trees: dict, console) -> None:
+    """bench --trees: the shapes the model compares, what it recommends, and the timed runs."""
+    from rich.table import Table
+
+    probe = trees["probe"]
+    console.print(
+        f"draft trees: probe of {probe['nodes']} nodes over {probe['target_forwards']} target forwards; "
+        f"c {trees['cost_ratio']:.3f}; verify of n nodes in decode steps: "
+        + ", ".join(f"{n}: {v:.2f}" for n, v in trees["verify_cost"].items() if int(n) in (1, 2, 4, 8, 16, 32, 64))
+    )
+    t = Table(title="expected per target forward (model: 1 + node acceptance; verify(n) + depth x c)")
+    for col in ("shape", "nodes", "depth", "acceptance length", "cost (steps)", "expected speedup"):
+        t.add_column(col)
+    for name in ("chain_k1", "best_chain", "recommended"):
+        s = trees[name]
+        if s:
+            t.add_row(
+                name if not (name == "recommended" and s["chain"]) else "recommended (a chain)",
+                str(s["nodes"]),
+                str(s["depth"]),
+                f"{s['expected_length']:.2f}",
+                f"{s['cost']:.2f}",
+                f"{s['expected_speedup']:.2f}x",
+            )
+    console.print(t)
+    rec = trees["recommended"]
+    console.print(
+        "recommended: no drafting (nothing beats target-only)"
+        if rec is None
+        else f"recommended: speculative.tree.choices {rec['choices']}"
+        if not rec["chain"]
+        else f"recommended: a chain, max_draft_len {rec['nodes']} (no tree)"
+    )
+    if trees["timed"]:
+        tt = Table(title="timed (this run)")
+        for col in ("path", "tok/s", "mean acceptance length"):
+            tt.add_column(col)
+        for name, v in trees["timed"].items():
+            tok_s = "-" if v["tokens_per_s"] is None else f"{v['tokens_per_s']:.1f}"
+            tt.add_row(name, tok_s, f"{v['mean_acceptance_length']:.2f}")
+        console.print(tt)
 
 
 def _render_grid(report: BenchReport, console) -> None:

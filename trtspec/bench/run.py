@@ -47,6 +47,7 @@ class BenchOptions:
     draft_from: LoadedSpec | None = None  # the source of a method that is not the spec's own
     schedule: bool = False  # also the k x concurrency grid and a recommended schedule (in process)
     neighbours: int = 0  # busy processes beside the measurement, one core each (bench/neighbour.py)
+    trees: bool = False  # also choose a draft tree from measured node acceptance and verify costs (in process)
 
 
 def run(
@@ -64,6 +65,11 @@ def run(
         )
     if opts.method_prompts and not opts.methods:
         raise RequestError("--methods-prompts chooses the prompts --methods compares on; add --methods (e.g. suffix,ngram)")
+    if opts.trees and opts.url:
+        raise RequestError(
+            "--trees measures acceptance per tree node and verify costs in process; drop --url, then put "
+            "the recommended speculative.tree in the spec and serve"
+        )
     if (opts.methods or opts.draft_from) and opts.url:
         raise RequestError(
             "--methods compares drafters over one target in process; drop --url (a served repository runs one method)"
@@ -112,6 +118,10 @@ def run(
             )
             if methods is not None:
                 _compare(dep, methods, opts, report, progress)
+            if opts.trees:
+                from trtspec.bench.trees import measure_trees
+
+                report.trees = measure_trees(dep, opts.prompts, opts.max_tokens, True, opts.rounds, progress).to_dict()
     except KeyboardInterrupt:
         return report, True
     return report, False
@@ -135,10 +145,10 @@ def _run_llmapi(loaded: LoadedSpec, engines_dir: Path, opts: BenchOptions, progr
     from trtspec.runtime import LlmapiDeployment
 
     k = loaded.spec.speculative.max_draft_len
-    if opts.sweep or opts.methods or opts.draft_from:
+    if opts.sweep or opts.methods or opts.draft_from or opts.trees:
         raise RequestError(
             "an llmapi build drafts a fixed k (speculative_config.max_draft_len) and one method: "
-            "pass --sweep none and no --methods/--draft-from"
+            "pass --sweep none and no --methods/--draft-from/--trees"
         )
     if opts.k != k:
         raise RequestError(f"-k {opts.k}: this llmapi build drafts {k} (speculative.max_draft_len); pass -k {k} or rebuild")

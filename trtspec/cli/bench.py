@@ -81,6 +81,15 @@ def bench(
             "recommend a load-aware schedule (speculative.schedule; TensorRT-LLM and vLLM shapes too).",
         ),
     ] = False,
+    trees: Annotated[
+        bool,
+        typer.Option(
+            "--trees",
+            help="Also measure acceptance per draft-tree node (a wide probe tree) and the verify cost of n "
+            "nodes, and recommend a tree or a chain by expected tokens per second, timed against the best "
+            "chain (in process; methods draft_target and eagle3).",
+        ),
+    ] = False,
     neighbour: Annotated[
         int,
         typer.Option(
@@ -114,6 +123,7 @@ def bench(
         --draft-from engine_specs/smollm2-135m-cpu.yaml
       trtspec bench engine_specs/smollm2-135m-cpu-suffix.yaml --methods suffix,ngram --sweep none -c 1 \\
         --methods-prompts bench/prompts.jsonl --methods-prompts bench/repeat_prompts.jsonl
+      trtspec bench engine_specs/smollm2-135m-eagle3.yaml --trees --sweep none -c 1
     """
     from trtspec.bench import plot, render, run
 
@@ -137,6 +147,7 @@ def bench(
         llmapi_impl=llmapi_impl,
         schedule=schedule,
         neighbours=neighbour,
+        trees=trees,
     )
     with console.err.status("benchmarking") as status:
         report, interrupted = run.run(

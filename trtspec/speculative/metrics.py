@@ -143,7 +143,14 @@ def speedup_bound(acceptance: float, k: int, cost_ratio: float, verify_cost: flo
     cost_ratio c = draft step time / target step time; verify_cost = time of one target
     forward over k+1 tokens / time of one target decode step (1.0 in the paper's model).
     """
-    return expected_tokens_per_forward(acceptance, k) / (k * cost_ratio + verify_cost)
+    return tree_speedup_bound(expected_tokens_per_forward(acceptance, k), k, cost_ratio, verify_cost)
+
+
+def tree_speedup_bound(tokens_per_forward: float, draft_steps: int, cost_ratio: float, verify_cost: float) -> float:
+    """The same bound for any draft shape: tokens per target forward over the forward's cost in
+    target decode steps (``draft_steps`` draft steps at c each, then the verify). A chain of k
+    drafts takes k draft steps; a draft tree one per depth."""
+    return tokens_per_forward / (draft_steps * cost_ratio + verify_cost)
 
 
 def metrics_json(m: SpecMetrics) -> str:
