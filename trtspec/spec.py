@@ -226,6 +226,11 @@ class TreeSpec(_Strict):
         """The deepest node: a static tree's longest path, a dynamic tree's max_draft_len."""
         return max(map(len, self.choices)) if self.choices is not None else max_draft_len
 
+    def grown_nodes(self, max_draft_len: int) -> int:
+        """The most nodes a drafter scores in one forward while growing the tree: a static
+        tree's nodes; for a dynamic tree the top_k nodes kept at each of its depths."""
+        return len(self.choices) if self.choices is not None else self.dynamic.top_k * max_draft_len
+
 
 class SpeculativeSpec(_Strict):
     method: Method = "draft_target"
@@ -316,6 +321,12 @@ class SpeculativeSpec(_Strict):
                     f"branch, and top_k x max_draft_len ({d.top_k * k}), every node the steps keep; "
                     "change nodes, top_k or max_draft_len"
                 )
+
+    @property
+    def verify_width(self) -> int:
+        """The most draft tokens the target scores in one forward: max_draft_len, or a tree's
+        nodes."""
+        return max(self.max_draft_len, self.tree.node_count if self.tree is not None else 0)
 
     @property
     def default_draft_tokens(self) -> int:

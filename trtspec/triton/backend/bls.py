@@ -7,10 +7,14 @@ TensorRT-LLM's `tensorrt_llm` contract, so the same classes drive a TensorRT-LLM
   draft   input_ids + request_output_len = k            -> k greedy draft tokens
   verify  input_ids + draft_input_ids, request_output_len = len(draft) + 1
                                                          -> accepted prefix + the target's next token
+  tree    input_ids + draft_input_ids + draft_tree_parents, request_output_len = len(tree) + 1
+                                                         -> the target's token after every node
+  grow    the same with return_top_k = w                 -> w candidates after every node
 
 ``call(model, inputs, output_names)`` sends one request (batch = several sequences) and
 returns its output arrays, raising on an error response. Within one call every row has the
-same draft length (draft_input_ids has no per-row length), so rows are grouped by it.
+same draft length (draft_input_ids has no per-row length), so rows are grouped by it (and
+trees apart from chains).
 TensorRT-LLM's tensorrtllm backend refuses a batch > 1 in a non-decoupled model, so for it the
 call is wrapped by :func:`split_rows`: one request per row, all in flight at once, which the
 in-flight batcher merges. Target-only control decodes a whole answer in one request
@@ -26,8 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trtspec.speculative.loop import GenerationRequest, GenerationResult, RowFlags, TokenRows, Verdict, finish
+from trtspec.speculative.loop import GenerationRequest, GenerationResult, RowFlags, TokenRows, TreeRows, Verdict, finish
 from trtspec.speculative.processing import RowRules
+from trtspec.speculative.tree import Candidates, DraftTree, TreeGrowth, TreeShape
 from trtspec.triton.backend import log
 
 EngineCall = Callable[[str, Mapping[str, np.ndarray], Sequence[str]], Mapping[str, np.ndarray]]
@@ -234,6 +239,43 @@ class BlsDrafter:
             drafts = [_until_outside(d, self.vocab_limit) for d in drafts]
         return drafts
 
+    def propose_tree(self, contexts: Sequence[list[int]], shapes: Sequence[TreeShape]) -> list[DraftTree]:
+        """Draft trees a depth at a time (speculative/tree.py TreeGrowth), as ModelDrafter does
+        in process: each round, one request per tree size scores every sequence's nodes so far
+        under its tree mask and returns the candidates after each; the frontier's are grown."""
+        growths = [TreeGrowth(s) for s in shapes]
+        while live := [i for i, g in enumerate(growths) if not g.done]:
+            scored = {i: growths[i].scored() for i in live}
+            by_size: dict[int, list[int]] = {}
+            for i in live:
+                by_size.setdefault(len(scored[i][0]), []).append(i)
+            for size, rows in by_size.items():
+                width = max(growths[i].width for i in rows)
+                inputs = sequence_inputs([contexts[i] for i in rows], self.pad_id)
+                inputs["request_output_len"] = _column([size + 1] * len(rows), np.int32)
+                inputs["exclude_input_in_output"] = _column([True] * len(rows), np.bool_)
+                inputs["return_top_k"] = _column([width] * len(rows), np.int32)
+                if size:
+                    inputs["draft_input_ids"] = np.array([scored[i][0] for i in rows], dtype=np.int32)
+                    inputs["draft_tree_parents"] = np.array([scored[i][1] for i in rows], dtype=np.int32)
+                out = self.call(self.model, inputs, ["top_k_ids", "top_k_log_probs"])
+                ids = np.asarray(out["top_k_ids"]).reshape(len(rows), size + 1, -1)
+                lps = np.asarray(out["top_k_log_probs"]).reshape(len(rows), size + 1, -1)
+                for r, i in enumerate(rows):
+                    # the frontier: ROOT (row 0) in the first round, then the nodes scored last
+                    at = [0] if not size else [j + 1 for j in scored[i][2]]
+                    growths[i].grow([self._candidates(ids[r, a], lps[r, a]) for a in at])
+        return [g.tree() for g in growths]
+
+    def _candidates(self, ids: np.ndarray, log_probs: np.ndarray) -> Candidates:
+        """One position's candidates, most likely first; ids the target cannot score are dropped."""
+        out = []
+        for t, lp in zip(ids.tolist(), log_probs.tolist()):
+            if t < 0 or (self.vocab_limit is not None and t >= self.vocab_limit):
+                continue
+            out.append((int(t), float(lp)))
+        return out
+
 
 def processing_inputs(rules: Sequence[RowRules | None]) -> dict[str, np.ndarray]:
     """Upstream's `tensorrt_llm` logits-processing inputs for a batch of drafts: the values of
@@ -295,22 +337,35 @@ class BlsVerifier:
     kv_blocks: bool = False  # ask return_perf_metrics for the kv_cache_* block counts
 
     def verify(
-        self, contexts: TokenRows, drafts: TokenRows, want_logits: RowFlags = None, context_phase: RowFlags = None
+        self,
+        contexts: TokenRows,
+        drafts: TokenRows,
+        want_logits: RowFlags = None,
+        context_phase: RowFlags = None,
+        trees: TreeRows | None = None,
     ) -> list[Verdict]:
         """``want_logits``: rows that sample; their request asks the engine model for
         return_generation_logits (the target's logits at the len(draft) + 1 positions).
         ``context_phase``: rows on their first step; only those ask for the kv_cache_* counts
-        (the loop keeps a sequence's first ones), so later steps pay nothing for them."""
+        (the loop keeps a sequence's first ones), so later steps pay nothing for them.
+        ``trees``: per row the parents of its draft tree (None: a chain); a tree's rows go in
+        a request of their own (draft_tree_parents), answered with the target's token after
+        every node."""
         verdicts: list[Verdict | None] = [None] * len(contexts)
-        by_len: dict[int, list[int]] = {}
+        trees = trees or [None] * len(drafts)
+        by_len: dict[tuple[int, bool], list[int]] = {}
         for i, d in enumerate(drafts):
-            by_len.setdefault(len(d), []).append(i)
-        for d_len, rows in by_len.items():
+            by_len.setdefault((len(d), trees[i] is not None), []).append(i)
+        for (d_len, is_tree), rows in by_len.items():
+            if is_tree and self.continued:
+                raise RuntimeError("this target keeps decoding past a rejected draft and scores chains only, not draft trees")
             inputs = sequence_inputs([contexts[i] for i in rows], self.pad_id)
             inputs["request_output_len"] = _column([d_len + 1] * len(rows), np.int32)
             inputs["exclude_input_in_output"] = _column([True] * len(rows), np.bool_)
             if d_len > 0:
                 inputs["draft_input_ids"] = np.array([drafts[i] for i in rows], dtype=np.int32)
+            if is_tree:
+                inputs["draft_tree_parents"] = np.array([trees[i] for i in rows], dtype=np.int32)
             names = ["output_ids", "sequence_length"]
             perf_rows = [bool(context_phase[i]) for i in rows] if self.kv_blocks and context_phase is not None else []
             if any(perf_rows):

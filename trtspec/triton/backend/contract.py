@@ -113,6 +113,7 @@ UPSTREAM_BLS_OUTPUTS: tuple[Tensor, ...] = (
 TRTSPEC_BLS_INPUTS: tuple[Tensor, ...] = (
     _t("apply_chat_template", "TYPE_BOOL"),  # encode text_input with the tokenizer's chat template
     _t("return_margins", "TYPE_BOOL"),  # target's top-1 minus top-2 logit per output token
+    _t("draft_tree", "TYPE_BOOL"),  # false: draft a chain where the deployment drafts a tree
 )
 TRTSPEC_BLS_OUTPUTS: tuple[Tensor, ...] = (
     _t("output_ids", "TYPE_INT32", (-1,)),

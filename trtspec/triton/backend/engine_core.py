@@ -9,14 +9,23 @@ engine exactly as it will to a TensorRT-LLM one:
            exclude_input_in_output [b, 1] BOOL (optional, default from the model parameter),
            return_margins [b, 1] BOOL (optional, trtspec extension),
            return_generation_logits [b, 1] BOOL (optional; scoring requests only)
+           draft_tree_parents [b, D] INT32 (optional, trtspec extension: the drafts are a
+           draft tree, node i's parent draft_tree_parents[i], -1 for the input's last token),
+           return_top_k [b, 1] INT32 (optional, trtspec extension; scoring requests only)
   outputs  output_ids [b, 1, T] INT32 (beam width 1, padded with pad_id),
            sequence_length [b, 1] INT32, output_margins [b, 1, G] FP32 (when asked),
            generation_logits [b, 1, D + 1, vocab] FP32 (when asked: the target's logits at
-           every scored position, drafts rejected or not; what speculative sampling needs)
+           every scored position, drafts rejected or not; what speculative sampling needs),
+           top_k_ids / top_k_log_probs [b, 1, D + 1, K] INT32 / FP32 (when asked: the K most
+           likely tokens and their log probabilities at every scored position; a drafter
+           grows a draft tree from them)
 
 Semantics, as TensorRT-LLM's draft_tokens_external mode: with draft tokens the engine scores
 input + drafts in ONE forward and returns the accepted prefix of the drafts plus the target's
 own next token; without, it decodes request_output_len tokens greedily (stopping after end_id).
+A draft tree (draft_tree_parents) is scored in the same ONE forward under a tree attention mask
+(speculative/tree.py) and answered with the target's greedy token after the input and after
+every node (D + 1 tokens, output_ids): the caller's loop finds the accepted path.
 Everything here is plain numpy/torch so it is tested without a server; the Triton model only
 converts pb_utils tensors to and from the dicts used here.
 """
@@ -29,10 +38,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from trtspec.engines.torch.engine import RunFn
+from trtspec.engines.torch.model import tree_layout
 from trtspec.errors import RequestError
 from trtspec.speculative.loop import GenerationRequest, NoDrafter, Verdict, accepted_prefix, generate
 from trtspec.speculative.processing import Processing, processed
 from trtspec.speculative.requests import Limits
+from trtspec.speculative.tree import top_candidates
 from trtspec.speculative.verifier import LogitsVerifier, greedy_with_margins
 from trtspec.tokens import check_token_ids
 
@@ -48,6 +59,8 @@ class EngineJob:
     want_logits: bool = False  # return_generation_logits (a scoring job)
     processing: Processing | None = None  # penalties, min_tokens, bad words, bias (upstream's inputs)
     want_perf: bool = False  # return_perf_metrics: the kv_cache_* block counts
+    tree: tuple[int, ...] | None = None  # draft_tree_parents: the draft is a tree (speculative/tree.py)
+    top_k: int = 0  # return_top_k: candidates wanted at every scored position
 
 
 @dataclass
@@ -56,6 +69,7 @@ class JobResult:
     margins: list[float] = field(default_factory=list)  # top-1 minus top-2 logit per token
     logits: np.ndarray | None = None  # [len(draft) + 1, vocab] when the job asked for them
     kv_blocks: tuple[int, int, int] | None = None  # (new, reused, total) of the job's context phase
+    top: list[list[tuple[int, float]]] | None = None  # per scored position: (token, log prob), most likely first
 
 
 # TensorRT-LLM's default KV-cache block size (PluginConfig tokens_per_block): the unit of the
@@ -109,9 +123,19 @@ def run_jobs(run: RunFn, jobs: Sequence[EngineJob], vocab_limit: int | None = No
     verify = [i for i, j in enumerate(jobs) if j.max_new > 0 and (j.draft or j.max_new == 1)]
     decode = [i for i, j in enumerate(jobs) if j.max_new > 1 and not j.draft]
     if verify:
-        verdicts = verifier.verify([jobs[i].tokens for i in verify], [jobs[i].draft for i in verify])
+        trees = [jobs[i].tree for i in verify]
+        verdicts = verifier.verify(
+            [jobs[i].tokens for i in verify], [jobs[i].draft for i in verify], trees=trees if any(trees) else None
+        )
         for i, verdict in zip(verify, verdicts):
             job = jobs[i]
+            if job.top_k:
+                results[i].top = top_candidates(verdict.logits, job.top_k)
+            if job.want_logits:
+                results[i].logits = verdict.logits.float().numpy()
+            if job.tree is not None:  # tree scoring: the target's token after every node
+                results[i].ids, results[i].margins = list(verdict.target_ids), list(verdict.margins)
+                continue
             if job.processing is not None:  # the processed target decides, as in the loop
                 ends = frozenset() if job.end_id is None else frozenset({job.end_id})
                 logits = processed(verdict.logits, job.processing, job.tokens, 0, job.draft, ends)
@@ -119,8 +143,6 @@ def run_jobs(run: RunFn, jobs: Sequence[EngineJob], vocab_limit: int | None = No
                 verdict = Verdict(ids, margins, verdict.logits)
             n = accepted_prefix(jobs[i].draft, verdict)
             _answer(jobs[i], results[i], verdict.target_ids[: n + 1], verdict.margins[: n + 1])
-            if jobs[i].want_logits:
-                results[i].logits = verdict.logits.float().numpy()
     if decode:
         # The end id is emitted (as TensorRT-LLM's engines do), so it is a stop sequence here.
         requests = [
@@ -211,8 +233,9 @@ def parse_engine_request(
         "return_margins",
         "return_generation_logits",
         "return_perf_metrics",
+        "return_top_k",
     )
-    end_ids, pad_ids, exclude, margins, gen_logits, perf = (per_row(inputs, name, rows) for name in optional)
+    end_ids, pad_ids, exclude, margins, gen_logits, perf, top_k = (per_row(inputs, name, rows) for name in optional)
     drafts = inputs.get("draft_input_ids")
     if drafts is not None:
         drafts = np.asarray(drafts)
@@ -223,6 +246,14 @@ def parse_engine_request(
         if drafts.shape[1] > limits.max_draft_len:
             raise RequestError(f"{drafts.shape[1]} draft tokens exceed max_draft_len {limits.max_draft_len}; send fewer")
     processing = engine_processing(inputs, rows, limits.vocab_size)
+    trees = _tree_parents(inputs, drafts, rows)
+    if trees is not None and any(p is not None for p in processing):
+        raise RequestError(
+            "logits processing (penalties, min_tokens, bad words, bias) applies to chains: a draft "
+            "tree's nodes continue different paths; send draft_tree_parents without those inputs"
+        )
+    if top_k is not None and ((top_k < 0) | (top_k > limits.vocab_size)).any():
+        raise RequestError(f"return_top_k must be in 0..{limits.vocab_size} (the vocabulary)")
     jobs = []
     d_len = 0 if drafts is None else int(drafts.shape[1])
     for r in range(rows):
@@ -244,16 +275,46 @@ def parse_engine_request(
         tokens, draft = row[:n].tolist(), row[n:].tolist()
         end = None if end_ids is None else int(end_ids[r])
         wants = gen_logits is not None and bool(gen_logits[r])
-        if wants and not (draft or k == 1):
+        top = 0 if top_k is None else int(top_k[r])
+        for asked, name in ((wants, "return_generation_logits"), (top, "return_top_k")):
+            if asked and not (draft or k == 1):
+                raise RequestError(
+                    f"{name} is answered for scoring requests (draft_input_ids, or request_output_len 1); send it with those"
+                )
+        tree = None if trees is None else trees[r]
+        if tree is not None and k != d_len + 1:
             raise RequestError(
-                "return_generation_logits is answered for scoring requests (draft_input_ids, or "
-                "request_output_len 1); send it with those"
+                f"a draft tree is answered with the target's token after the input and after each of its "
+                f"{d_len} nodes: send request_output_len {d_len + 1}"
             )
-        jobs.append(EngineJob(tokens, k, draft, end, wants, processing[r], perf is not None and bool(perf[r])))
+        job = EngineJob(tokens, k, draft, end, wants, processing[r], perf is not None and bool(perf[r]), tree, top)
+        jobs.append(job)
     pad = 0 if pad_ids is None else int(pad_ids[0])
     excl = [exclude_default if exclude is None else bool(exclude[r]) for r in range(rows)]
     want = [False if margins is None else bool(margins[r]) for r in range(rows)]
     return jobs, excl, want, pad
+
+
+def _tree_parents(inputs: Mapping[str, np.ndarray], drafts: np.ndarray | None, rows: int) -> list[tuple[int, ...]] | None:
+    """draft_tree_parents [b, D], one parent per draft token, checked (None: chains)."""
+    raw = inputs.get("draft_tree_parents")
+    if raw is None:
+        return None
+    parents = np.asarray(raw)
+    if drafts is None or parents.shape != drafts.shape or drafts.shape[1] == 0:
+        raise RequestError(
+            f"draft_tree_parents must have the shape of draft_input_ids (one parent per draft token); "
+            f"got {list(parents.shape)} for {None if drafts is None else list(drafts.shape)}"
+        )
+    out = []
+    for r in range(rows):
+        row = tuple(int(p) for p in parents[r])
+        try:
+            tree_layout(row)
+        except ValueError as e:
+            raise RequestError(f"draft_tree_parents[{r}]: {e}") from None
+        out.append(row)
+    return out
 
 
 def _word_list(x: np.ndarray, r: int, rows: int) -> tuple[tuple[int, ...], ...]:
@@ -341,6 +402,16 @@ def pack_engine_response(
         # upstream's tensorrt_llm perf outputs [b, 1]; -1 where the engine reported no cache use
         for k, name in enumerate(("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks")):
             tensors[name] = np.array([[-1 if r.kv_blocks is None else r.kv_blocks[k]] for r in results], dtype=np.int32)
+    if any(j.top_k for j in jobs):
+        n = max(len(r.top) for r in results if r.top is not None)
+        w = max(j.top_k for j in jobs)
+        ids = np.full((len(seqs), 1, n, w), -1, dtype=np.int32)  # [b, beam, positions, K]
+        lps = np.full((len(seqs), 1, n, w), -np.inf, dtype=np.float32)
+        for row, r in enumerate(results):
+            for pos, cands in enumerate(r.top or []):
+                for c, (tok, lp) in enumerate(cands):
+                    ids[row, 0, pos, c], lps[row, 0, pos, c] = tok, lp
+        tensors["top_k_ids"], tensors["top_k_log_probs"] = ids, lps
     if any(j.want_logits for j in jobs):
         n = max(r.logits.shape[0] for r in results if r.logits is not None)
         vocab = max(r.logits.shape[1] for r in results if r.logits is not None)

@@ -130,6 +130,7 @@ class RequestInputs:
     apply_chat_template: np.ndarray | None
     return_num_input_tokens: np.ndarray | None
     return_num_output_tokens: np.ndarray | None
+    draft_tree: np.ndarray | None
     stop_words: np.ndarray | None  # BYTES [rows, n] or [n] (stop_words reads a row's)
 
     # The optional per-row inputs stored under their contract names, in reading order.
@@ -144,6 +145,7 @@ class RequestInputs:
         "apply_chat_template",
         "return_num_input_tokens",
         "return_num_output_tokens",
+        "draft_tree",
     )
 
     @property
@@ -307,6 +309,7 @@ class Orchestrator:
             else:
                 check_token_ids([e], vocab, "end_id")
                 ends = frozenset({e})
+        tree = self._tree_of(request, r)
         pad = 0 if request.pad_id is None else int(request.pad_id[r])
         check_token_ids([pad], vocab, "pad_id")
         sampling, n_seqs = request.sampling[r], request.n_seqs
@@ -325,6 +328,7 @@ class Orchestrator:
                 request.processing[r],
                 request.flag("log_probs", r),
                 request.flag("generation_logits", r),
+                tree=tree,
             )
             if self.s.mode == "target_only":
                 req.num_draft_tokens = 0
@@ -346,6 +350,17 @@ class Orchestrator:
                 )
             )
         return out
+
+    def _tree_of(self, request: RequestInputs, r: int) -> str | None:
+        """draft_tree false: "chain"; true or absent: None, the deployment's own (a tree, if it
+        has one); true where it drafts chains is refused by name."""
+        if request.draft_tree is None:
+            return None
+        if not bool(request.draft_tree[r]):
+            return "chain"
+        if self.s.mode == "speculative" and self.s.limits.default_tree is None:
+            raise RequestError("draft_tree true: this endpoint drafts chains (its spec has no speculative.tree); leave it out")
+        return None
 
     def _refuse_logits_features(self, sampling: bool, processing: bool, log_probs: bool, logits: bool) -> None:
         """This endpoint's target engine returns no generation logits (TensorRT-LLM engines):

@@ -18,7 +18,7 @@ import dataclasses
 import json
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 P = TypeVar("P", bound="EndpointParams")
@@ -115,6 +115,9 @@ class EngineEndpointParams(EndpointParams):
     # Suffix drafting (spec speculative.suffix_drafting: method suffix, or layered on the
     # model draft) as JSON of its SuffixSpec fields; None: none.
     suffix: object | None = _param(codec="suffix")
+    # The deployment's draft tree (spec speculative.tree) as JSON of its TreeSpec fields; None:
+    # chains. A request drafts it unless it sends draft_tree false.
+    tree: object | None = _param(codec="tree")
 
     def settings(self, decoupled: bool, max_batch_size: int):
         from trtspec.triton.backend.contract import DEFAULT_MAX_RESPONSE_MB
@@ -128,7 +131,7 @@ class EngineEndpointParams(EndpointParams):
             method=self.method,
             max_ngram=self.max_ngram,
             min_ngram=self.min_ngram,
-            limits=self._limits(max_batch_size),
+            limits=replace(self._limits(max_batch_size), default_tree=self._tree_shape()),
             draft_vocab_limit=self.vocab_size,
             chat_template_default=self.apply_chat_template,
             margins_supported=self.engine_margins,
@@ -142,6 +145,15 @@ class EngineEndpointParams(EndpointParams):
             max_response_mb=DEFAULT_MAX_RESPONSE_MB if self.max_response_mb is None else self.max_response_mb,
             suffix=self.suffix,
         )
+
+    def _tree_shape(self):
+        """The deployment's tree as the loop's shape (a dynamic tree max_draft_len deep)."""
+        if self.tree is None:
+            return None
+        from trtspec.spec import SpeculativeSpec
+        from trtspec.speculative.tree import tree_shape
+
+        return tree_shape(SpeculativeSpec(method=self.method, max_draft_len=self.max_draft_len, tree=self.tree))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,8 +186,8 @@ class LlmapiEndpointParams(EndpointParams):
 def _encode(value, codec: str | None) -> str:
     if codec == "schedule":
         return json.dumps({str(n): k for n, k in sorted(value)})
-    if codec == "suffix":
-        return json.dumps(value.model_dump(), sort_keys=True)
+    if codec in ("suffix", "tree"):
+        return json.dumps(value.model_dump(exclude_none=True), sort_keys=True)
     if codec == "switch_off":
         window, length = value
         return json.dumps({"window": window, "min_acceptance_length": length})
@@ -193,6 +205,10 @@ def _decode(text: str, hint, codec: str | None):
         from trtspec.spec import SuffixSpec
 
         return SuffixSpec(**json.loads(text))
+    if codec == "tree":
+        from trtspec.spec import TreeSpec
+
+        return TreeSpec(**json.loads(text))
     if codec == "switch_off":
         raw = json.loads(text)
         return int(raw["window"]), float(raw["min_acceptance_length"])

@@ -83,6 +83,8 @@ ENGINE_INPUTS = [
     _in("bad_words_list", "TYPE_INT32", [2, -1], ragged=True),
     _in("embedding_bias", "TYPE_FP32", [-1], ragged=True),
     _in("return_perf_metrics", "TYPE_BOOL"),  # upstream: kv_cache_* block counts of the context phase
+    _in("draft_tree_parents", "TYPE_INT32", [-1], ragged=True),  # trtspec: the drafts are a draft tree
+    _in("return_top_k", "TYPE_INT32"),  # trtspec: candidates at every scored position (tree drafting)
 ]
 ENGINE_OUTPUTS = [
     TensorSpec("output_ids", "TYPE_INT32", [-1, -1]),  # [beam, tokens]
@@ -92,6 +94,8 @@ ENGINE_OUTPUTS = [
     TensorSpec("kv_cache_alloc_new_blocks", "TYPE_INT32", [1]),
     TensorSpec("kv_cache_reused_blocks", "TYPE_INT32", [1]),
     TensorSpec("kv_cache_alloc_total_blocks", "TYPE_INT32", [1]),
+    TensorSpec("top_k_ids", "TYPE_INT32", [-1, -1, -1]),  # [beam, positions, K]
+    TensorSpec("top_k_log_probs", "TYPE_FP32", [-1, -1, -1]),
 ]
 
 
@@ -243,7 +247,9 @@ def _torch_engine_models(
             "engine_dir": str(engine_folder(engines_dir, role)),
             "role": kind,
             "kv_cache_slots": str(slots),
-            "max_draft_len": str(spec.speculative.max_draft_len if kind == "target" else 0),
+            # the most draft tokens one request scores: the target verifies chains and trees;
+            # the draft scores a tree's nodes while growing it (none for chains)
+            "max_draft_len": str(_scored_width(spec.speculative, kind)),
             "exclude_input_in_output": "false",
             "enable_kv_cache_reuse": "true",
         }
@@ -270,6 +276,14 @@ def _torch_engine_models(
     return models
 
 
+def _scored_width(speculative, kind: str) -> int:
+    if kind == "target":
+        return speculative.verify_width
+    if kind == "draft" and speculative.tree is not None:
+        return speculative.tree.grown_nodes(speculative.max_draft_len)
+    return 0
+
+
 def _endpoint_models(
     loaded: LoadedSpec, engines_dir: Path, vocab: int, engine: Mapping[str, object]
 ) -> dict[str, tuple[ModelConfig, str | None]]:
@@ -290,6 +304,7 @@ def _endpoint_models(
             max_ngram=spec.speculative.max_ngram,
             min_ngram=spec.speculative.min_ngram,
             suffix=spec.speculative.suffix_drafting if mode == "speculative" else None,
+            tree=spec.speculative.tree if mode == "speculative" else None,
             max_response_mb=spec.serve.max_response_mb,  # contract.check_response_size
             eagle3_head_dir=str(engines_dir / "draft") if spec.speculative.method == "eagle3" else None,
             eagle3_target_dir=str(engines_dir / "target") if spec.speculative.method == "eagle3" else None,
