@@ -484,3 +484,16 @@ def test_cli_bench_trees_prints_the_recommendation_and_writes_it(tree_dep, tmp_p
     assert trees["chain_k1"]["nodes"] == 1 and "target_only" in trees["timed"]
     r = CliRunner().invoke(app, ["bench", str(spec), "--trees", "--url", "127.0.0.1:1"])
     assert r.exit_code == 2 and "--trees measures acceptance per tree node" in r.stderr
+
+
+def test_cli_verify_reports_acceptance_per_tree_node(tree_dep, tmp_path):
+    from typer.testing import CliRunner
+
+    from trtspec.cli.app import app
+
+    page = tmp_path / "verify.html"
+    args = ["verify", str(tree_dep.loaded.path), "-p", PROMPTS[0], "-p", PROMPTS[2], "--max-tokens", "16"]
+    r = CliRunner().invoke(app, [*args, "--html", str(page)])
+    assert r.exit_code == 0, r.output
+    assert "all identical" in r.stdout and "per tree node (ranks from the root) [0 " in r.stdout
+    assert "acceptance per tree node" in page.read_text()

@@ -112,6 +112,13 @@ def _grow(xs: list[int], n: int) -> None:
         xs.extend([0] * (n - len(xs)))
 
 
+def node_rates_text(node_rate: dict[str, float], most: int = 12) -> str:
+    """Per-node acceptance for a report line, breadth-first: "0 0.80, 1 0.12, 0.0 0.61, ..."."""
+    names = sorted(node_rate, key=lambda n: (len(node_key(n)), node_key(n)))
+    text = ", ".join(f"{n} {node_rate[n]:.2f}" for n in names[:most])
+    return text + (f", ... ({len(names)} nodes)" if len(names) > most else "")
+
+
 def node_name(key: tuple[int, ...]) -> str:
     """A tree node's key as metrics name it: (0, 1) -> "0.1"."""
     return ".".join(str(r) for r in key)

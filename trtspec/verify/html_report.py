@@ -19,6 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from trtspec.files import write_text_atomic
+from trtspec.speculative.metrics import node_rates_text
 
 CLASSES = ("numerical", "algorithmic", "unclassified")
 
@@ -125,6 +126,7 @@ def _summary(data: dict, machine: str, fail_on: str) -> str:
         ("acceptance rate", f"{m['acceptance_rate']:.3f} ({m['accepted']}/{m['drafted']} drafts accepted)"),
         ("mean acceptance length", f"{m['mean_acceptance_length']:.2f} tokens per target forward"),
         ("acceptance per draft position", per_pos),
+        *([("acceptance per tree node", node_rates_text(m["node_rate"], most=64))] if m.get("node_rate") else []),
         (
             "throughput",
             f"target-only {data['target_tokens_per_s']:.1f} tok/s, speculative {data['speculative_tokens_per_s']:.1f} "

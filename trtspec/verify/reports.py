@@ -7,6 +7,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from trtspec.files import write_text_atomic
+from trtspec.speculative.metrics import node_rates_text
 from trtspec.verify.identity import Divergence, PromptResult, VerifyReport
 
 
@@ -46,6 +47,8 @@ def render_table(report: VerifyReport, console) -> None:
         f"tokens/target forward | per-position "
         f"[{', '.join(f'{x:.2f}' for x in m.per_position_rate)}]"
     )
+    if m.node_drafted:  # draft trees: positions are depths; each node's own acceptance
+        console.print(f"per tree node (ranks from the root) [{node_rates_text(m.node_rate)}]")
     console.print(
         f"target-only {report.tokens_per_second('target'):.1f} tok/s | speculative "
         f"{report.tokens_per_second('speculative'):.1f} tok/s | speedup {report.speedup:.2f}x"
