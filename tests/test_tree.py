@@ -460,6 +460,7 @@ def test_bench_trees_measures_nodes_and_costs_and_recommends(tree_dep):
     assert sorted(int(n) for n in d["verify_cost"]) == list(range(1, 65))
     k1 = d["chain_k1"]
     assert k1["nodes"] == 1 and abs(k1["expected_length"] - (1 + rates["0"])) < 1e-3
+    assert d["longest_within_8"]["nodes"] <= 8 and d["longest_within_8"]["expected_length"] >= k1["expected_length"]
     rec = d["recommended"]
     assert rec is None or rec["expected_speedup"] > 1.0
     if rec is not None:

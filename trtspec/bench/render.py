@@ -126,7 +126,7 @@ def _render_trees(trees: dict, console) -> None:
     t = Table(title="expected per target forward (model: 1 + node acceptance; verify(n) + depth x c)")
     for col in ("shape", "nodes", "depth", "acceptance length", "cost (steps)", "expected speedup"):
         t.add_column(col)
-    for name in ("chain_k1", "best_chain", "recommended"):
+    for name in ("chain_k1", "best_chain", "longest_within_8", "recommended"):
         s = trees[name]
         if s:
             t.add_row(

@@ -128,6 +128,11 @@ class TreeBench:
     candidates: list[ShapeChoice] = field(default_factory=list)
     timed: dict = field(default_factory=dict)  # path -> {"tokens_per_s", "mean_acceptance_length"}
 
+    def longest_within(self, nodes: int) -> ShapeChoice | None:
+        """The candidate tree of at most ``nodes`` nodes with the longest expected acceptance."""
+        fits = [s for s in self.candidates if len(s.choices) <= nodes]
+        return max(fits, key=lambda s: s.expected_length, default=None)
+
     def to_dict(self) -> dict:
         m = self.probe_metrics
         return {
@@ -143,6 +148,8 @@ class TreeBench:
             "recommended": self.recommended.to_dict() if self.recommended else None,
             "best_chain": self.best_chain.to_dict() if self.best_chain else None,
             "chain_k1": self.chain_k1.to_dict() if self.chain_k1 else None,
+            # The acceptance length a tree reaches at a verify budget of 8 drafted tokens.
+            "longest_within_8": (lambda s: s.to_dict() if s else None)(self.longest_within(8)),
             "candidates": [s.to_dict() | {"choices": None} for s in self.candidates],
             "timed": self.timed,
         }
