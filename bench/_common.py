@@ -80,6 +80,22 @@ def start_server(loaded, env: dict[str, str] | None = None, **options):
     return server
 
 
+def totals_mib(field: str = "held", **snapshots) -> dict[str, float]:
+    """Each named snapshot of the server tree's memory (trtspec.triton.server.memory.tree_memory)
+    as its total ``field`` in MiB, one decimal."""
+    from trtspec.triton.server.memory import total
+
+    return {name: round(total(snapshot, field) / 1024, 1) for name, snapshot in snapshots.items()}
+
+
+def served_or_given(loaded, url: str | None):
+    """(the server started here, its gRPC address), or (None, ``url``) where one is given."""
+    if url is not None:
+        return None, url
+    server = start_server(loaded)
+    return server, server.grpc_endpoint
+
+
 def write_result(path: Path, command: str, values: dict, machine: str | None = None) -> Path:
     """Write a result file now (machine: this machine's description unless given)."""
     from trtspec.files import write_json_atomic

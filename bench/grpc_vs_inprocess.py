@@ -16,7 +16,7 @@ import queue
 import statistics
 import time
 
-from _common import start_server
+from _common import served_or_given
 
 
 def _inputs(prompt: str, max_tokens: int, chat: bool, stream: bool = False):
@@ -93,12 +93,7 @@ def main() -> None:
     prompts = loaded.verify_prompts()
     max_tokens = args.max_tokens or loaded.spec.verify.max_tokens
     chat = loaded.spec.verify.chat_template
-    server = None
-    if args.url is None:
-        server = start_server(loaded)
-        url = server.grpc_endpoint
-    else:
-        url = args.url
+    server, url = served_or_given(loaded, args.url)
     try:
         dep = Deployment(loaded, loaded.output_dir())
         client = grpcclient.InferenceServerClient(url)

@@ -28,7 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from _common import command_line, start_server, write_result
+from _common import command_line, start_server, totals_mib, write_result
 
 MODEL = "tensorrt_llm_bls"
 
@@ -112,17 +112,8 @@ def main() -> int:
         "identical_tokens": same,
         "logits_pick_the_tokens": picks,
         "answers_mib": round(answer_bytes / 2**20, 1),
-        "held_mib": {
-            "before": round(total(before) / 1024, 1),
-            "peak": round(total(peak) / 1024, 1),
-            "after": round(total(after) / 1024, 1),
-            "settled": round(total(settled) / 1024, 1),
-        },
-        "pss_total_mib": {
-            "before": round(total(before, "pss") / 1024, 1),
-            "peak": round(total(peak, "pss") / 1024, 1),
-            "after": round(total(after, "pss") / 1024, 1),
-        },
+        "held_mib": totals_mib(before=before, peak=peak, after=after, settled=settled),
+        "pss_total_mib": totals_mib("pss", before=before, peak=peak, after=after),
         "peak_growth_mib": round(peak_mib, 1),
         "after_growth_mib": round(after_mib, 1),
         "peak_ratio": round(peak_mib * 2**20 / max(answer_bytes, 1), 2),

@@ -22,31 +22,40 @@ from contextlib import contextmanager
 from _common import start_server
 
 
+async def _drain(prompts, concurrency: int, one) -> tuple[dict, int, float]:
+    """Every prompt through ``one`` (async: prompt -> (text, completion tokens)) by
+    ``concurrency`` workers sharing one queue: (texts by prompt, tokens, seconds)."""
+    queue, texts, tokens = list(prompts), {}, 0
+
+    async def worker():
+        nonlocal tokens
+        while queue:
+            p = queue.pop()
+            texts[p], n = await one(p)
+            tokens += n
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return texts, tokens, time.perf_counter() - start
+
+
 def _grpc_block(url, prompts, max_tokens, concurrency):
     """(texts, tokens, seconds) streaming over gRPC with ``concurrency`` clients."""
     from trtspec.openai.triton import Generation, TritonText
 
     async def run():
         backend = TritonText(url)
-        queue = list(prompts)
-        texts, tokens = {}, 0
 
-        async def worker():
-            nonlocal tokens
-            while queue:
-                p = queue.pop()
-                text, last = "", None
-                async for piece in backend.stream(Generation(text=p, max_tokens=max_tokens)):
-                    text += piece.text
-                    last = piece
-                texts[p] = text
-                tokens += last.completion_tokens
+        async def one(p):
+            text, last = "", None
+            async for piece in backend.stream(Generation(text=p, max_tokens=max_tokens)):
+                text += piece.text
+                last = piece
+            return text, last.completion_tokens
 
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        secs = time.perf_counter() - start
+        out = await _drain(prompts, concurrency, one)
         await backend.close()
-        return texts, tokens, secs
+        return out
 
     return asyncio.run(run())
 
@@ -62,35 +71,27 @@ def _openai_block(base_url, model, prompts, max_tokens, concurrency):
             timeout=600,
             http_client=openai.DefaultAsyncHttpxClient(trust_env=False),
         )
-        queue = list(prompts)
-        texts, tokens = {}, 0
 
-        async def worker():
-            nonlocal tokens
-            while queue:
-                p = queue.pop()
-                text, usage = "", None
-                stream = await client.completions.create(
-                    model=model,
-                    prompt=p,
-                    max_tokens=max_tokens,
-                    stream=True,
-                    temperature=0,
-                    stream_options={"include_usage": True},
-                )
-                async for chunk in stream:
-                    if chunk.choices:
-                        text += chunk.choices[0].text
-                    if chunk.usage:
-                        usage = chunk.usage
-                texts[p] = text
-                tokens += usage.completion_tokens
+        async def one(p):
+            text, usage = "", None
+            stream = await client.completions.create(
+                model=model,
+                prompt=p,
+                max_tokens=max_tokens,
+                stream=True,
+                temperature=0,
+                stream_options={"include_usage": True},
+            )
+            async for chunk in stream:
+                if chunk.choices:
+                    text += chunk.choices[0].text
+                if chunk.usage:
+                    usage = chunk.usage
+            return text, usage.completion_tokens
 
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        secs = time.perf_counter() - start
+        out = await _drain(prompts, concurrency, one)
         await client.close()
-        return texts, tokens, secs
+        return out
 
     return asyncio.run(run())
 

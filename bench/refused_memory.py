@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import command_line, start_server, write_result
+from _common import command_line, start_server, totals_mib, write_result
 
 MODEL = "tensorrt_llm_bls"
 
@@ -94,16 +94,8 @@ def main() -> int:
         "oversized": f"{args.oversized} x {args.mib} MiB image_bytes_input",
         "refusals": refusals,
         "ordinary_identical": same,
-        "held_total_mib": {
-            "before": round(total(before) / 1024, 1),
-            "after_oversized": round(total(after_refused) / 1024, 1),
-            "after_ordinary": round(total(after) / 1024, 1),
-        },
-        "rss_anon_total_mib": {
-            "before": round(total(before, "rss_anon") / 1024, 1),
-            "after_oversized": round(total(after_refused, "rss_anon") / 1024, 1),
-            "after_ordinary": round(total(after, "rss_anon") / 1024, 1),
-        },
+        "held_total_mib": totals_mib(before=before, after_oversized=after_refused, after_ordinary=after),
+        "rss_anon_total_mib": totals_mib("rss_anon", before=before, after_oversized=after_refused, after_ordinary=after),
         "held_mib": round(held_mib, 1),
         "per_process": {"before": compact(before), "after_oversized": compact(after_refused), "after_ordinary": compact(after)},
         "growth": growth(before, after),

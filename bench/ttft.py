@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import command_line, start_server, write_result
+from _common import command_line, served_or_given, write_result
 
 
 def _inputs(prompt: str, max_tokens: int, chat: bool, k: int | None, stream: bool):
@@ -89,12 +89,7 @@ def main() -> None:
     loaded = load_spec(args.spec)
     prompts = loaded.verify_prompts()
     chat = loaded.spec.verify.chat_template
-    server = None
-    if args.url is None:
-        server = start_server(loaded)
-        url = server.grpc_endpoint
-    else:
-        url = args.url
+    server, url = served_or_given(loaded, args.url)
     ttft: dict[str, list[float]] = {"speculative": [], "target-only (loop, k=0)": [], "target-only (control)": []}
     try:
         for p in prompts[:1]:  # warm-up, untimed
