@@ -498,3 +498,59 @@ def test_cli_verify_reports_acceptance_per_tree_node(tree_dep, tmp_path):
     assert r.exit_code == 0, r.output
     assert "all identical" in r.stdout and "per tree node (ranks from the root) [0 " in r.stdout
     assert "acceptance per tree node" in page.read_text()
+
+
+def test_eagle3_tree_rank0_path_is_the_heads_own_chain(eagle_tree):
+    """The head grows a tree's rank-0 path exactly as it drafts a chain: the siblings it
+    drafts beside that path (in the same head forwards) are invisible to it."""
+    dep = eagle_tree["random"]
+    drafter = dep.drafter()
+    shape = StaticTree.of([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0)])
+    compared = 0
+    for prompt in PROMPTS:
+        ctx = dep.encode(prompt, chat_template=False)
+        dep.forget_prefixes()
+        dep.target.run([ForwardItem(ctx, 1)])  # the target's features of the context
+        (tree,) = drafter.propose_tree([ctx + [5]], [shape])
+        dep.forget_prefixes()
+        dep.target.run([ForwardItem(ctx, 1)])
+        (chain,) = drafter.propose([ctx + [5]], [3])
+        rank0 = [tree.tokens[n] for n in range(len(tree)) if set(tree.key(n)) == {0}]
+        assert rank0 == chain
+        compared += 1
+    assert compared == len(PROMPTS)
+
+
+def test_head_tree_rows_see_only_their_ancestors(eagle_tree):
+    """HeadRow.visible: nodes run side by side (and a child in a later call) give the outputs
+    the head gives each node's own path run as a chain."""
+    from trtspec.engines.torch.eagle3 import HeadRow
+
+    head = eagle_tree["random"].head
+    g = torch.Generator().manual_seed(0)
+    h, base = head.cfg.hidden_size, 12
+    ctx_state, ctx_tokens = torch.randn(base, h, generator=g), torch.randint(0, 300, (base,), generator=g).tolist()
+    nodes, toks = torch.randn(4, h, generator=g), [17, 18, 19, 20]  # three depth-1 nodes, then a child of node 1
+
+    def context():
+        head.extend([HeadRow(0, 0, ctx_state, ctx_tokens)])  # cache rows 0..base-1
+
+    with torch.inference_mode():
+        context()
+        visible = torch.zeros(3, base + 3, dtype=torch.bool)
+        visible[:, :base] = True
+        visible[[0, 1, 2], [base, base + 1, base + 2]] = True
+        (side,) = head.extend([HeadRow(0, base, nodes[:3], toks[:3], [base] * 3, visible)])
+        child_visible = torch.zeros(1, base + 4, dtype=torch.bool)
+        child_visible[0, :base] = True
+        child_visible[0, [base + 1, base + 3]] = True  # its parent (node 1) and itself
+        (child,) = head.extend([HeadRow(0, base + 3, nodes[3:], toks[3:], [base + 1], child_visible)])
+        # Outputs run to hundreds here: 1e-3 is float32 rounding across forward shapes (a
+        # leaked sibling moves them by hundreds).
+        for j in range(3):
+            context()
+            (alone,) = head.extend([HeadRow(0, base, nodes[j : j + 1], toks[j : j + 1])])
+            torch.testing.assert_close(side[j], alone[0], rtol=1e-3, atol=1e-3)
+        context()
+        (path,) = head.extend([HeadRow(0, base, torch.stack([nodes[1], nodes[3]]), [toks[1], toks[3]])])
+        torch.testing.assert_close(child[0], path[1], rtol=1e-3, atol=1e-3)
