@@ -554,3 +554,22 @@ def test_head_tree_rows_see_only_their_ancestors(eagle_tree):
         context()
         (path,) = head.extend([HeadRow(0, base, torch.stack([nodes[1], nodes[3]]), [toks[1], toks[3]])])
         torch.testing.assert_close(child[0], path[1], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["repetition", "presence+frequency", "all"])
+def test_processed_tree_requests_equal_token_by_token_decoding(tree_dep, name):
+    """Penalties on a tree: each node's row counts its own path's tokens, so the output and
+    its log probs are token-by-token decoding's with the same processing."""
+    from test_processing import CASES, reference
+
+    dep, proc = tree_dep, CASES[name]
+    drafted = 0
+    for prompt in PROMPTS:
+        ids = dep.encode(prompt, chat_template=False)
+        ref, ref_lp = reference(dep, ids, 24, proc)
+        dep.forget_prefixes()
+        (spec,) = dep.generate([dep.request(ids, 24, processing=proc, log_probs=True)])
+        assert spec.output_ids == ref
+        assert spec.log_probs == pytest.approx(ref_lp, abs=1e-4)
+        drafted += len(spec.metrics.node_drafted)
+    assert drafted > 0
