@@ -88,7 +88,8 @@ class Eagle3Drafter:
                 for r, node in enumerate(g.frontier):
                     outs[(i, node)] = out[r]
                 g.grow(top_candidates(head.head.draft_logits(out).float().cpu(), g.width, ids))
-        return [g.tree() if any(i == j for j, _ in live) else DraftTree((), (), ()) for i, g in enumerate(growths)]
+        drafted = {i for i, _ in live}  # the others' targets have not scored their context yet
+        return [g.tree() if i in drafted else DraftTree((), (), ()) for i, g in enumerate(growths)]
 
     def _catch_up(self, contexts: Sequence[list[int]], ks: Sequence[int]) -> tuple[list[tuple[int, int]], torch.Tensor]:
         """Run the head over the positions of each context it has not seen (from the target's
