@@ -81,9 +81,9 @@ def start_server(loaded, env: dict[str, str] | None = None, **options):
 
 
 def totals_mib(field: str = "held", **snapshots) -> dict[str, float]:
-    """Each named snapshot of the server tree's memory (trtspec.triton.server.memory.tree_memory)
+    """Each named snapshot of the server tree's memory (server_memory.tree_memory)
     as its total ``field`` in MiB, one decimal."""
-    from trtspec.triton.server.memory import total
+    from server_memory import total
 
     return {name: round(total(snapshot, field) / 1024, 1) for name, snapshot in snapshots.items()}
 

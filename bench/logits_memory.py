@@ -3,7 +3,7 @@
     .venv/bin/python bench/logits_memory.py engine_specs/smollm2-135m-cpu.yaml
 
 Starts its own tritonserver on free 127.0.0.1 ports for the spec's built engines, sends --warm
-ordinary requests, records each process's memory (triton/server/memory.py: Pss, RssAnon,
+ordinary requests, records each process's memory (bench/server_memory.py: Pss, RssAnon,
 RssShmem, /dev/shm mappings), then sends --concurrency unary requests at once, each asking
 --max-tokens tokens with return_generation_logits, sampling the tree's memory every
 --every seconds while they run. Reports the tree's Pss (shared pages counted once) above the
@@ -48,9 +48,9 @@ def main() -> int:
 
     import tritonclient.grpc as grpcclient
 
+    from server_memory import compact, growth, total, tree_memory
     from trtspec.spec import load_spec
     from trtspec.triton.request import infer_inputs
-    from trtspec.triton.server.memory import compact, growth, total, tree_memory
 
     loaded = load_spec(args.spec)
     prompts = loaded.verify_prompts()

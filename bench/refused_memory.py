@@ -4,7 +4,7 @@
 
 Starts its own tritonserver on free 127.0.0.1 ports for the spec's built engines with the
 chosen allocator (install.find_allocator: auto, glibc, jemalloc, tcmalloc), sends --warm
-ordinary requests, then records each process's memory (triton/server/memory.py: Pss, RssAnon,
+ordinary requests, then records each process's memory (bench/server_memory.py: Pss, RssAnon,
 RssShmem, /dev/shm mappings) before, after --oversized requests each carrying --mib MiB of
 ``image_bytes_input`` (an input trtspec does not serve; each must be refused), and after
 --ordinary more ordinary requests (unary, 4 at a time, each identical to the first answer).
@@ -45,9 +45,9 @@ def main() -> int:
 
     import tritonclient.grpc as grpcclient
 
+    from server_memory import compact, growth, total, tree_memory
     from trtspec.spec import load_spec
     from trtspec.triton.request import infer_inputs
-    from trtspec.triton.server.memory import compact, growth, total, tree_memory
 
     loaded = load_spec(args.spec)
     prompts = loaded.verify_prompts()

@@ -19,7 +19,7 @@ refused with their named error. It reports and checks:
   unanswered    requests with no final answer within --answer-timeout seconds (must be 0)
   memory        per process (tritonserver and each Python-backend stub, by model): held
                 (Pss_Anon + Pss_Shmem), Pss, RssAnon, RssShmem and the number of /dev/shm
-                mappings (triton/server/memory.py), from the end of
+                mappings (bench/server_memory.py), from the end of
                 --warmup seconds of the same load (the engines' static KV buffers are touched
                 page by page as slots and positions are first used: that is not a leak) to the
                 end; the growth from before any load and a sample every 10 s are reported too
@@ -185,8 +185,8 @@ def main() -> int:
     global ANSWER_TIMEOUT
     ANSWER_TIMEOUT = args.answer_timeout
 
+    from server_memory import compact, growth, total, tree_memory, worst_growth
     from trtspec.spec import load_spec
-    from trtspec.triton.server.memory import compact, growth, total, tree_memory, worst_growth
 
     loaded = load_spec(args.spec)
     prompts = loaded.verify_prompts()
@@ -326,7 +326,7 @@ def main() -> int:
         "output_tokens": counts["tokens"],
         "warmup_s": args.warmup,
         # Per process from the end of the warm-up to the end (the goal: worst growth of held
-        # memory, Pss_Anon + Pss_Shmem; triton/server/memory.py).
+        # memory, Pss_Anon + Pss_Shmem; bench/server_memory.py).
         "memory_growth": per_process,
         "worst_held_growth_pct": round(worst_pct, 2),
         "worst_process": worst,

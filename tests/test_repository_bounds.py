@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from conftest import serve_tiny
 
+from server_memory import tree_memory
 from trtspec.errors import ServerError
 from trtspec.layout import BLS_MODEL, ENGINE_MODELS, TARGET_MODEL
 from trtspec.triton.backend.contract import UNSERVED_INPUTS
 from trtspec.triton.repository import pbtxt
 from trtspec.triton.repository.writer import write_repository
 from trtspec.triton.server.install import ALLOCATORS, JEMALLOC_CONF, find_allocator, server_env
-from trtspec.triton.server.memory import tree_memory
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 

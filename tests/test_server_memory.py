@@ -1,4 +1,4 @@
-"""Per-process memory (what bench/memory.py reports): each process of a tree on its own, shared memory apart."""
+"""Per-process memory (bench/server_memory.py, what the soak and memory benches report): each process of a tree on its own, shared memory apart."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from trtspec.triton.server import memory
+import server_memory as memory
 from trtspec.triton.server.procgroup import descendants
 
 # A child that, once told, grows its heap by 64 MiB and maps and touches 16 MiB of /dev/shm.
