@@ -573,3 +573,13 @@ def test_processed_tree_requests_equal_token_by_token_decoding(tree_dep, name):
         assert spec.log_probs == pytest.approx(ref_lp, abs=1e-4)
         drafted += len(spec.metrics.node_drafted)
     assert drafted > 0
+
+
+def test_bench_sweeps_draft_chains_of_each_k_on_a_tree_spec(tree_dep):
+    """bench's k sweep measures chains of k (the main comparison drafts the spec's tree)."""
+    from trtspec.bench.measure import InProcessBench
+
+    (main,), _ = InProcessBench(tree_dep).run_batch(PROMPTS[:1], 12, True, 2, 1)
+    (swept,), _ = InProcessBench(tree_dep, use_schedule=False).run_batch(PROMPTS[:1], 12, True, 2, 1)
+    assert main.metrics.node_drafted and len(main.metrics.drafted_at) == 3
+    assert not swept.metrics.node_drafted and len(swept.metrics.drafted_at) == 2

@@ -426,7 +426,8 @@ class InProcessBench:
     def __init__(self, deployment, chat_template: bool | None = None, use_schedule: bool = True):
         self.dep = deployment
         self.chat_template = chat_template
-        # False: every request drafts the k asked whatever the load (sweeps measure k itself)
+        # False: every request drafts a chain of the k asked whatever the load and the spec's
+        # draft tree (sweeps measure k itself; bench --trees measures trees)
         self.use_schedule = use_schedule
 
     def run_batch(self, prompts, max_tokens, speculative, k, concurrency):
@@ -434,7 +435,8 @@ class InProcessBench:
         start_all = time.perf_counter()
         for lo in range(0, len(prompts), concurrency):
             group = prompts[lo : lo + concurrency]
-            reqs = [self.dep.request(self.dep.encode(p, self.chat_template), max_tokens, k) for p in group]
+            shape = None if self.use_schedule else "chain"
+            reqs = [self.dep.request(self.dep.encode(p, self.chat_template), max_tokens, k, tree=shape) for p in group]
             self.dep.forget_prefixes()  # no run may reuse another run's prefill of a prompt
             start = time.perf_counter()
             first: dict[int, float] = {}
