@@ -12,7 +12,7 @@ tables (one per concurrency) go to stdout and to --out, with the full measuremen
 (same name, .json) and a plot of tokens/s (.png) beside it. --vllm adds vLLM's paths: vLLM runs
 in its own environment, one bench/vllm_peer.py process per path, its log in --out's name with
 .vllm.log. Ctrl-C stops the run and still writes the prompts measured so far. The paths and
-every definition are in bench/peers.py.
+every definition are in bench/peers.py; the table, JSON and plot in bench/peers_report.py.
 """
 
 from __future__ import annotations
@@ -22,18 +22,8 @@ import sys
 from pathlib import Path
 
 from _common import ROOT, command_line, write_result
-from peers import (
-    describe_setup,
-    encode_prompts,
-    measure,
-    peer_paths,
-    plot,
-    read_kinded_prompts,
-    render_markdown,
-    summarise,
-    to_json,
-    vllm_paths,
-)
+from peers import describe_setup, encode_prompts, measure, peer_paths, read_kinded_prompts, vllm_paths
+from peers_report import plot, render_markdown, summarise, to_json
 from trtspec.errors import EXIT_INTERRUPTED, RequestError, TrtspecError
 from trtspec.files import write_text_atomic
 from trtspec.runtime import Deployment

@@ -1,4 +1,4 @@
-"""The peers harness (bench/peers.py, bench/peers_bench.py) on the tiny pair: every path runs,
+"""The peers harness (bench/peers.py, bench/peers_report.py, bench/peers_bench.py) on the tiny pair: every path runs,
 the table lists them all, and greedy outputs agree token for token where they must."""
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ from peers import (
     encode_prompts,
     measure,
     peer_paths,
-    render_markdown,
-    summarise,
     vllm_metrics,
 )
+from peers_report import render_markdown, summarise
 from trtspec.errors import EngineError
 
 ROWS = [("The quick brown fox", "chat"), ("Rewrite: Triton serves models over HTTP and gRPC.", "rewrite")]
