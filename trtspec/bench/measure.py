@@ -341,13 +341,32 @@ def run_bench(
         progress("measuring step costs")
         report.costs = measure_costs(k)
 
+    _interleaved(backend, report, prompts, rounds, progress)
+    base_tps = report.target.tokens_per_s if report.target else 0.0
+    for kk in sweep_ks:  # appended one by one: an interruption keeps the points measured
+        report.sweep.append(_sweep_point(sweeper, prompts, n, kk, base_tps, progress))
+    for c in concurrency:
+        progress(f"concurrency {c}")
+        batch = [prompts[i % len(prompts)] for i in range(max(c, len(prompts)))]
+        t_tim, t_secs_c = backend.run_batch(batch, n, False, k, c)
+        s_tim, s_secs_c = backend.run_batch(batch, n, True, k, c)
+        report.concurrency.append(ConcurrencyPoint(c, PathStats.of(t_tim, t_secs_c), PathStats.of(s_tim, s_secs_c)))
+    if grid:
+        run_grid(sweeper, report, prompts, sweep_ks or [k], concurrency, progress)
+    report.complete = True
+    return report
+
+
+def _interleaved(backend: BenchBackend, report: BenchReport, prompts: Sequence[str], rounds: int, progress: Progress) -> None:
+    """Target-only and speculative on each prompt, one after the other, the order alternating
+    so drift does not favour one of them; the report holds the totals after every prompt."""
+    k, n = report.k, report.max_tokens
     target_t: list[RequestTiming] = []
     spec_t: list[RequestTiming] = []
     t_secs = s_secs = 0.0
     for r in range(rounds):
         for i, prompt in enumerate(prompts):
             progress(f"round {r + 1}/{rounds}: prompt {i + 1}/{len(prompts)}")
-            # Alternate which path goes first so drift does not favour one of them.
             order = (False, True) if (i + r) % 2 == 0 else (True, False)
             for speculative in order:
                 timings, secs = backend.run_batch([prompt], n, speculative, k, 1)
@@ -361,35 +380,20 @@ def run_bench(
             report.speculative = PathStats.of(spec_t, s_secs)
             report.metrics = _sum_metrics(spec_t)
 
-    base_tps = report.target.tokens_per_s if report.target else 0.0
-    for kk in sweep_ks:
-        progress(f"draft-length sweep: k={kk}")
-        timings, secs = [], 0.0
-        for prompt in prompts:
-            t, s = sweeper.run_batch([prompt], n, True, kk, 1)
-            timings += t
-            secs += s
-        stats, m = PathStats.of(timings, secs), _sum_metrics(timings)
-        report.sweep.append(
-            SweepPoint(
-                kk,
-                stats.tokens_per_s,
-                stats.tokens_per_s / base_tps if base_tps else 0.0,
-                m.acceptance_rate,
-                m.mean_acceptance_length,
-            )
-        )
 
-    for c in concurrency:
-        progress(f"concurrency {c}")
-        batch = [prompts[i % len(prompts)] for i in range(max(c, len(prompts)))]
-        t_tim, t_secs_c = backend.run_batch(batch, n, False, k, c)
-        s_tim, s_secs_c = backend.run_batch(batch, n, True, k, c)
-        report.concurrency.append(ConcurrencyPoint(c, PathStats.of(t_tim, t_secs_c), PathStats.of(s_tim, s_secs_c)))
-    if grid:
-        run_grid(sweeper, report, prompts, sweep_ks or [k], concurrency, progress)
-    report.complete = True
-    return report
+def _sweep_point(
+    sweeper: BenchBackend, prompts: Sequence[str], n: int, k: int, base_tps: float, progress: Progress
+) -> SweepPoint:
+    """Speculative at draft length ``k`` over every prompt, against target-only's ``base_tps``."""
+    progress(f"draft-length sweep: k={k}")
+    timings, secs = [], 0.0
+    for prompt in prompts:
+        t, s = sweeper.run_batch([prompt], n, True, k, 1)
+        timings += t
+        secs += s
+    stats, m = PathStats.of(timings, secs), _sum_metrics(timings)
+    speedup = stats.tokens_per_s / base_tps if base_tps else 0.0
+    return SweepPoint(k, stats.tokens_per_s, speedup, m.acceptance_rate, m.mean_acceptance_length)
 
 
 def run_grid(
