@@ -432,7 +432,7 @@ def test_each_option_is_declared_once_on_k8s_options():
     assert len(flagged) >= 25
     for name, field in flagged.items():
         assert options[name].default == field.default, name
-        assert options[name].help == flag_of(field).help
+        assert options[name].help.startswith(flag_of(field).help)
     assert options["hpa"].secondary_opts == ["--no-hpa"] and options["namespace"].opts == ["--namespace", "-n"]
     # the command's own options (where to write) are not options of the deployment
     assert {"out", "engines", "force", "dry_run", "spec"} == set(options) - set(flagged)

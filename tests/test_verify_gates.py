@@ -174,6 +174,9 @@ def test_bad_gate_flags_exit_2(spec_file, args, message):
         (["--temperature", "0.7"], "--temperature only apply to sampling; add --sampling N"),
         (["--sampling", "5"], "use --sampling 10 or more"),
         (["--sampling", "20", "--temperature", "0"], "temperature must be > 0"),
+        (["--sampling", "0"], "--sampling: Input should be greater than or equal to 1"),
+        (["--fail-on", "some"], "--fail-on: Input should be 'any' or 'algorithmic'"),
+        (["--url", "http://127.0.0.1:8001"], "--url takes HOST:PORT"),
     ],
 )
 def test_bad_sampling_flags_exit_2(spec_file, args, message):

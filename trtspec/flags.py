@@ -14,12 +14,14 @@ from dataclasses import dataclass
 class Flag:
     """``help`` for --help; ``short`` an optional one-letter alias ("-o"); ``name`` the long
     flag when it is not the field's name with dashes; ``negatable`` gives a bool field a
-    --no-<name> form (for options on by default)."""
+    --no-<name> form (for options on by default); ``text`` reads the value as text for the
+    model to parse (a value written "5%" for a float field)."""
 
     help: str
     short: str | None = None
     name: str | None = None
     negatable: bool = False
+    text: bool = False
 
     def long(self, field: str) -> str:
         return self.name or "--" + field.replace("_", "-")

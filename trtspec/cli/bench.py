@@ -17,13 +17,13 @@ from trtspec.cli.common import (
     SpecArg,
     UrlOpt,
     handle_errors,
-    parse_url,
     with_device,
 )
 from trtspec.cli.output import emit
 from trtspec.errors import EXIT_INTERRUPTED
 from trtspec.spec import load_spec, read_prompts
 from trtspec.speculative.llmapi import TENSORRT_LLM
+from trtspec.triton.client import parse_url
 
 
 @handle_errors

@@ -8,7 +8,8 @@ from typing import Annotated
 import typer
 
 from trtspec import console
-from trtspec.cli.common import EnginesOpt, handle_errors, parse_url
+from trtspec.cli.common import EnginesOpt, handle_errors
+from trtspec.triton.client import parse_url
 from trtspec.triton.server import serving
 
 

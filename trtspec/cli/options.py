@@ -42,6 +42,15 @@ def _plain(annotation: Any) -> Any:
     return annotation
 
 
+def _choices(annotation: Any) -> list[str]:
+    """A Literal field's values (inside Annotated or ``| None`` too), for --help."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return [str(v) for v in typing.get_args(annotation)]
+    if typing.get_origin(annotation) in (Annotated, typing.Union, types.UnionType):
+        return next((c for c in map(_choices, typing.get_args(annotation)) if c), [])
+    return []
+
+
 def parameters(model: type[BaseModel]) -> list[inspect.Parameter]:
     """One keyword parameter per flagged field, in the model's order."""
     params = []
@@ -53,8 +62,11 @@ def parameters(model: type[BaseModel]) -> list[inspect.Parameter]:
         decls = [f"{long}/--no-{long.removeprefix('--')}" if flag.negatable else long]
         if flag.short:
             decls.append(flag.short)
-        option = typer.Option(*decls, help=flag.help, show_default=field.default is not None)
-        annotation = Annotated[_plain(field.annotation), option]
+        choices = _choices(field.annotation)
+        text = f"{flag.help} One of: {', '.join(choices)}." if choices else flag.help
+        option = typer.Option(*decls, help=text, show_default=field.default is not None)
+        kind = (str | None if field.default is None else str) if flag.text else _plain(field.annotation)
+        annotation = Annotated[kind, option]
         params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=field.default))
     return params
 

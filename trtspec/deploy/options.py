@@ -72,8 +72,8 @@ class K8sOptions(BaseModel):
     engines_from: Annotated[
         EnginesFrom,
         Flag(
-            "pvc: a claim holding built engines | image: init container copies /engines from --engines-image"
-            " | build: StatefulSet building in the pod."
+            "Where the engines come from (pvc: a claim holding built engines; image: an init container copies"
+            " /engines from --engines-image; build: a StatefulSet building in the pod)."
         ),
     ] = "pvc"
     pvc: Annotated[str | None, Flag("Claim with the engines (default <name>-engines).")] = None

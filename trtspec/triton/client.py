@@ -20,6 +20,22 @@ from trtspec.speculative.metrics import metrics_from_json
 from trtspec.triton.request import infer_inputs
 
 
+def parse_url(url: str | None) -> str | None:
+    """Check --url: HOST:PORT of a gRPC endpoint, no scheme; RequestError names the fix."""
+    if url is None:
+        return None
+    host, sep, port = url.rpartition(":")
+    if (
+        url.startswith(("http://", "https://", "grpc://"))
+        or not sep
+        or not host
+        or not port.isdigit()
+        or not 0 < int(port) < 65536
+    ):
+        raise RequestError(f"--url takes HOST:PORT (the gRPC port, e.g. 127.0.0.1:8001), not {url!r}")
+    return url
+
+
 class GrpcBackend:
     def __init__(
         self,

@@ -7,14 +7,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trtspec.errors import RequestError
+from trtspec.flags import Flag
 from trtspec.spec import LoadedSpec
 from trtspec.speculative.llmapi import TENSORRT_LLM
 from trtspec.speculative.requests import draft_tokens
 from trtspec.speculative.sampling import SamplingParams
+from trtspec.triton.client import parse_url
 from trtspec.verify import html_report
-from trtspec.verify.acceptance import GateResult, identity, load_baseline
+from trtspec.verify.acceptance import GateResult, identity, load_baseline, parse_fraction
 from trtspec.verify.acceptance import check as check_acceptance
 from trtspec.verify.backends import open_backend
 from trtspec.verify.identity import VerifyReport, run_verify
@@ -25,22 +30,103 @@ from trtspec.verify.sampling import SamplingCheck, check_deployment, check_sampl
 Progress = Callable[[str, int, int], None]
 
 
-@dataclass
-class VerifyOptions:
-    prompts: list[str] | None = None  # None: the spec's verify prompts
-    max_tokens: int | None = None  # None: the spec's verify.max_tokens
-    num_draft_tokens: int | None = None  # None: the spec's k (speculative.requests.draft_tokens)
-    url: str | None = None  # HOST:PORT of a served repository; None: in process
-    stream: bool = False  # with url: the speculative path from the streaming endpoint
-    fail_on: str = "any"  # "any" or "algorithmic" (numerical divergences tolerated)
-    baseline: Path | None = None  # a previous `verify --json` report to gate acceptance against ...
-    max_acceptance_drop: float | None = None  # ... with this relative drop allowed
-    min_acceptance_length: float | None = None
-    samples: int | None = None  # --sampling N: N samples per prompt, tested against the target
-    sampling: SamplingParams | None = None  # with samples; None: temperature 1, no cuts, seed 0
-    tie_epsilon: float | None = None  # None: per target dtype (verify/verdicts.py)
+class VerifyOptions(BaseModel):
+    """What `trtspec verify` is asked, each option declared here once (the CLI's flags are
+    built from the flagged fields: trtspec/cli/options.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompts: Annotated[
+        list[str] | None,
+        Flag("Prompt to verify (repeatable); default: the spec's verify prompts.", short="-p", name="--prompt"),
+    ] = None
+    max_tokens: Annotated[int | None, Field(ge=1), Flag("Tokens per prompt (default: verify.max_tokens).")] = None
+    num_draft_tokens: Annotated[int | None, Field(ge=0), Flag("Draft length k (default: the spec's).", short="-k")] = (
+        None  # None: the spec's k (speculative.requests.draft_tokens)
+    )
+    url: Annotated[
+        str | None,
+        Flag("A running `trtspec serve` at HOST:PORT (its gRPC port, e.g. 127.0.0.1:8001) instead of in process."),
+    ] = None
+    stream: Annotated[bool, Flag("With --url: take the speculative path from the streaming endpoint.")] = False
+    fail_on: Annotated[
+        Literal["any", "algorithmic"],
+        Flag("Exit 1 on any divergence, or only on algorithmic ones (numerical near-tie flips are reported, not failed)."),
+    ] = "any"
+    baseline: Annotated[
+        Path | None,
+        Flag("A previous `verify --json` report of the same spec, prompts, k and max_tokens to gate acceptance against."),
+    ] = None
+    max_acceptance_drop: Annotated[
+        float | None,
+        Flag("With --baseline: exit 1 if the acceptance rate fell by more than this (5% or 0.05), relative.", text=True),
+    ] = None
+    min_acceptance_length: Annotated[
+        float | None, Field(ge=1.0), Flag("Exit 1 if the mean acceptance length (tokens per target forward) is below this.")
+    ] = None
+    samples: Annotated[
+        int | None,
+        Field(ge=1),
+        Flag(
+            "Also test speculative SAMPLING: N samples per prompt, checked against the target's exact distribution "
+            "(chi-square, false-alarm rate 0.01). In process, or with --url from the served speculative endpoint, "
+            "scored by the target engine built here.",
+            name="--sampling",
+        ),
+    ] = None
+    temperature: Annotated[float | None, Flag("With --sampling: temperature (> 0; default 1).")] = None
+    top_k: Annotated[int | None, Flag("With --sampling: keep the k most likely tokens (0: all).")] = None
+    top_p: Annotated[float | None, Flag("With --sampling: nucleus mass in (0, 1] (1: all).")] = None
+    seed: Annotated[int | None, Flag("With --sampling: first seed (sample i of prompt j uses seed + j*N + i; default 0).")] = None
+    tie_epsilon: Annotated[
+        float | None,
+        Field(ge=0.0),
+        Flag(
+            "Logit gap below which a flip reproduced by the verifier's forward shape is numerical "
+            "(default per target dtype: float32 0.01, float16 0.25, bfloat16 1.0)."
+        ),
+    ] = None  # None: per target dtype (verify/verdicts.py)
+    html_file: Annotated[
+        Path | None,
+        Flag(
+            "Also write a self-contained HTML report: both outputs per prompt, divergences highlighted with their "
+            "verdicts, acceptance plots.",
+            name="--html",
+        ),
+    ] = None  # the page is written after the run; a folder is refused before it
     llmapi_impl: str = TENSORRT_LLM  # trtllm.runtime llmapi in process: the library or DOUBLE
-    html_file: Path | None = None  # the page is written after the run; a folder is refused before it
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        return parse_url(v)
+
+    @field_validator("max_acceptance_drop", mode="before")
+    @classmethod
+    def _drop(cls, v):
+        return parse_fraction(v) if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _sampling_flags(self) -> VerifyOptions:
+        if self.samples is None:
+            given = [
+                f"--{n.replace('_', '-')}" for n in ("temperature", "top_k", "top_p", "seed") if getattr(self, n) is not None
+            ]
+            if given:
+                raise RequestError(f"{', '.join(given)} only apply to sampling; add --sampling N (samples per prompt)")
+        return self
+
+    @property
+    def sampling(self) -> SamplingParams | None:
+        """The sampling test's parameters (None without --sampling)."""
+        if self.samples is None:
+            return None
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_k=self.top_k or 0,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            seed=self.seed or 0,
+        )
 
 
 @dataclass
