@@ -583,3 +583,19 @@ def test_bench_sweeps_draft_chains_of_each_k_on_a_tree_spec(tree_dep):
     (swept,), _ = InProcessBench(tree_dep, use_schedule=False).run_batch(PROMPTS[:1], 12, True, 2, 1)
     assert main.metrics.node_drafted and len(main.metrics.drafted_at) == 3
     assert not swept.metrics.node_drafted and len(swept.metrics.drafted_at) == 2
+
+
+def test_eagle3_dynamic_tree_and_sampling(eagle_tree):
+    """The head grows EAGLE-2's dynamic tree too (greedy: target-only's tokens), and sampled
+    requests through its trees pass verify --sampling's test."""
+    from trtspec.speculative.sampling import SamplingParams
+    from trtspec.speculative.tree import DynamicTree
+    from trtspec.verify.sampling import check_deployment
+
+    dep = eagle_tree["random"]
+    base, spec = _both(dep, tree=DynamicTree(top_k=3, depth=3, budget=6))
+    for b, s in zip(base, spec):
+        assert s.output_ids == b.output_ids
+        assert s.metrics.node_drafted and len(s.metrics.drafted_at) == 3  # three levels deep
+    check = check_deployment(dep, PROMPTS, 20, 12, SamplingParams(temperature=1.0, seed=11))
+    assert check.passed and check.metrics.node_drafted, check.describe()
