@@ -20,6 +20,7 @@ import torch
 
 from trtspec.engines.torch.eagle3 import Eagle3Head, HeadEngine, HeadRow
 from trtspec.engines.torch.engine import ForwardItem, TorchEngine
+from trtspec.speculative.metrics import tree_speedup_bound
 
 CONTEXT = 128  # positions before the timed step (fewer when the engine holds fewer)
 REPEATS = 9
@@ -75,6 +76,6 @@ def recommend_k(accepted: list[float], costs: dict) -> tuple[int, list[float]]:
         for a in accepted[:k]:
             run *= a
             tokens += run
-        bounds.append(round(tokens / (costs["verify"][k - 1] + k * costs["head"]), 3))
+        bounds.append(round(tree_speedup_bound(tokens, k, costs["head"], costs["verify"][k - 1]), 3))
     best = max(range(len(bounds)), key=lambda i: bounds[i], default=-1)
     return (best + 1 if best >= 0 and bounds[best] > 1.0 else 0), bounds
