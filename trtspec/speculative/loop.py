@@ -358,8 +358,9 @@ class Batch:
     def _propose_trees(self, active: list[int], contexts, ks: list[int], cap: int | None) -> dict[int, DraftTree]:
         """Row -> its draft tree, for the rows whose request asks for a tree and whose drafter
         proposes trees. A tree is never deeper than the tokens left, nor larger than the load
-        cap (nodes: what a verify costs); rows whose tree shrinks to nothing draft nothing. Sampled rows get the
-        same trees: their candidates are point masses to rejection sampling (sampling.py)."""
+        cap (nodes: what a verify costs); rows whose tree shrinks to nothing draft nothing.
+        Sampled rows get the same trees: their candidates are point masses to rejection
+        sampling (sampling.py)."""
         propose_tree = getattr(self.drafter, "propose_tree", None)
         if propose_tree is None:
             return {}
