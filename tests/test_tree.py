@@ -599,3 +599,17 @@ def test_eagle3_dynamic_tree_and_sampling(eagle_tree):
         assert s.metrics.node_drafted and len(s.metrics.drafted_at) == 3  # three levels deep
     check = check_deployment(dep, PROMPTS, 20, 12, SamplingParams(temperature=1.0, seed=11))
     assert check.passed and check.metrics.node_drafted, check.describe()
+
+
+def test_tree_and_chain_requests_batch_together(tree_dep, eagle_tree):
+    """One batch mixing tree, chain and target-only requests: each gets target-only's tokens."""
+    for dep in (tree_dep, eagle_tree["random"]):
+        ids = [dep.encode(p, chat_template=False) for p in PROMPTS]
+        reqs = [dep.request(ids[0], 30), dep.request(ids[1], 30, 3, tree="chain"), dep.request(ids[2], 30, 0)]
+        dep.forget_prefixes()
+        base = dep.generate(reqs, speculative=False)
+        dep.forget_prefixes()
+        spec = dep.generate(reqs)
+        assert [s.output_ids for s in spec] == [b.output_ids for b in base]
+        assert spec[0].metrics.node_drafted and not spec[1].metrics.node_drafted and spec[1].metrics.drafted
+        assert spec[2].metrics.drafted == 0
