@@ -339,6 +339,11 @@ def test_a_dynamic_tree_reaches_max_draft_len(tmp_path):
             "tree: method ngram drafts one continuation, a chain; trees are drafted by draft_target and eagle3",
         ),
         ({"choices": [[0], [1]]}, {"suffix": {"threshold": 4}}, "tree: a layered suffix draft is a chain"),
+        (
+            {"dynamic": {"top_k": 16, "nodes": 20}},
+            {"max_draft_len": 6},
+            "tree.dynamic: growing the tree scores top_k x (max_draft_len - 1) = 80 nodes in one draft forward; at most 64",
+        ),
     ],
 )
 def test_tree_refusals(tmp_path, tree, speculative, needle):

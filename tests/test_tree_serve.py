@@ -137,6 +137,39 @@ def test_an_engine_model_refuses_a_bad_tree_request_alone(built, extra, message)
     assert isinstance(ok, dict)
 
 
+def test_a_tree_may_reach_past_max_seq_len_by_its_nodes_not_by_its_depth(built):
+    """The engine keeps a tree's nodes aside at their depths: input + depth must fit
+    max_seq_len, input + nodes need not (the end of a long generation)."""
+    dep = built()
+    core = _cores(dep)["tensorrt_llm"]
+    wide = DraftTree((5, 9, 7, 3, 11), (-1, -1, -1, -1, 0), (0, 1, 2, 3, 0))  # 5 nodes, 2 deep
+    n = dep.target.max_seq_len - 2
+    ctx = (dep.encode(PROMPTS[0]) * 100)[:n]
+    (fits,) = core.infer([_tree_inputs(ctx, wide)])
+    assert fits["sequence_length"][0, 0] == len(wide) + 1
+    (late,) = core.infer([_tree_inputs(ctx + [5], wide)])
+    assert isinstance(late, RequestError) and f"input ({n + 1} tokens) + a draft tree 2 deep exceeds max_seq_len" in str(late)
+
+
+def test_served_trees_run_to_the_end_of_max_seq_len(tmp_path, tiny_ckpts):
+    """A long generation's last steps grow trees whose scored nodes pass max_seq_len."""
+    from conftest import write_spec
+
+    from trtspec.engines.build import build
+    from trtspec.runtime import Deployment
+    from trtspec.spec import load_spec
+
+    over = {"speculative.tree": {"dynamic": {"top_k": 4, "nodes": 12}}, "build.max_seq_len": 64, "build.max_input_len": 32}
+    loaded = load_spec(write_spec(tmp_path, tiny_ckpts, "draft", **over, **{"verify.max_tokens": 32}))
+    build(loaded, loaded.output_dir())
+    dep = Deployment(loaded, loaded.output_dir())
+    ids = dep.encode(PROMPTS[0])
+    (out,) = _orchestrator(dep).run([_request(PROMPTS[0], max_tokens=64 - len(ids))])
+    (base,) = dep.generate([dep.request(ids, 64 - len(ids))], speculative=False)
+    assert not isinstance(out, Exception), out
+    assert _ids(out) == base.output_ids and len(base.output_ids) == 64 - len(ids)
+
+
 def test_the_bls_drafter_grows_the_trees_the_in_process_drafter_grows(built):
     from trtspec.speculative.drafters import ModelDrafter
     from trtspec.speculative.tree import DynamicTree
@@ -213,8 +246,8 @@ def test_tree_settings_reach_the_endpoints_and_the_engine_models(tmp_path, tiny_
             assert params.tree == TreeSpec(dynamic={"top_k": 3, "nodes": 10}), name
             assert params.settings(False, 4).limits.default_tree == DynamicTree(3, 8, 10)
     widths = {cfg.name: cfg.parameters["max_draft_len"] for cfg, _ in plan.models.values() if "role" in cfg.parameters}
-    # the target verifies up to 10 nodes; the draft scores up to 3 x 8 while growing a tree
-    assert widths == {"tensorrt_llm": "10", "tensorrt_llm_draft": "24", "tensorrt_llm_control": "0"}
+    # the target verifies up to 10 nodes; the draft scores up to 3 x 7 while growing a tree
+    assert widths == {"tensorrt_llm": "10", "tensorrt_llm_draft": "21", "tensorrt_llm_control": "0"}
 
 
 # -- a real server ------------------------------------------------------------------------------
@@ -254,10 +287,14 @@ def test_served_trees_stream_batch_with_chains_and_cancel_with_target_only_token
         )
     assert [_ids(r) for r in unary] == [want[p] for p, _ in asks]
     assert streamed == [want[p] for p, _ in asks]
-    metrics = [metrics_from_json(r.as_numpy("perf_metrics_json")[0, 0].decode()) for r in unary]
+    # One at a time (batched rows may round a near-tie of draft candidates the other way),
+    # a tree and a chain request count what in-process generation counts.
     (tree_ref,) = dep.generate([dep.request(dep.encode(PROMPTS[0]), 40)], speculative=True)
     (chain_ref,) = dep.generate([dep.request(dep.encode(PROMPTS[1]), 40, tree="chain")], speculative=True)
-    assert metrics[0] == tree_ref.metrics and metrics[3] == chain_ref.metrics  # served as in process
+    for (prompt, flags), ref in (((PROMPTS[0], {}), tree_ref), ((PROMPTS[1], {"draft_tree": False}), chain_ref)):
+        alone = client.infer(BLS_MODEL, _bls(prompt, 40, **flags))
+        assert metrics_from_json(alone.as_numpy("perf_metrics_json")[0, 0].decode()) == ref.metrics
+    assert tree_ref.metrics != chain_ref.metrics
     # A cancelled stream leaves; the next request is still answered exactly.
     long = Stream(server.grpc_endpoint, PROMPTS[2], 300, "cancelled")
     try:

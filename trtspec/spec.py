@@ -227,9 +227,12 @@ class TreeSpec(_Strict):
         return max(map(len, self.choices)) if self.choices is not None else max_draft_len
 
     def grown_nodes(self, max_draft_len: int) -> int:
-        """The most nodes a drafter scores in one forward while growing the tree: a static
-        tree's nodes; for a dynamic tree the top_k nodes kept at each of its depths."""
-        return len(self.choices) if self.choices is not None else self.dynamic.top_k * max_draft_len
+        """The most nodes a drafter scores in one forward while growing the tree (the last
+        round, speculative/tree.py TreeGrowth): every node with children, for a static tree;
+        the top_k nodes expanded at each depth but the last, for a dynamic tree."""
+        if self.choices is not None:
+            return len({path[:-1] for path in self.choices if len(path) > 1})
+        return self.dynamic.top_k * (max_draft_len - 1)
 
 
 class SpeculativeSpec(_Strict):
@@ -320,6 +323,11 @@ class SpeculativeSpec(_Strict):
                     f"tree.dynamic.nodes ({d.nodes}) must lie between max_draft_len ({k}), one full "
                     f"branch, and top_k x max_draft_len ({d.top_k * k}), every node the steps keep; "
                     "change nodes, top_k or max_draft_len"
+                )
+            if (grown := tree.grown_nodes(k)) > MAX_TREE_NODES:
+                raise ValueError(
+                    f"tree.dynamic: growing the tree scores top_k x (max_draft_len - 1) = {grown} nodes in "
+                    f"one draft forward; at most {MAX_TREE_NODES}: lower top_k or max_draft_len"
                 )
 
     @property

@@ -265,8 +265,12 @@ def parse_engine_request(
             raise RequestError(f"request_output_len must be at least 1 (got {k})")
         if d_len and k < d_len + 1:
             raise RequestError(f"request_output_len {k} must be at least len(draft_input_ids) + 1 = {d_len + 1}")
-        total = n + max(k, d_len + 1 if d_len else 0)
-        if total > limits.max_seq_len:
+        tree = None if trees is None else trees[r]
+        if tree is not None:  # the nodes sit at their depths after the input (the engine keeps them aside)
+            depth = max(tree_layout(tree)[0])
+            if n + depth > limits.max_seq_len:
+                raise RequestError(f"input ({n} tokens) + a draft tree {depth} deep exceeds max_seq_len {limits.max_seq_len}")
+        elif n + max(k, d_len + 1 if d_len else 0) > limits.max_seq_len:
             raise RequestError(f"input ({n} tokens) + request_output_len ({k}) exceeds max_seq_len {limits.max_seq_len}")
         row = ids[r, :n] if drafts is None else np.concatenate([ids[r, :n], drafts[r]])
         outside = (row < 0) | (row >= limits.vocab_size)
@@ -281,7 +285,6 @@ def parse_engine_request(
                 raise RequestError(
                     f"{name} is answered for scoring requests (draft_input_ids, or request_output_len 1); send it with those"
                 )
-        tree = None if trees is None else trees[r]
         if tree is not None and k != d_len + 1:
             raise RequestError(
                 f"a draft tree is answered with the target's token after the input and after each of its "
