@@ -613,3 +613,20 @@ def test_tree_and_chain_requests_batch_together(tree_dep, eagle_tree):
         assert [s.output_ids for s in spec] == [b.output_ids for b in base]
         assert spec[0].metrics.node_drafted and not spec[1].metrics.node_drafted and spec[1].metrics.drafted
         assert spec[2].metrics.drafted == 0
+
+
+def test_tree_nodes_keep_a_sliding_window_by_their_positions(dep, monkeypatch):
+    """On a sliding-window model a node sees the context keys within the window of its own
+    position (its depth's), as its path run as a chain does."""
+    import dataclasses
+
+    eng = dep.target
+    monkeypatch.setattr(eng, "config", dataclasses.replace(eng.config, sliding_window=8))
+    ctx = _seq(20, 5)
+    eng.forget_prefixes()
+    (tree_logits,) = eng.run([ForwardItem(ctx + list(TREE.tokens), len(TREE) + 1, TREE.parents)])
+    for node in range(len(TREE)):
+        eng.forget_prefixes()
+        (chain,) = eng.run([ForwardItem(ctx + [TREE.tokens[i] for i in TREE.path(node)], 1)])
+        torch.testing.assert_close(tree_logits[node + 1], chain[0], rtol=1e-4, atol=1e-4)
+    eng.forget_prefixes()

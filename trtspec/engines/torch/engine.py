@@ -280,8 +280,6 @@ class TorchEngine:
             raise RequestError(
                 f"{len(it.tokens) - len(tree)} tokens + a draft tree {max(depths)} deep exceed max_seq_len {self.max_seq_len}"
             )
-        if self.config.sliding_window is not None:
-            raise RequestError("draft trees are not supported on sliding-window models; draft a chain")
 
     def _settle_trees(self, seqs: list[list[int]]) -> None:
         """Where a sequence continues along a path of a slot's pending draft tree, move that
@@ -382,11 +380,18 @@ class TorchEngine:
             if window is not None:
                 allowed &= keys.view(1, 1, span) > positions.unsqueeze(-1) - window
             for row, before, first, ancestors in trees:
-                # A tree node sees the whole context and its own ancestors' cache rows only.
+                # A tree node sees the context and its own ancestors' cache rows only (within
+                # the window, by position: a node's is its depth's, not its cache row's).
                 n = ancestors.shape[0]
+                at = positions[row, first : first + n]  # [n]
+                seen = ancestors.to(self.device)
+                ctx = torch.ones((n, before), dtype=torch.bool, device=self.device)
+                if window is not None:
+                    ctx = keys[:before].view(1, before) > at.view(n, 1) - window
+                    seen = seen & (at.view(1, n) > at.view(n, 1) - window)
                 allowed[row, first : first + n] = False
-                allowed[row, first : first + n, :before] = True
-                allowed[row, first : first + n, before : before + n] = ancestors.to(self.device)
+                allowed[row, first : first + n, :before] = ctx
+                allowed[row, first : first + n, before : before + n] = seen
             mask = allowed.unsqueeze(1)  # [b, 1, q, S]
         return StepInputs(
             tokens=tokens,
