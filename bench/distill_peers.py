@@ -1,0 +1,304 @@
+"""trtspec's EAGLE-3 head side by side with the trainers users pick, on the same data.
+
+    make distill-peers
+    python bench/distill_peers.py SPEC --head HEAD [--epochs 4] [--out bench/results/distill-peers]
+
+HEAD is a head `trtspec distill SPEC` wrote; its manifest names the data it was trained on
+(prompts, seed, split, response length, layers). This script:
+
+1. takes the SAME captured responses (distill's own capture in HEAD's work folder, made again
+   if it is gone), the same training split, the same target layers and the same draft
+   vocabulary (HEAD's d2t), and writes them in speculators' offline format: per training
+   sequence `hidden_states/hs_{i}.safetensors` with `token_ids [T]` and `hidden_states
+   [T, 4, hidden]` (bfloat16): the three layers the head reads, then the last layer's output
+   (the teacher: speculators computes the target's distribution from it; checked: its argmax
+   through the target's norm and LM head is the captured greedy label), and the Arrow rows
+   (input_ids, loss_mask = response positions, seq_len);
+2. trains speculators' EAGLE-3 head on it in speculators' own environment
+   (bench/speculators_cpu.py), with speculators' documented defaults except where the shared
+   data or the CPU forces a change (each named in the result's "hyperparameters");
+3. scores every head on the same unseen prompts (the spec's verify prompts and HEAD's
+   --eval-prompts, never trained on) through vLLM (.venv-vllm: bench/vllm_peer.py) at
+   k = 1 and k = 3, and reports trtspec's own unseen-prompt figures from HEAD's manifest.
+
+CPU time of each trainer is the training process's user + system seconds (not wall time, which
+depends on the machine's load). Writes OUT/distill-peers.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import fields, replace
+from pathlib import Path
+
+from _common import ROOT, command_line
+
+SPECULATORS_PY = ROOT / ".venv-speculators" / "bin" / "python"
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+SPECULATORS_CPU = ROOT / "bench" / "speculators_cpu.py"
+VLLM_PEER = ROOT / "bench" / "vllm_peer.py"
+EXPORT_ROWS = 64  # sequences captured per batch of the export
+
+
+def distill_options(head: Path):
+    """The DistillOptions HEAD was trained with (its manifest), output = HEAD."""
+    from trtspec.distill.heads import HEAD_MANIFEST
+    from trtspec.distill.run import DistillOptions
+
+    saved = json.loads((head / HEAD_MANIFEST).read_text())["options"]
+    known = {f.name for f in fields(DistillOptions)}
+    opts = DistillOptions(**{k: v for k, v in saved.items() if k in known})
+    return replace(opts, output=head, force=True, resume=False, scaling=())
+
+
+def export(spec: Path, head: Path, out: Path) -> dict:
+    """The head's training data in speculators' offline format (module docstring, 1.)."""
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from trtspec.distill.data import capture_batch
+    from trtspec.distill.run import prepare, work_folder, work_lock
+    from trtspec.spec import load_spec
+
+    loaded = load_spec(spec)
+    opts = distill_options(head)
+    work = work_folder(head)
+    with work_lock(work):
+        data = prepare(loaded, opts, work)
+    target, hf = data.target, data.target_hf
+    last = hf.num_hidden_layers - 1
+    layers = tuple(sorted(set(data.layer_ids) | {last}))
+    target.capture_features(layers)
+    pick = [layers.index(i) for i in data.layer_ids] + [layers.index(last)]  # the head's layers, then the teacher's
+    hs = out / "hidden_states"
+    hs.mkdir(parents=True, exist_ok=True)
+    checked = mismatched = 0
+    # The training sequences, then the held-out prompts' responses as speculators' validation
+    # rows (its split is "the first fraction trains": the same sequences train as in trtspec).
+    seqs = data.train + data.held
+    with open(out / "rows.jsonl", "w", encoding="utf-8") as rows:
+        for n in range(0, len(seqs), EXPORT_ROWS):
+            part = seqs[n : n + EXPORT_ROWS]
+            got = capture_batch(target, [s.tokens.tolist() for s in part], [s.response_mask() for s in part])
+            for i, (s, c) in enumerate(zip(part, got), start=n):
+                h = c.features.view(len(s.tokens), len(layers), -1)[:, pick]
+                with torch.no_grad():  # the teacher: the last layer's output, before the final norm
+                    teacher = target.model.lm_head(target.model.model.norm(h[:, -1].to(target.device))).argmax(-1).cpu()
+                known = s.labels >= 0
+                checked += int(known.sum())
+                mismatched += int((teacher[known] != s.labels[known]).sum())
+                save_file(
+                    {"token_ids": s.tokens.clone(), "hidden_states": h.to(torch.bfloat16).contiguous()},
+                    str(hs / f"hs_{i}.safetensors"),
+                )
+                rows.write(json.dumps({"input_ids": s.tokens.tolist(), "loss_mask": s.response_mask().long().tolist()}) + "\n")
+    if mismatched > 0.01 * checked:
+        raise SystemExit(f"export: the teacher's argmax differs from the captured labels at {mismatched}/{checked} positions")
+    d2t = load_file(str(head / "model.safetensors"))["d2t"].long()
+    draft_ids = d2t + torch.arange(len(d2t))
+    t2d = torch.zeros(hf.vocab_size, dtype=torch.bool)
+    t2d[draft_ids] = True
+    np.save(out / "d2t.npy", d2t.numpy())
+    np.save(out / "t2d.npy", t2d.numpy())
+    return {
+        "verifier": str(data.folder),
+        "train_sequences": len(data.train),
+        "held_out_sequences": len(data.held),
+        "train_tokens": sum(len(s.tokens) for s in data.train),
+        "train_response_tokens": sum(int(s.response_mask().sum()) for s in data.train),
+        "draft_vocab_size": len(d2t),
+        # speculators (like vLLM) names a feature by the layer it is the input of: output i = input i + 1
+        "aux_layer_ids": [i + 1 for i in data.layer_ids],
+        "teacher_label_mismatch": f"{mismatched}/{checked}",
+        "unseen_prompt_ids": [s.tokens[: s.prompt_len].tolist() for s in data.unseen],
+        "end_ids": sorted(_end_ids(loaded, data.folder)),
+    }
+
+
+def _end_ids(loaded, folder: Path) -> set[int]:
+    from transformers import AutoTokenizer
+
+    from trtspec.speculative.requests import end_token_ids
+
+    tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=loaded.spec.target.trust_remote_code)
+    return set(end_token_ids(tok, folder))
+
+
+def speculators_hyperparameters(exported: dict, epochs: int, ttt_steps: int) -> tuple[list[str], dict]:
+    """speculators train's arguments and what each departure from its defaults is for."""
+    args = {
+        "--speculator-type": "eagle3",
+        "--draft-attn-impl": "sdpa",  # FlexAttention has no CPU backward
+        "--loss-implementation": "eager",  # the fused loss is a Triton kernel
+        "--d2t-path": "d2t.npy",  # the same draft vocabulary as trtspec's head
+        "--t2d-path": "t2d.npy",
+        "--epochs": str(epochs),  # the CPU budget (speculators' default: 20)
+        "--ttt-steps": str(ttt_steps),
+        "--num-workers": "0",  # 2 cores: no dataloader processes
+        "--hidden-states-path": "hidden_states",
+        "--on-missing": "raise",  # no vLLM server to make missing hidden states
+        # the training rows first, trtspec's held-out ones last: the same sequences train
+        "--train-data-ratio": f"{(exported['train_sequences'] + 0.5) / (exported['train_sequences'] + exported['held_out_sequences']):.6f}",
+        "--logger": "",
+    }
+    why = {
+        "draft_attn_impl": "sdpa: FlexAttention has no CPU backward",
+        "loss_implementation": "eager: the fused loss needs Triton (GPU)",
+        "draft_vocab": f"trtspec's head's {exported['draft_vocab_size']} ids (d2t/t2d): the same draft vocabulary",
+        "target_layer_ids": f"{exported['aux_layer_ids']}: the layers trtspec's head reads",
+        "epochs": f"{epochs} (default 20): the CPU budget",
+        "num_workers": "0 (default 12): 2 cores",
+        "train_data_ratio": "the training sequences train, trtspec's held-out prompts validate (default 0.9 of the rows)",
+        "defaults kept": "lr 1e-3, Muon + AdamW, linear schedule with 1% warmup, grad clip 1.0, KL loss, "
+        f"{ttt_steps} TTT steps (decay 1.0), norms before fc and on the output, frozen embeddings, 1 layer",
+    }
+    argv = [x for k, v in args.items() if v != "" for x in (k, v)]
+    return argv + ["--target-layer-ids", *map(str, exported["aux_layer_ids"])], why  # the same layers
+
+
+def train_speculators(python: Path, data: Path, exported: dict, epochs: int, ttt_steps: int, log: Path) -> dict:
+    """speculators' head in data/speculators-head; its CPU seconds."""
+    subprocess.run([str(python), str(SPECULATORS_CPU), "prepare", str(data / "rows.jsonl"), str(data / "arrow")], check=True)
+    args, why = speculators_hyperparameters(exported, epochs, ttt_steps)
+    args = [str(data / a) if a.endswith(".npy") or a == "hidden_states" else a for a in args]
+    save = data / "speculators-head"
+    cmd = [str(python), str(SPECULATORS_CPU), "train", "--verifier-name-or-path", exported["verifier"]]
+    cmd += ["--data-path", str(data / "arrow"), "--save-path", str(save), *args]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.monotonic()
+    with open(log, "w", encoding="utf-8") as f:
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if rc != 0:
+        raise SystemExit(f"speculators train exited {rc}; see {log}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {
+        "head": str(_last_checkpoint(save)),
+        "cpu_s": round(cpu, 1),
+        "wall_s": round(time.monotonic() - t0, 1),
+        "hyperparameters": why,
+    }
+
+
+def _last_checkpoint(save: Path) -> Path:
+    """The folder of the last epoch's checkpoint (the one holding config.json)."""
+    found = sorted((p.parent for p in save.rglob("config.json")), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise SystemExit(f"speculators wrote no checkpoint under {save}")
+    return found[-1]
+
+
+def score_vllm(python: Path, target: str, head: Path, exported: dict, k: int, max_tokens: int, log: Path) -> dict:
+    """Acceptance of ``head`` in vLLM on the unseen prompts, greedy, k drafts per step."""
+    from peers import VllmWorker, vllm_env
+
+    load = {
+        "model": target,
+        "dtype": "float32",
+        "max_model_len": max(map(len, exported["unseen_prompt_ids"])) + max_tokens + k + 8,
+        "max_num_seqs": 1,
+        "enable_prefix_caching": False,
+        "speculative": {"method": "eagle3", "model": str(head), "num_speculative_tokens": k},
+    }
+    worker = VllmWorker(python, VLLM_PEER, load, vllm_env(1), log)
+    total = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": [0] * k}
+    try:
+        for ids in exported["unseen_prompt_ids"]:  # one at a time: the counters are per call
+            answer = worker.call(
+                {"op": "generate", "prompts": [ids], "max_tokens": max_tokens, "stop_token_ids": exported["end_ids"]}
+            )
+            spec = answer["spec"]
+            for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+                total[key] += spec[key]
+            for j, a in enumerate(spec["accepted_per_pos"][:k]):
+                total["accepted_per_pos"][j] += a
+    finally:
+        worker.close()
+    drafts = max(1, total["num_drafts"])
+    alive = [drafts] + total["accepted_per_pos"][:-1]
+    return {
+        "k": k,
+        "acceptance": round(total["num_accepted_tokens"] / max(1, total["num_draft_tokens"]), 3),
+        "acceptance_length": round(1 + total["num_accepted_tokens"] / drafts, 3),
+        "per_position": [round(a / n, 3) if n else 0.0 for a, n in zip(total["accepted_per_pos"], alive)],
+        "counters": total,
+    }
+
+
+def trtspec_figures(head: Path) -> dict:
+    from trtspec.distill.heads import HEAD_MANIFEST
+
+    m = json.loads((head / HEAD_MANIFEST).read_text())
+    metrics = m["metrics"]
+    return {
+        "k1_acceptance": round(metrics["unseen_accepted"][0], 3),
+        "acceptance_length_k3": round(metrics["unseen_acceptance_length"], 3),
+        "per_position": [round(a, 3) for a in metrics["unseen_accepted"]],
+        "steps": m["steps"],
+        "train_cpu_s": m.get("train_cpu_s"),
+        "options": {
+            k: m["options"][k]
+            for k in ("lr", "batch_size", "ttt_steps", "labels", "step_decay", "ttt_phase", "feature_noise")
+            if k in m["options"]
+        },
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("spec", type=Path)
+    ap.add_argument("--head", type=Path, required=True, help="a head trtspec distill wrote for SPEC (its data is reused)")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "distill-peers")
+    ap.add_argument("--epochs", type=int, default=4, help="speculators' epochs (the CPU budget; its default is 20)")
+    ap.add_argument("--ttt-steps", type=int, default=3, help="speculators' TTT steps (its default 3)")
+    ap.add_argument("--speculators-python", type=Path, default=SPECULATORS_PY)
+    ap.add_argument("--vllm-python", type=Path, default=VLLM_PY)
+    ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM scoring")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args()
+    out = args.out.resolve()
+    head = args.head.resolve()
+    data = out / "speculators-data"
+    data.mkdir(parents=True, exist_ok=True)
+    for python, what in ((args.speculators_python, "speculators (make distill-peers)"), (args.vllm_python, "vLLM (make vllm)")):
+        if not python.is_file() and not (args.no_vllm and "vLLM" in what):
+            raise SystemExit(f"Error: no Python environment for {what} at {python}")
+    print("exporting the head's training data in speculators' format ...", flush=True)
+    exported = export(args.spec.resolve(), head, data)
+    (out / "exported.json").write_text(
+        json.dumps({k: v for k, v in exported.items() if k != "unseen_prompt_ids"}, indent=2) + "\n"
+    )
+    print("training speculators' EAGLE-3 head ...", flush=True)
+    spec_run = train_speculators(
+        args.speculators_python, data, exported, args.epochs, args.ttt_steps, out / "speculators-train.log"
+    )
+    heads = {"trtspec": head, "speculators": Path(spec_run["head"])}
+    result = {
+        "command": command_line("distill_peers.py"),
+        "data": {k: v for k, v in exported.items() if k not in ("unseen_prompt_ids", "end_ids")},
+        "unseen_prompts": len(exported["unseen_prompt_ids"]),
+        "trtspec": {"head": str(head), "scored_by_trtspec": trtspec_figures(head)},
+        "speculators": {**spec_run, "scored_by_trtspec": None},  # trtspec's runtime has no norm_before_fc / norm_output
+        "time": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
+    }
+    (out / "distill-peers.json").write_text(json.dumps(result, indent=2) + "\n")
+    if not args.no_vllm:
+        for name, h in heads.items():
+            result[name]["scored_by_vllm"] = [
+                score_vllm(args.vllm_python, exported["verifier"], h, exported, k, args.max_tokens, out / f"vllm-{name}-k{k}.log")
+                for k in (1, 3)
+            ]
+            (out / "distill-peers.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""bench/distill_peers.py on a tiny target: a distilled head's own data exported in speculators'
+offline format (the same sequences, layers and draft vocabulary, the teacher's layer checked),
+speculators' trainer run on it on the CPU (where its environment exists), and its head scored
+in vLLM (where that environment exists too)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import write_spec
+from safetensors.torch import load_file
+from test_distill import PROMPTS
+from test_vllm_head import vllm_tiny_target
+
+import distill_peers
+from trtspec.distill.data import collate
+from trtspec.distill.run import DistillOptions, distill, prepare, work_folder
+from trtspec.spec import load_spec
+
+SPECULATORS_PY = distill_peers.SPECULATORS_PY
+VLLM_PY = distill_peers.VLLM_PY
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A head distilled for the tiny target, and its data exported for speculators."""
+    folder = tmp_path_factory.mktemp("peers")
+    target = vllm_tiny_target(folder / "target")
+    spec = write_spec(folder, {"target": target, "head": folder / "head"}, "head", **{"speculative.method": "eagle3"})
+    prompts = folder / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    opts = DistillOptions(prompts=prompts, max_steps=4, eval_every=2, max_tokens=16, draft_vocab=150, batch_size=4, gen_batch=4)
+    distill(load_spec(spec), opts)
+    out = folder / "out"
+    return spec, folder / "head", out, distill_peers.export(spec, folder / "head", out)
+
+
+def test_the_export_is_the_heads_own_data_in_speculators_format(exported):
+    spec, head, out, info = exported
+    opts = distill_peers.distill_options(head)
+    data = prepare(load_spec(spec), opts, work_folder(head))
+    seqs = data.train + data.held
+    rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
+    assert info["train_sequences"] == len(data.train) and info["held_out_sequences"] == len(data.held) == 1
+    assert len(rows) == len(seqs) and len(list((out / "hidden_states").iterdir())) == len(seqs)
+    manifest = json.loads((head / "trtspec-head.json").read_text())
+    assert info["aux_layer_ids"] == [i + 1 for i in manifest["layer_ids"]]  # input-of-layer ids
+    assert info["teacher_label_mismatch"].startswith("0/")
+    for i, (s, row) in enumerate(zip(seqs, rows)):
+        assert row["input_ids"] == s.tokens.tolist()
+        assert row["loss_mask"] == s.response_mask().long().tolist()
+        hs = load_file(str(out / "hidden_states" / f"hs_{i}.safetensors"))
+        assert torch.equal(hs["token_ids"], s.tokens)
+        t = len(s.tokens)
+        assert (
+            hs["hidden_states"].shape == (t, len(manifest["layer_ids"]) + 1, 64) and hs["hidden_states"].dtype == torch.bfloat16
+        )
+        # the head's layers as distill captured them (bfloat16 rounding)
+        stored = collate([s], t, data.store).features[0].view(t, len(manifest["layer_ids"]), 64)
+        assert torch.allclose(hs["hidden_states"][:, :-1].float(), stored.float(), atol=0.02, rtol=0.01)
+    d2t = load_file(str(head / "model.safetensors"))["d2t"]
+    assert np.array_equal(np.load(out / "d2t.npy"), d2t.numpy())
+    t2d = np.load(out / "t2d.npy")
+    assert t2d.dtype == bool and t2d.sum() == len(d2t) and t2d[(d2t + torch.arange(len(d2t))).numpy()].all()
+
+
+def _speculators_missing() -> str | None:
+    return None if SPECULATORS_PY.is_file() else f"no speculators environment at {SPECULATORS_PY} (make speculators)"
+
+
+@pytest.fixture(scope="module")
+def trained(exported):
+    missing = _speculators_missing()
+    if missing:
+        pytest.skip(missing)
+    spec, head, out, info = exported
+    run = distill_peers.train_speculators(SPECULATORS_PY, out, info, epochs=1, ttt_steps=3, log=out / "train.log")
+    return run, info
+
+
+def test_speculators_trains_on_the_same_data_layers_and_draft_vocabulary(trained, exported):
+    run, info = trained
+    head = exported[1]
+    cfg = json.loads((distill_peers.Path(run["head"]) / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["draft_vocab_size"] == info["draft_vocab_size"]
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == info["aux_layer_ids"]
+    weights = load_file(str(distill_peers.Path(run["head"]) / "model.safetensors"))
+    assert torch.equal(weights["d2t"].long(), load_file(str(head / "model.safetensors"))["d2t"].long())
+    assert run["cpu_s"] > 0 and "epochs" in run["hyperparameters"]
+
+
+@pytest.mark.vllm
+def test_vllm_scores_the_peer_head_on_the_unseen_prompts(trained, exported, tmp_path):
+    if not VLLM_PY.is_file():
+        pytest.skip(f"no vLLM environment at {VLLM_PY} (make vllm)")
+    run, info = trained
+    got = distill_peers.score_vllm(VLLM_PY, info["verifier"], distill_peers.Path(run["head"]), info, 1, 16, tmp_path / "vllm.log")
+    c = got["counters"]
+    assert c["num_drafts"] > 0 and c["num_draft_tokens"] == c["num_drafts"]  # k=1: one draft a step
+    assert got["acceptance"] == round(c["num_accepted_tokens"] / c["num_draft_tokens"], 3)
