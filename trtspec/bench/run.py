@@ -4,16 +4,20 @@ repository), measure, and return the report; the CLI only parses and prints."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trtspec import console, machine
 from trtspec.bench import measure as m
 from trtspec.bench.neighbour import busy_neighbours
 from trtspec.errors import RequestError
+from trtspec.flags import Flag
 from trtspec.spec import LoadedSpec
 from trtspec.speculative.llmapi import DOUBLE, TENSORRT_LLM
 from trtspec.speculative.requests import draft_tokens
+from trtspec.triton.client import parse_url
 
 
 def int_list(text: str, what: str) -> list[int]:
@@ -30,50 +34,149 @@ def int_list(text: str, what: str) -> list[int]:
         raise RequestError(f"{what} '{text}' is not a list like '1,2,4' or a range like '1-8'") from None
 
 
-@dataclass
-class BenchOptions:
-    prompts: list[str]
-    max_tokens: int
-    k: int | None  # the main comparison's draft length; None: the spec's (speculative.requests)
-    sweep: list[int]
-    concurrency: list[int]
-    rounds: int = 1
-    url: str | None = None  # HOST:PORT of a served repository; None: in process
+class BenchOptions(BaseModel):
+    """What `trtspec bench` is asked, each option declared here once (the CLI's flags are built
+    from the flagged fields: trtspec/cli/options.py). ``for_spec`` fills what the spec decides."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+    prompts: Annotated[
+        list[str] | None, Flag("Prompt (repeatable); default: the spec's verify prompts.", short="-p", name="--prompt")
+    ] = None
+    prompts_file: Annotated[Path | None, Flag('JSONL file of {"prompt": ...}.')] = None
+    max_tokens: Annotated[int | None, Field(ge=1), Flag("Tokens per request (default: verify.max_tokens).")] = None
+    # the main comparison's draft length; None: the spec's (speculative.requests)
+    k: Annotated[
+        int | None, Flag("Draft length for the main comparison (default: the spec's).", short="-k", name="--num-draft-tokens")
+    ] = None
+    sweep: Annotated[
+        list[int] | None,
+        Flag("Draft lengths to sweep, e.g. 1-8 or 2,4,6; 'none' to skip (default 1-8; none for llmapi).", text=True),
+    ] = None
+    concurrency: Annotated[
+        list[int] | None,
+        Flag("Concurrency levels (default 1,2,4 in process; 1,2,4,8 with --url).", short="-c", text=True),
+    ] = None
+    rounds: Annotated[int, Field(ge=1), Flag("Repeat the interleaved main comparison.")] = 1
+    url: Annotated[
+        str | None,
+        Flag("A running `trtspec serve` at HOST:PORT (its gRPC port, e.g. 127.0.0.1:8001) instead of in process."),
+    ] = None
+    methods: Annotated[
+        list[str] | None,
+        Flag(
+            "Also compare drafting methods over the same target, e.g. eagle3,draft_target,ngram "
+            "(in process; target-only is always included).",
+            text=True,
+        ),
+    ] = None
+    methods_prompts: Annotated[
+        list[Path] | None,
+        Flag(
+            "A JSONL prompt set to compare --methods on, reported as its own set (repeatable; "
+            "default: the bench's prompts), e.g. bench/prompts.jsonl and bench/repeat_prompts.jsonl."
+        ),
+    ] = None
+    draft_from: Annotated[
+        Path | None,
+        Flag("A built spec with the same target weights whose draft (engine or EAGLE-3 head) supplies a method this spec lacks."),
+    ] = None
+    schedule: Annotated[
+        bool,
+        Flag(
+            "Also measure tokens/s for each --sweep k and target-only at each --concurrency, and "
+            "recommend a load-aware schedule (speculative.schedule; TensorRT-LLM and vLLM shapes too)."
+        ),
+    ] = False
+    trees: Annotated[
+        bool,
+        Flag(
+            "Also measure acceptance per draft-tree node (a wide probe tree) and the verify cost of n "
+            "nodes, and recommend a tree or a chain by expected tokens per second, timed against the best "
+            "chain (in process; methods draft_target and eagle3)."
+        ),
+    ] = False
+    neighbours: Annotated[
+        int,
+        Field(ge=0),
+        Flag(
+            "Measure beside N busy processes (one core each), as on a shared machine; the machine line says so.",
+            name="--neighbour",
+        ),
+    ] = 0
     llmapi_impl: str = TENSORRT_LLM  # trtllm.runtime llmapi in process: the library or DOUBLE
-    methods: list[str] = field(default_factory=list)  # also compare these drafting methods (in process)
-    # The prompt sets the methods are compared on, each reported on its own: (name, prompts).
-    # Empty: the bench's own prompts, as one set.
-    method_prompts: list[tuple[str, list[str]]] = field(default_factory=list)
-    draft_from: LoadedSpec | None = None  # the source of a method that is not the spec's own
-    schedule: bool = False  # also the k x concurrency grid and a recommended schedule (in process)
-    neighbours: int = 0  # busy processes beside the measurement, one core each (bench/neighbour.py)
-    trees: bool = False  # also choose a draft tree from measured node acceptance and verify costs (in process)
+    # Filled by for_spec: the prompt sets --methods compares on, (name, prompts), and the spec
+    # --draft-from names.
+    method_sets: list[tuple[str, list[str]]] = []
+    draft_spec: LoadedSpec | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        return parse_url(v)
+
+    @field_validator("sweep", "concurrency", mode="before")
+    @classmethod
+    def _ints(cls, v, info):
+        return int_list(v, "--" + info.field_name) if isinstance(v, str) else v
+
+    @field_validator("methods", mode="before")
+    @classmethod
+    def _names(cls, v):
+        return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _in_process_only(self) -> BenchOptions:
+        if self.methods_prompts and not self.methods:
+            raise RequestError("--methods-prompts chooses the prompts --methods compares on; add --methods (e.g. suffix,ngram)")
+        if self.url is None:
+            return self
+        if self.schedule:
+            raise RequestError(
+                "--schedule measures the k x concurrency grid in process (a served deployment applies "
+                "its own schedule); drop --url, then put the recommendation in speculative.schedule and serve"
+            )
+        if self.trees:
+            raise RequestError(
+                "--trees measures acceptance per tree node and verify costs in process; drop --url, then put "
+                "the recommended speculative.tree in the spec and serve"
+            )
+        if self.methods or self.draft_from:
+            raise RequestError(
+                "--methods compares drafters over one target in process; drop --url (a served repository runs one method)"
+            )
+        return self
+
+    def for_spec(self, loaded: LoadedSpec) -> BenchOptions:
+        """Every value the spec or the mode decides, filled in: prompts, tokens, sweep,
+        concurrency, the methods' prompt sets and the --draft-from spec."""
+        from trtspec.spec import load_spec, read_prompts
+
+        llmapi = loaded.spec.backend == "trtllm" and loaded.spec.trtllm.runtime == "llmapi"
+        prompts = list(self.prompts or []) + (read_prompts(self.prompts_file) if self.prompts_file else [])
+        default_sweep = [] if llmapi else list(range(1, 9))
+        return self.model_copy(
+            update={
+                "prompts": prompts or loaded.verify_prompts(),
+                "max_tokens": self.max_tokens or loaded.spec.verify.max_tokens,
+                "sweep": default_sweep if self.sweep is None else self.sweep,
+                "concurrency": self.concurrency if self.concurrency is not None else [1, 2, 4, 8] if self.url else [1, 2, 4],
+                "methods": self.methods or [],
+                "method_sets": [(f.stem, read_prompts(f, "--methods-prompts")) for f in self.methods_prompts or []],
+                "draft_spec": load_spec(self.draft_from) if self.draft_from else None,
+            }
+        )
 
 
 def run(
     loaded: LoadedSpec, engines_dir: Path, opts: BenchOptions, progress: Callable[[str], None] | None = None
 ) -> tuple[m.BenchReport, bool]:
     """Measure; returns the report and whether Ctrl-C cut it short (what was measured stays)."""
+    opts = opts.for_spec(loaded)
     if not opts.prompts:
         raise RequestError("no prompts: add verify.prompts to the spec or pass --prompt/--prompts-file")
-    opts = replace(opts, k=draft_tokens(opts.k, loaded.spec.speculative.default_draft_tokens))
+    opts = opts.model_copy(update={"k": draft_tokens(opts.k, loaded.spec.speculative.default_draft_tokens)})
     m.validate_args(opts.k, opts.sweep, opts.concurrency, loaded.spec.speculative.max_draft_len)
-    if opts.schedule and opts.url:
-        raise RequestError(
-            "--schedule measures the k x concurrency grid in process (a served deployment applies "
-            "its own schedule); drop --url, then put the recommendation in speculative.schedule and serve"
-        )
-    if opts.method_prompts and not opts.methods:
-        raise RequestError("--methods-prompts chooses the prompts --methods compares on; add --methods (e.g. suffix,ngram)")
-    if opts.trees and opts.url:
-        raise RequestError(
-            "--trees measures acceptance per tree node and verify costs in process; drop --url, then put "
-            "the recommended speculative.tree in the spec and serve"
-        )
-    if (opts.methods or opts.draft_from) and opts.url:
-        raise RequestError(
-            "--methods compares drafters over one target in process; drop --url (a served repository runs one method)"
-        )
     if loaded.spec.backend == "trtllm" and loaded.spec.trtllm.runtime == "llmapi" and not opts.url:
         return _run_llmapi(loaded, engines_dir, opts, progress)
     if opts.url:
@@ -101,7 +204,7 @@ def run(
     if opts.methods:
         from trtspec.bench.methods import method_set
 
-        methods = method_set(dep, opts.methods, opts.k, opts.draft_from)
+        methods = method_set(dep, opts.methods, opts.k, opts.draft_spec)
     try:
         with busy_neighbours(opts.neighbours):
             m.run_bench(
@@ -132,7 +235,7 @@ def _compare(dep, methods, opts: BenchOptions, report: m.BenchReport, progress) 
     from trtspec.bench.methods import compare_methods, methods_table
 
     report.methods = []
-    for name, prompts in opts.method_prompts or [("prompts", opts.prompts)]:
+    for name, prompts in opts.method_sets or [("prompts", opts.prompts)]:
         requests = [dep.request(dep.encode(p), opts.max_tokens, 0) for p in prompts]
         say = (lambda s, n=name: progress(f"{n}: {s}")) if progress else (lambda s: None)
         stats = compare_methods(dep.verifier(), methods.drafters, requests, methods.forget, opts.rounds, say)
@@ -145,7 +248,7 @@ def _run_llmapi(loaded: LoadedSpec, engines_dir: Path, opts: BenchOptions, progr
     from trtspec.runtime import LlmapiDeployment
 
     k = loaded.spec.speculative.max_draft_len
-    if opts.sweep or opts.methods or opts.draft_from or opts.trees:
+    if opts.sweep or opts.methods or opts.draft_spec or opts.trees:
         raise RequestError(
             "an llmapi build drafts a fixed k (speculative_config.max_draft_len) and one method: "
             "pass --sweep none and no --methods/--draft-from/--trees"

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from trtspec import console
+from trtspec.bench.run import BenchOptions
 from trtspec.cli.common import (
     DeviceOpt,
     JsonFileOpt,
@@ -15,89 +16,22 @@ from trtspec.cli.common import (
     LlmapiOpt,
     OutputOpt,
     SpecArg,
-    UrlOpt,
     handle_errors,
     with_device,
 )
+from trtspec.cli.options import declared
 from trtspec.cli.output import emit
 from trtspec.errors import EXIT_INTERRUPTED
-from trtspec.spec import load_spec, read_prompts
+from trtspec.spec import load_spec
 from trtspec.speculative.llmapi import TENSORRT_LLM
-from trtspec.triton.client import parse_url
 
 
 @handle_errors
+@declared(BenchOptions)
 def bench(
     spec: SpecArg,
+    opts: BenchOptions,
     output: OutputOpt = None,
-    url: UrlOpt = None,
-    prompt: Annotated[
-        list[str] | None, typer.Option("--prompt", "-p", help="Prompt (repeatable); default: the spec's verify prompts.")
-    ] = None,
-    prompts_file: Annotated[Path | None, typer.Option("--prompts-file", help='JSONL file of {"prompt": ...}.')] = None,
-    max_tokens: Annotated[
-        int | None, typer.Option("--max-tokens", min=1, help="Tokens per request (default: verify.max_tokens).")
-    ] = None,
-    k: Annotated[
-        int | None, typer.Option("--num-draft-tokens", "-k", help="Draft length for the main comparison (default: the spec's).")
-    ] = None,
-    sweep: Annotated[
-        str | None,
-        typer.Option("--sweep", help="Draft lengths to sweep, e.g. 1-8 or 2,4,6; 'none' to skip (default 1-8; none for llmapi)."),
-    ] = None,
-    concurrency: Annotated[
-        str | None, typer.Option("--concurrency", "-c", help="Concurrency levels (default 1,2,4 in process; 1,2,4,8 with --url).")
-    ] = None,
-    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Repeat the interleaved main comparison.")] = 1,
-    methods: Annotated[
-        str | None,
-        typer.Option(
-            "--methods",
-            help="Also compare drafting methods over the same target, e.g. eagle3,draft_target,ngram "
-            "(in process; target-only is always included).",
-        ),
-    ] = None,
-    methods_prompts: Annotated[
-        list[Path] | None,
-        typer.Option(
-            "--methods-prompts",
-            help="A JSONL prompt set to compare --methods on, reported as its own set (repeatable; "
-            "default: the bench's prompts), e.g. bench/prompts.jsonl and bench/repeat_prompts.jsonl.",
-        ),
-    ] = None,
-    draft_from: Annotated[
-        Path | None,
-        typer.Option(
-            "--draft-from",
-            help="A built spec with the same target weights whose draft (engine or EAGLE-3 head) "
-            "supplies a method this spec lacks.",
-        ),
-    ] = None,
-    schedule: Annotated[
-        bool,
-        typer.Option(
-            "--schedule",
-            help="Also measure tokens/s for each --sweep k and target-only at each --concurrency, and "
-            "recommend a load-aware schedule (speculative.schedule; TensorRT-LLM and vLLM shapes too).",
-        ),
-    ] = False,
-    trees: Annotated[
-        bool,
-        typer.Option(
-            "--trees",
-            help="Also measure acceptance per draft-tree node (a wide probe tree) and the verify cost of n "
-            "nodes, and recommend a tree or a chain by expected tokens per second, timed against the best "
-            "chain (in process; methods draft_target and eagle3).",
-        ),
-    ] = False,
-    neighbour: Annotated[
-        int,
-        typer.Option(
-            "--neighbour",
-            min=0,
-            help="Measure beside N busy processes (one core each), as on a shared machine; the machine line says so.",
-        ),
-    ] = 0,
     out: Annotated[
         Path | None, typer.Option("--out", help="Folder for bench.json and plots (default bench/results/<name>).")
     ] = None,
@@ -128,27 +62,7 @@ def bench(
     from trtspec.bench import plot, render, run
 
     loaded = with_device(load_spec(spec), device)
-    url = parse_url(url)
-    llmapi_spec = loaded.spec.backend == "trtllm" and loaded.spec.trtllm.runtime == "llmapi"
-    prompts = list(prompt or [])
-    if prompts_file:
-        prompts += read_prompts(prompts_file)
-    opts = run.BenchOptions(
-        prompts=prompts or loaded.verify_prompts(),
-        max_tokens=max_tokens or loaded.spec.verify.max_tokens,
-        k=k,
-        sweep=run.int_list(sweep if sweep is not None else ("none" if llmapi_spec else "1-8"), "--sweep"),
-        concurrency=run.int_list(concurrency if concurrency is not None else ("1,2,4,8" if url else "1,2,4"), "--concurrency"),
-        rounds=rounds,
-        url=url,
-        methods=[x.strip() for x in methods.split(",") if x.strip()] if methods else [],
-        method_prompts=[(f.stem, read_prompts(f, "--methods-prompts")) for f in methods_prompts or []],
-        draft_from=load_spec(draft_from) if draft_from else None,
-        llmapi_impl=llmapi_impl,
-        schedule=schedule,
-        neighbours=neighbour,
-        trees=trees,
-    )
+    opts = opts.model_copy(update={"llmapi_impl": llmapi_impl})
     with console.err.status("benchmarking") as status:
         report, interrupted = run.run(
             loaded, loaded.output_dir(output), opts, progress=lambda s: status.update(f"benchmarking: {s}")
