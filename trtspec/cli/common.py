@@ -47,12 +47,6 @@ DeviceOpt = Annotated[
         show_default=False,
     ),
 ]
-UrlOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--url", help="A running `trtspec serve` at HOST:PORT (its gRPC port, e.g. 127.0.0.1:8001) instead of in process."
-    ),
-]
 
 
 def with_device(loaded: LoadedSpec, device: str | None) -> LoadedSpec:
