@@ -17,7 +17,7 @@ from trtspec.flags import Flag
 from trtspec.spec import LoadedSpec
 from trtspec.speculative.llmapi import DOUBLE, TENSORRT_LLM
 from trtspec.speculative.requests import draft_tokens
-from trtspec.triton.client import parse_url
+from trtspec.triton.client import URL_HELP, parse_url
 
 
 def int_list(text: str, what: str) -> list[int]:
@@ -60,7 +60,7 @@ class BenchOptions(BaseModel):
     rounds: Annotated[int, Field(ge=1), Flag("Repeat the interleaved main comparison.")] = 1
     url: Annotated[
         str | None,
-        Flag("A running `trtspec serve` at HOST:PORT (its gRPC port, e.g. 127.0.0.1:8001) instead of in process."),
+        Flag(URL_HELP),
     ] = None
     methods: Annotated[
         list[str] | None,

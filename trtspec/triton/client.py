@@ -19,6 +19,8 @@ from trtspec.speculative.loop import PathRun
 from trtspec.speculative.metrics import metrics_from_json
 from trtspec.triton.request import infer_inputs
 
+URL_HELP = "A running `trtspec serve` at HOST:PORT (its gRPC port, e.g. 127.0.0.1:8001) instead of in process."
+
 
 def parse_url(url: str | None) -> str | None:
     """Check --url: HOST:PORT of a gRPC endpoint, no scheme; RequestError names the fix."""

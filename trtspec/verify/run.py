@@ -17,7 +17,7 @@ from trtspec.spec import LoadedSpec
 from trtspec.speculative.llmapi import TENSORRT_LLM
 from trtspec.speculative.requests import draft_tokens
 from trtspec.speculative.sampling import SamplingParams
-from trtspec.triton.client import parse_url
+from trtspec.triton.client import URL_HELP, parse_url
 from trtspec.verify import html_report
 from trtspec.verify.acceptance import GateResult, identity, load_baseline, parse_fraction
 from trtspec.verify.acceptance import check as check_acceptance
@@ -46,7 +46,7 @@ class VerifyOptions(BaseModel):
     )
     url: Annotated[
         str | None,
-        Flag("A running `trtspec serve` at HOST:PORT (its gRPC port, e.g. 127.0.0.1:8001) instead of in process."),
+        Flag(URL_HELP),
     ] = None
     stream: Annotated[bool, Flag("With --url: take the speculative path from the streaming endpoint.")] = False
     fail_on: Annotated[
