@@ -630,3 +630,31 @@ def test_tree_nodes_keep_a_sliding_window_by_their_positions(dep, monkeypatch):
         (chain,) = eng.run([ForwardItem(ctx + [TREE.tokens[i] for i in TREE.path(node)], 1)])
         torch.testing.assert_close(tree_logits[node + 1], chain[0], rtol=1e-4, atol=1e-4)
     eng.forget_prefixes()
+
+
+def test_a_growing_tree_reuses_the_nodes_already_scored(dep, monkeypatch):
+    """A drafter grows a tree a depth at a time: the engine computes only the new nodes (the
+    first ones are the tree it holds after the same context), with the logits of a fresh run."""
+    eng = dep.target
+    ctx = _seq(16, 6)
+    eng.forget_prefixes()
+    eng.run([ForwardItem(ctx, 1)])
+    eng.run([ForwardItem(ctx + list(TREE.tokens[:2]), 2, TREE.parents[:2])])  # depth 1
+    widths = []
+    real = eng.model.hidden_states
+
+    def spy(step, *a, **kw):
+        widths.append(step.tokens.shape[1])
+        return real(step, *a, **kw)
+
+    monkeypatch.setattr(eng.model, "hidden_states", spy)
+    (grown,) = eng.run([ForwardItem(ctx + list(TREE.tokens), 4, TREE.parents)])
+    assert widths == [4]  # the four deeper nodes only
+    eng.forget_prefixes()
+    (fresh,) = eng.run([ForwardItem(ctx + list(TREE.tokens), 4, TREE.parents)])
+    assert widths[-1] == len(ctx) + len(TREE)
+    torch.testing.assert_close(grown, fresh, rtol=1e-4, atol=1e-4)
+    # Another tree after the same context shares no nodes: computed whole.
+    other = DraftTree((12, 11), (ROOT, ROOT), (0, 1))
+    eng.run([ForwardItem(ctx + list(other.tokens), 3, other.parents)])
+    assert widths[-1] == len(other) + 1

@@ -281,6 +281,18 @@ class TorchEngine:
                 f"{len(it.tokens) - len(tree)} tokens + a draft tree {max(depths)} deep exceed max_seq_len {self.max_seq_len}"
             )
 
+    def _tree_kept(self, slot: int, it: ForwardItem, before: int) -> int:
+        """How many of ``it``'s first tree nodes the slot holds already: its pending tree, scored
+        after the same ``before`` tokens, when that tree is the start of this one."""
+        pending = self.pool.trees[slot]
+        if it.tree is None or pending is None or self.pool.tokens[slot] != it.tokens[:before]:
+            return 0
+        toks, parents = pending
+        m = len(toks)
+        if m > len(it.tree) or it.tokens[before : before + m] != toks or list(it.tree[:m]) != list(parents):
+            return 0
+        return m
+
     def _settle_trees(self, seqs: list[list[int]]) -> None:
         """Where a sequence continues along a path of a slot's pending draft tree, move that
         path's K/V (and features) into the rows right after the slot's tokens and hold them as
@@ -304,16 +316,20 @@ class TorchEngine:
                 break
 
     def _run_locked(self, items: list[ForwardItem]) -> list[torch.Tensor]:
-        if any(t is not None for t in self.pool.trees):
-            self._settle_trees([it.tokens for it in items])
+        if any(t is not None for t in self.pool.trees):  # a tree item's own context may follow a path
+            self._settle_trees([it.tokens[: len(it.tokens) - len(it.tree or ())] for it in items])
         assigned = self.pool.assign([it.tokens for it in items])
         self.last_use = [(reuse, len(self.pool.tokens[slot])) for slot, reuse in assigned]
         starts = []
-        for it, (_, reuse) in zip(items, assigned):
-            # Positions that need logits must be computed now, even if already cached; a tree
-            # is always computed whole (its nodes are not a prefix of anything cached).
+        for it, (slot, reuse) in zip(items, assigned):
+            # Positions that need logits must be computed now, even if already cached. A tree's
+            # nodes are no prefix of anything cached, except the first ones of a tree the slot
+            # holds after the same tokens (a drafter growing a tree a depth at a time).
             before = len(it.tokens) - (len(it.tree) if it.tree is not None else 0)
-            starts.append(min(reuse, len(it.tokens) - it.n_logits, before))
+            kept = self._tree_kept(slot, it, before)
+            starts.append(
+                min(reuse, len(it.tokens) - it.n_logits, before) if not kept else min(before + kept, len(it.tokens) - it.n_logits)
+            )
         # K/V beyond each start is about to be overwritten: until the forward succeeds the slot
         # holds only the prefix, so a failed forward never leaves half-written K/V reusable.
         for (slot, _), start in zip(assigned, starts):
@@ -363,9 +379,12 @@ class TorchEngine:
             if it.tree is not None:
                 before = len(it.tokens) - len(it.tree)
                 depths, ancestors = tree_layout(list(it.tree))
+                first_node = max(start - before, 0)  # nodes before it are cached already
+                first = max(before - start, 0)  # its row among this forward's tokens
                 # Positions by depth: node i is where it would sit in its own path's sequence.
-                positions[row, before - start : len(new)] = torch.tensor(depths) + (before - 1)
-                trees.append((row, before, before - start, ancestors))
+                at = torch.tensor(depths) + (before - 1)  # [n]
+                positions[row, first : len(new)] = at[first_node:]
+                trees.append((row, before, first, ancestors[first_node:], at))
             rows.append((slot, start, len(new)))
         # Filled on the CPU row by row, copied to the engine's device once (no copy on CPU).
         tokens, positions = tokens.to(self.device), positions.to(self.device)
@@ -379,19 +398,20 @@ class TorchEngine:
             allowed = keys.view(1, 1, span) <= positions.unsqueeze(-1)  # [b, q, S]
             if window is not None:
                 allowed &= keys.view(1, 1, span) > positions.unsqueeze(-1) - window
-            for row, before, first, ancestors in trees:
+            for row, before, first, ancestors, at in trees:
                 # A tree node sees the context and its own ancestors' cache rows only (within
                 # the window, by position: a node's is its depth's, not its cache row's).
-                n = ancestors.shape[0]
-                at = positions[row, first : first + n]  # [n]
+                q, n = ancestors.shape  # the nodes computed now, all the tree's nodes
+                at = at.to(self.device)
+                mine = at[n - q :]  # [q]: the computed nodes' positions
                 seen = ancestors.to(self.device)
-                ctx = torch.ones((n, before), dtype=torch.bool, device=self.device)
+                ctx = torch.ones((q, before), dtype=torch.bool, device=self.device)
                 if window is not None:
-                    ctx = keys[:before].view(1, before) > at.view(n, 1) - window
-                    seen = seen & (at.view(1, n) > at.view(n, 1) - window)
-                allowed[row, first : first + n] = False
-                allowed[row, first : first + n, :before] = ctx
-                allowed[row, first : first + n, before : before + n] = seen
+                    ctx = keys[:before].view(1, before) > mine.view(q, 1) - window
+                    seen = seen & (at.view(1, n) > mine.view(q, 1) - window)
+                allowed[row, first : first + q] = False
+                allowed[row, first : first + q, :before] = ctx
+                allowed[row, first : first + q, before : before + n] = seen
             mask = allowed.unsqueeze(1)  # [b, 1, q, S]
         return StepInputs(
             tokens=tokens,
