@@ -18,6 +18,8 @@ position: row 0 the target after the context, row j + 1 the target after node j'
 Verdict's target_ids are in the same order). The next call sends context + the accepted path
 (+ whatever follows): the engine moves that path's K/V (and captured EAGLE-3 features) into
 place and forgets every other node, so a rejected branch is never visible to a later step.
+A call whose tree starts with the tree the engine holds after the same context (a drafter
+growing a tree a depth at a time, n_logits = the newest nodes) computes only the new nodes.
 
 Shapes (what a request asks its drafter for):
   StaticTree   choice lists as EAGLE and vLLM write them, e.g. [(0,), (1,), (0, 0)]: node
