@@ -47,6 +47,18 @@ JEMALLOC_CONF = "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0"
 # cache off; operations.md: memory). 256 holds a decode step's shapes (up to 4 rows x 5 new
 # tokens for each weight) with room, so prefill lengths evict each other instead of adding up.
 ONEDNN_CACHE_CAPACITY = 256
+# PyTorch's ideep layer, which runs the engines' packed matmuls (_linear_pointwise), keeps a
+# second cache of its own: one computation per input shape and weight, LRU_CACHE_CAPACITY
+# entries (1024 by default). In process, the SmolLM2 target held +1.2 MiB for every distinct
+# prefill length with oneDNN's cache off (+240 MiB after 200 lengths, jemalloc) and +12 MiB
+# flat with this cache at 16 (operations.md: memory); 256 keeps the verify and batched-decode
+# shapes of a busy deployment (rows x new tokens, up to a tree's nodes, for each weight).
+IDEEP_CACHE_CAPACITY = 256
+# What bounds the engines' caches in the server's environment; a user's own value wins.
+CACHE_ENV = {
+    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": ONEDNN_CACHE_CAPACITY,
+    "LRU_CACHE_CAPACITY": IDEEP_CACHE_CAPACITY,
+}
 Allocator = Literal["auto", "jemalloc", "tcmalloc", "glibc"]
 _LIB_DIRS = (f"/usr/lib/{sysconfig.get_config_var('MULTIARCH') or 'x86_64-linux-gnu'}", "/usr/lib64", "/usr/lib", "/lib64")
 
@@ -214,8 +226,8 @@ def server_env(
     links ``libpython3.X.so`` dynamically, and must get the base interpreter's copy, not a
     system one of another patch level (undefined symbols), hence LIBDIR first on
     LD_LIBRARY_PATH. A relocated stub/backend also needs the wheel's bundled libraries.
-    ``allocator`` (find_allocator) goes first on LD_PRELOAD; oneDNN's primitive cache is
-    bounded (ONEDNN_CACHE_CAPACITY) unless the environment sets it.
+    ``allocator`` (find_allocator) goes first on LD_PRELOAD; oneDNN's and ideep's caches are
+    bounded (CACHE_ENV) unless the environment sets them.
     """
     py = venv if isinstance(venv, PythonEnv) else python_env(venv)
     install = install or find_tritonserver()
@@ -228,7 +240,8 @@ def server_env(
         env["LD_PRELOAD"] = " ".join([str(malloc), *(p for p in env.get("LD_PRELOAD", "").split() if p != str(malloc))])
         if malloc.name == ALLOCATORS["jemalloc"]:
             env.setdefault("MALLOC_CONF", JEMALLOC_CONF)  # a user's own setting wins
-    env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))  # a user's own setting wins
+    for name, capacity in CACHE_ENV.items():
+        env.setdefault(name, str(capacity))  # a user's own setting wins
     return env
 
 

@@ -1,0 +1,72 @@
+"""Memory an engine keeps per matmul shape: oneDNN's primitive cache and PyTorch's ideep cache.
+
+Loads one built torch engine in this process, runs prefills of N distinct lengths (each a new
+matmul shape for every packed weight), then repeats some of them, and prints the process's
+RssAnon growth as it goes. Run it with the server's allocator preloaded to see what a stub
+keeps, once per setting:
+
+  LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 python bench/shape_cache_memory.py \\
+      engines/smollm2-135m-cpu/target --onednn 0 --ideep 1024
+  ... --onednn 0 --ideep 16        # ideep's cache bounded
+  ... --onednn 256 --ideep 256     # what `trtspec serve` sets (triton/server/install.py)
+
+Both caches read their capacity when first used, so the values are set here before any
+forward runs. Memory only: timings taken here mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+
+from _common import RESULTS, command_line, write_result
+
+
+def rss_anon_mib() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon"):
+            return int(line.split()[1]) // 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("engine", help="a built torch engine folder (e.g. engines/smollm2-135m-cpu/target)")
+    ap.add_argument("--onednn", type=int, default=256, help="ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    ap.add_argument("--ideep", type=int, default=256, help="LRU_CACHE_CAPACITY (ideep's cache)")
+    ap.add_argument("--lengths", type=int, default=200, help="distinct prefill lengths (2, 4, ...)")
+    ap.add_argument("--repeats", type=int, default=100, help="lengths run again at the end")
+    ap.add_argument("--json", help="also write a result file bench/results/NAME.json")
+    args = ap.parse_args(argv)
+    os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(args.onednn)
+    os.environ["LRU_CACHE_CAPACITY"] = str(args.ideep)
+
+    from trtspec.engines.torch.engine import ForwardItem, TorchEngine
+
+    engine = TorchEngine.load(args.engine, slots=4)
+    rng = random.Random(0)
+    base = rss_anon_mib()
+    print(f"loaded: RssAnon {base} MiB; oneDNN cache {args.onednn}, ideep cache {args.ideep}", flush=True)
+    lengths = list(range(2, 2 * args.lengths + 2, 2))
+    rng.shuffle(lengths)
+    growth = []
+    for i, n in enumerate(lengths, 1):
+        engine.run([ForwardItem([rng.randrange(100, 20000) for _ in range(n)], 1)])
+        if i % 25 == 0 or i == len(lengths):
+            growth.append([i, rss_anon_mib() - base])
+            print(f"{i} distinct lengths: +{growth[-1][1]} MiB", flush=True)
+    for n in lengths[: args.repeats]:
+        engine.run([ForwardItem([rng.randrange(100, 20000) for _ in range(n)], 1)])
+    after = rss_anon_mib() - base
+    print(f"after {args.repeats} lengths again: +{after} MiB")
+    if args.json:
+        values = {"onednn": args.onednn, "ideep": args.ideep, "growth_mib": growth, "after_repeats_mib": after}
+        values["preload"] = os.environ.get("LD_PRELOAD", "")
+        write_result(RESULTS / f"{args.json}.json", command_line("shape_cache_memory.py"), values)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
