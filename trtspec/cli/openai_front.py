@@ -10,7 +10,7 @@ import typer
 from trtspec import console
 from trtspec.cli.common import EnginesOpt, handle_errors
 from trtspec.triton.client import parse_url
-from trtspec.triton.server import serving
+from trtspec.triton.server import launch
 
 
 @handle_errors
@@ -38,7 +38,7 @@ def openai(
     """
     from trtspec.openai.serve import run
 
-    t = serving.serve_target(target, engines, write=False)
+    t = launch.serve_target(target, engines, write=False)
     url = parse_url(url)
     console.err.print(f"OpenAI API on http://{host}:{port}/v1 -> Triton gRPC {url}; Ctrl-C to stop")
     run(t.repo_dir, url, host, port)

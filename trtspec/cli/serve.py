@@ -11,7 +11,7 @@ import typer
 from trtspec import console
 from trtspec.cli.common import EnginesOpt, LlmapiOpt, handle_errors
 from trtspec.speculative.llmapi import TENSORRT_LLM
-from trtspec.triton.server import serving
+from trtspec.triton.server import launch
 from trtspec.triton.server.install import CACHE_ENV
 
 
@@ -33,7 +33,7 @@ def _run_attached(server, timeout: float, log_file: Path | None, endpoints: str)
         console.out.print(f"ready in {secs:.1f}s: {endpoints}", highlight=False)
         console.err.print(f"log: {server.log_path}; Ctrl-C to stop")
 
-    code = serving.run_attached(server, timeout, log_file, ready)
+    code = launch.run_attached(server, timeout, log_file, ready)
     console.err.print("tritonserver stopped")
     return code
 
@@ -65,7 +65,7 @@ def serve(
     detach: Annotated[
         bool, typer.Option("--detach", help="Return once ready; the server keeps running (stop it with `trtspec stop`).")
     ] = False,
-    pid_file: Annotated[Path, typer.Option("--pid-file", help="Detached server's pid file.")] = serving.DEFAULT_PID_FILE,
+    pid_file: Annotated[Path, typer.Option("--pid-file", help="Detached server's pid file.")] = launch.DEFAULT_PID_FILE,
     log_file: Annotated[
         Path | None, typer.Option("--log-file", help="Server log (default: beside the pid file when detached, else a temp file).")
     ] = None,
@@ -81,8 +81,8 @@ def serve(
       trtspec serve engine_specs/smollm2-135m-cpu.yaml --detach && trtspec stop
       trtspec serve model_repo/smollm2-135m-cpu --grpc-port 9001 --dry-run
     """
-    t = serving.serve_target(target, engines, repo_dir, write=not dry_run, llmapi_impl=llmapi_impl)
-    server = serving.server_for(t, host, http_port, grpc_port, metrics_port)
+    t = launch.serve_target(target, engines, repo_dir, write=not dry_run, llmapi_impl=llmapi_impl)
+    server = launch.server_for(t, host, http_port, grpc_port, metrics_port)
     if dry_run:
         _print_dry_run(server, t)
         return
@@ -90,7 +90,7 @@ def serve(
     if detach:
         log = log_file or pid_file.with_suffix(".log")
         with console.step(f"starting tritonserver on {t.repo_dir}"):
-            secs = serving.start_detached(server, timeout, pid_file, log)
+            secs = launch.start_detached(server, timeout, pid_file, log)
         console.out.print(f"ready in {secs:.1f}s: {endpoints}")
         console.out.print(f"pid {server.pid}; pid file {pid_file}; log {log}; stop with `trtspec stop --pid-file {pid_file}`")
         return

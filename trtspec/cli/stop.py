@@ -10,7 +10,7 @@ import typer
 from trtspec import console
 from trtspec.cli.common import handle_errors
 from trtspec.triton.server.detached import stop_detached
-from trtspec.triton.server.serving import DEFAULT_PID_FILE
+from trtspec.triton.server.launch import DEFAULT_PID_FILE
 
 
 @handle_errors
