@@ -102,7 +102,7 @@ def served_with_front(loaded):
     free loopback ports: yields (server, the front's /v1 base URL); stops both after."""
     import uvicorn
 
-    from trtspec.openai.serve import make_app
+    from trtspec.openai.run import make_app
     from trtspec.triton.server.process import free_ports
 
     server = start_server(loaded)

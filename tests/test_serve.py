@@ -543,7 +543,7 @@ def test_generate_endpoint_samples_with_upstream_fields_reproducibly_by_seed(ser
 def openai_url(served, deployment):
     """`trtspec openai`'s app on uvicorn at 127.0.0.1, in front of the served repository."""
     pytest.importorskip("uvicorn")
-    from trtspec.openai.serve import make_app
+    from trtspec.openai.run import make_app
 
     loaded, _ = deployment
     for port in serve_app(make_app(loaded.base_dir / "repo", served.grpc_endpoint)):

@@ -36,7 +36,7 @@ def openai(
       trtspec serve engine_specs/smollm2-135m-cpu.yaml --detach
       trtspec openai engine_specs/smollm2-135m-cpu.yaml --port 8080
     """
-    from trtspec.openai.serve import run
+    from trtspec.openai.run import run
 
     t = launch.serve_target(target, engines, write=False)
     url = parse_url(url)
