@@ -230,7 +230,7 @@ def other_drafter(dep, other) -> tuple[Callable[[], Drafter], Callable[[], None]
         vocab = min(engine.vocab_size, dep.target.vocab_size)
         return (lambda: ModelDrafter(engine.run, vocab)), engine.forget_prefixes
     from trtspec.engines.torch.eagle3 import HeadEngine
-    from trtspec.speculative.eagle3 import Eagle3Drafter, engine_features
+    from trtspec.speculative.eagle3_drafter import Eagle3Drafter, engine_features
 
     head = HeadEngine.load(folder, dep.target, dep.target.max_batch_size)
     dep.target.capture_features(head.cfg.layer_ids)  # every method then pays the same capture

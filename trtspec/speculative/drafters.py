@@ -191,7 +191,7 @@ def engine_drafter(target: TorchEngine, draft: TorchEngine | None = None, head=N
     if draft is not None:
         return ModelDrafter(draft.run, min(draft.vocab_size, target.vocab_size))
     if head is not None:
-        from trtspec.speculative.eagle3 import Eagle3Drafter, engine_features
+        from trtspec.speculative.eagle3_drafter import Eagle3Drafter, engine_features
 
         return Eagle3Drafter(head, engine_features(target))
     return None
@@ -209,7 +209,7 @@ def make_drafter(
 ) -> Drafter:
     """The drafter a speculative method uses. ``draft_model`` proposes from the draft engine
     over the runtime's own transport (ModelDrafter in process, BlsDrafter inside Triton); for
-    eagle3 it is the head's drafter (speculative.eagle3.Eagle3Drafter). ``suffix``: method
+    eagle3 it is the head's drafter (speculative.eagle3_drafter.Eagle3Drafter). ``suffix``: method
     suffix's settings, or for draft_target / eagle3 the suffix drafting layered on the model
     draft; ``cache``: the deployment's earlier responses (None: requests kept apart);
     ``sources``: where suffix drafting counts tokens per source (None: the drafter's own)."""

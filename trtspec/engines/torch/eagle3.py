@@ -114,7 +114,7 @@ class HeadRow:
     """One sequence's positions start..start+n-1 for the head: state [n, hidden] and the
     tokens whose embeddings go with them (the token AFTER each position).
 
-    A draft tree's nodes (speculative/eagle3.py) sit in cache rows start..start+n-1 but at
+    A draft tree's nodes (speculative/eagle3_drafter.py) sit in cache rows start..start+n-1 but at
     positions by depth (``positions``), each seeing only some rows (``visible`` [n, start+n]:
     the context's and its own ancestors'); None for both: causal, positions = rows.
     """

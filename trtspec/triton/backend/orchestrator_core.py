@@ -409,7 +409,7 @@ class Orchestrator:
         """The head runs here, beside the loop; the target's features come from the target
         engine model (BlsFeatures), so the target is loaded once, in its own model."""
         from trtspec.engines.torch.eagle3 import HeadEngine
-        from trtspec.speculative.eagle3 import Eagle3Drafter
+        from trtspec.speculative.eagle3_drafter import Eagle3Drafter
         from trtspec.triton.backend.bls import BlsFeatures
 
         if getattr(self, "_head", None) is None:
