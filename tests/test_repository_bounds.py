@@ -12,8 +12,9 @@ from conftest import serve_tiny
 
 from server_memory import tree_memory
 from trtspec.errors import ServerError
-from trtspec.layout import BLS_MODEL, ENGINE_MODELS, TARGET_MODEL
+from trtspec.layout import BLS_MODEL, CONTROL_MODEL, ENGINE_MODELS, TARGET_MODEL
 from trtspec.triton.backend.contract import UNSERVED_INPUTS
+from trtspec.triton.backend.params import EngineEndpointParams
 from trtspec.triton.repository import pbtxt
 from trtspec.triton.repository.writer import write_repository
 from trtspec.triton.server.install import ALLOCATORS, JEMALLOC_CONF, find_allocator, server_env
@@ -136,3 +137,21 @@ def test_server_env_preloads_the_allocator_once(tmp_path):
     assert (
         server_env(base={"PATH": "/usr/bin", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16"})["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "16"
     )
+
+
+def test_the_deployment_default_draft_length_is_a_parameter_named_apart_from_the_request_input(built, tmp_path):
+    """The spec's default k is the parameter default_draft_tokens; num_draft_tokens stays what
+    upstream's tensorrt_llm_bls names it, the input a request sends its own k in."""
+    dep = built()
+    s = dep.loaded.spec.speculative
+    assert s.default_draft_tokens != s.max_draft_len  # the default, not the engines' bound
+    repo = write_repository(dep.loaded, dep.loaded.output_dir(), tmp_path / "repo")
+    for model in (BLS_MODEL, CONTROL_MODEL):
+        cfg = pbtxt.parse((repo / model / "config.pbtxt").read_text())
+        assert cfg.parameters["default_draft_tokens"].string_value == str(s.default_draft_tokens)
+        assert "num_draft_tokens" not in cfg.parameters
+        assert "num_draft_tokens" in {t.name for t in cfg.input}
+    params = EngineEndpointParams.from_params(
+        {k: v.string_value for k, v in pbtxt.parse((repo / BLS_MODEL / "config.pbtxt").read_text()).parameters.items()}
+    )
+    assert params.settings(False, 1).limits.default_draft_tokens == s.default_draft_tokens

@@ -34,7 +34,9 @@ class EndpointParams:
 
     mode: str  # "speculative" or "target_only"
     method: str
-    num_draft_tokens: int  # the spec's default_draft_tokens: a request's k when it sends none
+    # The deployment's draft length, speculative.default_draft_tokens: a request's k when it
+    # sends none (upstream's per-request input is num_draft_tokens, contract.py).
+    default_draft_tokens: int
     max_input_len: int
     max_seq_len: int
     max_draft_len: int
@@ -50,7 +52,7 @@ class EndpointParams:
         return {
             "mode": mode,
             "method": spec.speculative.method,
-            "num_draft_tokens": spec.speculative.default_draft_tokens,
+            "default_draft_tokens": spec.speculative.default_draft_tokens,
             "max_input_len": lim.max_input_len,
             "max_seq_len": lim.max_seq_len,
             "max_draft_len": spec.speculative.max_draft_len,
@@ -87,7 +89,7 @@ class EndpointParams:
             max_draft_len=self.max_draft_len,
             max_input_len=self.max_input_len,
             max_batch_size=max_batch_size,
-            default_draft_tokens=self.num_draft_tokens,
+            default_draft_tokens=self.default_draft_tokens,
         )
 
 
