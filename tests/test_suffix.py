@@ -117,12 +117,66 @@ def test_cache_stays_within_its_caps_and_evicts_oldest_first():
     for r in range(40):
         cache.add([1000 + r] * 5 + [r, r + 1, r + 2])
         assert cache.live_tokens <= 50 and len(cache.sizes) <= 3
-        assert len(cache.index.tokens) <= 2 * 50  # evicted tokens wait for a compaction, never more
+        assert cache.held_tokens <= 2 * 50  # evicted tokens wait for a compaction, never more
     # The newest response is found; the oldest ones are gone.
     assert cache.candidates([0, 39, 40], 24) and not cache.candidates([0, 1, 2], 24)
     big = ResponseCache(max_responses=10, max_tokens=20)
     big.add(list(range(100)))  # longer than the cap: its last tokens are kept
-    assert big.live_tokens <= 20 and big.index.tokens[-2] == 99
+    assert big.live_tokens <= 20 and big.parts[""].index.tokens[-2] == 99
+
+
+def _run_scoped(drafter, *scopes, prompt=(1, 2)):
+    """One request per scope, in one batch, on the periodic target: (drafted, accepted) each.
+    8 tokens after a prompt of no PERIOD token never repeat, so a request alone drafts nothing:
+    every draft comes from the response cache."""
+    reqs = [GenerationRequest(list(prompt), 8, 4, suffix_scope=sc) for sc in scopes]
+    results = generate(reqs, drafter, PeriodicVerifier())
+    assert all(r.output_ids == PERIOD[:8] for r in results)  # drafts never change outputs
+    return [(r.metrics.drafted, r.metrics.accepted) for r in results]
+
+
+@pytest.mark.parametrize("layered", [False, True])
+def test_scopes_never_see_each_others_responses(layered):
+    cache = ResponseCache(max_responses=100, max_tokens=1000)
+    d = (
+        make_drafter("eagle3", draft_model=NoDrafter(), suffix=SuffixSpec(threshold=2), cache=cache)
+        if layered
+        else (SuffixDrafter(SuffixSpec(), cache))
+    )
+    assert _run_scoped(d, "tenant-a") == [(0, 0)]  # cold: nothing to draft from
+    # Tenant a's response is in its scope only: b, the shared scope and an opted-out request
+    # draft nothing from it, in the same batch as a request of a that does.
+    (a, b, shared, private) = _run_scoped(d, "tenant-a", "tenant-b", "", None)
+    assert a[0] > 0 and a[1] == a[0]  # the cached continuation is the target's
+    assert b == shared == private == (0, 0)
+    assert set(cache.parts) == {"tenant-a", "tenant-b", ""}  # the opted-out request fed nothing
+    assert d.sources.drafted["suffix"] == a[0]
+
+
+def test_an_opted_out_request_neither_reads_nor_feeds_the_cache():
+    cache = ResponseCache(max_responses=100, max_tokens=1000)
+    d = SuffixDrafter(SuffixSpec(), cache)
+    assert _run_scoped(d, None) == [(0, 0)] and cache.live_tokens == 0 and not cache.parts
+    assert _run_scoped(d, "") == [(0, 0)]  # nothing was kept for the shared scope either
+    assert _run_scoped(d, None) == [(0, 0)]  # the shared response is there, but not read
+    assert _run_scoped(d, "")[0][0] > 0  # as a shared request shows
+    assert len(cache.sizes) == 2  # the two shared requests' responses, nothing else
+
+
+def test_the_caps_hold_for_all_scopes_together_oldest_evicted_first():
+    cache = ResponseCache(max_responses=4, max_tokens=60)
+    for r in range(30):
+        cache.add([1000 + r] * 6 + [r, r + 1], scope=f"tenant-{r % 7}")
+        assert cache.live_tokens <= 60 and len(cache.sizes) <= 4
+        assert cache.held_tokens <= 2 * 60 and len(cache.parts) <= 4  # scopes with no live response go
+    # The four newest responses are live, whatever their scopes; the older ones are gone.
+    assert [sc for sc, _ in cache.sizes] == [f"tenant-{r % 7}" for r in range(26, 30)]
+    assert cache.candidates([1029, 29, 30], 24, "tenant-1")  # response 29 is tenant 1's ...
+    assert not cache.candidates([1029, 29, 30], 24, "tenant-0")  # ... and no other scope's
+    assert not cache.candidates([1029, 29, 30], 24, None)
+    assert not cache.candidates([1025, 25, 26], 24, "tenant-4")  # evicted (the oldest first)
+    cache.clear()
+    assert cache.live_tokens == cache.held_tokens == 0 and not cache.parts
 
 
 def test_cache_memory_per_token_is_what_the_docs_say():
@@ -326,6 +380,36 @@ def test_tiny_deployment_keeps_one_bounded_cache_across_calls(built):
     assert dep.suffix_cache.live_tokens == 0 and not dep.suffix_cache.sizes
     apart = built(None, **{"speculative.method": "suffix", "speculative.suffix.cache_responses": 0})
     assert apart.suffix_cache is None
+
+
+def test_tiny_scoped_requests_output_identical_to_target_only(built):
+    dep = built(None, **{"speculative.method": "suffix"})
+    dep.forget_prefixes()
+    for scope in ("tenant-a", "tenant-b", "tenant-a", None, ""):
+        for prompt in TINY_PROMPTS:
+            req = dep.request(dep.encode(prompt), 40, suffix_scope=scope)
+            (target,) = dep.generate([req], speculative=False)
+            (spec,) = dep.generate([req])
+            assert spec.output_ids == target.output_ids
+    assert set(dep.suffix_cache.parts) == {"tenant-a", "tenant-b", ""}
+
+
+@pytest.mark.parametrize(
+    "scope, needle",
+    [
+        ("x" * 257, "suffix_scope is 257 bytes, more than 256"),
+        ("a\nb", "suffix_scope holds a control character"),
+        ("\ud800", "suffix_scope is not valid UTF-8"),
+        (7, "suffix_scope must be text"),
+    ],
+)
+def test_malformed_scope_is_refused_by_name(scope, needle):
+    from trtspec.errors import RequestError
+    from trtspec.speculative.requests import Limits, make_request
+
+    with pytest.raises(RequestError, match=needle):
+        make_request([1, 2], 4, 2, Limits(vocab_size=100, max_seq_len=64, max_draft_len=4), suffix_scope=scope)
+    assert make_request([1, 2], 4, 2, Limits(100, 64, 4), suffix_scope="é" * 128).suffix_scope == "é" * 128  # 256 bytes
 
 
 def test_tiny_sampling_check_passes_with_suffix_drafts(built):

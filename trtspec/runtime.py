@@ -17,6 +17,7 @@ from trtspec.layout import engine_folder
 from trtspec.spec import LoadedSpec, SuffixSpec
 from trtspec.speculative.drafters import engine_drafter, make_drafter, response_cache
 from trtspec.speculative.loop import (
+    SHARED_SCOPE,
     Drafter,
     GenerationRequest,
     GenerationResult,
@@ -97,9 +98,12 @@ class Deployment:
         processing: Processing | None = None,
         log_probs: bool = False,
         tree: TreeShape | Literal["chain"] | None = None,
+        suffix_scope: str | None = SHARED_SCOPE,
     ):
         """A checked request; ``num_draft_tokens`` None: the spec's default k, ``tree`` None: the
-        spec's draft tree (the request rules fill both in); tree "chain": draft a chain."""
+        spec's draft tree (the request rules fill both in); tree "chain": draft a chain.
+        ``suffix_scope``: the scope of the suffix cache it reads and feeds ("": the shared
+        one, None: neither; docs/suffix.md)."""
         return make_request(
             prompt_ids,
             max_tokens,
@@ -110,6 +114,7 @@ class Deployment:
             processing=processing,
             log_probs=log_probs,
             tree=tree,
+            suffix_scope=suffix_scope,
         )
 
     def generate(

@@ -18,10 +18,10 @@ import torch
 from trtspec.engines.torch.engine import ForwardItem, RunFn, TorchEngine
 from trtspec.errors import EngineError
 from trtspec.spec import SuffixSpec
-from trtspec.speculative.loop import Drafter
+from trtspec.speculative.loop import SHARED_SCOPE, Drafter
 from trtspec.speculative.metrics import SourceCounts
 from trtspec.speculative.processing import RowRules, warp_params
-from trtspec.speculative.suffix import MODEL, SUFFIX, ResponseCache, SuffixDrafter
+from trtspec.speculative.suffix import MODEL, SUFFIX, ResponseCache, Scope, SuffixDrafter
 from trtspec.speculative.tree import DraftTree, TreeGrowth, TreeShape, top_candidates
 
 
@@ -119,7 +119,9 @@ class LayeredDrafter:
     """Suffix drafting layered on a model draft (TensorRT-LLM's ``sa_config``): a row whose
     suffix match is at least ``suffix.settings.threshold`` tokens long gets the suffix draft;
     the others get the model's, asked for those rows only. Drafted and accepted tokens are
-    counted per source in ``suffix.sources``."""
+    counted per source in ``suffix.sources``. The requests' scopes go to the suffix drafter."""
+
+    scoped = True
 
     def __init__(self, suffix: SuffixDrafter, model: Drafter):
         self.suffix = suffix
@@ -130,12 +132,12 @@ class LayeredDrafter:
     def sources(self):
         return self.suffix.sources
 
-    def release(self, prompt: Sequence[int], output: Sequence[int]) -> None:
-        self.suffix.release(prompt, output)
+    def release(self, prompt: Sequence[int], output: Sequence[int], scope: Scope = SHARED_SCOPE) -> None:
+        self.suffix.release(prompt, output, scope)
 
-    def _split(self, contexts, ks):
+    def _split(self, contexts, ks, scopes):
         """The suffix drafts, and the rows that go to the model instead."""
-        drafts = self.suffix.drafts(contexts, ks)
+        drafts = self.suffix.drafts(contexts, ks, scopes)
         threshold = self.suffix.settings.threshold
         to_model = [j for j, d in enumerate(drafts) if not d.tokens or d.match < threshold]
         return drafts, to_model
@@ -144,8 +146,8 @@ class LayeredDrafter:
         for j, (ctx, d) in enumerate(zip(contexts, drafts)):
             self.suffix.sent(d.session, len(ctx), out[j], MODEL if j in to_model else SUFFIX)
 
-    def propose(self, contexts, ks, rules: Sequence[RowRules | None] | None = None) -> list[list[int]]:
-        drafts, to_model = self._split(contexts, ks)
+    def propose(self, contexts, ks, rules: Sequence[RowRules | None] | None = None, scopes=None) -> list[list[int]]:
+        drafts, to_model = self._split(contexts, ks, scopes)
         out = [d.tokens for d in drafts]
         if to_model:
             sub = ([contexts[j] for j in to_model], [ks[j] for j in to_model])
@@ -155,10 +157,10 @@ class LayeredDrafter:
         self._sent(contexts, drafts, out, to_model)
         return out
 
-    def propose_sampled(self, contexts, ks, params, gens, rules=None) -> list[tuple[list[int], torch.Tensor]]:
+    def propose_sampled(self, contexts, ks, params, gens, rules=None, scopes=None) -> list[tuple[list[int], torch.Tensor]]:
         """Model rows sampled from the model's distributions; suffix rows are point masses
         (one-hot q), as a deterministic drafter's are (speculative/sampling.py)."""
-        drafts, to_model = self._split(contexts, ks)
+        drafts, to_model = self._split(contexts, ks, scopes)
         out = [(d.tokens, _point_masses(d.tokens)) for d in drafts]
         if to_model:
             sub_ctx, sub_k = [contexts[j] for j in to_model], [ks[j] for j in to_model]

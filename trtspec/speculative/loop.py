@@ -42,6 +42,7 @@ from trtspec.speculative.tree import DraftTree, TreeShape, accepted_path
 FinishReason = Literal["length", "eos", "stop"]
 TokenRows = Sequence[list[int]]  # one list of token ids per row (sequence) of a step
 RowFlags = Sequence[bool] | None  # one flag per row of a step; None: no row is flagged
+SHARED_SCOPE = ""  # the suffix cache scope of a request that names none: the deployment's shared one
 
 
 class Drafter(Protocol):
@@ -52,6 +53,8 @@ class Drafter(Protocol):
         mirrors the requests' logits processing in its drafts (``mirrors_processing = True``);
         the others draft as usual, which costs acceptance, never correctness. A drafter with
         ``release(prompt_ids, output_ids)`` is told when a sequence leaves the loop. A drafter
+        that is ``scoped`` (suffix decoding) also takes ``scopes`` (a keyword, each request's
+        GenerationRequest.suffix_scope per context) and ``release``'s third argument. A drafter
         with ``propose_tree(contexts, shapes) -> list[DraftTree]`` drafts the trees of requests
         that ask for one (GenerationRequest.tree); the others draft those requests a chain."""
         ...
@@ -116,6 +119,9 @@ class GenerationRequest:
     # A draft tree shape (speculative/tree.py) for drafters that propose trees; None: a chain
     # of num_draft_tokens. num_draft_tokens 0 turns drafting off either way.
     tree: TreeShape | None = None
+    # Suffix decoding's scope of the cache of earlier responses: the request reads and feeds
+    # only its own scope's ("": the deployment's shared one); None: neither (speculative/suffix.py).
+    suffix_scope: str | None = SHARED_SCOPE
 
     @property
     def needs_logits(self) -> bool:
@@ -295,7 +301,8 @@ class Batch:
         request, result = self.requests.pop(key), self.results.pop(key)
         release = getattr(self.drafter, "release", None)
         if release is not None:
-            release(request.prompt_ids, result.output_ids)
+            scoped = (request.suffix_scope,) if getattr(self.drafter, "scoped", False) else ()
+            release(request.prompt_ids, result.output_ids, *scoped)
         return result
 
     def pop(self, key: int) -> GenerationResult:
@@ -336,7 +343,8 @@ class Batch:
         wants = [j for j, k in enumerate(ks) if k > 0 and requests[active[j]].sampling is None and j not in trees]
         if wants:
             rules = [requests[active[j]].rules(len(results[active[j]].output_ids)) for j in wants]
-            proposed = _propose(self.drafter, [contexts[j] for j in wants], [ks[j] for j in wants], rules)
+            scopes = [requests[active[j]].suffix_scope for j in wants]
+            proposed = _propose(self.drafter, [contexts[j] for j in wants], [ks[j] for j in wants], rules, scopes)
             for j, d in zip(wants, proposed):
                 drafts[j] = list(d[: ks[j]])
         sampled = [j for j, k in enumerate(ks) if k > 0 and requests[active[j]].sampling is not None and j not in trees]
@@ -453,11 +461,21 @@ def generate(
     return [batch.pop(k) for k in keys]
 
 
-def _propose(drafter: Drafter, contexts, ks, rules: Sequence[RowRules | None]) -> list[list[int]]:
-    """Greedy drafts; the requests' logits processing goes along to a drafter that mirrors it."""
+def _propose(drafter: Drafter, contexts, ks, rules: Sequence[RowRules | None], scopes: Sequence[str | None]) -> list[list[int]]:
+    """Greedy drafts; the requests' logits processing goes along to a drafter that mirrors it,
+    their suffix scopes to a drafter that is scoped."""
+    return drafter.propose(contexts, ks, **_row_keywords(drafter, rules, scopes))
+
+
+def _row_keywords(drafter, rules: Sequence[RowRules | None], scopes: Sequence[str | None]) -> dict:
+    """The per-row keywords a drafter takes: ``rules`` where it mirrors processing (and some
+    row has rules), ``scopes`` where it is scoped."""
+    kw: dict = {}
     if any(r is not None for r in rules) and getattr(drafter, "mirrors_processing", False):
-        return drafter.propose(contexts, ks, rules=rules)  # type: ignore[call-arg]
-    return drafter.propose(contexts, ks)
+        kw["rules"] = rules
+    if getattr(drafter, "scoped", False):
+        kw["scopes"] = scopes
+    return kw
 
 
 def _propose_sampled(drafter, sampled, contexts, ks, reqs, gens, drafts, qs, generated) -> None:
@@ -465,14 +483,14 @@ def _propose_sampled(drafter, sampled, contexts, ks, reqs, gens, drafts, qs, gen
     lookup) proposes as usual and counts as a point mass (q None)."""
     sub_ctx, sub_k = [contexts[j] for j in sampled], [ks[j] for j in sampled]
     rules = [r.rules(g) for r, g in zip(reqs, generated)]
+    scopes = [r.suffix_scope for r in reqs]
     if hasattr(drafter, "propose_sampled"):
-        mirror = any(r is not None for r in rules) and getattr(drafter, "mirrors_processing", False)
-        kw = {"rules": rules} if mirror else {}
+        kw = _row_keywords(drafter, rules, scopes)
         proposed = drafter.propose_sampled(sub_ctx, sub_k, [r.sampling for r in reqs], gens, **kw)
         for j, (d, q) in zip(sampled, proposed):
             drafts[j], qs[j] = list(d[: ks[j]]), q[: ks[j]]
     else:
-        for j, d in zip(sampled, _propose(drafter, sub_ctx, sub_k, rules)):
+        for j, d in zip(sampled, _propose(drafter, sub_ctx, sub_k, rules, scopes)):
             drafts[j] = list(d[: ks[j]])
 
 

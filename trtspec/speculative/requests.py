@@ -13,11 +13,14 @@ from typing import Literal
 
 from trtspec.errors import RequestError
 from trtspec.spec import EngineSpec
-from trtspec.speculative.loop import GenerationRequest
+from trtspec.speculative.loop import SHARED_SCOPE, GenerationRequest
 from trtspec.speculative.processing import Processing
 from trtspec.speculative.sampling import SamplingParams
 from trtspec.speculative.tree import TreeShape, tree_shape
 from trtspec.tokens import check_token_ids
+
+# The UTF-8 bytes a request's suffix cache scope (a tenant key) may have.
+MAX_SCOPE_BYTES = 256
 
 
 @dataclass(frozen=True)
@@ -76,10 +79,13 @@ def make_request(
     log_probs: bool = False,
     generation_logits: bool = False,
     tree: TreeShape | Literal["chain"] | None = None,
+    suffix_scope: str | None = SHARED_SCOPE,
 ) -> GenerationRequest:
     """Validate a request against the deployment's limits; RequestError names the fix.
     ``num_draft_tokens`` None: the deployment's default k (``limits.default_draft_tokens``).
-    ``tree`` None: the deployment's tree shape (``limits.default_tree``); "chain": a chain."""
+    ``tree`` None: the deployment's tree shape (``limits.default_tree``); "chain": a chain.
+    ``suffix_scope``: the scope of suffix decoding's response cache the request reads and
+    feeds ("": the shared one; None: neither; see check_scope)."""
     num_draft_tokens = draft_tokens(num_draft_tokens, limits.default_draft_tokens)
     shape = limits.default_tree if tree is None else None if tree == "chain" else tree
     n = len(prompt_ids)
@@ -121,7 +127,27 @@ def make_request(
         log_probs,
         generation_logits,
         shape if num_draft_tokens > 0 else None,
+        check_scope(suffix_scope),
     )
+
+
+def check_scope(scope: str | None, name: str = "suffix_scope") -> str | None:
+    """A request's suffix cache scope, checked: None, or text of at most MAX_SCOPE_BYTES UTF-8
+    bytes without control characters ("" is the deployment's shared scope). ``name``: the
+    field as the request's sender knows it, for the RequestError."""
+    if scope is None:
+        return None
+    if not isinstance(scope, str):
+        raise RequestError(f"{name} must be text (a tenant key); got {type(scope).__name__}")
+    try:
+        size = len(scope.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise RequestError(f"{name} is not valid UTF-8; send UTF-8 text") from None
+    if size > MAX_SCOPE_BYTES:
+        raise RequestError(f"{name} is {size} bytes, more than {MAX_SCOPE_BYTES}; send a shorter key (a hash of it, say)")
+    if any(ord(c) < 32 or ord(c) == 127 for c in scope):
+        raise RequestError(f"{name} holds a control character; send printable text")
+    return scope
 
 
 def end_token_ids(tokenizer, engine_folder: Path) -> frozenset[int]:

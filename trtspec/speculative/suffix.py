@@ -21,6 +21,11 @@ exactly as for prompt lookup (speculative/sampling.py). Memory: the per-request 
 only while their requests do; the cache holds at most ``cache_tokens`` tokens (about
 ``BYTES_PER_TOKEN`` bytes each, index included) and ``cache_responses`` responses.
 ``cache_responses: 0`` keeps requests apart (each drafts only from its own prompt and output).
+
+Scopes: the cache is partitioned by each request's ``suffix_scope`` (GenerationRequest): a
+request reads and feeds only its own scope's earlier responses (``SHARED_SCOPE``, the default,
+is the deployment's shared one), and a request whose scope is None neither reads nor feeds it.
+The caps hold for all scopes together, and eviction is oldest first across scopes.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from trtspec.spec import SuffixSpec
+from trtspec.speculative.loop import SHARED_SCOPE
 from trtspec.speculative.metrics import SourceCounts
 
 # What one cached token costs, index included, at most (measured by tests/test_suffix.py with
@@ -40,6 +46,7 @@ _SEPARATOR = -1  # between cached responses: no match or continuation crosses it
 _MAX_CANDIDATES = 64  # latest occurrences examined per index
 _MAX_SESSIONS = 1024  # per-request indexes kept for requests never released (safety bound)
 SUFFIX, MODEL = "suffix", "model"  # draft sources, as SourceCounts and the metrics name them
+Scope = str | None  # a request's scope; None: it neither reads nor feeds the response cache
 
 
 @dataclass(frozen=True)
@@ -105,77 +112,117 @@ class TokenIndex:
         return out
 
 
+class _Part:
+    """One scope's earlier responses: a token stream and the position of its oldest live token."""
+
+    __slots__ = ("index", "start")
+
+    def __init__(self, tokens: Sequence[int] = ()):
+        self.index = TokenIndex(tokens)
+        self.start = 0
+
+    @property
+    def live(self) -> int:
+        return len(self.index.tokens) - self.start
+
+
 class ResponseCache:
-    """Earlier responses of one deployment, oldest evicted first, within ``max_tokens``
-    live tokens and ``max_responses`` responses. Evicted tokens stay in the stream until they
-    are as many as the live ones, then the stream is rebuilt from the live part."""
+    """Earlier responses of one deployment, partitioned by scope (a request reads only its
+    own scope's), oldest evicted first across all scopes, within ``max_tokens`` live tokens and
+    ``max_responses`` responses for all scopes together. A scope's evicted tokens stay in its
+    stream until they are as many as its live ones, then the stream is rebuilt from the live
+    part; a scope left with no live response is dropped."""
 
     def __init__(self, max_responses: int, max_tokens: int):
         self.max_responses = max_responses
         self.max_tokens = max_tokens
-        self.index = TokenIndex()
-        self.start = 0  # stream position of the oldest live token
-        self.sizes: deque[int] = deque()  # live responses' lengths (separator included), oldest first
+        self.parts: dict[str, _Part] = {}  # scope -> its responses (only scopes with live ones)
+        self.sizes: deque[tuple[str, int]] = deque()  # live responses (scope, length with separator), oldest first
+        self.live_tokens = 0
 
     @property
-    def live_tokens(self) -> int:
-        return len(self.index.tokens) - self.start
+    def held_tokens(self) -> int:
+        """Tokens the streams hold, evicted ones awaiting a compaction included."""
+        return sum(len(p.index.tokens) for p in self.parts.values())
 
     def clear(self) -> None:
         """Forget every response (comparisons start cold: see Deployment.forget_prefixes)."""
-        self.index, self.start = TokenIndex(), 0
+        self.parts.clear()
         self.sizes.clear()
+        self.live_tokens = 0
 
-    def add(self, tokens: Sequence[int]) -> None:
-        """Remember one response (a longer one than the cap keeps its last tokens)."""
-        if self.max_responses <= 0 or self.max_tokens <= 1 or not tokens:
+    def add(self, tokens: Sequence[int], scope: Scope = SHARED_SCOPE) -> None:
+        """Remember one response in ``scope`` (a longer one than the cap keeps its last tokens;
+        scope None: nothing is kept)."""
+        if scope is None or self.max_responses <= 0 or self.max_tokens <= 1 or not tokens:
             return
         tokens = list(tokens[-(self.max_tokens - 1) :]) + [_SEPARATOR]
-        self.index.extend(tokens)
-        self.sizes.append(len(tokens))
+        self.parts.setdefault(scope, _Part()).index.extend(tokens)
+        self.sizes.append((scope, len(tokens)))
+        self.live_tokens += len(tokens)
+        evicted = set()
         while self.sizes and (len(self.sizes) > self.max_responses or self.live_tokens > self.max_tokens):
-            self.start += self.sizes.popleft()
-        if self.start >= self.live_tokens:
-            self.index = TokenIndex(self.index.tokens[self.start :])
-            self.start = 0
+            old, n = self.sizes.popleft()
+            self.parts[old].start += n
+            self.live_tokens -= n
+            evicted.add(old)
+        for old in evicted:
+            part = self.parts[old]
+            if part.live == 0:
+                del self.parts[old]
+            elif part.start >= part.live:
+                self.parts[old] = _Part(part.index.tokens[part.start :])
 
-    def candidates(self, ctx: list[int], max_depth: int) -> list[tuple[int, int]]:
-        """As TokenIndex.candidates, over live responses only."""
-        return self.index.candidates(ctx, max_depth, len(self.index.tokens), self.start)
+    def candidates(self, ctx: list[int], max_depth: int, scope: Scope = SHARED_SCOPE) -> list[tuple[int, list[int], int]]:
+        """(match length, stream, end position) as TokenIndex.candidates, over ``scope``'s live
+        responses only (none for scope None)."""
+        part = None if scope is None else self.parts.get(scope)
+        if part is None:
+            return []
+        t = part.index.tokens
+        return [(m, t, p) for m, p in part.index.candidates(ctx, max_depth, len(t), part.start)]
 
 
 class SuffixDrafter:
     """Suffix decoding's drafter: each request's own index plus the deployment's
-    ``cache`` (None: requests kept apart). ``release`` (the loop calls it when a sequence
-    leaves) drops the request's index and caches its output.
+    ``cache`` (None: requests kept apart), read and fed in each request's scope (``scopes``,
+    one per context, from GenerationRequest.suffix_scope; the loop passes them to a drafter
+    that is ``scoped``). ``release`` (the loop calls it when a sequence leaves) drops the
+    request's index and caches its output in its scope.
 
     ``sources`` counts drafted and accepted tokens by source ("suffix", or "model" where a
     layered drafter sent the model's draft instead): a draft sent for a context is settled
     when the same request comes back (the tokens that followed show how many the target
     accepted) or leaves."""
 
+    scoped = True  # propose / release take the requests' scopes
+
     def __init__(self, settings: SuffixSpec, cache: ResponseCache | None = None, sources: SourceCounts | None = None):
         self.settings = settings
         self.cache = cache
         self.sessions: OrderedDict[int, TokenIndex] = OrderedDict()  # id -> a live request's index
+        self._scope: dict[int, Scope] = {}  # id -> its request's scope
         self.sources = sources if sources is not None else SourceCounts()  # may be the deployment's
         self._sent: dict[int, tuple[int, list[int], str]] = {}  # session -> (context length, draft, source)
         self._next = 0
 
-    def propose(self, contexts: Sequence[list[int]], ks: Sequence[int]) -> list[list[int]]:
-        drafts = self.drafts(contexts, ks)
+    def propose(self, contexts: Sequence[list[int]], ks: Sequence[int], scopes: Sequence[Scope] | None = None) -> list[list[int]]:
+        drafts = self.drafts(contexts, ks, scopes)
         for ctx, d in zip(contexts, drafts):
             self.sent(d.session, len(ctx), d.tokens, SUFFIX)
         return [d.tokens for d in drafts]
 
-    def drafts(self, contexts: Sequence[list[int]], ks: Sequence[int]) -> list[SuffixDraft]:
-        """Each row's best suffix draft (not yet counted as sent: see ``sent``)."""
+    def drafts(
+        self, contexts: Sequence[list[int]], ks: Sequence[int], scopes: Sequence[Scope] | None = None
+    ) -> list[SuffixDraft]:
+        """Each row's best suffix draft (not yet counted as sent: see ``sent``); ``scopes`` None:
+        every row in the shared scope."""
         used: set[int] = set()
         out = []
-        for ctx, k in zip(contexts, ks):
-            ctx = list(ctx)
-            sid = self._session(ctx, used)
-            d = self._draft(self.sessions[sid], ctx, k)
+        for j, (ctx, k) in enumerate(zip(contexts, ks)):
+            ctx, scope = list(ctx), SHARED_SCOPE if scopes is None else scopes[j]
+            sid = self._session(ctx, used, scope)
+            d = self._draft(self.sessions[sid], ctx, k, scope)
             out.append(SuffixDraft(d.tokens, d.match, d.score, sid))
         return out
 
@@ -184,15 +231,17 @@ class SuffixDrafter:
         if tokens and session in self.sessions:
             self._sent[session] = (context_len, list(tokens), source)
 
-    def release(self, prompt: Sequence[int], output: Sequence[int]) -> None:
-        """The sequence prompt + output left the loop: forget its index, cache its output."""
+    def release(self, prompt: Sequence[int], output: Sequence[int], scope: Scope = SHARED_SCOPE) -> None:
+        """The sequence prompt + output left the loop: forget its index, cache its output in
+        its scope (none for scope None)."""
         ctx = list(prompt) + list(output)
-        sid = self._find(ctx, set())
+        sid = self._find(ctx, set(), scope)
         if sid is not None:
             self._settle(sid, ctx)
             del self.sessions[sid]
+            del self._scope[sid]
         if self.cache is not None:
-            self.cache.add(output)
+            self.cache.add(output, scope)
 
     def _settle(self, sid: int, ctx: list[int]) -> None:
         """Count the draft last sent for ``sid``: accepted = how many of its tokens came next."""
@@ -207,24 +256,26 @@ class SuffixDrafter:
 
     # -- per-request indexes ---------------------------------------------------------------
 
-    def _find(self, ctx: list[int], used: set[int]) -> int | None:
-        """The longest live index whose tokens begin ``ctx`` (not yet used this step)."""
+    def _find(self, ctx: list[int], used: set[int], scope: Scope) -> int | None:
+        """The longest live index of ``scope`` whose tokens begin ``ctx`` (not yet used this step)."""
         best, best_len = None, -1
         for sid, idx in self.sessions.items():
             n = len(idx.tokens)
-            if sid not in used and best_len < n <= len(ctx) and ctx[:n] == idx.tokens:
+            if sid not in used and self._scope[sid] == scope and best_len < n <= len(ctx) and ctx[:n] == idx.tokens:
                 best, best_len = sid, n
         return best
 
-    def _session(self, ctx: list[int], used: set[int]) -> int:
+    def _session(self, ctx: list[int], used: set[int], scope: Scope) -> int:
         """The id of ctx's request index (a new one for a new request), grown to ctx."""
-        sid = self._find(ctx, used)
+        sid = self._find(ctx, used, scope)
         if sid is None:
             sid, self._next = self._next, self._next + 1
             self.sessions[sid] = TokenIndex()
+            self._scope[sid] = scope
             while len(self.sessions) > _MAX_SESSIONS:
                 old, _ = self.sessions.popitem(last=False)
                 self._sent.pop(old, None)
+                self._scope.pop(old, None)
         else:
             self._settle(sid, ctx)
         idx = self.sessions[sid]
@@ -235,14 +286,14 @@ class SuffixDrafter:
 
     # -- scoring ---------------------------------------------------------------------------
 
-    def _draft(self, own: TokenIndex, ctx: list[int], k: int) -> SuffixDraft:
+    def _draft(self, own: TokenIndex, ctx: list[int], k: int, scope: Scope) -> SuffixDraft:
         s = self.settings
         if k <= 0:
             return SuffixDraft([])
         # Each candidate: (match length, stream, end position); its continuation follows.
         cands = [(m, own.tokens, p) for m, p in own.candidates(ctx, s.max_depth, len(ctx) - 1)]
         if self.cache is not None:
-            cands += [(m, self.cache.index.tokens, p) for m, p in self.cache.candidates(ctx, s.max_depth)]
+            cands += self.cache.candidates(ctx, s.max_depth, scope)
         best = SuffixDraft([])
         # Each candidate's match length, and that length cut to leave k tokens under max_depth
         # (a match too long to draft after still drafts as a shorter one).
