@@ -28,7 +28,7 @@ TRTSPEC = str(Path(sys.executable).with_name("trtspec"))
 # name -> (its one change from the default recipe, extra distill flags)
 VARIANTS = {
     "all": ("nothing: the default recipe", []),
-    "soft": ("soft labels: KL to the target's top-32 distribution over the draft vocabulary", ["--labels", "soft"]),
+    "hard": ("hard labels: cross-entropy on the target's greedy token (default: soft)", ["--labels", "hard"]),
     "noise": ("uniform feature noise in [-0.05, 0.05]", ["--feature-noise", "0.05"]),
     "ttt3": ("3 training-time-test steps, weights 0.8^j", ["--ttt-steps", "3"]),
     "ttt3-phase": (
@@ -41,8 +41,10 @@ VARIANTS = {
     "ttt3-equal": ("3 training-time-test steps weighted equally", ["--ttt-steps", "3", "--step-decay", "1.0"]),
     "constant-lr": ("a constant learning rate", ["--schedule", "constant"]),
     "none": (
-        "every change above",
+        "the earlier recipe: every revert above (no anchor, TensorRT-LLM's layers, LM head trained, 3 equal TTT steps, constant lr, hard labels)",
         [
+            "--labels",
+            "hard",
             "--no-anchor",
             "--layers",
             "1,14,26",

@@ -203,11 +203,11 @@ def test_soft_labels_of_a_certain_target_are_the_hard_labels():
 
 
 def test_soft_label_runs_resume_as_their_own_and_refuse_a_hard_checkpoint(tmp_path, tiny_ckpts):
-    """--labels soft trains (the loss is finite and falls on tiny data), records itself in the
-    manifest, and a hard run's checkpoint is not resumed as a soft one."""
+    """Soft labels (the default) train (the loss is finite on tiny data), record themselves in
+    the manifest, and a hard run's checkpoint is not resumed as a soft one."""
     a = tmp_path / "a"
     loaded = load_spec(eagle_spec(a, tiny_ckpts["target"]))
-    soft = distill(loaded, small_opts(a, labels="soft", max_steps=6))
+    soft = distill(loaded, small_opts(a, max_steps=6))  # the default
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in soft.curve)
     manifest = json.loads((a / "head" / "trtspec-head.json").read_text())
     assert manifest["options"]["labels"] == "soft"
@@ -217,7 +217,7 @@ def test_soft_label_runs_resume_as_their_own_and_refuse_a_hard_checkpoint(tmp_pa
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        distill(loaded, small_opts(a, force=True), on_step=interrupt)  # hard labels, interrupted
+        distill(loaded, small_opts(a, force=True, labels="hard"), on_step=interrupt)  # hard labels, interrupted
     with pytest.raises(TrtspecError, match="other data, seed or training options \\(--labels"):
         distill(loaded, small_opts(a, force=True, resume=True, labels="soft"))
 

@@ -91,10 +91,10 @@ def distill(
     lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate."),
     weight_decay: float = typer.Option(0.0, "--weight-decay", min=0.0, help="AdamW weight decay."),
     labels: Labels = typer.Option(
-        Labels.hard,
+        Labels.soft,
         "--labels",
-        help="hard: train on the target's greedy token; soft: on its distribution (top-32 logits "
-        "over the draft vocabulary), more signal per captured token.",
+        help="soft: train on the target's distribution (its top-32 logits over the draft vocabulary), "
+        "more signal per captured token; hard: on its greedy token.",
     ),
     samples_per_prompt: int = typer.Option(
         1,

@@ -75,7 +75,7 @@ class DistillOptions:
     temperature: float = 0.8  # of the sampled responses (labels stay the target's greedy tokens)
     weight_decay: float = 0.0
     gen_batch: int | None = None  # sequences generated at once (the engine's slots); None: generation_rows
-    labels: str = "hard"  # hard: the target's greedy token; soft: its top-k distribution (train.ttt_loss)
+    labels: str = "soft"  # soft: the target's top-k over the draft vocabulary; hard: its greedy token (train.ttt_loss)
     corpus: Path | None = None  # a user's conversations (distill/corpus.py), captured without generation
     anchor: bool = True  # start from the target's own prediction (distill/heads.py)
     train_lm_head: bool = False  # the LM head is the target's, frozen, unless asked
@@ -246,7 +246,8 @@ def _summary(out: Path, step: int, final: dict, advice: dict) -> None:
     console.info(
         f"wrote {out} ({step} steps): on unseen prompts, per-position acceptance "
         + "/".join(f"{a:.2f}" for a in acc)
-        + f", acceptance length {final['unseen_acceptance_length']:.2f} at k={len(acc)}"
+        + f", acceptance length {final['unseen_acceptance_length']:.2f} at k={len(acc)}; top-1/2/3 recall per depth "
+        + ", ".join("/".join(f"{r:.2f}" for r in d) for d in final["unseen_top_r"])
     )
     c = advice["costs"]
     k = advice["recommended_k"]
