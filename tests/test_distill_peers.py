@@ -28,7 +28,9 @@ VLLM_PY = distill_peers.VLLM_PY
 def exported(tmp_path_factory):
     """A head distilled for the tiny target, and its data exported for speculators."""
     folder = tmp_path_factory.mktemp("peers")
-    target = vllm_tiny_target(folder / "target")
+    # 3 layers, so the heads read 3: vLLM 0.32 sized speculators' fc for 3 aux layers when its
+    # head read the 2 of a 2-layer target (fc [64, 128] into [64, 192])
+    target = vllm_tiny_target(folder / "target", layers=3)
     spec = write_spec(folder, {"target": target, "head": folder / "head"}, "head", **{"speculative.method": "eagle3"})
     prompts = folder / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))

@@ -52,7 +52,7 @@ def _vllm_missing() -> str | None:
     return None if probe.returncode == 0 else f"vLLM is not installed in {VLLM_PYTHON} (make vllm)"
 
 
-def vllm_tiny_target(folder: Path) -> Path:
+def vllm_tiny_target(folder: Path, layers: int = 2) -> Path:
     """The tiny factory's target with 32-wide attention heads (see the module docstring)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -65,7 +65,7 @@ def vllm_tiny_target(folder: Path) -> Path:
         vocab_size=400,
         hidden_size=64,
         intermediate_size=160,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=2,  # head_dim 32
         num_key_value_heads=1,
         max_position_embeddings=1024,
