@@ -15,7 +15,7 @@ EAGLE3_SPEC := engine_specs/smollm2-135m-eagle3.yaml
 DISTILL_BUDGET ?= 90m
 # make demo trains its own head once, a fixed 400 steps (the same head on any machine), into
 # weights/smollm2-135m-eagle3-head-demo: the two heads never overwrite each other. The recipe
-# is distill's default (anchored head, response positions only, data captured as generated);
+# is distill's default (anchored head, soft labels, response positions only, data captured as generated);
 # it scores the head on bench/prompts.jsonl and the spec's verify prompts, never trained on.
 # The budget only caps a slow machine (data generation included): docs/performance.md#co-design.
 EAGLE3_DEMO_SPEC := engine_specs/smollm2-135m-eagle3-demo.yaml
