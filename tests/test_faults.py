@@ -502,7 +502,7 @@ def test_a_logits_stream_holds_only_the_rows_not_sent_yet(built):
     while scheduler.busy:
         scheduler.step()
         held += [len(res.generation_logits) for res in scheduler.batch.results.values()]
-    k = dep.spec.speculative.num_draft_tokens
+    k = dep.spec.speculative.default_draft_tokens
     assert held and max(held) == 0 and len(stream.sent) > 1  # sent, then dropped, every step
     streamed = np.concatenate([t["generation_logits"][0, 0] for t, _, _ in stream.sent if "generation_logits" in t])
     whole = unary.sent[-1][0]["generation_logits"][0, 0]

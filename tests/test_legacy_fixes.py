@@ -94,7 +94,7 @@ def test_engine_dry_run_refuses_custom_code_the_spec_does_not_trust(tmp_path):
 def test_llmapi_build_refuses_untrusted_custom_code_and_accepts_it_when_trusted(tmp_path, tiny_ckpts):
     target = _with_auto_map(tiny_ckpts["target"], tmp_path / "t")
     ckpts = {**tiny_ckpts, "target": target}
-    common = {"backend": "trtllm", "speculative.num_draft_tokens": None}
+    common = {"backend": "trtllm", "speculative.default_draft_tokens": None}
     refused = load_spec(write_spec(tmp_path / "a", ckpts, **common))
     r = CliRunner().invoke(app, ["build", str(refused.path)])
     assert r.exit_code == 2 and "ships custom code" in r.stderr

@@ -20,7 +20,7 @@ from trtspec.engines.trtllm.llmapi_fields import DECODING_TYPES, LINES, unknown_
 from trtspec.errors import SpecError
 from trtspec.spec import load_spec
 
-LLMAPI = {"backend": "trtllm", "speculative.num_draft_tokens": None}
+LLMAPI = {"backend": "trtllm", "speculative.default_draft_tokens": None}
 
 
 def spec_at(tmp_path, tiny_ckpts, draft="draft", **overrides):
@@ -52,7 +52,7 @@ def test_engine_runtime_names_the_versions_it_needs(tmp_path, tiny_ckpts):
 @pytest.mark.parametrize(
     "overrides, needle",
     [
-        ({"speculative.num_draft_tokens": 2}, "speculative.num_draft_tokens: the LLM API drafts max_draft_len"),
+        ({"speculative.default_draft_tokens": 2}, "speculative.default_draft_tokens: the LLM API drafts max_draft_len"),
         ({"speculative.use_draft_logits": True}, "speculative.use_draft_logits: trtspec certifies greedy"),
         ({"draft.tp_size": 2, "target.tp_size": 2}, "draft.tp_size/pp_size/gpu_device_ids: under trtllm.runtime llmapi"),
         ({"trtllm.max_num_tokens": 8}, "trtllm.max_num_tokens (8) is below build.max_input_len (256)"),

@@ -35,7 +35,7 @@ def llmapi_built(tmp_path_factory, tiny_ckpts):
             folder,
             tiny_ckpts,
             backend="trtllm",
-            **{"speculative.num_draft_tokens": None, "verify.max_tokens": MAX_TOKENS, "trtllm.line": "1.3+"},
+            **{"speculative.default_draft_tokens": None, "verify.max_tokens": MAX_TOKENS, "trtllm.line": "1.3+"},
         )
     )
     build(loaded, loaded.output_dir())
@@ -211,7 +211,7 @@ def test_llmapi_eagle3_spec_builds_and_verifies_through_the_double(tmp_path, tin
     from test_eagle3 import random_head
 
     ck = {"target": tiny_ckpts["target"], "head": random_head(tiny_ckpts["target"], tmp_path / "head")}
-    over = {"speculative.method": "eagle3", "speculative.num_draft_tokens": None, "verify.max_tokens": 16, "trtllm.line": "1.3+"}
+    over = {"speculative.method": "eagle3", "speculative.default_draft_tokens": None, "verify.max_tokens": 16, "trtllm.line": "1.3+"}
     loaded = load_spec(write_spec(tmp_path, ck, "head", backend="trtllm", **over))
     build(loaded, loaded.output_dir())
     cfg = yaml.safe_load((loaded.output_dir() / "llmapi" / "speculative.yaml").read_text())["speculative_config"]

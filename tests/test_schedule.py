@@ -142,7 +142,7 @@ def test_llmapi_files_carry_the_schedule_and_the_double_applies_it(tmp_path, tin
         "trtllm.runtime": "llmapi",
         "trtllm.line": "1.2",
         "speculative.max_draft_len": 4,
-        "speculative.num_draft_tokens": None,
+        "speculative.default_draft_tokens": None,
         "speculative.schedule": {1: 4, 2: 0},
         "speculative.switch_off": {"window": 8, "min_acceptance_length": 1.5},
     }
@@ -182,7 +182,7 @@ def test_llmapi_schedule_refusals(tmp_path, tiny_ckpts, over, needle):
             write_spec(
                 tmp_path,
                 tiny_ckpts,
-                **({"backend": "trtllm", "trtllm.runtime": "llmapi", "speculative.num_draft_tokens": None} | over),
+                **({"backend": "trtllm", "trtllm.runtime": "llmapi", "speculative.default_draft_tokens": None} | over),
             )
         )
     assert needle in str(info.value)

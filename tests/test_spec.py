@@ -94,9 +94,25 @@ def test_max_draft_len_range(tmp_path, k):
     assert "speculative.max_draft_len:" in msg
 
 
-def test_num_draft_tokens_within_max(tmp_path):
-    msg = _error(tmp_path, _with(speculative={"max_draft_len": 4, "num_draft_tokens": 6}))
-    assert "num_draft_tokens (6) exceeds max_draft_len (4)" in msg
+def test_default_draft_tokens_within_max(tmp_path):
+    msg = _error(tmp_path, _with(speculative={"max_draft_len": 4, "default_draft_tokens": 6}))
+    assert "default_draft_tokens (6) exceeds max_draft_len (4)" in msg
+
+
+def test_default_draft_tokens_is_max_draft_len_unless_given(tmp_path):
+    s = load_spec(_write(tmp_path, _with(speculative={"max_draft_len": 6}))).spec.speculative
+    assert s.default_draft_tokens == 6
+    given = load_spec(_write(tmp_path, _with(speculative={"max_draft_len": 6, "default_draft_tokens": 2})))
+    assert given.spec.speculative.default_draft_tokens == 2
+
+
+def test_the_per_request_name_is_refused_in_the_spec_with_the_deployment_name(tmp_path):
+    """num_draft_tokens is what a request sends; the spec names its default default_draft_tokens."""
+    msg = _error(tmp_path, _with(speculative={"max_draft_len": 4, "num_draft_tokens": 2}))
+    assert "speculative" in msg and "default_draft_tokens: rename the key" in msg
+    # an invalid max_draft_len is reported alone, not as a second error on the default it fills
+    msg = _error(tmp_path, _with(speculative={"max_draft_len": "four"}))
+    assert "max_draft_len" in msg and "default_draft_tokens" not in msg
 
 
 def test_draft_target_needs_draft(tmp_path):

@@ -432,7 +432,7 @@ from trtspec.engines.trtllm.llmapi_fields import DECODING_TYPES, SA_ENHANCER, un
 from trtspec.errors import SpecError  # noqa: E402
 from trtspec.spec import load_spec  # noqa: E402
 
-LLMAPI_13 = {"backend": "trtllm", "speculative.num_draft_tokens": None, "trtllm.line": "1.3+"}
+LLMAPI_13 = {"backend": "trtllm", "speculative.default_draft_tokens": None, "trtllm.line": "1.3+"}
 
 
 def _spec_error(tmp_path, tiny_ckpts, draft=None, **overrides) -> str:

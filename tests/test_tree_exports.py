@@ -20,7 +20,7 @@ from trtspec.spec import load_spec
 from trtspec.speculative.llmapi.double import DecodingConfig
 from vllm_fields import unknown_fields
 
-LLMAPI_13 = {"backend": "trtllm", "speculative.num_draft_tokens": None, "trtllm.line": "1.3+"}
+LLMAPI_13 = {"backend": "trtllm", "speculative.default_draft_tokens": None, "trtllm.line": "1.3+"}
 DYNAMIC = {"speculative.tree": {"dynamic": {"top_k": 2, "nodes": 12}}}  # the tiny spec drafts 8 deep
 STATIC = {"speculative.tree": {"choices": [[0], [1], [0, 0], [0, 1], [1, 0], [1, 1], [0, 0, 0], [0, 1, 0], [1, 0, 0], [1, 1, 0]]}}
 EAGLE = {"speculative.method": "eagle3"}

@@ -97,7 +97,7 @@ def pair(tmp_path_factory):
         folder,
         {"target": target, "head": folder / "head"},
         "head",
-        **{"speculative.method": "eagle3", "speculative.num_draft_tokens": K},
+        **{"speculative.method": "eagle3", "speculative.default_draft_tokens": K},
     )
     prompts = folder / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in TRAIN_PROMPTS))

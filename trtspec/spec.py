@@ -238,8 +238,9 @@ class TreeSpec(_Strict):
 class SpeculativeSpec(_Strict):
     method: Method = "draft_target"
     max_draft_len: Annotated[int, Field(ge=1, le=MAX_DRAFT_LEN_LIMIT)] = 4
-    # Draft length used when a request does not ask for one (<= max_draft_len).
-    num_draft_tokens: Annotated[int, Field(ge=0, le=MAX_DRAFT_LEN_LIMIT)] | None = None
+    # The deployment's draft length k: what a request that sends no num_draft_tokens runs with
+    # (<= max_draft_len; max_draft_len when not given).
+    default_draft_tokens: Annotated[int, Field(ge=0, le=MAX_DRAFT_LEN_LIMIT)]
     # ngram (prompt lookup): longest suffix n-gram tried first, down to min_ngram.
     max_ngram: Annotated[int, Field(ge=1, le=16)] = 3
     min_ngram: Annotated[int, Field(ge=1, le=16)] = 1
@@ -265,6 +266,24 @@ class SpeculativeSpec(_Strict):
             return self.suffix or SuffixSpec()
         return self.suffix
 
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_default_draft_tokens(cls, data):
+        """default_draft_tokens not given: max_draft_len (the field's default when max_draft_len
+        is itself invalid, which fails on its own)."""
+        if not isinstance(data, dict):
+            return data
+        if "num_draft_tokens" in data:
+            raise ValueError(
+                "num_draft_tokens is the draft length a request sends; the spec's draft length for "
+                "requests that send none is default_draft_tokens: rename the key"
+            )
+        if data.get("default_draft_tokens") is None:
+            k = data.get("max_draft_len")
+            ok = isinstance(k, int) and not isinstance(k, bool)
+            data = {**data, "default_draft_tokens": k if ok else cls.model_fields["max_draft_len"].default}
+        return data
+
     @model_validator(mode="after")
     def _consistent(self) -> SpeculativeSpec:
         if self.schedule is not None:
@@ -280,9 +299,9 @@ class SpeculativeSpec(_Strict):
                 raise ValueError(
                     f"schedule draft lengths must not grow with load (more sequences, fewer drafts); got {dict(points)}"
                 )
-        if self.num_draft_tokens is not None and self.num_draft_tokens > self.max_draft_len:
+        if self.default_draft_tokens > self.max_draft_len:
             raise ValueError(
-                f"num_draft_tokens ({self.num_draft_tokens}) exceeds max_draft_len "
+                f"default_draft_tokens ({self.default_draft_tokens}) exceeds max_draft_len "
                 f"({self.max_draft_len}); lower it or raise max_draft_len"
             )
         if self.min_ngram > self.max_ngram:
@@ -335,10 +354,6 @@ class SpeculativeSpec(_Strict):
         """The most draft tokens the target scores in one forward: max_draft_len, or a tree's
         nodes."""
         return max(self.max_draft_len, self.tree.node_count if self.tree is not None else 0)
-
-    @property
-    def default_draft_tokens(self) -> int:
-        return self.max_draft_len if self.num_draft_tokens is None else self.num_draft_tokens
 
 
 # The largest serve.max_response_mb: one response is one gRPC message, and protobuf refuses a
@@ -585,10 +600,10 @@ def check_trtllm_runtime(spec: EngineSpec) -> None:
             )
         return
     # llmapi
-    if s.num_draft_tokens is not None and s.num_draft_tokens != s.max_draft_len:
+    if s.default_draft_tokens != s.max_draft_len:
         raise ValueError(
-            "speculative.num_draft_tokens: the LLM API drafts max_draft_len tokens every step "
-            "and takes no per-request draft length; remove num_draft_tokens or set it to "
+            "speculative.default_draft_tokens: the LLM API drafts max_draft_len tokens every step "
+            "and takes no per-request draft length; remove default_draft_tokens or set it to "
             f"max_draft_len ({s.max_draft_len})"
         )
     if s.schedule and s.schedule.get(1) != s.max_draft_len:

@@ -170,7 +170,7 @@ def distill(
     Data are the target's own responses to the prompts (10% held out, never trained on),
     captured as they are generated, plus --corpus conversations. The spec's verify prompts
     are never trained on: distill scores the head on them per draft position, measures its
-    costs and recommends num_draft_tokens. Ctrl-C keeps the last good checkpoint; --resume
+    costs and recommends default_draft_tokens. Ctrl-C keeps the last good checkpoint; --resume
     finishes the run exactly as if uninterrupted. Exit 2 on bad input (existing output without
     --force, empty prompts, a corpus in another format, a work folder in use).
 
@@ -226,7 +226,7 @@ def distill(
             f"head written to {result.output}: {result.steps} steps ({result.stopped_by}); unseen prompts: "
             f"per-position acceptance {'/'.join(f'{a:.2f}' for a in m['unseen_accepted'])}, acceptance length "
             f"{m['unseen_acceptance_length']:.2f} at k={len(m['unseen_accepted'])}; "
-            + (f"recommended num_draft_tokens: {k}" if k else "no draft length beats target-only with this head")
+            + (f"recommended default_draft_tokens: {k}" if k else "no draft length beats target-only with this head")
         ),
         as_json=as_json,
         json_file=json_file,

@@ -256,7 +256,7 @@ def _summary(out: Path, step: int, final: dict, advice: dict) -> None:
         + ", ".join(f"k={i + 1}: {v:.2f}" for i, v in enumerate(c["verify"]))
         + "; bound "
         + ", ".join(f"k={i + 1}: {b:.2f}x" for i, b in enumerate(advice["bound"]))
-        + (f"; recommended num_draft_tokens: {k}" if k else "; no k beats target-only with this head")
+        + (f"; recommended default_draft_tokens: {k}" if k else "; no k beats target-only with this head")
     )
 
 
