@@ -22,7 +22,8 @@ HEAD is a head `trtspec distill SPEC` wrote; its manifest names the data it was 
    k = 1 and k = 3, and reports trtspec's own unseen-prompt figures from HEAD's manifest.
 
 CPU time of each trainer is the training process's user + system seconds (not wall time, which
-depends on the machine's load). Writes OUT/distill-peers.json and prints a table.
+depends on the machine's load). Writes OUT/distill-peers.json and prints it. Exit 2 on bad input
+(no head manifest at HEAD, a missing environment).
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 SPECULATORS_CPU = ROOT / "bench" / "speculators_cpu.py"
 VLLM_PEER = ROOT / "bench" / "vllm_peer.py"
 EXPORT_ROWS = 64  # sequences captured per batch of the export
+
+
+def refuse(message: str) -> None:
+    print(f"Error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def distill_options(head: Path):
@@ -272,10 +278,12 @@ def main() -> None:
     out = args.out.resolve()
     head = args.head.resolve()
     data = out / "speculators-data"
-    data.mkdir(parents=True, exist_ok=True)
-    for python, what in ((args.speculators_python, "speculators (make distill-peers)"), (args.vllm_python, "vLLM (make vllm)")):
+    if not (head / "trtspec-head.json").is_file():
+        refuse(f"{head} holds no trtspec-head.json; pass a head `trtspec distill` wrote as --head")
+    for python, what in ((args.speculators_python, "speculators (make speculators)"), (args.vllm_python, "vLLM (make vllm)")):
         if not python.is_file() and not (args.no_vllm and "vLLM" in what):
-            raise SystemExit(f"Error: no Python environment for {what} at {python}")
+            refuse(f"no Python environment for {what} at {python}; create it, or pass its python")
+    data.mkdir(parents=True, exist_ok=True)
     if args.reuse_export and (out / "exported.json").is_file():
         exported = json.loads((out / "exported.json").read_text())
     else:
