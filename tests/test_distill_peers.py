@@ -6,11 +6,13 @@ in vLLM (where that environment exists too)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import write_spec
+from conftest import ROOT, write_spec
 from safetensors.torch import load_file
 from test_distill import PROMPTS
 from test_vllm_head import vllm_tiny_target
@@ -103,3 +105,15 @@ def test_vllm_scores_the_peer_head_on_the_unseen_prompts(trained, exported, tmp_
     c = got["counters"]
     assert c["num_drafts"] > 0 and c["num_draft_tokens"] == c["num_drafts"]  # k=1: one draft a step
     assert got["acceptance"] == round(c["num_accepted_tokens"] / c["num_draft_tokens"], 3)
+
+
+def test_a_folder_without_a_head_manifest_is_refused(tmp_path):
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "distill_peers.py"), "spec.yaml", "--head", str(tmp_path / "nothing")]
+        + ["--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and r.stderr.startswith("Error: ") and "trtspec-head.json" in r.stderr
+    assert not (tmp_path / "out").exists()
