@@ -91,7 +91,7 @@ class Pair:
 
 def random_pair(shape: str, device: torch.device, dtype: torch.dtype, slots: int, max_seq: int) -> Pair:
     """Target and head with random weights made on ``device`` in ``dtype`` (no files)."""
-    from trtspec.engines.eagle3 import distill_layer_ids, head_config_dict, head_config_from_dict
+    from trtspec.engines.eagle3_checkpoint import distill_layer_ids, head_config_dict, head_config_from_dict
     from trtspec.engines.manifest import Manifest
     from trtspec.engines.torch.eagle3 import Eagle3Head, HeadEngine
     from trtspec.engines.torch.engine import TorchEngine

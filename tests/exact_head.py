@@ -22,7 +22,7 @@ def make_exact_head(target_folder: Path, out: Path) -> Path:
     from transformers import AutoConfig
 
     from trtspec.distill.heads import new_head, save_head
-    from trtspec.engines.eagle3 import default_layer_ids
+    from trtspec.engines.eagle3_checkpoint import default_layer_ids
 
     hf = AutoConfig.from_pretrained(target_folder)
     vocab = hf.vocab_size

@@ -241,7 +241,7 @@ def eagle_engines(tmp_path_factory, tiny_ckpts) -> Path:
 
     from trtspec.distill.heads import new_head, save_head
     from trtspec.engines.build import build
-    from trtspec.engines.eagle3 import default_layer_ids
+    from trtspec.engines.eagle3_checkpoint import default_layer_ids
 
     root = tmp_path_factory.mktemp("device-eagle")
     hf = AutoConfig.from_pretrained(tiny_ckpts["target"])
@@ -279,7 +279,7 @@ def test_training_runs_on_the_batch_device(built, monkeypatch):
 
     from trtspec.distill.heads import new_head
     from trtspec.distill.train import Batch, to_device, ttt_loss
-    from trtspec.engines.eagle3 import default_layer_ids
+    from trtspec.engines.eagle3_checkpoint import default_layer_ids
 
     dep = built()
     hf = AutoConfig.from_pretrained(dep.target.folder)

@@ -226,7 +226,7 @@ def test_held_out_agreement_is_the_same_in_one_batch_or_many(tmp_path, tiny_ckpt
     import json
 
     from trtspec.distill.train import agreement
-    from trtspec.engines.eagle3 import head_config_from_dict
+    from trtspec.engines.eagle3_checkpoint import head_config_from_dict
     from trtspec.engines.torch.eagle3 import Eagle3Head
     from trtspec.engines.torch.engine import TorchEngine
 

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from trtspec.cli.app import app
 from trtspec.demo.tiny import bigram_map, make_bigram_target
 from trtspec.distill.heads import new_head, save_head
-from trtspec.engines.eagle3 import default_layer_ids
+from trtspec.engines.eagle3_checkpoint import default_layer_ids
 
 runner = CliRunner()
 
@@ -123,7 +123,7 @@ def test_head_folder_has_the_names_the_loaders_read(heads, tiny_ckpts):
 def test_head_shapes_and_id_mapping(heads):
     from safetensors.torch import load_file
 
-    from trtspec.engines.eagle3 import read_head_config
+    from trtspec.engines.eagle3_checkpoint import read_head_config
     from trtspec.engines.torch.eagle3 import Eagle3Head
 
     cfg = read_head_config(heads["random"], 2)

@@ -39,7 +39,7 @@ from trtspec.distill.sample import Sample
 from trtspec.distill.store import CorruptStore, FeatureStore, open_store, remove_store, write_store
 from trtspec.distill.trainer import Trainer
 from trtspec.engines.build import build
-from trtspec.engines.eagle3 import distill_layer_ids
+from trtspec.engines.eagle3_checkpoint import distill_layer_ids
 from trtspec.engines.manifest import check_manifest, versions
 from trtspec.engines.torch.engine import DTYPES, WEIGHTS, TorchEngine
 from trtspec.engines.torch.model import DecoderConfig
@@ -69,7 +69,7 @@ class DistillOptions:
     lr: float = 1e-3
     held_out: float = 0.1  # fraction of prompts never trained on
     eval_every: int = 50
-    layer_ids: tuple[int, ...] | None = None  # default: engines/eagle3.distill_layer_ids
+    layer_ids: tuple[int, ...] | None = None  # default: engines/eagle3_checkpoint.distill_layer_ids
     samples_per_prompt: int = 1  # training responses per prompt: the greedy one + sampled ones
     branches_per_prompt: int = 0  # sampled continuations from a point inside each greedy response
     temperature: float = 0.8  # of the sampled responses (labels stay the target's greedy tokens)

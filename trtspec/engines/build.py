@@ -204,7 +204,7 @@ def check_pair(checkpoints: dict[str, Checkpoint], method: str = "draft_target")
     toks = {}
     for role, ckpt in checkpoints.items():
         if role == "draft" and method == "eagle3":
-            from trtspec.engines.eagle3 import check_head_checkpoint
+            from trtspec.engines.eagle3_checkpoint import check_head_checkpoint
 
             check_head_checkpoint(checkpoints["target"], ckpt)  # a head has no tokenizer
             continue

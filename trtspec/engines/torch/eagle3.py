@@ -4,8 +4,8 @@ The head is one Llama decoder layer whose attention reads [token embedding; stat
 ``state`` is the target's fused features (``fc`` over the outputs of a low, a middle and a high
 target layer) at the first draft step and the head's own previous output after that. It shares
 the target's token embeddings (no copy) and predicts over a reduced draft vocabulary that
-``d2t`` maps back to target ids. Parameter names are those of the checkpoint (engines/eagle3.py),
-so a head folder loads as it is.
+``d2t`` maps back to target ids. Parameter names are those of the checkpoint
+(engines/eagle3_checkpoint.py), so a head folder loads as it is.
 
 HeadEngine keeps the head's own static KV cache per slot, indexed by position like the
 target's: a rejected draft is undone by rewinding an integer.
@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from trtspec.device import check_dtype
-from trtspec.engines.eagle3 import HeadConfig, read_head_config
+from trtspec.engines.eagle3_checkpoint import HeadConfig, read_head_config
 from trtspec.engines.manifest import read_manifest
 from trtspec.engines.torch.engine import DTYPES, WEIGHTS, SlotPool, TorchEngine
 from trtspec.engines.torch.model import MLP, TREE_ROWS, Attention, DecoderConfig, KVCache, RMSNorm, StepInputs, rope_tables

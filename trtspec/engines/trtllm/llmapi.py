@@ -124,7 +124,7 @@ def _head_layers_if_not_default(head_dir: Path | None) -> list[int] | None:
     default: (1, L//2-1, L-4) for L > 5 layers, (L-1,) for one; for 2-5 layers upstream has no
     default and raises (tensorrt_llm/_torch/speculative/eagle3.py, Eagle3SpecMetadata
     .__post_init__), so they are always written. A Hub head without trtspec's record: None."""
-    from trtspec.engines.eagle3 import default_layer_ids
+    from trtspec.engines.eagle3_checkpoint import default_layer_ids
 
     if head_dir is None:
         return None

@@ -441,7 +441,7 @@ def _eagle3_head(folder: Path, target, dtype: str, layers):
     import torch
     from safetensors.torch import load_file
 
-    from trtspec.engines.eagle3 import default_layer_ids, read_head_config
+    from trtspec.engines.eagle3_checkpoint import default_layer_ids, read_head_config
     from trtspec.engines.torch.eagle3 import Eagle3Head, HeadEngine
 
     n_layers = target.config.num_layers

@@ -141,7 +141,7 @@ EAGLE3_OUTPUTS = [
 
 
 def _head_layers(engines_dir: Path) -> tuple[int, ...]:
-    from trtspec.engines.eagle3 import read_head_config
+    from trtspec.engines.eagle3_checkpoint import read_head_config
 
     target = json.loads((engines_dir / "target" / "config.json").read_text())
     return read_head_config(engines_dir / "draft", int(target["num_hidden_layers"])).layer_ids
