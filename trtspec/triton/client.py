@@ -54,7 +54,7 @@ class GrpcBackend:
         self.url = url
         self.tokenizer = tokenizer
         self.chat_template = chat_template
-        self.k = num_draft_tokens
+        self.num_draft_tokens = num_draft_tokens
         self.stream = stream
         self.timeout = timeout
         self._error = InferenceServerException
@@ -91,8 +91,8 @@ class GrpcBackend:
             "return_perf_metrics": True,
             "return_margins": not stream,
         }
-        if self.k is not None:
-            values["num_draft_tokens"] = self.k
+        if self.num_draft_tokens is not None:
+            values["num_draft_tokens"] = self.num_draft_tokens
         if stream:
             values["stream"] = True
         return values

@@ -28,12 +28,12 @@ class InProcessBackend:
     ):
         self.dep = deployment
         self.chat_template = chat_template
-        self.k = num_draft_tokens
+        self.num_draft_tokens = num_draft_tokens
         self.epsilon = epsilon if epsilon is not None else DEFAULT_EPSILON[deployment.target.manifest.dtype]
 
     def run(self, prompt: str, max_tokens: int, speculative: bool) -> PathRun:
         ids = self.dep.encode(prompt, self.chat_template)
-        req = self.dep.request(ids, max_tokens, self.k)
+        req = self.dep.request(ids, max_tokens, self.num_draft_tokens)
         self.dep.forget_prefixes()  # neither path may reuse the other's prefill of this prompt
         start = time.perf_counter()
         (res,) = self.dep.generate([req], speculative=speculative)
