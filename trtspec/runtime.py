@@ -100,7 +100,7 @@ class Deployment:
         tree: TreeShape | Literal["chain"] | None = None,
         suffix_scope: str | None = SHARED_SCOPE,
     ):
-        """A checked request; ``num_draft_tokens`` None: the spec's default k, ``tree`` None: the
+        """A checked request; ``num_draft_tokens`` None: the spec's default_draft_tokens, ``tree`` None: the
         spec's draft tree (the request rules fill both in); tree "chain": draft a chain.
         ``suffix_scope``: the scope of the suffix cache it reads and feeds ("": the shared
         one, None: neither; docs/suffix.md)."""

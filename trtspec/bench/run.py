@@ -47,7 +47,12 @@ class BenchOptions(BaseModel):
     max_tokens: Annotated[int | None, Field(ge=1), Flag("Tokens per request (default: verify.max_tokens).")] = None
     # the main comparison's draft length; None: the spec's (speculative.requests)
     k: Annotated[
-        int | None, Flag("Draft length for the main comparison (default: the spec's).", short="-k", name="--num-draft-tokens")
+        int | None,
+        Flag(
+            "Draft length for the main comparison (default: the spec's default_draft_tokens).",
+            short="-k",
+            name="--num-draft-tokens",
+        ),
     ] = None
     sweep: Annotated[
         list[int] | None,

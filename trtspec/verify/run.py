@@ -41,9 +41,9 @@ class VerifyOptions(BaseModel):
         Flag("Prompt to verify (repeatable); default: the spec's verify prompts.", short="-p", name="--prompt"),
     ] = None
     max_tokens: Annotated[int | None, Field(ge=1), Flag("Tokens per prompt (default: verify.max_tokens).")] = None
-    num_draft_tokens: Annotated[int | None, Field(ge=0), Flag("Draft length k (default: the spec's).", short="-k")] = (
-        None  # None: the spec's k (speculative.requests.draft_tokens)
-    )
+    num_draft_tokens: Annotated[
+        int | None, Field(ge=0), Flag("Draft length k each request sends (default: the spec's default_draft_tokens).", short="-k")
+    ] = None  # None: the spec's default_draft_tokens (speculative.requests.draft_tokens)
     url: Annotated[
         str | None,
         Flag(URL_HELP),
