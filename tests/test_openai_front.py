@@ -323,6 +323,23 @@ def test_ignore_eos_and_continuous_usage_reach_the_deployment(oai, scripted):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
 
 
+def test_user_is_the_suffix_cache_scope_and_suffix_cache_false_opts_out(oai, scripted):
+    from trtspec.openai.triton import TritonText
+
+    oai.completions.create(model=MODEL, prompt="hello", max_tokens=2, user="tenant-é")
+    oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    oai.completions.create(model=MODEL, prompt="hello", max_tokens=2, user="tenant-a", extra_body={"suffix_cache": False})
+    sent = [{t.name(): t for t in TritonText._inputs(g, False)} for g in scripted.calls]
+    assert sent[0]["suffix_cache_scope"].datatype() == "BYTES" and "suffix_cache" not in sent[0]
+    assert scripted.calls[0].suffix_cache_scope == "tenant-é"
+    assert "suffix_cache_scope" not in sent[1] and "suffix_cache" not in sent[1]  # the shared scope
+    assert "suffix_cache_scope" not in sent[2] and sent[2]["suffix_cache"].datatype() == "BOOL"
+    assert scripted.calls[2].suffix_cache is False
+    status, error, _ = _status_error(lambda: oai.completions.create(model=MODEL, prompt="hello", max_tokens=2, user="x" * 300))
+    assert status == 400 and "user is 300 bytes, more than 256" in error["message"]
+    assert len(scripted.calls) == 3  # refused before the deployment
+
+
 def test_log_prob_token_texts_are_incremental_and_equal_the_whole_decode(tokenizer):
     """token_texts decodes O(n) tokens in all (the old loop decoded every prefix: O(n^2)) and
     splits the text exactly where decoding every prefix would."""

@@ -72,6 +72,44 @@ def test_orchestrator_suffix_answers_target_only_tokens_with_one_bounded_cache(b
     assert control.suffix_cache is None  # the target-only endpoint keeps no cache
 
 
+def test_orchestrator_keeps_each_scope_apart_and_refuses_malformed_scopes(built):
+    from trtspec.errors import RequestError
+
+    dep = built(None, **{"speculative.method": "suffix", "speculative.max_draft_len": 8})
+    orch = _suffix_orchestrator(dep, SuffixSpec())
+    want = {p: dep.generate([dep.request(dep.encode(p), 24)], speculative=False)[0].output_ids for p in PROMPTS}
+    scopes = {PROMPTS[0]: b"tenant-a", PROMPTS[1]: "tenant-é".encode(), PROMPTS[2]: None}
+    for prompt, scope in scopes.items():
+        extra = {"suffix_cache_scope": scope} if scope is not None else {"suffix_cache": False}
+        (out,) = orch.run([_request(prompt, 24, num_draft_tokens=8, **extra)])
+        assert out["output_ids"][0, : out["sequence_length"][0, 0]].tolist() == want[prompt]
+    # Each response is in its own scope; the opted-out one (suffix_cache false) is nowhere.
+    parts = {scope: part.index.tokens[part.start : -1] for scope, part in orch.suffix_cache.parts.items()}
+    assert parts == {"tenant-a": want[PROMPTS[0]], "tenant-é": want[PROMPTS[1]]}
+    (row,) = orch.parse(_request(PROMPTS[0], 8))
+    assert row.request.suffix_scope == ""  # no scope sent: the deployment's shared one
+    for extra, needle in (
+        ({"suffix_cache_scope": b"x" * 257}, "suffix_cache_scope is 257 bytes, more than 256"),
+        ({"suffix_cache_scope": b"\xff\xfe"}, "suffix_cache_scope is not valid UTF-8"),
+        ({"suffix_cache_scope": b"a\x00b"}, "suffix_cache_scope holds a control character"),
+        ({"suffix_cache_scope": b"a", "suffix_cache": False}, "send it or suffix_cache_scope, not both"),
+    ):
+        with pytest.raises(RequestError, match=needle):
+            orch.parse(_request(PROMPTS[0], 8, **extra))
+
+
+@pytest.mark.parametrize("name, value", [("suffix_cache_scope", b"tenant-a"), ("suffix_cache", False)])
+def test_the_llmapi_endpoint_refuses_suffix_cache_scopes(name, value):
+    import numpy as np
+
+    from trtspec.errors import RequestError
+    from trtspec.triton.backend.llmapi_core import LlmapiEndpoint
+
+    core = LlmapiEndpoint.__new__(LlmapiEndpoint)
+    with pytest.raises(RequestError, match=f"{name} is not supported by the LLM API endpoints"):
+        core.parse({"text_input": np.array([[b"hi"]], dtype=np.object_), name: np.array([[value]])})
+
+
 def test_orchestrator_layers_suffix_on_the_draft_model(built):
     dep = built("draft")
     orch = _suffix_orchestrator(dep, SuffixSpec(threshold=2), method="draft_target")
@@ -183,6 +221,26 @@ def test_served_suffix_streams_batches_and_cancels_with_target_only_tokens(serve
     held = total(samples, "trtspec_suffix_cache_tokens")
     assert 0 < held <= 2 * SuffixSpec().cache_tokens  # the outputs answered so far, within the cap
     assert not [n for n in samples if re.search("source", n) and not n.startswith("trtspec_source_")]
+
+
+@pytest.mark.server
+def test_served_scopes_unary_and_streamed_with_target_only_tokens(served):
+    from test_serve import _bls, _ids, _stream, _t
+
+    from trtspec.layout import BLS_MODEL
+
+    server, dep = served
+    client = grpcclient.InferenceServerClient(server.grpc_endpoint)
+    prompt = PROMPTS[1]
+    want = dep.generate([dep.request(dep.encode(prompt), 40)], speculative=False)[0].output_ids
+    a = _bls(prompt, 40) + [_t("suffix_cache_scope", b"tenant-a", "BYTES")]
+    private = _bls(prompt, 40) + [_t("suffix_cache", False, "BOOL")]
+    assert _ids(client.infer(BLS_MODEL, a)) == want
+    assert _ids(client.infer(BLS_MODEL, private)) == want
+    assert sum((_ids(r) for r in _stream(server.grpc_endpoint, a, "scoped")), []) == want
+    bad = _bls(prompt, 40) + [_t("suffix_cache_scope", b"x" * 300, "BYTES")]
+    with pytest.raises(Exception, match="suffix_cache_scope is 300 bytes, more than 256"):
+        client.infer(BLS_MODEL, bad)
 
 
 def test_peer_paths_of_a_suffix_spec_run_ours_identical(built):

@@ -274,6 +274,7 @@ class _Front:
         # Chat without a limit runs to the end of the context, as OpenAI's; a limit past it is
         # refused by the deployment with its own message.
         limit = body.limit(room) if chat else (body.max_tokens or 16)
+        scope, cached = _checked(body.cache_scope)
         return Generation(
             text=text,
             max_tokens=limit,
@@ -284,6 +285,8 @@ class _Front:
             processing=body.processing(),
             log_probs=body.wants_log_probs(),
             ignore_eos=body.ignore_eos,
+            suffix_cache_scope=scope,
+            suffix_cache=cached,
         )
 
     async def answer(self, body, g: Generation, chat: bool, request: Request | None = None):

@@ -83,6 +83,8 @@ class Generation:
     processing: tuple[tuple[str, float], ...] = ()  # upstream input name -> value (penalties, min_tokens)
     log_probs: bool = False
     ignore_eos: bool = False  # generate exactly max_tokens: no end token (upstream's end_id -1)
+    suffix_cache_scope: str | None = None  # the suffix cache scope (None: the shared one)
+    suffix_cache: bool = True  # False: neither read nor feed the suffix cache
 
 
 class TritonText:
@@ -143,6 +145,10 @@ class TritonText:
         values |= dict(g.processing)  # each under its contract type (min_tokens INT32, the rest FP32)
         if g.log_probs:
             values["return_log_probs"] = True
+        if g.suffix_cache_scope is not None:
+            values["suffix_cache_scope"] = g.suffix_cache_scope
+        if not g.suffix_cache:
+            values["suffix_cache"] = False
         return infer_inputs(values)
 
     @staticmethod

@@ -131,12 +131,22 @@ def make_request(
     )
 
 
-def check_scope(scope: str | None, name: str = "suffix_scope") -> str | None:
+def check_scope(scope: str | bytes | None, name: str = "suffix_scope") -> str | None:
     """A request's suffix cache scope, checked: None, or text of at most MAX_SCOPE_BYTES UTF-8
-    bytes without control characters ("" is the deployment's shared scope). ``name``: the
-    field as the request's sender knows it, for the RequestError."""
+    bytes without control characters ("" is the deployment's shared scope; bytes are decoded
+    as UTF-8 once their size is checked). ``name``: the field as the request's sender knows it,
+    for the RequestError."""
     if scope is None:
         return None
+    if isinstance(scope, bytes):
+        if len(scope) > MAX_SCOPE_BYTES:
+            raise RequestError(
+                f"{name} is {len(scope)} bytes, more than {MAX_SCOPE_BYTES}; send a shorter key (a hash of it, say)"
+            )
+        try:
+            scope = scope.decode("utf-8")
+        except UnicodeDecodeError:
+            raise RequestError(f"{name} is not valid UTF-8; send UTF-8 text") from None
     if not isinstance(scope, str):
         raise RequestError(f"{name} must be text (a tenant key); got {type(scope).__name__}")
     try:

@@ -114,6 +114,11 @@ TRTSPEC_BLS_INPUTS: tuple[Tensor, ...] = (
     _t("apply_chat_template", "TYPE_BOOL"),  # encode text_input with the tokenizer's chat template
     _t("return_margins", "TYPE_BOOL"),  # target's top-1 minus top-2 logit per output token
     _t("draft_tree", "TYPE_BOOL"),  # false: draft a chain where the deployment drafts a tree
+    # Suffix decoding's cache of earlier responses (docs/suffix.md): the scope (a tenant key of
+    # at most MAX_SCOPE_BYTES UTF-8 bytes) whose responses the request reads and feeds, and
+    # suffix_cache false: neither read nor feed it.
+    _t("suffix_cache_scope", "TYPE_STRING"),
+    _t("suffix_cache", "TYPE_BOOL"),
 )
 TRTSPEC_BLS_OUTPUTS: tuple[Tensor, ...] = (
     _t("output_ids", "TYPE_INT32", (-1,)),

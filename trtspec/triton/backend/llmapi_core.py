@@ -76,6 +76,13 @@ class LlmapiEndpoint:
                 "draft_tree is not supported by the LLM API endpoints: TensorRT-LLM drafts the tree (or chain) "
                 "its speculative_config names for every request; leave it out"
             )
+        for name in ("suffix_cache_scope", "suffix_cache"):
+            if inputs.get(name) is not None:
+                raise RequestError(
+                    f"{name} is not supported by the LLM API endpoints: TensorRT-LLM's suffix automaton keeps one "
+                    "pool for all requests (enable_global_pool in its speculative_config); leave it out, or serve "
+                    "each tenant its own deployment"
+                )
         with self._parse_lock:
             rows = self.orch.parse(inputs)
         if any(row.sequences > 1 for row in rows):

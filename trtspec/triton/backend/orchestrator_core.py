@@ -44,10 +44,10 @@ import numpy as np
 from trtspec.errors import RequestError
 from trtspec.spec import SuffixSpec
 from trtspec.speculative.drafters import make_drafter, response_cache
-from trtspec.speculative.loop import Batch, GenerationResult, NoDrafter
+from trtspec.speculative.loop import SHARED_SCOPE, Batch, GenerationResult, NoDrafter
 from trtspec.speculative.metrics import SourceCounts
 from trtspec.speculative.processing import Processing
-from trtspec.speculative.requests import Limits, encode_prompt, make_request
+from trtspec.speculative.requests import Limits, check_scope, encode_prompt, make_request
 from trtspec.speculative.sampling import SamplingParams
 from trtspec.speculative.schedule import LoadPolicy
 from trtspec.tokens import check_token_ids
@@ -131,6 +131,8 @@ class RequestInputs:
     return_num_input_tokens: np.ndarray | None
     return_num_output_tokens: np.ndarray | None
     draft_tree: np.ndarray | None
+    suffix_cache_scope: np.ndarray | None
+    suffix_cache: np.ndarray | None
     stop_words: np.ndarray | None  # BYTES [rows, n] or [n] (stop_words reads a row's)
 
     # The optional per-row inputs stored under their contract names, in reading order.
@@ -146,6 +148,8 @@ class RequestInputs:
         "return_num_input_tokens",
         "return_num_output_tokens",
         "draft_tree",
+        "suffix_cache_scope",
+        "suffix_cache",
     )
 
     @property
@@ -179,6 +183,17 @@ def _text(value) -> str:
     except UnicodeEncodeError as err:
         raise RequestError(f"text is not valid UTF-8 ({err.reason} at character {err.start}); send UTF-8 text") from None
     return text
+
+
+def _scope_of(request: RequestInputs, r: int) -> str | None:
+    """Row r's suffix cache scope: suffix_cache_scope (absent: the shared one), None where
+    suffix_cache is false; both at once is refused. The request rules check the text."""
+    scope = None if request.suffix_cache_scope is None else request.suffix_cache_scope[r]
+    if request.suffix_cache is not None and not bool(request.suffix_cache[r]):
+        if scope is not None:
+            raise RequestError("suffix_cache false keeps the request out of every scope; send it or suffix_cache_scope, not both")
+        return None
+    return SHARED_SCOPE if scope is None else check_scope(scope, "suffix_cache_scope")
 
 
 def stop_words(stops, row: int, rows: int) -> list[str]:
@@ -310,6 +325,7 @@ class Orchestrator:
                 check_token_ids([e], vocab, "end_id")
                 ends = frozenset({e})
         tree = self._tree_of(request, r)
+        scope = _scope_of(request, r)
         pad = 0 if request.pad_id is None else int(request.pad_id[r])
         check_token_ids([pad], vocab, "pad_id")
         sampling, n_seqs = request.sampling[r], request.n_seqs
@@ -329,6 +345,7 @@ class Orchestrator:
                 request.flag("log_probs", r),
                 request.flag("generation_logits", r),
                 tree=tree,
+                suffix_scope=scope,
             )
             if self.s.mode == "target_only":
                 req.num_draft_tokens = 0
@@ -500,7 +517,7 @@ class Orchestrator:
         self.metrics.load(active=stats.held, queued=stats.queued)
         self.metrics.sources(self.sources)
         if self.suffix_cache is not None:
-            self.metrics.suffix_cache(len(self.suffix_cache.index.tokens))
+            self.metrics.suffix_cache(self.suffix_cache.held_tokens)
         for reason, tokens in stats.ended:
             self.metrics.finished(reason, tokens)  # None (failed) counts as error
         if stats.unsent:
