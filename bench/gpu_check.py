@@ -93,7 +93,7 @@ def random_pair(shape: str, device: torch.device, dtype: torch.dtype, slots: int
     """Target and head with random weights made on ``device`` in ``dtype`` (no files)."""
     from trtspec.engines.eagle3_checkpoint import distill_layer_ids, head_config_dict, head_config_from_dict
     from trtspec.engines.manifest import Manifest
-    from trtspec.engines.torch.eagle3 import Eagle3Head, HeadEngine
+    from trtspec.engines.torch.eagle3_head import Eagle3Head, HeadEngine
     from trtspec.engines.torch.engine import TorchEngine
     from trtspec.engines.torch.model import DecoderConfig, DecoderLM, RMSNorm
 
@@ -132,7 +132,7 @@ def random_pair(shape: str, device: torch.device, dtype: torch.dtype, slots: int
 def measure(pair: Pair, repeats: int = REPEATS, ks=KS, batches=BATCHES, context: int = CONTEXT) -> dict:
     """Decode, verify(k), head c and tokens/s at each batch size (see the module doc)."""
     from trtspec.distill.costs import best_seconds  # each timed call ends on the CPU (a sync)
-    from trtspec.engines.torch.eagle3 import HeadRow
+    from trtspec.engines.torch.eagle3_head import HeadRow
     from trtspec.engines.torch.engine import ForwardItem
 
     engine, head = pair.engine, pair.head

@@ -259,7 +259,7 @@ def eagle_engines(tmp_path_factory, tiny_ckpts) -> Path:
 def test_a_head_on_another_device_drafts_there(eagle_engines, monkeypatch):
     """HeadEngine.load puts the head on its target's device; fuse and extend (states, tokens,
     positions, mask, slots) stay there."""
-    from trtspec.engines.torch.eagle3 import HeadEngine, HeadRow
+    from trtspec.engines.torch.eagle3_head import HeadEngine, HeadRow
 
     target = _on_meta(monkeypatch, eagle_engines / "target")
     head = HeadEngine.load(eagle_engines / "draft", target)

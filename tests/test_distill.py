@@ -169,7 +169,7 @@ def test_soft_labels_of_a_certain_target_are_the_hard_labels():
     hard loss; where it hesitates, it is a different objective (its runner-up counts)."""
     from trtspec.distill.train import Batch, ttt_loss
     from trtspec.engines.eagle3_checkpoint import HeadConfig
-    from trtspec.engines.torch.eagle3 import Eagle3Head
+    from trtspec.engines.torch.eagle3_head import Eagle3Head
 
     torch.manual_seed(0)
     cfg = HeadConfig(

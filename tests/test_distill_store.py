@@ -227,7 +227,7 @@ def test_held_out_agreement_is_the_same_in_one_batch_or_many(tmp_path, tiny_ckpt
 
     from trtspec.distill.train import agreement
     from trtspec.engines.eagle3_checkpoint import head_config_from_dict
-    from trtspec.engines.torch.eagle3 import Eagle3Head
+    from trtspec.engines.torch.eagle3_head import Eagle3Head
     from trtspec.engines.torch.engine import TorchEngine
 
     distill(load_spec(eagle_spec(tmp_path, tiny_ckpts["target"])), small_opts(tmp_path, max_steps=3))

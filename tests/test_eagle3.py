@@ -124,7 +124,7 @@ def test_head_shapes_and_id_mapping(heads):
     from safetensors.torch import load_file
 
     from trtspec.engines.eagle3_checkpoint import read_head_config
-    from trtspec.engines.torch.eagle3 import Eagle3Head
+    from trtspec.engines.torch.eagle3_head import Eagle3Head
 
     cfg = read_head_config(heads["random"], 2)
     head = Eagle3Head.from_state_dict(cfg, load_file(str(heads["random"] / "model.safetensors")))

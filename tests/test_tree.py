@@ -524,7 +524,7 @@ def test_eagle3_tree_rank0_path_is_the_heads_own_chain(eagle_tree):
 def test_head_tree_rows_see_only_their_ancestors(eagle_tree):
     """HeadRow.visible: nodes run side by side (and a child in a later call) give the outputs
     the head gives each node's own path run as a chain."""
-    from trtspec.engines.torch.eagle3 import HeadRow
+    from trtspec.engines.torch.eagle3_head import HeadRow
 
     head = eagle_tree["random"].head
     g = torch.Generator().manual_seed(0)

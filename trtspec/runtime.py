@@ -55,7 +55,7 @@ class Deployment:
             folder = engine_folder(output_dir, role)
             check_manifest(folder, role, spec.build_hash(role))
             if role == "draft" and spec.speculative.method == "eagle3":
-                from trtspec.engines.torch.eagle3 import HeadEngine
+                from trtspec.engines.torch.eagle3_head import HeadEngine
 
                 self.head = HeadEngine.load(folder, self.engines["target"], slots)
                 self.engines["target"].capture_features(self.head.cfg.layer_ids)

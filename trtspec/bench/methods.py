@@ -229,7 +229,7 @@ def other_drafter(dep, other) -> tuple[Callable[[], Drafter], Callable[[], None]
         engine = TorchEngine.load(folder, dep.target.max_batch_size, device=dep.device)  # beside the target
         vocab = min(engine.vocab_size, dep.target.vocab_size)
         return (lambda: ModelDrafter(engine.run, vocab)), engine.forget_prefixes
-    from trtspec.engines.torch.eagle3 import HeadEngine
+    from trtspec.engines.torch.eagle3_head import HeadEngine
     from trtspec.speculative.eagle3_drafter import Eagle3Drafter, engine_features
 
     head = HeadEngine.load(folder, dep.target, dep.target.max_batch_size)

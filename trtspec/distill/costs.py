@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from trtspec.engines.torch.eagle3 import Eagle3Head, HeadEngine, HeadRow
+from trtspec.engines.torch.eagle3_head import Eagle3Head, HeadEngine, HeadRow
 from trtspec.engines.torch.engine import ForwardItem, TorchEngine
 from trtspec.speculative.metrics import tree_speedup_bound
 

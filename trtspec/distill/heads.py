@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from trtspec.engines.eagle3_checkpoint import HeadConfig, head_config_dict, head_config_from_dict
-from trtspec.engines.torch.eagle3 import Eagle3Head
+from trtspec.engines.torch.eagle3_head import Eagle3Head
 from trtspec.errors import TrtspecError
 from trtspec.files import swap_into_place, write_json_atomic
 

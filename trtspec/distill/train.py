@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from trtspec.engines.torch.eagle3 import Eagle3Head
+from trtspec.engines.torch.eagle3_head import Eagle3Head
 from trtspec.engines.torch.model import _rotate_half
 
 

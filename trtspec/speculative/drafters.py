@@ -188,7 +188,7 @@ def _point_masses(tokens: list[int]) -> torch.Tensor:
 
 def engine_drafter(target: TorchEngine, draft: TorchEngine | None = None, head=None) -> Drafter | None:
     """The draft engine's greedy drafter (never past the target's vocabulary), or EAGLE-3's
-    ``head`` (engines.torch.eagle3.HeadEngine) reading the target's captured features; None
+    ``head`` (engines.torch.eagle3_head.HeadEngine) reading the target's captured features; None
     without either (method ngram)."""
     if draft is not None:
         return ModelDrafter(draft.run, min(draft.vocab_size, target.vocab_size))

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from trtspec.engines.torch.eagle3 import HeadEngine, HeadRow
+from trtspec.engines.torch.eagle3_head import HeadEngine, HeadRow
 from trtspec.speculative.tree import ROOT, DraftTree, TreeGrowth, TreeShape, top_candidates
 
 # [(tokens, start, stop)] -> per entry the target features [stop - start, n_layers * hidden] of

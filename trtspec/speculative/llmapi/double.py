@@ -442,7 +442,7 @@ def _eagle3_head(folder: Path, target, dtype: str, layers):
     from safetensors.torch import load_file
 
     from trtspec.engines.eagle3_checkpoint import default_layer_ids, read_head_config
-    from trtspec.engines.torch.eagle3 import Eagle3Head, HeadEngine
+    from trtspec.engines.torch.eagle3_head import Eagle3Head, HeadEngine
 
     n_layers = target.config.num_layers
     cfg = read_head_config(folder, n_layers, role="speculative_model")

@@ -425,7 +425,7 @@ class Orchestrator:
     def _eagle3_drafter(self):
         """The head runs here, beside the loop; the target's features come from the target
         engine model (BlsFeatures), so the target is loaded once, in its own model."""
-        from trtspec.engines.torch.eagle3 import HeadEngine
+        from trtspec.engines.torch.eagle3_head import HeadEngine
         from trtspec.speculative.eagle3_drafter import Eagle3Drafter
         from trtspec.triton.backend.bls import BlsFeatures
 
