@@ -314,8 +314,8 @@ class Orchestrator:
         chat = request.apply_chat_template
         use_chat = self.s.chat_template_default if chat is None else bool(chat[r])
         ids = encode_prompt(self.input_tokenizer, prompt, use_chat)
-        k = request.num_draft_tokens
-        n_draft = None if k is None else int(k[r])  # None: the request rules fill in the default
+        column = request.num_draft_tokens
+        num_draft_tokens = None if column is None else int(column[r])  # None: the request rules fill in the default
         ends = self.end_ids
         if request.end_id is not None:
             e = int(request.end_id[r])
@@ -336,7 +336,7 @@ class Orchestrator:
             req = make_request(
                 ids,
                 int(request.max_tokens[r]),
-                n_draft,
+                num_draft_tokens,
                 self.s.limits,
                 ends,
                 self._stop_sequences(request.stop_words, r, rows),
