@@ -60,10 +60,10 @@ class Limits:
 
 
 def draft_tokens(asked: int | None, default: int) -> int:
-    """The draft length k a request runs with: the k it asked for, else the deployment's
-    default (speculative.default_draft_tokens of its spec; inside the orchestrator, the
-    num_draft_tokens parameter written from it). The one place a default k is filled in:
-    everything above passes None through."""
+    """The draft length k a request runs with: the k it asked for (num_draft_tokens), else the
+    deployment's default_draft_tokens (the spec field; inside the orchestrator, the Triton
+    parameter written from it). make_request calls it for every request that arrives without
+    a k; verify and bench call it to name the k of their reports before a request runs."""
     return default if asked is None else asked
 
 
