@@ -15,7 +15,7 @@ from trtspec.speculative.drafters import LayeredDrafter, make_drafter, response_
 from trtspec.speculative.loop import Batch, GenerationRequest, NoDrafter, Verdict, generate
 from trtspec.speculative.metrics import SourceCounts
 from trtspec.speculative.sampling import SamplingParams
-from trtspec.speculative.suffix import BYTES_PER_TOKEN, ResponseCache, SuffixDrafter
+from trtspec.speculative.suffix import BYTES_PER_SCOPE, BYTES_PER_TOKEN, ResponseCache, SuffixDrafter
 
 PERIOD = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
 
@@ -170,7 +170,7 @@ def test_the_caps_hold_for_all_scopes_together_oldest_evicted_first():
         assert cache.live_tokens <= 60 and len(cache.sizes) <= 4
         assert cache.held_tokens <= 2 * 60 and len(cache.parts) <= 4  # scopes with no live response go
     # The four newest responses are live, whatever their scopes; the older ones are gone.
-    assert [sc for sc, _ in cache.sizes] == [f"tenant-{r % 7}" for r in range(26, 30)]
+    assert [part.scope for part in cache.owners] == [f"tenant-{r % 7}" for r in range(26, 30)]
     assert cache.candidates([1029, 29, 30], 24, "tenant-1")  # response 29 is tenant 1's ...
     assert not cache.candidates([1029, 29, 30], 24, "tenant-0")  # ... and no other scope's
     assert not cache.candidates([1029, 29, 30], 24, None)
@@ -192,6 +192,23 @@ def test_cache_memory_per_token_is_what_the_docs_say():
     tracemalloc.stop()
     per_token = used / cache.live_tokens
     assert per_token <= BYTES_PER_TOKEN, per_token
+
+
+def test_cache_memory_per_scope_is_what_the_docs_say():
+    """Scopes of one short response each, under the longest keys: every scope costs at most
+    BYTES_PER_SCOPE beyond BYTES_PER_TOKEN per token (docs/suffix.md's bound)."""
+    gen = torch.Generator().manual_seed(0)
+    responses = torch.randint(0, 49152, (1000, 1), generator=gen).tolist()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    cache = ResponseCache(max_responses=1000, max_tokens=1 << 20)
+    for i, r in enumerate(responses):
+        cache.add(r, scope=f"{i:04d}" + "\U0001f600" * 63)  # 256 UTF-8 bytes, 4 bytes a character in memory
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    assert len(cache.parts) == 1000
+    per_scope = (used - cache.live_tokens * BYTES_PER_TOKEN) / len(cache.parts)
+    assert per_scope <= BYTES_PER_SCOPE, per_scope
 
 
 def test_released_requests_leave_no_index_behind():

@@ -42,6 +42,9 @@ from trtspec.speculative.metrics import SourceCounts
 # What one cached token costs, index included, at most (measured by tests/test_suffix.py with
 # tracemalloc; the cache may hold up to twice its live tokens between compactions).
 BYTES_PER_TOKEN = 280
+# What one scope costs beyond its tokens, its key of at most 256 bytes included, at most
+# (measured by tests/test_suffix.py; only scopes with a live response are kept).
+BYTES_PER_SCOPE = 640
 _SEPARATOR = -1  # between cached responses: no match or continuation crosses it
 _MAX_CANDIDATES = 64  # latest occurrences examined per index
 _MAX_SESSIONS = 1024  # per-request indexes kept for requests never released (safety bound)
@@ -115,10 +118,11 @@ class TokenIndex:
 class _Part:
     """One scope's earlier responses: a token stream and the position of its oldest live token."""
 
-    __slots__ = ("index", "start")
+    __slots__ = ("scope", "index", "start")
 
-    def __init__(self, tokens: Sequence[int] = ()):
-        self.index = TokenIndex(tokens)
+    def __init__(self, scope: str):
+        self.scope = scope
+        self.index = TokenIndex()
         self.start = 0
 
     @property
@@ -137,7 +141,8 @@ class ResponseCache:
         self.max_responses = max_responses
         self.max_tokens = max_tokens
         self.parts: dict[str, _Part] = {}  # scope -> its responses (only scopes with live ones)
-        self.sizes: deque[tuple[str, int]] = deque()  # live responses (scope, length with separator), oldest first
+        self.sizes: deque[int] = deque()  # live responses' lengths (separator included), oldest first
+        self.owners: deque[_Part] = deque()  # ... and the scope each is in
         self.live_tokens = 0
 
     @property
@@ -149,6 +154,7 @@ class ResponseCache:
         """Forget every response (comparisons start cold: see Deployment.forget_prefixes)."""
         self.parts.clear()
         self.sizes.clear()
+        self.owners.clear()
         self.live_tokens = 0
 
     def add(self, tokens: Sequence[int], scope: Scope = SHARED_SCOPE) -> None:
@@ -157,21 +163,24 @@ class ResponseCache:
         if scope is None or self.max_responses <= 0 or self.max_tokens <= 1 or not tokens:
             return
         tokens = list(tokens[-(self.max_tokens - 1) :]) + [_SEPARATOR]
-        self.parts.setdefault(scope, _Part()).index.extend(tokens)
-        self.sizes.append((scope, len(tokens)))
+        part = self.parts.get(scope)
+        if part is None:
+            part = self.parts[scope] = _Part(scope)
+        part.index.extend(tokens)
+        self.sizes.append(len(tokens))
+        self.owners.append(part)
         self.live_tokens += len(tokens)
-        evicted = set()
+        evicted: dict[str, _Part] = {}
         while self.sizes and (len(self.sizes) > self.max_responses or self.live_tokens > self.max_tokens):
-            old, n = self.sizes.popleft()
-            self.parts[old].start += n
+            n, old = self.sizes.popleft(), self.owners.popleft()
+            old.start += n
             self.live_tokens -= n
-            evicted.add(old)
-        for old in evicted:
-            part = self.parts[old]
-            if part.live == 0:
-                del self.parts[old]
-            elif part.start >= part.live:
-                self.parts[old] = _Part(part.index.tokens[part.start :])
+            evicted[old.scope] = old
+        for old in evicted.values():
+            if old.live == 0:
+                del self.parts[old.scope]
+            elif old.start >= old.live:
+                old.index, old.start = TokenIndex(old.index.tokens[old.start :]), 0
 
     def candidates(self, ctx: list[int], max_depth: int, scope: Scope = SHARED_SCOPE) -> list[tuple[int, list[int], int]]:
         """(match length, stream, end position) as TokenIndex.candidates, over ``scope``'s live
