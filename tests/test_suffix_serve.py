@@ -132,7 +132,7 @@ def test_suffix_settings_round_trip_through_config_parameters(tmp_path, tiny_ckp
     base = dict(
         mode="speculative",
         method="eagle3",
-        num_draft_tokens=4,
+        default_draft_tokens=4,
         max_input_len=8,
         max_seq_len=16,
         max_draft_len=4,
