@@ -1,6 +1,6 @@
 """The Markov pair whose distributions are known exactly: a 'target' and a 'draft' over a
-6-token vocabulary, as a verifier and a drafter for the one loop, and `verify --sampling`'s
-test (randomized PIT + chi-square) run on it. tests/test_sampling.py proves the loop's
+6-token vocabulary, as a verifier and a drafter for the one loop, `verify --sampling`'s test
+(randomized PIT + chi-square) run on it, and a deliberately wrong sampler it must catch. tests/test_sampling.py proves the loop's
 speculative sampling lossless on it; bench/sampling_level.py measures the test's level and
 power over many seeds."""
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from trtspec.speculative.loop import GenerationRequest, Verdict, generate
-from trtspec.speculative.sampling import SamplingParams, warp
+from trtspec.speculative.sampling import SamplingParams, draw, warp
 from trtspec.verify.sampling import chi_square_uniform
 
 V = 6  # vocabulary
@@ -74,3 +74,9 @@ def markov_pit(drafter, n: int, seed: int) -> float:
     reqs = [GenerationRequest([0], T, 3, sampling=SamplingParams(1.0, seed=seed * 100_000 + i)) for i in range(n)]
     us = pit_values(drafter, reqs, warp(TARGET, SamplingParams(1.0, seed=seed)), torch.Generator().manual_seed(seed))
     return chi_square_uniform(us)[2]
+
+
+def accept_all(draft: list[int], q, p: torch.Tensor, gen: torch.Generator) -> tuple[list[int], int]:
+    """A deliberately WRONG sampler, in place of the loop's accept_or_resample: every draft token
+    is accepted without the rejection step, so drafted positions follow q, not p."""
+    return list(draft) + [draw(p[len(draft)], gen)], len(draft)

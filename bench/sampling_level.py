@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 
 from _common import command_line, write_result
-from markov_pair import TARGET, MarkovDrafter, markov_pit, pit_values
+from markov_pair import TARGET, MarkovDrafter, accept_all, markov_pit, pit_values
 from trtspec.speculative import loop
 from trtspec.speculative.loop import GenerationRequest, NoDrafter
-from trtspec.speculative.sampling import SamplingParams, accept_all, accept_or_resample, warp
+from trtspec.speculative.sampling import SamplingParams, accept_or_resample, warp
 from trtspec.verify.sampling import ALPHA, chi_square_uniform
 
 

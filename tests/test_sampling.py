@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-from markov_pair import TARGET, MarkovDrafter, MarkovVerifier, T, V, markov_pit
+from markov_pair import TARGET, MarkovDrafter, MarkovVerifier, T, V, accept_all, markov_pit
 from trtspec.errors import RequestError
 from trtspec.speculative import loop
 from trtspec.speculative.loop import GenerationRequest, NoDrafter, generate
-from trtspec.speculative.sampling import SamplingParams, accept_all, warp
+from trtspec.speculative.sampling import SamplingParams, warp
 
 
 class LookupDrafter:

@@ -90,7 +90,7 @@ def test_the_switch_off_stops_drafting_for_good_once_the_window_mean_falls():
     policy = LoadPolicy(None, AcceptanceSwitch(window=1, min_acceptance_length=9.0))
     drafter = RecordingDrafter()
     first = generate([GenerationRequest([1, 2, 3], 12, 4)], drafter, OracleVerifier(), policy=policy)[0]
-    assert first.metrics.drafted > 0 and policy.switched_off  # length 5 < 9 over a window of 1
+    assert first.metrics.drafted > 0 and policy.switch.off  # length 5 < 9 over a window of 1
     asked = len(drafter.asked)
     second = generate([GenerationRequest([1, 2, 4], 12, 4)], drafter, OracleVerifier(), policy=policy)[0]
     assert second.metrics.drafted == 0 and len(drafter.asked) == asked

@@ -343,8 +343,8 @@ def test_sampling_draws_the_target_joint(factory):
 
 def test_sampling_check_catches_accept_all_with_suffix_drafts(monkeypatch):
     """The same test has power here: a sampler that skips the rejection step fails it."""
+    from markov_pair import accept_all
     from trtspec.speculative import loop
-    from trtspec.speculative.sampling import accept_all
 
     monkeypatch.setattr(loop, "accept_or_resample", accept_all)
     assert _joint_p_value(lambda: SuffixDrafter(SuffixSpec(min_token_prob=0.0)))[0] < 1e-3

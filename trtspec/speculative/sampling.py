@@ -134,9 +134,3 @@ def accept_tree(
             return [tree.tokens[c] for c in path] + [draw(r, gen)], path
         path.append(nxt)
         node = nxt
-
-
-def accept_all(draft: list[int], q, p: torch.Tensor, gen: torch.Generator) -> tuple[list[int], int]:
-    """A deliberately WRONG sampler for tests and the power figure: every draft token is
-    accepted without the rejection step, so drafted positions follow q, not p."""
-    return list(draft) + [draw(p[len(draft)], gen)], len(draft)

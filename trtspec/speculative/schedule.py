@@ -118,10 +118,6 @@ class LoadPolicy:
         with self._lock:
             self.switch.record(acceptance_length)
 
-    @property
-    def switched_off(self) -> bool:
-        return self.switch is not None and self.switch.off
-
 
 # ---------------------------------------------------------------- recommending a schedule
 
