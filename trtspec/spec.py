@@ -280,7 +280,7 @@ class SpeculativeSpec(_Strict):
             )
         if data.get("default_draft_tokens") is None:
             k = data.get("max_draft_len")
-            ok = isinstance(k, int) and not isinstance(k, bool)
+            ok = isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= MAX_DRAFT_LEN_LIMIT
             data = {**data, "default_draft_tokens": k if ok else cls.model_fields["max_draft_len"].default}
         return data
 
