@@ -278,7 +278,7 @@ def test_training_runs_on_the_batch_device(built, monkeypatch):
     from transformers import AutoConfig
 
     from trtspec.distill.heads import new_head
-    from trtspec.distill.train import Batch, to_device, ttt_loss
+    from trtspec.distill.ttt import Batch, to_device, ttt_loss
     from trtspec.engines.eagle3_checkpoint import default_layer_ids
 
     dep = built()

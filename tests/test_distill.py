@@ -167,7 +167,7 @@ def test_soft_labels_of_a_certain_target_are_the_hard_labels():
     """The soft loss is cross-entropy against the target's top-k distribution over the draft
     vocabulary: where the target puts (almost) all its mass on its greedy token, it equals the
     hard loss; where it hesitates, it is a different objective (its runner-up counts)."""
-    from trtspec.distill.train import Batch, ttt_loss
+    from trtspec.distill.ttt import Batch, ttt_loss
     from trtspec.engines.eagle3_checkpoint import HeadConfig
     from trtspec.engines.torch.eagle3_head import Eagle3Head
 

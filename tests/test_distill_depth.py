@@ -9,9 +9,9 @@ import pytest
 import torch
 from test_distill import eagle_spec, small_opts
 
-import trtspec.distill.train as train
+import trtspec.distill.ttt as train
 from trtspec.distill.run import distill
-from trtspec.distill.train import Batch, add_feature_noise, agreement
+from trtspec.distill.ttt import Batch, add_feature_noise, agreement
 from trtspec.spec import load_spec
 
 MISS = 5  # a rank outside the top 3

@@ -17,7 +17,7 @@ from trtspec.distill.corpus import read_conversations, tokenize_conversations
 from trtspec.distill.costs import recommend_k
 from trtspec.distill.data import capture, collate
 from trtspec.distill.heads import new_head
-from trtspec.distill.train import step_weights, ttt_loss, unrolled_logits
+from trtspec.distill.ttt import step_weights, ttt_loss, unrolled_logits
 from trtspec.engines.torch.engine import ForwardItem
 from trtspec.errors import SpecError
 

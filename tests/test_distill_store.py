@@ -225,7 +225,7 @@ def test_held_out_agreement_is_the_same_in_one_batch_or_many(tmp_path, tiny_ckpt
     batch); the counts it sums equal those of one batch holding every sequence."""
     import json
 
-    from trtspec.distill.train import agreement
+    from trtspec.distill.ttt import agreement
     from trtspec.engines.eagle3_checkpoint import head_config_from_dict
     from trtspec.engines.torch.eagle3_head import Eagle3Head
     from trtspec.engines.torch.engine import TorchEngine

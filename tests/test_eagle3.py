@@ -260,7 +260,7 @@ def test_drafter_chain_equals_the_unrolled_training_steps(eagle_deploy):
     """The drafter (KV cache, rollback, feedback) proposes exactly the argmax of the
     training-time-test forward over context + drafts: training trains what runs."""
     from trtspec.distill.data import capture, collate
-    from trtspec.distill.train import unrolled_logits
+    from trtspec.distill.ttt import unrolled_logits
     from trtspec.engines.torch.engine import ForwardItem
 
     dep = eagle_deploy("random")

@@ -19,7 +19,7 @@ import torch
 
 from trtspec.distill.sample import SOFT_TOP_K, FeatureRows, Sample
 from trtspec.distill.store import read_part, write_part
-from trtspec.distill.train import Batch
+from trtspec.distill.ttt import Batch
 from trtspec.engines.torch.engine import ForwardItem, TorchEngine
 from trtspec.errors import SpecError
 from trtspec.speculative.loop import NoDrafter, generate

@@ -27,7 +27,7 @@ import torch
 from trtspec import console
 from trtspec.distill.data import collate
 from trtspec.distill.sample import Sample
-from trtspec.distill.train import add_feature_noise, agreement, step_weights, to_device, ttt_loss
+from trtspec.distill.ttt import add_feature_noise, agreement, step_weights, to_device, ttt_loss
 from trtspec.engines.torch import threads
 from trtspec.engines.torch.eagle3_head import Eagle3Head
 from trtspec.errors import TrtspecError
