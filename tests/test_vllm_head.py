@@ -105,7 +105,10 @@ def pair(tmp_path_factory):
     # target. --max-tokens stays at distill's default: with --max-tokens 32 that recipe refused
     # its own data ("sequence of 128 tokens exceeds max_seq_len 57").
     args = ["distill", str(spec), "--prompts", str(prompts), "--max-steps", "400"]
-    args += ["--draft-vocab", "200", "--eval-every", "50", "--batch-size", "4"]
+    # Hard labels: on this tiny random target distill's default soft labels leave the head at
+    # 0.06 acceptance (0.36 with hard labels, same data and steps; the cause is not found yet),
+    # and this test is about vLLM accepting what trtspec accepts, not about the recipe.
+    args += ["--draft-vocab", "200", "--eval-every", "50", "--batch-size", "4", "--labels", "hard"]
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
     loaded = load_spec(spec)
