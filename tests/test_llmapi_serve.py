@@ -211,7 +211,12 @@ def test_llmapi_eagle3_spec_builds_and_verifies_through_the_double(tmp_path, tin
     from test_eagle3 import random_head
 
     ck = {"target": tiny_ckpts["target"], "head": random_head(tiny_ckpts["target"], tmp_path / "head")}
-    over = {"speculative.method": "eagle3", "speculative.default_draft_tokens": None, "verify.max_tokens": 16, "trtllm.line": "1.3+"}
+    over = {
+        "speculative.method": "eagle3",
+        "speculative.default_draft_tokens": None,
+        "verify.max_tokens": 16,
+        "trtllm.line": "1.3+",
+    }
     loaded = load_spec(write_spec(tmp_path, ck, "head", backend="trtllm", **over))
     build(loaded, loaded.output_dir())
     cfg = yaml.safe_load((loaded.output_dir() / "llmapi" / "speculative.yaml").read_text())["speculative_config"]
