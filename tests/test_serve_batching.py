@@ -95,6 +95,18 @@ class Stream:
         self.client.stop_stream()
 
 
+def a_cancelled_stream_leaves(endpoint: str, prompt: str) -> None:
+    """A long stream cancelled after its first token and closed; the server gets a second to
+    drop it (the caller then checks the next request is answered exactly)."""
+    long = Stream(endpoint, prompt, 300, "cancelled")
+    try:
+        long.wait_tokens(1)
+        long.cancel()
+    finally:
+        long.close()
+    time.sleep(1)
+
+
 def test_a_later_request_joins_the_running_batch_and_is_answered_first(small):
     server, dep = small
     long = Stream(server.grpc_endpoint, LONG, 160, "long")

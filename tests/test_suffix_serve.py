@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import re
-import time
 
 import pytest
 from conftest import serve_tiny
@@ -187,7 +186,7 @@ def served(tmp_path_factory, tiny_ckpts):
 @pytest.mark.server
 def test_served_suffix_streams_batches_and_cancels_with_target_only_tokens(served):
     from test_serve import _bls, _ids, _stream
-    from test_serve_batching import Stream
+    from test_serve_batching import a_cancelled_stream_leaves
     from test_serve_metrics import scrape, total
 
     from trtspec.layout import BLS_MODEL
@@ -207,13 +206,7 @@ def test_served_suffix_streams_batches_and_cancels_with_target_only_tokens(serve
     assert unary == [want[p] for p in PROMPTS]
     assert streamed == [want[p] for p in PROMPTS]
     # A cancelled stream leaves; the next request is still answered exactly.
-    long = Stream(server.grpc_endpoint, PROMPTS[2], 300, "cancelled")
-    try:
-        long.wait_tokens(1)
-        long.cancel()
-    finally:
-        long.close()
-    time.sleep(1)
+    a_cancelled_stream_leaves(server.grpc_endpoint, PROMPTS[2])
     assert _ids(client.infer(BLS_MODEL, _bls(PROMPTS[0], 40))) == want[PROMPTS[0]]
     samples = scrape(server.metrics_url)
     assert total(samples, "trtspec_source_draft_tokens_total", source="suffix") > 0

@@ -265,10 +265,9 @@ def served(tmp_path_factory, tiny_ckpts):
 @pytest.mark.server
 def test_served_trees_stream_batch_with_chains_and_cancel_with_target_only_tokens(served):
     import concurrent.futures
-    import time
 
     from test_serve import _bls, _ids, _stream
-    from test_serve_batching import Stream
+    from test_serve_batching import a_cancelled_stream_leaves
 
     from trtspec.layout import BLS_MODEL
 
@@ -296,13 +295,7 @@ def test_served_trees_stream_batch_with_chains_and_cancel_with_target_only_token
         assert metrics_from_json(alone.as_numpy("perf_metrics_json")[0, 0].decode()) == ref.metrics
     assert tree_ref.metrics != chain_ref.metrics
     # A cancelled stream leaves; the next request is still answered exactly.
-    long = Stream(server.grpc_endpoint, PROMPTS[2], 300, "cancelled")
-    try:
-        long.wait_tokens(1)
-        long.cancel()
-    finally:
-        long.close()
-    time.sleep(1)
+    a_cancelled_stream_leaves(server.grpc_endpoint, PROMPTS[2])
     assert _ids(client.infer(BLS_MODEL, _bls(PROMPTS[0], 40))) == want[PROMPTS[0]]
 
 
