@@ -316,14 +316,7 @@ class Orchestrator:
         ids = encode_prompt(self.input_tokenizer, prompt, use_chat)
         column = request.num_draft_tokens
         num_draft_tokens = None if column is None else int(column[r])  # None: the request rules fill in the default
-        ends = self.end_ids
-        if request.end_id is not None:
-            e = int(request.end_id[r])
-            if e == -1:  # TensorRT-LLM's ignore_eos: no end token, generate max_tokens
-                ends = frozenset()
-            else:
-                check_token_ids([e], vocab, "end_id")
-                ends = frozenset({e})
+        ends = self._ends_of(request, r)
         tree = self._tree_of(request, r)
         scope = _scope_of(request, r)
         pad = 0 if request.pad_id is None else int(request.pad_id[r])
@@ -367,6 +360,17 @@ class Orchestrator:
                 )
             )
         return out
+
+    def _ends_of(self, request: RequestInputs, r: int) -> frozenset[int]:
+        """Row r's end tokens: its end_id, none for -1 (TensorRT-LLM's ignore_eos: generate
+        max_tokens), the tokenizer's without one."""
+        if request.end_id is None:
+            return self.end_ids
+        e = int(request.end_id[r])
+        if e == -1:
+            return frozenset()
+        check_token_ids([e], self.s.limits.vocab_size, "end_id")
+        return frozenset({e})
 
     def _tree_of(self, request: RequestInputs, r: int) -> str | None:
         """draft_tree false: "chain"; true or absent: None, the deployment's own (a tree, if it
