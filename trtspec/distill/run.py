@@ -166,13 +166,7 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
         "target": {"spec": loaded.spec.name, "source": loaded.spec.target.source_id, "weights": data_info["target"]},
         "layer_ids": list(layer_ids),
         "draft_vocab_size": len(draft_ids),
-        "data": {
-            **data_info["manifest"],
-            "train_sequences": len(train_s),
-            "train_tokens": sum(len(s.tokens) for s in train_s),
-            "train_response_tokens": sum(int(s.response_mask().sum()) for s in train_s),
-            "held_out_tokens": sum(len(s.tokens) for s in held_s),
-        },
+        "data": _data_manifest(data_info["manifest"], train_s, held_s),
         "seed": opts.seed,
         "steps": step,
         "ttt_steps": steps,
@@ -195,6 +189,17 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
     save_head(out, head, config, manifest, extra)
     _summary(out, step, final, advice)
     return DistillResult(out, step, final, curve, stopped_by, advice)
+
+
+def _data_manifest(captured: dict, train_s, held_s) -> dict:
+    """The manifest's data block: how the data was captured, and what training used of it."""
+    return {
+        **captured,
+        "train_sequences": len(train_s),
+        "train_tokens": sum(len(s.tokens) for s in train_s),
+        "train_response_tokens": sum(int(s.response_mask().sum()) for s in train_s),
+        "held_out_tokens": sum(len(s.tokens) for s in held_s),
+    }
 
 
 def work_folder(head: Path) -> Path:
