@@ -152,40 +152,29 @@ KV_CACHE_CONFIG = {
 # DecodingBaseConfig fields (complete). In 1.2 `decoding_type` is a ClassVar read by
 # DecodingBaseConfig.from_dict; in 1.3+ it is the pydantic discriminator field.
 # `speculative_model_dir` is a validation alias of speculative_model in both.
+_DECODING_BASE_ALL = frozenset(
+    {
+        "decoding_type",
+        "max_draft_len",
+        "max_total_draft_tokens",
+        "speculative_model",
+        "speculative_model_dir",
+        "max_concurrency",
+        "draft_len_schedule",
+        "load_format",
+        "allow_advanced_sampling",
+    }
+)
 DECODING_BASE = {
-    "1.2": frozenset(
-        {
-            "decoding_type",
-            "max_draft_len",
-            "max_total_draft_tokens",
-            "speculative_model",
-            "speculative_model_dir",
-            "max_concurrency",
-            "draft_len_schedule",
-            "load_format",
-            "acceptance_window",
-            "acceptance_length_threshold",
-            "allow_advanced_sampling",
-        }
-    ),
-    "1.3+": frozenset(
-        {
-            "decoding_type",
-            "max_draft_len",
-            "max_total_draft_tokens",
-            "speculative_model",
-            "speculative_model_dir",
-            "max_concurrency",
-            "draft_len_schedule",
-            "load_format",
-            "acceptance_rate_window_size",
-            "acceptance_rate_threshold",
-            "use_rejection_sampling",
-            "allow_advanced_sampling",
-            "advanced_sampling_mode",
-            "enable_penalty",
-        }
-    ),
+    "1.2": _DECODING_BASE_ALL | {"acceptance_window", "acceptance_length_threshold"},
+    "1.3+": _DECODING_BASE_ALL
+    | {
+        "acceptance_rate_window_size",
+        "acceptance_rate_threshold",
+        "use_rejection_sampling",
+        "advanced_sampling_mode",
+        "enable_penalty",
+    },
 }
 # EagleDecodingConfig. The tree fields: eagle_choices (a static tree; 1.2.1 warns "still under
 # development, PLEASE DO NOT USE IT", 1.3 deprecates it, 1.4 removed it), use_dynamic_tree +
