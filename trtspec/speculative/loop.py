@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol, TypedDict
 
 import torch
 
@@ -38,6 +38,9 @@ from trtspec.speculative.processing import Processing, RowRules, log_prob_logits
 from trtspec.speculative.sampling import SamplingParams, accept_or_resample, accept_tree, warp
 from trtspec.speculative.schedule import LoadPolicy
 from trtspec.speculative.tree import DraftTree, TreeShape, accepted_path
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
 FinishReason = Literal["length", "eos", "stop"]
 TokenRows = Sequence[list[int]]  # one list of token ids per row (sequence) of a step
@@ -86,22 +89,24 @@ class Verdict:
 TreeRows = Sequence[tuple[int, ...] | None]
 
 
+class VerifyAsks(TypedDict, total=False):
+    """What a step asks of the verifier besides the target's greedy tokens; the loop passes a
+    key only when some row needs it."""
+
+    # Rows whose Verdict must carry the target's logits (Verdict.logits): sampling, logits
+    # processing, log probs or generation logits.
+    want_logits: RowFlags
+    # Rows on their first step: the loop keeps their Verdict.kv_blocks; a verifier that has to
+    # ask for those counts asks only for these rows.
+    context_phase: RowFlags
+    # Per row the parents of its draft tree's nodes (drafts[j] holds their tokens in node
+    # order), or None for a chain; passed only when some row drafted a tree that is not a chain.
+    trees: TreeRows
+
+
 class Verifier(Protocol):
-    def verify(
-        self,
-        contexts: TokenRows,
-        drafts: TokenRows,
-        want_logits: RowFlags = None,
-        context_phase: RowFlags = None,
-        trees: TreeRows | None = None,
-    ) -> list[Verdict]:
-        """``want_logits`` (passed only when the step has a request that needs logits: sampling,
-        logits processing, log probs or generation logits): rows whose Verdict must carry the
-        target's logits (Verdict.logits). ``context_phase`` (passed only when some row is on its
-        first step): the rows whose Verdict.kv_blocks the loop keeps; a verifier that has to
-        ask for those counts asks only for these rows. ``trees`` (passed only when some row
-        drafted a tree that is not a chain): per row the parents of its draft's nodes (drafts[j]
-        holds their tokens in node order), or None for a chain."""
+    def verify(self, contexts: TokenRows, drafts: TokenRows, **asks: Unpack[VerifyAsks]) -> list[Verdict]:
+        """One Verdict per row: the target's tokens after the context and after every draft."""
         ...
 
 
@@ -390,7 +395,7 @@ class Batch:
 
     def score(self, proposal: Proposal) -> list[Verdict]:
         """The target's one forward over every row's context + drafts (the verifier's only call)."""
-        asks: dict[str, list[bool]] = {}
+        asks: VerifyAsks = {}
         wants_logits = [self.requests[i].needs_logits for i in proposal.keys]
         if any(wants_logits):
             asks["want_logits"] = wants_logits

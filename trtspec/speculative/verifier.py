@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from trtspec.engines.torch.engine import ForwardItem, RunFn
-from trtspec.speculative.loop import RowFlags, TokenRows, TreeRows, Verdict
+from trtspec.speculative.loop import TokenRows, Verdict, VerifyAsks
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 def greedy_with_margins(logits: torch.Tensor) -> tuple[list[int], list[float]]:
@@ -28,17 +33,10 @@ class LogitsVerifier:
         # Rows beyond this (a draft model's embedding padding) are never chosen.
         self.vocab_limit = vocab_limit
 
-    def verify(
-        self,
-        contexts: TokenRows,
-        drafts: TokenRows,
-        want_logits: RowFlags = None,
-        context_phase: RowFlags = None,
-        trees: TreeRows | None = None,
-    ) -> list[Verdict]:
-        """Every verdict carries its logits (they are at hand); ``want_logits`` is not needed.
-        No KV-cache block counts: ``context_phase`` is not needed either."""
-        trees = trees or [None] * len(drafts)
+    def verify(self, contexts: TokenRows, drafts: TokenRows, **asks: Unpack[VerifyAsks]) -> list[Verdict]:
+        """Every verdict carries its logits (they are at hand), so ``want_logits`` is not
+        needed; no KV-cache block counts, so neither is ``context_phase``."""
+        trees = asks.get("trees") or [None] * len(drafts)
         items = [ForwardItem(list(c) + list(d), len(d) + 1, t) for c, d, t in zip(contexts, drafts, trees)]
         out = []
         for logits in self.run(items):  # each [len(draft) + 1, vocab]

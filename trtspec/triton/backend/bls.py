@@ -27,13 +27,17 @@ import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from trtspec.speculative.loop import GenerationRequest, GenerationResult, RowFlags, TokenRows, TreeRows, Verdict, finish
+from trtspec.speculative.loop import GenerationRequest, GenerationResult, TokenRows, Verdict, VerifyAsks, finish
 from trtspec.speculative.processing import RowRules
 from trtspec.speculative.tree import Candidates, DraftTree, TreeGrowth, TreeShape
 from trtspec.triton.backend import log
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 EngineCall = Callable[[str, Mapping[str, np.ndarray], Sequence[str]], Mapping[str, np.ndarray]]
 # Sends several single-row requests to one model at once; answers in order.
@@ -336,14 +340,7 @@ class BlsVerifier:
     continued: bool = False
     kv_blocks: bool = False  # ask return_perf_metrics for the kv_cache_* block counts
 
-    def verify(
-        self,
-        contexts: TokenRows,
-        drafts: TokenRows,
-        want_logits: RowFlags = None,
-        context_phase: RowFlags = None,
-        trees: TreeRows | None = None,
-    ) -> list[Verdict]:
+    def verify(self, contexts: TokenRows, drafts: TokenRows, **asks: Unpack[VerifyAsks]) -> list[Verdict]:
         """``want_logits``: rows that sample; their request asks the engine model for
         return_generation_logits (the target's logits at the len(draft) + 1 positions).
         ``context_phase``: rows on their first step; only those ask for the kv_cache_* counts
@@ -351,8 +348,9 @@ class BlsVerifier:
         ``trees``: per row the parents of its draft tree (None: a chain); a tree's rows go in
         a request of their own (draft_tree_parents), answered with the target's token after
         every node."""
+        want_logits, context_phase = asks.get("want_logits"), asks.get("context_phase")
         verdicts: list[Verdict | None] = [None] * len(contexts)
-        trees = trees or [None] * len(drafts)
+        trees = asks.get("trees") or [None] * len(drafts)
         by_len: dict[tuple[int, bool], list[int]] = {}
         for i, d in enumerate(drafts):
             by_len.setdefault((len(d), trees[i] is not None), []).append(i)
