@@ -23,6 +23,12 @@ from dataclasses import dataclass
 
 LINES = ("1.2", "1.3+")
 
+
+def _by_line(both: set[str], only_12: set[str] = frozenset(), only_13: set[str] = frozenset()) -> dict[str, frozenset[str]]:
+    """A config's fields per release line: those both lines have, plus each line's own."""
+    return {"1.2": frozenset(both | only_12), "1.3+": frozenset(both | only_13)}
+
+
 SOURCES = {
     "1.2": {
         "repo": "NVIDIA/TensorRT-LLM",
@@ -85,23 +91,21 @@ _LLM_ARGS_COMMON = {
     "postprocess_tokenizer_dir",
     "reasoning_parser",
 }
-LLM_ARGS = {
-    "1.2": frozenset(_LLM_ARGS_COMMON | {"fail_fast_on_attention_window_too_large"}),
-    "1.3+": frozenset(
-        _LLM_ARGS_COMMON
-        | {
-            "post_processor_hook",
-            "model_kwargs",
-            "kv_cache_compression_config",
-            "num_serve_frontends",
-            "decoding_config",
-            "otlp_traces_endpoint",
-            "backend",
-            "return_perf_metrics",
-            "perf_metrics_output_dir",
-        }
-    ),
-}
+LLM_ARGS = _by_line(
+    _LLM_ARGS_COMMON,
+    only_12={"fail_fast_on_attention_window_too_large"},
+    only_13={
+        "post_processor_hook",
+        "model_kwargs",
+        "kv_cache_compression_config",
+        "num_serve_frontends",
+        "decoding_config",
+        "otlp_traces_endpoint",
+        "backend",
+        "return_perf_metrics",
+        "perf_metrics_output_dir",
+    },
+)
 
 # KvCacheConfig: complete in both.
 _KV_COMMON = {
@@ -123,36 +127,34 @@ _KV_COMMON = {
     "mamba_ssm_cache_dtype",
     "tokens_per_block",
 }
-KV_CACHE_CONFIG = {
-    "1.2": frozenset(_KV_COMMON | {"onboard_blocks"}),
-    "1.3+": frozenset(
-        _KV_COMMON
-        | {
-            "disk_cache_size",
-            "disk_cache_path",
-            "kv_events_config",
-            "iteration_stats_interval",
-            "mamba_ssm_stochastic_rounding",
-            "mamba_ssm_philox_rounds",
-            "mamba_state_cache_interval",
-            "mamba_state_config",
-            "use_kv_cache_manager_v2",
-            "enable_swa_scratch_reuse",
-            "kv_cache_event_hash_algo",
-            "max_util_for_resume",
-            "enable_kv_pool_rebalance",
-            "kv_pool_rebalance_min_sampled_kv_caches",
-            "kv_pool_rebalance_cooldown_secs",
-            "kv_pool_rebalance_target_ratio_update_interval",
-            "kv_pool_rebalance_ratio_threshold",
-        }
-    ),
-}
+KV_CACHE_CONFIG = _by_line(
+    _KV_COMMON,
+    only_12={"onboard_blocks"},
+    only_13={
+        "disk_cache_size",
+        "disk_cache_path",
+        "kv_events_config",
+        "iteration_stats_interval",
+        "mamba_ssm_stochastic_rounding",
+        "mamba_ssm_philox_rounds",
+        "mamba_state_cache_interval",
+        "mamba_state_config",
+        "use_kv_cache_manager_v2",
+        "enable_swa_scratch_reuse",
+        "kv_cache_event_hash_algo",
+        "max_util_for_resume",
+        "enable_kv_pool_rebalance",
+        "kv_pool_rebalance_min_sampled_kv_caches",
+        "kv_pool_rebalance_cooldown_secs",
+        "kv_pool_rebalance_target_ratio_update_interval",
+        "kv_pool_rebalance_ratio_threshold",
+    },
+)
 
 # DecodingBaseConfig fields (complete). In 1.2 `decoding_type` is a ClassVar read by
 # DecodingBaseConfig.from_dict; in 1.3+ it is the pydantic discriminator field.
 # `speculative_model_dir` is a validation alias of speculative_model in both.
-_DECODING_BASE_ALL = frozenset(
+DECODING_BASE = _by_line(
     {
         "decoding_type",
         "max_draft_len",
@@ -163,19 +165,16 @@ _DECODING_BASE_ALL = frozenset(
         "draft_len_schedule",
         "load_format",
         "allow_advanced_sampling",
-    }
-)
-DECODING_BASE = {
-    "1.2": _DECODING_BASE_ALL | {"acceptance_window", "acceptance_length_threshold"},
-    "1.3+": _DECODING_BASE_ALL
-    | {
+    },
+    only_12={"acceptance_window", "acceptance_length_threshold"},
+    only_13={
         "acceptance_rate_window_size",
         "acceptance_rate_threshold",
         "use_rejection_sampling",
         "advanced_sampling_mode",
         "enable_penalty",
     },
-}
+)
 # EagleDecodingConfig. The tree fields: eagle_choices (a static tree; 1.2.1 warns "still under
 # development, PLEASE DO NOT USE IT", 1.3 deprecates it, 1.4 removed it), use_dynamic_tree +
 # dynamic_tree_max_topK + DecodingBase's max_total_draft_tokens (EAGLE-2's dynamic tree; 1.2.1
@@ -194,7 +193,7 @@ _EAGLE_COMMON = frozenset(
         "eagle3_model_arch",
     }
 )
-_EAGLE = {"1.2": _EAGLE_COMMON | {"eagle_choices", "num_eagle_layers"}, "1.3+": _EAGLE_COMMON}
+_EAGLE = _by_line(_EAGLE_COMMON, only_12={"eagle_choices", "num_eagle_layers"})
 _NGRAM = frozenset({"max_matching_ngram_size", "is_keep_all", "is_use_oldest", "is_public_pool"})
 # SADecodingConfig (the suffix automaton, standalone) and SAEnhancerConfig (``sa_config`` on
 # Eagle3, MTP and PARD; not on Draft_Target): complete, 1.3+ only (1.2.1 has neither).
@@ -302,7 +301,7 @@ _SAMPLING = {
     "skip_special_tokens",
     "spaces_between_special_tokens",
 }
-SAMPLING_PARAMS = {"1.2": frozenset(_SAMPLING | {"prompt_ignore_length"}), "1.3+": frozenset(_SAMPLING)}
+SAMPLING_PARAMS = _by_line(_SAMPLING, only_12={"prompt_ignore_length"})
 
 
 @dataclass(frozen=True)
