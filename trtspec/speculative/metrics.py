@@ -21,6 +21,7 @@ Definitions (one "step" = one target forward that verifies a draft, possibly emp
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import asdict, dataclass, field
 
@@ -95,16 +96,22 @@ class SpecMetrics:
         return {k: self.node_accepted.get(k, 0) / d for k, d in self.node_drafted.items() if d}
 
     def to_dict(self) -> dict:
-        return {
-            "drafted": self.drafted,
-            "accepted": self.accepted,
-            "acceptance_rate": self.acceptance_rate,
-            "target_forwards": self.target_forwards,
-            "tokens": self.tokens,
-            "mean_acceptance_length": self.mean_acceptance_length,
-            "per_position_rate": self.per_position_rate,
-            "histogram": list(self.histogram),
-        } | ({"node_rate": self.node_rate} if self.node_drafted else {})
+        """The measures defined above, by name (node_rate only when a tree was drafted)."""
+        out = {name: copy.copy(getattr(self, name)) for name in _REPORTED}
+        return out | ({"node_rate": self.node_rate} if self.node_drafted else {})
+
+
+# What a report carries, in the order of the definitions at the top of this module.
+_REPORTED = (
+    "drafted",
+    "accepted",
+    "acceptance_rate",
+    "target_forwards",
+    "tokens",
+    "mean_acceptance_length",
+    "per_position_rate",
+    "histogram",
+)
 
 
 def _grow(xs: list[int], n: int) -> None:
