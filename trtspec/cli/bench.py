@@ -9,20 +9,10 @@ import typer
 
 from trtspec import console
 from trtspec.bench.run import BenchOptions
-from trtspec.cli.common import (
-    DeviceOpt,
-    JsonFileOpt,
-    JsonOpt,
-    LlmapiOpt,
-    OutputOpt,
-    SpecArg,
-    handle_errors,
-    with_device,
-)
+from trtspec.cli.common import DeviceOpt, JsonFileOpt, JsonOpt, LlmapiOpt, OutputOpt, SpecArg, for_run, handle_errors
 from trtspec.cli.options import declared
 from trtspec.cli.output import emit
 from trtspec.errors import EXIT_INTERRUPTED
-from trtspec.spec import load_spec
 from trtspec.speculative.llmapi import TENSORRT_LLM
 
 
@@ -61,8 +51,7 @@ def bench(
     """
     from trtspec.bench import plot, render, run
 
-    loaded = with_device(load_spec(spec), device)
-    opts = opts.model_copy(update={"llmapi_impl": llmapi_impl})
+    loaded, opts = for_run(spec, device, opts, llmapi_impl)
     with console.err.status("benchmarking") as status:
         report, interrupted = run.run(
             loaded, loaded.output_dir(output), opts, progress=lambda s: status.update(f"benchmarking: {s}")

@@ -6,14 +6,15 @@ import functools
 import os
 import traceback
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import typer
+from pydantic import BaseModel
 
 from trtspec import console
 from trtspec.device import check_name as check_device_name
 from trtspec.errors import EXIT_INTERRUPTED, RequestError, TrtspecError
-from trtspec.spec import LoadedSpec
+from trtspec.spec import LoadedSpec, load_spec
 
 SpecArg = Annotated[Path, typer.Argument(help="Engine spec YAML (engine_specs/*.yaml).", show_default=False)]
 OutputOpt = Annotated[
@@ -64,6 +65,15 @@ def with_device(loaded: LoadedSpec, device: str | None) -> LoadedSpec:
             "(TensorRT-LLM picks its GPUs with gpu_device_ids): drop --device"
         )
     return loaded.model_copy(update={"spec": loaded.spec.model_copy(update={"device": name})})
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def for_run(spec: Path, device: str | None, opts: M, llmapi_impl: str) -> tuple[LoadedSpec, M]:
+    """What a command that runs a spec's pair starts from (verify, bench): the spec with
+    --device applied, and the command's options with --llmapi in them."""
+    return with_device(load_spec(spec), device), opts.model_copy(update={"llmapi_impl": llmapi_impl})
 
 
 def handle_errors(fn):

@@ -9,20 +9,10 @@ import typer
 from rich.progress import Progress
 
 from trtspec import console
-from trtspec.cli.common import (
-    DeviceOpt,
-    JsonFileOpt,
-    JsonOpt,
-    LlmapiOpt,
-    OutputOpt,
-    SpecArg,
-    handle_errors,
-    with_device,
-)
+from trtspec.cli.common import DeviceOpt, JsonFileOpt, JsonOpt, LlmapiOpt, OutputOpt, SpecArg, for_run, handle_errors
 from trtspec.cli.options import declared
 from trtspec.cli.output import emit
 from trtspec.errors import EXIT_DIVERGED, EXIT_OK
-from trtspec.spec import load_spec
 from trtspec.speculative.llmapi import TENSORRT_LLM
 from trtspec.verify.run import VerifyOptions, run
 
@@ -60,8 +50,7 @@ def verify(
       trtspec verify my-llmapi-spec.yaml --llmapi double               # CPU conformance double
       trtspec verify my-spec.yaml --device cuda --fail-on algorithmic  # torch engines on a GPU
     """
-    loaded = with_device(load_spec(spec), device)
-    opts = opts.model_copy(update={"llmapi_impl": llmapi_impl})
+    loaded, opts = for_run(spec, device, opts, llmapi_impl)
     html_file = opts.html_file
     bars = _Bars()
     try:
