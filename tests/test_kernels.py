@@ -47,14 +47,13 @@ def _choose(engine, tmp_path, **kw):
 
 
 def _fake_timer(faster: str, calls: list[str]):
-    """A step timer that reports ``faster``'s decode and verify steps as 1 ms each and the other
-    layouts' as 3 ms."""
+    """A step timer that reports ``faster``'s steps as 1 ms each and the other layouts' as 3 ms."""
 
-    def make(model, cos, sin, verify_tokens):
-        def timed() -> tuple[float, float]:
+    def make(model, cos, sin, sizes):
+        def timed() -> list[float]:
             layout = _layout_of(model)
             calls.append(layout)
-            return (0.001, 0.001) if layout == faster else (0.003, 0.003)
+            return [0.001 if layout == faster else 0.003 for _ in sizes]
 
         return timed
 
@@ -69,8 +68,9 @@ def test_selection_measures_every_layout_and_keeps_the_fastest(dense_engine, tmp
     assert (choice.layout, choice.source) == (faster, "measured")
     assert set(calls) == set(kernels.LAYOUTS)  # all were timed, on the real model
     assert calls.count("dense") == calls.count("onednn") == calls.count("head")
-    assert choice.seconds == {name: 0.002 if name == faster else 0.006 for name in kernels.LAYOUTS}
-    assert choice.steps == {name: [0.001, 0.001] if name == faster else [0.003, 0.003] for name in kernels.LAYOUTS}
+    assert choice.sizes == (1, 2, 3, 4)  # a decode step and every verify size up to verify_tokens=4
+    assert choice.seconds == pytest.approx({name: 0.004 if name == faster else 0.012 for name in kernels.LAYOUTS})
+    assert choice.steps == {name: [0.001 if name == faster else 0.003] * 4 for name in kernels.LAYOUTS}
     assert _layout_of(dense_engine.model) == faster  # the model runs what was chosen
 
 
@@ -121,12 +121,12 @@ def test_the_environment_can_force_a_layout_without_measuring(dense_engine, tmp_
 def test_a_failed_measurement_falls_back_to_dense(dense_engine, tmp_path, monkeypatch, capsys):
     calls = []
 
-    def broken(model, cos, sin, verify_tokens):
+    def broken(model, cos, sin, sizes):
         def timed():
             calls.append(_layout_of(model))
             if len(calls) == 2:  # fails while the model is on the packed layout
                 raise RuntimeError("oneDNN kernel exploded")
-            return 0.001, 0.001
+            return [0.001 for _ in sizes]
 
         return timed
 
@@ -231,15 +231,18 @@ def test_a_choice_made_with_other_kernels_is_measured_again(dense_engine, tmp_pa
     assert first.source == again.source == "measured" and again.key != first.key
 
 
-def _split_timer(calls: list[str]):
-    """head fastest at one row (1 ms vs 3), onednn at more rows (2 ms vs 6): no single layout
-    is best at both, as on a Xeon with AMX."""
+def _split_timer(calls: list[str], small: str = "head", threshold: int = 2):
+    """``small`` fastest below ``threshold`` rows (1 ms vs 3), onednn from there on (2 ms vs 6):
+    no single layout is best at every size, as on a Xeon with AMX."""
 
-    def make(model, cos, sin, verify_tokens):
-        def timed() -> tuple[float, float]:
+    def make(model, cos, sin, sizes):
+        def timed() -> list[float]:
             layout = _layout_of(model)
             calls.append(layout)
-            return (0.001 if layout == "head" else 0.003), (0.002 if layout == "onednn" else 0.006)
+            return [
+                (0.001 if layout == small else 0.003) if n < threshold else (0.002 if layout == "onednn" else 0.006)
+                for n in sizes
+            ]
 
         return timed
 
@@ -263,7 +266,7 @@ def test_a_layout_per_shape_when_no_single_one_is_best_at_both(dense_engine, tmp
     monkeypatch.setattr(kernels, "step_timer", _split_timer(calls))
     choice = _choose(dense_engine, tmp_path)
     assert (choice.layout, choice.source) == ("head|onednn", "measured")
-    assert choice.steps["head"] == [0.001, 0.006] and choice.steps["onednn"] == [0.003, 0.002]
+    assert choice.steps["head"] == [0.001, 0.006, 0.006, 0.006] and choice.steps["onednn"] == [0.003, 0.002, 0.002, 0.002]
     forms = _forms(dense_engine.model)
     assert forms.pop("lm_head") == (OneDnnLinear, OneDnnLinear)  # packed in both: no second copy
     assert forms and all(one is not OneDnnLinear and many is OneDnnLinear for one, many in forms.values())
@@ -280,13 +283,14 @@ def test_a_split_that_would_hold_too_much_twice_is_not_taken(dense_engine, tmp_p
     assert choice.layout in kernels.LAYOUTS and "|" not in choice.layout
 
 
-def test_a_split_choice_decodes_the_same_greedy_tokens(built, monkeypatch, tmp_path):
-    """Decode steps on one form, verify steps on the other: the same token ids as dense."""
+@pytest.mark.parametrize(("small", "threshold", "layout"), [("head", 2, "head|onednn"), ("dense", 4, "dense|onednn@4")])
+def test_a_split_choice_decodes_the_same_greedy_tokens(built, monkeypatch, tmp_path, small, threshold, layout):
+    """Small steps on one form, larger ones on the other: the same token ids as dense."""
     dep = built()
-    monkeypatch.setattr(kernels, "step_timer", _split_timer([]))
+    monkeypatch.setattr(kernels, "step_timer", _split_timer([], small, threshold))
     monkeypatch.setenv("TRTSPEC_CACHE", str(tmp_path))
     split_dep = Deployment(dep.loaded, dep.loaded.output_dir())
-    assert split_dep.target.kernels.layout == "head|onednn"
+    assert split_dep.target.kernels.layout == layout
     monkeypatch.setenv("TRTSPEC_ONEDNN", "0")
     dense_dep = Deployment(dep.loaded, dep.loaded.output_dir())
     outs = []
@@ -299,3 +303,36 @@ def test_a_split_choice_decodes_the_same_greedy_tokens(built, monkeypatch, tmp_p
             )
         )
     assert outs[0] == outs[1] and all(outs[0][0])
+
+
+def test_the_row_threshold_of_a_split_is_measured(dense_engine, tmp_path, monkeypatch):
+    """dense fastest up to 3 rows, onednn from 4 (as a float32 SmolLM2 on a Xeon with AMX): the
+    split runs 1-3 row inputs (decode, short verifies, small batches) dense, not only 1."""
+    monkeypatch.setattr(kernels, "step_timer", _split_timer([], small="dense", threshold=4))
+    choice = _choose(dense_engine, tmp_path)
+    assert (choice.layout, choice.source) == ("dense|onednn@4", "measured")
+    by_rows = [m for m in dense_engine.model.modules() if isinstance(m, kernels.ByRows)]
+    assert by_rows and all(m.threshold == 4 for m in by_rows)
+    linear = by_rows[0]
+    ran = []
+    monkeypatch.setattr(linear.one, "forward", lambda x: ran.append("one") or x)
+    monkeypatch.setattr(linear.many, "forward", lambda x: ran.append("many") or x)
+    width = linear.many.weight.shape[1] if isinstance(linear.many, nn.Linear) else linear.one.weight.shape[1]
+    for rows in (1, 3, 4, 9):
+        linear(torch.zeros(1, rows, width))
+    assert ran == ["one", "one", "many", "many"]
+    again = _dense(dense_engine.folder, monkeypatch)
+    assert (_choose(again, tmp_path).layout, _forms(again.model)) == ("dense|onednn@4", _forms(dense_engine.model))
+
+
+def test_split_choices_parse_and_a_bad_cached_one_is_measured_again(dense_engine, tmp_path, monkeypatch):
+    assert kernels.split("dense") == ("dense", "dense", 2)
+    assert kernels.split("head|onednn") == ("head", "onednn", 2)
+    assert kernels.split("dense|onednn@4") == ("dense", "onednn", 4)
+    assert kernels.join("dense", "onednn", 4) == "dense|onednn@4" and kernels.join("head", "onednn", 2) == "head|onednn"
+    with pytest.raises(ValueError):
+        kernels.split("dense|onednn@1")
+    monkeypatch.setattr(kernels, "step_timer", _fake_timer("dense", []))
+    key = kernels.choice_key(dense_engine.model, 4)
+    (tmp_path / kernels.CACHE_FILE).write_text(json.dumps({key: {"layout": "dense|onednn@x"}}))
+    assert _choose(dense_engine, tmp_path).source == "measured"

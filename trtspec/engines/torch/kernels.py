@@ -11,16 +11,18 @@ step 38 -> 31 ms; on an AVX2-only CPU the engine with onednn was slower than tra
 SmolLM2's weights, where PyTorch's dense kernel for 2+ rows is slow on such a CPU. On a 2-core
 AVX2 EPYC (2026-12-01) `head` made a decode step 59 -> 51 ms, a 2-token verify 95 -> 78 ms
 and a 16-row batched decode 297 -> 219 ms, while `onednn` (every Linear) was slower than dense
-at 1 token (82 ms). So the engine measures instead of assuming: at load, a decode step
-(1 token) and a verify step (max_draft_len + 1 tokens) at a short context, each candidate
-up to ``ROUNDS`` times in alternating order (3 when one is faster in every sample), the
-median of each; the lower sum wins (a tie keeps dense). When one layout is fastest for the
-decode step and another for the verify step, and the two together beat the best single
-layout by ``SPLIT_GAIN``, the engine keeps both forms of the Linears where they differ and
-runs one-row inputs on the first, larger ones on the second (the choice ``"head|onednn"``:
-one row | more rows), if the copies those Linears then need fit in ``MAX_SPLIT_BYTES``. On a
-2-core Xeon with AMX a float32 SmolLM2 decode step ran 37 ms dense and 44 ms onednn while its
-9-token verify ran 76 ms dense and 58 ms onednn: no single layout is best at both. The choice is cached per machine in ``$TRTSPEC_CACHE/kernels.json`` under a key made
+at 1 token (82 ms). So the engine measures instead of assuming: at load, a step of each size in
+``timed_sizes`` (1 token: a decode step; 2 .. max_draft_len + 1: verify steps) at a short
+context, each candidate up to ``ROUNDS`` times in alternating order (3 when one is faster in
+every sample), the median of each; the lowest sum wins (a tie keeps dense). When one layout
+is fastest for the small steps and another for the large ones, and the two together beat the
+best single layout by ``SPLIT_GAIN``, the engine keeps both forms of the Linears where they
+differ and runs inputs of fewer than ``t`` rows on the first, larger ones on the second (the
+choice ``"head|onednn"``: one row | more rows; ``"dense|onednn@4"``: 1-3 rows | 4 or more),
+``t`` the measured size that makes the sum lowest, if the copies those Linears then need fit
+in ``MAX_SPLIT_BYTES``. On a 2-core Xeon with AMX a float32 SmolLM2 step of 1 / 2 / 3 / 4 / 9
+tokens ran 37 / 44 / 49 / 67 / 82 ms dense and 56 / 53 / 60 / 52 / 61 ms onednn: dense is
+best up to 3 rows, onednn from 4 (a split at 2 rows would make k=1's 2-token verify 20% dearer). The choice is cached per machine in ``$TRTSPEC_CACHE/kernels.json`` under a key made
 of the CPU (model name, ISA flags, ATen's CPU capability, ISA caps set in the environment),
 the thread count, the torch version and the model's shape, so each machine measures each
 model shape once; engines loading at the same time (Triton's stubs) measure one after another
@@ -65,7 +67,8 @@ LAYOUTS = ("dense", "onednn", "head")
 # 2: q/k/v and gate/up fused; onednn = weights reordered without a batch hint, run by
 # _linear_pointwise (1: float32 as mkldnn tensors through mkldnn_linear).
 # 3: a layout per shape (one row | more rows) when that is faster; seconds per step kind.
-KERNELS_VERSION = "3"
+# 4: every step size of timed_sizes timed; the split's row threshold measured, not fixed at 2.
+KERNELS_VERSION = "4"
 ROUNDS = 7
 SPLIT_GAIN = 0.95  # a split choice must save 5% of the best single layout's decode + verify
 MAX_SPLIT_BYTES = 1 << 30  # ... and its second copy of the Linears that differ fit in 1 GiB
@@ -79,14 +82,15 @@ ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL
 
 @dataclass
 class KernelChoice:
-    # dense | onednn | head | int8_wo | int4_wo (weight-only: every Linear quantized), or "A|B":
-    # layout A for one-row forwards, B for larger ones (a split choice)
+    # dense | onednn | head | int8_wo | int4_wo (weight-only: every Linear quantized), or "A|B"
+    # (layout A for one-row forwards, B for larger ones) or "A|B@t" (A below t rows): a split
     layout: str
     source: str  # measured | cached | forced | fallback | quantized
-    seconds: dict[str, float] = field(default_factory=dict)  # per layout: decode + verify step
+    seconds: dict[str, float] = field(default_factory=dict)  # per layout: a step of each size, summed
     key: str = ""
     reason: str = ""  # for forced / fallback
-    steps: dict[str, list[float]] = field(default_factory=dict)  # per layout: [decode, verify] seconds
+    steps: dict[str, list[float]] = field(default_factory=dict)  # per layout: seconds of a step of each size
+    sizes: tuple[int, ...] = ()  # the step sizes (tokens) ``steps`` lists
 
 
 def cpu_signature() -> dict[str, str]:
@@ -124,10 +128,29 @@ def choice_key(model: DecoderLM, verify_tokens: int) -> str:
 # -- switching layouts ----------------------------------------------------------------------------
 
 
-def split(choice: str) -> tuple[str, str]:
-    """A choice's layouts for one-row and for larger forwards ("head|onednn" -> head, onednn)."""
-    one, _, many = choice.partition("|")
-    return one, many or one
+def split(choice: str) -> tuple[str, str, int]:
+    """A choice's layout below its row threshold, its layout from there on, and the threshold
+    ("head|onednn" -> head, onednn, 2; "dense|onednn@4" -> dense, onednn, 4; "dense" -> dense,
+    dense, 2). ValueError for a threshold that is not a number of rows above 1."""
+    one, _, rest = choice.partition("|")
+    many, _, threshold = rest.partition("@")
+    t = int(threshold) if threshold else 2
+    if t < 2:
+        raise ValueError(f"row threshold {t} in kernel choice {choice!r}: must be 2 or more")
+    return one, many or one, t
+
+
+def join(one: str, many: str, threshold: int) -> str:
+    """The choice string of ``split``'s parts."""
+    if one == many:
+        return one
+    return f"{one}|{many}" if threshold == 2 else f"{one}|{many}@{threshold}"
+
+
+def timed_sizes(verify_tokens: int) -> tuple[int, ...]:
+    """The step sizes (tokens) timed for a model verifying up to ``verify_tokens`` tokens: a
+    decode step, the short verify steps of small k one by one, and the longest."""
+    return tuple(n for n in sorted({1, 2, 3, 4, 6, verify_tokens}) if n <= max(verify_tokens, 1))
 
 
 def _packs(layout: str, is_head: bool) -> bool:
@@ -149,16 +172,16 @@ class _Layouts:
         self.head = model.lm_head
 
     def use(self, choice: str) -> None:
-        one, many = split(choice)
+        one, many, threshold = split(choice)
         for (module, name, dense), packed in zip(self.places, self.packed):
             is_head = dense is self.head
             first = packed if _packs(one, is_head) else dense
             second = packed if _packs(many, is_head) else dense
-            setattr(module, name, first if first is second else ByRows(first, second))
+            setattr(module, name, first if first is second else ByRows(first, second, threshold))
 
     def extra_bytes(self, choice: str) -> int:
         """Weight bytes held twice under ``choice`` (the Linears kept in both forms)."""
-        one, many = split(choice)
+        one, many, _ = split(choice)
         return sum(
             dense.weight.nbytes
             for _, _, dense in self.places
@@ -183,37 +206,30 @@ def _step(tokens: int, start: int, vocab: int) -> StepInputs:
     return StepInputs(ids.view(1, tokens), positions, torch.zeros(1, dtype=torch.long), mask, [(0, start, tokens)], span)
 
 
-def step_timer(model: DecoderLM, cos: torch.Tensor, sin: torch.Tensor, verify_tokens: int) -> Callable[[], tuple[float, float]]:
-    """A function that times one decode step and one verify step (seconds each) at position
-    PREFILL of a private one-slot cache. The keys before it are never written (zeros): the
-    work, and so the time, does not depend on their values."""
-    cache = KVCache(model.cfg, 1, PREFILL + verify_tokens + 1, model.model.embed_tokens.weight.dtype)
-    vocab = model.cfg.vocab_size
-    decode, verify = _step(1, PREFILL, vocab), _step(verify_tokens, PREFILL, vocab)
+def step_timer(model: DecoderLM, cos: torch.Tensor, sin: torch.Tensor, sizes: tuple[int, ...]) -> Callable[[], list[float]]:
+    """A function that times one step of each of ``sizes`` tokens (seconds each, in that
+    order) at position PREFILL of a private one-slot cache. The keys before it are never
+    written (zeros): the work, and so the time, does not depend on their values."""
+    cache = KVCache(model.cfg, 1, PREFILL + max(sizes) + 1, model.model.embed_tokens.weight.dtype)
+    steps = [_step(n, PREFILL, model.cfg.vocab_size) for n in sizes]
 
-    def run(step: StepInputs) -> None:
+    def run(step: StepInputs) -> float:
+        t = time.perf_counter()
         hidden = model.hidden_states(step, cos, sin, cache)  # [1, q, hidden]
         model.logits(hidden[:, -step.rows[0][2] :])
+        return time.perf_counter() - t
 
-    def timed() -> tuple[float, float]:
-        t0 = time.perf_counter()
-        run(decode)
-        t1 = time.perf_counter()
-        if verify_tokens > 1:
-            run(verify)
-        return t1 - t0, time.perf_counter() - t1
-
-    return timed
+    return lambda: [run(step) for step in steps]
 
 
 def measure_layouts(
-    model: DecoderLM, cos: torch.Tensor, sin: torch.Tensor, verify_tokens: int
+    model: DecoderLM, cos: torch.Tensor, sin: torch.Tensor, sizes: tuple[int, ...]
 ) -> tuple[str, dict[str, float], dict[str, list[float]]]:
-    """Time every layout on this model, interleaved; returns (the choice, median decode + verify
-    seconds per layout, median [decode, verify] seconds per layout)."""
+    """Time every layout on this model, a step of each of ``sizes`` tokens, interleaved;
+    returns (the choice, median summed seconds per layout, median seconds per layout and size)."""
     layouts = _Layouts(model)
-    timed = step_timer(model, cos, sin, verify_tokens)
-    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in LAYOUTS}
+    timed = step_timer(model, cos, sin, sizes)
+    samples: dict[str, list[list[float]]] = {name: [] for name in LAYOUTS}
     try:
         for layout in LAYOUTS:  # warm-up: first calls pay for allocation and kernel setup
             layouts.use(layout)
@@ -227,27 +243,32 @@ def measure_layouts(
     except BaseException:
         layouts.keep("dense")
         raise
-    steps = {name: [statistics.median(d for d, _ in s), statistics.median(v for _, v in s)] for name, s in samples.items()}
-    seconds = {name: statistics.median(d + v for d, v in s) for name, s in samples.items()}
-
-    def fastest(cost) -> str:
-        return min(LAYOUTS, key=lambda name: (cost(name), name != "dense"))  # a tie keeps dense
-
-    best = fastest(seconds.get)
-    one, many = fastest(lambda n: steps[n][0]), fastest(lambda n: steps[n][1])
-    if (
-        one != many
-        and steps[one][0] + steps[many][1] < SPLIT_GAIN * seconds[best]
-        and layouts.extra_bytes(f"{one}|{many}") <= MAX_SPLIT_BYTES
-    ):
-        best = f"{one}|{many}"
+    steps = {name: [statistics.median(col) for col in zip(*s)] for name, s in samples.items()}
+    seconds = {name: statistics.median(sum(row) for row in s) for name, s in samples.items()}
+    best = min(LAYOUTS, key=lambda name: (seconds[name], name != "dense"))  # a tie keeps dense
+    split_choice, cost = _best_split(steps, sizes)
+    if split_choice and cost < SPLIT_GAIN * sum(steps[best]) and layouts.extra_bytes(split_choice) <= MAX_SPLIT_BYTES:
+        best = split_choice
     layouts.keep(best)
     return best, seconds, steps
 
 
-def _separated(samples: dict[str, list[tuple[float, float]]]) -> bool:
-    """One layout's every sample (decode + verify) beats every sample of each other layout."""
-    sums = {name: [d + v for d, v in s] for name, s in samples.items()}
+def _best_split(steps: dict[str, list[float]], sizes: tuple[int, ...]) -> tuple[str | None, float]:
+    """The split (one layout below a row threshold, another from it) whose steps of ``sizes``
+    sum lowest, and that sum; (None, inf) when there is only one size."""
+    best: tuple[str | None, float] = (None, float("inf"))
+    for one in LAYOUTS:
+        for many in LAYOUTS:
+            for t in sizes[1:] if one != many else ():
+                cost = sum(steps[one if n < t else many][i] for i, n in enumerate(sizes))
+                if cost < best[1]:
+                    best = (join(one, many, t), cost)
+    return best
+
+
+def _separated(samples: dict[str, list[list[float]]]) -> bool:
+    """One layout's every sample (its steps summed) beats every sample of each other layout."""
+    sums = {name: [sum(row) for row in s] for name, s in samples.items()}
     return any(all(max(s) < min(o) for n, o in sums.items() if n != name) for name, s in sums.items())
 
 
@@ -289,21 +310,28 @@ def choose_kernels(
         )
     key = choice_key(model, verify_tokens)
     path = (cache_dir or cache_root()) / CACHE_FILE
+    sizes = timed_sizes(verify_tokens)
     try:
         with _locked(path):
             cached = _read(path).get(key)
-            if cached is not None and all(part in LAYOUTS for part in split(str(cached.get("layout")))):
+            if cached is not None and _valid(str(cached.get("layout"))):
                 _apply(model, cached["layout"])
                 return KernelChoice(
-                    cached["layout"], "cached", dict(cached.get("seconds", {})), key, steps=dict(cached.get("steps", {}))
+                    cached["layout"],
+                    "cached",
+                    dict(cached.get("seconds", {})),
+                    key,
+                    steps=dict(cached.get("steps", {})),
+                    sizes=sizes,
                 )
-            best, seconds, steps = measure_layouts(model, cos, sin, verify_tokens)
-            choice = KernelChoice(best, "measured", seconds, key, steps=steps)
+            best, seconds, steps = measure_layouts(model, cos, sin, sizes)
+            choice = KernelChoice(best, "measured", seconds, key, steps=steps, sizes=sizes)
             entries = _read(path)
             entries[key] = {
                 "layout": best,
                 "seconds": seconds,
                 "steps": steps,
+                "sizes": list(sizes),
                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             }
             with contextlib.suppress(OSError):  # a read-only cache: measure again next time
@@ -313,6 +341,14 @@ def choose_kernels(
         # (measure_layouts has put the model back on dense before raising)
         print(f"trtspec: kernel measurement failed ({type(err).__name__}: {err}); using dense", file=sys.stderr)
         return KernelChoice("dense", "fallback", reason=f"measurement failed: {err}")
+
+
+def _valid(choice: str) -> bool:
+    """A cached choice this code can apply (a hand-edited or foreign cache is measured again)."""
+    try:
+        return all(part in LAYOUTS for part in split(choice)[:2])
+    except ValueError:
+        return False
 
 
 def weight_only_linears(model: DecoderLM) -> list[WeightOnlyLinear]:

@@ -306,16 +306,17 @@ class OneDnnLinear(nn.Module):
 
 
 class ByRows(nn.Module):
-    """One Linear in two forms: ``one`` runs a one-row input (a decode step), ``many`` anything
-    larger (a verify step, a prefill, a batched decode). The kernel choice keeps both where
-    the fastest form differs by shape (kernels.py); both hold the same weights."""
+    """One Linear in two forms: ``one`` runs inputs of fewer than ``threshold`` rows (a decode
+    step, a short verify step, a small batch), ``many`` larger ones (a long verify step, a
+    prefill, a large batch). The kernel choice keeps both where the fastest form differs by
+    shape (kernels.py); both hold the same weights."""
 
-    def __init__(self, one: nn.Module, many: nn.Module):
+    def __init__(self, one: nn.Module, many: nn.Module, threshold: int = 2):
         super().__init__()
-        self.one, self.many = one, many
+        self.one, self.many, self.threshold = one, many, threshold
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.one(x) if x.numel() == x.shape[-1] else self.many(x)
+        return self.one(x) if x.numel() < self.threshold * x.shape[-1] else self.many(x)
 
 
 class MLP(nn.Module):
