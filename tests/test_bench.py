@@ -98,7 +98,8 @@ def test_cli_bench_writes_report(spec_file, tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["-k", "9"], "draft length 9 is out of range; use 1..8"),
+        (["-k", "9"], "num_draft_tokens must be in 0..8 (max_draft_len the engines were built for); got 9"),
+        (["-k", "0"], "draft length 0 is out of range; use 1..8"),
         (["--sweep", "0-3"], "draft length 0 is out of range"),
         (["-c", "0"], "concurrency 0 is out of range; use 1..256"),
         (["--sweep", "a-b"], "--sweep 'a-b' is not a list"),

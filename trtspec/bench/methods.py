@@ -159,7 +159,7 @@ def method_set(dep, methods: Sequence[str], k: int, other=None, other_k: int | N
     from trtspec.errors import RequestError
     from trtspec.spec import SuffixSpec
     from trtspec.speculative.drafters import make_drafter
-    from trtspec.speculative.requests import draft_tokens
+    from trtspec.speculative.requests import spec_draft_tokens
 
     s = dep.spec.speculative
     sx = s.suffix_drafting or SuffixSpec()  # the spec's suffix settings, else the defaults
@@ -181,7 +181,7 @@ def method_set(dep, methods: Sequence[str], k: int, other=None, other_k: int | N
         elif name == "suffix":
             drafters[f"suffix k={k}"] = (lambda: make_drafter("suffix", suffix=sx), k)
         elif other is not None and base == other.spec.speculative.method:
-            kk = draft_tokens(other_k, other.spec.speculative.default_draft_tokens)
+            kk = spec_draft_tokens(other_k, other.spec)
             drafters[f"{name} k={kk}"] = (
                 (lambda b=base, x=layered: make_drafter(b, draft_model=extra(), suffix=x)) if layer else extra,
                 kk,

@@ -16,7 +16,7 @@ from trtspec.errors import RequestError
 from trtspec.flags import Flag
 from trtspec.spec import LoadedSpec
 from trtspec.speculative.llmapi import DOUBLE, TENSORRT_LLM
-from trtspec.speculative.requests import draft_tokens
+from trtspec.speculative.requests import spec_draft_tokens
 from trtspec.triton.client import URL_HELP, parse_url
 
 
@@ -180,7 +180,7 @@ def run(
     opts = opts.for_spec(loaded)
     if not opts.prompts:
         raise RequestError("no prompts: add verify.prompts to the spec or pass --prompt/--prompts-file")
-    opts = opts.model_copy(update={"k": draft_tokens(opts.k, loaded.spec.speculative.default_draft_tokens)})
+    opts = opts.model_copy(update={"k": spec_draft_tokens(opts.k, loaded.spec)})
     m.validate_args(opts.k, opts.sweep, opts.concurrency, loaded.spec.speculative.max_draft_len)
     if loaded.spec.backend == "trtllm" and loaded.spec.trtllm.runtime == "llmapi" and not opts.url:
         return _run_llmapi(loaded, engines_dir, opts, progress)

@@ -59,12 +59,21 @@ class Limits:
             raise RequestError(f"batch of {rows} {what} exceeds max_batch_size {self.max_batch_size}; send fewer at once")
 
 
-def draft_tokens(asked: int | None, default: int) -> int:
-    """The draft length k a request runs with: the k it asked for (num_draft_tokens), else the
-    deployment's default_draft_tokens (the spec field; inside the orchestrator, the Triton
-    parameter written from it). make_request calls it for every request that arrives without
-    a k; verify and bench call it to name the k of their reports before a request runs."""
-    return default if asked is None else asked
+def draft_tokens(asked: int | None, default: int, max_draft_len: int) -> int:
+    """The draft length k a request runs with, decided here and only here: the k it asked for
+    (num_draft_tokens), else the deployment's default_draft_tokens (the spec field; inside the
+    orchestrator, the Triton parameter written from it); RequestError outside 0..max_draft_len.
+    make_request calls it for every request; verify and bench call it to name the k of their
+    reports before a request runs."""
+    k = default if asked is None else asked
+    if not 0 <= k <= max_draft_len:
+        raise RequestError(f"num_draft_tokens must be in 0..{max_draft_len} (max_draft_len the engines were built for); got {k}")
+    return k
+
+
+def spec_draft_tokens(asked: int | None, spec: EngineSpec) -> int:
+    """:func:`draft_tokens` for a deployment of ``spec`` (its speculative block's default and bound)."""
+    return draft_tokens(asked, spec.speculative.default_draft_tokens, spec.speculative.max_draft_len)
 
 
 def make_request(
@@ -86,29 +95,9 @@ def make_request(
     ``tree`` None: the deployment's tree shape (``limits.default_tree``); "chain": a chain.
     ``suffix_scope``: the scope of suffix decoding's response cache the request reads and
     feeds ("": the shared one; None: neither; see check_scope)."""
-    num_draft_tokens = draft_tokens(num_draft_tokens, limits.default_draft_tokens)
     shape = limits.default_tree if tree is None else None if tree == "chain" else tree
-    n = len(prompt_ids)
-    if n == 0:
-        raise RequestError("the prompt is empty; send at least one token of text")
-    if limits.max_input_len is not None and n > limits.max_input_len:
-        raise RequestError(
-            f"prompt has {n} tokens, more than max_input_len {limits.max_input_len}; "
-            "shorten it or rebuild with a larger build.max_input_len"
-        )
-    check_token_ids(prompt_ids, limits.vocab_size)
-    if max_tokens <= 0:
-        raise RequestError(f"max_tokens must be at least 1 (got {max_tokens})")
-    if n + max_tokens > limits.max_seq_len:
-        raise RequestError(
-            f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds max_seq_len "
-            f"{limits.max_seq_len}; lower max_tokens to {limits.max_seq_len - n} or less"
-        )
-    if not 0 <= num_draft_tokens <= limits.max_draft_len:
-        raise RequestError(
-            f"num_draft_tokens must be in 0..{limits.max_draft_len} (max_draft_len the "
-            f"engines were built for); got {num_draft_tokens}"
-        )
+    _check_prompt(prompt_ids, max_tokens, limits)
+    num_draft_tokens = draft_tokens(num_draft_tokens, limits.default_draft_tokens, limits.max_draft_len)
     if processing is not None:
         processing.check_ids(limits.vocab_size)
     if shape is not None and shape.depth > limits.max_draft_len:
@@ -129,6 +118,26 @@ def make_request(
         shape if num_draft_tokens > 0 else None,
         check_scope(suffix_scope),
     )
+
+
+def _check_prompt(prompt_ids: list[int], max_tokens: int, limits: Limits) -> None:
+    """The prompt's length and ids, and ``max_tokens``, against the engine's limits."""
+    n = len(prompt_ids)
+    if n == 0:
+        raise RequestError("the prompt is empty; send at least one token of text")
+    if limits.max_input_len is not None and n > limits.max_input_len:
+        raise RequestError(
+            f"prompt has {n} tokens, more than max_input_len {limits.max_input_len}; "
+            "shorten it or rebuild with a larger build.max_input_len"
+        )
+    check_token_ids(prompt_ids, limits.vocab_size)
+    if max_tokens <= 0:
+        raise RequestError(f"max_tokens must be at least 1 (got {max_tokens})")
+    if n + max_tokens > limits.max_seq_len:
+        raise RequestError(
+            f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds max_seq_len "
+            f"{limits.max_seq_len}; lower max_tokens to {limits.max_seq_len - n} or less"
+        )
 
 
 def check_scope(scope: str | bytes | None, name: str = "suffix_scope") -> str | None:

@@ -15,7 +15,7 @@ from trtspec.errors import RequestError
 from trtspec.flags import Flag
 from trtspec.spec import LoadedSpec
 from trtspec.speculative.llmapi import TENSORRT_LLM
-from trtspec.speculative.requests import draft_tokens
+from trtspec.speculative.requests import spec_draft_tokens
 from trtspec.speculative.sampling import SamplingParams
 from trtspec.triton.client import URL_HELP, parse_url
 from trtspec.verify import html_report
@@ -186,7 +186,7 @@ def run(loaded: LoadedSpec, engines_dir: Path, opts: VerifyOptions, progress: Pr
         raise RequestError(f"--html {html} is a folder; give a file path (e.g. {html / 'report.html'})")
     if opts.samples is not None:
         check_sample_count(opts.samples, len(prompts))
-    k = draft_tokens(opts.num_draft_tokens, loaded.spec.speculative.default_draft_tokens)
+    k = spec_draft_tokens(opts.num_draft_tokens, loaded.spec)
     prompt_set = _prompt_set_name(loaded, opts.prompts)
     # A baseline that cannot compare is refused before minutes of generation, not after.
     base = None
