@@ -203,19 +203,10 @@ def parse_engine_request(
 ) -> tuple[list[EngineJob], list[bool], list[bool], int]:
     """Validate one request; return its jobs, exclude_input_in_output and return_margins per
     row, and the pad id. RequestError messages name the tensor and the fix."""
-    ids = inputs.get("input_ids")
-    if ids is None or np.asarray(ids).ndim != 2:
-        raise RequestError("input_ids must be an INT32 tensor of shape [batch, tokens]")
-    ids = np.asarray(ids)
-    rows, width = ids.shape
-    limits.check_batch(rows)
     # Every size is checked on the arrays before any row becomes a Python list: a request
     # this engine cannot hold costs no more than reading its shape.
-    if width > limits.max_seq_len:
-        raise RequestError(
-            f"input_ids is {width} tokens wide; this engine holds at most {limits.max_seq_len} tokens "
-            "per sequence (max_seq_len): send shorter inputs"
-        )
+    ids = _input_ids(inputs, limits)
+    rows, width = ids.shape
     lengths = per_row(inputs, "input_lengths", rows)
     out_len = per_row(inputs, "request_output_len", rows)
     if lengths is None or out_len is None:
@@ -236,15 +227,7 @@ def parse_engine_request(
         "return_top_k",
     )
     end_ids, pad_ids, exclude, margins, gen_logits, perf, top_k = (per_row(inputs, name, rows) for name in optional)
-    drafts = inputs.get("draft_input_ids")
-    if drafts is not None:
-        drafts = np.asarray(drafts)
-        if drafts.ndim != 2 or drafts.shape[0] != rows:
-            raise RequestError(f"draft_input_ids must have shape [{rows}, draft_len]; got {list(drafts.shape)}")
-        if drafts.shape[1] > 0 and limits.max_draft_len == 0:
-            raise RequestError("draft_input_ids given to an engine built without speculative decoding (max_draft_len 0)")
-        if drafts.shape[1] > limits.max_draft_len:
-            raise RequestError(f"{drafts.shape[1]} draft tokens exceed max_draft_len {limits.max_draft_len}; send fewer")
+    drafts = _draft_ids(inputs, rows, limits)
     processing = engine_processing(inputs, rows, limits.vocab_size)
     trees = _tree_parents(inputs, drafts, rows)
     if trees is not None and any(p is not None for p in processing):
@@ -257,21 +240,8 @@ def parse_engine_request(
     jobs = []
     d_len = 0 if drafts is None else int(drafts.shape[1])
     for r in range(rows):
-        n = int(lengths[r])
-        if not 1 <= n <= width:
-            raise RequestError(f"input_lengths[{r}] is {n}; it must be in 1..{width} (the input_ids width)")
-        k = int(out_len[r])
-        if k < 1:
-            raise RequestError(f"request_output_len must be at least 1 (got {k})")
-        if d_len and k < d_len + 1:
-            raise RequestError(f"request_output_len {k} must be at least len(draft_input_ids) + 1 = {d_len + 1}")
-        tree = None if trees is None else trees[r]
-        if tree is not None:  # the nodes sit at their depths after the input (the engine keeps them aside)
-            depth = max(tree_layout(tree)[0])
-            if n + depth > limits.max_seq_len:
-                raise RequestError(f"input ({n} tokens) + a draft tree {depth} deep exceeds max_seq_len {limits.max_seq_len}")
-        elif n + max(k, d_len + 1 if d_len else 0) > limits.max_seq_len:
-            raise RequestError(f"input ({n} tokens) + request_output_len ({k}) exceeds max_seq_len {limits.max_seq_len}")
+        n, k, tree = int(lengths[r]), int(out_len[r]), None if trees is None else trees[r]
+        _check_row_lengths(r, n, k, width, d_len, tree, limits)
         row = ids[r, :n] if drafts is None else np.concatenate([ids[r, :n], drafts[r]])
         outside = (row < 0) | (row >= limits.vocab_size)
         if outside.any():
@@ -280,22 +250,76 @@ def parse_engine_request(
         end = None if end_ids is None else int(end_ids[r])
         wants = gen_logits is not None and bool(gen_logits[r])
         top = 0 if top_k is None else int(top_k[r])
-        for asked, name in ((wants, "return_generation_logits"), (top, "return_top_k")):
-            if asked and not (draft or k == 1):
-                raise RequestError(
-                    f"{name} is answered for scoring requests (draft_input_ids, or request_output_len 1); send it with those"
-                )
-        if tree is not None and k != d_len + 1:
-            raise RequestError(
-                f"a draft tree is answered with the target's token after the input and after each of its "
-                f"{d_len} nodes: send request_output_len {d_len + 1}"
-            )
+        _check_row_asks(wants, top, bool(draft), k, d_len, tree)
         job = EngineJob(tokens, k, draft, end, wants, processing[r], perf is not None and bool(perf[r]), tree, top)
         jobs.append(job)
     pad = 0 if pad_ids is None else int(pad_ids[0])
     excl = [exclude_default if exclude is None else bool(exclude[r]) for r in range(rows)]
     want = [False if margins is None else bool(margins[r]) for r in range(rows)]
     return jobs, excl, want, pad
+
+
+def _input_ids(inputs: Mapping[str, np.ndarray], limits: Limits) -> np.ndarray:
+    """input_ids [b, width], its batch and width within the engine's limits."""
+    ids = inputs.get("input_ids")
+    if ids is None or np.asarray(ids).ndim != 2:
+        raise RequestError("input_ids must be an INT32 tensor of shape [batch, tokens]")
+    ids = np.asarray(ids)
+    rows, width = ids.shape
+    limits.check_batch(rows)
+    if width > limits.max_seq_len:
+        raise RequestError(
+            f"input_ids is {width} tokens wide; this engine holds at most {limits.max_seq_len} tokens "
+            "per sequence (max_seq_len): send shorter inputs"
+        )
+    return ids
+
+
+def _draft_ids(inputs: Mapping[str, np.ndarray], rows: int, limits: Limits) -> np.ndarray | None:
+    """draft_input_ids [b, D] within max_draft_len (None: no drafts)."""
+    drafts = inputs.get("draft_input_ids")
+    if drafts is None:
+        return None
+    drafts = np.asarray(drafts)
+    if drafts.ndim != 2 or drafts.shape[0] != rows:
+        raise RequestError(f"draft_input_ids must have shape [{rows}, draft_len]; got {list(drafts.shape)}")
+    if drafts.shape[1] > 0 and limits.max_draft_len == 0:
+        raise RequestError("draft_input_ids given to an engine built without speculative decoding (max_draft_len 0)")
+    if drafts.shape[1] > limits.max_draft_len:
+        raise RequestError(f"{drafts.shape[1]} draft tokens exceed max_draft_len {limits.max_draft_len}; send fewer")
+    return drafts
+
+
+def _check_row_lengths(r: int, n: int, k: int, width: int, d_len: int, tree: tuple[int, ...] | None, limits: Limits) -> None:
+    """Row ``r``'s input length ``n`` and request_output_len ``k`` (with ``d_len`` drafts or
+    a draft tree) within the input width and max_seq_len."""
+    if not 1 <= n <= width:
+        raise RequestError(f"input_lengths[{r}] is {n}; it must be in 1..{width} (the input_ids width)")
+    if k < 1:
+        raise RequestError(f"request_output_len must be at least 1 (got {k})")
+    if d_len and k < d_len + 1:
+        raise RequestError(f"request_output_len {k} must be at least len(draft_input_ids) + 1 = {d_len + 1}")
+    if tree is not None:  # the nodes sit at their depths after the input (the engine keeps them aside)
+        depth = max(tree_layout(tree)[0])
+        if n + depth > limits.max_seq_len:
+            raise RequestError(f"input ({n} tokens) + a draft tree {depth} deep exceeds max_seq_len {limits.max_seq_len}")
+    elif n + max(k, d_len + 1 if d_len else 0) > limits.max_seq_len:
+        raise RequestError(f"input ({n} tokens) + request_output_len ({k}) exceeds max_seq_len {limits.max_seq_len}")
+
+
+def _check_row_asks(wants_logits: bool, top_k: int, drafted: bool, k: int, d_len: int, tree: tuple[int, ...] | None) -> None:
+    """Generation logits and top-k candidates come with scoring requests; a draft tree's
+    request asks for one token after the input and after each node."""
+    for asked, name in ((wants_logits, "return_generation_logits"), (top_k, "return_top_k")):
+        if asked and not (drafted or k == 1):
+            raise RequestError(
+                f"{name} is answered for scoring requests (draft_input_ids, or request_output_len 1); send it with those"
+            )
+    if tree is not None and k != d_len + 1:
+        raise RequestError(
+            f"a draft tree is answered with the target's token after the input and after each of its "
+            f"{d_len} nodes: send request_output_len {d_len + 1}"
+        )
 
 
 def _tree_parents(inputs: Mapping[str, np.ndarray], drafts: np.ndarray | None, rows: int) -> list[tuple[int, ...]] | None:
