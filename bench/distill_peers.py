@@ -35,7 +35,6 @@ import resource
 import subprocess
 import sys
 import time
-from dataclasses import fields, replace
 from pathlib import Path
 
 from _common import ROOT, command_line
@@ -57,10 +56,9 @@ def distill_options(head: Path):
     from trtspec.distill.heads import HEAD_MANIFEST
     from trtspec.distill.run import DistillOptions
 
-    saved = json.loads((head / HEAD_MANIFEST).read_text())["options"]
-    known = {f.name for f in fields(DistillOptions)}
-    opts = DistillOptions(**{k: v for k, v in saved.items() if k in known})
-    return replace(opts, output=head, force=True, resume=False, scaling=())
+    saved = recipe_and_run(json.loads((head / HEAD_MANIFEST).read_text()))
+    opts = DistillOptions(**{k: v for k, v in saved.items() if k in DistillOptions.model_fields})
+    return opts.model_copy(update={"output": head, "force": True, "resume": False, "scaling": ()})
 
 
 def export(spec: Path, head: Path, out: Path) -> dict:
@@ -243,6 +241,12 @@ def score_vllm(python: Path, target: str, head: Path, exported: dict, k: int, ma
     }
 
 
+def recipe_and_run(manifest: dict) -> dict:
+    """The options a head was trained with: its manifest's recipe and run settings (a head
+    written before the recipe was recorded apart holds them all under "options")."""
+    return {**manifest.get("run", {}), **manifest.get("recipe", manifest.get("options", {}))}
+
+
 def trtspec_figures(head: Path) -> dict:
     from trtspec.distill.heads import HEAD_MANIFEST
 
@@ -255,9 +259,9 @@ def trtspec_figures(head: Path) -> dict:
         "steps": m["steps"],
         "train_cpu_s": m.get("train_cpu_s"),
         "options": {
-            k: m["options"][k]
-            for k in ("lr", "batch_size", "ttt_steps", "labels", "step_decay", "ttt_phase", "feature_noise")
-            if k in m["options"]
+            k: v
+            for k, v in recipe_and_run(m).items()
+            if k in ("lr", "batch_size", "ttt_steps", "labels", "step_decay", "ttt_phase", "feature_noise")
         },
     }
 

@@ -210,7 +210,7 @@ def test_soft_label_runs_resume_as_their_own_and_refuse_a_hard_checkpoint(tmp_pa
     soft = distill(loaded, small_opts(a, max_steps=6))  # the default
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in soft.curve)
     manifest = json.loads((a / "head" / "trtspec-head.json").read_text())
-    assert manifest["options"]["labels"] == "soft"
+    assert manifest["recipe"]["labels"] == "soft"
 
     def interrupt(row):
         if row["step"] == 2:

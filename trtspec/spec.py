@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from trtspec.device import check_name as check_device_name
 from trtspec.errors import SpecError
 from trtspec.files import read_text_file
+from trtspec.recipe import DistillRecipe
 
 Dtype = Literal["float32", "float16", "bfloat16"]
 Backend = Literal["torch", "trtllm"]
@@ -435,6 +436,8 @@ class EngineSpec(_Strict):
     output_dir: str | None = None  # engines/<name> relative to the working directory
     serve: ServeSpec = Field(default_factory=ServeSpec)
     verify: VerifySpec = Field(default_factory=VerifySpec)
+    # The EAGLE-3 head's recipe for `trtspec distill` (trtspec/recipe.py); flags given override it.
+    distill: DistillRecipe | None = None
 
     @field_validator("name")
     @classmethod
@@ -463,6 +466,11 @@ class EngineSpec(_Strict):
             raise ValueError(
                 "method eagle3 needs `draft`: the EAGLE-3 head folder (path, or repo + revision "
                 "of a Hub EAGLE-3 checkpoint); train one with `trtspec distill SPEC`"
+            )
+        if self.distill is not None and method != "eagle3":
+            raise ValueError(
+                f"distill: the recipe trains an EAGLE-3 head, and method {method} drafts without one; "
+                "remove distill or set speculative.method: eagle3"
             )
         if method in ("ngram", "suffix") and self.draft is not None:
             raise ValueError(f"method {method} uses no draft model; remove `draft`")
@@ -810,6 +818,7 @@ _MODELS_BY_PATH: dict[str, type[BaseModel]] = {
     "serve": ServeSpec,
     "verify": VerifySpec,
     "trtllm": TrtllmSpec,
+    "distill": DistillRecipe,
 }
 
 
@@ -831,5 +840,6 @@ def render_validation_error(path: Path, err: ValidationError) -> str:
             reason = str(e["msg"]).removeprefix("Value error, ")
         else:
             reason = f"{e['msg']} (got {e.get('input')!r})"
-        lines.append(f"{path}: {field}: {reason}")
+        # a reason that says what the key takes reads as a sentence about it
+        lines.append(f"{path}: {field} {reason}" if reason.startswith("takes ") else f"{path}: {field}: {reason}")
     return "\n".join(lines)

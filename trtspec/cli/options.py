@@ -2,8 +2,9 @@
 
 ``declared(Model)`` gives a command function, besides its own parameters, one option per field
 of ``Model`` that carries a ``trtspec.flags.Flag`` (its type, default and bounds from the field,
-its help from the flag), and calls it with the validated model in the parameter annotated with
-``Model``. A value the model refuses is one ``--flag: reason`` line per problem (exit 2).
+its help from the flag), and calls it with the model, validated from the flags given, in the
+parameter annotated with ``Model``. A value the model refuses is one ``--flag: reason`` line per problem (exit 2), or
+``--flag takes ...`` where the reason says what the flag takes.
 """
 
 from __future__ import annotations
@@ -82,8 +83,21 @@ def validated(model: type[M], values: dict[str, Any]) -> M:
             field = model.model_fields.get(name)
             flag = flag_of(field) if field is not None else None
             where = flag.long(name) if flag else f"--{name.replace('_', '-')}" if name else "options"
-            lines.append(f"{where}: {str(err['msg']).removeprefix('Value error, ')}")
+            reason = str(err["msg"]).removeprefix("Value error, ")
+            lines.append(f"{where} {reason}" if reason.startswith("takes ") else f"{where}: {reason}")
         raise RequestError("\n".join(lines)) from e
+
+
+def given(values: dict[str, Any], ctx: typer.Context | None) -> dict[str, Any]:
+    """The values the command line gave: a flag left at its default is left out, so the model's
+    ``model_fields_set`` names exactly the flags given (distill lets those, and only those,
+    override the spec's recipe)."""
+    if ctx is None:
+        return values
+    return {k: v for k, v in values.items() if getattr(ctx.get_parameter_source(k), "name", None) != "DEFAULT"}
+
+
+_CTX = "_command_context"  # the parameter typer fills with the command's context
 
 
 def declared(model: type[M]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -98,13 +112,15 @@ def declared(model: type[M]) -> Callable[[Callable[..., Any]], Callable[..., Any
 
         @functools.wraps(command)
         def run(**kwargs):
+            ctx = kwargs.pop(_CTX, None)
             values = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
-            return command(**kwargs, **{slot: validated(model, values)})
+            return command(**kwargs, **{slot: validated(model, given(values, ctx))})
 
         kept = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in own.parameters.values() if p.name != slot]
         positional = [p for p in kept if p.default is inspect.Parameter.empty]
         keyword = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in kept if p.default is not inspect.Parameter.empty]
-        run.__signature__ = own.replace(parameters=positional + flags + keyword, return_annotation=None)
+        ctx = inspect.Parameter(_CTX, inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context, default=None)
+        run.__signature__ = own.replace(parameters=positional + flags + keyword + [ctx], return_annotation=None)
         # typer reads the signature above and resolves annotations itself: give it objects,
         # not the command module's strings (which it would look up in this module)
         run.__annotations__ = {p.name: p.annotation for p in run.__signature__.parameters.values()}

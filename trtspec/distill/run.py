@@ -24,7 +24,7 @@ import shutil
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,6 +35,7 @@ from trtspec.distill.corpus import read_conversations, tokenize_conversations
 from trtspec.distill.costs import measure_costs, recommend_k
 from trtspec.distill.data import SHIPPED_PROMPTS, capture_batch, distill_prompts, draft_vocabulary, generated
 from trtspec.distill.heads import new_head, refuse_existing, save_head
+from trtspec.distill.options import GEN_BATCH_MAX, DistillOptions, recipe_dump, resolve, run_dump
 from trtspec.distill.sample import Sample
 from trtspec.distill.store import CorruptStore, FeatureStore, open_store, remove_store, write_store
 from trtspec.distill.trainer import Trainer
@@ -49,44 +50,6 @@ from trtspec.layout import engine_folder
 from trtspec.spec import LoadedSpec
 from trtspec.speculative.requests import GenerationRequest, Limits, encode_prompt, end_token_ids, make_request
 from trtspec.speculative.sampling import SamplingParams
-
-
-@dataclass
-class DistillOptions:
-    prompts: Path | None = None  # JSONL; default: the shipped prompt set
-    eval_prompts: Path | None = None  # JSONL scored as unseen beside the spec's verify prompts, never trained on
-    output: Path | None = None  # default: the spec's draft.path
-    force: bool = False
-    resume: bool = False
-    max_steps: int = 2000
-    time_budget_s: float | None = None  # whole run, data generation included
-    seed: int = 0
-    draft_vocab: int = 8192
-    ttt_steps: int | None = None  # unrolled steps trained; None: the k the spec drafts
-    max_tokens: int = 128  # response length per prompt
-    batch_size: int = 8
-    max_len: int = 512  # positions per training sequence
-    lr: float = 1e-3
-    held_out: float = 0.1  # fraction of prompts never trained on
-    eval_every: int = 50
-    layer_ids: tuple[int, ...] | None = None  # default: engines/eagle3_checkpoint.distill_layer_ids
-    samples_per_prompt: int = 1  # training responses per prompt: the greedy one + sampled ones
-    branches_per_prompt: int = 0  # sampled continuations from a point inside each greedy response
-    temperature: float = 0.8  # of the sampled responses (labels stay the target's greedy tokens)
-    weight_decay: float = 0.0
-    gen_batch: int | None = None  # sequences generated at once (the engine's slots); None: generation_rows
-    labels: str = "soft"  # soft: the target's top-k over the draft vocabulary; hard: its greedy token (train.ttt_loss)
-    corpus: Path | None = None  # a user's conversations (distill/corpus.py), captured without generation
-    anchor: bool = True  # start from the target's own prediction (distill/heads.py)
-    train_lm_head: bool = False  # the LM head is the target's, frozen, unless asked
-    response_only: bool = True  # loss on chains drafted inside responses only
-    step_decay: float = 0.8  # loss weight of unrolled step j: step_decay^j (1.0: equal)
-    ttt_phase: float = 0.0  # fraction of max_steps that train the first unrolled step alone, before all of them
-    feature_noise: float = 0.0  # uniform noise in [-a, a] added to the features in training (train.add_feature_noise)
-    schedule: str = "cosine"  # cosine: linear warmup then cosine decay to lr/10; constant
-    warmup: float = 0.05  # fraction of max_steps
-    scaling: tuple[float, ...] = ()  # data fractions (< 1) also trained, for the data-scaling curve
-    allow_pickle: bool = False
 
 
 @dataclass
@@ -106,6 +69,16 @@ class DistillResult:
             "metrics": self.metrics,
             "advice": self.advice,
         }
+
+    def summary(self) -> str:
+        """One line: where the head went, its acceptance on unseen prompts, the recommended k."""
+        m, k = self.metrics, self.advice["recommended_k"]
+        return (
+            f"head written to {self.output}: {self.steps} steps ({self.stopped_by}); unseen prompts: "
+            f"per-position acceptance {'/'.join(f'{a:.2f}' for a in m['unseen_accepted'])}, acceptance length "
+            f"{m['unseen_acceptance_length']:.2f} at k={len(m['unseen_accepted'])}; "
+            + (f"recommended default_draft_tokens: {k}" if k else "no draft length beats target-only with this head")
+        )
 
 
 Progress = Callable[[dict], None]  # called after every training step (tests interrupt here)
@@ -135,7 +108,10 @@ class Split:
 
 
 def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None = None) -> DistillResult:
+    """Train and write the head; ``opts``' recipe fields that were set (the flags given) override
+    the spec's ``distill:`` block (distill/options.resolve)."""
     start = time.monotonic()
+    opts, sources = resolve(loaded, opts)
     out = head_destination(loaded, opts.output)
     refuse_existing(out, opts.force)
     work = work_folder(out)
@@ -145,12 +121,11 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
     with work_lock(work):
         data = prepare(loaded, opts, work, split)
         target, folder, target_hf, layer_ids = data.target, data.folder, data.target_hf, data.layer_ids
-        store, data_info = data.store, data.info
-        train_s, held_s, unseen_s = data.train, data.held, data.unseen
+        store, train_s, held_s, unseen_s = data.store, data.train, data.held, data.unseen
         steps = opts.ttt_steps or max(1, loaded.spec.speculative.default_draft_tokens)
         draft_ids = draft_vocabulary(train_s, opts.draft_vocab, target_hf.vocab_size)
         head, config = new_head(target_hf, folder, layer_ids, draft_ids, opts.seed, anchor=opts.anchor)
-        run_key = f"{data_info['key']}+{_recipe_key(opts, steps)}"  # what a checkpoint was trained on
+        run_key = f"{data.info['key']}+{recipe_key(opts, steps)}"  # what a checkpoint was trained on
         scaling = _scaling(target_hf, folder, layer_ids, draft_ids, target, opts, steps, store, train_s, held_s, unseen_s, work)
         trainer = Trainer(head, target, draft_ids, opts, steps, store)
         cpu0 = time.process_time()
@@ -161,34 +136,50 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
         k, bound = recommend_k(final["unseen_accepted"], costs)
         advice = {"costs": costs, "bound": bound, "recommended_k": k}  # timed: differs run to run
     manifest = {
-        "format": 1,
-        "method": "eagle3",
-        "target": {"spec": loaded.spec.name, "source": loaded.spec.target.source_id, "weights": data_info["target"]},
-        "layer_ids": list(layer_ids),
-        "draft_vocab_size": len(draft_ids),
-        "data": _data_manifest(data_info["manifest"], train_s, held_s),
-        "seed": opts.seed,
+        **_made_from(loaded, data, len(draft_ids), opts, sources),
         "steps": step,
         "ttt_steps": steps,
         "stopped_by": stopped_by,
-        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()},
         "metrics": final,
         "advice": advice,
         "elapsed_s": round(time.monotonic() - start, 1),
         "train_cpu_s": train_cpu_s,  # training only (a resumed run: since it resumed)
         "versions": versions(),
     }
-    png = work / "training-curve.png"
-    _plot(curve, png)
-    extra = {"training-curve.png": png}
     if scaling:
         scaling.append(_scaling_point(1.0, train_s, final))
         manifest["scaling"] = scaling
-        extra["data-scaling.png"] = work / "data-scaling.png"
-        _plot_scaling(scaling, extra["data-scaling.png"])
-    save_head(out, head, config, manifest, extra)
+    save_head(out, head, config, manifest, _plots(work, curve, scaling))
     _summary(out, step, final, advice)
     return DistillResult(out, step, final, curve, stopped_by, advice)
+
+
+def _made_from(loaded: LoadedSpec, data: Prepared, draft_vocab_size: int, opts: DistillOptions, sources: dict) -> dict:
+    """The manifest's account of what made the head: its target, layers, data and the resolved
+    recipe (a spec's ``distill:`` block that trains it again) with where each value came from."""
+    return {
+        "format": 2,
+        "method": "eagle3",
+        "target": {"spec": loaded.spec.name, "source": loaded.spec.target.source_id, "weights": data.info["target"]},
+        "layer_ids": list(data.layer_ids),
+        "draft_vocab_size": draft_vocab_size,
+        "data": _data_manifest(data.info["manifest"], data.train, data.held),
+        "seed": opts.seed,
+        "recipe": recipe_dump(opts),
+        "recipe_from": sources,  # each recipe field: "cli" (a flag given), "spec" (its distill: block) or "default"
+        "run": run_dump(opts),  # this run's settings that are not the recipe (--output, --resume, --gen-batch, ...)
+    }
+
+
+def _plots(work: Path, curve: list[dict], scaling: list[dict]) -> dict[str, Path]:
+    """The head folder's plots, drawn in the work folder: the training curve and, with
+    --scaling, the data-scaling curve."""
+    extra = {"training-curve.png": work / "training-curve.png"}
+    _plot(curve, extra["training-curve.png"])
+    if scaling:
+        extra["data-scaling.png"] = work / "data-scaling.png"
+        _plot_scaling(scaling, extra["data-scaling.png"])
+    return extra
 
 
 def _data_manifest(captured: dict, train_s, held_s) -> dict:
@@ -273,7 +264,7 @@ def _scaling(target_hf, folder, layer_ids, draft_ids, target, opts, steps, store
     order = torch.randperm(len(train_s), generator=torch.Generator().manual_seed(opts.seed + 99)).tolist()
     for f in sorted(x for x in opts.scaling if x < 1.0):
         part = [train_s[i] for i in sorted(order[: max(1, round(f * len(train_s)))])]
-        sub = replace(opts, max_steps=max(1, round(opts.max_steps * f)), resume=False, time_budget_s=None)
+        sub = opts.model_copy(update={"max_steps": max(1, round(opts.max_steps * f)), "resume": False, "time_budget": None})
         head, _ = new_head(target_hf, folder, layer_ids, draft_ids, opts.seed, anchor=opts.anchor)
         trainer = Trainer(head, target, draft_ids, sub, steps, store)
         console.info(f"data scaling: {f:g}x of the data ({len(part)} sequences, {sub.max_steps} steps)")
@@ -377,7 +368,6 @@ def _longest_prompt(loaded: LoadedSpec, folder: Path, split: Split) -> int:
 # ~16-32 rows it is bound by compute. SmolLM2, one thread, 2-core AVX-512 EPYC: 44 / 100 / 136 /
 # 144 / 119 / 105 tok/s at 1 / 8 / 16 / 32 / 64 / 128 rows (docs/performance.md#co-design).
 GEN_BATCH_CPU = 32
-GEN_BATCH_MAX = 512  # --gen-batch's upper limit
 GPU_MEMORY_USE = 0.8  # of the GPU memory free once the weights are in; the rest: allocator, LM-head logits
 
 
@@ -407,24 +397,17 @@ def generation_rows(device, folder: Path, hf, n_features: int, max_seq: int, fre
     return max(1, min(GEN_BATCH_MAX, int(usable // per_row)))
 
 
-def _recipe_key(opts: DistillOptions, steps: int) -> str:
-    """What, besides the data, a checkpoint's weights depend on: resuming under other settings is refused."""
-    recipe = {
-        k: getattr(opts, k)
-        for k in (
-            "labels",
-            "anchor",
-            "train_lm_head",
-            "response_only",
-            "step_decay",
-            "schedule",
-            "warmup",
-            "lr",
-            "ttt_phase",
-            "feature_noise",
-        )
-    }
-    recipe.update(steps=steps, max_steps=opts.max_steps, draft_vocab=opts.draft_vocab, batch_size=opts.batch_size)
+# Recipe fields a checkpoint's key leaves out. A resumed run may change how long it runs (a
+# budget cut short is resumed with a longer one) and the data-scaling curve (trained apart,
+# before the run); the data files and the layers are in the data's key by content and resolved
+# value, and ttt_steps is keyed as the depth it resolves to.
+OUTSIDE_KEY = ("time_budget", "scaling", "prompts", "eval_prompts", "corpus", "layer_ids", "ttt_steps")
+
+
+def recipe_key(opts: DistillOptions, steps: int) -> str:
+    """What, besides the data, a checkpoint's weights depend on: resuming under another recipe is refused."""
+    recipe = {k: v for k, v in recipe_dump(opts).items() if k not in OUTSIDE_KEY}
+    recipe["ttt_steps"] = steps
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -93,7 +93,7 @@ class Trainer:
             self.sin,
             soft=soft,
             weights=weights,
-            response_only=self.opts.response_only,
+            response_only=not self.opts.all_positions,
         )
         return loss
 
@@ -114,7 +114,7 @@ class Trainer:
                 while step < opts.max_steps:
                     if asked():  # Ctrl-C: stop at this step boundary, weights consistent
                         raise KeyboardInterrupt
-                    if opts.time_budget_s is not None and time.monotonic() - start >= opts.time_budget_s:
+                    if opts.time_budget is not None and time.monotonic() - start >= opts.time_budget:
                         stopped_by = "time_budget"
                         break
                     gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + step)
@@ -158,8 +158,8 @@ class Trainer:
     def _progress(self, row: dict, step: int, first_step: int, t_train: float, start: float) -> None:
         opts = self.opts
         eta = (time.monotonic() - t_train) / max(1, step - first_step) * (opts.max_steps - step)
-        if opts.time_budget_s is not None:
-            eta = min(eta, max(0.0, opts.time_budget_s - (time.monotonic() - start)))
+        if opts.time_budget is not None:
+            eta = min(eta, max(0.0, opts.time_budget - (time.monotonic() - start)))
         console.info(
             f"step {step}/{opts.max_steps}  loss {row['loss']:.3f}  held-out top-1 "
             + "/".join(f"{a:.2f}" for a in row["held_out_top1"])

@@ -1,0 +1,66 @@
+"""What `trtspec distill` is asked, each option declared once: the head recipe
+(trtspec/recipe.py, also the spec's ``distill:`` block) plus the settings of one run. The
+command's flags are built from the flagged fields (trtspec/cli/options.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field
+
+from trtspec.flags import Flag
+from trtspec.recipe import RECIPE_FIELDS, DistillRecipe
+from trtspec.spec import LoadedSpec
+
+GEN_BATCH_MAX = 512  # --gen-batch's upper limit
+
+
+class DistillOptions(DistillRecipe):
+    """The recipe and how this run goes: where the head goes, whether it replaces one or
+    resumes a run, how many sequences are generated at once. None of these shape the head."""
+
+    output: Annotated[Path | None, Flag("Head folder (default: the spec's draft.path).", short="-o")] = None
+    force: Annotated[bool, Flag("Replace an existing head folder.")] = False
+    resume: Annotated[bool, Flag("Continue from the last checkpoint of an interrupted run.")] = False
+    gen_batch: Annotated[
+        int | None,
+        Field(ge=1, le=GEN_BATCH_MAX),
+        Flag(
+            "Sequences generated at once (one decode step reads the weights once for all); default 32 on CPU, "
+            "on CUDA as many as fit in the free GPU memory (docs/codesign.md)."
+        ),
+    ] = None  # None: distill/run.generation_rows
+    allow_pickle: bool = False  # the command's --allow-pickle (cli/common.py)
+
+
+# Where a recipe value came from, as the head's manifest records it.
+DEFAULT, SPEC, CLI = "default", "spec", "cli"
+
+
+def resolve(loaded: LoadedSpec, opts: DistillOptions) -> tuple[DistillOptions, dict[str, str]]:
+    """The options a run uses: each recipe field set on ``opts`` (the flags given on the
+    command line) wins, else the spec's ``distill:`` key (paths relative to the spec file), else
+    the field's default; and where each recipe value came from (CLI, SPEC or DEFAULT)."""
+    block = loaded.spec.distill
+    update, sources = {}, {}
+    for name in RECIPE_FIELDS:
+        if name in opts.model_fields_set:
+            sources[name] = CLI
+        elif block is not None and name in block.model_fields_set:
+            value = getattr(block, name)
+            update[name] = loaded.resolve(str(value)) if isinstance(value, Path) else value
+            sources[name] = SPEC
+        else:
+            sources[name] = DEFAULT
+    return opts.model_copy(update=update), sources
+
+
+def recipe_dump(opts: DistillOptions) -> dict:
+    """The recipe's values as JSON: what a spec's ``distill:`` block holds to train this head again."""
+    return opts.model_dump(mode="json", include=set(RECIPE_FIELDS))
+
+
+def run_dump(opts: DistillOptions) -> dict:
+    """The settings of this run that are not the recipe."""
+    return opts.model_dump(mode="json", exclude=set(RECIPE_FIELDS))
