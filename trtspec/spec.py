@@ -487,35 +487,8 @@ class EngineSpec(_Strict):
             raise ValueError(
                 f"verify.max_tokens ({self.verify.max_tokens}) must be below build.max_seq_len ({self.build.max_seq_len})"
             )
-        for role, model in self.models().items():
-            if self.backend == "torch":
-                if model.tp_size != 1 or model.pp_size != 1:
-                    raise ValueError(
-                        f"{role}: tp_size and pp_size are TensorRT-LLM options; the torch backend "
-                        "needs tp_size 1 and pp_size 1 (or set backend: trtllm)"
-                    )
-                if model.quantization not in TORCH_QUANTIZATIONS:
-                    raise ValueError(
-                        f"{role}.quantization: {model.quantization} is a TensorRT-LLM quantization; "
-                        f"the torch backend runs {', '.join(TORCH_QUANTIZATIONS)} (or set backend: trtllm)"
-                    )
-                if model.quantization != "none" and role == "draft" and method == "eagle3":
-                    raise ValueError(
-                        "draft.quantization: the torch backend runs an EAGLE-3 head as trained; "
-                        "remove quantization (the target may be quantized)"
-                    )
-                if model.quantization != "none" and self.device != "cpu":
-                    raise ValueError(
-                        f"{role}.quantization: {model.quantization} runs PyTorch's CPU weight-only "
-                        f"kernels; set device: cpu (not {self.device}) or quantization: none"
-                    )
-                if model.gpu_device_ids is not None:
-                    raise ValueError(f"{role}: gpu_device_ids only applies to backend: trtllm")
-        if self.backend == "torch" and self.speculative.use_draft_logits:
-            raise ValueError(
-                "speculative.use_draft_logits only applies to backend: trtllm; the torch "
-                "backend accepts drafts by exact greedy token identity"
-            )
+        if self.backend == "torch":
+            check_torch_models(self)
         return self
 
     def models(self) -> dict[str, ModelSpec]:
@@ -544,6 +517,38 @@ class EngineSpec(_Strict):
             payload["speculative"] = self.speculative.model_dump(mode="json")
         blob = json.dumps(payload, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()
+
+
+def check_torch_models(spec: EngineSpec) -> None:
+    """Raise ValueError (rendered as a spec error) for TensorRT-LLM settings on backend torch."""
+    for role, model in spec.models().items():
+        if model.tp_size != 1 or model.pp_size != 1:
+            raise ValueError(
+                f"{role}: tp_size and pp_size are TensorRT-LLM options; the torch backend "
+                "needs tp_size 1 and pp_size 1 (or set backend: trtllm)"
+            )
+        if model.quantization not in TORCH_QUANTIZATIONS:
+            raise ValueError(
+                f"{role}.quantization: {model.quantization} is a TensorRT-LLM quantization; "
+                f"the torch backend runs {', '.join(TORCH_QUANTIZATIONS)} (or set backend: trtllm)"
+            )
+        if model.quantization != "none" and role == "draft" and spec.speculative.method == "eagle3":
+            raise ValueError(
+                "draft.quantization: the torch backend runs an EAGLE-3 head as trained; "
+                "remove quantization (the target may be quantized)"
+            )
+        if model.quantization != "none" and spec.device != "cpu":
+            raise ValueError(
+                f"{role}.quantization: {model.quantization} runs PyTorch's CPU weight-only "
+                f"kernels; set device: cpu (not {spec.device}) or quantization: none"
+            )
+        if model.gpu_device_ids is not None:
+            raise ValueError(f"{role}: gpu_device_ids only applies to backend: trtllm")
+    if spec.speculative.use_draft_logits:
+        raise ValueError(
+            "speculative.use_draft_logits only applies to backend: trtllm; the torch "
+            "backend accepts drafts by exact greedy token identity"
+        )
 
 
 def check_draft_limits(target: BuildLimits, draft: BuildLimits) -> None:
