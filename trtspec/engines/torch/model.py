@@ -276,6 +276,27 @@ class Attention(nn.Module):
 
 PACKABLE = (torch.float32, torch.bfloat16)  # weight dtypes OneDnnLinear can hold
 
+# The row counts a packed Linear's matmuls come in. oneDNN's primitive cache and PyTorch's
+# ideep cache keep an entry per matmul shape (each bounded at 256 in a served deployment:
+# CACHE_ENV, triton/server/install.py), so if every new prefill length were a new shape the
+# two caches would keep filling for as long as new lengths come (the demo target's memory
+# rose for the whole of a 10-minute soak). Up to ``exact_rows`` rows (the engine's own decode
+# and verify steps, DecoderLM.bound_matmul_rows) a matmul runs the rows it is given; a larger
+# input (a prefill) is padded with zero rows to a multiple of ROW_BUCKET and run ROW_BLOCK
+# rows at most a matmul, so any prompt length meets one of ROW_BLOCK / ROW_BUCKET shapes more.
+# A row's result does not depend on the rows beside it (matmul rows are independent; on the
+# CPUs tried the values are bitwise the same, tested), so the tokens do not change.
+ROW_BUCKET = 32
+ROW_BLOCK = 256
+
+
+def row_blocks(rows: int, exact_rows: int) -> list[int]:
+    """The row counts of the matmuls a packed Linear runs for an input of ``rows`` rows."""
+    if rows <= exact_rows:
+        return [rows]
+    padded = -(-rows // ROW_BUCKET) * ROW_BUCKET
+    return [ROW_BLOCK] * (padded // ROW_BLOCK) + ([padded % ROW_BLOCK] if padded % ROW_BLOCK else [])
+
 
 class OneDnnLinear(nn.Module):
     """A Linear whose weight is reordered once into oneDNN's blocked layout (see
@@ -289,7 +310,9 @@ class OneDnnLinear(nn.Module):
     tensor through mkldnn_linear) converted the input and the output on every call.
     bfloat16 weights go to oneDNN's bf16 matmul (AMX / avx512_bf16 where the CPU has them);
     PyTorch's dense bf16 Linear converts instead, and was slower than float32 on such a CPU
-    (576x1536, batch 1: 87 vs 49 us; reordered bf16: 35 us)."""
+    (576x1536, batch 1: 87 vs 49 us; reordered bf16: 35 us).
+
+    Inputs of more than ``exact_rows`` rows run in the fixed row counts of ``row_blocks``."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -298,10 +321,22 @@ class OneDnnLinear(nn.Module):
         self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
         self.bias = linear.bias.detach() if linear.bias is not None else None
         self.out_features = w.shape[0]
+        self.exact_rows = ROW_BUCKET  # an engine sets its steps' rows (bound_matmul_rows)
+
+    def _matmul(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).contiguous()  # [rows, in]
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")
+        flat = x.reshape(-1, x.shape[-1])  # [rows, in]
+        rows = flat.shape[0]
+        blocks = row_blocks(rows, self.exact_rows)
+        if blocks == [rows]:
+            out = self._matmul(flat.contiguous())
+        else:
+            padded = flat.new_zeros((sum(blocks), flat.shape[1]))  # [sum(blocks), in]
+            padded[:rows] = flat
+            parts = [self._matmul(part) for part in padded.split(ROW_BLOCK)]  # each [block, out]
+            out = (parts[0] if len(parts) == 1 else torch.cat(parts))[:rows]
         return out.view(*x.shape[:-1], self.out_features)
 
 
@@ -420,6 +455,14 @@ class DecoderLM(nn.Module):
                 if isinstance(child, nn.Linear):
                     setattr(module, name, OneDnnLinear(child))
         return True
+
+    def bound_matmul_rows(self, step_rows: int) -> None:
+        """Let the packed Linears run up to ``step_rows`` rows as they come (an engine's decode
+        and verify steps: max batch x verify tokens) and larger inputs in the fixed row counts
+        of ``row_blocks``, so a deployment meets a fixed set of matmul shapes."""
+        for module in self.modules():
+            if isinstance(module, OneDnnLinear):
+                module.exact_rows = max(step_rows, 1)
 
     @torch.inference_mode()
     def hidden_states(

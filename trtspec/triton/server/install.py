@@ -41,18 +41,20 @@ AUTO_ALLOCATOR = "jemalloc"
 # process that goes quiet after a large request keeps them: its own thread purges them within
 # about a second instead (a refused 2 x 64 MiB left tritonserver +106 MiB four requests later).
 JEMALLOC_CONF = "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0"
-# oneDNN keeps a compiled primitive for every matmul shape the engines meet (rows x new
-# tokens x weight), 1024 by default: under varied traffic an engine stub grew steadily by this
-# cache (in process, SmolLM2 pair, soak-like batches: +60 MiB over three rounds, flat with the
-# cache off; operations.md: memory). 256 holds a decode step's shapes (up to 4 rows x 5 new
-# tokens for each weight) with room, so prefill lengths evict each other instead of adding up.
+# oneDNN keeps a compiled primitive for every matmul shape the engines meet (rows x weight),
+# 1024 by default: under varied traffic an engine stub grew steadily by this cache (in process,
+# SmolLM2 pair, soak-like batches: +60 MiB over three rounds, flat with the cache off;
+# operations.md: memory). A packed weight meets a fixed set of row counts: its engine's decode
+# and verify steps (up to max batch x verify tokens) and 8 padded prefill counts
+# (engines/torch/model.py row_blocks): 5 weights x (4 x 9 + 8) = 220 for the demo target, so
+# 256 holds them all and a deployment stops adding entries once it has met them.
 ONEDNN_CACHE_CAPACITY = 256
 # PyTorch's ideep layer, which runs the engines' packed matmuls (_linear_pointwise), keeps a
 # second cache of its own: one computation per input shape and weight, LRU_CACHE_CAPACITY
 # entries (1024 by default). In process, the SmolLM2 target held +1.2 MiB for every distinct
 # prefill length with oneDNN's cache off (+240 MiB after 200 lengths, jemalloc) and +12 MiB
-# flat with this cache at 16 (operations.md: memory); 256 keeps the verify and batched-decode
-# shapes of a busy deployment (rows x new tokens, up to a tree's nodes, for each weight).
+# flat with this cache at 16 (operations.md: memory); 256 keeps the same fixed set of shapes
+# as oneDNN's cache above.
 IDEEP_CACHE_CAPACITY = 256
 # What bounds the engines' caches in the server's environment; a user's own value wins.
 CACHE_ENV = {
