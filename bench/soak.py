@@ -55,6 +55,25 @@ HUGE_PROMPT = "tell me a story. " * 250_000  # 4.25 MB: refused before tokenizin
 ANSWER_TIMEOUT = 600.0  # seconds without a final answer: unanswered
 
 
+def held_by_model(per_process: dict[str, dict]) -> dict[str, dict[str, float | None]]:
+    """Held memory's growth after the warm-up per process, named as the documents cite it:
+    ``tritonserver`` or the model a stub serves (``tensorrt_llm``, ``tensorrt_llm_draft``, ...),
+    each {"mib", "pct"} (a second instance's stub: ``tensorrt_llm_2``, in pid order); a process
+    that began or ended in the span has None for both."""
+    out: dict[str, dict[str, float | None]] = {}
+    for name, g in sorted(per_process.items(), key=lambda item: int(item[0].rsplit("[", 1)[1].rstrip("]"))):
+        base = key = name.rsplit(" [", 1)[0].removeprefix("stub ")
+        n = 1
+        while key in out:
+            n += 1
+            key = f"{base}_{n}"
+        if "growth_kib" in g:
+            out[key] = {"mib": round(g["growth_kib"]["held"] / 1024, 1), "pct": g["growth_pct"]["held"]}
+        else:
+            out[key] = {"mib": None, "pct": None}
+    return out
+
+
 class Unanswered(Exception):
     """No final answer came within the answer timeout."""
 
@@ -323,11 +342,13 @@ def main() -> int:
         "unanswered": counts["unanswered"],
         "fault_fraction": args.faults,
         "faults": {k.removeprefix("fault_"): v for k, v in sorted(counts.items()) if k.startswith("fault_")},
+        "hostile": sum(v for k, v in counts.items() if k.startswith("fault_")),
         "output_tokens": counts["tokens"],
         "warmup_s": args.warmup,
         # Per process from the end of the warm-up to the end (the goal: worst growth of held
         # memory, Pss_Anon + Pss_Shmem; bench/server_memory.py).
         "memory_growth": per_process,
+        "held_growth": held_by_model(per_process),
         "worst_held_growth_pct": round(worst_pct, 2),
         "worst_process": worst,
         # What the tree holds (shared pages counted once) before load, after the warm-up and at

@@ -70,3 +70,23 @@ def test_a_process_that_began_or_ended_in_the_span_counts_as_unbounded_growth():
     grown = {"held": 60, "pss": 130, "rss_anon": 50, "rss_shmem": 10, "shm_maps": 1}  # file pages came back
     assert memory.worst_growth(memory.growth({"a [1]": mem}, {"a [1]": grown})) == ("a [1]", 0.0)
     assert memory.worst_growth(memory.growth({"a [1]": mem}, {"a [2]": mem}))[1] == float("inf")
+
+
+def test_the_soak_names_each_process_growth_by_the_model_it_serves():
+    from soak import held_by_model
+
+    def mem(held: int) -> dict:
+        return {"held": held, "pss": held, "rss_anon": held, "rss_shmem": 0, "shm_maps": 0}
+
+    start = {
+        "tritonserver [10]": mem(30 << 10),
+        "stub tensorrt_llm [12]": mem(2000 << 10),
+        "stub tensorrt_llm [11]": mem(100 << 10),
+    }
+    end = {"tritonserver [10]": mem(31 << 10), "stub tensorrt_llm [12]": mem(2020 << 10), "stub tensorrt_llm [13]": mem(5 << 10)}
+    assert held_by_model(memory.growth(start, end)) == {
+        "tritonserver": {"mib": 1.0, "pct": 3.33},
+        "tensorrt_llm": {"mib": None, "pct": None},  # pid 11 ended in the span
+        "tensorrt_llm_2": {"mib": 20.0, "pct": 1.0},
+        "tensorrt_llm_3": {"mib": None, "pct": None},  # pid 13 began in it
+    }
