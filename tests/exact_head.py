@@ -1,7 +1,6 @@
-"""An EAGLE-3 head that reproduces a one-hot bigram target exactly (demo.tiny.make_bigram_target:
-greedy next token g(x), one-hot embeddings, lm_head = the matrix of g): a test fixture for
-method eagle3. It lives with the tests, not beside the tiny models in trtspec/demo/tiny.py,
-because it builds the head with trtspec.distill.heads, a room on demo's own floor.
+"""The bigram target (``make_bigram_target``: greedy next token g(x) = ``bigram_map``, one-hot
+embeddings, lm_head = the matrix of g) and an EAGLE-3 head that reproduces it exactly: test
+fixtures for method eagle3 (the tiny models' shape comes from trtspec.demo.tiny.llama_config).
 
 Exact head: the features at position t are e_{x_t}; ``fc`` maps them to e_{g(x_t)}, which is
 e_{x_{t+1}} whenever x_{t+1} came from the target; the head's MLP is a lookup table that
@@ -15,6 +14,49 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
+
+def bigram_map(vocab: int, lo: int = 10, hi: int = 60) -> list[int]:
+    """g: every token maps into lo..hi-1 (never a special token such as EOS)."""
+    span = hi - lo
+    return [lo + (7 * a + 3) % span for a in range(vocab)]
+
+
+def make_bigram_target(out: Path, tokenizer_from: Path, hidden: int | None = None, layers: int = 2, seed: int = 0) -> Path:
+    """A target whose greedy next token depends only on the current token, g(x) = bigram_map,
+    with the tokenizer of ``tokenizer_from`` (a test fixture for method eagle3).
+
+    Attention and MLP outputs are zero (o_proj, down_proj = 0), so every layer's output at
+    position t is the embedding of x_t and the greedy next token is argmax lm_head(norm(e_x)).
+    hidden None: one-hot embeddings (hidden = vocab) and lm_head = the matrix of g, so that is
+    exactly g(x) (make_exact_head below drafts it exactly); otherwise random
+    embeddings of that width (g is then what they make it)."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from trtspec.demo.tiny import llama_config
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_from)
+    vocab = 400
+    width = hidden or vocab
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(llama_config(vocab, tok, width, width, layers)).eval()
+    g = bigram_map(vocab)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        if hidden is None:
+            model.model.embed_tokens.weight.copy_(torch.eye(vocab))
+            lm = torch.zeros(vocab, vocab)
+            lm[torch.tensor(g), torch.arange(vocab)] = 1.0
+            model.lm_head.weight.copy_(lm)
+        else:
+            model.model.embed_tokens.weight.normal_(0, 1.0)
+            model.lm_head.weight.normal_(0, 1.0)
+    out = Path(out)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
 
 
 def make_exact_head(target_folder: Path, out: Path) -> Path:

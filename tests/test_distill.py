@@ -130,9 +130,9 @@ def test_an_interrupt_while_generating_keeps_the_finished_responses(tmp_path, ti
 def test_a_trained_head_beats_an_untrained_one(tmp_path, tiny_ckpts):
     """Trained on the target's responses to 8 prompts; measured through the runtime on the
     spec's verify prompts (none of them trained on): identical outputs, higher acceptance."""
+    from exact_head import make_bigram_target
     from transformers import AutoConfig
 
-    from trtspec.demo.tiny import make_bigram_target
     from trtspec.distill.heads import new_head, save_head
     from trtspec.engines.build import build
     from trtspec.runtime import Deployment

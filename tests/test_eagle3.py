@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import write_spec
-from exact_head import make_exact_head
+from exact_head import bigram_map, make_bigram_target, make_exact_head
 from safetensors import safe_open
 from typer.testing import CliRunner
 
 from trtspec.cli.app import app
-from trtspec.demo.tiny import bigram_map, make_bigram_target
 from trtspec.distill.heads import new_head, save_head
 from trtspec.engines.eagle3_checkpoint import default_layer_ids
 

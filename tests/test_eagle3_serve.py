@@ -25,9 +25,8 @@ PROMPTS = ["The quick brown fox", "def fibonacci(n):"]
 
 @pytest.fixture(scope="module")
 def eagle_served(tmp_path_factory, tiny_ckpts):
-    from exact_head import make_exact_head
+    from exact_head import make_bigram_target, make_exact_head
 
-    from trtspec.demo.tiny import make_bigram_target
     from trtspec.engines.build import build
     from trtspec.runtime import Deployment
     from trtspec.spec import load_spec

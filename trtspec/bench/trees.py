@@ -218,12 +218,3 @@ def _timed(dep, prompts, max_tokens, best: ShapeChoice | None, chain: ShapeChoic
         }
         for name in paths
     }
-
-
-def spec_block(choice: ShapeChoice | None) -> str:
-    """What to put in the spec for the choice."""
-    if choice is None:
-        return "speculative: no drafting (nothing measured beats target-only here)"
-    if choice.is_chain:
-        return f"speculative: {{max_draft_len: {len(choice.choices)}}} (a chain; no tree)"
-    return f"speculative: {{tree: {{choices: {[list(c) for c in choice.choices]}}}}}"
