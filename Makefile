@@ -10,17 +10,12 @@ TRTSPEC := $(VENV)/bin/trtspec
 TORCH_PIN ?= torch==2.13.0
 DEMO_SPEC := engine_specs/smollm2-135m-cpu.yaml
 EAGLE3_SPEC := engine_specs/smollm2-135m-eagle3.yaml
-# make demo-eagle3 trains the EAGLE-3 head once (cached in weights/): the long recipe, capped at
-# DISTILL_BUDGET (docs/codesign.md).
-DISTILL_BUDGET ?= 90m
-# make demo trains its own head once, a fixed 400 steps (the same head on any machine), into
-# weights/smollm2-135m-eagle3-head-demo: the two heads never overwrite each other. The recipe
-# is distill's default (anchored head, soft labels, response positions only, data captured as generated);
-# it scores the head on bench/prompts.jsonl and the spec's verify prompts, never trained on.
-# The budget only caps a slow machine (data generation included): docs/performance.md#co-design.
+# make demo trains its own EAGLE-3 head once (cached in weights/smollm2-135m-eagle3-head-demo),
+# make demo-eagle3 the long recipe's (weights/smollm2-135m-eagle3-head): the two heads never
+# overwrite each other. Each recipe is its spec's distill: block (docs/codesign.md); flags in
+# DISTILL_FLAGS override its keys, e.g. make demo-eagle3 DISTILL_FLAGS="--time-budget 2h".
 EAGLE3_DEMO_SPEC := engine_specs/smollm2-135m-eagle3-demo.yaml
-DEMO_DISTILL_STEPS ?= 400
-DEMO_DISTILL_BUDGET ?= 30m
+DISTILL_FLAGS ?=
 
 .PHONY: install browser allocator demo demo-codesign demo-eagle3 distill-peers speculators lint test test-fast test-gpu gpu-check figures bench bench-eagle3 bench-aiperf aiperf guidellm bench-guidellm vllm test-vllm clean
 
@@ -64,11 +59,10 @@ define codesign_pair
 	  --sweep none -c 1 --max-tokens 64 --out .trtspec/$(2)-bench
 endef
 
-# make demo's head: the shipped prompts' greedy responses cut at 64 tokens, trained for
-# DEMO_DISTILL_STEPS steps (docs/performance.md#co-design).
+# make demo's head: the shipped prompts' greedy responses cut at 64 tokens, trained for a fixed
+# number of steps (docs/performance.md#co-design).
 weights/smollm2-135m-eagle3-head-demo: | weights/smollm2-135m
-	$(TRTSPEC) distill $(EAGLE3_DEMO_SPEC) --max-steps $(DEMO_DISTILL_STEPS) --time-budget $(DEMO_DISTILL_BUDGET) \
-	  --max-tokens 64 --weight-decay 0.01 --eval-prompts bench/prompts.jsonl
+	$(TRTSPEC) distill $(EAGLE3_DEMO_SPEC) $(DISTILL_FLAGS)
 
 demo-codesign: install weights/smollm2-135m-eagle3-head-demo
 	$(call codesign_pair,$(EAGLE3_DEMO_SPEC),demo-codesign)
@@ -76,8 +70,7 @@ demo-codesign: install weights/smollm2-135m-eagle3-head-demo
 # The long recipe: more data (sampled responses and continuations from inside the greedy ones)
 # and the data-scaling curve, not part of `make demo`.
 weights/smollm2-135m-eagle3-head: | weights/smollm2-135m
-	$(TRTSPEC) distill $(EAGLE3_SPEC) --time-budget $(DISTILL_BUDGET) --samples-per-prompt 4 --branches-per-prompt 2 \
-	  --max-tokens 64 --weight-decay 0.01 --max-steps 3000 --eval-prompts bench/prompts.jsonl --scaling 0.125,0.25,0.5
+	$(TRTSPEC) distill $(EAGLE3_SPEC) $(DISTILL_FLAGS)
 
 demo-eagle3: install weights/smollm2-135m-eagle3-head
 	$(call codesign_pair,$(EAGLE3_SPEC),demo-eagle3)
