@@ -59,6 +59,19 @@ def write_spec(folder: Path, ckpts: dict[str, Path], draft: str | None = "draft"
     return path
 
 
+def built_spec(tmp_path_factory, ckpts: dict[str, Path], name: str, **overrides) -> Path:
+    """A tiny spec (write_spec's overrides) in a fresh folder named ``name``, built with
+    `trtspec build` as a user would; returns the spec's path."""
+    from typer.testing import CliRunner
+
+    from trtspec.cli.app import app
+
+    path = write_spec(tmp_path_factory.mktemp(name), ckpts, **overrides)
+    r = CliRunner().invoke(app, ["build", str(path)])
+    assert r.exit_code == 0, r.output
+    return path
+
+
 @pytest.fixture(scope="session")
 def built(tmp_path_factory, tiny_ckpts):
     """Build a tiny deployment once per (draft, method) and load it in process."""

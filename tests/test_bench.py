@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import write_spec
+from conftest import built_spec, write_spec
 from typer.testing import CliRunner
 
 from trtspec.bench import measure as b
@@ -20,9 +20,7 @@ PROMPTS = ["The quick brown fox", "def fibonacci(n):"]
 
 @pytest.fixture(scope="module")
 def spec_file(tmp_path_factory, tiny_ckpts):
-    path = write_spec(tmp_path_factory.mktemp("bench"), tiny_ckpts, **{"verify.max_tokens": 12})
-    assert runner.invoke(app, ["build", str(path)]).exit_code == 0
-    return path
+    return built_spec(tmp_path_factory, tiny_ckpts, "bench", **{"verify.max_tokens": 12})
 
 
 def test_run_bench_fills_every_section(built, tmp_path):

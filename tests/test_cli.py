@@ -6,7 +6,7 @@ import json
 import xml.etree.ElementTree as ET
 
 import pytest
-from conftest import write_spec
+from conftest import built_spec, write_spec
 from typer.testing import CliRunner
 
 from trtspec.cli.app import app
@@ -16,10 +16,7 @@ runner = CliRunner()
 
 @pytest.fixture(scope="module")
 def spec_file(tmp_path_factory, tiny_ckpts):
-    folder = tmp_path_factory.mktemp("cli")
-    path = write_spec(folder, tiny_ckpts, **{"verify.max_tokens": 24})
-    assert runner.invoke(app, ["build", str(path)]).exit_code == 0
-    return path
+    return built_spec(tmp_path_factory, tiny_ckpts, "cli", **{"verify.max_tokens": 24})
 
 
 def test_help_lists_commands_and_exit_codes():

@@ -200,23 +200,12 @@ class FakeTensorrtllm:
 
 
 def _trtllm_orchestrator(dep, mode, fake, per_row=True, continued=True):
-    from trtspec.triton.backend.bls import split_rows
-    from trtspec.triton.backend.orchestrator_core import Orchestrator, OrchestratorSettings
+    from test_triton_cores import settings_for
 
-    spec = dep.spec
-    settings = OrchestratorSettings(
-        mode=mode,
-        decoupled=False,
-        target_model="tensorrt_llm",
-        draft_model="tensorrt_llm_draft",
-        method=spec.speculative.method,
-        max_ngram=spec.speculative.max_ngram,
-        min_ngram=spec.speculative.min_ngram,
-        limits=dep.limits,
-        draft_vocab_limit=dep.target.vocab_size,
-        margins_supported=False,
-        target_continues=continued,
-    )
+    from trtspec.triton.backend.bls import split_rows
+    from trtspec.triton.backend.orchestrator_core import Orchestrator
+
+    settings = settings_for(dep, mode, decoupled=False, margins_supported=False, target_continues=continued)
     call = split_rows(fake.call_many) if per_row else fake.call
     return Orchestrator(settings, call, dep.tokenizer, dep.end_ids)
 

@@ -16,7 +16,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from conftest import write_spec
+from conftest import built_spec
 from test_verdict_mutations import LOOP_MUTANTS, mutate
 from test_verify_gates import near_tie_flips
 from typer.testing import CliRunner
@@ -192,10 +192,7 @@ def assert_drawn(pixels) -> None:
 
 @pytest.fixture(scope="module")
 def spec_file(tmp_path_factory, tiny_ckpts):
-    folder = tmp_path_factory.mktemp("html")
-    path = write_spec(folder, tiny_ckpts, **{"verify.max_tokens": 12})
-    assert runner.invoke(app, ["build", str(path)]).exit_code == 0
-    return path
+    return built_spec(tmp_path_factory, tiny_ckpts, "html", **{"verify.max_tokens": 12})
 
 
 @needs_browser

@@ -47,21 +47,25 @@ def _call(cores, log=None):
     return call
 
 
-def _orchestrator(dep, mode="speculative", decoupled=False, log=None, sampling=True, cores=None, kv_blocks=False):
-    spec = dep.spec
-    settings = OrchestratorSettings(
+def settings_for(dep, mode="speculative", **extra) -> OrchestratorSettings:
+    """The orchestrator settings of ``dep``'s spec over the two engine models; ``extra``: the
+    transport's and the target's abilities (decoupled, sampling_supported, ...)."""
+    s = dep.spec.speculative
+    return OrchestratorSettings(
         mode=mode,
-        decoupled=decoupled,
         target_model="tensorrt_llm",
         draft_model="tensorrt_llm_draft",
-        method=spec.speculative.method,
-        max_ngram=spec.speculative.max_ngram,
-        min_ngram=spec.speculative.min_ngram,
+        method=s.method,
+        max_ngram=s.max_ngram,
+        min_ngram=s.min_ngram,
         limits=dep.limits,
         draft_vocab_limit=dep.target.vocab_size,
-        sampling_supported=sampling,
-        kv_blocks_supported=kv_blocks,
+        **extra,
     )
+
+
+def _orchestrator(dep, mode="speculative", decoupled=False, log=None, sampling=True, cores=None, kv_blocks=False):
+    settings = settings_for(dep, mode, decoupled=decoupled, sampling_supported=sampling, kv_blocks_supported=kv_blocks)
     return Orchestrator(settings, _call(cores or _cores(dep), log), dep.tokenizer, dep.end_ids)
 
 

@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 import torch
-from conftest import write_spec
+from conftest import built_spec, write_spec
 from typer.testing import CliRunner
 
 from trtspec.cli.app import app
@@ -19,10 +19,7 @@ runner = CliRunner()
 
 @pytest.fixture(scope="module")
 def spec_file(tmp_path_factory, tiny_ckpts):
-    folder = tmp_path_factory.mktemp("gates")
-    path = write_spec(folder, tiny_ckpts, **{"verify.max_tokens": 24})
-    assert runner.invoke(app, ["build", str(path)]).exit_code == 0
-    return path
+    return built_spec(tmp_path_factory, tiny_ckpts, "gates", **{"verify.max_tokens": 24})
 
 
 @pytest.fixture(scope="module")
