@@ -341,6 +341,11 @@ def test_a_dynamic_tree_reaches_max_draft_len(tmp_path):
         ({}, {}, "speculative.tree: give exactly one shape: `choices`"),
         ({"choices": [[0], [1]], "dynamic": {"top_k": 2, "nodes": 4}}, {}, "speculative.tree: give exactly one shape"),
         ({"dynamic": {"top_k": 1, "nodes": 3}}, {}, "tree.dynamic.top_k: top_k 1 drafts one branch, a chain"),
+        (
+            {"dynamic": {"top_k": 2, "nodes": 1}},
+            {},
+            "tree.dynamic.nodes: a tree of 1 node is a chain: remove speculative.tree or set nodes >= 2",
+        ),
         ({"dynamic": {"top_k": 2, "nodes": 7}}, {}, "tree.dynamic.nodes (7) must lie between max_draft_len (3)"),
         ({"dynamic": {"top_k": 2, "nodes": 2}}, {}, "and top_k x max_draft_len (6)"),
         ({"dynamic": {"top_k": 2, "nodes": 65}}, {}, "speculative.tree.dynamic.nodes: Input should be less than or equal to 64"),

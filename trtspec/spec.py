@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from trtspec.device import check_name as check_device_name
 from trtspec.errors import SpecError
@@ -156,18 +156,13 @@ class DynamicTreeSpec(_Strict):
     top_k: Annotated[int, Field(le=MAX_TREE_TOP_K)]
     nodes: Annotated[int, Field(le=MAX_TREE_NODES)]
 
-    @field_validator("top_k")
+    @field_validator("top_k", "nodes")
     @classmethod
-    def _branches(cls, k: int) -> int:
-        if k < 2:
-            raise ValueError(f"top_k {k} drafts one branch, a chain: remove speculative.tree or set top_k >= 2")
-        return k
-
-    @field_validator("nodes")
-    @classmethod
-    def _budget(cls, n: int) -> int:
+    def _not_a_chain(cls, n: int, info: ValidationInfo) -> int:
+        """One child per node, or one node, is a chain."""
         if n < 2:
-            raise ValueError(f"a tree of {n} node is a chain: remove speculative.tree or set nodes >= 2")
+            what = f"top_k {n} drafts one branch," if info.field_name == "top_k" else f"a tree of {n} node is"
+            raise ValueError(f"{what} a chain: remove speculative.tree or set {info.field_name} >= 2")
         return n
 
 
@@ -589,30 +584,41 @@ def check_trtllm_runtime(spec: EngineSpec) -> None:
             "serves it here, so remove it"
         )
     if t.runtime == "engine":
-        if t.line != "1.2":
-            raise ValueError(
-                f"trtllm.runtime engine needs {NEEDS['engine']}; set trtllm.line: '1.2' or use "
-                f"trtllm.runtime: llmapi (needs {NEEDS['llmapi']})"
-            )
-        if s.suffix is not None and s.method in ENGINE_METHODS:
-            raise ValueError(
-                "speculative.suffix: trtllm.runtime engine has no suffix drafting; remove suffix or use "
-                f"trtllm.runtime: llmapi with method eagle3 (needs {NEEDS['llmapi']})"
-            )
-        if s.tree is not None:
-            raise ValueError(
-                "speculative.tree: trtllm.runtime engine builds draft_target pairs, which draft chains "
-                "(trtllm-build drafts trees only in EAGLE-1 engines, which trtspec does not build); remove "
-                f"tree, or use trtllm.runtime: llmapi with method eagle3 and tree.dynamic (needs {NEEDS['llmapi']})"
-            )
-        if s.method not in ENGINE_METHODS:
-            raise ValueError(
-                f"speculative.method {s.method}: trtllm.runtime engine builds draft_target "
-                f"pairs only; use trtllm.runtime: llmapi (needs {NEEDS['llmapi']}) for "
-                f"{', '.join(LLMAPI_METHODS)}"
-            )
-        return
-    # llmapi
+        check_engine_runtime(spec)
+    else:
+        check_llmapi_runtime(spec)
+
+
+def check_engine_runtime(spec: EngineSpec) -> None:
+    """trtllm.runtime engine: trtllm-build draft_target pairs on TensorRT-LLM 1.2 (ValueError)."""
+    t, s = spec.trtllm, spec.speculative
+    if t.line != "1.2":
+        raise ValueError(
+            f"trtllm.runtime engine needs {NEEDS['engine']}; set trtllm.line: '1.2' or use "
+            f"trtllm.runtime: llmapi (needs {NEEDS['llmapi']})"
+        )
+    if s.suffix is not None and s.method in ENGINE_METHODS:
+        raise ValueError(
+            "speculative.suffix: trtllm.runtime engine has no suffix drafting; remove suffix or use "
+            f"trtllm.runtime: llmapi with method eagle3 (needs {NEEDS['llmapi']})"
+        )
+    if s.tree is not None:
+        raise ValueError(
+            "speculative.tree: trtllm.runtime engine builds draft_target pairs, which draft chains "
+            "(trtllm-build drafts trees only in EAGLE-1 engines, which trtspec does not build); remove "
+            f"tree, or use trtllm.runtime: llmapi with method eagle3 and tree.dynamic (needs {NEEDS['llmapi']})"
+        )
+    if s.method not in ENGINE_METHODS:
+        raise ValueError(
+            f"speculative.method {s.method}: trtllm.runtime engine builds draft_target "
+            f"pairs only; use trtllm.runtime: llmapi (needs {NEEDS['llmapi']}) for "
+            f"{', '.join(LLMAPI_METHODS)}"
+        )
+
+
+def check_llmapi_runtime(spec: EngineSpec) -> None:
+    """trtllm.runtime llmapi: what the LLM API takes of the spec (ValueError)."""
+    t, s = spec.trtllm, spec.speculative
     if s.default_draft_tokens != s.max_draft_len:
         raise ValueError(
             "speculative.default_draft_tokens: the LLM API drafts max_draft_len tokens every step "
