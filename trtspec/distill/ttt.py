@@ -228,57 +228,81 @@ def agreement(head, embed, batches: Iterable[Batch], steps: int, cos, sin) -> di
     top_r_accepted[j][r-1]: the same given that the target's tokens at depths 0..j-1 were
     among the top r too (a tree r wide at every depth); its r=1 column is ``accepted``.
     """
-    right_n, scored_n = [0] * steps, [0] * steps
-    alive_n = [0] * (steps + 1)  # chains whose first j drafts are all right
-    ranks = min(TOP_R, head.cfg.draft_vocab_size)
-    hit_n = [[0] * ranks for _ in range(steps)]  # chain starts whose depth-j token is in the top r
-    alive_r_n = [[0] * ranks for _ in range(steps + 1)]  # chains whose depths < j are all in the top r
-    run_sum, chains = 0.0, 0
+    counts = _Agreement(steps, min(TOP_R, head.cfg.draft_vocab_size))
     for batch in batches:
-        logits = unrolled_logits(head, embed, batch, steps, cos, sin)
         targets = step_targets(batch, steps)
-        b, t = batch.tokens.shape
+        right, in_top = counts.score_steps(head, unrolled_logits(head, embed, batch, steps, cos, sin), targets)
+        counts.count_chains(batch, targets, right, in_top)
+    return counts.result()
+
+
+class _Agreement:
+    """agreement's counts, summed over batches."""
+
+    def __init__(self, steps: int, ranks: int):
+        self.steps, self.ranks = steps, ranks
+        self.right_n, self.scored_n = [0] * steps, [0] * steps
+        self.alive_n = [0] * (steps + 1)  # chains whose first j drafts are all right
+        self.hit_n = [[0] * ranks for _ in range(steps)]  # chain starts whose depth-j token is in the top r
+        self.alive_r_n = [[0] * ranks for _ in range(steps + 1)]  # chains whose depths < j are all in the top r
+        self.run_sum, self.chains = 0.0, 0
+
+    def score_steps(self, head, logits, targets) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per unrolled step: where its draft is right ([B, T]) and where the target's token is
+        within its top r ([B, T, ranks]), counting step j's right drafts."""
         right, in_top = [], []
         for lg, tgt in zip(logits, targets):
-            top = head.to_target_ids(torch.topk(lg.float(), ranks, dim=-1).indices)  # [B, T, ranks]
+            top = head.to_target_ids(torch.topk(lg.float(), self.ranks, dim=-1).indices)  # [B, T, ranks]
             ok = (top[..., 0] == tgt) & (tgt >= 0)
             scored = tgt >= 0
-            right_n[len(right)] += int(ok[scored].sum())
-            scored_n[len(right)] += int(scored.sum())
+            self.right_n[len(right)] += int(ok[scored].sum())
+            self.scored_n[len(right)] += int(scored.sum())
             right.append(ok)
             hits = (top == tgt.unsqueeze(-1)).cumsum(-1) > 0  # [B, T, ranks]: within the top r
             in_top.append(hits & scored.unsqueeze(-1))
+        return right, in_top
+
+    def count_chains(self, batch: Batch, targets, right, in_top) -> None:
+        """Every chain start in a response where the whole chain can be scored: how far its
+        drafts stay right, and stay within the top r."""
+        steps, ranks = self.steps, self.ranks
+        b, t = batch.tokens.shape
         # A chain drafted from a context ending at position p + 1 uses step j at position p + j.
         full = torch.ones(b, t, dtype=torch.bool, device=batch.tokens.device)
         for j in range(steps):
             full &= _shift_left(targets[j] >= 0, j)
         starts = full & chain_in_response(batch, 0)
         alive = starts.clone()
-        alive_n[0] += int(alive.sum())
+        self.alive_n[0] += int(alive.sum())
         alive_r = starts.unsqueeze(-1).expand(b, t, ranks).clone()
         for r in range(ranks):
-            alive_r_n[0][r] += int(starts.sum())
+            self.alive_r_n[0][r] += int(starts.sum())
         runs = torch.zeros(b, t, device=batch.tokens.device)
         for j in range(steps):
             alive &= _shift_left(right[j], j)  # [B, T]: steps 0..j of the chain starting at p are right
-            alive_n[j + 1] += int(alive.sum())
+            self.alive_n[j + 1] += int(alive.sum())
             runs += alive.float()
             hit = _shift_left_3d(in_top[j], j, fill=False)  # [B, T, ranks]
             alive_r &= hit
             for r in range(ranks):
-                hit_n[j][r] += int((hit[..., r] & starts).sum())
-                alive_r_n[j + 1][r] += int(alive_r[..., r].sum())
-        run_sum += float(runs[starts].sum())
-        chains += int(starts.sum())
-    ratio = lambda a, n: a / n if n else 0.0  # noqa: E731
-    return {
-        "top1": [ratio(r, n) for r, n in zip(right_n, scored_n)],
-        "acceptance_length": 1.0 + run_sum / chains if chains else 1.0,
-        "accepted": [ratio(alive_n[j + 1], alive_n[j]) for j in range(steps)],
-        "top_r": [[ratio(hit_n[j][r], chains) for r in range(ranks)] for j in range(steps)],
-        "top_r_accepted": [[ratio(alive_r_n[j + 1][r], alive_r_n[j][r]) for r in range(ranks)] for j in range(steps)],
-        "chains": chains,
-    }
+                self.hit_n[j][r] += int((hit[..., r] & starts).sum())
+                self.alive_r_n[j + 1][r] += int(alive_r[..., r].sum())
+        self.run_sum += float(runs[starts].sum())
+        self.chains += int(starts.sum())
+
+    def result(self) -> dict:
+        steps, ranks, chains = self.steps, self.ranks, self.chains
+        ratio = lambda a, n: a / n if n else 0.0  # noqa: E731
+        return {
+            "top1": [ratio(r, n) for r, n in zip(self.right_n, self.scored_n)],
+            "acceptance_length": 1.0 + self.run_sum / chains if chains else 1.0,
+            "accepted": [ratio(self.alive_n[j + 1], self.alive_n[j]) for j in range(steps)],
+            "top_r": [[ratio(self.hit_n[j][r], chains) for r in range(ranks)] for j in range(steps)],
+            "top_r_accepted": [
+                [ratio(self.alive_r_n[j + 1][r], self.alive_r_n[j][r]) for r in range(ranks)] for j in range(steps)
+            ],
+            "chains": chains,
+        }
 
 
 def _shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
