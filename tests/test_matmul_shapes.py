@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from trtspec.engines.torch.engine import ForwardItem, TorchEngine
-from trtspec.engines.torch.model import ROW_BLOCK, ROW_BUCKET, OneDnnLinear, row_blocks
+from trtspec.engines.torch.model import EXACT_ROWS, OneDnnLinear, padded_rows, row_blocks
 from trtspec.runtime import Deployment
 
 
 @pytest.fixture
 def packed(built, monkeypatch):
-    """The tiny target with every Linear packed for oneDNN (4 slots, max_draft_len 8)."""
+    """The tiny target with every Linear packed for oneDNN."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN")
     monkeypatch.setenv("TRTSPEC_ONEDNN", "1")
@@ -49,42 +49,56 @@ def _matmul_rows(engine: TorchEngine, batches: list[list[int]]) -> dict[tuple[in
     return rows
 
 
-def test_row_blocks_pad_to_buckets_and_cap_each_matmul():
-    assert row_blocks(36, 36) == [36] and row_blocks(1, 36) == [1]
-    assert row_blocks(37, 36) == [64] and row_blocks(64, 36) == [64] and row_blocks(65, 36) == [96]
-    assert row_blocks(256, 36) == [256] and row_blocks(257, 36) == [256, 32] and row_blocks(1000, 36) == [256, 256, 256, 256]
-    for rows in range(1, 2000):
-        blocks = row_blocks(rows, 36)
-        assert sum(blocks) >= rows and sum(blocks) - rows < ROW_BUCKET
-        assert all(b <= 36 or (b % ROW_BUCKET == 0 and b <= ROW_BLOCK) for b in blocks)
+# Every row count a packed matmul may run: as given up to EXACT_ROWS, then four per doubling.
+ROW_COUNTS = set(range(1, EXACT_ROWS + 1)) | {q << s for s in range(2, 6) for q in (5, 6, 7, 8)}
+
+
+def test_row_blocks_pad_to_four_sizes_per_doubling_and_cap_each_matmul():
+    assert sorted(ROW_COUNTS - set(range(1, EXACT_ROWS + 1))) == [
+        20,
+        24,
+        28,
+        32,
+        40,
+        48,
+        56,
+        64,
+        80,
+        96,
+        112,
+        128,
+        160,
+        192,
+        224,
+        256,
+    ]
+    assert [padded_rows(n) for n in (1, 16, 17, 20, 21, 33, 64, 65, 129, 256)] == [1, 16, 20, 20, 24, 40, 64, 80, 160, 256]
+    assert row_blocks(257) == [256, 1] and row_blocks(300) == [256, 48] and row_blocks(1024) == [256] * 4
+    for rows in range(1, 3000):
+        blocks = row_blocks(rows)
+        assert set(blocks) <= ROW_COUNTS and sum(blocks) >= rows
+        assert sum(blocks) - rows < blocks[-1] / 5  # padding: under a fifth of the rows run
 
 
 def test_prompts_of_any_length_meet_a_fixed_set_of_matmul_shapes(packed):
     """150 prefill lengths alone and in ragged batches of 2-4: each weight meets at most the
-    engine's step row counts (4 slots x 9 verify tokens) plus ROW_BLOCK / ROW_BUCKET padded
-    ones. Without the bound every new length (and batch shape) was a new shape."""
-    step_rows = 4 * (8 + 1)
-    bound = step_rows + ROW_BLOCK // ROW_BUCKET
+    32 row counts of row_blocks. Without them every new length (and batch shape) was a new
+    shape: 190 per weight in this test."""
     rng = random.Random(1)
     lengths = rng.sample(range(2, 500), 150)
     batches = [[n] for n in lengths] + [[rng.randrange(2, 120) for _ in range(rng.randrange(2, 5))] for _ in range(60)]
     rows = _matmul_rows(packed, batches)
     assert len(rows) == 5  # qkv, o, gate_up, down, the LM head
     for weight, counts in rows.items():
-        assert len(counts) <= bound, f"weight {weight}: {len(counts)} matmul shapes > {bound}: {sorted(counts)}"
-        assert all(r <= step_rows or (r % ROW_BUCKET == 0 and r <= ROW_BLOCK) for r in counts), sorted(counts)
-    # And the set is fixed: 100 more new lengths bring no shape outside it.
-    more = _matmul_rows(packed, [[n] for n in rng.sample(range(2, 500), 100)])
-    for counts in more.values():
-        assert all(r <= step_rows or (r % ROW_BUCKET == 0 and r <= ROW_BLOCK) for r in counts), sorted(counts)
+        assert counts <= ROW_COUNTS, f"weight {weight}: row counts outside the fixed set: {sorted(counts - ROW_COUNTS)}"
 
 
 def test_the_fixed_shapes_give_bitwise_the_same_logits(packed):
     """A row's result does not depend on the zero rows padded beside it nor on which block it
     runs in: every position's logits equal those of the same engine running every input as it
-    comes (one prefill per prompt, no padding), bit for bit."""
+    comes (one matmul per Linear, no padding), bit for bit."""
     rng = random.Random(2)
-    items = [[ForwardItem(_seq(n, rng), n)] for n in (37, 100, 256, 257, 500)]
+    items = [[ForwardItem(_seq(n, rng), n)] for n in (17, 37, 100, 256, 257, 500)]
     items.append([ForwardItem(_seq(n, rng), 3) for n in (5, 90, 200, 31)])  # a ragged batch of 4 x 200 rows
 
     def logits() -> list[list[torch.Tensor]]:
@@ -95,7 +109,7 @@ def test_the_fixed_shapes_give_bitwise_the_same_logits(packed):
         return out
 
     bounded = logits()
-    packed.model.bound_matmul_rows(10**9)  # every input as it comes
+    packed.model.fix_matmul_rows(False)  # every input as it comes
     unbounded = logits()
     for got, want in zip(bounded, unbounded):
         for g, w in zip(got, want):

@@ -203,9 +203,6 @@ class TorchEngine:
         # The Linear kernels: whichever is faster on this CPU, measured once per machine.
         if uses_cpu_kernels(device):
             engine.kernels = choose_kernels(model, engine.cos, engine.sin, verify_tokens=manifest.max_draft_len + 1)
-            # Its decode and verify steps run as they come; prefills in fixed row counts (model.py
-            # row_blocks), so the oneDNN shape caches meet a fixed set of shapes and stop growing.
-            model.bound_matmul_rows(n * (manifest.max_draft_len + 1))
         else:
             engine.kernels = KernelChoice(
                 "dense", "fallback", reason=f"{device}: PyTorch's own kernels (the CPU choice does not apply)"

@@ -280,22 +280,29 @@ PACKABLE = (torch.float32, torch.bfloat16)  # weight dtypes OneDnnLinear can hol
 # ideep cache keep an entry per matmul shape (each bounded at 256 in a served deployment:
 # CACHE_ENV, triton/server/install.py), so if every new prefill length were a new shape the
 # two caches would keep filling for as long as new lengths come (the demo target's memory
-# rose for the whole of a 10-minute soak). Up to ``exact_rows`` rows (the engine's own decode
-# and verify steps, DecoderLM.bound_matmul_rows) a matmul runs the rows it is given; a larger
-# input (a prefill) is padded with zero rows to a multiple of ROW_BUCKET and run ROW_BLOCK
-# rows at most a matmul, so any prompt length meets one of ROW_BLOCK / ROW_BUCKET shapes more.
-# A row's result does not depend on the rows beside it (matmul rows are independent; on the
-# CPUs tried the values are bitwise the same, tested), so the tokens do not change.
-ROW_BUCKET = 32
+# rose for the whole of a 10-minute soak). Up to EXACT_ROWS rows (decode steps, small
+# verify steps) a matmul runs the rows it is given; a larger input is padded with zero rows
+# to the next of four sizes per doubling (20, 24, 28, 32, 40, 48, ..., 224, 256: under a fifth
+# of the rows run are padding) and run ROW_BLOCK rows at most a matmul, so a Linear meets at
+# most 32 row counts whatever the prompt lengths and batch sizes (160 for a model's 5 packed
+# weight shapes). A row's result does not depend on the rows beside it (matmul rows are
+# independent; on the CPUs tried the values are bitwise the same, tested), so no token changes.
+EXACT_ROWS = 16
 ROW_BLOCK = 256
 
 
-def row_blocks(rows: int, exact_rows: int) -> list[int]:
+def padded_rows(rows: int) -> int:
+    """The row count a matmul of ``rows`` rows (at most ROW_BLOCK) runs."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = 1 << ((rows - 1).bit_length() - 3)  # a quarter of the power of two below
+    return -(-rows // step) * step
+
+
+def row_blocks(rows: int) -> list[int]:
     """The row counts of the matmuls a packed Linear runs for an input of ``rows`` rows."""
-    if rows <= exact_rows:
-        return [rows]
-    padded = -(-rows // ROW_BUCKET) * ROW_BUCKET
-    return [ROW_BLOCK] * (padded // ROW_BLOCK) + ([padded % ROW_BLOCK] if padded % ROW_BLOCK else [])
+    full, rest = divmod(rows, ROW_BLOCK)
+    return [ROW_BLOCK] * full + ([padded_rows(rest)] if rest else [])
 
 
 class OneDnnLinear(nn.Module):
@@ -312,7 +319,7 @@ class OneDnnLinear(nn.Module):
     PyTorch's dense bf16 Linear converts instead, and was slower than float32 on such a CPU
     (576x1536, batch 1: 87 vs 49 us; reordered bf16: 35 us).
 
-    Inputs of more than ``exact_rows`` rows run in the fixed row counts of ``row_blocks``."""
+    Inputs run in the fixed row counts of ``row_blocks`` (``fixed_rows``; False: as given)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -321,7 +328,7 @@ class OneDnnLinear(nn.Module):
         self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
         self.bias = linear.bias.detach() if linear.bias is not None else None
         self.out_features = w.shape[0]
-        self.exact_rows = ROW_BUCKET  # an engine sets its steps' rows (bound_matmul_rows)
+        self.fixed_rows = True  # DecoderLM.fix_matmul_rows
 
     def _matmul(self, flat: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")
@@ -329,7 +336,7 @@ class OneDnnLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [rows, in]
         rows = flat.shape[0]
-        blocks = row_blocks(rows, self.exact_rows)
+        blocks = row_blocks(rows) if self.fixed_rows else [rows]
         if blocks == [rows]:
             out = self._matmul(flat.contiguous())
         else:
@@ -456,13 +463,12 @@ class DecoderLM(nn.Module):
                     setattr(module, name, OneDnnLinear(child))
         return True
 
-    def bound_matmul_rows(self, step_rows: int) -> None:
-        """Let the packed Linears run up to ``step_rows`` rows as they come (an engine's decode
-        and verify steps: max batch x verify tokens) and larger inputs in the fixed row counts
-        of ``row_blocks``, so a deployment meets a fixed set of matmul shapes."""
+    def fix_matmul_rows(self, fixed: bool = True) -> None:
+        """Run the packed Linears' matmuls in the fixed row counts of ``row_blocks`` (the
+        default) or each input as it comes (``False``: to measure what the fixed counts cost)."""
         for module in self.modules():
             if isinstance(module, OneDnnLinear):
-                module.exact_rows = max(step_rows, 1)
+                module.fixed_rows = fixed
 
     @torch.inference_mode()
     def hidden_states(

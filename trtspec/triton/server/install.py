@@ -44,10 +44,9 @@ JEMALLOC_CONF = "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0"
 # oneDNN keeps a compiled primitive for every matmul shape the engines meet (rows x weight),
 # 1024 by default: under varied traffic an engine stub grew steadily by this cache (in process,
 # SmolLM2 pair, soak-like batches: +60 MiB over three rounds, flat with the cache off;
-# operations.md: memory). A packed weight meets a fixed set of row counts: its engine's decode
-# and verify steps (up to max batch x verify tokens) and 8 padded prefill counts
-# (engines/torch/model.py row_blocks): 5 weights x (4 x 9 + 8) = 220 for the demo target, so
-# 256 holds them all and a deployment stops adding entries once it has met them.
+# operations.md: memory). A packed weight meets at most 32 row counts (engines/torch/model.py
+# row_blocks), a Llama-family model 5 weight shapes: 160 entries, so 256 holds them all and a
+# deployment stops adding entries once it has met them.
 ONEDNN_CACHE_CAPACITY = 256
 # PyTorch's ideep layer, which runs the engines' packed matmuls (_linear_pointwise), keeps a
 # second cache of its own: one computation per input shape and weight, LRU_CACHE_CAPACITY
