@@ -71,6 +71,14 @@ def _step_until(scheduler, done, limit=500):
     raise AssertionError("the scheduler did not get there")
 
 
+def _drain_as_target_only(scheduler, dep, *expected):
+    """Steps ``scheduler`` until idle; each (reply, prompt, max_tokens) then holds the
+    target-only answer to that prompt."""
+    _step_until(scheduler, lambda: not scheduler.busy)
+    for reply, prompt, max_tokens in expected:
+        assert reply.ids() == _target_only(dep, prompt, max_tokens)
+
+
 def test_a_late_request_joins_the_running_batch_and_is_answered_first(built):
     dep = built()
     scheduler = Scheduler(_orchestrator(dep), max_active=4, max_queue=8)
@@ -139,9 +147,7 @@ def test_a_cancelled_request_leaves_within_one_step(built):
     assert stats.ended == [("cancelled", streamed)]  # the tokens it had streamed
     assert stats.sequences == 2 and stats.queued == 0  # its place went to the waiting request
     assert len(scheduler.batch.results) == 2  # its sequence is gone from the batch
-    _step_until(scheduler, lambda: not scheduler.busy)
-    assert stays.ids() == _target_only(dep, PROMPTS[1], 40)
-    assert waits.ids() == _target_only(dep, PROMPTS[2], 10)
+    _drain_as_target_only(scheduler, dep, (stays, PROMPTS[1], 40), (waits, PROMPTS[2], 10))
 
 
 def test_a_cancelled_waiting_request_frees_its_queue_place(built):
@@ -158,9 +164,7 @@ def test_a_cancelled_waiting_request_frees_its_queue_place(built):
     again = ListReply()
     scheduler.submit(_request(PROMPTS[1], max_tokens=4), again)
     assert again.error is None
-    _step_until(scheduler, lambda: not scheduler.busy)
-    assert running.ids() == _target_only(dep, PROMPTS[0], 20)
-    assert again.ids() == _target_only(dep, PROMPTS[1], 4)
+    _drain_as_target_only(scheduler, dep, (running, PROMPTS[0], 20), (again, PROMPTS[1], 4))
 
 
 def test_a_burst_fills_the_free_places_before_the_queue(built):
@@ -218,8 +222,7 @@ def test_an_engine_failure_fails_the_running_requests_and_the_next_ones_are_serv
     assert "generation failed: engine died" in str(first.error)
     broken["on"] = False
     scheduler.submit(_request(PROMPTS[0], max_tokens=20), second)
-    _step_until(scheduler, lambda: not scheduler.busy)
-    assert second.ids() == _target_only(dep, PROMPTS[0], 20)
+    _drain_as_target_only(scheduler, dep, (second, PROMPTS[0], 20))
 
 
 @pytest.mark.parametrize("k", [1, 4])
@@ -259,5 +262,4 @@ def test_a_client_whose_sender_fails_leaves_and_the_others_are_served(built):
     scheduler.submit(_request(PROMPTS[1], max_tokens=12), kept)
     stats = scheduler.step()
     assert stats.cancelled == 1 and stats.held == 1  # its place is free after the first step
-    _step_until(scheduler, lambda: not scheduler.busy)
-    assert kept.ids() == _target_only(dep, PROMPTS[1], 12)
+    _drain_as_target_only(scheduler, dep, (kept, PROMPTS[1], 12))

@@ -173,31 +173,38 @@ def test_quantization_not_supported_by_family():
     )
 
 
-def test_tp_not_dividing_heads(tmp_path):
-    err = dry_run_error(write_spec(tmp_path, "qwen2.5-7b-instruct", "qwen2.5-0.5b-instruct", target_extra="  tp_size: 3\n"))
-    assert str(err) == ("target.tp_size: 3 does not divide num_attention_heads (28); use one of 1, 2, 4, 7, 14, 28")
-
-
-def test_tp_not_fitting_kv_heads(tmp_path):
-    # Qwen2.5-7B: 28 heads (divisible by 14) but 4 KV heads (14 neither divides nor is a multiple)
-    err = dry_run_error(write_spec(tmp_path, "qwen2.5-7b-instruct", "qwen2.5-0.5b-instruct", target_extra="  tp_size: 14\n"))
-    assert str(err) == (
-        "target.tp_size: 14 neither divides nor is a multiple of num_key_value_heads (4); "
-        "use a tp_size among 1, 2, 4 or a multiple of 4"
-    )
-
-
-def test_pp_not_dividing_layers(tmp_path):
-    err = dry_run_error(write_spec(tmp_path, "llama-3.1-8b-instruct", "llama-3.2-1b-instruct", target_extra="  pp_size: 3\n"))
-    assert str(err) == "target.pp_size: 3 does not divide num_hidden_layers (32); use one of 1, 2, 4, 8, 16, 32"
-
-
-def test_draft_spread_wider_than_target(tmp_path):
-    err = dry_run_error(write_spec(tmp_path, "llama-3.1-8b-instruct", "llama-3.2-1b-instruct", draft_extra="  tp_size: 2\n"))
-    assert str(err) == (
-        "draft.tp_size: the draft spans 2 GPU(s) (tp x pp) but the target only 1; the draft "
-        "must be the smaller model: lower the draft's tp_size/pp_size or swap the roles"
-    )
+# Qwen2.5-7B: 28 heads but 4 KV heads, so tp 14 divides the heads and neither divides nor is a
+# multiple of the KV heads; Llama-3.1-8B: 32 layers; a draft must not span more GPUs than its target.
+@pytest.mark.parametrize(
+    ("pair", "extra", "message"),
+    [
+        (
+            ("qwen2.5-7b-instruct", "qwen2.5-0.5b-instruct"),
+            {"target_extra": "  tp_size: 3\n"},
+            "target.tp_size: 3 does not divide num_attention_heads (28); use one of 1, 2, 4, 7, 14, 28",
+        ),
+        (
+            ("qwen2.5-7b-instruct", "qwen2.5-0.5b-instruct"),
+            {"target_extra": "  tp_size: 14\n"},
+            "target.tp_size: 14 neither divides nor is a multiple of num_key_value_heads (4); "
+            "use a tp_size among 1, 2, 4 or a multiple of 4",
+        ),
+        (
+            ("llama-3.1-8b-instruct", "llama-3.2-1b-instruct"),
+            {"target_extra": "  pp_size: 3\n"},
+            "target.pp_size: 3 does not divide num_hidden_layers (32); use one of 1, 2, 4, 8, 16, 32",
+        ),
+        (
+            ("llama-3.1-8b-instruct", "llama-3.2-1b-instruct"),
+            {"draft_extra": "  tp_size: 2\n"},
+            "draft.tp_size: the draft spans 2 GPU(s) (tp x pp) but the target only 1; the draft "
+            "must be the smaller model: lower the draft's tp_size/pp_size or swap the roles",
+        ),
+    ],
+    ids=["tp-not-dividing-heads", "tp-not-fitting-kv-heads", "pp-not-dividing-layers", "draft-wider-than-target"],
+)
+def test_parallel_layouts_that_do_not_fit(tmp_path, pair, extra, message):
+    assert str(dry_run_error(write_spec(tmp_path, *pair, **extra))) == message
 
 
 def test_quantization_needs_half_precision(tmp_path):
