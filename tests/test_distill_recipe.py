@@ -222,6 +222,30 @@ def test_costs_are_measured_within_an_engine_sized_to_short_data(target):
     assert len(costs["verify"]) == 3 and costs["decode_ms"] > 0 and costs["head"] > 0
 
 
+def test_the_generation_batch_is_the_fastest_measured_and_kept_per_machine(target, tmp_path, monkeypatch):
+    """A CPU generates at the batch with the most tokens per second on it (the fewest rows within
+    3% of that), measured once per machine and model and cached, so the same command gives the
+    same batches, the same data and the same head however loaded the machine is later."""
+    from trtspec.distill import costs
+
+    assert costs.fastest_rows({16: 100.0, 32: 150.0, 64: 170.0, 128: 172.0}) == 64  # 128 is within 3%
+    assert costs.fastest_rows({16: 100.0, 32: 144.0, 64: 119.0, 128: 105.0}) == 32  # a CPU bound by compute past 32
+    folder, hf, _ = target
+    key = costs.generation_key(folder, hf)
+    rows, rates, how = costs.generation_rows_for(folder, "cpu", key, tmp_path)
+    assert how == "measured" and set(rates) == set(costs.GEN_ROWS_CANDIDATES) and all(v > 0 for v in rates.values())
+    assert rows == costs.fastest_rows(rates)
+    monkeypatch.setattr(costs, "measure_generation_rows", lambda *a, **k: pytest.fail("measured again"))
+    assert costs.generation_rows_for(folder, "cpu", key, tmp_path) == (rows, rates, "cached")
+    monkeypatch.setattr(costs, "measure_generation_rows", lambda *a, **k: {16: 1.0, 32: 9.0, 64: 2.0, 128: 1.0})
+    assert costs.generation_rows_for(folder, "cpu", key + "another machine", tmp_path)[:2] == (
+        32,
+        {16: 1.0, 32: 9.0, 64: 2.0, 128: 1.0},
+    )
+    (tmp_path / costs.GEN_ROWS_FILE).write_text("{not json")  # a damaged cache is measured again
+    assert costs.generation_rows_for(folder, "cpu", key, tmp_path)[2] == "measured"
+
+
 def test_the_data_scaling_curve_is_measured_and_plotted(tmp_path, tiny_ckpts):
     """--scaling 0.5: the same recipe on half the training sequences (half the steps), scored on
     the unseen prompts, beside the full run; the plot lands in the head folder."""

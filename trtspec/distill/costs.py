@@ -14,6 +14,8 @@ queued work is inside the time).
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
 
 import torch
@@ -79,3 +81,81 @@ def recommend_k(accepted: list[float], costs: dict) -> tuple[int, list[float]]:
         bounds.append(round(tree_speedup_bound(tokens, k, costs["head"], costs["verify"][k - 1]), 3))
     best = max(range(len(bounds)), key=lambda i: bounds[i], default=-1)
     return (best + 1 if best >= 0 and bounds[best] > 1.0 else 0), bounds
+
+
+# -- generation batch ---------------------------------------------------------------------------
+
+GEN_ROWS_CANDIDATES = (16, 32, 64, 128)  # rows per decode step tried on a CPU
+GEN_ROWS_CONTEXT = 32  # positions before the timed decode step
+GEN_ROWS_TIE = 0.97  # a smaller batch within 3% of the fastest is kept (less memory, same speed)
+GEN_ROWS_FILE = "generation-rows.json"
+
+
+def fastest_rows(tokens_per_s: dict[int, float]) -> int:
+    """The rows with the most tokens per second, or the fewest rows within GEN_ROWS_TIE of it."""
+    top = max(tokens_per_s.values())
+    return min(rows for rows, rate in tokens_per_s.items() if rate >= GEN_ROWS_TIE * top)
+
+
+def measure_generation_rows(folder, device, candidates: tuple[int, ...] = GEN_ROWS_CANDIDATES) -> dict[int, float]:
+    """Target tokens per second of one batched decode step at each of ``candidates`` rows
+    (best of 3 after a warm one), on an engine of ``folder`` loaded for it: past ~16-32 rows a
+    CPU step is bound by compute, and where depends on the CPU (a 2-core AVX-512 EPYC peaked at
+    32 rows, a 2-core Xeon with AMX still gained at 128)."""
+    target = TorchEngine.load(folder, slots=max(candidates), max_seq_len=GEN_ROWS_CONTEXT + 4, device=device)
+    vocab = min(target.vocab_size, 1000)
+    contexts = [[(7 * i + 13 * r) % (vocab - 8) + 1 for i in range(GEN_ROWS_CONTEXT)] for r in range(max(candidates))]
+    for n in range(0, len(contexts), min(candidates)):  # prefill every slot, a few rows a forward
+        target.run([ForwardItem(c, 1) for c in contexts[n : n + min(candidates)]])
+    flip = [0]
+
+    def step(rows: int):
+        def run():
+            flip[0] ^= 1  # another token each time: each slot keeps its context and recomputes one position
+            target.run([ForwardItem(c + [3 + flip[0]], 1) for c in contexts[:rows]])
+
+        return run
+
+    return {rows: round(rows / best_seconds(step(rows), repeats=3), 1) for rows in candidates}
+
+
+def generation_key(folder, hf) -> str:
+    """What a measured generation batch depends on: this CPU and its threads (the kernel
+    choice's signature), torch, and the model's shape, dtype and quantization."""
+    from trtspec.engines.manifest import read_manifest
+    from trtspec.engines.torch.kernels import cpu_signature
+
+    manifest = read_manifest(folder)
+    parts = cpu_signature() | {
+        "threads": str(torch.get_num_threads()),
+        "torch": torch.__version__,
+        "model": f"{hf.hidden_size}x{hf.intermediate_size}x{hf.num_hidden_layers}x{hf.vocab_size}",
+        "dtype": manifest.dtype,
+        "quantization": getattr(manifest, "quantization", "none"),
+        "candidates": ",".join(map(str, GEN_ROWS_CANDIDATES)),
+    }
+    return json.dumps(parts, sort_keys=True)
+
+
+def generation_rows_for(folder, device, key: str, cache_dir) -> tuple[int, dict[int, float], str]:
+    """(rows, tokens per second per candidate, "measured" | "cached"): the batch a CPU generates
+    at, measured once per machine and model (``key``: the engine's kernel-choice key) and cached
+    in ``cache_dir``, so the same command on the same machine generates the same batches (the
+    data, and so the head, do not depend on the load of the moment)."""
+    from trtspec.files import write_json_atomic
+
+    path = cache_dir / GEN_ROWS_FILE
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        entries = {}
+    cached = entries.get(key) if isinstance(entries, dict) else None
+    if isinstance(cached, dict) and isinstance(cached.get("rows"), int) and cached["rows"] > 0:
+        return cached["rows"], {int(r): v for r, v in cached.get("tokens_per_s", {}).items()}, "cached"
+    rates = measure_generation_rows(folder, device)
+    rows = fastest_rows(rates)
+    entries = entries if isinstance(entries, dict) else {}
+    entries[key] = {"rows": rows, "tokens_per_s": rates, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    with contextlib.suppress(OSError):  # a read-only cache: measure again next time
+        write_json_atomic(path, entries)
+    return rows, rates, "measured"

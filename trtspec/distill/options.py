@@ -27,8 +27,8 @@ class DistillOptions(DistillRecipe):
         int | None,
         Field(ge=1, le=GEN_BATCH_MAX),
         Flag(
-            "Sequences generated at once (one decode step reads the weights once for all); default 32 on CPU, "
-            "on CUDA as many as fit in the free GPU memory (docs/codesign.md)."
+            "Sequences generated at once (one decode step reads the weights once for all); default: on a CPU the "
+            "fastest batch measured on the machine, on CUDA as many as fit in the free GPU memory (docs/codesign.md)."
         ),
     ] = None  # None: distill/run.generation_rows
     allow_pickle: bool = False  # the command's --allow-pickle (cli/common.py)

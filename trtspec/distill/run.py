@@ -30,9 +30,10 @@ from pathlib import Path
 import torch
 
 from trtspec import console
-from trtspec.device import describe, free_bytes, place
+from trtspec.cache import cache_root
+from trtspec.device import describe, free_bytes, place, uses_cpu_kernels
 from trtspec.distill.corpus import read_conversations, tokenize_conversations
-from trtspec.distill.costs import measure_costs, recommend_k
+from trtspec.distill.costs import generation_key, generation_rows_for, measure_costs, recommend_k
 from trtspec.distill.data import SHIPPED_PROMPTS, capture_batch, distill_prompts, draft_vocabulary, generated
 from trtspec.distill.heads import new_head, refuse_existing, save_head
 from trtspec.distill.options import GEN_BATCH_MAX, DistillOptions, recipe_dump, resolve, run_dump
@@ -349,7 +350,14 @@ def _target(loaded: LoadedSpec, opts: DistillOptions, split: Split):
     max_seq = min(max(longest, opts.max_len if opts.corpus else 0) + 1, loaded.spec.limits("target").max_seq_len)
     device = place(loaded.spec.device, {"target": loaded.spec.target.dtype})
     rows = opts.gen_batch
-    if rows is None:
+    if rows is None and uses_cpu_kernels(device):
+        rows, rates, how = generation_rows_for(folder, device, generation_key(folder, target_hf), cache_root())
+        console.info(
+            f"generating {rows} sequences at once on {describe(device)} ({how} on this machine: "
+            + ", ".join(f"{r} rows {v:.0f} tok/s" for r, v in sorted(rates.items()))
+            + "; --gen-batch sets it)"
+        )
+    elif rows is None:
         rows = generation_rows(device, folder, target_hf, len(layer_ids), max_seq)
         console.info(f"generating {rows} sequences at once on {describe(device)}")
     target = TorchEngine.load(folder, slots=max(rows, 1), max_seq_len=max_seq, device=device)
@@ -364,15 +372,11 @@ def _longest_prompt(loaded: LoadedSpec, folder: Path, split: Split) -> int:
     return max(len(encode_prompt(tok, p, loaded.spec.verify.chat_template)) for p in split.prompts + split.unseen)
 
 
-# Rows generated at once on CPU: a decode step reads the weights once for all its rows, but past
-# ~16-32 rows it is bound by compute. SmolLM2, one thread, 2-core AVX-512 EPYC: 44 / 100 / 136 /
-# 144 / 119 / 105 tok/s at 1 / 8 / 16 / 32 / 64 / 128 rows (docs/performance.md#co-design).
-GEN_BATCH_CPU = 32
 GPU_MEMORY_USE = 0.8  # of the GPU memory free once the weights are in; the rest: allocator, LM-head logits
 
 
 def generation_rows(device, folder: Path, hf, n_features: int, max_seq: int, free: int | None = None) -> int:
-    """Rows generated at once: GEN_BATCH_CPU on CPU; on a GPU as many as fit in GPU_MEMORY_USE of
+    """Rows generated at once on a GPU: as many as fit in GPU_MEMORY_USE of
     the memory free after the weights (the engine file's size), at a per-row cost of
 
         KV cache   2 x layers x kv_heads x head_dim x max_seq x e      (e: bytes per element)
@@ -383,8 +387,8 @@ def generation_rows(device, folder: Path, hf, n_features: int, max_seq: int, fre
 
     between 1 and GEN_BATCH_MAX. ``free``: bytes free on the device (default: measured now)."""
     free = free_bytes(device) if free is None else free
-    if free is None:  # the CPU: rows are not sized from memory there
-        return GEN_BATCH_CPU
+    if free is None:
+        raise TrtspecError(f"{device}: no free-memory reading; a CPU measures its batch (distill/costs.py generation_rows_for)")
     cfg = DecoderConfig.from_hf(hf)
     e = DTYPES[json.loads((folder / "manifest.json").read_text())["dtype"]].itemsize
     per_row = (
@@ -464,7 +468,7 @@ def _data(loaded: LoadedSpec, opts: DistillOptions, split: Split, target: TorchE
             store = write_store(work, key, inputs, _chain(samples, _corpus_samples(target, corpus, rates)))
         shutil.rmtree(parts, ignore_errors=True)  # the store holds every batch now
         console.info(rates.line())
-        info["rates"] = rates.to_dict()
+        info["rates"] = rates.to_dict() | {"rows": target.max_batch_size}  # sequences generated at once
     info["manifest"] = {
         "prompts_file": str(opts.prompts or SHIPPED_PROMPTS),
         "prompts_sha256": sha256_file(Path(opts.prompts or SHIPPED_PROMPTS)),
