@@ -223,24 +223,8 @@ def test_bench_schedule_measures_the_grid_and_recommends(tmp_path, tiny_ckpts):
     spec = write_spec(tmp_path, tiny_ckpts)
     assert runner.invoke(app, ["build", str(spec)]).exit_code == 0
     out = tmp_path / "bench"
-    r = runner.invoke(
-        app,
-        [
-            "bench",
-            str(spec),
-            "--schedule",
-            "--sweep",
-            "1,3",
-            "-c",
-            "1,2",
-            "--max-tokens",
-            "8",
-            "-p",
-            "The quick brown fox",
-            "--out",
-            str(out),
-        ],
-    )
+    grid = "--schedule --sweep 1,3 -c 1,2 --max-tokens 8".split()
+    r = runner.invoke(app, ["bench", str(spec), *grid, "-p", "The quick brown fox", "--out", str(out)])
     assert r.exit_code == 0, r.output
     report = json.loads((out / "bench.json").read_text())
     cells = {(p["concurrency"], p["k"]) for p in report["grid"]}

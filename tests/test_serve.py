@@ -774,14 +774,10 @@ def test_openai_continuous_usage_is_in_every_chunk(oai, deployment):
 # ----------------------------------------------------------------------------------- verify
 
 
-@pytest.mark.server
-@pytest.mark.parametrize("stream", [False, True])
-def test_verify_url_reports_identical(served, deployment, tmp_path, stream):
-    loaded, _ = deployment
-    report = tmp_path / "report.json"
-    junit = tmp_path / "verify.xml"
-    args = [
-        "verify",
+def _over_url(command: str, loaded, served, max_tokens: int) -> list[str]:
+    """``command`` (verify, bench) on the served repository's gRPC endpoint with the first two prompts."""
+    return [
+        command,
         str(loaded.path),
         "--url",
         served.grpc_endpoint,
@@ -790,14 +786,18 @@ def test_verify_url_reports_identical(served, deployment, tmp_path, stream):
         "-p",
         PROMPTS[1],
         "--max-tokens",
-        "16",
-        "--json-file",
-        str(report),
-        "--junit",
-        str(junit),
-        "--html",
-        str(tmp_path / "report.html"),
-    ] + (["--stream"] if stream else [])
+        str(max_tokens),
+    ]
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("stream", [False, True])
+def test_verify_url_reports_identical(served, deployment, tmp_path, stream):
+    loaded, _ = deployment
+    report = tmp_path / "report.json"
+    junit = tmp_path / "verify.xml"
+    args = _over_url("verify", loaded, served, 16) + ["--json-file", str(report), "--junit", str(junit)]
+    args += ["--html", str(tmp_path / "report.html")] + (["--stream"] if stream else [])
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     data = json.loads(report.read_text())
@@ -814,7 +814,7 @@ def test_verify_sampling_over_the_server_draws_from_the_target_distribution(serv
     over gRPC), the target engine built here scores every token; the chi-square test passes."""
     loaded, _ = deployment
     report = tmp_path / "sampling.json"
-    args = ["verify", str(loaded.path), "--url", served.grpc_endpoint, "-p", PROMPTS[0], "-p", PROMPTS[1], "--max-tokens", "10"]
+    args = _over_url("verify", loaded, served, 10)
     args += ["--sampling", "30", "--temperature", "0.9", "--top-p", "0.95", "--seed", "5", "--json-file", str(report)]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
@@ -837,25 +837,7 @@ def test_verify_url_unreachable_is_one_clear_error(deployment):
 def test_bench_url_measures_served_repository(served, deployment, tmp_path):
     loaded, _ = deployment
     result = CliRunner().invoke(
-        app,
-        [
-            "bench",
-            str(loaded.path),
-            "--url",
-            served.grpc_endpoint,
-            "-p",
-            PROMPTS[0],
-            "-p",
-            PROMPTS[1],
-            "--max-tokens",
-            "8",
-            "--sweep",
-            "2",
-            "-c",
-            "1,2",
-            "--out",
-            str(tmp_path),
-        ],
+        app, _over_url("bench", loaded, served, 8) + ["--sweep", "2", "-c", "1,2", "--out", str(tmp_path)]
     )
     assert result.exit_code == 0, result.output
     data = json.loads((tmp_path / "bench.json").read_text())
