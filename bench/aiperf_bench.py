@@ -200,6 +200,7 @@ def main() -> None:
     from trtspec.layout import tokenizer_folder
     from trtspec.machine import description as machine_description
     from trtspec.spec import load_spec
+    from trtspec.triton.server.install import CACHE_ENV
 
     loaded = load_spec(args.spec)
     prompts = loaded.verify_prompts()
@@ -210,6 +211,8 @@ def main() -> None:
     tokenizer = tokenizer_folder(loaded.output_dir(), loaded.spec.backend)
     rows = []
     with served_with_front(loaded) as (server, base_url):
+        # the engines' shape-cache bounds it ran with (CACHE_ENV's, or the caller's own values)
+        cache_env = {name: (server.env or {}).get(name) for name in CACHE_ENV}
         port = int(base_url.rsplit(":", 1)[1].split("/")[0])
         metrics_url = server.metrics_url
         _openai_block(base_url, loaded.spec.name, prompts[:1], 4, 1)  # warm-up
@@ -237,7 +240,7 @@ def main() -> None:
                             max_tokens,
                         )
                     )
-    report = {"spec": str(args.spec), "prompts": len(prompts), "max_tokens": max_tokens, "rows": rows}
+    report = {"spec": str(args.spec), "prompts": len(prompts), "max_tokens": max_tokens, "cache_env": cache_env, "rows": rows}
     write_result(args.out, command_line("aiperf_bench.py"), report)
     print(f"\n{machine_description()}; {len(prompts)} prompts, max_tokens {max_tokens}\n")
     print(
