@@ -3,6 +3,7 @@ isolation from the user's real cache (TRTSPEC_CACHE points into a temp dir)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -32,6 +33,17 @@ def tiny_ckpts(tmp_path_factory) -> dict[str, Path]:
     from trtspec.demo.tiny import make_tiny_pair
 
     return make_tiny_pair(tmp_path_factory.mktemp("tiny-ckpts"))
+
+
+def require_trtllm_gpu():
+    """Skip the calling test module unless tensorrt_llm is installed and torch sees a CUDA
+    device; returns torch."""
+    if importlib.util.find_spec("tensorrt_llm") is None:
+        pytest.skip("tensorrt_llm is not installed (run inside a TensorRT-LLM container)", allow_module_level=True)
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device", allow_module_level=True)
+    return torch
 
 
 def write_spec(folder: Path, ckpts: dict[str, Path], draft: str | None = "draft", **overrides) -> Path:

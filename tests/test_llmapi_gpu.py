@@ -9,22 +9,18 @@ from TRTSPEC_GPU_TARGET / TRTSPEC_GPU_DRAFT (HF folders).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
 
 import pytest
 import yaml
+from conftest import require_trtllm_gpu
 from typer.testing import CliRunner
 
 pytestmark = [pytest.mark.trtllm, pytest.mark.timeout(3600)]
 
-if importlib.util.find_spec("tensorrt_llm") is None:
-    pytest.skip("tensorrt_llm is not installed (run inside a TensorRT-LLM container)", allow_module_level=True)
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device", allow_module_level=True)
+torch = require_trtllm_gpu()
 
 from trtspec.cli.app import app  # noqa: E402
 

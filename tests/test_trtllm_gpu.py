@@ -9,24 +9,20 @@ kernels support), or real checkpoints from TRTSPEC_GPU_TARGET / TRTSPEC_GPU_DRAF
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import socket
 from pathlib import Path
 
 import pytest
+from conftest import require_trtllm_gpu
 from typer.testing import CliRunner
 
 from trtspec.engines.trtllm.families import EXAMPLES_ENV, examples_dir
 
 pytestmark = [pytest.mark.trtllm, pytest.mark.timeout(3600)]
 
-if importlib.util.find_spec("tensorrt_llm") is None:
-    pytest.skip("tensorrt_llm is not installed (run inside the TensorRT-LLM container)", allow_module_level=True)
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device", allow_module_level=True)
+torch = require_trtllm_gpu()
 if not Path(examples_dir(), "models/core/llama/convert_checkpoint.py").is_file():
     pytest.skip(f"TensorRT-LLM examples not found at {examples_dir()}; set {EXAMPLES_ENV}", allow_module_level=True)
 if shutil.which("trtllm-build") is None or shutil.which("mpirun") is None:
@@ -37,26 +33,14 @@ from trtspec.cli.app import app  # noqa: E402  (after the skips: imports the CLI
 
 def _tiny_pair(out: Path) -> dict[str, Path]:
     """Target and a noisy copy as draft; 4 heads x 64 = hidden 256 (head size 64)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    from trtspec.demo.tiny import make_tokenizer
+    from trtspec.demo.tiny import llama_config, make_tokenizer
 
     tok = make_tokenizer()
     folders = {}
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=False,
-    )
+    cfg = llama_config(512, tok, hidden=256, intermediate=512)  # 4 heads, 2 KV heads, untied
     target = LlamaForCausalLM(cfg).eval()
     for name, noise in (("target", 0.0), ("draft", 0.02)):
         model = LlamaForCausalLM(cfg).eval()
