@@ -106,7 +106,9 @@ def main() -> None:
     args = ap.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    common = ["--max-tokens", str(args.max_tokens), "--weight-decay", "0.01"]
+    # on top of the spec's distill: block, what every variant shares: the steps (given per run),
+    # no time budget (the same steps whatever the load) and no data-scaling curve
+    common = ["--max-tokens", str(args.max_tokens), "--weight-decay", "0.01", "--time-budget", "none", "--scaling", "none"]
     common += ["--eval-prompts", str(ROOT / "bench" / "prompts.jsonl")]
     rows = []
     names = args.variants.split(",")

@@ -129,6 +129,13 @@ def test_without_a_block_the_flags_and_defaults_are_the_recipe(tmp_path, tiny_ck
     assert {k for k, v in sources.items() if v != "default"} == {"anchor", "layer_ids", "scaling"}
 
 
+def test_none_clears_the_blocks_budget_curve_and_layers(tmp_path, tiny_ckpts, resolved_by_cli):
+    spec = recipe_spec(tmp_path, tiny_ckpts["target"], {"time_budget": "30m", "scaling": [0.5], "layer_ids": [0, 1]})
+    opts, sources = resolved_by_cli([str(spec), "--time-budget", "none", "--scaling", "none", "--layers", "none"])
+    assert (opts.time_budget, opts.scaling, opts.layer_ids) == (None, (), None)
+    assert sources["time_budget"] == sources["scaling"] == sources["layer_ids"] == "cli"
+
+
 # ------------------------------------------------------------------------------ the manifest
 
 

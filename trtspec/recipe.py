@@ -25,8 +25,9 @@ _FRACTIONS = "fractions of the data below 1, e.g. 0.125,0.25,0.5"
 
 
 def parse_duration(value: str | float | int | None) -> float | None:
-    """Seconds from 600, '600', '600s', '10m' or '1.5h'; ValueError names the format."""
-    if value is None:
+    """Seconds from 600, '600', '600s', '10m' or '1.5h'; None from 'none' (no budget: a flag
+    that clears the spec's); ValueError names the format."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "none"):
         return None
     m = _DURATION.match(str(value).strip())
     if isinstance(value, bool) or not m or float(m.group(1)) <= 0:
@@ -34,10 +35,13 @@ def parse_duration(value: str | float | int | None) -> float | None:
     return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
 
 
-def _listed(value, kind: type, what: str):
-    """A comma-separated flag value ("1,14,26") or the spec's YAML list, as a tuple of ``kind``."""
+def _listed(value, kind: type, what: str, none):
+    """A comma-separated flag value ("1,14,26") or the spec's YAML list, as a tuple of
+    ``kind``; "none" gives ``none`` (the field's default: a flag that clears the spec's)."""
     if not isinstance(value, str):
         return value
+    if value.strip().lower() == "none":
+        return none
     try:
         return tuple(kind(x) for x in value.split(","))
     except ValueError:
@@ -87,7 +91,7 @@ class DistillRecipe(BaseModel):
     layer_ids: Annotated[
         tuple[int, ...] | None,
         Flag(
-            "Target layer ids the head reads (default: {1, L//2-1, L-2}: the latest vLLM can name).",
+            "Target layer ids the head reads (default or none: {1, L//2-1, L-2}: the latest vLLM can name).",
             name="--layers",
             text=True,
         ),
@@ -102,7 +106,7 @@ class DistillRecipe(BaseModel):
     max_steps: Annotated[int, Field(ge=1), Flag("Training steps at most.")] = 2000
     time_budget: Annotated[
         float | None,
-        Flag("Stop training when the run (data included) reaches this: 600, 10m, 1h.", text=True),
+        Flag("Stop training when the run (data included) reaches this: 600, 10m, 1h (none: no budget).", text=True),
     ] = None  # seconds, the whole run, data generation included
     seed: Annotated[int, Flag("Seed of the split, the initialisation and the batches.")] = 0
     batch_size: Annotated[int, Field(ge=1), Flag("Sequences per training step.")] = 8
@@ -144,7 +148,7 @@ class DistillRecipe(BaseModel):
         tuple[float, ...],
         Flag(
             "Also train on these fractions of the data (e.g. 0.125,0.25,0.5; steps in proportion) and plot "
-            "unseen-prompt acceptance against training tokens (data-scaling.png in the head folder).",
+            "unseen-prompt acceptance against training tokens (data-scaling.png in the head folder; none: no curve).",
             text=True,
         ),
     ] = ()
@@ -157,12 +161,12 @@ class DistillRecipe(BaseModel):
     @field_validator("layer_ids", mode="before")
     @classmethod
     def _layer_list(cls, v):
-        return _listed(v, int, "target layer ids, e.g. 1,14,26")
+        return _listed(v, int, "target layer ids, e.g. 1,14,26", None)
 
     @field_validator("scaling", mode="before")
     @classmethod
     def _scaling_list(cls, v):
-        return _listed(v, float, _FRACTIONS)
+        return _listed(v, float, _FRACTIONS, ())
 
     @field_validator("scaling")
     @classmethod
