@@ -24,9 +24,11 @@ def distill(
     Data are the target's own responses to the prompts (10% held out, never trained on),
     captured as they are generated, plus --corpus conversations. The spec's verify prompts
     are never trained on: distill scores the head on them per draft position, measures its
-    costs and recommends default_draft_tokens. Ctrl-C keeps the last good checkpoint; --resume
-    finishes the run exactly as if uninterrupted. Exit 2 on bad input (existing output without
-    --force, empty prompts, a corpus in another format, a work folder in use).
+    costs and recommends default_draft_tokens. The recipe is the spec's distill: block, if it
+    has one; a recipe flag given here overrides its key (none clears --time-budget, --scaling,
+    --layers). Ctrl-C keeps the last good checkpoint; --resume finishes the run exactly as if
+    uninterrupted, under the same recipe. Exit 2 on bad input (existing output without --force,
+    empty prompts, a corpus in another format, a work folder in use, a changed recipe on --resume).
 
     Examples:
       trtspec distill engine_specs/smollm2-135m-eagle3.yaml
