@@ -19,8 +19,11 @@ placeholder {{RESULT.PATH:FORMAT}} replaced by a value of bench/results/RESULT.j
     {{demo-draft-int4.target.tokens_per_s:.1f}}    a measured value (a path into "values"; list items by index)
     {{demo-draft-int4.costs.target_step*1e3:.1f}}  the same, times a factor (seconds to ms)
     {{demo-draft-int4.target.tokens_per_s / neighbour-busy.target.tokens_per_s:.2f}}  the ratio of two values
+    {{xeon-break-even.costs.verify_cost + xeon-break-even.costs.cost_ratio*3:.2f}}    the sum of two (a factor each)
     {{demo-draft-int4.metrics.per_position_rate:.2f}}  a list: each item formatted, joined by ", "
     {{peers-hf.table:table}}                       {"columns": [...], "rows": [[...]]} as a Markdown table
+    {{run.a / run.b:met>=2}}                       a goal's verdict: "met" when the value is >= 2, else "missed"
+                                                   (met<=X: met when <= X)
 
 A block that uses a stale result file ends with a line saying so. Adding a figure: get the
 result file (the bench scripts write one with --out/--json; `trtspec bench`'s bench.json goes
@@ -102,9 +105,16 @@ class Results:
         return node
 
 
+VERDICT = re.compile(r"met(?P<op>>=|<=)(?P<goal>[0-9.]+)")
+
+
 def _format(value, fmt: str | None) -> str:
     if fmt == "table":
         return markdown_table(value)
+    verdict = VERDICT.fullmatch(fmt or "")
+    if verdict:
+        goal = float(verdict["goal"])
+        return "met" if (value >= goal if verdict["op"] == ">=" else value <= goal) else "missed"
     if isinstance(value, list):
         return ", ".join(_format(v, fmt) for v in value)
     return format(value, fmt or "")
@@ -124,9 +134,13 @@ def markdown_table(table: dict) -> str:
 
 
 def evaluate(expr: str, results: Results, used: list[str]):
-    """One reference (RESULT.PATH, optionally *FACTOR), or the ratio of two: A / B."""
+    """One reference (RESULT.PATH, optionally *FACTOR), the ratio of two (A / B) or their sum (A + B)."""
+    op = " + " if " + " in expr else " / "
+    refs = expr.split(op)
+    if len(refs) > 2 or (op == " + " and " / " in expr):
+        raise FigureError(f"{{{{{expr}}}}}: a placeholder holds one value, the ratio of two or the sum of two")
     values = []
-    for ref in expr.split(" / "):
+    for ref in refs:
         m = REFERENCE.fullmatch(ref.strip())
         if m is None:
             raise FigureError(f"{{{{{expr}}}}} is no placeholder; write {{{{RESULT.PATH:FORMAT}}}} or {{{{A / B:FORMAT}}}}")
@@ -134,9 +148,9 @@ def evaluate(expr: str, results: Results, used: list[str]):
             used.append(m["file"])
         value = results.value(m["file"], m["path"])
         values.append(value * float(m["factor"]) if m["factor"] else value)
-    if len(values) > 2:
-        raise FigureError(f"{{{{{expr}}}}}: a placeholder holds one value or the ratio of two")
-    return values[0] if len(values) == 1 else values[0] / values[1]
+    if len(values) == 1:
+        return values[0]
+    return values[0] + values[1] if op == " + " else values[0] / values[1]
 
 
 def render(template: str, results: Results) -> str:
@@ -209,12 +223,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--from", dest="source", type=Path, help="with --record: the run's JSON (e.g. bench/results/SPEC/bench.json)")
     ap.add_argument("--command", help="with --record: the command that produced it")
     ap.add_argument("--machine", help="with --record: the machine line, where the JSON carries none")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="with --record: the folder to write NAME.json in")
     args = ap.parse_args(argv)
     try:
         if args.record:
             if not (args.source and args.command):
                 raise FigureError("--record needs --from FILE and --command '...'")
-            print(f"wrote {record(args.record, args.source, args.command, args.machine)}")
+            print(f"wrote {record(args.record, args.source, args.command, args.machine, args.results)}")
             return 0
         if args.check:
             stale = differing()

@@ -97,7 +97,8 @@ def test_a_stale_result_says_so_in_every_block_that_uses_it(site):
     [
         ("{{run.target.tokens:.1f}}", "run.json has no value 'target.tokens'"),
         ("{{gone.x}}", "no result file"),
-        ("{{run.target.tokens_per_s / run.costs.step / run.rates}}", "one value or the ratio of two"),
+        ("{{run.target.tokens_per_s / run.costs.step / run.rates}}", "one value, the ratio of two or the sum of two"),
+        ("{{run.costs.step + run.costs.step / run.rates}}", "one value, the ratio of two or the sum of two"),
         ("{{not a placeholder!}}", "is no placeholder"),
     ],
 )
@@ -141,3 +142,34 @@ def test_record_wraps_a_runs_own_json_as_a_result_file(tmp_path):
     with pytest.raises(figures.FigureError, match="carries no machine line; pass --machine"):
         figures.record("demo", run, "trtspec bench x.yaml", results_dir=tmp_path)
     assert figures.main(["--record", "demo"]) == figures.EXIT_USAGE
+
+
+def test_a_goals_verdict_follows_the_measured_value(site):
+    """A goal's met / missed is derived from the value it judges, so a re-measurement that
+    crosses the goal changes the word with the number."""
+    tmp_path, doc = site
+    (tmp_path / "figures.md").write_text(
+        "<!-- figures: speed -->\n"
+        "{{run.speculative.tokens_per_s / run.target.tokens_per_s:met>=1.3}} "
+        "{{run.speculative.tokens_per_s / run.target.tokens_per_s:met>=1.4}} "
+        "{{run.costs.step:met<=0.05}} {{run.costs.step:met<=0.04}}\n"
+        "<!-- /figures: speed -->\n"
+    )
+    assert "<!-- figures: speed -->\nmet missed met missed\n" in _generate(tmp_path, doc)
+
+
+def test_a_sum_of_two_values_each_with_its_factor(site):
+    tmp_path, doc = site
+    (tmp_path / "figures.md").write_text(
+        "<!-- figures: speed -->\n{{run.speculative.tokens_per_s + run.costs.step*1e3:.2f}}\n<!-- /figures: speed -->\n"
+    )
+    assert "<!-- figures: speed -->\n72.22\n" in _generate(tmp_path, doc)
+
+
+def test_record_writes_into_the_folder_given(tmp_path):
+    run = tmp_path / "bench.json"
+    run.write_text(json.dumps({"machine": "x86_64 2 cores", "speedup": 1.31}))
+    args = ["--record", "demo", "--from", str(run), "--command", "trtspec bench x.yaml", "--results", str(tmp_path / "r")]
+    (tmp_path / "r").mkdir()
+    assert figures.main(args) == 0
+    assert figures.Result.read(tmp_path / "r" / "demo.json").values == {"machine": "x86_64 2 cores", "speedup": 1.31}
