@@ -19,7 +19,17 @@ HEAD is a head `trtspec distill SPEC` wrote; its manifest names the data it was 
    data or the CPU forces a change (each named in the result's "hyperparameters");
 3. scores every head on the same unseen prompts (the spec's verify prompts and HEAD's
    --eval-prompts, never trained on) through vLLM (.venv-vllm: bench/vllm_peer.py) at
-   k = 1 and k = 3, and reports trtspec's own unseen-prompt figures from HEAD's manifest.
+   k = 1 and k = 3, and through trtspec: HEAD's figures from its manifest, speculators' head
+   by the same code that wrote them (distill's Trainer.report over the same unseen samples:
+   per-position acceptance at depth 3, acceptance length at k=3), after converting it to
+   trtspec's head layout (``speculators_to_trtspec``). HEAD is scored again the same way and
+   must give its manifest's figures: the check that the path is the one distill used.
+
+The converter lives here, not in ``trtspec check``/``build``: only this comparison needs
+speculators' layout (``layers.0.*`` names, a nested ``transformer_layer_config``, a copy of the
+target's embeddings, ``t2d``); the product keeps one head format, the one TensorRT-LLM, vLLM
+and SGLang load, whose optional norms (config keys and ``input_norm`` / ``fc_norm`` tensors
+as speculators and vLLM name them) it runs.
 
 CPU time of each trainer is the training process's user + system seconds (not wall time, which
 depends on the machine's load). Writes OUT/distill-peers.json and prints it. Exit 2 on bad input
@@ -241,6 +251,132 @@ def score_vllm(python: Path, target: str, head: Path, exported: dict, k: int, ma
     }
 
 
+# speculators' tensors with no place in a trtspec head: the target's own embeddings (a head
+# shares the target's), the target-to-draft mask (d2t carries the same map), the verifier's copies.
+SPECULATORS_DROPPED = ("embed_tokens.weight", "t2d", "verifier_lm_head.weight", "verifier_norm.weight")
+LAYER_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "rope_parameters",
+    "rope_theta",
+    "vocab_size",
+    "bos_token_id",
+    "eos_token_id",
+)
+
+
+def speculators_to_trtspec(src: Path, dst: Path) -> Path:
+    """speculators' EAGLE-3 checkpoint folder ``src`` written as a trtspec head folder ``dst``
+    (engines/eagle3_checkpoint.py's layout): ``layers.0.*`` -> ``midlayer.*``, the layer's
+    config flattened to Llama keys, the same aux layer ids (both count a layer's input) and the
+    norm flags and their tensors carried as they are. Returns ``dst``."""
+    from safetensors.torch import load_file, save_file
+
+    from trtspec.engines.eagle3_checkpoint import HEAD_ARCHITECTURE, NORM_FLAGS
+
+    try:
+        cfg = json.loads((src / "config.json").read_text(encoding="utf-8"))
+        layer = cfg["transformer_layer_config"]
+        files = sorted(src.glob("*.safetensors"))
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"{src} is not a speculators checkpoint folder ({e})") from e
+    if cfg.get("speculators_model_type") != "eagle3" or not files:
+        raise SystemExit(f"{src} is not a speculators EAGLE-3 checkpoint (speculators_model_type eagle3, safetensors)")
+    if int(layer.get("num_hidden_layers", 1)) != 1:
+        raise SystemExit(f"{src}: {layer['num_hidden_layers']} draft layers; trtspec runs one-layer EAGLE-3 heads")
+    state = {}
+    for f in files:
+        state |= load_file(str(f))
+    state = {
+        ("midlayer." + k[len("layers.0.") :] if k.startswith("layers.0.") else k): v
+        for k, v in state.items()
+        if k not in SPECULATORS_DROPPED
+    }
+    ids = [int(i) for i in cfg["eagle_aux_hidden_state_layer_ids"]]
+    config = {
+        "architectures": [HEAD_ARCHITECTURE],
+        "model_type": "llama",
+        **{k: layer[k] for k in LAYER_KEYS if k in layer},
+        "num_hidden_layers": 1,
+        "draft_vocab_size": cfg["draft_vocab_size"],
+        "target_hidden_size": cfg.get("target_hidden_size") or layer["hidden_size"],
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "eagle_aux_hidden_state_layer_ids": ids,
+        **{k: bool(cfg.get(k, False)) for k in NORM_FLAGS},
+        # the window speculators trained under; trtspec's head attends to the whole context
+        "speculators": {"source": str(src), "sliding_window": layer.get("sliding_window")},
+    }
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return dst
+
+
+def load_head(folder: Path, target_hf, dtype=None):
+    """A head folder as an Eagle3Head in ``dtype`` (None: as stored; d2t kept), after the checkpoint checks
+    ``trtspec check`` runs (config, tensors and shapes, norms, d2t, the target)."""
+    from safetensors.torch import load_file
+
+    from trtspec.engines.eagle3_checkpoint import (
+        check_d2t,
+        check_head_for_target,
+        check_head_tensors,
+        read_head_config,
+        safetensors_shapes,
+    )
+    from trtspec.engines.torch.eagle3_head import Eagle3Head
+
+    cfg = read_head_config(folder, target_hf.num_hidden_layers)
+    check_head_for_target(cfg, target_hf)
+    check_head_tensors(cfg, safetensors_shapes([folder / "model.safetensors"]))
+    state = load_file(str(folder / "model.safetensors"))
+    check_d2t(cfg, state.get("d2t"))
+    return Eagle3Head.from_state_dict(cfg, {k: v if k == "d2t" or dtype is None else v.to(dtype) for k, v in state.items()})
+
+
+def score_trtspec(spec: Path, trtspec_head: Path, others: dict[str, Path]) -> dict[str, dict]:
+    """trtspec_head and each head in ``others`` scored on trtspec_head's unseen samples by
+    distill's own report (Trainer.report: per-position acceptance at depth 3, acceptance length
+    at k=3), all in the dtype trtspec_head was trained and scored in."""
+    import torch
+
+    from trtspec.distill.run import prepare, work_folder, work_lock
+    from trtspec.distill.trainer import Trainer
+    from trtspec.spec import load_spec
+
+    opts = distill_options(trtspec_head)
+    work = work_folder(trtspec_head)
+    with work_lock(work):
+        data = prepare(load_spec(spec), opts, work)
+    longest = max(len(s.tokens) for s in data.unseen)
+    own = load_head(trtspec_head, data.target_hf)
+    out = {}
+    for name, folder in {"trtspec": trtspec_head, **others}.items():
+        head = own if name == "trtspec" else load_head(folder, data.target_hf, own.fc.weight.dtype)
+        window = (head.cfg.raw.get("speculators") or {}).get("sliding_window")
+        if window is not None and longest > window:
+            raise SystemExit(f"{folder}: an unseen sequence of {longest} tokens passes the head's {window}-token window")
+        draft_ids = head.to_target_ids(torch.arange(head.cfg.draft_vocab_size)).tolist()
+        trainer = Trainer(head, data.target, draft_ids, opts, 1, data.store)
+        m = trainer.report([], data.unseen)
+        out[name] = {
+            "k1_acceptance": round(m["unseen_accepted"][0], 3),
+            "acceptance_length_k3": round(m["unseen_acceptance_length"], 3),
+            "per_position": [round(a, 3) for a in m["unseen_accepted"]],
+            "chains": m["unseen_chains"],
+            "norms": {k: getattr(head.cfg, k) for k in ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")},
+        }
+    return out
+
+
 def recipe_and_run(manifest: dict) -> dict:
     """The options a head was trained with: its manifest's recipe and run settings (a head
     written before the recipe was recorded apart holds them all under "options")."""
@@ -278,12 +414,21 @@ def main() -> None:
     ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM scoring")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--reuse-export", action="store_true", help="use the export already in OUT (same HEAD)")
+    ap.add_argument(
+        "--speculators-head",
+        type=Path,
+        help="score this speculators checkpoint (trained on HEAD's export) instead of training one (needs --reuse-export)",
+    )
     args = ap.parse_args()
     out = args.out.resolve()
     head = args.head.resolve()
     data = out / "speculators-data"
     if not (head / "trtspec-head.json").is_file():
         refuse(f"{head} holds no trtspec-head.json; pass a head `trtspec distill` wrote as --head")
+    if args.speculators_head and not (args.reuse_export and (out / "exported.json").is_file()):
+        refuse(f"--speculators-head needs --reuse-export and the export it was trained on in {out}; pass both")
+    if args.speculators_head and not (args.speculators_head / "config.json").is_file():
+        refuse(f"{args.speculators_head} holds no config.json; pass the checkpoint folder speculators wrote")
     for python, what in ((args.speculators_python, "speculators (make speculators)"), (args.vllm_python, "vLLM (make vllm)")):
         if not python.is_file() and not (args.no_vllm and "vLLM" in what):
             refuse(f"no Python environment for {what} at {python}; create it, or pass its python")
@@ -294,17 +439,26 @@ def main() -> None:
         print("exporting the head's training data in speculators' format ...", flush=True)
         exported = export(args.spec.resolve(), head, data)
         (out / "exported.json").write_text(json.dumps(exported) + "\n")
-    print("training speculators' EAGLE-3 head ...", flush=True)
-    spec_run = train_speculators(
-        args.speculators_python, data, exported, args.epochs, args.ttt_steps, out / "speculators-train.log"
-    )
+    if args.speculators_head:  # trained before (its CPU seconds are in that run's result)
+        spec_run = {"head": str(args.speculators_head.resolve()), "cpu_s": None, "wall_s": None}
+    else:
+        print("training speculators' EAGLE-3 head ...", flush=True)
+        spec_run = train_speculators(
+            args.speculators_python, data, exported, args.epochs, args.ttt_steps, out / "speculators-train.log"
+        )
     heads = {"trtspec": head, "speculators": Path(spec_run["head"])}
+    print("scoring both heads through trtspec ...", flush=True)
+    converted = speculators_to_trtspec(heads["speculators"], out / "speculators-head-trtspec")
+    scored = score_trtspec(args.spec.resolve(), head, {"speculators": converted})
+    manifest = trtspec_figures(head)
+    if any(scored["trtspec"][k] != manifest[k] for k in ("k1_acceptance", "acceptance_length_k3", "per_position")):
+        raise SystemExit(f"trtspec scoring path differs from distill's: {scored['trtspec']} vs the manifest's {manifest}")
     result = {
         "command": command_line("distill_peers.py"),
         "data": {k: v for k, v in exported.items() if k not in ("unseen_prompt_ids", "end_ids")},
         "unseen_prompts": len(exported["unseen_prompt_ids"]),
-        "trtspec": {"head": str(head), "scored_by_trtspec": trtspec_figures(head)},
-        "speculators": {**spec_run, "scored_by_trtspec": None},  # trtspec's runtime has no norm_before_fc / norm_output
+        "trtspec": {"head": str(head), "scored_by_trtspec": {**manifest, "chains": scored["trtspec"]["chains"]}},
+        "speculators": {**spec_run, "converted": str(converted), "scored_by_trtspec": scored["speculators"]},
         "time": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
     }
     (out / "distill-peers.json").write_text(json.dumps(result, indent=2) + "\n")

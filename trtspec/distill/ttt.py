@@ -107,7 +107,7 @@ def unrolled_logits(head: Eagle3Head, embed, batch: Batch, steps: int, cos_table
     cos = cos_table[pos].to(dtype).view(1, 1, t, -1)
     sin = sin_table[pos].to(dtype).view(1, 1, t, -1)
     scale = 1.0 / math.sqrt(head.cfg.head_dim)
-    state = head.fc(batch.features.to(dtype))  # [B, T, hidden]
+    state = head.fuse(batch.features.to(dtype))  # [B, T, hidden]
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     out_logits = []
@@ -132,7 +132,7 @@ def unrolled_logits(head: Eagle3Head, embed, batch: Batch, steps: int, cos_table
         attn = head.midlayer.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
         out = head.midlayer.finish(attn, state)  # [B, T, hidden]
         out_logits.append(head.draft_logits(out))
-        state = _shift(out, 1, dim=1)  # step j+1 at t continues from step j's output at t-1
+        state = _shift(head.feed_back(out), 1, dim=1)  # step j+1 at t continues from step j's output at t-1
     return out_logits
 
 

@@ -17,6 +17,17 @@ with these names (as the loaders read them; sources and commits in
     d2t                             [draft_vocab] int64                  target id = draft id + d2t[id]
                                                                         (only when draft_vocab < vocab)
 
+Optional norms (EAGLE-3.1, as speculators writes them and vLLM's llama_eagle3.py reads them:
+config.json keys, all false unless set; trtspec's own heads set none):
+
+    norm_before_fc        input_norm.weight [n_layers * target_hidden]: one RMSNorm over the
+                          concatenated target features before fc
+    fc_norm               fc_norm.{i}.weight [target_hidden] per feature layer: an RMSNorm of each
+                          feature layer before the concatenation (excludes norm_before_fc)
+    norm_before_residual  the layer's residual is the hidden-normed state, not the raw state
+    norm_output           the state fed back to the next draft step is norm(output) (the same
+                          normed output the LM head reads), not the raw layer output
+
 Layer ids: trtspec counts a feature as the OUTPUT of target layer i (TensorRT-LLM's
 ``eagle3_layers_to_capture``, default {1, L//2-1, L-4}); vLLM's
 ``eagle_aux_hidden_state_layer_ids`` counts the INPUT of layer i, so the config records i + 1
@@ -74,6 +85,10 @@ class HeadConfig:
     layer_ids: tuple[int, ...]  # target layers whose outputs the head reads, ascending
     target_num_layers: int | None  # recorded by trtspec; None for third-party heads
     raw: dict  # the whole config.json
+    norm_before_fc: bool = False  # the optional norms (module docstring)
+    fc_norm: bool = False
+    norm_before_residual: bool = False
+    norm_output: bool = False
 
     @property
     def n_features(self) -> int:
@@ -99,7 +114,21 @@ class HeadConfig:
         }
         if self.draft_vocab_size != self.vocab_size:
             shapes["d2t"] = (self.draft_vocab_size,)
-        return shapes
+        return shapes | self.norm_shapes()
+
+    def norm_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The optional norms' tensors this config asks for, with their shapes."""
+        return {k: v for k, (v, flag) in _norm_tensors(self).items() if getattr(self, flag)}
+
+
+NORM_FLAGS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
+
+
+def _norm_tensors(cfg: HeadConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every optional norm tensor a head of this shape can hold: its shape and the flag it needs."""
+    out = {"input_norm.weight": ((cfg.n_features * cfg.target_hidden_size,), "norm_before_fc")}
+    out |= {f"fc_norm.{i}.weight": ((cfg.target_hidden_size,), "fc_norm") for i in range(cfg.n_features)}
+    return out
 
 
 def head_config_dict(target_hf, layer_ids: tuple[int, ...], draft_vocab_size: int, extra: dict | None = None) -> dict:
@@ -191,12 +220,30 @@ def head_config_from_dict(raw: dict, target_num_layers: int, where: str = "head 
             layer_ids=_layer_ids(raw, target_num_layers),
             target_num_layers=(raw.get("trtspec") or {}).get("target_num_layers"),
             raw=raw,
+            **_norm_flags(raw, where),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{where} lacks or garbles key {e}; re-export the head") from e
     if layers != 1:
         raise CheckpointError(f"{where}: the head has num_hidden_layers {layers}; trtspec runs one-layer EAGLE-3 heads")
     return cfg
+
+
+def _norm_flags(raw: dict, where: str) -> dict[str, bool]:
+    flags = {}
+    for key in NORM_FLAGS:
+        value = raw.get(key, False)
+        if value is None:
+            value = False
+        if not isinstance(value, bool):
+            raise CheckpointError(f"{where}: {key} is {value!r}; set it to true or false")
+        flags[key] = value
+    if flags["norm_before_fc"] and flags["fc_norm"]:
+        raise CheckpointError(
+            f"{where}: norm_before_fc and fc_norm are both true; a head normalises its features once "
+            "(one norm over all of them, or one per layer): set one of them to false"
+        )
+    return flags
 
 
 def _layer_ids(raw: dict, target_num_layers: int) -> tuple[int, ...]:
@@ -237,7 +284,9 @@ def check_head_for_target(head: HeadConfig, target_hf, role: str = "draft") -> N
 
 
 def check_head_tensors(head: HeadConfig, shapes: dict[str, tuple[int, ...]], role: str = "draft") -> None:
-    """Every tensor present with its shape (from the safetensors headers)."""
+    """Every tensor present with its shape (from the safetensors headers); a norm's weight
+    present exactly when config.json sets its flag."""
+    _check_norm_tensors(head, shapes, role)
     want = head.tensor_shapes()
     missing = [k for k in want if k not in shapes]
     if missing:
@@ -250,6 +299,26 @@ def check_head_tensors(head: HeadConfig, shapes: dict[str, tuple[int, ...]], rol
             f"{role}: head tensor shapes do not match its config: {'; '.join(wrong[:3])}; "
             "config.json and the weights must come from the same head"
         )
+
+
+def _check_norm_tensors(head: HeadConfig, shapes: dict[str, tuple[int, ...]], role: str) -> None:
+    for name, (shape, flag) in _norm_tensors(head).items():
+        if getattr(head, flag) and name not in shapes:
+            raise CheckpointError(
+                f"{role}: config.json sets {flag}: true but the head lacks tensor {name} {shape}; "
+                f"export the head with its {flag} weights, or set {flag}: false if it was trained without them"
+            )
+        if not getattr(head, flag) and name in shapes:
+            raise CheckpointError(
+                f"{role}: the head holds {name} but config.json does not set {flag}: true; "
+                f"set {flag}: true in config.json (the head was trained with it), or re-export it"
+            )
+        if name in shapes and tuple(shapes[name]) != shape:
+            raise CheckpointError(
+                f"{role}: {name} has shape {tuple(shapes[name])}, {flag} over {head.n_features} feature layer(s) "
+                f"of hidden size {head.target_hidden_size} needs {shape}; config.json and the weights must come "
+                "from the same head"
+            )
 
 
 def check_d2t(head: HeadConfig, d2t, role: str = "draft") -> None:

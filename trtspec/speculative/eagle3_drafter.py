@@ -4,7 +4,7 @@ For a context x_0..x_{L-1} the target has scored positions 0..L-2 (the last toke
 it just emitted), and kept the features of the layers the head reads. Head position t takes
 (features of target position t, embedding of x_{t+1}) and predicts x_{t+2}; so after catching
 up on positions it has not seen, its output at L-2 gives the first draft. Each further draft
-feeds the head's own output back in place of the target's features, one position at a time:
+feeds the head's own output back (Eagle3Head.feed_back) in place of the target's features, one position at a time:
 a chain of k tokens. The head's KV cache is rewound by an integer: positions past L-2 held
 draft states and are recomputed from the target's features on the next call.
 
@@ -78,7 +78,7 @@ class Eagle3Drafter:
                     while a != ROOT:
                         visible[r, rows_of[(i, a)]] = True
                         a = g.parents[a]
-                state = torch.stack([outs[(i, g.parents[n])] for n in g.frontier])
+                state = head.head.feed_back(torch.stack([outs[(i, g.parents[n])] for n in g.frontier]))
                 depths = [len(g.keys[n]) for n in g.frontier]
                 rows.append(
                     HeadRow(slot, start, state, [g.tokens[n] for n in g.frontier], [base - 1 + d for d in depths], visible)
@@ -133,7 +133,12 @@ class Eagle3Drafter:
         for step in range(1, max(ks[i] for i, _ in live)):
             chain = [j for j, (i, _) in enumerate(live) if ks[i] > step]
             rows = [
-                HeadRow(live[j][1], len(contexts[live[j][0]]) - 2 + step, last[j : j + 1], [drafts[live[j][0]][-1]])
+                HeadRow(
+                    live[j][1],
+                    len(contexts[live[j][0]]) - 2 + step,
+                    head.head.feed_back(last[j : j + 1]),
+                    [drafts[live[j][0]][-1]],
+                )
                 for j in chain
             ]
             outs = head.extend(rows)

@@ -7,6 +7,11 @@ the target's token embeddings (no copy) and predicts over a reduced draft vocabu
 ``d2t`` maps back to target ids. Parameter names are those of the checkpoint
 (engines/eagle3_checkpoint.py), so a head folder loads as it is.
 
+The optional EAGLE-3.1 norms a head's config may set (eagle3_checkpoint.py): ``fuse`` applies
+norm_before_fc / fc_norm to the features before ``fc``, MidLayer.finish takes the hidden-normed
+state as its residual under norm_before_residual, and ``feed_back`` gives the next draft step
+norm(output) under norm_output. A head that sets none runs exactly the plain EAGLE-3 layer.
+
 HeadEngine keeps the head's own static KV cache per slot, indexed by position like the
 target's: a rejected draft is undone by rewinding an integer.
 """
@@ -48,6 +53,7 @@ def decoder_config(cfg: HeadConfig) -> DecoderConfig:
 class MidLayer(nn.Module):
     def __init__(self, cfg: HeadConfig):
         super().__init__()
+        self.norm_before_residual = cfg.norm_before_residual
         dc = decoder_config(cfg)
         h, d = cfg.hidden_size, cfg.head_dim
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
@@ -65,8 +71,9 @@ class MidLayer(nn.Module):
         return torch.cat([self.input_layernorm(embeds), self.hidden_norm(state)], dim=-1)
 
     def finish(self, attn_out: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        """The layer's output (pre-norm; what is fed back) from the attention output."""
-        h = attn_out + state  # the residual is the state, not the embeddings
+        """The layer's output (before the final norm) from the attention output."""
+        # The residual is the state, not the embeddings (hidden-normed under norm_before_residual).
+        h = attn_out + (self.hidden_norm(state) if self.norm_before_residual else state)
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def forward(self, state, embeds, cos, sin, step: StepInputs, k_cache, v_cache):
@@ -78,7 +85,12 @@ class Eagle3Head(nn.Module):
     def __init__(self, cfg: HeadConfig):
         super().__init__()
         self.cfg = cfg
-        self.fc = nn.Linear(cfg.n_features * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        width = cfg.n_features * cfg.target_hidden_size
+        if cfg.norm_before_fc:  # created only when set: a plain head's state dict is unchanged
+            self.input_norm = RMSNorm(width, cfg.rms_norm_eps)
+        if cfg.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.n_features))
+        self.fc = nn.Linear(width, cfg.hidden_size, bias=False)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -100,6 +112,20 @@ class Eagle3Head(nn.Module):
         if self.cfg.draft_vocab_size == self.cfg.vocab_size:
             state.pop("d2t")
         return state
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """The first-step state [..., hidden] from target features [..., n_layers * target_hidden]."""
+        if self.cfg.norm_before_fc:
+            features = self.input_norm(features)
+        if self.cfg.fc_norm:
+            parts = features.chunk(self.cfg.n_features, dim=-1)
+            features = torch.cat([norm(x) for norm, x in zip(self.fc_norm, parts)], dim=-1)
+        return self.fc(features)
+
+    def feed_back(self, out: torch.Tensor) -> torch.Tensor:
+        """The next draft step's state from the layer output [..., hidden]: the output itself,
+        or under norm_output the normed output the LM head reads."""
+        return self.norm(out) if self.cfg.norm_output else out
 
     def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
         """[..., draft_vocab] from the layer output [..., hidden]."""
@@ -201,12 +227,13 @@ class HeadEngine:
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The first-step state [n, hidden] from target features [n, n_layers * target_hidden]."""
         with torch.inference_mode():
-            return self.head.fc(features.to(self.device, self.dtype))
+            return self.head.fuse(features.to(self.device, self.dtype))
 
     @torch.inference_mode()
     def extend(self, rows: list[HeadRow]) -> list[torch.Tensor]:
         """Run the head over each row's positions (batched, ragged); the layer outputs
-        [n, hidden] per row. Writes the head's K/V at those positions."""
+        [n, hidden] per row (a later step's state is ``head.feed_back`` of one). Writes the
+        head's K/V at those positions."""
         b = len(rows)
         q = max(len(r.tokens) for r in rows)
         h = self.cfg.hidden_size
