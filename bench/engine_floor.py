@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from _common import ROOT, command_line, write_result
+from figures import markdown_table
 
 
 def parse_args(argv=None):
@@ -163,6 +164,28 @@ def print_profile(p: dict) -> None:
     )
 
 
+def kernel_timings(choice) -> dict | None:
+    """The kernel choice's timings at load as a table (ms per layout and step size) and the
+    chosen layout's sum over those steps against the best single layout's; None when the
+    choice was not timed (forced, fallback, quantized)."""
+    from trtspec.engines.torch.kernels import split
+
+    if not choice.steps or not choice.sizes:
+        return None
+    steps = {name: [round(s * 1e3, 1) for s in row] for name, row in choice.steps.items()}
+    one, many, threshold = split(choice.layout)
+    chosen = sum(steps[one if n < threshold else many][i] for i, n in enumerate(choice.sizes))
+    return {
+        "table": {
+            "columns": ["layout"] + [f"{n} token{'s' if n > 1 else ''}" for n in choice.sizes],
+            "rows": [[name] + [f"{v:.1f}" for v in row] for name, row in steps.items()],
+        },
+        "sizes": list(choice.sizes),
+        "chosen_ms": round(chosen, 1),
+        "best_single_ms": round(min(sum(row) for row in steps.values()), 1),
+    }
+
+
 def main(argv=None) -> int:
     from peers import _cut_at_end, encode_prompts, load_hf, read_kinded_prompts
     from trtspec.engines.torch.kernels import cpu_signature
@@ -179,10 +202,20 @@ def main(argv=None) -> int:
         print(f"machine: {machine_description()}")
         choice = dep.target.kernels
         print(f"kernels chosen at load: {choice.layout} ({choice.source})")
+        timings = kernel_timings(choice)
+        if timings:
+            print(markdown_table(timings["table"]))
+            print(
+                f"the choice: {timings['chosen_ms']} ms over these steps; the best single layout: {timings['best_single_ms']} ms"
+            )
         profile = profile_step(dep.target, args.profile_steps)
         print_profile(profile)
         if args.out:
-            write_result(args.out, command_line("engine_floor.py"), {"kernels": choice.layout, "profile": profile})
+            write_result(
+                args.out,
+                command_line("engine_floor.py"),
+                {"kernels": choice.layout, "kernel_choice": timings, "profile": profile},
+            )
         return 0
     prompts = encode_prompts(dep, read_kinded_prompts(args.prompts))
     room = dep.limits.max_input_len or dep.limits.max_seq_len

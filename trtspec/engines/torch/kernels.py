@@ -86,7 +86,7 @@ class KernelChoice:
     # (layout A for one-row forwards, B for larger ones) or "A|B@t" (A below t rows): a split
     layout: str
     source: str  # measured | cached | forced | fallback | quantized
-    seconds: dict[str, float] = field(default_factory=dict)  # per layout: a step of each size, summed
+    seconds: dict[str, float] = field(default_factory=dict)  # per layout: its steps' medians, summed
     key: str = ""
     reason: str = ""  # for forced / fallback
     steps: dict[str, list[float]] = field(default_factory=dict)  # per layout: seconds of a step of each size
@@ -226,7 +226,7 @@ def measure_layouts(
     model: DecoderLM, cos: torch.Tensor, sin: torch.Tensor, sizes: tuple[int, ...]
 ) -> tuple[str, dict[str, float], dict[str, list[float]]]:
     """Time every layout on this model, a step of each of ``sizes`` tokens, interleaved;
-    returns (the choice, median summed seconds per layout, median seconds per layout and size)."""
+    returns (the choice, summed median seconds per layout, median seconds per layout and size)."""
     layouts = _Layouts(model)
     timed = step_timer(model, cos, sin, sizes)
     samples: dict[str, list[list[float]]] = {name: [] for name in LAYOUTS}
@@ -243,11 +243,13 @@ def measure_layouts(
     except BaseException:
         layouts.keep("dense")
         raise
+    # Per size the median of its samples (a spike in one step does not move the others), and
+    # every layout and split judged by the sum of those medians.
     steps = {name: [statistics.median(col) for col in zip(*s)] for name, s in samples.items()}
-    seconds = {name: statistics.median(sum(row) for row in s) for name, s in samples.items()}
+    seconds = {name: sum(medians) for name, medians in steps.items()}
     best = min(LAYOUTS, key=lambda name: (seconds[name], name != "dense"))  # a tie keeps dense
     split_choice, cost = _best_split(steps, sizes)
-    if split_choice and cost < SPLIT_GAIN * sum(steps[best]) and layouts.extra_bytes(split_choice) <= MAX_SPLIT_BYTES:
+    if split_choice and cost < SPLIT_GAIN * seconds[best] and layouts.extra_bytes(split_choice) <= MAX_SPLIT_BYTES:
         best = split_choice
     layouts.keep(best)
     return best, seconds, steps
@@ -308,39 +310,35 @@ def choose_kernels(
             reason="oneDNN cannot run this model here (float32 needs oneDNN; bfloat16 also its bf16 reorder, "
             "which needs avx512bw/vl/dq or avx_ne_convert)",
         )
-    key = choice_key(model, verify_tokens)
-    path = (cache_dir or cache_root()) / CACHE_FILE
-    sizes = timed_sizes(verify_tokens)
     try:
-        with _locked(path):
-            cached = _read(path).get(key)
-            if cached is not None and _valid(str(cached.get("layout"))):
-                _apply(model, cached["layout"])
-                return KernelChoice(
-                    cached["layout"],
-                    "cached",
-                    dict(cached.get("seconds", {})),
-                    key,
-                    steps=dict(cached.get("steps", {})),
-                    sizes=sizes,
-                )
-            best, seconds, steps = measure_layouts(model, cos, sin, sizes)
-            choice = KernelChoice(best, "measured", seconds, key, steps=steps, sizes=sizes)
-            entries = _read(path)
-            entries[key] = {
-                "layout": best,
-                "seconds": seconds,
-                "steps": steps,
-                "sizes": list(sizes),
-                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            }
-            with contextlib.suppress(OSError):  # a read-only cache: measure again next time
-                write_json_atomic(path, entries)
-            return choice
+        return _measured_or_cached(model, cos, sin, verify_tokens, (cache_dir or cache_root()) / CACHE_FILE)
     except Exception as err:  # never fail a load over a speed choice: transformers' kernels
         # (measure_layouts has put the model back on dense before raising)
         print(f"trtspec: kernel measurement failed ({type(err).__name__}: {err}); using dense", file=sys.stderr)
         return KernelChoice("dense", "fallback", reason=f"measurement failed: {err}")
+
+
+def _measured_or_cached(model: DecoderLM, cos: torch.Tensor, sin: torch.Tensor, verify_tokens: int, path: Path) -> KernelChoice:
+    """This machine's cached choice for the model's shape applied, or one measured now and cached."""
+    key, sizes = choice_key(model, verify_tokens), timed_sizes(verify_tokens)
+    with _locked(path):
+        cached = _read(path).get(key)
+        if cached is not None and _valid(str(cached.get("layout"))):
+            _apply(model, cached["layout"])
+            seconds, steps = dict(cached.get("seconds", {})), dict(cached.get("steps", {}))
+            return KernelChoice(cached["layout"], "cached", seconds, key, steps=steps, sizes=sizes)
+        best, seconds, steps = measure_layouts(model, cos, sin, sizes)
+        entries = _read(path)
+        entries[key] = {
+            "layout": best,
+            "seconds": seconds,
+            "steps": steps,
+            "sizes": list(sizes),
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        with contextlib.suppress(OSError):  # a read-only cache: measure again next time
+            write_json_atomic(path, entries)
+        return KernelChoice(best, "measured", seconds, key, steps=steps, sizes=sizes)
 
 
 def _valid(choice: str) -> bool:
