@@ -336,3 +336,28 @@ def test_check_refuses_norms_that_config_and_weights_disagree_on(tmp_path, tiny_
 def test_check_accepts_a_head_with_norms(tmp_path, tiny_ckpts, norm_heads):
     r = _check(tmp_path, tiny_ckpts, norm_heads["speculators-defaults"][1])
     assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("name", ["speculators-defaults", "fc_norm"])
+def test_a_tree_of_a_head_with_norms_is_the_reference_at_every_node(norm_heads, name):
+    """Each node of a draft tree is the reference's candidate of its rank, the reference fed the
+    node's ancestors (the tree's states fed back through the same norms as a chain's)."""
+    from trtspec.engines.torch.engine import ForwardItem
+    from trtspec.speculative.tree import ROOT, StaticTree
+
+    ref, _, dep = norm_heads[name]
+    dep.forget_prefixes()
+    ctx = dep.encode("Speculative decoding makes inference faster")
+    dep.target.run([ForwardItem(ctx, 1)])
+    shape = StaticTree.of([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (1, 0, 0)])
+    (tree,) = dep.drafter().propose_tree([ctx], [shape])
+    feats = dep.target.features_of(ctx, 0, len(ctx) - 1).float()
+    assert len(tree) == 7
+    for n in range(len(tree)):
+        path, a = [], tree.parents[n]
+        while a != ROOT:
+            path.insert(0, tree.tokens[a])
+            a = tree.parents[a]
+        logits = ref.chain(feats, ctx, path)[-1]
+        ranked = [ref.to_target(int(i)) for i in torch.topk(logits, 3).indices]
+        assert tree.tokens[n] == ranked[tree.ranks[n]], f"node {tree.key(n)}"
