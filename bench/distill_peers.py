@@ -344,15 +344,18 @@ def load_head(folder: Path, target_hf, dtype=None):
 
 def score_trtspec(spec: Path, trtspec_head: Path, others: dict[str, Path]) -> dict[str, dict]:
     """trtspec_head and each head in ``others`` scored on trtspec_head's unseen samples by
-    distill's own report (Trainer.report: per-position acceptance at depth 3, acceptance length
-    at k=3), all in the dtype trtspec_head was trained and scored in."""
+    distill's own report (Trainer.report: per-position acceptance at the depth distill scored
+    trtspec_head at, at least 3; acceptance length at that k; top-1 agreement per step), all in
+    the dtype trtspec_head was trained and scored in."""
     import torch
 
+    from trtspec.distill.heads import HEAD_MANIFEST
     from trtspec.distill.run import prepare, work_folder, work_lock
     from trtspec.distill.trainer import Trainer
     from trtspec.spec import load_spec
 
     opts = distill_options(trtspec_head)
+    steps = json.loads((trtspec_head / HEAD_MANIFEST).read_text())["ttt_steps"]
     work = work_folder(trtspec_head)
     with work_lock(work):
         data = prepare(load_spec(spec), opts, work)
@@ -365,12 +368,13 @@ def score_trtspec(spec: Path, trtspec_head: Path, others: dict[str, Path]) -> di
         if window is not None and longest > window:
             raise SystemExit(f"{folder}: an unseen sequence of {longest} tokens passes the head's {window}-token window")
         draft_ids = head.to_target_ids(torch.arange(head.cfg.draft_vocab_size)).tolist()
-        trainer = Trainer(head, data.target, draft_ids, opts, 1, data.store)
+        trainer = Trainer(head, data.target, draft_ids, opts, steps, data.store)
         m = trainer.report([], data.unseen)
         out[name] = {
             "k1_acceptance": round(m["unseen_accepted"][0], 3),
             "acceptance_length_k3": round(m["unseen_acceptance_length"], 3),
             "per_position": [round(a, 3) for a in m["unseen_accepted"]],
+            "top1": [round(a, 3) for a in m["unseen_top1"]],
             "chains": m["unseen_chains"],
             "norms": {k: getattr(head.cfg, k) for k in ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")},
         }
@@ -392,6 +396,7 @@ def trtspec_figures(head: Path) -> dict:
         "k1_acceptance": round(metrics["unseen_accepted"][0], 3),
         "acceptance_length_k3": round(metrics["unseen_acceptance_length"], 3),
         "per_position": [round(a, 3) for a in metrics["unseen_accepted"]],
+        "top1": [round(a, 3) for a in metrics["unseen_top1"]],
         "steps": m["steps"],
         "train_cpu_s": m.get("train_cpu_s"),
         "options": {
@@ -451,7 +456,7 @@ def main() -> None:
     converted = speculators_to_trtspec(heads["speculators"], out / "speculators-head-trtspec")
     scored = score_trtspec(args.spec.resolve(), head, {"speculators": converted})
     manifest = trtspec_figures(head)
-    if any(scored["trtspec"][k] != manifest[k] for k in ("k1_acceptance", "acceptance_length_k3", "per_position")):
+    if any(scored["trtspec"][k] != manifest[k] for k in ("k1_acceptance", "acceptance_length_k3", "per_position", "top1")):
         raise SystemExit(f"trtspec scoring path differs from distill's: {scored['trtspec']} vs the manifest's {manifest}")
     result = {
         "command": command_line("distill_peers.py"),

@@ -107,6 +107,75 @@ def test_vllm_scores_the_peer_head_on_the_unseen_prompts(trained, exported, tmp_
     assert got["acceptance"] == round(c["num_accepted_tokens"] / c["num_draft_tokens"], 3)
 
 
+def _as_speculators(head, out):
+    """trtspec's head written in speculators' checkpoint layout (its names, its nested layer
+    config, the target's embeddings and t2d beside d2t), no norms: the same weights."""
+    from safetensors.torch import save_file
+
+    cfg = json.loads((head / "config.json").read_text())
+    state = load_file(str(head / "model.safetensors"))
+    layer = {k: cfg[k] for k in distill_peers.LAYER_KEYS if k in cfg}
+    t2d = torch.zeros(cfg["vocab_size"], dtype=torch.bool)
+    t2d[torch.arange(len(state["d2t"])) + state["d2t"]] = True
+    state = {("layers.0." + k[len("midlayer.") :] if k.startswith("midlayer.") else k): v for k, v in state.items()}
+    state |= {"t2d": t2d, "embed_tokens.weight": torch.zeros(cfg["vocab_size"], cfg["hidden_size"])}  # dropped again
+    out.mkdir()
+    save_file(state, str(out / "model.safetensors"))
+    config = {
+        "architectures": ["Eagle3DraftModel"],
+        "speculators_model_type": "eagle3",
+        "draft_vocab_size": cfg["draft_vocab_size"],
+        "eagle_aux_hidden_state_layer_ids": cfg["eagle_aux_hidden_state_layer_ids"],
+        "transformer_layer_config": {**layer, "num_hidden_layers": 1, "sliding_window": 2048},
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_before_residual": False,
+        "norm_output": False,
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_trtspec_scores_a_converted_head_by_distills_own_report(exported, tmp_path):
+    """The trtspec scoring path: the head distill wrote, scored again, gives its manifest's
+    figures; the same weights in speculators' layout, converted back, give the same figures."""
+    spec, head, _, _ = exported
+    converted = distill_peers.speculators_to_trtspec(_as_speculators(head, tmp_path / "spec-layout"), tmp_path / "back")
+    scored = distill_peers.score_trtspec(spec, head, {"speculators": converted})
+    manifest = distill_peers.trtspec_figures(head)
+    for key in ("k1_acceptance", "acceptance_length_k3", "per_position", "top1"):
+        assert scored["trtspec"][key] == manifest[key] == scored["speculators"][key]
+    assert any(manifest["top1"]) and scored["trtspec"]["chains"] > 0  # not all zeros: the comparison means something
+    assert not any(scored["speculators"]["norms"].values())
+
+
+def test_trtspec_scores_the_head_speculators_trained(trained, exported, tmp_path):
+    """speculators' own checkpoint (its default norms) converts, passes the checkpoint check and
+    is scored on the same unseen chains as trtspec's head."""
+    run, _ = trained
+    spec, head = exported[0], exported[1]
+    src = distill_peers.Path(run["head"])
+    converted = distill_peers.speculators_to_trtspec(src, tmp_path / "converted")
+    scored = distill_peers.score_trtspec(spec, head, {"speculators": converted})
+    flags = json.loads((src / "config.json").read_text())
+    got = scored["speculators"]
+    assert got["norms"] == {k: bool(flags.get(k, False)) for k in got["norms"]} and got["norms"]["norm_before_fc"]
+    assert got["chains"] == scored["trtspec"]["chains"] > 0
+    assert got["k1_acceptance"] == got["per_position"][0] and len(got["per_position"]) == len(scored["trtspec"]["per_position"])
+
+
+def test_a_speculators_head_without_its_export_is_refused(exported, tmp_path):
+    head = exported[1]
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "distill_peers.py"), "spec.yaml", "--head", str(head)]
+        + ["--out", str(tmp_path / "out"), "--speculators-head", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and r.stderr.startswith("Error: ") and "--speculators-head needs --reuse-export" in r.stderr
+
+
 def test_a_folder_without_a_head_manifest_is_refused(tmp_path):
     r = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "distill_peers.py"), "spec.yaml", "--head", str(tmp_path / "nothing")]
