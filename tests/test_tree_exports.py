@@ -11,6 +11,7 @@ import pytest
 import yaml
 from conftest import write_spec
 from sglang_fields import unknown_flags
+from test_eagle3 import random_head
 
 from trtspec.engines.build import build
 from trtspec.engines.exports import VLLM_TREE_ENV, sglang_args, uneven_level, vllm_speculative_config
@@ -206,3 +207,34 @@ def test_the_llmapi_endpoint_refuses_a_per_request_tree_switch():
     core = LlmapiEndpoint.__new__(LlmapiEndpoint)
     with pytest.raises(RequestError, match="draft_tree is not supported by the LLM API endpoints"):
         core.parse({"text_input": np.array([[b"hi"]], dtype=np.object_), "draft_tree": np.array([[False]])})
+
+
+# ---------------------------------------------------------------- trtspec check prints them
+
+
+def test_check_gives_the_same_draft_for_vllm_and_sglang_or_says_why_not(tmp_path, tiny_ckpts):
+    """`trtspec check` reports the spec's draft as vLLM's speculative_config and SGLang's flags
+    (the resolved folders), and names the engine that cannot express it instead of guessing."""
+    from typer.testing import CliRunner
+
+    from trtspec.cli.app import app
+
+    runner = CliRunner()
+    ck = {"target": tiny_ckpts["target"], "head": random_head(tiny_ckpts["target"], tmp_path / "head")}
+    path = write_spec(tmp_path / "t", ck, "head", **EAGLE, **STATIC)
+    r = runner.invoke(app, ["check", str(path), "--json"])
+    assert r.exit_code == 0, r.output
+    elsewhere = json.loads(r.stdout)["elsewhere"]
+    s = load_spec(path).spec.speculative
+    draft = elsewhere["vllm"]["speculative_config"]["model"]
+    assert elsewhere["vllm"] == {"speculative_config": vllm_speculative_config(s, draft), "env": VLLM_TREE_ENV}
+    assert elsewhere["sglang"]["error"].startswith("speculative.tree.choices: SGLang builds EAGLE-2's dynamic tree only")
+    text = runner.invoke(app, ["check", str(path)], terminal_width=400).output
+    assert f"VLLM_ATTENTION_BACKEND=TREE_ATTN vllm serve {elsewhere['target']} --speculative-config" in text
+    assert "SGLang: speculative.tree.choices" in text
+    chain = runner.invoke(app, ["check", str(write_spec(tmp_path / "c", ck, "head", **EAGLE)), "--json"])
+    assert json.loads(chain.stdout)["elsewhere"]["sglang"]["args"][:2] == ["--speculative-algorithm", "EAGLE3"]
+    ngram = runner.invoke(
+        app, ["check", str(write_spec(tmp_path / "n", tiny_ckpts, None, **{"speculative.method": "ngram"})), "--json"]
+    )
+    assert json.loads(ngram.stdout)["elsewhere"] == {}

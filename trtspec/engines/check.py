@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from trtspec.checkpoints import DTYPE_BYTES, estimate_memory, parameter_count
 from trtspec.engines.build import _llmapi, backend_for, resolve_pair
+from trtspec.engines.exports import VLLM_METHOD, VLLM_TREE_ENV, sglang_args, vllm_speculative_config
+from trtspec.errors import SpecError
 from trtspec.spec import LoadedSpec
 
 
@@ -18,9 +21,12 @@ class CheckReport:
     models: list[dict] = field(default_factory=list)  # one row per role
 
     paired: bool = False  # a draft whose tokenizer was compared with the target's
+    # The same draft on vLLM and SGLang (engines/exports.py), per engine: its settings, or why
+    # it cannot express this draft; empty for drafts without a model (n-gram, suffix).
+    elsewhere: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {"spec": self.spec, "ok": True, "models": self.models}
+        return {"spec": self.spec, "ok": True, "models": self.models, "elsewhere": self.elsewhere}
 
     def render(self, out) -> None:
         from rich.table import Table
@@ -51,6 +57,23 @@ class CheckReport:
                 else "; tokenizers identical"
             )
         )
+        vllm, sglang = self.elsewhere.get("vllm"), self.elsewhere.get("sglang")
+        if vllm is not None:
+            env = "".join(f"{k}={v} " for k, v in vllm.get("env", {}).items())
+            out.print(
+                f"the same draft on vLLM: {env}vllm serve {self.elsewhere['target']} --speculative-config '{json.dumps(vllm['speculative_config'])}'"
+                if "speculative_config" in vllm
+                else f"vLLM: {vllm['error']}",
+                soft_wrap=True,
+            )
+        if sglang is not None:
+            out.print(
+                f"the same draft on SGLang: python -m sglang.launch_server --model-path {self.elsewhere['target']} "
+                + " ".join(sglang["args"])
+                if "args" in sglang
+                else f"SGLang: {sglang['error']}",
+                soft_wrap=True,
+            )
 
 
 def check(loaded: LoadedSpec, allow_pickle: bool = False) -> CheckReport:
@@ -98,4 +121,21 @@ def check(loaded: LoadedSpec, allow_pickle: bool = False) -> CheckReport:
                 **({"quantization_saves_bytes": saved} if saved is not None else {}),
             }
         )
+    if "draft" in checkpoints and spec.speculative.method in VLLM_METHOD:
+        report.elsewhere = _elsewhere(spec.speculative, str(checkpoints["target"].folder), str(checkpoints["draft"].folder))
     return report
+
+
+def _elsewhere(s, target: str, draft: str) -> dict:
+    """vLLM's speculative_config and SGLang's flags for this draft (``target``, ``draft``: the
+    resolved checkpoint folders), or why each cannot have it."""
+    out: dict = {"target": target}
+    try:
+        out["vllm"] = {"speculative_config": vllm_speculative_config(s, draft)} | ({"env": VLLM_TREE_ENV} if s.tree else {})
+    except SpecError as e:
+        out["vllm"] = {"error": str(e)}
+    try:
+        out["sglang"] = {"args": sglang_args(s, draft)}
+    except SpecError as e:
+        out["sglang"] = {"error": str(e)}
+    return out
