@@ -336,3 +336,12 @@ def test_split_choices_parse_and_a_bad_cached_one_is_measured_again(dense_engine
     key = kernels.choice_key(dense_engine.model, 4)
     (tmp_path / kernels.CACHE_FILE).write_text(json.dumps({key: {"layout": "dense|onednn@x"}}))
     assert _choose(dense_engine, tmp_path).source == "measured"
+
+
+def test_an_engine_sized_to_short_data_is_measured_within_its_positions(built, tmp_path):
+    """distill loads its target with max_seq_len = the longest prompt + response (here 20): the
+    timed steps must fit its RoPE table (they once ran past it: 'index 40 is out of bounds',
+    and the engine fell back to dense)."""
+    engine = TorchEngine.load(built().target.folder, slots=1, max_seq_len=20)
+    assert engine.kernels.source != "fallback", engine.kernels.reason
+    assert all(t > 0 for t in kernels.step_timer(engine.model, engine.cos, engine.sin, kernels.timed_sizes(9))())

@@ -208,10 +208,12 @@ def _step(tokens: int, start: int, vocab: int) -> StepInputs:
 
 def step_timer(model: DecoderLM, cos: torch.Tensor, sin: torch.Tensor, sizes: tuple[int, ...]) -> Callable[[], list[float]]:
     """A function that times one step of each of ``sizes`` tokens (seconds each, in that
-    order) at position PREFILL of a private one-slot cache. The keys before it are never
-    written (zeros): the work, and so the time, does not depend on their values."""
-    cache = KVCache(model.cfg, 1, PREFILL + max(sizes) + 1, model.model.embed_tokens.weight.dtype)
-    steps = [_step(n, PREFILL, model.cfg.vocab_size) for n in sizes]
+    order) at position PREFILL of a private one-slot cache (earlier when the engine's RoPE
+    table, sized to its max_seq_len, is shorter). The keys before it are never written
+    (zeros): the work, and so the time, does not depend on their values."""
+    start = max(0, min(PREFILL, cos.shape[0] - max(sizes)))
+    cache = KVCache(model.cfg, 1, start + max(sizes) + 1, model.model.embed_tokens.weight.dtype)
+    steps = [_step(n, start, model.cfg.vocab_size) for n in sizes]
 
     def run(step: StepInputs) -> float:
         t = time.perf_counter()
