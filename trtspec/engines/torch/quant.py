@@ -192,15 +192,6 @@ class WeightOnlyLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def packed_bytes(model: nn.Module) -> int:
-    """Bytes the weight-only Linears' kernel tensors hold (after ``pack``)."""
-    return sum(
-        m._kernel_weight.nbytes + m._kernel_scales.nbytes + (m.bias.nbytes if m.bias is not None else 0)
-        for m in model.modules()
-        if isinstance(m, WeightOnlyLinear) and m._kernel_weight is not None
-    )
-
-
 # -- whole models ---------------------------------------------------------------------------------
 
 

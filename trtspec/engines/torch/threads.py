@@ -215,10 +215,3 @@ def governor() -> Governor | _Fixed:
             else:
                 _governor = Governor(max(1, min(torch.get_num_threads(), usable_cores())))
         return _governor
-
-
-def reset() -> None:
-    """Forget the governor (tests; a changed ``TRTSPEC_THREADS``)."""
-    global _governor
-    with _made:
-        _governor = None
