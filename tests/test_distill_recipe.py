@@ -210,6 +210,33 @@ def test_distill_trains_on_a_corpus(tmp_path, tiny_ckpts):
     assert res.metrics["unseen_chains"] > 0 and len(res.metrics["unseen_accepted"]) >= 3
 
 
+def test_norms_train_an_eagle31_head_that_check_accepts(tmp_path, tiny_ckpts):
+    """--norms: the head is made with speculators' default norms (the fused features normed
+    before fc, the hidden-normed residual, the normed output fed back), trains them, and writes
+    a folder the checkpoint check accepts; without it the head has none."""
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from trtspec.cli.app import app
+    from trtspec.distill.heads import NORMS
+    from trtspec.distill.run import distill
+    from trtspec.spec import load_spec
+
+    spec = eagle_spec(tmp_path, tiny_ckpts["target"])
+    distill(load_spec(spec), small_opts(tmp_path, norms=True))
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert {k: config.get(k) for k in NORMS} == NORMS
+    weights = load_file(str(tmp_path / "head" / "model.safetensors"))
+    assert not torch.equal(weights["input_norm.weight"], torch.ones_like(weights["input_norm.weight"]))  # it trained
+    assert json.loads((tmp_path / "head" / "trtspec-head.json").read_text())["recipe"]["norms"] is True
+    assert CliRunner().invoke(app, ["check", str(spec)]).exit_code == 0
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    distill(load_spec(eagle_spec(plain, tiny_ckpts["target"])), small_opts(plain))
+    assert "input_norm.weight" not in load_file(str(plain / "head" / "model.safetensors"))
+    assert not any(json.loads((plain / "head" / "config.json").read_text()).get(k) for k in NORMS)
+
+
 def test_costs_are_measured_within_an_engine_sized_to_short_data(target):
     """distill sizes the target's KV cache to its longest prompt + response; the cost timing
     must fit in it (a 57-position engine once failed with 'sequence of 128 tokens exceeds')."""

@@ -142,6 +142,14 @@ class DistillRecipe(BaseModel):
     feature_noise: Annotated[
         float, Field(ge=0.0), Flag("Uniform noise in [-A, A] added to the target's features while training.")
     ] = 0.0
+    norms: Annotated[
+        bool,
+        Flag(
+            "EAGLE-3.1's norms (speculators' default): the fused features normed before fc, the hidden-normed state "
+            "as the residual, the normed output fed back. vLLM and TensorRT-LLM read them; SGLang does not, so off "
+            "by default (docs/codesign.md)."
+        ),
+    ] = False
     # the evaluation
     eval_every: Annotated[int, Field(ge=1), Flag("Held-out evaluation and checkpoint every N steps.")] = 50
     scaling: Annotated[

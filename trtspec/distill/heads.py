@@ -29,6 +29,15 @@ HEAD_WEIGHTS = "model.safetensors"
 HEAD_MANIFEST = "trtspec-head.json"  # how the head was made (target hash, data, seed, metrics)
 
 
+# EAGLE-3.1's norms as speculators trains them by default (engines/eagle3_checkpoint.py: NORM_FLAGS)
+NORMS = {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}
+
+
+def head_norms(opts) -> dict | None:
+    """The head config's norm flags for a recipe (``opts.norms``), or None: a plain EAGLE-3 head."""
+    return dict(NORMS) if opts.norms else None
+
+
 def new_head(
     target_hf,
     target_folder: Path,
@@ -38,9 +47,12 @@ def new_head(
     extra: dict | None = None,
     scale: float = 0.02,
     anchor: bool = True,
+    norms: dict | None = None,
 ) -> tuple[Eagle3Head, dict]:
-    """A fresh head over ``draft_ids`` (ascending target ids) and its config.json dict."""
-    raw = head_config_dict(target_hf, layer_ids, len(draft_ids), extra)
+    """A fresh head over ``draft_ids`` (ascending target ids) and its config.json dict;
+    ``norms``: the EAGLE-3.1 norm flags it is made with (top-level config keys, as its loaders
+    read them; their weights start at 1)."""
+    raw = head_config_dict(target_hf, layer_ids, len(draft_ids), extra) | (norms or {})
     cfg: HeadConfig = head_config_from_dict(raw, target_hf.num_hidden_layers)
     gen = torch.Generator().manual_seed(seed)
     head = Eagle3Head(cfg)

@@ -35,7 +35,7 @@ from trtspec.device import describe, free_bytes, place, uses_cpu_kernels
 from trtspec.distill.corpus import read_conversations, tokenize_conversations
 from trtspec.distill.costs import generation_key, generation_rows_for, measure_costs, recommend_k
 from trtspec.distill.data import SHIPPED_PROMPTS, capture_batch, distill_prompts, draft_vocabulary, generated
-from trtspec.distill.heads import new_head, refuse_existing, save_head
+from trtspec.distill.heads import head_norms, new_head, refuse_existing, save_head
 from trtspec.distill.options import GEN_BATCH_MAX, DistillOptions, recipe_dump, resolve, run_dump
 from trtspec.distill.sample import Sample
 from trtspec.distill.store import CorruptStore, FeatureStore, open_store, remove_store, write_store
@@ -125,7 +125,7 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
         store, train_s, held_s, unseen_s = data.store, data.train, data.held, data.unseen
         steps = opts.ttt_steps or max(1, loaded.spec.speculative.default_draft_tokens)
         draft_ids = draft_vocabulary(train_s, opts.draft_vocab, target_hf.vocab_size)
-        head, config = new_head(target_hf, folder, layer_ids, draft_ids, opts.seed, anchor=opts.anchor)
+        head, config = new_head(target_hf, folder, layer_ids, draft_ids, opts.seed, anchor=opts.anchor, norms=head_norms(opts))
         run_key = f"{data.info['key']}+{recipe_key(opts, steps)}"  # what a checkpoint was trained on
         scaling = _scaling(target_hf, folder, layer_ids, draft_ids, target, opts, steps, store, train_s, held_s, unseen_s, work)
         trainer = Trainer(head, target, draft_ids, opts, steps, store)
@@ -266,7 +266,7 @@ def _scaling(target_hf, folder, layer_ids, draft_ids, target, opts, steps, store
     for f in sorted(x for x in opts.scaling if x < 1.0):
         part = [train_s[i] for i in sorted(order[: max(1, round(f * len(train_s)))])]
         sub = opts.model_copy(update={"max_steps": max(1, round(opts.max_steps * f)), "resume": False, "time_budget": None})
-        head, _ = new_head(target_hf, folder, layer_ids, draft_ids, opts.seed, anchor=opts.anchor)
+        head, _ = new_head(target_hf, folder, layer_ids, draft_ids, opts.seed, anchor=opts.anchor, norms=head_norms(opts))
         trainer = Trainer(head, target, draft_ids, sub, steps, store)
         console.info(f"data scaling: {f:g}x of the data ({len(part)} sequences, {sub.max_steps} steps)")
         ckpt = work / "scaling-checkpoint.pt"
