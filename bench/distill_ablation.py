@@ -35,6 +35,11 @@ VARIANTS = {
         "3 training-time-test steps (0.8^j) after a depth-1 phase of half the steps",
         ["--ttt-steps", "3", "--ttt-phase", "0.5"],
     ),
+    "norms": ("EAGLE-3.1's norms (speculators' default: before fc, before the residual, on the output)", ["--norms"]),
+    "norms-ttt3": (
+        "EAGLE-3.1's norms and 3 training-time-test steps (0.8^j): speculators' depth",
+        ["--norms", "--ttt-steps", "3"],
+    ),
     "no-anchor": ("random fc and layer, norm 1 (no anchoring)", ["--no-anchor"]),
     "trt-layers": ("TensorRT-LLM's default layers {1, L//2-1, L-4}", ["--layers", "1,14,26"]),
     "lm-head-trained": ("the LM head trained too", ["--train-lm-head"]),
