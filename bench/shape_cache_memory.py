@@ -1,17 +1,23 @@
 """Memory an engine keeps per matmul shape: oneDNN's primitive cache and PyTorch's ideep cache.
 
-Loads one built torch engine in this process, runs prefills of N distinct lengths (each a new
-matmul shape for every packed weight), then repeats some of them, and prints the process's
-RssAnon growth as it goes. Run it with the server's allocator preloaded to see what a stub
-keeps, once per setting:
+Loads one built torch engine in this process, runs prefills of N distinct lengths, then
+repeats some of them, and prints the process's RssAnon growth as it goes. The engine runs its
+packed matmuls in its fixed row counts (engines/torch/model.py row_blocks); with
+``--as-given`` on the rows each prefill has, so each length is a new matmul shape for every
+packed weight (as before those counts). Run it with the server's allocator preloaded to see
+what a stub keeps, once per setting:
 
   LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 python bench/shape_cache_memory.py \\
       engines/smollm2-135m-cpu/target --onednn 0 --ideep 1024
   ... --onednn 0 --ideep 16        # ideep's cache bounded
   ... --onednn 256 --ideep 256     # what `trtspec serve` sets (triton/server/install.py)
+  ... --onednn 256 --ideep 256 --as-given --peak-first   # against the same without --as-given
 
 Both caches read their capacity when first used, so the values are set here before any
-forward runs. Memory only: timings taken here mean nothing.
+forward runs. ``--peak-first`` runs the longest prefill once before the baseline: the growth
+then leaves out the activations' high-water mark (the lengths come shuffled, so without it
+the baseline rises with the longest prefill run so far). Memory only: timings taken here mean
+nothing.
 """
 
 from __future__ import annotations
@@ -38,6 +44,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ideep", type=int, default=256, help="LRU_CACHE_CAPACITY (ideep's cache)")
     ap.add_argument("--lengths", type=int, default=200, help="distinct prefill lengths (2, 4, ...)")
     ap.add_argument("--repeats", type=int, default=100, help="lengths run again at the end")
+    ap.add_argument(
+        "--peak-first",
+        action="store_true",
+        help="run the longest prefill once before the baseline, so the growth leaves out the activations' peak",
+    )
+    ap.add_argument(
+        "--as-given",
+        action="store_true",
+        help="run every matmul on the rows it is given (the engine's fixed row counts off: as before them)",
+    )
     ap.add_argument("--json", help="also write a result file bench/results/NAME.json")
     args = ap.parse_args(argv)
     os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(args.onednn)
@@ -46,10 +62,15 @@ def main(argv: list[str] | None = None) -> int:
     from trtspec.engines.torch.engine import ForwardItem, TorchEngine
 
     engine = TorchEngine.load(args.engine, slots=4)
+    engine.model.fix_matmul_rows(not args.as_given)
     rng = random.Random(0)
+    lengths = list(range(2, 2 * args.lengths + 2, 2))
+    if args.peak_first:  # the largest activations once; its shapes are met again below anyway
+        peak = random.Random(1)  # not the lengths' generator: the same order with or without
+        engine.run([ForwardItem([peak.randrange(100, 20000) for _ in range(lengths[-1])], 1)])
+        engine.forget_prefixes()
     base = rss_anon_mib()
     print(f"loaded: RssAnon {base} MiB; oneDNN cache {args.onednn}, ideep cache {args.ideep}", flush=True)
-    lengths = list(range(2, 2 * args.lengths + 2, 2))
     rng.shuffle(lengths)
     growth = []
     for i, n in enumerate(lengths, 1):
@@ -63,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"after {args.repeats} lengths again: +{after} MiB")
     if args.json:
         values = {"onednn": args.onednn, "ideep": args.ideep, "growth_mib": growth, "after_repeats_mib": after}
+        values["peak_first"], values["fixed_rows"] = args.peak_first, not args.as_given
         values["preload"] = os.environ.get("LD_PRELOAD", "")
         write_result(RESULTS / f"{args.json}.json", command_line("shape_cache_memory.py"), values)
     return 0
