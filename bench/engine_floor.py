@@ -208,15 +208,7 @@ def main(argv=None) -> int:
             print(
                 f"the choice: {timings['chosen_ms']} ms over these steps; the best single layout: {timings['best_single_ms']} ms"
             )
-        profile = profile_step(dep.target, args.profile_steps)
-        print_profile(profile)
-        if args.out:
-            write_result(
-                args.out,
-                command_line("engine_floor.py"),
-                {"kernels": choice.layout, "kernel_choice": timings, "profile": profile},
-            )
-        return 0
+        return _profiled(dep, args, {"kernels": choice.layout, "kernel_choice": timings})
     prompts = encode_prompts(dep, read_kinded_prompts(args.prompts))
     room = dep.limits.max_input_len or dep.limits.max_seq_len
     fits = [p for p in prompts if len(p.ids) <= room and len(p.ids) + args.max_tokens <= dep.limits.max_seq_len]
@@ -299,27 +291,32 @@ def main(argv=None) -> int:
         )
     floor = rate["ours"] / rate["hf"]
     print(f"floor (ours / hf tokens/s): {floor:.3f} -> {'held' if floor >= 1 else 'MISSED'}")
+    return _profiled(
+        dep,
+        args,
+        {
+            "cpu": sig,
+            "kernels": {"layout": choice.layout, "source": choice.source, "seconds": choice.seconds},
+            "kernel_choice": kernel_timings(choice),
+            "spec": loaded.spec.name,
+            "prompts": len(prompts),
+            "max_tokens": args.max_tokens,
+            "tokens": tokens,
+            "seconds": seconds,
+            "tokens_per_s": rate,
+            "identical_to_ours": identical,
+            "floor": floor,
+            "load_average": os.getloadavg()[0],
+        },
+    )
+
+
+def _profiled(dep, args, values: dict) -> int:
+    """Profile a decode step, print it and write ``values`` with the profile to --out."""
     profile = profile_step(dep.target, args.profile_steps)
     print_profile(profile)
     if args.out:
-        write_result(
-            args.out,
-            command_line("engine_floor.py"),
-            {
-                "cpu": sig,
-                "kernels": {"layout": choice.layout, "source": choice.source, "seconds": choice.seconds},
-                "spec": loaded.spec.name,
-                "prompts": len(prompts),
-                "max_tokens": args.max_tokens,
-                "tokens": tokens,
-                "seconds": seconds,
-                "tokens_per_s": rate,
-                "identical_to_ours": identical,
-                "floor": floor,
-                "profile": profile,
-                "load_average": os.getloadavg()[0],
-            },
-        )
+        write_result(args.out, command_line("engine_floor.py"), values | {"profile": profile})
     return 0
 
 
