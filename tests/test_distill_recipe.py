@@ -249,6 +249,24 @@ def test_costs_are_measured_within_an_engine_sized_to_short_data(target):
     assert len(costs["verify"]) == 3 and costs["decode_ms"] > 0 and costs["head"] > 0
 
 
+def test_a_verify_cost_never_falls_with_k_so_noise_does_not_recommend_a_longer_draft(target, monkeypatch):
+    """A neighbour during the 1-token timing made verify(2) look cheaper than verify(1) (the
+    demo head's manifest: 1.318 / 1.188 / 1.352) and recommend k=2 for a head whose second
+    draft is right 4.5% of the time; a longer verify does a shorter one's work and more."""
+    from trtspec.distill import costs as costs_mod
+    from trtspec.distill.costs import measure_costs, recommend_k
+
+    folder, hf, engine_cls = target
+    eng = engine_cls.load(folder, slots=2, max_seq_len=40)
+    head, _ = new_head(hf, folder, (0, 1), list(range(hf.vocab_size)), seed=0)
+    timings = iter([1.0, 1.318, 1.188, 1.352, 0.0234])  # decode, verify k=1..3, head step
+    monkeypatch.setattr(costs_mod, "best_seconds", lambda fn, repeats=costs_mod.REPEATS: next(timings))
+    costs = measure_costs(eng, head, 3)
+    assert costs["verify"] == [1.318, 1.318, 1.352]
+    assert recommend_k([0.401, 0.045, 0.158], costs)[0] == 1  # k=2 with the noisy 1.188
+    assert recommend_k([0.401, 0.045, 0.158], costs | {"verify": [1.318, 1.188, 1.352]})[0] == 2
+
+
 def test_the_generation_batch_is_the_fastest_measured_and_kept_per_machine(target, tmp_path, monkeypatch):
     """A CPU generates at the batch with the most tokens per second on it (the fewest rows within
     3% of that), measured once per machine and model and cached, so the same command gives the

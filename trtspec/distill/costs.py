@@ -6,7 +6,8 @@ Speedup of drafting k tokens per target forward (the Leviathan bound, with measu
     bound(k)              = tokens per forward(k) / (verify(k) + k * c)
 
 a_j: per-position acceptance (P(draft j right | drafts before it right), measured on unseen
-prompts); verify(k): a target forward over k + 1 new tokens in target decode steps; c: one
+prompts); verify(k): a target forward over k + 1 new tokens in target decode steps (never less
+than verify(k - 1): a longer verify does a shorter one's work and more); c: one
 head step in target decode steps. All on this machine, in this process, at one context length,
 on the target's device (every timed call ends by reading its result on the CPU, so a GPU's
 queued work is inside the time).
@@ -15,6 +16,7 @@ queued work is inside the time).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import time
 
@@ -56,7 +58,9 @@ def measure_costs(target: TorchEngine, head: Eagle3Head, depth: int) -> dict:
         return run
 
     decode = best_seconds(forward(1))
-    verify = [best_seconds(forward(k + 1)) / decode for k in range(1, depth + 1)]
+    # A verify of more tokens does the work of a shorter one and more: costs that fall with k are
+    # the machine's noise (a neighbour during one timing), and would recommend a longer k for it.
+    verify = list(itertools.accumulate((best_seconds(forward(k + 1)) / decode for k in range(1, depth + 1)), max))
     engine = HeadEngine(head, target.model.model.embed_tokens, target.cos, target.sin, n + 2, torch.float32, 1)
     h = head.cfg.hidden_size
     engine.extend([HeadRow(0, 0, torch.zeros(n, h), ctx)])
