@@ -130,3 +130,18 @@ def test_long_prompts_decode_the_same_tokens_speculative_and_target_only(built, 
     speculative = [r.output_ids for r in d.generate(reqs, speculative=True)]
     assert speculative == target_only
     assert all(len(ids) == 24 for ids in target_only)
+
+
+def test_the_servers_shape_caches_hold_every_shape_an_engine_stub_meets(packed):
+    """tritonserver's environment sizes oneDNN's and ideep's caches to the fixed set: every row
+    count, for each of a decoder's packed weight shapes, at each thread count the governor
+    compares (oneDNN keys a primitive by its thread count too), so a stub's caches stop growing
+    once it has met them instead of evicting and rebuilding."""
+    from trtspec.engines.torch.threads import candidates
+    from trtspec.triton.server.install import CACHE_ENV, SHAPE_CACHE_CAPACITY
+
+    weights = {tuple(m.weight.shape) for m in packed.model.modules() if isinstance(m, OneDnnLinear)}
+    thread_counts = max(len(candidates(n)) for n in range(1, 1025))
+    assert len(weights) == 5 and thread_counts == 4
+    assert len(ROW_COUNTS) * len(weights) * thread_counts <= SHAPE_CACHE_CAPACITY
+    assert set(CACHE_ENV.values()) == {SHAPE_CACHE_CAPACITY}

@@ -131,8 +131,8 @@ def test_server_env_preloads_the_allocator_once(tmp_path):
     assert server_env(base={"PATH": "/usr/bin", "MALLOC_CONF": "narenas:2"})["MALLOC_CONF"] == "narenas:2"
     glibc = server_env(base={"PATH": "/usr/bin"}, allocator="glibc")
     assert "LD_PRELOAD" not in glibc and "MALLOC_CONF" not in glibc
-    assert glibc["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "256"  # bounded either way
-    assert glibc["LRU_CACHE_CAPACITY"] == "256"  # ideep's own cache of packed matmuls
+    assert glibc["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "640"  # bounded either way
+    assert glibc["LRU_CACHE_CAPACITY"] == "640"  # ideep's own cache of packed matmuls
     assert server_env(base={"PATH": "/usr/bin", "LRU_CACHE_CAPACITY": "32"})["LRU_CACHE_CAPACITY"] == "32"
     assert (
         server_env(base={"PATH": "/usr/bin", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16"})["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "16"

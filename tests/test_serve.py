@@ -904,7 +904,7 @@ def test_serve_dry_run_prints_command_and_environment(deployment):
     assert result.exit_code == 0, result.output
     assert "--http-address=127.0.0.1" in result.output and "--grpc-port=8001" in result.output
     assert "PATH=" + sys.prefix in result.output and "LD_LIBRARY_PATH=" in result.output
-    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY=256" in result.output and "LD_PRELOAD=" in result.output
+    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY=640" in result.output and "LD_PRELOAD=" in result.output
     assert "<admin key>" in result.output  # never the key itself
     assert not (loaded.base_dir / "dry").exists()
 

@@ -41,24 +41,24 @@ AUTO_ALLOCATOR = "jemalloc"
 # process that goes quiet after a large request keeps them: its own thread purges them within
 # about a second instead (a refused 2 x 64 MiB left tritonserver +106 MiB four requests later).
 JEMALLOC_CONF = "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0"
-# oneDNN keeps a compiled primitive for every matmul shape the engines meet (rows x weight),
-# 1024 by default: under varied traffic an engine stub grew steadily by this cache (in process,
-# SmolLM2 pair, soak-like batches: +60 MiB over three rounds, flat with the cache off;
-# operations.md: memory). A packed weight meets at most 32 row counts (engines/torch/model.py
-# row_blocks), a Llama-family model 5 weight shapes: 160 entries, so 256 holds them all and a
-# deployment stops adding entries once it has met them.
-ONEDNN_CACHE_CAPACITY = 256
-# PyTorch's ideep layer, which runs the engines' packed matmuls (_linear_pointwise), keeps a
-# second cache of its own: one computation per input shape and weight, LRU_CACHE_CAPACITY
-# entries (1024 by default). In process, the SmolLM2 target held +1.2 MiB for every distinct
-# prefill length with oneDNN's cache off (+240 MiB after 200 lengths, jemalloc) and +12 MiB
-# flat with this cache at 16 (operations.md: memory); 256 keeps the same fixed set of shapes
-# as oneDNN's cache above.
-IDEEP_CACHE_CAPACITY = 256
+# oneDNN keeps a compiled primitive for every matmul shape the engines meet
+# (ONEDNN_PRIMITIVE_CACHE_CAPACITY, 1024 by default) and PyTorch's ideep layer, which runs the
+# engines' packed matmuls (_linear_pointwise), one computation per shape of its own
+# (LRU_CACHE_CAPACITY, 1024 by default); oneDNN keys a primitive by the thread count that made
+# it, too. Before the engines ran their matmuls in fixed row counts every new prefill length was a
+# new entry (in process, the SmolLM2 target kept +1.2 MiB for every distinct prefill length
+# with oneDNN's cache off; operations.md: memory). Now a packed weight meets at most 32 row
+# counts (engines/torch/model.py row_blocks), a decoder has 5 packed weight shapes (q/k/v and
+# gate/up fused, o, down, the LM head) and the thread governor compares at most 4 counts
+# (engines/torch/threads.py candidates): 640 entries hold every shape an engine stub meets, so
+# its caches stop growing once it has met them. At 256 (the bound before) a 2-core machine's
+# 32 x 5 x 2 = 320 did not fit: in process, prefills alternating 1 and 2 threads kept +110 MiB
+# after 200 lengths and rising, against +60 MiB flat at one thread.
+SHAPE_CACHE_CAPACITY = 32 * 5 * 4
 # What bounds the engines' caches in the server's environment; a user's own value wins.
 CACHE_ENV = {
-    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": ONEDNN_CACHE_CAPACITY,
-    "LRU_CACHE_CAPACITY": IDEEP_CACHE_CAPACITY,
+    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": SHAPE_CACHE_CAPACITY,
+    "LRU_CACHE_CAPACITY": SHAPE_CACHE_CAPACITY,
 }
 Allocator = Literal["auto", "jemalloc", "tcmalloc", "glibc"]
 _LIB_DIRS = (f"/usr/lib/{sysconfig.get_config_var('MULTIARCH') or 'x86_64-linux-gnu'}", "/usr/lib64", "/usr/lib", "/lib64")
