@@ -265,6 +265,12 @@ def test_a_verify_cost_never_falls_with_k_so_noise_does_not_recommend_a_longer_d
     assert costs["verify"] == [1.318, 1.318, 1.352]
     assert recommend_k([0.401, 0.045, 0.158], costs)[0] == 1  # k=2 with the noisy 1.188
     assert recommend_k([0.401, 0.045, 0.158], costs | {"verify": [1.318, 1.188, 1.352]})[0] == 2
+    # A loaded machine flattens the verify costs: a third draft right 9% of the time after a
+    # second right 3% wins by 0.2%, not enough to recommend k=3 over k=1.
+    flat = {"verify": [1.0, 1.0, 1.0], "head": 0.003}
+    k, bounds = recommend_k([0.34, 0.03, 0.09], flat)
+    assert k == 1 and bounds[2] > bounds[0]
+    assert recommend_k([0.8, 0.8, 0.8], flat)[0] == 3  # a deeper draft that pays is still recommended
 
 
 def test_the_generation_batch_is_the_fastest_measured_and_kept_per_machine(target, tmp_path, monkeypatch):
