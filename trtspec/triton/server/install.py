@@ -51,9 +51,10 @@ JEMALLOC_CONF = "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0"
 # counts (engines/torch/model.py row_blocks), a decoder has 5 packed weight shapes (q/k/v and
 # gate/up fused, o, down, the LM head) and the thread governor compares at most 4 counts
 # (engines/torch/threads.py candidates): 640 entries hold every shape an engine stub meets, so
-# its caches stop growing once it has met them. At 256 (the bound before) a 2-core machine's
-# 32 x 5 x 2 = 320 did not fit: in process, prefills alternating 1 and 2 threads kept +110 MiB
-# after 200 lengths and rising, against +60 MiB flat at one thread.
+# neither cache evicts and rebuilds (at 256, the bound before, a 2-core machine's 32 x 5 x 2 =
+# 320 did not fit). That does not end a stub's growth while the thread count changes: in
+# process, prefills at 1 and 2 threads in turn kept +113 MiB after 200 lengths and rising at
+# 640, +100 at 256, against +60 MiB flat at one thread (operations.md: memory).
 SHAPE_CACHE_CAPACITY = 32 * 5 * 4
 # What bounds the engines' caches in the server's environment; a user's own value wins.
 CACHE_ENV = {
