@@ -40,6 +40,10 @@ VARIANTS = {
         "EAGLE-3.1's norms and 3 training-time-test steps (0.8^j): speculators' depth",
         ["--norms", "--ttt-steps", "3"],
     ),
+    "norms-ttt3-no-anchor": (
+        "EAGLE-3.1's norms, 3 training-time-test steps and no anchoring: speculators' start as well",
+        ["--norms", "--ttt-steps", "3", "--no-anchor"],
+    ),
     "no-anchor": ("random fc and layer, norm 1 (no anchoring)", ["--no-anchor"]),
     "trt-layers": ("TensorRT-LLM's default layers {1, L//2-1, L-4}", ["--layers", "1,14,26"]),
     "lm-head-trained": ("the LM head trained too", ["--train-lm-head"]),
