@@ -94,6 +94,7 @@ bench-eagle3: install weights/smollm2-135m-eagle3-head
 # time, values). tests/test_figures.py (make test) fails when a block differs from its result.
 figures:
 	$(PY) bench/figures.py
+	$(PY) bench/plot_heads.py
 
 # NVIDIA AIPerf, a client tool with a heavy dependency set: its own environment, run as a command.
 AIPERF_VENV ?= .venv-aiperf
