@@ -12,6 +12,7 @@ what a stub keeps, once per setting:
   ... --onednn 0 --ideep 16        # ideep's cache bounded
   ... --onednn 256 --ideep 256     # what `trtspec serve` sets (triton/server/install.py)
   ... --onednn 256 --ideep 256 --as-given --peak-first   # against the same without --as-given
+  ... --onednn 640 --ideep 640 --peak-first --alternate-threads   # against 256: two thread counts
 
 Both caches read their capacity when first used, so the values are set here before any
 forward runs. ``--peak-first`` runs the longest prefill once before the baseline: the growth
@@ -54,10 +55,19 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run every matmul on the rows it is given (the engine's fixed row counts off: as before them)",
     )
+    ap.add_argument(
+        "--alternate-threads",
+        action="store_true",
+        help="run the prefills at 1 and 2 threads in turn, as the thread governor's probes do on 2 cores",
+    )
     ap.add_argument("--json", help="also write a result file bench/results/NAME.json")
     args = ap.parse_args(argv)
     os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(args.onednn)
     os.environ["LRU_CACHE_CAPACITY"] = str(args.ideep)
+    if args.alternate_threads:  # the thread governor fixed at 2, so that the counts set here hold
+        os.environ["TRTSPEC_THREADS"] = "2"
+
+    import torch
 
     from trtspec.engines.torch.engine import ForwardItem, TorchEngine
 
@@ -74,17 +84,22 @@ def main(argv: list[str] | None = None) -> int:
     rng.shuffle(lengths)
     growth = []
     for i, n in enumerate(lengths, 1):
+        if args.alternate_threads:  # oneDNN keys a primitive by its thread count too
+            torch.set_num_threads(1 + i % 2)
         engine.run([ForwardItem([rng.randrange(100, 20000) for _ in range(n)], 1)])
         if i % 25 == 0 or i == len(lengths):
             growth.append([i, rss_anon_mib() - base])
             print(f"{i} distinct lengths: +{growth[-1][1]} MiB", flush=True)
-    for n in lengths[: args.repeats]:
+    for i, n in enumerate(lengths[: args.repeats], 1):
+        if args.alternate_threads:
+            torch.set_num_threads(1 + i % 2)
         engine.run([ForwardItem([rng.randrange(100, 20000) for _ in range(n)], 1)])
     after = rss_anon_mib() - base
     print(f"after {args.repeats} lengths again: +{after} MiB")
     if args.json:
         values = {"onednn": args.onednn, "ideep": args.ideep, "growth_mib": growth, "after_repeats_mib": after}
         values["peak_first"], values["fixed_rows"] = args.peak_first, not args.as_given
+        values["alternate_threads"] = args.alternate_threads
         values["preload"] = os.environ.get("LD_PRELOAD", "")
         write_result(RESULTS / f"{args.json}.json", command_line("shape_cache_memory.py"), values)
     return 0
