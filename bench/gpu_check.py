@@ -21,7 +21,8 @@ Projection (labelled so, never a measurement): with per-position acceptance a_1.
 on the command line (acceptance does not depend on the device: `trtspec distill` measures it
 on CPU), the speedup bound of drafting k tokens is
     (1 + a_1 + a_1 a_2 + ... + a_1...a_k) / (verify(k) + k c)
-(distill/costs.py recommend_k), and the k with the highest bound is the projected pair.
+(distill/costs.py recommend_k), and the k distill would recommend from them is the projected pair
+(the shortest k within 2% of the highest bound).
 
 Goals (issue 25), checked for the 8B-class shape at batch 1: verify(k) <= 1.1 decode steps for
 k + 1 <= 8 tokens, and c <= 0.05.
