@@ -139,6 +139,13 @@ class DistillRecipe(BaseModel):
             "Fraction of --max-steps that train the first draft step alone before every unrolled step (the depth-1 head first)."
         ),
     ] = 0.0
+    ttt_reach: Annotated[
+        bool,
+        Flag(
+            "Weight each position of unrolled step j >= 1 by the head's own probability (not trained through) that "
+            "the chain's earlier drafts there are the target's tokens: deeper steps learn where the runtime reaches them."
+        ),
+    ] = False
     feature_noise: Annotated[
         float, Field(ge=0.0), Flag("Uniform noise in [-A, A] added to the target's features while training.")
     ] = 0.0

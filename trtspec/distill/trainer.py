@@ -94,6 +94,7 @@ class Trainer:
             soft=soft,
             weights=weights,
             response_only=not self.opts.all_positions,
+            reach=self.opts.ttt_reach,
         )
         return loss
 

@@ -166,6 +166,7 @@ def ttt_loss(
     soft: bool = False,
     weights: list[float] | None = None,
     response_only: bool = True,
+    reach: bool = False,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Cross-entropy per step, weighted by ``weights`` (default: equal), over the positions
     step_targets scores (``response_only``: chains inside responses only).
@@ -176,31 +177,73 @@ def ttt_loss(
     trains on the target's probabilities over the draft vocabulary too): every position also
     teaches how sure the target is and what its runner-up is, more signal per captured token.
     Positions are those the hard loss scores; the greedy token is the top-1 of the same logits.
+    ``reach``: each step's loss is a mean over its positions weighted by reach_weights.
     """
     logits = unrolled_logits(head, embed, batch, steps, cos, sin)
     if soft and batch.top_ids is None:
         raise ValueError("soft labels need the captured top-k logits (Batch.top_ids)")
-    if soft:
-        # Position t at step j predicts the target's next token at t + 1 (as step_targets).
-        ids = _shift_left_3d(batch.top_ids, 1, fill=-1)  # [B, T, k]
-        draft = torch.where(ids >= 0, t2d[ids.clamp(min=0)], torch.full_like(ids, -1))
-        keep = draft >= 0
-        lg_t = _shift_left_3d(batch.top_logits, 1, fill=0.0).masked_fill(~keep, float("-inf"))
-        probs = torch.softmax(lg_t, dim=-1).nan_to_num(0.0)  # rows with no draft-vocab token: all 0
-        has = keep.any(-1)
-    losses = []
-    for lg, tgt in zip(logits, step_targets(batch, steps, response_only)):
-        if not soft:
-            draft_tgt = torch.where(tgt >= 0, t2d[tgt.clamp(min=0)], torch.full_like(tgt, -1))
-            losses.append(F.cross_entropy(lg.float().flatten(0, 1), draft_tgt.flatten(), ignore_index=-1))
-            continue
-        logq = torch.log_softmax(lg.float(), dim=-1).gather(-1, draft.clamp(min=0))  # [B, T, k]
-        per_pos = -(probs * logq.masked_fill(~keep, 0.0)).sum(-1)  # [B, T]
-        scored = (tgt >= 0) & has
-        losses.append(per_pos[scored].sum() / scored.sum().clamp(min=1))
+    targets = step_targets(batch, steps, response_only)
+    draft_tgts = [torch.where(tgt >= 0, t2d[tgt.clamp(min=0)], torch.full_like(tgt, -1)) for tgt in targets]
+    target_dist = _soft_targets(batch, t2d) if soft else None
+    reached = reach_weights(logits, draft_tgts) if reach else [None] * steps
+    losses = [
+        _step_loss(lg, tgt, draft_tgt, target_dist, w) for lg, tgt, draft_tgt, w in zip(logits, targets, draft_tgts, reached)
+    ]
     w = torch.tensor(weights if weights is not None else [1.0 / steps] * steps, device=losses[0].device)
     # A batch may hold no scored position for some step (all prompt): cross_entropy is nan there.
     return (torch.stack(losses).nan_to_num(0.0) * w).sum(), logits
+
+
+def reach_weights(logits: list[torch.Tensor], draft_tgts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[B, T] per unrolled step: the probability that a greedy chain reaches step j at t, as
+    the head sees it: the product of its probabilities of the target's tokens at the chain's
+    earlier steps (step i at t - j + i; 0 where that token is outside the draft vocabulary).
+    No gradient flows through it. Step 0 weighs 1 everywhere. At runtime step j drafts only
+    after drafts 0..j-1 were accepted; weighting by it trains the later steps on the chains
+    that get there (GRIFFIN masks the chains that do not)."""
+    with torch.no_grad():
+        right = [
+            torch.softmax(lg.float(), dim=-1).gather(-1, d.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (d >= 0)
+            for lg, d in zip(logits, draft_tgts)
+        ]  # [B, T] each
+        out = []
+        for j in range(len(logits)):
+            w = torch.ones_like(right[0])
+            for i in range(j):
+                w = w * _shift(right[i], j - i, dim=1)
+            out.append(w)
+    return out
+
+
+def _soft_targets(batch: Batch, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The target's distribution over the draft vocabulary at each position's next token:
+    (draft ids [B, T, k] (-1: outside), their probabilities [B, T, k], whether any is inside
+    [B, T])."""
+    # Position t at step j predicts the target's next token at t + 1 (as step_targets).
+    ids = _shift_left_3d(batch.top_ids, 1, fill=-1)  # [B, T, k]
+    draft = torch.where(ids >= 0, t2d[ids.clamp(min=0)], torch.full_like(ids, -1))
+    keep = draft >= 0
+    lg_t = _shift_left_3d(batch.top_logits, 1, fill=0.0).masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(lg_t, dim=-1).nan_to_num(0.0)  # rows with no draft-vocab token: all 0
+    return draft, probs, keep.any(-1)
+
+
+def _step_loss(lg, tgt, draft_tgt, target_dist, reached) -> torch.Tensor:
+    """One unrolled step's loss: the mean over its scored positions, weighted by ``reached``
+    ([B, T]) when given."""
+    if target_dist is None:
+        if reached is None:
+            return F.cross_entropy(lg.float().flatten(0, 1), draft_tgt.flatten(), ignore_index=-1)
+        per_pos = F.cross_entropy(lg.float().flatten(0, 1), draft_tgt.flatten(), ignore_index=-1, reduction="none")
+        per_pos, scored = per_pos.view_as(draft_tgt), draft_tgt >= 0
+    else:
+        draft, probs, has = target_dist
+        logq = torch.log_softmax(lg.float(), dim=-1).gather(-1, draft.clamp(min=0))  # [B, T, k]
+        per_pos = -(probs * logq.masked_fill(~(draft >= 0), 0.0)).sum(-1)  # [B, T]
+        scored = (tgt >= 0) & has
+        if reached is None:
+            return per_pos[scored].sum() / scored.sum().clamp(min=1)
+    return (per_pos * reached)[scored].sum() / reached[scored].sum().clamp(min=1e-8)
 
 
 def _shift_left_3d(x: torch.Tensor, n: int, fill) -> torch.Tensor:
