@@ -9,7 +9,10 @@ prompts no head saw (the spec's verify prompts and bench/prompts.jsonl).
 
 The first variant ("all", the current defaults) generates and captures the data; the others
 reuse its capture (hard links into their work folders), except "trt-layers", whose features are
-other layers. Writes ablation.json, ablation.md (the table) and prints the table.
+other layers. --capture DIR reuses an earlier run's capture (e.g. make demo's head's work folder)
+instead. Writes ablation.json, ablation.md (the table) and prints the table; --result NAME also
+merges the rows into bench/results/NAME.json (runs at other step counts or into other --out
+folders add rows to the same file).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _common import RESULTS, ROOT, Result, command_line, write_result
+
 TRTSPEC = str(Path(sys.executable).with_name("trtspec"))
 
 # name -> (its one change from the default recipe, extra distill flags)
@@ -31,6 +35,14 @@ VARIANTS = {
     "hard": ("hard labels: cross-entropy on the target's greedy token (default: soft)", ["--labels", "hard"]),
     "noise": ("uniform feature noise in [-0.05, 0.05]", ["--feature-noise", "0.05"]),
     "ttt3": ("3 training-time-test steps, weights 0.8^j", ["--ttt-steps", "3"]),
+    "ttt3-decay-0.5": (
+        "3 training-time-test steps, weights 0.5^j (1, 0.5, 0.25): the first draft weighted more",
+        ["--ttt-steps", "3", "--step-decay", "0.5"],
+    ),
+    "ttt3-reach": (
+        "3 training-time-test steps (0.8^j), a deeper step's positions weighted by the head's probability that its chain reaches them",
+        ["--ttt-steps", "3", "--ttt-reach"],
+    ),
     "ttt3-phase": (
         "3 training-time-test steps (0.8^j) after a depth-1 phase of half the steps",
         ["--ttt-steps", "3", "--ttt-phase", "0.5"],
@@ -100,7 +112,10 @@ def run(spec: str, out: Path, name: str, flags: list[str], steps: int, common: l
         "train_response_tokens": manifest["data"]["train_response_tokens"],
         # wall time under whatever load the machine had: not a speed figure
         "seconds": manifest["elapsed_s"] if reuse else round(time.monotonic() - t0, 1),
+        # this process's CPU seconds in the training loop (a resumed run's count only since it resumed: none)
+        "train_cpu_s": None if manifest["run"].get("resume") else manifest.get("train_cpu_s"),
         "command": " ".join(cmd[1:]),
+        "head": str(head.resolve()),  # where it is (a link given as --out/NAME: the head it points to)
     }
 
 
@@ -112,13 +127,27 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--reuse", action="store_true", help="read a variant's finished head instead of training it again")
+    ap.add_argument(
+        "--resume", action="store_true", help="continue each variant's interrupted run from its checkpoint (distill --resume)"
+    )
+    ap.add_argument("--result", help="also merge the rows into bench/results/RESULT.json (the documents' figures)")
+    ap.add_argument(
+        "--capture",
+        type=Path,
+        help="a distill work folder (a head's .NAME.distill) whose capture every variant of the default layers reuses "
+        "(hard links), instead of the one 'all' makes",
+    )
     args = ap.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if args.capture:
+        if not args.capture.is_dir() or not any(f.name.startswith("features-") for f in args.capture.iterdir()):
+            raise SystemExit(f"--capture {args.capture}: no features-* files there; give a head's .NAME.distill folder")
+        link_capture(args.capture, out / ".all.distill")
     # on top of the spec's distill: block, what every variant shares: the steps (given per run),
     # no time budget (the same steps whatever the load) and no data-scaling curve
     common = ["--max-tokens", str(args.max_tokens), "--weight-decay", "0.01", "--time-budget", "none", "--scaling", "none"]
-    common += ["--eval-prompts", str(ROOT / "bench" / "prompts.jsonl")]
+    common += ["--eval-prompts", str(ROOT / "bench" / "prompts.jsonl")] + (["--resume"] if args.resume else [])
     rows = []
     names = args.variants.split(",")
     for name in names:
@@ -131,6 +160,14 @@ def main() -> None:
         print(f"running {name} ...", flush=True)
         rows.append(run(args.spec, out, name, VARIANTS[name][1], args.steps, common, args.reuse))
         (out / "ablation.json").write_text(json.dumps(rows, indent=2) + "\n")
+    table = markdown_table(rows)
+    (out / "ablation.md").write_text(table + "\n")
+    print(table)
+    if args.result:
+        print(f"wrote {record(args.result, rows)}")
+
+
+def markdown_table(rows: list[dict]) -> str:
     table = [
         "| variant | change from the default recipe | steps | k=1 acceptance | acceptance length k=3 | per position | top-3 recall per depth |",
         "|---|---|---:|---:|---:|---|---|",
@@ -141,8 +178,38 @@ def main() -> None:
         table.append(
             f"| {r['variant']} | {r['change']} | {r['steps']} | {r['k1_acceptance']:.3f} | {r['acceptance_length_k3']:.2f} | {per} | {top3} |"
         )
-    (out / "ablation.md").write_text("\n".join(table) + "\n")
-    print("\n".join(table))
+    return "\n".join(table)
+
+
+RESULT_COLUMNS = ["variant", "change", "steps", "k=1 acceptance", "acceptance length k=3", "per position (k=3)", "training CPU s"]
+
+
+def record(name: str, rows: list[dict]) -> Path:
+    """Merge ``rows`` into bench/results/NAME.json (one row per variant and step count, a later
+    run replacing an earlier one; this command added to the file's), with the table the
+    documents show (bench/figures.py) and this machine's description."""
+    path = RESULTS / f"{name}.json"
+    old = Result.read(path) if path.is_file() else None
+    new = {(r["variant"], r["steps"]) for r in rows}
+    kept = [r for r in (old.values["rows"] if old else []) if (r["variant"], r["steps"]) not in new]
+    merged = sorted(kept + rows, key=lambda r: (r["steps"], r["variant"]))
+    table = {
+        "columns": RESULT_COLUMNS,
+        "rows": [
+            [
+                r["variant"],
+                r["change"],
+                r["steps"],
+                f"{r['k1_acceptance']:.3f}",
+                f"{r['acceptance_length_k3']:.3f}",
+                " / ".join(f"{a:.2f}" for a in r["per_position"]),
+                "not recorded" if r.get("train_cpu_s") is None else f"{r['train_cpu_s']:.0f}",
+            ]
+            for r in merged
+        ],
+    }
+    commands = (old.command.splitlines() if old else []) + [command_line("distill_ablation.py")]
+    return write_result(path, "\n".join(dict.fromkeys(commands)), {"rows": merged, "table": table})
 
 
 if __name__ == "__main__":

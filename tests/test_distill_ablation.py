@@ -1,0 +1,43 @@
+"""bench/distill_ablation.py's result file: rows of several runs merge, one per variant and
+step count, a later run replacing an earlier one, each command kept once."""
+
+from __future__ import annotations
+
+import sys
+
+import distill_ablation
+from _common import Result
+
+
+def _row(variant: str, steps: int, k1: float, cpu: float | None) -> dict:
+    return {
+        "variant": variant,
+        "change": f"{variant}'s change",
+        "steps": steps,
+        "k1_acceptance": k1,
+        "acceptance_length_k3": 1.5,
+        "per_position": [k1, 0.4, 0.5],
+        "train_cpu_s": cpu,
+    }
+
+
+def test_rows_of_several_runs_merge_into_one_result_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(distill_ablation, "RESULTS", tmp_path)
+    monkeypatch.setattr(sys, "argv", ["distill_ablation.py", "spec.yaml", "--steps", "400"])
+    distill_ablation.record("abl", [_row("ttt3", 400, 0.37, 900.4), _row("all", 400, 0.40, None)])
+    monkeypatch.setattr(sys, "argv", ["distill_ablation.py", "spec.yaml", "--steps", "456"])
+    distill_ablation.record("abl", [_row("ttt3", 456, 0.38, 1020.0)])
+    monkeypatch.setattr(sys, "argv", ["distill_ablation.py", "spec.yaml", "--steps", "400"])
+    path = distill_ablation.record("abl", [_row("ttt3", 400, 0.36, 880.0)])  # the 400-step row again
+    r = Result.read(path)
+    assert [(x["variant"], x["steps"], x["k1_acceptance"]) for x in r.values["rows"]] == [
+        ("all", 400, 0.40),
+        ("ttt3", 400, 0.36),
+        ("ttt3", 456, 0.38),
+    ]
+    assert r.values["table"]["rows"][0][-1] == "not recorded" and r.values["table"]["rows"][1][-1] == "880"
+    assert r.values["table"]["rows"][2][3:6] == ["0.380", "1.500", "0.38 / 0.40 / 0.50"]
+    assert r.command.splitlines() == [
+        "python bench/distill_ablation.py spec.yaml --steps 400",
+        "python bench/distill_ablation.py spec.yaml --steps 456",
+    ]
