@@ -22,20 +22,25 @@ refused with their named error. It reports and checks:
                 mappings (bench/server_memory.py), from the end of
                 --warmup seconds of the same load (the engines' static KV buffers are touched
                 page by page as slots and positions are first used: that is not a leak) to the
-                end; the growth from before any load and a sample every 10 s are reported too
+                end, twice: idle against idle (at each end the traffic is drained: no new
+                request until every one in flight is answered, then SETTLE_S seconds; the pause
+                is added to the load's time) and in flight against in flight (sampled just
+                before each drain); the growth from before any load and a sample every 10 s
+                are reported too
   held after    sequences still holding a place and requests still queued, read from the
                 trtspec_active_sequences / trtspec_queue_depth gauges on /metrics when the
                 server exports them; and a probe: max_batch_size fresh streams per instance
                 all complete, identical to target-only
 
-Exit status 0 when failed, mismatched and held-after are 0 and no process's held memory grew more than
---max-growth percent after the warm-up (a process that began or ended in that span counts as
-grown); 1 otherwise. Writes --json.
+Exit status 0 when failed, mismatched and held-after are 0, both drains emptied, and no
+process's held memory grew more than --max-growth percent after the warm-up, idle against idle
+(a process that began or ended in that span counts as grown); 1 otherwise. Writes --json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import queue
 import random
@@ -44,6 +49,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 from _common import command_line, start_server, write_result
@@ -71,6 +77,70 @@ def held_by_model(per_process: dict[str, dict]) -> dict[str, dict[str, float | N
             out[key] = {"mib": round(g["growth_kib"]["held"] / 1024, 1), "pct": g["growth_pct"]["held"]}
         else:
             out[key] = {"mib": None, "pct": None}
+    return out
+
+
+# After a drain, before the idle sample: cancellations reach the scheduler within a step, and
+# jemalloc's background thread returns freed pages within its dirty_decay_ms (1 s; install.py).
+SETTLE_S = 3.0
+
+
+class Traffic:
+    """The load's clock and its pauses: workers take each request through ``request()``, which
+    waits while the traffic is drained; ``drain()`` stops new requests and waits until every
+    request in flight is answered. The time paused is added to the deadline, so a drain takes
+    nothing from the load's duration."""
+
+    def __init__(self, seconds: float, clock=time.monotonic):
+        self.clock = clock
+        self.deadline = clock() + seconds
+        self._cond = threading.Condition()
+        self._open, self._busy, self._paused_at = True, 0, 0.0
+
+    def running(self) -> bool:
+        return self.clock() < self.deadline
+
+    @contextlib.contextmanager
+    def request(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: self._open)
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy -= 1
+                self._cond.notify_all()
+
+    def drain(self, timeout: float) -> bool:
+        """Stop new requests; True once none is in flight (False: ``timeout`` passed first)."""
+        with self._cond:
+            self._open, self._paused_at = False, self.clock()
+            return self._cond.wait_for(lambda: self._busy == 0, timeout)
+
+    def resume(self) -> None:
+        with self._cond:
+            self.deadline += self.clock() - self._paused_at
+            self._open = True
+            self._cond.notify_all()
+
+
+def memory_report(spans: dict[str, tuple[dict, dict]], gate: str) -> dict:
+    """Per-process growth over each named span (start, end tree_memory samples), each process's
+    held growth by model, the worst one per span, and which span the goal is judged on
+    (``gate``)."""
+    from server_memory import growth, worst_growth
+
+    out: dict = {"judged_on": gate, "spans": {}}
+    for name, (start, end) in spans.items():
+        per_process = growth(start, end)
+        worst, pct = worst_growth(per_process)
+        out["spans"][name] = {
+            "memory_growth": per_process,
+            "held_growth": held_by_model(per_process),
+            "worst_process": worst,
+            "worst_held_growth_pct": round(pct, 2),
+        }
     return out
 
 
@@ -204,7 +274,7 @@ def main() -> int:
     global ANSWER_TIMEOUT
     ANSWER_TIMEOUT = args.answer_timeout
 
-    from server_memory import compact, growth, total, tree_memory, worst_growth
+    from server_memory import compact, growth, total, tree_memory
     from trtspec.spec import load_spec
 
     loaded = load_spec(args.spec)
@@ -230,7 +300,7 @@ def main() -> int:
             assert stream(url, p, lengths[0], chat, None) == expected[(p, lengths[0])], p
             assert unary(url, UNARY, p, lengths[0], chat) == expected[(p, lengths[0])], p
         mem_cold = tree_memory(server.pid)
-        stop_at = time.monotonic() + args.warmup + args.duration
+        traffic = Traffic(args.warmup + args.duration)
         samples: list[dict] = []
 
         def fault(kind: str, p: str, n: int, rng: random.Random) -> None:
@@ -258,52 +328,61 @@ def main() -> int:
 
         def worker(seed: int) -> None:
             rng = random.Random(seed)
-            while time.monotonic() < stop_at:
-                p, n = rng.choice(prompts), rng.choice(lengths)
-                if rng.random() < args.faults:
-                    fault(rng.choice(faults), p, n, rng)
-                    continue
-                kind = rng.choice(["stream", "unary"])
-                cancel_after = rng.randint(1, 3) if kind == "stream" and rng.random() < args.cancel else None
-                try:
-                    if kind == "stream":
-                        got = stream(url, p, n, chat, cancel_after)
-                    else:
-                        got = unary(url, UNARY, p, n, chat)
-                except Unanswered as err:
+            while traffic.running():
+                with traffic.request():
+                    p, n = rng.choice(prompts), rng.choice(lengths)
+                    if rng.random() < args.faults:
+                        fault(rng.choice(faults), p, n, rng)
+                        continue
+                    kind = rng.choice(["stream", "unary"])
+                    cancel_after = rng.randint(1, 3) if kind == "stream" and rng.random() < args.cancel else None
+                    try:
+                        if kind == "stream":
+                            got = stream(url, p, n, chat, cancel_after)
+                        else:
+                            got = unary(url, UNARY, p, n, chat)
+                    except Unanswered as err:
+                        with lock:
+                            counts["unanswered"] += 1
+                            problems.append(f"{kind} {p!r} max_tokens {n}: {err}")
+                        continue
+                    except Exception as err:
+                        with lock:
+                            counts["failed"] += 1
+                            problems.append(f"{kind} {p!r} max_tokens {n}: {err}")
+                        continue
                     with lock:
-                        counts["unanswered"] += 1
-                        problems.append(f"{kind} {p!r} max_tokens {n}: {err}")
-                    continue
-                except Exception as err:
-                    with lock:
-                        counts["failed"] += 1
-                        problems.append(f"{kind} {p!r} max_tokens {n}: {err}")
-                    continue
-                with lock:
-                    if got is None:
-                        counts["cancelled"] += 1
-                    elif got != expected[(p, n)]:
-                        counts["mismatched"] += 1
-                        problems.append(f"{kind} {p!r} max_tokens {n}: differs from target-only")
-                    else:
-                        counts["completed"] += 1
-                        counts["tokens"] += len(got)
+                        if got is None:
+                            counts["cancelled"] += 1
+                        elif got != expected[(p, n)]:
+                            counts["mismatched"] += 1
+                            problems.append(f"{kind} {p!r} max_tokens {n}: differs from target-only")
+                        else:
+                            counts["completed"] += 1
+                            counts["tokens"] += len(got)
 
         threads = [threading.Thread(target=worker, args=(args.seed + i,)) for i in range(args.concurrency)]
         begin = time.monotonic()
         for t in threads:
             t.start()
         time.sleep(args.warmup)  # requests of the warm-up count like the rest
-        mem_start = tree_memory(server.pid)
-        while any(t.is_alive() for t in threads):
+        # Each end of the span sampled twice: with requests in flight, and idle (traffic
+        # drained, every request answered): a process's memory swings with what is in flight.
+        busy_start = tree_memory(server.pid)
+        drained = [traffic.drain(ANSWER_TIMEOUT)]
+        time.sleep(SETTLE_S)
+        idle_start = tree_memory(server.pid)
+        traffic.resume()
+        while traffic.running():
             samples.append({"t": round(time.monotonic() - begin, 1)} | compact(tree_memory(server.pid)))
-            time.sleep(10)
+            time.sleep(max(0.0, min(10.0, traffic.deadline - time.monotonic())))
+        busy_end = tree_memory(server.pid)  # new requests stop; those in flight are still running
+        drained.append(traffic.drain(ANSWER_TIMEOUT))
         for t in threads:
             t.join()
         seconds = time.monotonic() - begin
-        time.sleep(1.0)  # the last cancellations reach the scheduler within a step
-        mem_end = tree_memory(server.pid)
+        time.sleep(SETTLE_S)
+        idle_end = tree_memory(server.pid)
         held = gauges(server.metrics_url)
         # Every place must be free again: as many fresh streams as one endpoint instance has
         # places, at once, all complete and identical to target-only.
@@ -323,15 +402,15 @@ def main() -> int:
     finally:
         server.stop()
 
-    per_process = growth(mem_start, mem_end)
-    worst, worst_pct = worst_growth(per_process)
+    memory = memory_report({"idle": (idle_start, idle_end), "in_flight": (busy_start, busy_end)}, gate="idle")
+    judged, in_flight = memory["spans"]["idle"], memory["spans"]["in_flight"]
     held_after = None if held is None else int(held.get("trtspec_active_sequences", 0) + held.get("trtspec_queue_depth", 0))
     report = {
         "spec": loaded.spec.name,
         "allocator": server.env.get("LD_PRELOAD") or "glibc",
         "server_args": args.server_arg,
         "server_env": args.server_env,
-        "load_s": round(seconds, 1),  # warm-up included: every count covers it
+        "load_s": round(seconds, 1),  # warm-up and drains included: every count covers it
         "concurrency": args.concurrency,
         "cancel_fraction": args.cancel,
         "completed": counts["completed"],
@@ -346,17 +425,32 @@ def main() -> int:
         "output_tokens": counts["tokens"],
         "warmup_s": args.warmup,
         # Per process from the end of the warm-up to the end (the goal: worst growth of held
-        # memory, Pss_Anon + Pss_Shmem; bench/server_memory.py).
-        "memory_growth": per_process,
-        "held_growth": held_by_model(per_process),
-        "worst_held_growth_pct": round(worst_pct, 2),
-        "worst_process": worst,
-        # What the tree holds (shared pages counted once) before load, after the warm-up and at
-        # the end; the growth from before load includes the warm-up's.
+        # memory, Pss_Anon + Pss_Shmem; bench/server_memory.py), idle against idle: sampled
+        # with the traffic drained, every request answered.
+        "memory_growth": judged["memory_growth"],
+        "held_growth": judged["held_growth"],
+        "worst_held_growth_pct": judged["worst_held_growth_pct"],
+        "worst_process": judged["worst_process"],
+        # The same span with requests in flight at both ends (never hidden: a growth that
+        # only shows under load shows here).
+        "in_flight_memory_growth": in_flight["memory_growth"],
+        "in_flight_held_growth": in_flight["held_growth"],
+        "worst_in_flight_held_growth_pct": in_flight["worst_held_growth_pct"],
+        "worst_in_flight_process": in_flight["worst_process"],
+        "drained": drained,  # each drain ended with no request in flight
+        # What the tree holds (shared pages counted once) before load and at each sample of
+        # the span's ends; the growth from before load includes the warm-up's.
         "held_total_mib": {
-            k: round(total(m) / 1024, 1) for k, m in (("before_load", mem_cold), ("start", mem_start), ("end", mem_end))
+            k: round(total(m) / 1024, 1)
+            for k, m in (
+                ("before_load", mem_cold),
+                ("start_in_flight", busy_start),
+                ("start_idle", idle_start),
+                ("end_in_flight", busy_end),
+                ("end_idle", idle_end),
+            )
         },
-        "from_before_load": growth(mem_cold, mem_end),
+        "from_before_load": growth(mem_cold, idle_end),
         # Every 10 s, per process: [held, Pss, RssAnon, RssShmem] MiB and the /dev/shm mappings.
         "memory_samples": samples,
         "held_after": held_after,  # None: the server exports no trtspec load gauges
@@ -367,7 +461,7 @@ def main() -> int:
     if args.json:
         write_result(args.json, command_line("soak.py"), report)
     ok = not counts["failed"] and not counts["mismatched"] and not counts["unanswered"]
-    ok = ok and probe_ok and worst_pct <= args.max_growth
+    ok = ok and probe_ok and all(drained) and judged["worst_held_growth_pct"] <= args.max_growth
     return 0 if ok and held_after in (0, None) else 1
 
 
