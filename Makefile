@@ -17,7 +17,7 @@ EAGLE3_SPEC := engine_specs/smollm2-135m-eagle3.yaml
 EAGLE3_DEMO_SPEC := engine_specs/smollm2-135m-eagle3-demo.yaml
 DISTILL_FLAGS ?=
 
-.PHONY: install browser allocator demo demo-codesign demo-eagle3 distill-peers speculators lint test test-fast test-gpu gpu-check figures bench bench-eagle3 bench-aiperf aiperf guidellm bench-guidellm vllm test-vllm clean
+.PHONY: install browser allocator demo demo-codesign demo-eagle3 distill-peers speculators specforge lint test test-fast test-gpu gpu-check figures bench bench-eagle3 bench-aiperf aiperf guidellm bench-guidellm vllm test-vllm clean
 
 install: $(VENV)/.installed
 
@@ -140,12 +140,29 @@ $(SPECULATORS_VENV)/.installed:
 	  'tqdm>=4.66.3,<=4.70.1' 'transformers>=5.0.0,<=5.19.0' 'typer>=0.12.0' aiohttp 'openai>=2.0.0'
 	touch $@
 
-# make demo's head beside speculators' head trained on the same captured responses, layers and
-# draft vocabulary, both scored on the same unseen prompts through vLLM (docs/codesign.md).
+# SpecForge (SGLang project), the other EAGLE-3 trainer users pick: its own environment, run as a
+# command by bench/distill_peers.py (bench/specforge_cpu.py inside it). torch is our CPU pin;
+# specforge and yunchang come without their dependencies (its metadata pins torch 2.11 and
+# sglang, which needs CUDA-only packages; offline training imports neither), then the packages
+# its imports need, transformers at its pin.
+SPECFORGE_VENV ?= .venv-specforge
+specforge: $(SPECFORGE_VENV)/.installed
+$(SPECFORGE_VENV)/.installed:
+	python3 -m venv $(SPECFORGE_VENV)
+	$(SPECFORGE_VENV)/bin/pip install -q $(TORCH_PIN)
+	$(SPECFORGE_VENV)/bin/pip install -q --no-deps 'specforge==0.2.0' yunchang
+	$(SPECFORGE_VENV)/bin/pip install -q 'transformers==5.8.1' accelerate datasets huggingface-hub numpy psutil pydantic pyyaml \
+	  safetensors tqdm
+	touch $@
+
+# make demo's head beside speculators' and SpecForge's heads trained on the same captured responses,
+# layers and draft vocabulary, all scored on the same unseen prompts through trtspec and vLLM
+# (docs/codesign.md).
 PEERS_EPOCHS ?= 6
-distill-peers: install speculators vllm weights/smollm2-135m-eagle3-head-demo
+SPECFORGE_EPOCHS ?= 1
+distill-peers: install speculators specforge vllm weights/smollm2-135m-eagle3-head-demo
 	OMP_NUM_THREADS=1 $(PY) bench/distill_peers.py $(EAGLE3_DEMO_SPEC) --head weights/smollm2-135m-eagle3-head-demo \
-	  --epochs $(PEERS_EPOCHS) --out bench/results/distill-peers
+	  --epochs $(PEERS_EPOCHS) --specforge-epochs $(SPECFORGE_EPOCHS) --out bench/results/distill-peers
 
 # The EAGLE-3 head contract against vLLM: a head distilled here, loaded in vLLM unchanged.
 test-vllm: install vllm

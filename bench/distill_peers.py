@@ -1,39 +1,54 @@
 """trtspec's EAGLE-3 head side by side with the trainers users pick, on the same data.
 
     make distill-peers
-    python bench/distill_peers.py SPEC --head HEAD [--epochs 4] [--out bench/results/distill-peers]
+    python bench/distill_peers.py SPEC --head HEAD [--epochs 6] [--specforge-epochs 1] [--out DIR]
+    # one more trtspec head in the same table, the peers' heads and scores reused:
+    python bench/distill_peers.py SPEC --head HEAD --out DIR --reuse-export \
+        --speculators-head S --specforge-head F --extra-head NAME=HEAD2
 
 HEAD is a head `trtspec distill SPEC` wrote; its manifest names the data it was trained on
 (prompts, seed, split, response length, layers). This script:
 
 1. takes the SAME captured responses (distill's own capture in HEAD's work folder, made again
    if it is gone), the same training split, the same target layers and the same draft
-   vocabulary (HEAD's d2t), and writes them in speculators' offline format: per training
-   sequence `hidden_states/hs_{i}.safetensors` with `token_ids [T]` and `hidden_states
-   [T, 4, hidden]` (bfloat16): the three layers the head reads, then the last layer's output
-   (the teacher: speculators computes the target's distribution from it; checked: its argmax
-   through the target's norm and LM head is the captured greedy label), and the Arrow rows
-   (input_ids, loss_mask = response positions, seq_len);
-2. trains speculators' EAGLE-3 head on it in speculators' own environment
-   (bench/speculators_cpu.py), with speculators' documented defaults except where the shared
-   data or the CPU forces a change (each named in the result's "hyperparameters");
+   vocabulary (HEAD's d2t), and writes them, from one capture, in
+   - speculators' offline format: per sequence `hidden_states/hs_{i}.safetensors` with
+     `token_ids [T]` and `hidden_states [T, 4, hidden]` (bfloat16): the three layers the head
+     reads, then the last layer's output (the teacher: speculators computes the target's
+     distribution from it; checked: its argmax through the target's norm and LM head is the
+     captured greedy label), and the Arrow rows (input_ids, loss_mask = response positions);
+   - SpecForge's offline format: per training sequence a `.ckpt` with input_ids, loss_mask,
+     hidden_state [1, T, hidden] (the last layer's output through the final norm: SpecForge's
+     teacher) and aux_hidden_state [1, T, 3 * hidden] (the same three layers), its vocabulary
+     mapping file (HEAD's d2t / t2d), a target folder with the index its loaders need, and a
+     draft config of HEAD's shape naming the layers;
+2. trains speculators' and SpecForge's EAGLE-3 heads on it at the same time, one thread each,
+   each in its own environment (bench/speculators_cpu.py, bench/specforge_cpu.py), with each
+   trainer's documented defaults except where the shared data or the CPU forces a change (each
+   named in the record's "hyperparameters"); SpecForge's head is then written by its own
+   `specforge export --to sglang`;
 3. scores every head on the same unseen prompts (the spec's verify prompts and HEAD's
    --eval-prompts, never trained on) through vLLM (.venv-vllm: bench/vllm_peer.py) at
-   k = 1 and k = 3, and through trtspec: HEAD's figures from its manifest, speculators' head
-   by the same code that wrote them (distill's Trainer.report over the same unseen samples:
-   per-position acceptance at depth 3, acceptance length at k=3), after converting it to
-   trtspec's head layout (``speculators_to_trtspec``). HEAD is scored again the same way and
-   must give its manifest's figures: the check that the path is the one distill used.
+   k = 1 and k = 3 (speculators' head both as it wrote it and converted to trtspec's layout:
+   the converted folder must load and give the same acceptance), and through trtspec: HEAD's
+   figures from its manifest, the peers' heads by the same code that wrote them (distill's
+   Trainer.report over the same unseen samples: per-position acceptance at depth 3,
+   acceptance length at k=3), after converting them to trtspec's head layout
+   (``speculators_to_trtspec``, ``specforge_to_trtspec``). HEAD is scored again the same way
+   and must give its manifest's figures: the check that the path is the one distill used.
 
-The converter lives here, not in ``trtspec check``/``build``: only this comparison needs
-speculators' layout (``layers.0.*`` names, a nested ``transformer_layer_config``, a copy of the
-target's embeddings, ``t2d``); the product keeps one head format, the one TensorRT-LLM, vLLM
-and SGLang load, whose optional norms (config keys and ``input_norm`` / ``fc_norm`` tensors
-as speculators and vLLM name them) it runs.
+The converters live here, not in ``trtspec check``/``build``: only this comparison needs the
+trainers' own layouts (speculators' ``layers.0.*`` names, nested ``transformer_layer_config``,
+copy of the target's embeddings and ``t2d``; SpecForge's ``t2d`` and its config without
+trtspec's keys); the product keeps one head format, the one TensorRT-LLM, vLLM and SGLang
+load, whose optional norms (config keys and ``input_norm`` / ``fc_norm`` tensors as
+speculators and vLLM name them) it runs.
 
-CPU time of each trainer is the training process's user + system seconds (not wall time, which
-depends on the machine's load). Writes OUT/distill-peers.json and prints it. Exit 2 on bad input
-(no head manifest at HEAD, a missing environment).
+CPU time of each trainer is its training process tree's user + system seconds (from wait4;
+not wall time, which depends on the machine's load). Writes OUT/distill-peers-run.json (the
+whole record) and the result file (--result, bench/results/distill-peers.json: one row per
+head), and prints the record. Exit 2 on bad input (no head manifest at HEAD, a missing
+environment, a peer head without its export).
 """
 
 from __future__ import annotations
@@ -41,7 +56,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -54,6 +68,15 @@ VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 SPECULATORS_CPU = ROOT / "bench" / "speculators_cpu.py"
 VLLM_PEER = ROOT / "bench" / "vllm_peer.py"
 EXPORT_ROWS = 64  # sequences captured per batch of the export
+RESULT = ROOT / "bench" / "results" / "distill-peers.json"
+SPECFORGE_PY = ROOT / ".venv-specforge" / "bin" / "python"
+SPECFORGE_CPU = ROOT / "bench" / "specforge_cpu.py"
+# SpecForge's inputs in the export folder: its .ckpt rows, vocabulary mapping, target folder
+# (the verifier's files + the index its loaders need) and draft config
+SPECFORGE_ROWS = "specforge-rows"
+SPECFORGE_VOCAB = "specforge-vocab-mapping.pt"
+SPECFORGE_TARGET = "specforge-target"
+SPECFORGE_DRAFT_CONFIG = "specforge-draft-config.json"
 
 
 def refuse(message: str) -> None:
@@ -72,12 +95,11 @@ def distill_options(head: Path):
 
 
 def export(spec: Path, head: Path, out: Path) -> dict:
-    """The head's training data in speculators' offline format (module docstring, 1.)."""
+    """The head's training data in speculators' and SpecForge's offline formats (module docstring, 1.)."""
     import numpy as np
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
-    from trtspec.distill.data import capture_batch
     from trtspec.distill.run import prepare, work_folder, work_lock
     from trtspec.spec import load_spec
 
@@ -86,33 +108,8 @@ def export(spec: Path, head: Path, out: Path) -> dict:
     work = work_folder(head)
     with work_lock(work):
         data = prepare(loaded, opts, work)
-    target, hf = data.target, data.target_hf
-    last = hf.num_hidden_layers - 1
-    layers = tuple(sorted(set(data.layer_ids) | {last}))
-    target.capture_features(layers)
-    pick = [layers.index(i) for i in data.layer_ids] + [layers.index(last)]  # the head's layers, then the teacher's
-    hs = out / "hidden_states"
-    hs.mkdir(parents=True, exist_ok=True)
-    checked = mismatched = 0
-    # The training sequences, then the held-out prompts' responses as speculators' validation
-    # rows (its split is "the first fraction trains": the same sequences train as in trtspec).
-    seqs = data.train + data.held
-    with open(out / "rows.jsonl", "w", encoding="utf-8") as rows:
-        for n in range(0, len(seqs), EXPORT_ROWS):
-            part = seqs[n : n + EXPORT_ROWS]
-            got = capture_batch(target, [s.tokens.tolist() for s in part], [s.response_mask() for s in part])
-            for i, (s, c) in enumerate(zip(part, got), start=n):
-                h = c.features.view(len(s.tokens), len(layers), -1)[:, pick]
-                with torch.no_grad():  # the teacher: the last layer's output, before the final norm
-                    teacher = target.model.lm_head(target.model.model.norm(h[:, -1].to(target.device))).argmax(-1).cpu()
-                known = s.labels >= 0
-                checked += int(known.sum())
-                mismatched += int((teacher[known] != s.labels[known]).sum())
-                save_file(
-                    {"token_ids": s.tokens.clone(), "hidden_states": h.to(torch.bfloat16).contiguous()},
-                    str(hs / f"hs_{i}.safetensors"),
-                )
-                rows.write(json.dumps({"input_ids": s.tokens.tolist(), "loss_mask": s.response_mask().long().tolist()}) + "\n")
+    hf = data.target_hf
+    checked, mismatched = _write_rows(data, out)
     if mismatched > 0.01 * checked:
         raise SystemExit(f"export: the teacher's argmax differs from the captured labels at {mismatched}/{checked} positions")
     d2t = load_file(str(head / "model.safetensors"))["d2t"].long()
@@ -121,6 +118,10 @@ def export(spec: Path, head: Path, out: Path) -> dict:
     t2d[draft_ids] = True
     np.save(out / "d2t.npy", d2t.numpy())
     np.save(out / "t2d.npy", t2d.numpy())
+    torch.save({"d2t": d2t, "t2d": t2d}, out / SPECFORGE_VOCAB)  # SpecForge's vocabulary mapping file
+    aux_layer_ids = [i + 1 for i in data.layer_ids]
+    write_specforge_target(data.folder, out / SPECFORGE_TARGET)
+    write_specforge_draft_config(head, aux_layer_ids, out / SPECFORGE_DRAFT_CONFIG)
     return {
         "verifier": str(data.folder),
         "train_sequences": len(data.train),
@@ -129,11 +130,122 @@ def export(spec: Path, head: Path, out: Path) -> dict:
         "train_response_tokens": sum(int(s.response_mask().sum()) for s in data.train),
         "draft_vocab_size": len(d2t),
         # speculators (like vLLM) names a feature by the layer it is the input of: output i = input i + 1
-        "aux_layer_ids": [i + 1 for i in data.layer_ids],
+        "aux_layer_ids": aux_layer_ids,
         "teacher_label_mismatch": f"{mismatched}/{checked}",
         "unseen_prompt_ids": [s.tokens[: s.prompt_len].tolist() for s in data.unseen],
         "end_ids": sorted(_end_ids(loaded, data.folder)),
     }
+
+
+def _write_rows(data, out: Path) -> tuple[int, int]:
+    """One capture of every training and held-out sequence, written for both trainers:
+    speculators' hs_{i}.safetensors + rows.jsonl (all sequences: its split is "the first fraction
+    trains", so the same sequences train as in trtspec) and SpecForge's .ckpt rows (the training
+    sequences). Returns (labelled positions, positions whose teacher argmax differs)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from trtspec.distill.data import capture_batch
+
+    target, last = data.target, data.target_hf.num_hidden_layers - 1
+    layers = tuple(sorted(set(data.layer_ids) | {last}))
+    target.capture_features(layers)
+    pick = [layers.index(i) for i in data.layer_ids] + [layers.index(last)]  # the head's layers, then the teacher's
+    hs, ckpts = out / "hidden_states", out / SPECFORGE_ROWS
+    hs.mkdir(parents=True, exist_ok=True)
+    ckpts.mkdir(parents=True, exist_ok=True)
+    checked = mismatched = 0
+    seqs = data.train + data.held
+    with open(out / "rows.jsonl", "w", encoding="utf-8") as rows:
+        for n in range(0, len(seqs), EXPORT_ROWS):
+            part = seqs[n : n + EXPORT_ROWS]
+            got = capture_batch(target, [s.tokens.tolist() for s in part], [s.response_mask() for s in part])
+            for i, (s, c) in enumerate(zip(part, got), start=n):
+                h = c.features.view(len(s.tokens), len(layers), -1)[:, pick]  # [T, 4, hidden]
+                with torch.no_grad():  # the teacher: the last layer's output through the final norm
+                    normed = target.model.model.norm(h[:, -1].to(target.device))  # [T, hidden]
+                    teacher = target.model.lm_head(normed).argmax(-1).cpu()
+                known = s.labels >= 0
+                checked += int(known.sum())
+                mismatched += int((teacher[known] != s.labels[known]).sum())
+                save_file(
+                    {"token_ids": s.tokens.clone(), "hidden_states": h.to(torch.bfloat16).contiguous()},
+                    str(hs / f"hs_{i}.safetensors"),
+                )
+                rows.write(json.dumps({"input_ids": s.tokens.tolist(), "loss_mask": s.response_mask().long().tolist()}) + "\n")
+                if i < len(data.train):
+                    torch.save(specforge_row(s.tokens, s.response_mask(), h[:, :-1], normed.cpu()), ckpts / f"data_{i:06d}.ckpt")
+    return checked, mismatched
+
+
+def specforge_row(tokens, response_mask, aux, normed) -> dict:
+    """One SpecForge offline EAGLE-3 row: input_ids [T], loss_mask [T], hidden_state [1, T, hidden]
+    (the target's last hidden state after its final norm: SpecForge's teacher) and
+    aux_hidden_state [1, T, n_layers * hidden] (the head's layers, concatenated in layer order),
+    features in bfloat16 as SpecForge's capture writes them."""
+    import torch
+
+    t = len(tokens)
+    if aux.shape[0] != t or normed.shape != (t, aux.shape[-1]) or len(response_mask) != t:
+        raise ValueError(
+            f"specforge_row: {t} tokens, aux {tuple(aux.shape)}, normed {tuple(normed.shape)}, mask {len(response_mask)}"
+        )
+    return {
+        "input_ids": tokens.clone().long(),
+        "loss_mask": response_mask.clone().long(),
+        "hidden_state": normed.to(torch.bfloat16).reshape(1, t, -1).contiguous(),
+        "aux_hidden_state": aux.to(torch.bfloat16).reshape(1, t, -1).contiguous(),
+    }
+
+
+def write_specforge_target(verifier: Path, dst: Path) -> Path:
+    """The target folder as SpecForge's loaders read it: the verifier's files linked, plus the
+    ``*.index.json`` they require (its LM head and embeddings are looked up there; a tied
+    model's LM head is its embedding table, named by ``lm_head_key``)."""
+    from safetensors import safe_open
+
+    dst.mkdir(parents=True, exist_ok=True)
+    weights = sorted(verifier.glob("*.safetensors"))
+    if not weights:
+        raise SystemExit(f"{verifier} holds no safetensors; SpecForge reads the target's LM head from them")
+    for f in verifier.iterdir():
+        link = dst / f.name
+        if f.is_file() and not f.name.endswith(".index.json") and not link.exists():
+            link.symlink_to(f.resolve())
+    weight_map = {}
+    for f in weights:
+        with safe_open(str(f), framework="pt") as st:
+            weight_map |= dict.fromkeys(st.keys(), f.name)
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}) + "\n")
+    return dst
+
+
+def specforge_lm_head_key(target: Path) -> str:
+    index = json.loads((target / "model.safetensors.index.json").read_text())["weight_map"]
+    return "lm_head.weight" if "lm_head.weight" in index else "model.embed_tokens.weight"
+
+
+def write_specforge_draft_config(head: Path, aux_layer_ids: list[int], dst: Path) -> Path:
+    """SpecForge's draft config: trtspec's head's architecture (one Llama layer of the target's
+    shape, the same draft vocabulary), with the aux layer ids under the names vLLM
+    (``eagle_aux_hidden_state_layer_ids``) and SGLang (``eagle_config``) read."""
+    from trtspec.engines.eagle3_checkpoint import HEAD_ARCHITECTURE
+
+    cfg = json.loads((head / "config.json").read_text(encoding="utf-8"))
+    config = {
+        "architectures": [HEAD_ARCHITECTURE],
+        "model_type": "llama",
+        **{k: cfg[k] for k in LAYER_KEYS if k in cfg},
+        "num_hidden_layers": 1,
+        "draft_vocab_size": cfg["draft_vocab_size"],
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "eagle_aux_hidden_state_layer_ids": aux_layer_ids,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_layer_ids},
+    }
+    dst.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return dst
 
 
 def _end_ids(loaded, folder: Path) -> set[int]:
@@ -181,28 +293,151 @@ def speculators_hyperparameters(exported: dict, epochs: int, ttt_steps: int) -> 
     return argv + ["--target-layer-ids", *map(str, exported["aux_layer_ids"])], why  # the same layers
 
 
+def speculators_command(python: Path, data: Path, exported: dict, epochs: int, ttt_steps: int) -> tuple[list[str], dict]:
+    """`speculators train` on the export (after speculators_cpu.py prepare), head in data/speculators-head."""
+    args, why = speculators_hyperparameters(exported, epochs, ttt_steps)
+    args = [str(data / a) if a.endswith(".npy") or a == "hidden_states" else a for a in args]
+    cmd = [str(python), str(SPECULATORS_CPU), "train", "--verifier-name-or-path", exported["verifier"]]
+    return cmd + ["--data-path", str(data / "arrow"), "--save-path", str(data / "speculators-head"), *args], why
+
+
 def train_speculators(python: Path, data: Path, exported: dict, epochs: int, ttt_steps: int, log: Path) -> dict:
     """speculators' head in data/speculators-head; its CPU seconds."""
     subprocess.run([str(python), str(SPECULATORS_CPU), "prepare", str(data / "rows.jsonl"), str(data / "arrow")], check=True)
-    args, why = speculators_hyperparameters(exported, epochs, ttt_steps)
-    args = [str(data / a) if a.endswith(".npy") or a == "hidden_states" else a for a in args]
-    save = data / "speculators-head"
-    cmd = [str(python), str(SPECULATORS_CPU), "train", "--verifier-name-or-path", exported["verifier"]]
-    cmd += ["--data-path", str(data / "arrow"), "--save-path", str(save), *args]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.monotonic()
-    with open(log, "w", encoding="utf-8") as f:
-        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if rc != 0:
-        raise SystemExit(f"speculators train exited {rc}; see {log}")
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    cmd, why = speculators_command(python, data, exported, epochs, ttt_steps)
+    ran = run_measured({"speculators": (cmd, log)})["speculators"]
+    if ran["rc"] != 0:
+        raise SystemExit(f"speculators train exited {ran['rc']}; see {log}")
     return {
-        "head": str(_last_checkpoint(save)),
-        "cpu_s": round(cpu, 1),
-        "wall_s": round(time.monotonic() - t0, 1),
+        "head": str(_last_checkpoint(data / "speculators-head")),
+        "cpu_s": ran["cpu_s"],
+        "wall_s": ran["wall_s"],
         "hyperparameters": why,
+    }
+
+
+SPECFORGE_TTT = 7  # SpecForge's default ttt_length
+
+
+def specforge_run_config(data: Path, exported: dict, epochs: int, save: Path) -> tuple[dict, dict]:
+    """SpecForge's run config (its `specforge train --config`) and what each departure from its
+    defaults is for. Paths are absolute: SpecForge resolves them from its working directory."""
+    target = data / SPECFORGE_TARGET
+    config = {
+        "model": {
+            "target_model_path": str(target),
+            "draft_model_config": str(data / SPECFORGE_DRAFT_CONFIG),
+            "vocab_mapping_path": str(data / SPECFORGE_VOCAB),
+            "embedding_key": "model.embed_tokens.weight",
+            "lm_head_key": specforge_lm_head_key(target),
+            "torch_dtype": "bfloat16",
+        },
+        "data": {
+            "hidden_states_path": str(data / SPECFORGE_ROWS),
+            "cache_dir": str(data / "specforge-cache"),
+            "dataloader_num_workers": 0,
+        },
+        "training": {
+            "strategy": "eagle3",
+            "num_epochs": epochs,
+            "attention_backend": "sdpa",
+            "fsdp_sharding": "NO_SHARD",
+            "ttt_length": SPECFORGE_TTT,
+            "seed": 0,
+        },
+        "deployment": {"mode": "local_colocated", "trainer": {"nnodes": 1, "nproc_per_node": 1}},
+        "run_id": "specforge-peer",
+        "output_dir": str(save),
+    }
+    why = {
+        "attention_backend": "sdpa (default flex_attention): FlexAttention has no CPU backward",
+        "fsdp_sharding": "NO_SHARD (default SHARD_GRAD_OP): DDP on gloo, FSDP needs an accelerator",
+        "loss": "its forward KL in plain PyTorch (bench/specforge_cpu.py): its kernel needs Triton (GPU)",
+        "draft_vocab": f"trtspec's head's {exported['draft_vocab_size']} ids (vocab_mapping_path; default 32000 from the data)",
+        "aux_layers": f"{exported['aux_layer_ids']} (vLLM ids): the layers trtspec's head reads, in the .ckpt rows",
+        "data": f"offline .ckpt rows of the {exported['train_sequences']} training sequences (no SGLang on a CPU)",
+        "lm_head_key": f"{config['model']['lm_head_key']}: the target's LM head (tied models: the embeddings)",
+        "dataloader_num_workers": "0: 2 cores",
+        "num_epochs": f"{epochs} (default 1)",
+        "defaults kept": "lr 1e-4, AdamW, cosine schedule with 1.5% warmup, grad clip 0.5, batch 1, "
+        f"ttt_length {SPECFORGE_TTT} (step weights 0.8^i), forward KL over the draft vocabulary, max_length 2048, 1 layer",
+    }
+    return config, why
+
+
+def specforge_command(python: Path, data: Path, exported: dict, epochs: int, save: Path) -> tuple[list[str], dict]:
+    config, why = specforge_run_config(data, exported, epochs, save)
+    path = data / "specforge-run.json"
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    return [str(python), str(SPECFORGE_CPU), "train", "--config", str(path)], why
+
+
+def export_specforge(python: Path, data: Path, save: Path, log: Path) -> Path:
+    """SpecForge's own export of its last checkpoint to the folder SGLang (and vLLM) load."""
+    dst = save / "exported"
+    cmd = [str(python), str(SPECFORGE_CPU), "export", "--to", "sglang", "--checkpoint", str(save)]
+    cmd += ["--draft-config", str(data / SPECFORGE_DRAFT_CONFIG), "--output-dir", str(dst)]
+    with open(log, "a", encoding="utf-8") as f:
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT)
+    if rc != 0:
+        raise SystemExit(f"specforge export exited {rc}; see {log}")
+    return dst
+
+
+def run_measured(jobs: dict[str, tuple[list[str], Path]]) -> dict[str, dict]:
+    """Run the commands at once (each one thread), each with its log; per job its exit code,
+    CPU seconds (user + system of its process tree, from wait4) and wall seconds."""
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    running, out = {}, {}
+    t0 = time.monotonic()
+    for name, (cmd, log) in jobs.items():
+        f = open(log, "w", encoding="utf-8")  # noqa: SIM115 - closed when the job ends
+        running[subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).pid] = (name, f)
+    while running:
+        pid, status, usage = os.wait4(-1, 0)
+        if pid not in running:
+            continue
+        name, f = running.pop(pid)
+        f.close()
+        out[name] = {
+            "rc": os.waitstatus_to_exitcode(status),
+            "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
+            "wall_s": round(time.monotonic() - t0, 1),
+        }
+    return out
+
+
+def train_peers(args, data: Path, exported: dict, out: Path, peers: list[str]) -> dict[str, dict]:
+    """Train the named peers on the export at the same time; per peer its head folder, CPU s,
+    wall s and hyperparameters."""
+    jobs, why, saves = {}, {}, {}
+    if "speculators" in peers:
+        subprocess.run(
+            [str(args.speculators_python), str(SPECULATORS_CPU), "prepare", str(data / "rows.jsonl"), str(data / "arrow")],
+            check=True,
+        )
+        saves["speculators"] = data / "speculators-head"
+        jobs["speculators"], why["speculators"] = speculators_command(
+            args.speculators_python, data, exported, args.epochs, args.ttt_steps
+        )
+    if "specforge" in peers:
+        saves["specforge"] = data / "specforge-head"
+        jobs["specforge"], why["specforge"] = specforge_command(
+            args.specforge_python, data, exported, args.specforge_epochs, saves["specforge"]
+        )
+    logs = {name: out / f"{name}-train.log" for name in jobs}
+    ran = run_measured({name: (cmd, logs[name]) for name, cmd in jobs.items()})
+    failed = [f"{name} exited {r['rc']} (see {logs[name]})" for name, r in ran.items() if r["rc"] != 0]
+    if failed:
+        raise SystemExit("; ".join(failed))
+    heads = {}
+    if "speculators" in ran:
+        heads["speculators"] = _last_checkpoint(saves["speculators"])
+    if "specforge" in ran:
+        heads["specforge"] = export_specforge(args.specforge_python, data, saves["specforge"], logs["specforge"])
+    return {
+        name: {"head": str(heads[name]), "cpu_s": r["cpu_s"], "wall_s": r["wall_s"], "hyperparameters": why[name]}
+        for name, r in ran.items()
     }
 
 
@@ -320,6 +555,62 @@ def speculators_to_trtspec(src: Path, dst: Path) -> Path:
     return dst
 
 
+def specforge_to_trtspec(src: Path, dst: Path) -> Path:
+    """The folder ``specforge export --to sglang`` wrote (``src``) as a trtspec head folder ``dst``:
+    the tensor names are already the ones trtspec reads (``midlayer.*``, ``fc``, ``norm``,
+    ``lm_head``, ``d2t``; ``fc_norm.{i}`` where its config sets fc_norm); ``t2d`` (d2t carries
+    the same map) and any embeddings are dropped, the config gets the keys trtspec checks.
+    SpecForge's own ``norm_output`` (true by default) is the usual norm before the LM head, not
+    the EAGLE-3.1 flag of that name; a head trained without it is refused. Returns ``dst``."""
+    from safetensors.torch import load_file, save_file
+
+    from trtspec.engines.eagle3_checkpoint import HEAD_ARCHITECTURE
+
+    try:
+        cfg = json.loads((src / "config.json").read_text(encoding="utf-8"))
+        files = sorted(src.glob("*.safetensors"))
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{src} is not a SpecForge export folder ({e}); pass the folder `specforge export` wrote") from e
+    if cfg.get("architectures") != [HEAD_ARCHITECTURE] or not files:
+        raise SystemExit(f"{src} is not a SpecForge EAGLE-3 export ({HEAD_ARCHITECTURE} config and safetensors)")
+    if int(cfg.get("num_hidden_layers", 1)) != 1:
+        raise SystemExit(f"{src}: {cfg['num_hidden_layers']} draft layers; trtspec runs one-layer EAGLE-3 heads")
+    if cfg.get("norm_output", True) is not True:
+        raise SystemExit(f"{src}: trained with norm_output false (no norm before the LM head); trtspec's head always applies it")
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        raise SystemExit(
+            f"{src}/config.json names no eagle_aux_hidden_state_layer_ids; put the layers it was trained on in its draft config"
+        )
+    state = {}
+    for f in files:
+        state |= load_file(str(f))
+    state = {k: v for k, v in state.items() if k != "t2d" and "embed" not in k}
+    if "d2t" in state:
+        state["d2t"] = state["d2t"].long()
+    config = {
+        "architectures": [HEAD_ARCHITECTURE],
+        "model_type": "llama",
+        **{k: cfg[k] for k in LAYER_KEYS if k in cfg},
+        "num_hidden_layers": 1,
+        "draft_vocab_size": cfg["draft_vocab_size"],
+        "target_hidden_size": cfg.get("target_hidden_size") or cfg["hidden_size"],
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "eagle_aux_hidden_state_layer_ids": [int(i) for i in ids],
+        "norm_before_fc": False,
+        "fc_norm": bool(cfg.get("fc_norm", False)),
+        "norm_before_residual": False,
+        "norm_output": False,
+        "specforge": {"source": str(src)},
+    }
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return dst
+
+
 def load_head(folder: Path, target_hf, dtype=None):
     """A head folder as an Eagle3Head in ``dtype`` (None: as stored; d2t kept), after the checkpoint checks
     ``trtspec check`` runs (config, tensors and shapes, norms, d2t, the target)."""
@@ -407,74 +698,228 @@ def trtspec_figures(head: Path) -> dict:
     }
 
 
-def main() -> None:
+PEERS = ("speculators", "specforge")
+
+
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("spec", type=Path)
     ap.add_argument("--head", type=Path, required=True, help="a head trtspec distill wrote for SPEC (its data is reused)")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "distill-peers")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "distill-peers", help="work folder")
+    ap.add_argument("--result", type=Path, default=RESULT, help="the result file the figures come from")
+    ap.add_argument("--peers", default=",".join(PEERS), help="peer trainers to train or score: speculators,specforge")
     ap.add_argument("--epochs", type=int, default=4, help="speculators' epochs (the CPU budget; its default is 20)")
     ap.add_argument("--ttt-steps", type=int, default=3, help="speculators' TTT steps (its default 3)")
+    ap.add_argument("--specforge-epochs", type=int, default=1, help="SpecForge's epochs (its default 1)")
     ap.add_argument("--speculators-python", type=Path, default=SPECULATORS_PY)
+    ap.add_argument("--specforge-python", type=Path, default=SPECFORGE_PY)
     ap.add_argument("--vllm-python", type=Path, default=VLLM_PY)
     ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM scoring")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--reuse-export", action="store_true", help="use the export already in OUT (same HEAD)")
+    ap.add_argument("--reuse-export", action="store_true", help="use the export (and the run record) already in OUT (same HEAD)")
+    for peer in PEERS:
+        ap.add_argument(
+            f"--{peer}-head",
+            type=Path,
+            help=f"score this {peer} head (trained on HEAD's export in OUT) instead of training one (needs --reuse-export)",
+        )
     ap.add_argument(
-        "--speculators-head",
-        type=Path,
-        help="score this speculators checkpoint (trained on HEAD's export) instead of training one (needs --reuse-export)",
+        "--extra-head",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="another trtspec head reading the same layers, scored beside the others (repeatable)",
     )
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def check_args(args) -> dict[str, Path]:
+    """Refuse bad input (exit 2); the extra heads by name."""
     out = args.out.resolve()
-    head = args.head.resolve()
-    data = out / "speculators-data"
-    if not (head / "trtspec-head.json").is_file():
-        refuse(f"{head} holds no trtspec-head.json; pass a head `trtspec distill` wrote as --head")
-    if args.speculators_head and not (args.reuse_export and (out / "exported.json").is_file()):
-        refuse(f"--speculators-head needs --reuse-export and the export it was trained on in {out}; pass both")
-    if args.speculators_head and not (args.speculators_head / "config.json").is_file():
-        refuse(f"{args.speculators_head} holds no config.json; pass the checkpoint folder speculators wrote")
-    for python, what in ((args.speculators_python, "speculators (make speculators)"), (args.vllm_python, "vLLM (make vllm)")):
-        if not python.is_file() and not (args.no_vllm and "vLLM" in what):
-            refuse(f"no Python environment for {what} at {python}; create it, or pass its python")
+    if not (args.head / "trtspec-head.json").is_file():
+        refuse(f"{args.head} holds no trtspec-head.json; pass a head `trtspec distill` wrote as --head")
+    peers = [p for p in args.peers.split(",") if p]
+    if not peers or any(p not in PEERS for p in peers):
+        refuse(f"--peers {args.peers!r}: name one or more of {', '.join(PEERS)}")
+    for peer in PEERS:
+        given = getattr(args, f"{peer}_head")
+        if given and not (args.reuse_export and (out / "exported.json").is_file()):
+            refuse(f"--{peer}-head needs --reuse-export and the export it was trained on in {out}; pass both")
+        if given and not (given / "config.json").is_file():
+            refuse(f"{given} holds no config.json; pass the checkpoint folder {peer} wrote")
+    extras = {}
+    for item in args.extra_head:
+        name, _, folder = item.partition("=")
+        if not name or not folder or not (Path(folder) / "trtspec-head.json").is_file():
+            refuse(f"--extra-head {item!r}: give NAME=DIR with DIR a head `trtspec distill` wrote")
+        extras[name] = Path(folder).resolve()
+    need = [(getattr(args, f"{p}_python"), p, f"make {p}") for p in peers if not getattr(args, f"{p}_head")]
+    need += [] if args.no_vllm else [(args.vllm_python, "vLLM", "make vllm")]
+    for python, what, make in need:
+        if not python.is_file():
+            refuse(f"no Python environment for {what} ({make}) at {python}; create it, or pass its python")
+    return extras
+
+
+def peer_runs(args, data: Path, exported: dict, out: Path, previous: dict) -> dict[str, dict]:
+    """Each peer's head: trained now (all at once), or given (its CPU seconds from the run that
+    trained it, when OUT's record names the same head)."""
+    peers = [p for p in args.peers.split(",") if p]
+    given = {p: getattr(args, f"{p}_head").resolve() for p in peers if getattr(args, f"{p}_head")}
+    runs = {}
+    for peer, head in given.items():
+        before = previous.get(peer, {})
+        same = before.get("head") == str(head)
+        runs[peer] = {"head": str(head), **{k: before.get(k) if same else None for k in ("cpu_s", "wall_s", "hyperparameters")}}
+    todo = [p for p in peers if p not in given]
+    if todo:
+        print(f"training {', '.join(todo)} on the export (at once, one thread each) ...", flush=True)
+        runs |= train_peers(args, data, exported, out, todo)
+    return runs
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    extras = check_args(args)
+    out, head = args.out.resolve(), args.head.resolve()
+    data = out / "export"
     data.mkdir(parents=True, exist_ok=True)
+    record = out / "distill-peers-run.json"
+    previous = json.loads(record.read_text()) if args.reuse_export and record.is_file() else {}
     if args.reuse_export and (out / "exported.json").is_file():
         exported = json.loads((out / "exported.json").read_text())
     else:
-        print("exporting the head's training data in speculators' format ...", flush=True)
+        print("exporting the head's training data in speculators' and SpecForge's formats ...", flush=True)
         exported = export(args.spec.resolve(), head, data)
         (out / "exported.json").write_text(json.dumps(exported) + "\n")
-    if args.speculators_head:  # trained before (its CPU seconds are in that run's result)
-        spec_run = {"head": str(args.speculators_head.resolve()), "cpu_s": None, "wall_s": None}
-    else:
-        print("training speculators' EAGLE-3 head ...", flush=True)
-        spec_run = train_speculators(
-            args.speculators_python, data, exported, args.epochs, args.ttt_steps, out / "speculators-train.log"
-        )
-    heads = {"trtspec": head, "speculators": Path(spec_run["head"])}
-    print("scoring both heads through trtspec ...", flush=True)
-    converted = speculators_to_trtspec(heads["speculators"], out / "speculators-head-trtspec")
-    scored = score_trtspec(args.spec.resolve(), head, {"speculators": converted})
+    runs = peer_runs(args, data, exported, out, previous)
+    converted = {}
+    if "speculators" in runs:
+        converted["speculators"] = speculators_to_trtspec(Path(runs["speculators"]["head"]), out / "speculators-head-trtspec")
+    if "specforge" in runs:
+        converted["specforge"] = specforge_to_trtspec(Path(runs["specforge"]["head"]), out / "specforge-head-trtspec")
+    print("scoring every head through trtspec ...", flush=True)
+    scored = score_trtspec(args.spec.resolve(), head, converted | extras)
     manifest = trtspec_figures(head)
     if any(scored["trtspec"][k] != manifest[k] for k in ("k1_acceptance", "acceptance_length_k3", "per_position", "top1")):
         raise SystemExit(f"trtspec scoring path differs from distill's: {scored['trtspec']} vs the manifest's {manifest}")
-    result = {
-        "command": command_line("distill_peers.py"),
+    run = {
+        "command": command_line("distill_peers.py", argv),
         "data": {k: v for k, v in exported.items() if k not in ("unseen_prompt_ids", "end_ids")},
         "unseen_prompts": len(exported["unseen_prompt_ids"]),
         "trtspec": {"head": str(head), "scored_by_trtspec": {**manifest, "chains": scored["trtspec"]["chains"]}},
-        "speculators": {**spec_run, "converted": str(converted), "scored_by_trtspec": scored["speculators"]},
+        **{name: {**r, "converted": str(converted[name]), "scored_by_trtspec": scored[name]} for name, r in runs.items()},
+        **{
+            name: {"head": str(folder), "scored_by_trtspec": scored[name], **_extra_cpu(folder)}
+            for name, folder in extras.items()
+        },
         "time": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
     }
-    (out / "distill-peers.json").write_text(json.dumps(result, indent=2) + "\n")
+    if "speculators" in runs:  # the converted folder in vLLM: the load check of the conversion
+        run["speculators-converted"] = {"head": str(converted["speculators"]), "of": runs["speculators"]["head"]}
+    record.write_text(json.dumps(run, indent=2) + "\n")
     if not args.no_vllm:
-        for name, h in heads.items():
-            result[name]["scored_by_vllm"] = [
-                score_vllm(args.vllm_python, exported["verifier"], h, exported, k, args.max_tokens, out / f"vllm-{name}-k{k}.log")
-                for k in (1, 3)
+        score_all_vllm(args, run, exported, out, previous, record)
+    write_result(args.result, run, args)
+    print(json.dumps(run, indent=2))
+
+
+def _extra_cpu(folder: Path) -> dict:
+    from trtspec.distill.heads import HEAD_MANIFEST
+
+    return {"cpu_s": json.loads((folder / HEAD_MANIFEST).read_text()).get("train_cpu_s")}
+
+
+def score_all_vllm(args, run: dict, exported: dict, out: Path, previous: dict, record: Path) -> None:
+    """Every head in ``run`` scored in vLLM at k = 1 and 3 (a head OUT's record scored before,
+    the same folder trained by the same run, keeps its scores)."""
+    for name, entry in run.items():
+        if not isinstance(entry, dict) or "head" not in entry:
+            continue
+        before = previous.get(name, {})
+        if before.get("scored_by_vllm") and before.get("head") == entry["head"] and before.get("of") == entry.get("of"):
+            entry["scored_by_vllm"] = before["scored_by_vllm"]
+            continue
+        print(f"scoring {name} in vLLM ...", flush=True)
+        entry["scored_by_vllm"] = [
+            score_vllm(
+                args.vllm_python,
+                exported["verifier"],
+                Path(entry["head"]),
+                exported,
+                k,
+                args.max_tokens,
+                out / f"vllm-{name}-k{k}.log",
+            )
+            for k in (1, 3)
+        ]
+        record.write_text(json.dumps(run, indent=2) + "\n")
+
+
+COLUMNS = [
+    "head",
+    "CPU s",
+    "trtspec k=1",
+    "trtspec acceptance length k=3 (per position)",
+    "vLLM k=1",
+    "vLLM acceptance length k=3 (per position)",
+]
+
+
+def _label(name: str, entry: dict, args) -> str:
+    if name == "speculators":
+        return f"speculators 0.9.0, {args.epochs} epochs"
+    if name == "speculators-converted":
+        return "the same speculators head converted to trtspec's layout (the vLLM load check)"
+    if name == "specforge":
+        return f"SpecForge 0.2.0, {args.specforge_epochs} epoch{'s' if args.specforge_epochs != 1 else ''}"
+    return "trtspec (HEAD)" if name == "trtspec" else f"trtspec, {name}"
+
+
+def _length(score: dict) -> str:
+    per = " / ".join(f"{a:.2f}" for a in score["per_position"][:3])
+    return f"{score['acceptance_length_k3' if 'acceptance_length_k3' in score else 'acceptance_length']:.3f} ({per})"
+
+
+def result_values(run: dict, args) -> dict:
+    """The result file's values: one table row per head, and per head its four figures by key."""
+    rows, values = [], {}
+    for name, entry in run.items():
+        if not isinstance(entry, dict) or "head" not in entry:
+            continue
+        trt = entry.get("scored_by_trtspec") or run["speculators"]["scored_by_trtspec"]  # converted: the same weights
+        cpu = entry.get("cpu_s") if name != "trtspec" else trt.get("train_cpu_s")
+        vllm = {s["k"]: s for s in entry.get("scored_by_vllm", [])}
+        rows.append(
+            [
+                _label(name, entry, args),
+                "the same head" if name == "speculators-converted" else (f"{cpu:.0f}" if cpu else "not recorded"),
+                f"{trt['k1_acceptance']:.3f}",
+                _length(trt),
+                f"{vllm[1]['acceptance']:.3f}" if 1 in vllm else "not run",
+                _length(vllm[3]) if 3 in vllm else "not run",
             ]
-            (out / "distill-peers.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+        )
+        key = name.replace("-", "_")
+        values |= {f"{key}_k1_trtspec": trt["k1_acceptance"], f"{key}_al3_trtspec": trt["acceptance_length_k3"]}
+        values |= {f"{key}_k1_vllm": vllm[1]["acceptance"]} if 1 in vllm else {}
+        values |= {f"{key}_al3_vllm": vllm[3]["acceptance_length"]} if 3 in vllm else {}
+    data = run["data"]
+    values |= {
+        "train_sequences": data["train_sequences"],
+        "train_response_tokens": data["train_response_tokens"],
+        "draft_vocab_size": data["draft_vocab_size"],
+        "aux_layer_ids": data["aux_layer_ids"],
+        "unseen_chains": run["trtspec"]["scored_by_trtspec"]["chains"],
+        "unseen_prompts": run["unseen_prompts"],
+    }
+    return {"table": {"columns": COLUMNS, "rows": rows}, **values}
+
+
+def write_result(path: Path, run: dict, args) -> Path:
+    from _common import write_result as write
+
+    return write(path, run["command"], result_values(run, args))
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ capture, 1,042 chains of prompts no head saw), from the committed result files.
     python bench/plot_heads.py            # writes docs/images/codesign-heads.png (make figures)
 
 Heads: trtspec's from bench/results/distill-ablation-xeon.json (one change from the default
-recipe each), speculators' from bench/results/distill-peers.json (trained on the same data,
-run by trtspec with its norms).
+recipe each), speculators' and SpecForge's from bench/results/distill-peers.json (trained on
+the same data, converted to trtspec's head layout and run by trtspec).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ TRTSPEC_HEADS = {
     "norms-ttt3": "trtspec, 3 TTT steps + EAGLE-3.1 norms",
 }
 
+PEER_TRAINERS = ("speculators", "SpecForge")  # distill-peers rows of the peer trainers' heads
+
 
 def heads(results: Path = RESULTS) -> dict[str, list[float]]:
     """Per-position acceptance (P(draft j right | drafts before it right), j = 1..3) per head."""
@@ -34,11 +36,12 @@ def heads(results: Path = RESULTS) -> dict[str, list[float]]:
     out = {label: rows[v]["per_position"][:3] for v, label in TRTSPEC_HEADS.items() if v in rows}
     peers = json.loads((results / "distill-peers.json").read_text())["values"]["table"]["rows"]
     for row in peers:
-        if row[0].startswith("speculators"):
-            # "1.644 (0.37 / 0.47 / 0.56)": trtspec's scoring of speculators' head, per position
+        if row[0].startswith(PEER_TRAINERS):
+            # "1.644 (0.37 / 0.47 / 0.56)": trtspec's scoring of the peer's head, per position
             match = re.search(r"\(([\d. /]+)\)", row[3])
             if match:
-                out[f"speculators ({row[0].split(', ')[-1]})"] = [float(x) for x in match.group(1).split("/")]
+                trainer = row[0].split(",")[0].split(" ")[0]  # "SpecForge 0.2.0, 1 epoch" -> "SpecForge"
+                out[f"{trainer} ({row[0].split(', ')[-1]})"] = [float(x) for x in match.group(1).split("/")]
     return out
 
 

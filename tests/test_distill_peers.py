@@ -186,3 +186,164 @@ def test_a_folder_without_a_head_manifest_is_refused(tmp_path):
     )
     assert r.returncode == 2 and r.stderr.startswith("Error: ") and "trtspec-head.json" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+# --- SpecForge: its offline rows from the same capture, its export converted to trtspec's layout ---
+
+
+def test_the_export_writes_specforge_rows_of_the_same_capture(exported):
+    """One .ckpt row per training sequence (sorted as SpecForge lists them): the same tokens and
+    response mask, the head's layers concatenated in order (the speculators export's layers,
+    bit for bit) and the last layer's output through the target's final norm."""
+    from transformers import AutoModelForCausalLM
+
+    spec, head, out, info = exported
+    data = prepare(load_spec(spec), distill_peers.distill_options(head), work_folder(head))
+    rows = sorted((out / distill_peers.SPECFORGE_ROWS).glob("*.ckpt"))
+    assert [r.name for r in rows] == [f"data_{i:06d}.ckpt" for i in range(info["train_sequences"])]
+    target = AutoModelForCausalLM.from_pretrained(info["verifier"], dtype=torch.float32)
+    n_layers = len(info["aux_layer_ids"])
+    for i, (s, path) in enumerate(zip(data.train, rows)):
+        row = torch.load(path)
+        t = len(s.tokens)
+        assert set(row) == {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}
+        assert torch.equal(row["input_ids"], s.tokens) and torch.equal(row["loss_mask"], s.response_mask().long())
+        assert row["aux_hidden_state"].shape == (1, t, n_layers * 64) and row["aux_hidden_state"].dtype == torch.bfloat16
+        hs = load_file(str(out / "hidden_states" / f"hs_{i}.safetensors"))["hidden_states"]  # [T, layers + 1, 64]
+        assert torch.equal(row["aux_hidden_state"][0], hs[:, :n_layers].reshape(t, -1))
+        with torch.no_grad():
+            normed = target.model.norm(hs[:, -1].float())
+        assert row["hidden_state"].shape == (1, t, 64)
+        assert torch.allclose(row["hidden_state"][0].float(), normed, atol=0.05, rtol=0.02)  # bfloat16 rounding
+        assert not torch.allclose(row["hidden_state"][0].float(), hs[:, -1].float(), atol=0.05, rtol=0.02)  # not pre-norm
+    mapping = torch.load(out / distill_peers.SPECFORGE_VOCAB)
+    d2t = load_file(str(head / "model.safetensors"))["d2t"].long()
+    assert torch.equal(mapping["d2t"], d2t) and mapping["t2d"].dtype == torch.bool
+    assert int(mapping["t2d"].sum()) == len(d2t) and mapping["t2d"][torch.arange(len(d2t)) + d2t].all()
+    draft = json.loads((out / distill_peers.SPECFORGE_DRAFT_CONFIG).read_text())
+    assert (
+        draft["eagle_aux_hidden_state_layer_ids"]
+        == info["aux_layer_ids"]
+        == draft["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    )
+    assert draft["draft_vocab_size"] == len(d2t) and draft["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert not any(k in draft for k in ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output"))
+
+
+def test_specforge_target_folder_has_the_index_its_loaders_need(exported):
+    _, _, out, info = exported
+    target = out / distill_peers.SPECFORGE_TARGET
+    index = json.loads((target / "model.safetensors.index.json").read_text())["weight_map"]
+    with distill_peers_safe_open(distill_peers.Path(info["verifier"]) / "model.safetensors") as st:
+        assert index == dict.fromkeys(st.keys(), "model.safetensors")
+    assert (target / "config.json").resolve() == (distill_peers.Path(info["verifier"]) / "config.json").resolve()
+    # the tiny target ties its LM head to the embeddings: SpecForge reads the embedding table
+    tied = "lm_head.weight" not in index
+    assert distill_peers.specforge_lm_head_key(target) == ("model.embed_tokens.weight" if tied else "lm_head.weight")
+
+
+def distill_peers_safe_open(path):
+    from safetensors import safe_open
+
+    return safe_open(str(path), framework="pt")
+
+
+def test_specforge_row_refuses_a_mask_or_state_of_another_length():
+    tokens = torch.arange(5)
+    with pytest.raises(ValueError, match="specforge_row"):
+        distill_peers.specforge_row(tokens, torch.ones(4, dtype=torch.bool), torch.zeros(5, 3, 8), torch.zeros(5, 8))
+    with pytest.raises(ValueError, match="specforge_row"):
+        distill_peers.specforge_row(tokens, torch.ones(5, dtype=torch.bool), torch.zeros(5, 3, 8), torch.zeros(5, 4))
+
+
+def test_the_cpu_loss_is_specforges_forward_kl():
+    """specforge_cpu's loss: the mean over every batch x time position of -sum p log q, zero where
+    the mask is 0 (what SpecForge's Triton kernel computes); with one-hot targets, the masked
+    cross-entropy."""
+    import specforge_cpu
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 11, generator=g, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 5), generator=g)
+    mask = torch.tensor([[1, 1, 0, 1, 0], [0, 1, 1, 1, 1]]).unsqueeze(-1)  # [B, T, 1]
+    one_hot = torch.nn.functional.one_hot(labels, 11).float()
+    got = specforge_cpu.LogSoftmaxLoss.apply(logits, one_hot, mask)
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, 11), labels.reshape(-1), reduction="none")
+    want = (ce * mask.reshape(-1)).sum() / 10
+    assert torch.allclose(got, want, rtol=1e-6, atol=0)
+    got.backward()
+    assert logits.grad[0, 2].abs().sum() == 0 and logits.grad[0, 0].abs().sum() > 0  # masked positions get no gradient
+
+
+def _as_specforge(head, out, draft_config):
+    """trtspec's head written as `specforge export --to sglang` writes one: the draft config's
+    keys, the same tensor names, t2d beside d2t, bfloat16."""
+    from safetensors.torch import save_file
+
+    state = load_file(str(head / "model.safetensors"))
+    cfg = json.loads(draft_config.read_text())
+    t2d = torch.zeros(cfg["vocab_size"], dtype=torch.bool)
+    t2d[torch.arange(len(state["d2t"])) + state["d2t"]] = True
+    out.mkdir()
+    save_file(
+        {**{k: v if k == "d2t" else v.to(torch.bfloat16) for k, v in state.items()}, "t2d": t2d}, str(out / "model.safetensors")
+    )
+    (out / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16", "transformers_version": "5.8.1"}))
+    return out
+
+
+def test_trtspec_scores_a_specforge_export_by_distills_own_report(exported, tmp_path):
+    """The same weights in SpecForge's export layout, converted, give the head's own figures."""
+    spec, head, out, _ = exported
+    src = _as_specforge(head, tmp_path / "specforge", out / distill_peers.SPECFORGE_DRAFT_CONFIG)
+    converted = distill_peers.specforge_to_trtspec(src, tmp_path / "back")
+    assert "t2d" not in load_file(str(converted / "model.safetensors"))
+    scored = distill_peers.score_trtspec(spec, head, {"specforge": converted})
+    manifest = distill_peers.trtspec_figures(head)
+    for key in ("k1_acceptance", "acceptance_length_k3", "per_position", "top1"):
+        assert scored["specforge"][key] == manifest[key]
+    assert not any(scored["specforge"]["norms"].values())
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"eagle_aux_hidden_state_layer_ids": None, "eagle_config": None}, "names no eagle_aux_hidden_state_layer_ids"),
+        ({"norm_output": False}, "norm_output false"),
+        ({"architectures": ["Eagle3DraftModel"]}, "not a SpecForge EAGLE-3 export"),
+        ({"num_hidden_layers": 2}, "2 draft layers"),
+    ],
+)
+def test_a_specforge_export_trtspec_cannot_run_is_refused(exported, tmp_path, change, message):
+    _, head, out, _ = exported
+    src = _as_specforge(head, tmp_path / "specforge", out / distill_peers.SPECFORGE_DRAFT_CONFIG)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(SystemExit, match=message):
+        distill_peers.specforge_to_trtspec(src, tmp_path / "back")
+
+
+@pytest.fixture(scope="module")
+def specforge_trained(exported):
+    if not distill_peers.SPECFORGE_PY.is_file():
+        pytest.skip(f"no SpecForge environment at {distill_peers.SPECFORGE_PY} (make specforge)")
+    spec, head, out, info = exported
+    args = distill_peers.parse_args([str(spec), "--head", str(head), "--out", str(out), "--specforge-epochs", "1"])
+    return distill_peers.train_peers(args, out, info, out, ["specforge"])["specforge"]
+
+
+def test_specforge_trains_on_the_export_and_trtspec_scores_its_head(specforge_trained, exported, tmp_path):
+    """SpecForge's trainer on the CPU (bench/specforge_cpu.py), its own export, converted and
+    scored on the same unseen chains as trtspec's head."""
+    spec, head, _, info = exported
+    src = distill_peers.Path(specforge_trained["head"])
+    cfg = json.loads((src / "config.json").read_text())
+    assert (
+        cfg["draft_vocab_size"] == info["draft_vocab_size"] and cfg["eagle_aux_hidden_state_layer_ids"] == info["aux_layer_ids"]
+    )
+    weights = load_file(str(src / "model.safetensors"))
+    assert torch.equal(weights["d2t"].long(), load_file(str(head / "model.safetensors"))["d2t"].long())
+    assert specforge_trained["cpu_s"] > 0 and "num_epochs" in specforge_trained["hyperparameters"]
+    converted = distill_peers.specforge_to_trtspec(src, tmp_path / "converted")
+    scored = distill_peers.score_trtspec(spec, head, {"specforge": converted})
+    assert scored["specforge"]["chains"] == scored["trtspec"]["chains"] > 0

@@ -177,11 +177,11 @@ def test_record_writes_into_the_folder_given(tmp_path):
 
 def test_the_heads_plot_is_drawn_from_the_committed_results(tmp_path):
     """bench/plot_heads.py reads every head's per-position acceptance from the result files
-    (trtspec's ablation rows and speculators' trtspec-scored row) and draws them."""
+    (trtspec's ablation rows and the peer trainers' trtspec-scored rows) and draws them."""
     import plot_heads
 
     data = plot_heads.heads()
-    assert len(data) == 4 and all(len(a) == 3 and all(0 <= x <= 1 for x in a) for a in data.values())
+    assert len(data) >= 4 and all(len(a) == 3 and all(0 <= x <= 1 for x in a) for a in data.values())
     assert any(label.startswith("speculators") for label in data)
     assert plot_heads.expected_lengths([0.5, 0.5]) == [1.5, 1.75]
     out = plot_heads.plot(data, tmp_path / "heads.png")
