@@ -10,8 +10,9 @@ import random
 import pytest
 import torch
 
+from trtspec.engines.torch import threads
 from trtspec.engines.torch.engine import ForwardItem, TorchEngine
-from trtspec.engines.torch.model import EXACT_ROWS, OneDnnLinear, padded_rows, row_blocks
+from trtspec.engines.torch.model import EXACT_ROWS, OneDnnLinear, padded_rows, row_blocks, row_counts
 from trtspec.runtime import Deployment
 
 
@@ -34,13 +35,22 @@ def _seq(n: int, rng: random.Random) -> list[int]:
 def _matmul_rows(engine: TorchEngine, batches: list[list[int]]) -> dict[tuple[int, ...], set[int]]:
     """Per packed weight shape, the row counts of the oneDNN matmuls that ``batches`` (each a
     list of prompt lengths run as one batch of fresh prompts) ran."""
-    from torch.profiler import profile
-
     rng = random.Random(0)
-    with profile(record_shapes=True) as prof:
+
+    def run() -> None:
         for lengths in batches:
             engine.forget_prefixes()
             engine.run([ForwardItem(_seq(n, rng), 1) for n in lengths])
+
+    return _profiled_rows(run)
+
+
+def _profiled_rows(work) -> dict[tuple[int, ...], set[int]]:
+    """Per packed weight shape, the row counts of the oneDNN matmuls ``work()`` ran."""
+    from torch.profiler import profile
+
+    with profile(record_shapes=True) as prof:
+        work()
     rows: dict[tuple[int, ...], set[int]] = {}
     for event in prof.events():
         if event.name == "mkldnn::_linear_pointwise":
@@ -145,3 +155,54 @@ def test_the_servers_shape_caches_hold_every_shape_an_engine_stub_meets(packed):
     assert len(weights) == 5 and thread_counts == 4
     assert len(ROW_COUNTS) * len(weights) * thread_counts <= SHAPE_CACHE_CAPACITY
     assert set(CACHE_ENV.values()) == {SHAPE_CACHE_CAPACITY}
+
+
+def test_row_counts_are_every_count_row_blocks_gives():
+    for most in (1, 16, 17, 100, 256, 257, 5000):
+        given = {r for n in range(1, most + 1) for r in row_blocks(n)}
+        assert row_counts(most) == sorted(given)
+    assert set(row_counts(10_000)) == ROW_COUNTS
+
+
+def test_a_load_makes_every_matmul_shape_serving_meets_at_each_thread_count(built, monkeypatch):
+    """oneDNN's and ideep's caches keep an entry per matmul shape and thread count, so a served
+    engine whose governor probes another count now and then kept adding entries (the demo
+    target grew for a whole 10-minute soak). A load makes them all, at every count the
+    governor compares: no forward afterwards meets a matmul shape the load did not make.
+    Fails without TorchEngine.warm_matmuls."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    monkeypatch.setenv("TRTSPEC_ONEDNN", "1")
+    counts_set: list[int] = []
+    monkeypatch.setattr(threads, "_governor", threads.Governor(2, set_threads=counts_set.append))
+    engine = None
+
+    def load() -> None:
+        nonlocal engine
+        engine = TorchEngine.load(built().target.folder)
+
+    loaded = _profiled_rows(load)
+    assert counts_set[:2] == [2, 1]  # the load's matmuls, at each count in turn
+    rng = random.Random(4)
+    batches = [[n] for n in rng.sample(range(2, 500), 60)] + [[rng.randrange(2, 200) for _ in range(4)] for _ in range(20)]
+    served = _matmul_rows(engine, batches)
+    for weight, rows in served.items():
+        assert rows <= loaded.get(weight, set()), f"weight {weight}: not made at load: {sorted(rows - loaded.get(weight, set()))}"
+
+
+def test_the_environment_can_run_the_packed_matmuls_on_the_rows_as_given(built, monkeypatch):
+    """TRTSPEC_FIXED_ROWS=0 runs every packed matmul on the rows it is given (1, the default:
+    the fixed row counts); anything else is refused naming the setting."""
+    from trtspec.engines.torch.model import fixed_rows_setting
+    from trtspec.errors import SpecError
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    monkeypatch.setenv("TRTSPEC_ONEDNN", "1")
+    monkeypatch.setenv("TRTSPEC_FIXED_ROWS", "0")
+    packed = [m for m in TorchEngine.load(built().target.folder).model.modules() if isinstance(m, OneDnnLinear)]
+    assert packed and not any(m.fixed_rows for m in packed)
+    monkeypatch.delenv("TRTSPEC_FIXED_ROWS")
+    assert fixed_rows_setting() is True
+    with pytest.raises(SpecError, match="TRTSPEC_FIXED_ROWS='yes': give 1"):
+        fixed_rows_setting("yes")

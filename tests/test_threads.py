@@ -164,6 +164,9 @@ def test_the_engine_runs_each_forward_under_the_governor(built, monkeypatch):
             seen.append(key[1:])
             return contextlib.nullcontext(1)
 
+        def in_turn(self):  # a load makes its matmul shapes at each count (engine.warm_matmuls)
+            yield 1
+
     monkeypatch.setattr(threads, "_governor", Recorder())
     engine = TorchEngine.load(built().target.folder, slots=1)
     engine.run([ForwardItem([1, 2, 3, 4], 1)])  # prefill of 4 tokens

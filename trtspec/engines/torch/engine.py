@@ -177,9 +177,15 @@ class TorchEngine:
 
     @classmethod
     def load(
-        cls, folder: Path, slots: int | None = None, max_seq_len: int | None = None, device: torch.device | str | None = None
+        cls,
+        folder: Path,
+        slots: int | None = None,
+        max_seq_len: int | None = None,
+        device: torch.device | str | None = None,
+        warm: bool = True,
     ) -> TorchEngine:
-        """``device``: a torch.device, or a name trtspec/device.py resolves (None: cpu)."""
+        """``device``: a torch.device, or a name trtspec/device.py resolves (None: cpu). ``warm``:
+        make every packed matmul shape now (warm_matmuls; False only to measure without)."""
         from transformers import AutoConfig
 
         folder = Path(folder)
@@ -203,11 +209,21 @@ class TorchEngine:
         # The Linear kernels: whichever is faster on this CPU, measured once per machine.
         if uses_cpu_kernels(device):
             engine.kernels = choose_kernels(model, engine.cos, engine.sin, verify_tokens=manifest.max_draft_len + 1)
+            if warm:
+                engine.warm_matmuls()
         else:
             engine.kernels = KernelChoice(
                 "dense", "fallback", reason=f"{device}: PyTorch's own kernels (the CPU choice does not apply)"
             )
         return engine
+
+    def warm_matmuls(self) -> int:
+        """Every packed matmul shape a forward can meet, made at each thread count the governor
+        compares (model.py warm_matmuls): a forward has at most max_batch_size x (max_seq_len +
+        TREE_ROWS) rows, and the LM head at most max_batch_size x (TREE_ROWS + 1), a verified
+        tree and its bonus per sequence. Returns the matmuls run."""
+        rows, head_rows = self.max_batch_size * (self.max_seq_len + TREE_ROWS), self.max_batch_size * (TREE_ROWS + 1)
+        return sum(self.model.warm_matmuls(rows, head_rows) for _ in threads.governor().in_turn())
 
     def step_bytes(self, context: int, rows: int = 1) -> tuple[int, int]:
         """(weight bytes, KV bytes) a decode step reads: every weight once, and per row the

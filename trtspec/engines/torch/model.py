@@ -13,6 +13,7 @@ Supported ``model_type``: llama, mistral, qwen2 (biases are picked up from the c
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trtspec.engines.torch.quant import WeightOnlyLinear, is_quantized, swap_in_weight_only
+from trtspec.errors import SpecError
 from trtspec.spec import MAX_TREE_NODES
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -289,6 +291,15 @@ PACKABLE = (torch.float32, torch.bfloat16)  # weight dtypes OneDnnLinear can hol
 # independent; on the CPUs tried the values are bitwise the same, tested), so no token changes.
 EXACT_ROWS = 16
 ROW_BLOCK = 256
+FIXED_ROWS_ENV = "TRTSPEC_FIXED_ROWS"  # "0": every packed matmul on the rows it is given
+
+
+def fixed_rows_setting(value: str | None = None) -> bool:
+    """``TRTSPEC_FIXED_ROWS`` (default 1): whether packed Linears run in the fixed row counts."""
+    value = os.environ.get(FIXED_ROWS_ENV, "1") if value is None else value
+    if value.strip() not in ("0", "1"):
+        raise SpecError(f"{FIXED_ROWS_ENV}={value!r}: give 1 (matmuls in fixed row counts) or 0 (on the rows as given)")
+    return value.strip() == "1"
 
 
 def padded_rows(rows: int) -> int:
@@ -303,6 +314,11 @@ def row_blocks(rows: int) -> list[int]:
     """The row counts of the matmuls a packed Linear runs for an input of ``rows`` rows."""
     full, rest = divmod(rows, ROW_BLOCK)
     return [ROW_BLOCK] * full + ([padded_rows(rest)] if rest else [])
+
+
+def row_counts(most: int) -> list[int]:
+    """Every row count a packed Linear's matmuls run for inputs of 1..``most`` rows (ascending)."""
+    return sorted({padded_rows(n) for n in range(1, min(most, ROW_BLOCK) + 1)})
 
 
 class OneDnnLinear(nn.Module):
@@ -327,8 +343,8 @@ class OneDnnLinear(nn.Module):
         # plain attributes: an opaque packed tensor, not a parameter
         self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
         self.bias = linear.bias.detach() if linear.bias is not None else None
-        self.out_features = w.shape[0]
-        self.fixed_rows = True  # DecoderLM.fix_matmul_rows
+        self.in_features, self.out_features, self.dtype = w.shape[1], w.shape[0], w.dtype
+        self.fixed_rows = fixed_rows_setting()  # DecoderLM.fix_matmul_rows
 
     def _matmul(self, flat: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")
@@ -469,6 +485,43 @@ class DecoderLM(nn.Module):
         for module in self.modules():
             if isinstance(module, OneDnnLinear):
                 module.fixed_rows = fixed
+
+    def _packed_row_ranges(self, rows: int, head_rows: int) -> dict[tuple, tuple[OneDnnLinear, int, int]]:
+        """One packed Linear per matmul shape (in, out, bias, dtype) with the least and most rows
+        its matmuls can be given: a ByRows split gives its ``many`` form ``threshold`` rows and up,
+        its ``one`` form fewer; the LM head gets at most ``head_rows``, every other Linear ``rows``."""
+        bounds: dict[int, tuple[int, int]] = {}
+        for module in self.modules():
+            if isinstance(module, ByRows):
+                bounds[id(module.many)], bounds[id(module.one)] = (module.threshold, rows), (1, module.threshold - 1)
+        heads = {id(m) for m in self.lm_head.modules()}
+        out: dict[tuple, tuple[OneDnnLinear, int, int]] = {}
+        for module in self.modules():
+            if isinstance(module, OneDnnLinear) and module.fixed_rows:
+                low, high = bounds.get(id(module), (1, rows))
+                high = min(high, head_rows) if id(module) in heads else high
+                key = (module.in_features, module.out_features, module.bias is not None, module.dtype, id(module) in heads)
+                a, lo, hi = out.get(key, (module, low, high))
+                out[key] = (a, min(lo, low), max(hi, high))
+        return out
+
+    @torch.inference_mode()
+    def warm_matmuls(self, rows: int, head_rows: int) -> int:
+        """Run every packed matmul shape once in each row count a forward can give it (at most
+        ``rows`` rows a forward, ``head_rows`` through the LM head), at the thread count set now.
+
+        Why: oneDNN's primitive cache and ideep's keep an entry per matmul shape and thread
+        count, so a served engine whose thread governor tries another count now and then kept
+        adding entries for as long as it served (the demo target grew +33 MiB over a 10-minute
+        soak, still rising; operations.md: memory). Made at load, the whole bounded set is there
+        before the first request. Returns the matmuls run."""
+        run = 0
+        for module, low, high in self._packed_row_ranges(rows, head_rows).values():
+            for count in row_counts(high):
+                if count >= low:
+                    module(torch.zeros((count, module.in_features), dtype=module.dtype))
+                    run += 1
+        return run
 
     @torch.inference_mode()
     def hidden_states(

@@ -168,6 +168,15 @@ class Governor:
         yield n
         self.record(n, key, self.clock() - start)
 
+    def in_turn(self) -> Iterator[int]:
+        """Set each count the governor compares in turn, for untimed work that must meet every
+        one of them (the engines' matmul shapes at load: model.py warm_matmuls)."""
+        for n in self.counts:
+            with self._lock:
+                self.set_threads(n)
+                self.applied = n
+            yield n
+
     @contextlib.contextmanager
     def pinned(self) -> Iterator[int]:
         """Run untimed work at the full count, whatever the governor chose: work whose numbers
@@ -197,6 +206,9 @@ class _Fixed:
 
     @contextlib.contextmanager
     def pinned(self) -> Iterator[int]:
+        yield self.current
+
+    def in_turn(self) -> Iterator[int]:
         yield self.current
 
 

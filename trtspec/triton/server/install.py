@@ -52,9 +52,9 @@ JEMALLOC_CONF = "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0"
 # gate/up fused, o, down, the LM head) and the thread governor compares at most 4 counts
 # (engines/torch/threads.py candidates): 640 entries hold every shape an engine stub meets, so
 # neither cache evicts and rebuilds (at 256, the bound before, a 2-core machine's 32 x 5 x 2 =
-# 320 did not fit). That does not end a stub's growth while the thread count changes: in
-# process, prefills at 1 and 2 threads in turn kept +113 MiB after 200 lengths and rising at
-# 640, +100 at 256, against +60 MiB flat at one thread (operations.md: memory).
+# 320 did not fit). An engine makes the whole set at load, at each of those counts
+# (engines/torch/model.py warm_matmuls): met a few entries at a time through the governor's
+# probes instead, the set at its other count kept a served stub growing (operations.md: memory).
 SHAPE_CACHE_CAPACITY = 32 * 5 * 4
 # What bounds the engines' caches in the server's environment; a user's own value wins.
 CACHE_ENV = {
