@@ -655,6 +655,8 @@ def score_trtspec(spec: Path, trtspec_head: Path, others: dict[str, Path]) -> di
     out = {}
     for name, folder in {"trtspec": trtspec_head, **others}.items():
         head = own if name == "trtspec" else load_head(folder, data.target_hf, own.fc.weight.dtype)
+        if head.cfg.layer_ids != own.cfg.layer_ids:  # the unseen chains' features are of trtspec_head's layers
+            raise SystemExit(f"{folder} reads target layers {head.cfg.layer_ids}, the scored data holds {own.cfg.layer_ids}")
         window = (head.cfg.raw.get("speculators") or {}).get("sliding_window")
         if window is not None and longest > window:
             raise SystemExit(f"{folder}: an unseen sequence of {longest} tokens passes the head's {window}-token window")
