@@ -347,3 +347,17 @@ def test_specforge_trains_on_the_export_and_trtspec_scores_its_head(specforge_tr
     converted = distill_peers.specforge_to_trtspec(src, tmp_path / "converted")
     scored = distill_peers.score_trtspec(spec, head, {"specforge": converted})
     assert scored["specforge"]["chains"] == scored["trtspec"]["chains"] > 0
+
+
+@pytest.mark.vllm
+def test_vllm_loads_specforges_export_and_drafts_with_it(specforge_trained, exported, tmp_path):
+    """The folder `specforge export --to sglang` wrote, as vLLM's eagle3 method loads it (its
+    config names the aux layers): it drafts on the unseen prompts and its counters add up."""
+    if not VLLM_PY.is_file():
+        pytest.skip(f"no vLLM environment at {VLLM_PY} (make vllm)")
+    info = exported[3]
+    head = distill_peers.Path(specforge_trained["head"])
+    got = distill_peers.score_vllm(VLLM_PY, info["verifier"], head, info, 1, 16, tmp_path / "vllm.log")
+    c = got["counters"]
+    assert c["num_drafts"] > 0 and c["num_draft_tokens"] == c["num_drafts"]  # k=1: one draft a step
+    assert got["acceptance"] == round(c["num_accepted_tokens"] / c["num_draft_tokens"], 3)
