@@ -875,7 +875,7 @@ def _label(name: str, entry: dict, args) -> str:
         return "the same speculators head converted to trtspec's layout (the vLLM load check)"
     if name == "specforge":
         return f"SpecForge 0.2.0, {args.specforge_epochs} epoch{'s' if args.specforge_epochs != 1 else ''}"
-    return "trtspec (HEAD)" if name == "trtspec" else f"trtspec, {name}"
+    return f"trtspec ({Path(entry['head']).name})" if name == "trtspec" else f"trtspec, {name}"
 
 
 def _length(score: dict) -> str:
