@@ -85,13 +85,17 @@ def refuse(message: str) -> None:
 
 
 def distill_options(head: Path):
-    """The DistillOptions HEAD was trained with (its manifest), output = HEAD."""
+    """The DistillOptions HEAD was trained with (its manifest), output = HEAD; generation at the
+    batch HEAD's data was generated at (so reusing its capture runs no timing probe)."""
     from trtspec.distill.heads import HEAD_MANIFEST
     from trtspec.distill.run import DistillOptions
 
-    saved = recipe_and_run(json.loads((head / HEAD_MANIFEST).read_text()))
+    manifest = json.loads((head / HEAD_MANIFEST).read_text())
+    saved = recipe_and_run(manifest)
     opts = DistillOptions(**{k: v for k, v in saved.items() if k in DistillOptions.model_fields})
-    return opts.model_copy(update={"output": head, "force": True, "resume": False, "scaling": ()})
+    rows = opts.gen_batch or ((manifest.get("data") or {}).get("rates") or {}).get("rows")
+    update = {"output": head, "force": True, "resume": False, "scaling": ()}
+    return opts.model_copy(update=update | ({"gen_batch": int(rows)} if rows else {}))
 
 
 def export(spec: Path, head: Path, out: Path) -> dict:

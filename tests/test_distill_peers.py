@@ -71,6 +71,18 @@ def test_the_export_is_the_heads_own_data_in_speculators_format(exported):
     assert t2d.dtype == bool and t2d.sum() == len(d2t) and t2d[(d2t + torch.arange(len(d2t))).numpy()].all()
 
 
+def test_the_export_generates_at_the_batch_the_heads_data_was_generated_at(exported, tmp_path):
+    """A head whose run chose its batch by measuring (gen_batch unset) is exported at the rows its
+    manifest records, not after a new timing probe."""
+    head = exported[1]
+    manifest = json.loads((head / "trtspec-head.json").read_text())
+    manifest["run"]["gen_batch"] = None
+    manifest["data"].setdefault("rates", {})["rows"] = 7
+    (tmp_path / "trtspec-head.json").write_text(json.dumps(manifest))
+    assert distill_peers.distill_options(tmp_path).gen_batch == 7
+    assert distill_peers.distill_options(head).gen_batch == 4  # given: kept
+
+
 def _speculators_missing() -> str | None:
     return None if SPECULATORS_PY.is_file() else f"no speculators environment at {SPECULATORS_PY} (make speculators)"
 
