@@ -307,3 +307,29 @@ def test_an_engine_model_names_what_is_wrong_with_a_request(draft_model, inputs,
     limits = Limits(vocab_size=384, max_seq_len=512, max_draft_len=0 if draft_model else 8, max_batch_size=4)
     (answer,) = EngineCore(run, limits).infer([inputs])
     assert isinstance(answer, RequestError) and text in str(answer)
+
+
+def test_a_served_engine_makes_every_matmul_shape_at_load_and_a_one_shot_load_does_not(pb, monkeypatch, tmp_path):
+    """The Triton engine model is a long-lived server: it loads its engine with every matmul
+    shape made (TorchEngine.warm_matmuls, so serving never adds one); a plain load (verify,
+    bench, distill: one-shot commands) does not pay for shapes it may never meet."""
+    import inspect
+
+    from trtspec.engines.torch.engine import TorchEngine
+    from trtspec.triton.backend.models import engine_model
+
+    assert inspect.signature(TorchEngine.load).parameters["warm"].default is False
+    asked = {}
+
+    def load(folder, slots=None, max_seq_len=None, device=None, warm=False):
+        asked.update(folder=folder, slots=slots, warm=warm)
+        raise RuntimeError("stop after the load")
+
+    monkeypatch.setattr(engine_model.TorchEngine, "load", staticmethod(load))
+    config = {
+        "max_batch_size": 4,
+        "parameters": {"engine_dir": {"string_value": str(tmp_path)}, "kv_cache_slots": {"string_value": "4"}},
+    }
+    with pytest.raises(RuntimeError, match="stop after the load"):
+        engine_model.TritonPythonModel().initialize({"model_config": json.dumps(config), "model_name": "tensorrt_llm"})
+    assert asked == {"folder": tmp_path, "slots": 4, "warm": True}

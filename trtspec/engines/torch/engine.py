@@ -182,10 +182,12 @@ class TorchEngine:
         slots: int | None = None,
         max_seq_len: int | None = None,
         device: torch.device | str | None = None,
-        warm: bool = True,
+        warm: bool = False,
     ) -> TorchEngine:
         """``device``: a torch.device, or a name trtspec/device.py resolves (None: cpu). ``warm``:
-        make every packed matmul shape now (warm_matmuls; False only to measure without)."""
+        make every packed matmul shape now (warm_matmuls): what a long-lived server's engine does
+        (the Triton engine model), so its memory stays flat; a one-shot command (verify, bench,
+        distill) ends before the shapes it never meets matter, and does not pay for them."""
         from transformers import AutoConfig
 
         folder = Path(folder)

@@ -24,7 +24,8 @@ class TritonPythonModel:
     def initialize(self, args):
         params = pb.parameters(args)
         config = pb.model_config(args)
-        self.engine = TorchEngine.load(Path(params["engine_dir"]), int(params["kv_cache_slots"]))
+        # a server's engine: every matmul shape made now, so serving never adds one (engine.py)
+        self.engine = TorchEngine.load(Path(params["engine_dir"]), int(params["kv_cache_slots"]), warm=True)
         limits = Limits(
             vocab_size=self.engine.vocab_size,
             max_seq_len=self.engine.max_seq_len,
