@@ -172,3 +172,26 @@ def test_the_engine_runs_each_forward_under_the_governor(built, monkeypatch):
     engine.run([ForwardItem([1, 2, 3, 4], 1)])  # prefill of 4 tokens
     engine.run([ForwardItem([1, 2, 3, 4, 5], 1)])  # a decode step
     assert seen == [(1, (4).bit_length(), (4).bit_length()), (1, 1, (5).bit_length())]
+
+
+def test_a_held_governor_runs_every_forward_at_the_full_count_and_records_none():
+    """distill's data is made under held(): a forward's numbers differ in the last bits between
+    thread counts, so a probe in the middle of generation would make the same command's data
+    differ from run to run. Held, no forward probes, none is recorded, and the governor picks
+    up where it was afterwards."""
+    now = [0.0]
+    applied: list[int] = []
+    gov = threads.Governor(2, clock=lambda: now[0], set_threads=applied.append)
+    with gov.forward("a"):
+        now[0] += 1.0
+    assert gov.pick("a") == 1  # a shape seen at 2 threads only: tried at 1 next
+    with gov.held() as n:
+        assert n == 2
+        for shape in ("a", "b", "c"):
+            assert gov.pick(shape) == 2
+            with gov.forward(shape) as m:
+                assert m == 2
+                now[0] += 5.0
+    assert set(applied) == {2}
+    assert (2, "b") not in gov.times and (2, "c") not in gov.times and len(gov.times[(2, "a")]) == 1
+    assert gov.pick("a") == 1  # as before the held block

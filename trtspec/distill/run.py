@@ -17,6 +17,7 @@ Ctrl-C saves it first, --resume continues exactly. One distill runs per work fol
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -43,6 +44,7 @@ from trtspec.distill.trainer import Trainer
 from trtspec.engines.build import build
 from trtspec.engines.eagle3_checkpoint import distill_layer_ids
 from trtspec.engines.manifest import check_manifest, versions
+from trtspec.engines.torch import threads
 from trtspec.engines.torch.engine import DTYPES, WEIGHTS, TorchEngine
 from trtspec.engines.torch.model import DecoderConfig
 from trtspec.errors import SpecError, TrtspecError
@@ -464,7 +466,8 @@ def _data(loaded: LoadedSpec, opts: DistillOptions, split: Split, target: TorchE
         rates = DataRates()
         parts = work / f"parts-{key}-g{target.max_batch_size}"
         samples = _generated_samples(loaded, opts, split, target, tok, parts, rates)
-        with console.step(f"generating and capturing the target's responses into {work}"):
+        # at one thread count throughout: the same command makes the same data, whatever the load
+        with console.step(f"generating and capturing the target's responses into {work}"), _held(target):
             store = write_store(work, key, inputs, _chain(samples, _corpus_samples(target, corpus, rates)))
         shutil.rmtree(parts, ignore_errors=True)  # the store holds every batch now
         console.info(rates.line())
@@ -525,6 +528,11 @@ class DataRates:
         return f"data: {mix}; generated {g.n} response tokens in {g.seconds:.0f}s ({g.per_s()} tok/s, captured as generated)" + (
             f"; captured {c.n} corpus tokens in {c.seconds:.0f}s ({c.per_s()} tok/s)" if c.n else ""
         )
+
+
+def _held(target: TorchEngine):
+    """The thread governor held at its full count (threads.Governor.held) on CPU."""
+    return threads.governor().held() if target.device.type == "cpu" else contextlib.nullcontext()
 
 
 def _chain(*iterables):

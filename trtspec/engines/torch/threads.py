@@ -110,6 +110,7 @@ class Governor:
         self.next_probe = clock() + PROBE_MIN
         self.applied: int | None = None
         self.switches = 0  # how often the chosen count changed (reported by bench)
+        self.holds = 0  # open held() blocks: every forward at the full count, untimed
         self._lock = threading.Lock()
 
     def _time(self, n: int, key: Hashable) -> float | None:
@@ -125,6 +126,8 @@ class Governor:
         if len(self.counts) == 1:
             return self.current
         with self._lock:
+            if self.holds:
+                return self.counts[0]
             untried = [n for n in self.counts if (n, key) not in self.times]
             if self.current in untried:
                 return self.current
@@ -141,6 +144,8 @@ class Governor:
     def record(self, n: int, key: Hashable, seconds: float) -> None:
         """A forward of shape ``key`` took ``seconds`` with ``n`` threads; maybe change the count."""
         with self._lock:
+            if self.holds:  # a held forward is no measurement of the count the governor runs
+                return
             self.times[(n, key)].append(seconds)
             self.tried[(n, key)] = self.clock()
             mine = self._time(self.current, key)
@@ -178,6 +183,21 @@ class Governor:
             yield n
 
     @contextlib.contextmanager
+    def held(self) -> Iterator[int]:
+        """Every forward inside runs at the full count, neither probing nor recorded: work
+        whose outputs must not depend on timing (distill's data: a forward's features differ in
+        the last bits between 1 and 2 threads, so a probe would make the same command's data,
+        or a capture made again, differ from run to run)."""
+        with self._lock:
+            self.holds += 1
+        try:
+            with self.pinned() as n:
+                yield n
+        finally:
+            with self._lock:
+                self.holds -= 1
+
+    @contextlib.contextmanager
     def pinned(self) -> Iterator[int]:
         """Run untimed work at the full count, whatever the governor chose: work whose numbers
         must not depend on timing. CPU kernels split their reductions by thread count (a
@@ -207,6 +227,8 @@ class _Fixed:
     @contextlib.contextmanager
     def pinned(self) -> Iterator[int]:
         yield self.current
+
+    held = pinned
 
     def in_turn(self) -> Iterator[int]:
         yield self.current
