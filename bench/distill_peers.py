@@ -515,9 +515,9 @@ def speculators_to_trtspec(src: Path, dst: Path) -> Path:
     (engines/eagle3_checkpoint.py's layout): ``layers.0.*`` -> ``midlayer.*``, the layer's
     config flattened to Llama keys, the same aux layer ids (both count a layer's input) and the
     norm flags and their tensors carried as they are. Returns ``dst``."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
-    from trtspec.engines.eagle3_checkpoint import HEAD_ARCHITECTURE, NORM_FLAGS
+    from trtspec.engines.eagle3_checkpoint import NORM_FLAGS
 
     try:
         cfg = json.loads((src / "config.json").read_text(encoding="utf-8"))
@@ -537,7 +537,20 @@ def speculators_to_trtspec(src: Path, dst: Path) -> Path:
         for k, v in state.items()
         if k not in SPECULATORS_DROPPED
     }
-    ids = [int(i) for i in cfg["eagle_aux_hidden_state_layer_ids"]]
+    norms = {k: bool(cfg.get(k, False)) for k in NORM_FLAGS}
+    # the window speculators trained under; trtspec's head attends to the whole context
+    origin = {"speculators": {"source": str(src), "sliding_window": layer.get("sliding_window")}}
+    return _write_head(dst, state, layer, cfg, cfg["eagle_aux_hidden_state_layer_ids"], norms | origin)
+
+
+def _write_head(dst: Path, state: dict, layer: dict, cfg: dict, ids, extra: dict) -> Path:
+    """A one-layer head in trtspec's layout: ``state`` as model.safetensors and a config of the
+    Llama keys of ``layer``, ``cfg``'s draft vocabulary and target width, the aux layer ``ids``
+    and ``extra`` (norm flags, where it came from). Returns ``dst``."""
+    from safetensors.torch import save_file
+
+    from trtspec.engines.eagle3_checkpoint import HEAD_ARCHITECTURE
+
     config = {
         "architectures": [HEAD_ARCHITECTURE],
         "model_type": "llama",
@@ -548,10 +561,8 @@ def speculators_to_trtspec(src: Path, dst: Path) -> Path:
         "tie_word_embeddings": False,
         "attention_bias": False,
         "mlp_bias": False,
-        "eagle_aux_hidden_state_layer_ids": ids,
-        **{k: bool(cfg.get(k, False)) for k in NORM_FLAGS},
-        # the window speculators trained under; trtspec's head attends to the whole context
-        "speculators": {"source": str(src), "sliding_window": layer.get("sliding_window")},
+        "eagle_aux_hidden_state_layer_ids": [int(i) for i in ids],
+        **extra,
     }
     dst.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in state.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
@@ -566,7 +577,7 @@ def specforge_to_trtspec(src: Path, dst: Path) -> Path:
     the same map) and any embeddings are dropped, the config gets the keys trtspec checks.
     SpecForge's own ``norm_output`` (true by default) is the usual norm before the LM head, not
     the EAGLE-3.1 flag of that name; a head trained without it is refused. Returns ``dst``."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     from trtspec.engines.eagle3_checkpoint import HEAD_ARCHITECTURE
 
@@ -592,27 +603,13 @@ def specforge_to_trtspec(src: Path, dst: Path) -> Path:
     state = {k: v for k, v in state.items() if k != "t2d" and "embed" not in k}
     if "d2t" in state:
         state["d2t"] = state["d2t"].long()
-    config = {
-        "architectures": [HEAD_ARCHITECTURE],
-        "model_type": "llama",
-        **{k: cfg[k] for k in LAYER_KEYS if k in cfg},
-        "num_hidden_layers": 1,
-        "draft_vocab_size": cfg["draft_vocab_size"],
-        "target_hidden_size": cfg.get("target_hidden_size") or cfg["hidden_size"],
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "eagle_aux_hidden_state_layer_ids": [int(i) for i in ids],
+    norms = {
         "norm_before_fc": False,
         "fc_norm": bool(cfg.get("fc_norm", False)),
         "norm_before_residual": False,
         "norm_output": False,
-        "specforge": {"source": str(src)},
     }
-    dst.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    return dst
+    return _write_head(dst, state, cfg, cfg, ids, norms | {"specforge": {"source": str(src)}})
 
 
 def load_head(folder: Path, target_hf, dtype=None):
