@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trtspec.engines.torch.engine import ForwardItem, SlotPool
+from trtspec.engines.torch.engine import ForwardItem, SlotPool, forward_groups
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +67,77 @@ def test_ragged_batch_equals_one_by_one(dep):
     for a, b in zip(alone, batched):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def _partitions(n):
+    """Every split of range(n) into consecutive runs."""
+    if n == 0:
+        yield []
+        return
+    for first in range(1, n + 1):
+        for rest in _partitions(n - first):
+            yield [first, *rest]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_forward_groups_compute_the_fewest_tokens_with_each_row_once(seed):
+    g = torch.Generator().manual_seed(seed)
+    news = torch.randint(1, 300, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
+    groups = forward_groups(news, 32)
+    assert sorted(i for grp in groups for i in grp) == list(range(len(news)))
+    assert all(grp == sorted(grp) for grp in groups)
+
+    def cost(grps):
+        return sum(len(grp) * max(news[i] for i in grp) + 32 for grp in grps)
+
+    order = sorted(range(len(news)), key=lambda i: -news[i])  # any best split groups rows by length
+    best = min(
+        cost([order[sum(sizes[:j]) : sum(sizes[: j + 1])] for j in range(len(sizes))]) for sizes in _partitions(len(news))
+    )
+    assert cost(groups) == best
+
+
+def test_forward_groups_keep_a_decode_step_whole_and_take_a_prefill_out_of_it():
+    assert forward_groups([1] * 64) == [list(range(64))]  # nothing to save
+    assert forward_groups([3, 3, 3, 3]) == [[0, 1, 2, 3]]
+    assert forward_groups([1, 1, 300, 1]) == [[2], [0, 1, 3]]  # 4 x 300 padded -> 300 + 3
+    assert forward_groups([10, 1, 1, 1]) == [[0, 1, 2, 3]]  # 27 padding tokens: less than a second forward
+    assert forward_groups([20, 1, 1, 1]) == [[0], [1, 2, 3]]  # 57: more
+
+
+def test_a_ragged_step_runs_as_forwards_of_similar_length_with_one_lm_head_call(dep, monkeypatch):
+    """Rows padded to the longest cost what real tokens cost; the engine runs a step's rows in
+    forwards of similar length (forward_groups) and reads the LM head once. Logits and captured
+    features agree with one padded forward to float32 rounding (attention over a shorter span
+    sums in another order), and the greedy tokens are the same."""
+    eng = dep.target
+    seqs = [_seq(n, 70 + n) for n in (6, 120, 4, 110)]
+    items = [ForwardItem(s, 2) for s in seqs]
+    eng.capture_features((0, 1))
+    try:
+        eng.forward_rows = 10**9  # one padded forward
+        eng.forget_prefixes()
+        whole = eng.run(items)
+        whole_feats = [eng.features_of(s, 0, len(s)) for s in seqs]
+        eng.forward_rows = 32
+        eng.forget_prefixes()
+        widths, heads = [], []
+        body, head = eng.model.hidden_states, eng.model.logits
+        monkeypatch.setattr(eng.model, "hidden_states", lambda step, *a: widths.append(tuple(step.tokens.shape)) or body(step, *a))
+        monkeypatch.setattr(eng.model, "logits", lambda h: heads.append(h.shape[0]) or head(h))
+        before = eng.forwards
+        split = eng.run(items)
+        feats = [eng.features_of(s, 0, len(s)) for s in seqs]
+    finally:
+        eng.capture, eng.features, eng.forward_rows = (), None, 32
+        eng.forget_prefixes()
+    assert sorted(widths) == [(2, 6), (2, 120)]  # 252 tokens computed, not 480
+    assert heads == [8] and eng.forwards == before + 1
+    for a, b in zip(whole, split):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    for a, b in zip(whole_feats, feats):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_a_batch_reads_the_lm_head_once_and_each_item_gets_its_own_rows(dep, monkeypatch):

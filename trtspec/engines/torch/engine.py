@@ -29,6 +29,32 @@ from trtspec.tokens import check_token_ids
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 WEIGHTS = "model.safetensors"
 
+# A batched forward pads every row to the row with the most new tokens, and a padded token
+# costs what a real one does. Where the rows differ a lot (a new request's prefill beside
+# decode steps; a batch of prompts of mixed lengths) the engine runs them as a few forwards of
+# rows of similar length. A forward's own cost (every weight read once, a few hundred kernel
+# calls) counts as FORWARD_ROWS tokens in that choice.
+FORWARD_ROWS = 32
+
+
+def forward_groups(news: list[int], forward_rows: int = FORWARD_ROWS) -> list[list[int]]:
+    """The rows (indices into ``news``, each row's new-token count) of one step split into the
+    forwards that compute the fewest tokens, padding included, each forward costing
+    ``forward_rows`` tokens more: groups of consecutive rows by length, each in row order."""
+    n = len(news)
+    if n < 2 or n * max(news) - sum(news) <= forward_rows:  # a split cannot save a forward's cost
+        return [list(range(n))]
+    order = sorted(range(n), key=lambda i: -news[i])  # longest first: a group's first row sets its width
+    best = [0] + [0] * n  # best[j]: the least cost of the first j rows of ``order``
+    cut = [0] * (n + 1)  # where the last group of that best starts
+    for j in range(1, n + 1):
+        best[j], cut[j] = min((best[i] + (j - i) * news[order[i]] + forward_rows, i) for i in range(j))
+    groups, j = [], n
+    while j > 0:
+        groups.append(sorted(order[cut[j] : j]))
+        j = cut[j]
+    return groups[::-1]
+
 
 @dataclass
 class ForwardItem:
@@ -174,6 +200,7 @@ class TorchEngine:
         self.features: torch.Tensor | None = None  # [slots, max_seq, len(capture) * hidden]
         self.kernels: KernelChoice | None = None  # how load() chose the Linear kernels
         self.weight_bytes = 0  # weights one forward reads (load() counts them)
+        self.forward_rows = FORWARD_ROWS  # a forward's own cost in tokens (forward_groups)
 
     @classmethod
     def load(
@@ -352,27 +379,19 @@ class TorchEngine:
         # holds only the prefix, so a failed forward never leaves half-written K/V reusable.
         for (slot, _), start in zip(assigned, starts):
             self.pool.truncate(slot, start)
-        step = self._step_inputs(items, assigned, starts)
-        captured: list[torch.Tensor] = []  # each [b, q, hidden]
+        news = [len(it.tokens) - start for it, start in zip(items, starts)]
+        wanted: list[torch.Tensor] = [torch.empty(0)] * len(items)  # per item, its hidden rows that need logits
         # The thread count for this shape (rows, new tokens, keys attended), chosen from measured
         # forwards: fewer threads while a neighbour holds a core (threads.py).
-        shape = (id(self), len(items), step.tokens.shape[1].bit_length(), step.span.bit_length())
+        shape = (id(self), len(items), max(news).bit_length(), max(len(it.tokens) for it in items).bit_length())
         with threads.governor().forward(shape) if self.device.type == "cpu" else contextlib.nullcontext():
-            if self.capture:
-                hidden = self.model.hidden_states(step, self.cos, self.sin, self.cache, self.capture, captured)
-            else:
-                hidden = self.model.hidden_states(step, self.cos, self.sin, self.cache)  # [b, q, hidden]
+            for group in forward_groups(news, self.forward_rows):
+                rows = self._forward([items[i] for i in group], [assigned[i] for i in group], [starts[i] for i in group])
+                for i, hidden in zip(group, rows):
+                    wanted[i] = hidden
             # Every row's positions that need logits go through the LM head in ONE call: the
             # head (vocab x hidden, the largest weight) is then read once a step, not once per row.
-            wanted = [
-                hidden[row, len(it.tokens) - start - it.n_logits : len(it.tokens) - start]
-                for row, (it, start) in enumerate(zip(items, starts))
-            ]
             logits = self.model.logits(wanted[0] if len(wanted) == 1 else torch.cat(wanted)).cpu()  # where the loop reads it
-        if captured:
-            feats = torch.cat(captured, dim=-1)  # [b, q, len(capture) * hidden]
-            for row, (slot, start, n) in enumerate(step.rows):
-                self.features[slot, start : start + n] = feats[row, :n]
         self.forwards += 1
         out = list(logits.split([it.n_logits for it in items]))  # per item [n_logits, vocab]
         for it, (slot, _) in zip(items, assigned):
@@ -382,6 +401,24 @@ class TorchEngine:
                 before = len(it.tokens) - len(it.tree)
                 self.pool.commit(slot, it.tokens[:before], (it.tokens[before:], list(it.tree)))
         return out
+
+    def _forward(self, items: list[ForwardItem], assigned, starts) -> list[torch.Tensor]:
+        """One forward over ``items``: fills their K/V (and captured features); returns, per
+        item, the final hidden states [n_logits, hidden] of its positions that need logits."""
+        step = self._step_inputs(items, assigned, starts)
+        captured: list[torch.Tensor] = []  # each [b, q, hidden]
+        if self.capture:
+            hidden = self.model.hidden_states(step, self.cos, self.sin, self.cache, self.capture, captured)
+        else:
+            hidden = self.model.hidden_states(step, self.cos, self.sin, self.cache)  # [b, q, hidden]
+        if captured:
+            feats = torch.cat(captured, dim=-1)  # [b, q, len(capture) * hidden]
+            for row, (slot, start, n) in enumerate(step.rows):
+                self.features[slot, start : start + n] = feats[row, :n]
+        return [
+            hidden[row, len(it.tokens) - start - it.n_logits : len(it.tokens) - start]
+            for row, (it, start) in enumerate(zip(items, starts))
+        ]
 
     def _step_inputs(self, items, assigned, starts) -> StepInputs:
         b = len(items)
