@@ -34,27 +34,27 @@ VARIANTS = {
     "all": ("nothing: the default recipe", []),
     "hard": ("hard labels: cross-entropy on the target's greedy token (default: soft)", ["--labels", "hard"]),
     "noise": ("uniform feature noise in [-0.05, 0.05]", ["--feature-noise", "0.05"]),
-    "ttt3": ("3 training-time-test steps, weights 0.8^j", ["--ttt-steps", "3"]),
+    "ttt3": ("3 training-time-test steps, weights 0.8^j (EAGLE-3's)", ["--ttt-steps", "3", "--step-decay", "0.8"]),
     "ttt3-decay-0.5": (
         "3 training-time-test steps, weights 0.5^j (1, 0.5, 0.25): the first draft weighted more",
         ["--ttt-steps", "3", "--step-decay", "0.5"],
     ),
     "ttt3-reach": (
         "3 training-time-test steps (0.8^j), a deeper step's positions weighted by the head's probability that its chain reaches them",
-        ["--ttt-steps", "3", "--ttt-reach"],
+        ["--ttt-steps", "3", "--step-decay", "0.8", "--ttt-reach"],
     ),
     "ttt3-phase": (
         "3 training-time-test steps (0.8^j) after a depth-1 phase of half the steps",
-        ["--ttt-steps", "3", "--ttt-phase", "0.5"],
+        ["--ttt-steps", "3", "--step-decay", "0.8", "--ttt-phase", "0.5"],
     ),
     "norms": ("EAGLE-3.1's norms (speculators' default: before fc, before the residual, on the output)", ["--norms"]),
     "norms-ttt3": (
         "EAGLE-3.1's norms and 3 training-time-test steps (0.8^j): speculators' depth",
-        ["--norms", "--ttt-steps", "3"],
+        ["--norms", "--ttt-steps", "3", "--step-decay", "0.8"],
     ),
     "norms-ttt3-no-anchor": (
         "EAGLE-3.1's norms, 3 training-time-test steps and no anchoring: speculators' start as well",
-        ["--norms", "--ttt-steps", "3", "--no-anchor"],
+        ["--norms", "--ttt-steps", "3", "--step-decay", "0.8", "--no-anchor"],
     ),
     "no-anchor": ("random fc and layer, norm 1 (no anchoring)", ["--no-anchor"]),
     "trt-layers": ("TensorRT-LLM's default layers {1, L//2-1, L-4}", ["--layers", "1,14,26"]),

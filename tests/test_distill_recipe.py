@@ -20,6 +20,7 @@ from trtspec.distill.heads import new_head
 from trtspec.distill.ttt import step_weights, ttt_loss, unrolled_logits
 from trtspec.engines.torch.engine import ForwardItem
 from trtspec.errors import SpecError
+from trtspec.recipe import DistillRecipe
 
 ROLE_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -81,7 +82,7 @@ def test_only_response_positions_train_and_frozen_tensors_get_no_gradient(target
     embed = eng.model.model.embed_tokens
 
     def loss(sample) -> torch.Tensor:
-        return ttt_loss(head, embed, collate([sample], 64), 2, t2d, eng.cos, eng.sin, weights=step_weights(2))[0]
+        return ttt_loss(head, embed, collate([sample], 64), 2, t2d, eng.cos, eng.sin, weights=step_weights(2, 0.8))[0]
 
     base = loss(s)
     prompt_relabelled = type(s)(**{**s.__dict__, "labels": s.labels.clone()})
@@ -96,8 +97,9 @@ def test_only_response_positions_train_and_frozen_tensors_get_no_gradient(target
 
 
 def test_step_weights_and_the_schedule():
-    w = step_weights(3)
+    w = step_weights(3, 0.8)
     assert sum(w) == pytest.approx(1.0) and w[1] / w[0] == pytest.approx(0.8) and w[2] / w[1] == pytest.approx(0.8)
+    assert DistillRecipe().step_decay == 0.5  # the measured default: 1, 0.5, 0.25 for 3 steps
     assert step_weights(2, 1.0) == [0.5, 0.5]
 
     from types import SimpleNamespace

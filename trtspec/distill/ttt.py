@@ -55,10 +55,10 @@ def chain_in_response(batch: Batch, j: int) -> torch.Tensor:
     return _shift(r, -n, dim=1)
 
 
-def step_weights(steps: int, decay: float = 0.8) -> list[float]:
-    """Loss weight of each unrolled step: decay^j, normalised (EAGLE-3's 0.8^i): the first
-    drafts decide most of the acceptance, a late step is used only after all earlier ones
-    were accepted."""
+def step_weights(steps: int, decay: float) -> list[float]:
+    """Loss weight of each unrolled step: decay^j, normalised (the recipe's step_decay; EAGLE-3
+    uses 0.8^i): the first drafts decide most of the acceptance, a late step is used only after
+    all earlier ones were accepted."""
     w = [decay**j for j in range(steps)]
     return [x / sum(w) for x in w]
 
