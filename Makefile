@@ -158,11 +158,15 @@ $(SPECFORGE_VENV)/.installed:
 # make demo's head beside speculators' and SpecForge's heads trained on the same captured responses,
 # layers and draft vocabulary, all scored on the same unseen prompts through trtspec and vLLM
 # (docs/codesign.md).
+# PEERS=speculators PEERS_DTYPE=float32 on a CPU without bf16 instructions (bfloat16 runs ~40x
+# slower there; SpecForge trains in bfloat16 only).
+PEERS ?= speculators,specforge
 PEERS_EPOCHS ?= 6
 SPECFORGE_EPOCHS ?= 1
+PEERS_DTYPE ?= bfloat16
 distill-peers: install speculators specforge vllm weights/smollm2-135m-eagle3-head-demo
 	OMP_NUM_THREADS=1 $(PY) bench/distill_peers.py $(EAGLE3_DEMO_SPEC) --head weights/smollm2-135m-eagle3-head-demo \
-	  --epochs $(PEERS_EPOCHS) --specforge-epochs $(SPECFORGE_EPOCHS) --out bench/results/distill-peers
+	  --epochs $(PEERS_EPOCHS) --specforge-epochs $(SPECFORGE_EPOCHS) --peers $(PEERS) --peer-dtype $(PEERS_DTYPE) --out bench/results/distill-peers
 
 # The EAGLE-3 head contract against vLLM: a head distilled here, loaded in vLLM unchanged.
 test-vllm: install vllm

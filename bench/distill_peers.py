@@ -261,8 +261,10 @@ def _end_ids(loaded, folder: Path) -> set[int]:
     return set(end_token_ids(tok, folder))
 
 
-def speculators_hyperparameters(exported: dict, epochs: int, ttt_steps: int) -> tuple[list[str], dict]:
-    """speculators train's arguments and what each departure from its defaults is for."""
+def speculators_hyperparameters(exported: dict, epochs: int, ttt_steps: int, dtype: str = "bfloat16") -> tuple[list[str], dict]:
+    """speculators train's arguments and what each departure from its defaults is for. ``dtype``:
+    its compute (autocast) and hidden-state dtype, bfloat16 its default; float32 is its other
+    documented option, for a CPU without bfloat16 instructions."""
     args = {
         "--speculator-type": "eagle3",
         "--draft-attn-impl": "sdpa",  # FlexAttention has no CPU backward
@@ -280,6 +282,7 @@ def speculators_hyperparameters(exported: dict, epochs: int, ttt_steps: int) -> 
         # the training rows first, trtspec's held-out ones last: the same sequences train
         "--train-data-ratio": f"{(exported['train_sequences'] + 0.5) / (exported['train_sequences'] + exported['held_out_sequences']):.6f}",
         "--logger": "",
+        "--hidden-states-dtype": dtype,
     }
     why = {
         "draft_attn_impl": "sdpa: FlexAttention has no CPU backward",
@@ -289,6 +292,7 @@ def speculators_hyperparameters(exported: dict, epochs: int, ttt_steps: int) -> 
         "epochs": f"{epochs} (default 20): the CPU budget",
         "total_seq_len": "1024 (default 8192): about trtspec's 8 sequences a step; at 8192 the demo's data is 7 steps an epoch",
         "num_workers": "0 (default 12): 2 cores",
+        **({"hidden_states_dtype": f"{dtype} (default bfloat16): this CPU's fast dtype"} if dtype != "bfloat16" else {}),
         "train_data_ratio": "the training sequences train, trtspec's held-out prompts validate (default 0.9 of the rows)",
         "defaults kept": "lr 1e-3, Muon + AdamW, linear schedule with 1% warmup, grad clip 1.0, KL loss, "
         f"{ttt_steps} TTT steps (decay 1.0), norms before fc and on the output, frozen embeddings, 1 layer",
@@ -297,9 +301,11 @@ def speculators_hyperparameters(exported: dict, epochs: int, ttt_steps: int) -> 
     return argv + ["--target-layer-ids", *map(str, exported["aux_layer_ids"])], why  # the same layers
 
 
-def speculators_command(python: Path, data: Path, exported: dict, epochs: int, ttt_steps: int) -> tuple[list[str], dict]:
+def speculators_command(
+    python: Path, data: Path, exported: dict, epochs: int, ttt_steps: int, dtype: str = "bfloat16"
+) -> tuple[list[str], dict]:
     """`speculators train` on the export (after speculators_cpu.py prepare), head in data/speculators-head."""
-    args, why = speculators_hyperparameters(exported, epochs, ttt_steps)
+    args, why = speculators_hyperparameters(exported, epochs, ttt_steps, dtype)
     args = [str(data / a) if a.endswith(".npy") or a == "hidden_states" else a for a in args]
     cmd = [str(python), str(SPECULATORS_CPU), "train", "--verifier-name-or-path", exported["verifier"]]
     return cmd + ["--data-path", str(data / "arrow"), "--save-path", str(data / "speculators-head"), *args], why
@@ -334,7 +340,7 @@ def specforge_run_config(data: Path, exported: dict, epochs: int, save: Path) ->
             "vocab_mapping_path": str(data / SPECFORGE_VOCAB),
             "embedding_key": "model.embed_tokens.weight",
             "lm_head_key": specforge_lm_head_key(target),
-            "torch_dtype": "bfloat16",
+            "torch_dtype": "bfloat16",  # the dtype of its offline rows too (float32 is refused)
         },
         "data": {
             "hidden_states_path": str(data / SPECFORGE_ROWS),
@@ -422,7 +428,7 @@ def train_peers(args, data: Path, exported: dict, out: Path, peers: list[str]) -
         )
         saves["speculators"] = data / "speculators-head"
         jobs["speculators"], why["speculators"] = speculators_command(
-            args.speculators_python, data, exported, args.epochs, args.ttt_steps
+            args.speculators_python, data, exported, args.epochs, args.ttt_steps, args.peer_dtype
         )
     if "specforge" in peers:
         saves["specforge"] = data / "specforge-head"
@@ -714,6 +720,13 @@ def parse_args(argv=None):
     ap.add_argument("--epochs", type=int, default=4, help="speculators' epochs (the CPU budget; its default is 20)")
     ap.add_argument("--ttt-steps", type=int, default=3, help="speculators' TTT steps (its default 3)")
     ap.add_argument("--specforge-epochs", type=int, default=1, help="SpecForge's epochs (its default 1)")
+    ap.add_argument(
+        "--peer-dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="speculators' compute dtype (its default bfloat16; float32 on a CPU without bf16 instructions, "
+        "where bfloat16 matmuls run about 40x slower; SpecForge trains in bfloat16 only)",
+    )
     ap.add_argument("--speculators-python", type=Path, default=SPECULATORS_PY)
     ap.add_argument("--specforge-python", type=Path, default=SPECFORGE_PY)
     ap.add_argument("--vllm-python", type=Path, default=VLLM_PY)
@@ -744,6 +757,8 @@ def check_args(args) -> dict[str, Path]:
     peers = [p for p in args.peers.split(",") if p]
     if not peers or any(p not in PEERS for p in peers):
         refuse(f"--peers {args.peers!r}: name one or more of {', '.join(PEERS)}")
+    if args.peer_dtype == "float32" and "specforge" in peers and not args.specforge_head:
+        refuse("--peer-dtype float32: SpecForge trains in bfloat16 only (its offline rows are bf16); pass --peers speculators")
     for peer in PEERS:
         given = getattr(args, f"{peer}_head")
         if given and not (args.reuse_export and (out / "exported.json").is_file()):
@@ -871,7 +886,7 @@ COLUMNS = [
 
 def _label(name: str, entry: dict, args) -> str:
     if name == "speculators":
-        return f"speculators 0.9.0, {args.epochs} epochs"
+        return f"speculators 0.9.0, {args.epochs} epochs" + (f", {args.peer_dtype}" if args.peer_dtype != "bfloat16" else "")
     if name == "speculators-converted":
         return "the same speculators head converted to trtspec's layout (the vLLM load check)"
     if name == "specforge":

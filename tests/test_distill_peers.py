@@ -6,6 +6,7 @@ in vLLM (where that environment exists too)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -373,3 +374,26 @@ def test_vllm_loads_specforges_export_and_drafts_with_it(specforge_trained, expo
     c = got["counters"]
     assert c["num_drafts"] > 0 and c["num_draft_tokens"] == c["num_drafts"]  # k=1: one draft a step
     assert got["acceptance"] == round(c["num_accepted_tokens"] / c["num_draft_tokens"], 3)
+
+
+def test_speculators_trains_in_float32_where_asked_and_specforge_is_refused(exported, tmp_path, capsys):
+    """`--peer-dtype float32` (a CPU without bf16 instructions): speculators through its own
+    setting (--hidden-states-dtype float32: its autocast then computes nothing in bf16, as torch
+    says in its log); SpecForge, whose offline rows are bf16, is refused by name."""
+    spec, head, out, info = exported
+    with pytest.raises(SystemExit) as refused:
+        distill_peers.check_args(distill_peers.parse_args([str(spec), "--head", str(head), "--peer-dtype", "float32"]))
+    assert refused.value.code == 2 and "SpecForge trains in bfloat16 only" in capsys.readouterr().err
+    missing = _speculators_missing()
+    if missing:
+        pytest.skip(missing)
+    data = tmp_path / "export"  # a copy: the head is written beside the data, away from the other tests' heads
+    shutil.copytree(out, data, ignore=shutil.ignore_patterns("speculators-head", "specforge-head"))
+    args = distill_peers.parse_args(
+        [str(spec), "--head", str(head), "--out", str(data), "--epochs", "1", "--peer-dtype", "float32"]
+    )
+    trained = distill_peers.train_peers(args, data, info, tmp_path, ["speculators"])["speculators"]
+    assert (distill_peers.Path(trained["head"]) / "model.safetensors").is_file()  # saved in bf16, its checkpoint format
+    assert "float32" in trained["hyperparameters"]["hidden_states_dtype"]
+    log = (tmp_path / "speculators-train.log").read_text()
+    assert "hidden_states_dtype='float32'" in log and "Disabling autocast" in log  # torch: float32 compute, no bf16
