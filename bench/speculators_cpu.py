@@ -17,6 +17,12 @@ seq_len). ``train`` is speculators' own command line; what is redirected, and wh
 - its checkpointer's get_current_device() falls back to "cuda:0": "cpu".
 FlexAttention (no CPU backward) and the Triton loss are avoided with speculators' own flags
 (--draft-attn-impl sdpa --loss-implementation eager), which distill_peers.py passes.
+
+With ``--hidden-states-dtype float32`` (its setting for compute without bfloat16; distill_peers.py
+--peer-dtype float32) one more place is redirected: torch's Muon orthogonalizes each update in
+bfloat16 whatever the parameters' dtype, which a CPU without bf16 instructions runs about 40x
+slower (48 s of a 56 s step on the demo's data); the same Newton-Schulz iteration runs in
+float32 instead (``_orthogonalize_float32``).
 """
 
 from __future__ import annotations
@@ -50,6 +56,25 @@ def _cpu_patches() -> None:
     trainer.get_local_rank = lambda: "cpu"
 
 
+def _orthogonalize_float32(grad, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float):
+    """Muon's quintic Newton-Schulz orthogonalization of a 2D update, in float32: scaled to
+    spectral norm <= 1, then X <- aX + (bXX^T + c(XX^T)^2)X, on the wide orientation."""
+    a, b, c = ns_coefficients
+    tall = grad.size(0) > grad.size(1)
+    x = grad.float().T if tall else grad.float()
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+def _float32_muon() -> None:
+    import torch.optim._muon as muon
+
+    muon._zeropower_via_newtonschulz = _orthogonalize_float32
+
+
 def prepare(rows_path: str, out: str) -> None:
     from datasets import Dataset
 
@@ -68,6 +93,9 @@ def main() -> None:
         return
     if len(sys.argv) >= 2 and sys.argv[1] == "train":
         _cpu_patches()
+        args = sys.argv[2:]
+        if "--hidden-states-dtype" in args and args[args.index("--hidden-states-dtype") + 1 :][:1] == ["float32"]:
+            _float32_muon()
         from speculators.train.cli import main as train
         from speculators.train.config import TrainConfig
 

@@ -397,3 +397,19 @@ def test_speculators_trains_in_float32_where_asked_and_specforge_is_refused(expo
     assert "float32" in trained["hyperparameters"]["hidden_states_dtype"]
     log = (tmp_path / "speculators-train.log").read_text()
     assert "hidden_states_dtype='float32'" in log and "Disabling autocast" in log  # torch: float32 compute, no bf16
+
+
+def test_the_float32_muon_orthogonalizes_as_torchs_bf16_one_does():
+    """speculators_cpu.py's float32 Newton-Schulz (a CPU without bf16) gives torch's Muon update,
+    which it computes in bfloat16, to bfloat16's precision, tall and wide."""
+    from torch.optim import _muon
+
+    import speculators_cpu
+
+    coefficients = (3.4445, -4.7750, 2.0315)
+    for shape in ((96, 64), (64, 96)):
+        grad = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        ours = speculators_cpu._orthogonalize_float32(grad, coefficients, 5, 1e-7)
+        theirs = _muon._zeropower_via_newtonschulz(grad, coefficients, 5, 1e-7)
+        assert ours.dtype == torch.float32 and theirs.dtype == torch.bfloat16 and ours.shape == grad.shape
+        torch.testing.assert_close(ours, theirs.float(), rtol=0.05, atol=0.02)
