@@ -91,9 +91,7 @@ def test_forward_groups_compute_the_fewest_tokens_with_each_row_once(seed):
         return sum(len(grp) * max(news[i] for i in grp) + 32 for grp in grps)
 
     order = sorted(range(len(news)), key=lambda i: -news[i])  # any best split groups rows by length
-    best = min(
-        cost([order[sum(sizes[:j]) : sum(sizes[: j + 1])] for j in range(len(sizes))]) for sizes in _partitions(len(news))
-    )
+    best = min(cost([order[sum(sizes[:j]) : sum(sizes[: j + 1])] for j in range(len(sizes))]) for sizes in _partitions(len(news)))
     assert cost(groups) == best
 
 
@@ -123,7 +121,9 @@ def test_a_ragged_step_runs_as_forwards_of_similar_length_with_one_lm_head_call(
         eng.forget_prefixes()
         widths, heads = [], []
         body, head = eng.model.hidden_states, eng.model.logits
-        monkeypatch.setattr(eng.model, "hidden_states", lambda step, *a: widths.append(tuple(step.tokens.shape)) or body(step, *a))
+        monkeypatch.setattr(
+            eng.model, "hidden_states", lambda step, *a: widths.append(tuple(step.tokens.shape)) or body(step, *a)
+        )
         monkeypatch.setattr(eng.model, "logits", lambda h: heads.append(h.shape[0]) or head(h))
         before = eng.forwards
         split = eng.run(items)
