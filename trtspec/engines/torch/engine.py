@@ -45,7 +45,7 @@ def forward_groups(news: list[int], forward_rows: int = FORWARD_ROWS) -> list[li
     if n < 2 or n * max(news) - sum(news) <= forward_rows:  # a split cannot save a forward's cost
         return [list(range(n))]
     order = sorted(range(n), key=lambda i: -news[i])  # longest first: a group's first row sets its width
-    best = [0] + [0] * n  # best[j]: the least cost of the first j rows of ``order``
+    best = [0] * (n + 1)  # best[j]: the least cost of the first j rows of ``order``
     cut = [0] * (n + 1)  # where the last group of that best starts
     for j in range(1, n + 1):
         best[j], cut[j] = min((best[i] + (j - i) * news[order[i]] + forward_rows, i) for i in range(j))
