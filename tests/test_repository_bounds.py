@@ -4,7 +4,9 @@ bounded; the server process runs with an allocator that returns freed memory."""
 
 from __future__ import annotations
 
+import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +19,15 @@ from trtspec.triton.backend.contract import UNSERVED_INPUTS
 from trtspec.triton.backend.params import EngineEndpointParams
 from trtspec.triton.repository import pbtxt
 from trtspec.triton.repository.writer import write_repository
-from trtspec.triton.server.install import ALLOCATORS, JEMALLOC_CONF, find_allocator, server_env
+from trtspec.triton.server.install import (
+    ALLOCATORS,
+    JEMALLOC_CONF,
+    SERVER_JEMALLOC_CONF,
+    STUB_NAME,
+    find_allocator,
+    server_env,
+)
+from trtspec.triton.server.procgroup import descendants
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
@@ -127,8 +137,10 @@ def test_server_env_preloads_the_allocator_once(tmp_path):
         pytest.skip("no jemalloc or tcmalloc installed")
     env = server_env(base={"PATH": "/usr/bin", "LD_PRELOAD": f"/x.so {lib}"})
     assert env["LD_PRELOAD"] == f"{lib} /x.so"
-    assert env["MALLOC_CONF"] == JEMALLOC_CONF  # its own thread returns freed pages
-    assert server_env(base={"PATH": "/usr/bin", "MALLOC_CONF": "narenas:2"})["MALLOC_CONF"] == "narenas:2"
+    if lib.name == ALLOCATORS["jemalloc"]:
+        assert env["MALLOC_CONF"] == SERVER_JEMALLOC_CONF  # its own thread returns freed pages
+    mine = server_env(base={"PATH": "/usr/bin", "MALLOC_CONF": "narenas:2"})
+    assert mine["MALLOC_CONF"] == "narenas:2" and "BASH_ENV" not in mine
     glibc = server_env(base={"PATH": "/usr/bin"}, allocator="glibc")
     assert "LD_PRELOAD" not in glibc and "MALLOC_CONF" not in glibc
     assert glibc["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "640"  # bounded either way
@@ -137,6 +149,45 @@ def test_server_env_preloads_the_allocator_once(tmp_path):
     assert (
         server_env(base={"PATH": "/usr/bin", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16"})["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "16"
     )
+
+
+def _as_a_stub_starts(env: dict[str, str]) -> dict[str, str]:
+    """The environment a stub gets: the Python backend runs `bash -c "exec STUB ..."`."""
+    out = subprocess.run(["bash", "-c", " exec env -0"], env=env, capture_output=True, check=True).stdout
+    return dict(item.split("=", 1) for item in out.decode().split("\0") if "=" in item)
+
+
+def test_the_server_runs_without_jemallocs_thread_caches_and_its_stubs_with_them(tmp_path, monkeypatch):
+    """tritonserver's ~250 threads each keep a cache of freed memory: off in the server; the
+    engine stubs, whose steps ran slower without theirs, get them back through BASH_ENV."""
+    if find_allocator("auto") != find_allocator("jemalloc"):
+        pytest.skip("jemalloc not installed (apt-get install libjemalloc2)")
+    monkeypatch.setenv("TRTSPEC_CACHE", str(tmp_path / "cache"))
+    env = server_env(base={"PATH": "/usr/bin"})
+    assert env["MALLOC_CONF"] == SERVER_JEMALLOC_CONF and "tcache:false" in env["MALLOC_CONF"]
+    assert _as_a_stub_starts(env)["MALLOC_CONF"] == JEMALLOC_CONF
+    assert "tcache" not in JEMALLOC_CONF
+    # a user's own BASH_ENV still runs, after trtspec's
+    (tmp_path / "mine.sh").write_text("export MINE=1\n")
+    chained = _as_a_stub_starts(server_env(base={"PATH": "/usr/bin", "BASH_ENV": str(tmp_path / "mine.sh")}))
+    assert chained["MALLOC_CONF"] == JEMALLOC_CONF and chained["MINE"] == "1"
+    assert server_env(base={"PATH": "/usr/bin"})["BASH_ENV"] == env["BASH_ENV"]  # one file per content
+
+
+@pytest.mark.server
+def test_the_served_stubs_keep_their_thread_caches_and_tritonserver_does_not(bounded_server):
+    server, _ = bounded_server
+    if find_allocator("auto") != find_allocator("jemalloc"):
+        pytest.skip("jemalloc not installed (apt-get install libjemalloc2)")
+
+    def malloc_conf(pid: int) -> str | None:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        return next((v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"MALLOC_CONF=")), None)
+
+    stubs = [pid for pid in descendants(server.pid) if STUB_NAME in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
+    assert stubs and malloc_conf(server.pid) == SERVER_JEMALLOC_CONF
+    assert {malloc_conf(pid) for pid in stubs} == {JEMALLOC_CONF}
+    assert all(str(find_allocator("jemalloc")) in Path(f"/proc/{pid}/maps").read_text() for pid in stubs)
 
 
 def test_the_deployment_default_draft_length_is_a_parameter_named_apart_from_the_request_input(built, tmp_path):

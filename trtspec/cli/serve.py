@@ -19,7 +19,7 @@ def _print_dry_run(server, t) -> None:
     """The command line and the environment the server would get (install.server_env)."""
     console.out.print(" ".join(server.shown_argv()))
     env = server.env or {}
-    shown = ["PATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "MALLOC_CONF", *CACHE_ENV]
+    shown = ["PATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "MALLOC_CONF", "BASH_ENV", *CACHE_ENV]
     for key in [*shown, *sorted(k for k in env if k.startswith("TRTLLM_"))]:
         console.out.print(f"{key}={env.get(key, os.environ.get(key, ''))}")
     if t.loaded is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from typing import Literal
 
 from trtspec.cache import cache_root
 from trtspec.errors import ServerError
+from trtspec.files import write_text_atomic
 
 STUB_NAME = "triton_python_backend_stub"
 _OPT_BINARY = Path("/opt/tritonserver/bin/tritonserver")
@@ -41,6 +43,13 @@ AUTO_ALLOCATOR = "jemalloc"
 # process that goes quiet after a large request keeps them: its own thread purges them within
 # about a second instead (a refused 2 x 64 MiB left tritonserver +106 MiB four requests later).
 JEMALLOC_CONF = "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0"
+# tritonserver runs about 250 threads and each thread that frees memory keeps a cache of its own
+# (tcache) that fills as more of them handle requests: its heap grew for the whole soak with them
+# on and stayed within the goal with them off (operations.md: memory). The engine stubs keep
+# theirs: off there too, served steps ran slower (docs/performance.md: memory). The Python backend
+# starts every stub as `bash -c "exec STUB ..."`, and bash first runs the file named by BASH_ENV,
+# which gives the stubs JEMALLOC_CONF back (stub_env_file).
+SERVER_JEMALLOC_CONF = JEMALLOC_CONF + ",tcache:false"
 # oneDNN keeps a compiled primitive for every matmul shape the engines meet
 # (ONEDNN_PRIMITIVE_CACHE_CAPACITY, 1024 by default) and PyTorch's ideep layer, which runs the
 # engines' packed matmuls (_linear_pointwise), one computation per shape of its own
@@ -228,8 +237,10 @@ def server_env(
     links ``libpython3.X.so`` dynamically, and must get the base interpreter's copy, not a
     system one of another patch level (undefined symbols), hence LIBDIR first on
     LD_LIBRARY_PATH. A relocated stub/backend also needs the wheel's bundled libraries.
-    ``allocator`` (find_allocator) goes first on LD_PRELOAD; oneDNN's and ideep's caches are
-    bounded (CACHE_ENV) unless the environment sets them.
+    ``allocator`` (find_allocator) goes first on LD_PRELOAD, with jemalloc's settings for the
+    server (SERVER_JEMALLOC_CONF) and, through BASH_ENV, for its stubs (JEMALLOC_CONF) unless the
+    environment sets MALLOC_CONF; oneDNN's and ideep's caches are bounded (CACHE_ENV) unless the
+    environment sets them.
     """
     py = venv if isinstance(venv, PythonEnv) else python_env(venv)
     install = install or find_tritonserver()
@@ -240,11 +251,26 @@ def server_env(
     malloc = find_allocator(allocator)
     if malloc is not None:
         env["LD_PRELOAD"] = " ".join([str(malloc), *(p for p in env.get("LD_PRELOAD", "").split() if p != str(malloc))])
-        if malloc.name == ALLOCATORS["jemalloc"]:
-            env.setdefault("MALLOC_CONF", JEMALLOC_CONF)  # a user's own setting wins
+        if malloc.name == ALLOCATORS["jemalloc"] and "MALLOC_CONF" not in env:  # a user's own setting wins
+            env["MALLOC_CONF"] = SERVER_JEMALLOC_CONF
+            env["BASH_ENV"] = str(stub_env_file(JEMALLOC_CONF, env.get("BASH_ENV")))
     for name, capacity in CACHE_ENV.items():
         env.setdefault(name, str(capacity))  # a user's own setting wins
     return env
+
+
+def stub_env_file(malloc_conf: str, chained: str | None = None) -> Path:
+    """The file bash runs (BASH_ENV) before it execs each Python-backend stub: it sets the stub's
+    MALLOC_CONF to ``malloc_conf`` and then runs ``chained`` (a BASH_ENV the user had). Named by
+    its content under trtspec's cache, written once, never half-written."""
+    text = f"export MALLOC_CONF={shlex.quote(malloc_conf)}\n"
+    if chained:
+        text += f". {shlex.quote(chained)}\n"
+    path = cache_root() / "server-env" / f"stub-{hashlib.sha256(text.encode()).hexdigest()[:16]}.sh"
+    if not path.is_file() or path.read_text() != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, text)
+    return path
 
 
 def _prepend(first: Sequence[str], existing: str) -> str:
