@@ -47,6 +47,14 @@ VARIANTS = {
         "3 training-time-test steps (0.8^j) after a depth-1 phase of half the steps",
         ["--ttt-steps", "3", "--step-decay", "0.8", "--ttt-phase", "0.5"],
     ),
+    "lk": (
+        "LK loss: -log of the acceptance rate sum_x min(p_x, q_x) over the target's top-32 (default: KL to it)",
+        ["--loss", "lk"],
+    ),
+    "lk-ttt3": (
+        "LK loss and 3 training-time-test steps, weights 0.5^j (against ttt3-decay-0.5: the loss alone)",
+        ["--ttt-steps", "3", "--step-decay", "0.5", "--loss", "lk"],
+    ),
     "norms": ("EAGLE-3.1's norms (speculators' default: before fc, before the residual, on the output)", ["--norms"]),
     "norms-ttt3": (
         "EAGLE-3.1's norms and 3 training-time-test steps (0.8^j): speculators' depth",

@@ -123,6 +123,14 @@ class DistillRecipe(BaseModel):
             "per captured token; hard: on its greedy token."
         ),
     ] = "soft"
+    loss: Annotated[
+        Literal["kl", "lk"],
+        Flag(
+            "kl: cross-entropy to the target's distribution (KL up to a constant); lk: -log of the acceptance "
+            "rate sum_x min(p_x, q_x) over the same top-32 (LK losses, arXiv 2602.23881). Soft labels only: with "
+            "--labels hard the two are the same loss."
+        ),
+    ] = "kl"  # lk measured on the demo's capture: docs/codesign.md
     all_positions: Annotated[bool, Flag("Also train on prompt and template positions (default: response positions only).")] = (
         False
     )

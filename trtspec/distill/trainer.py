@@ -95,6 +95,7 @@ class Trainer:
             weights=weights,
             response_only=not self.opts.all_positions,
             reach=self.opts.ttt_reach,
+            loss=self.opts.loss,
         )
         return loss
 

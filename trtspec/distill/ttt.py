@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -167,6 +168,7 @@ def ttt_loss(
     weights: list[float] | None = None,
     response_only: bool = True,
     reach: bool = False,
+    loss: Literal["kl", "lk"] = "kl",
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Cross-entropy per step, weighted by ``weights`` (default: equal), over the positions
     step_targets scores (``response_only``: chains inside responses only).
@@ -178,6 +180,10 @@ def ttt_loss(
     teaches how sure the target is and what its runner-up is, more signal per captured token.
     Positions are those the hard loss scores; the greedy token is the top-1 of the same logits.
     ``reach``: each step's loss is a mean over its positions weighted by reach_weights.
+    ``loss``: with soft labels, "kl" is the cross-entropy above (KL up to the target's entropy),
+    "lk" is -log of the acceptance rate (soft_lk_loss). With hard labels the two coincide: the
+    target's distribution is its greedy token, the acceptance rate is the draft's probability of
+    it, and -log of that is the hard cross-entropy.
     """
     logits = unrolled_logits(head, embed, batch, steps, cos, sin)
     if soft and batch.top_ids is None:
@@ -187,7 +193,8 @@ def ttt_loss(
     target_dist = _soft_targets(batch, t2d) if soft else None
     reached = reach_weights(logits, draft_tgts) if reach else [None] * steps
     losses = [
-        _step_loss(lg, tgt, draft_tgt, target_dist, w) for lg, tgt, draft_tgt, w in zip(logits, targets, draft_tgts, reached)
+        _step_loss(lg, tgt, draft_tgt, target_dist, w, loss)
+        for lg, tgt, draft_tgt, w in zip(logits, targets, draft_tgts, reached)
     ]
     w = torch.tensor(weights if weights is not None else [1.0 / steps] * steps, device=losses[0].device)
     # A batch may hold no scored position for some step (all prompt): cross_entropy is nan there.
@@ -228,7 +235,34 @@ def _soft_targets(batch: Batch, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.
     return draft, probs, keep.any(-1)
 
 
-def _step_loss(lg, tgt, draft_tgt, target_dist, reached) -> torch.Tensor:
+def soft_lk_loss(lg: torch.Tensor, draft: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """-log alpha per position [B, T] (LK losses, Samarin et al. 2026, arXiv 2602.23881): alpha =
+    sum_x min(p_x, q_x) is the probability that speculative sampling accepts a draft token drawn
+    from the head's distribution q when the target's is p; minimising -log alpha trains the
+    acceptance rate itself, where the KL is its proxy. Its gradient is the total-variation
+    distance's scaled by 1/alpha, so it does not vanish while alpha is small.
+
+    ``lg`` [B, T, draft_vocab] the head's logits; ``draft`` [B, T, k] the target's top-k ids in
+    the draft vocabulary (-1: outside it); ``probs`` [B, T, k] p on them, renormalised over the
+    ids inside (as the KL's). p is 0 everywhere else: the target's mass outside its captured
+    top-k, and outside the draft vocabulary, counts for nothing (the draft can never get a
+    token accepted there), and q's mass outside the support adds nothing to alpha. In log space
+    (log alpha = logsumexp_x min(log p_x, log q_x)): exact where q is tiny. A position with no
+    id inside the draft vocabulary gets 0 (the caller does not score it)."""
+    inside = draft >= 0
+    logq = torch.log_softmax(lg.float(), dim=-1).gather(-1, draft.clamp(min=0))  # [B, T, k]
+    both = torch.minimum(torch.log(probs), logq).masked_fill(~inside, float("-inf"))  # [B, T, k]
+    both = both.masked_fill(~inside.any(-1, keepdim=True), 0.0)  # no -inf-only row: no nan gradient
+    return -torch.logsumexp(both, dim=-1).masked_fill(~inside.any(-1), 0.0)
+
+
+def _soft_kl_loss(lg: torch.Tensor, draft: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy to the target's top-k distribution per position [B, T] (ttt_loss's soft)."""
+    logq = torch.log_softmax(lg.float(), dim=-1).gather(-1, draft.clamp(min=0))  # [B, T, k]
+    return -(probs * logq.masked_fill(~(draft >= 0), 0.0)).sum(-1)
+
+
+def _step_loss(lg, tgt, draft_tgt, target_dist, reached, loss: str = "kl") -> torch.Tensor:
     """One unrolled step's loss: the mean over its scored positions, weighted by ``reached``
     ([B, T]) when given."""
     if target_dist is None:
@@ -238,8 +272,7 @@ def _step_loss(lg, tgt, draft_tgt, target_dist, reached) -> torch.Tensor:
         per_pos, scored = per_pos.view_as(draft_tgt), draft_tgt >= 0
     else:
         draft, probs, has = target_dist
-        logq = torch.log_softmax(lg.float(), dim=-1).gather(-1, draft.clamp(min=0))  # [B, T, k]
-        per_pos = -(probs * logq.masked_fill(~(draft >= 0), 0.0)).sum(-1)  # [B, T]
+        per_pos = (soft_lk_loss if loss == "lk" else _soft_kl_loss)(lg, draft, probs)  # [B, T]
         scored = (tgt >= 0) & has
         if reached is None:
             return per_pos[scored].sum() / scored.sum().clamp(min=1)
