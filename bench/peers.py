@@ -376,11 +376,11 @@ class VllmWorker:
 
 def vllm_env(kv_cache_gib: int) -> dict[str, str]:
     """The worker's environment: the engine in its process, a KV cache sized for a bench (vLLM's
-    CPU default would take GiBs per process), threads as vLLM sets them itself (OMP_NUM_THREADS
-    removed): vLLM 0.32 reduces torch to 1 thread for serving and binds its OpenMP threads to
-    cores. With OMP_NUM_THREADS=2 forced (vLLM warns of spin-wait contention), its decode steps
-    took seconds on the shared, loaded 2-core machine; why exactly (binding, spinning) was not
-    pinned down."""
+    CPU default would take GiBs per process), OMP_NUM_THREADS removed. With the engine in the
+    worker's own process vLLM 0.32 neither binds its OpenMP threads nor cuts torch to one thread,
+    so its threads spin-wait against any other job: on a shared 2-core machine its decode steps
+    took seconds. Where acceptance alone is scored beside other work, OMP_WAIT_POLICY=PASSIVE in
+    the caller's environment (kept here) stops the spinning; it gave identical acceptance counts."""
     env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
     return env | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
 
