@@ -25,7 +25,7 @@ from trtspec.triton.repository import pbtxt
 from trtspec.triton.repository.pbtxt import DynamicBatching, ModelConfig, PbtxtError, TensorSpec
 from trtspec.triton.server.detached import stop_detached
 from trtspec.triton.server.install import find_tritonserver, prepare_backend_dir, python_env, server_env
-from trtspec.triton.server.process import ServerCommand, TritonServer
+from trtspec.triton.server.process import ServerCommand, TritonServer, failure_message
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,6 +130,18 @@ def test_load_models_requires_explicit_mode() -> None:
         load_models=["a"],
     ).argv()
     assert "--load-model=a" in argv and "--http-address=127.0.0.1" in argv
+
+
+def test_an_upstream_lock_abort_is_named_with_what_to_do() -> None:
+    """tritonserver 2.51 aborted this way while six stubs started beside other jobs on 2 cores."""
+    log = (
+        'I1202 17:52:57.161351 21701 python_be.cc:2249] "TRITONBACKEND_ModelInstanceInitialize: tensorrt_llm_bls_0_0"\n'
+        "terminate called after throwing an instance of 'boost::interprocess::lock_exception'\n"
+        "  what():  boost::interprocess::lock_exception\n"
+    )
+    message = failure_message("tritonserver exited with code -6 before it was ready", log, None)
+    assert "lock_exception" in message and "server#8882" in message and "start the server again" in message
+    assert "server#8882" not in failure_message("tritonserver exited with code 1", "E1202 failed to load 'x'\n", None)
 
 
 def test_server_env_puts_the_venv_and_its_libpython_first() -> None:

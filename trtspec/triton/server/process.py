@@ -61,6 +61,12 @@ _HINTS: tuple[tuple[re.Pattern[str], str], ...] = (
         re.compile(r"address already in use", re.I),
         "a port is taken: pick free ports (free_ports()) or stop the other server",
     ),
+    (
+        re.compile(r"boost::interprocess::lock_exception"),
+        "the Python backend aborted the server on an interprocess lock, a known upstream failure "
+        "(triton-inference-server/server#8882) seen here while stubs started on a CPU busy with other "
+        "jobs: start the server again, on a less loaded machine or with fewer jobs beside it",
+    ),
 )
 
 
