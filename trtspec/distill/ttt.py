@@ -250,16 +250,19 @@ def soft_lk_loss(lg: torch.Tensor, draft: torch.Tensor, probs: torch.Tensor) -> 
     (log alpha = logsumexp_x min(log p_x, log q_x)): exact where q is tiny. A position with no
     id inside the draft vocabulary gets 0 (the caller does not score it)."""
     inside = draft >= 0
-    logq = torch.log_softmax(lg.float(), dim=-1).gather(-1, draft.clamp(min=0))  # [B, T, k]
-    both = torch.minimum(torch.log(probs), logq).masked_fill(~inside, float("-inf"))  # [B, T, k]
+    both = torch.minimum(torch.log(probs), _draft_logq(lg, draft)).masked_fill(~inside, float("-inf"))  # [B, T, k]
     both = both.masked_fill(~inside.any(-1, keepdim=True), 0.0)  # no -inf-only row: no nan gradient
     return -torch.logsumexp(both, dim=-1).masked_fill(~inside.any(-1), 0.0)
 
 
 def _soft_kl_loss(lg: torch.Tensor, draft: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     """Cross-entropy to the target's top-k distribution per position [B, T] (ttt_loss's soft)."""
-    logq = torch.log_softmax(lg.float(), dim=-1).gather(-1, draft.clamp(min=0))  # [B, T, k]
-    return -(probs * logq.masked_fill(~(draft >= 0), 0.0)).sum(-1)
+    return -(probs * _draft_logq(lg, draft).masked_fill(~(draft >= 0), 0.0)).sum(-1)
+
+
+def _draft_logq(lg: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
+    """The head's log-probabilities [B, T, k] of the target's top-k ids (-1 read as id 0: masked by the caller)."""
+    return torch.log_softmax(lg.float(), dim=-1).gather(-1, draft.clamp(min=0))
 
 
 def _step_loss(lg, tgt, draft_tgt, target_dist, reached, loss: str = "kl") -> torch.Tensor:
