@@ -26,7 +26,9 @@ refused with their named error. It reports and checks:
                 request until every one in flight is answered, then SETTLE_S seconds; the pause
                 is added to the load's time) and in flight against in flight (sampled just
                 before each drain); the growth from before any load and a sample every 10 s
-                are reported too
+                are reported too, and where each process's private memory changed idle against
+                idle: threads, and anonymous KiB by kind (heap, thread stacks, private copies
+                of file pages)
   held after    sequences still holding a place and requests still queued, read from the
                 trtspec_active_sequences / trtspec_queue_depth gauges on /metrics when the
                 server exports them; and a probe: max_batch_size fresh streams per instance
@@ -274,7 +276,7 @@ def main() -> int:
     global ANSWER_TIMEOUT
     ANSWER_TIMEOUT = args.answer_timeout
 
-    from server_memory import compact, growth, total, tree_memory
+    from server_memory import compact, growth, layout_growth, total, tree_layout, tree_memory
     from trtspec.spec import load_spec
 
     loaded = load_spec(args.spec)
@@ -371,7 +373,7 @@ def main() -> int:
         busy_start = tree_memory(server.pid)
         drained = [traffic.drain(ANSWER_TIMEOUT)]
         time.sleep(SETTLE_S)
-        idle_start = tree_memory(server.pid)
+        idle_start, layout_start = tree_memory(server.pid), tree_layout(server.pid)
         traffic.resume()
         while traffic.running():
             samples.append({"t": round(time.monotonic() - begin, 1)} | compact(tree_memory(server.pid)))
@@ -382,7 +384,7 @@ def main() -> int:
             t.join()
         seconds = time.monotonic() - begin
         time.sleep(SETTLE_S)
-        idle_end = tree_memory(server.pid)
+        idle_end, layout_end = tree_memory(server.pid), tree_layout(server.pid)
         held = gauges(server.metrics_url)
         # Every place must be free again: as many fresh streams as one endpoint instance has
         # places, at once, all complete and identical to target-only.
@@ -438,6 +440,9 @@ def main() -> int:
         "worst_in_flight_held_growth_pct": in_flight["worst_held_growth_pct"],
         "worst_in_flight_process": in_flight["worst_process"],
         "drained": drained,  # each drain ended with no request in flight
+        # Where each process's private memory changed over the judged span, idle against idle:
+        # threads, and anonymous KiB and mappings by kind ([start, end]; bench/server_memory.py).
+        "anon_layout_growth": layout_growth(layout_start, layout_end),
         # What the tree holds (shared pages counted once) before load and at each sample of
         # the span's ends; the growth from before load includes the warm-up's.
         "held_total_mib": {

@@ -90,3 +90,52 @@ def test_the_soak_names_each_process_growth_by_the_model_it_serves():
         "tensorrt_llm_2": {"mib": 20.0, "pct": 1.0},
         "tensorrt_llm_3": {"mib": None, "pct": None},  # pid 13 began in it
     }
+
+
+# A process that, once told, starts 4 threads that wait and grows its heap by 32 MiB.
+THREADS = """
+import sys, threading, time
+from pathlib import Path
+go, done = Path(sys.argv[1]), Path(sys.argv[2])
+deadline = time.monotonic() + 60
+while not go.exists():
+    if time.monotonic() > deadline:
+        sys.exit(1)
+    time.sleep(0.02)
+stop = threading.Event()
+threads = [threading.Thread(target=stop.wait, args=(60,)) for _ in range(4)]
+for t in threads:
+    t.start()
+heap = bytearray(32 << 20)
+for i in range(0, len(heap), 4096):
+    heap[i] = 1
+done.touch()
+time.sleep(60)
+"""
+
+
+def test_the_layout_names_what_grew_heap_pages_apart_from_new_threads_stacks(tmp_path):
+    go, done = tmp_path / "go", tmp_path / "done"
+    proc = subprocess.Popen([sys.executable, "-c", THREADS, str(go), str(done)])
+    try:
+        deadline = time.monotonic() + 30
+        while not memory.tree_layout(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        start = memory.tree_layout(proc.pid)
+        go.touch()
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        end = memory.tree_layout(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    (changed,) = memory.layout_growth(start, end).values()
+    a, b = changed["threads"]
+    assert b - a == 4
+    stacks = changed["mappings"]["thread stacks"]
+    assert stacks[1] - stacks[0] == 4  # one guarded stack per thread, none taken for the heap
+    heap_kib = changed["kib"]["heap"]
+    assert heap_kib[1] - heap_kib[0] >= 31 << 10
+    stack_kib = changed["kib"]["thread stacks"]
+    assert 0 < stack_kib[1] - stack_kib[0] < 4 << 10  # each new stack touched a few pages only
+    assert memory.layout_growth(end, end) == {}
