@@ -19,13 +19,16 @@ The fields kept here can (KiB; shm_maps a count):
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from trtspec.triton.server.procgroup import cmdline, descendants
 
 MEMORY_FIELDS = ("held", "pss", "rss_anon", "rss_shmem", "shm_maps")
 STUB_NAME = "triton_python_backend_stub"
 
+T = TypeVar("T")
 Memory = dict[str, int]  # MEMORY_FIELDS -> KiB (shm_maps: a count)
 
 
@@ -63,14 +66,19 @@ def label(pid: int) -> str:
     return f"{name} [{pid}]"
 
 
-def tree_memory(root: int) -> dict[str, Memory]:
-    """MEMORY_FIELDS of ``root`` and every process under it, by :func:`label`."""
+def over_tree(root: int, read: Callable[[int], T | None]) -> dict[str, T]:
+    """``read`` of ``root`` and every process under it, by :func:`label` (a process gone: left out)."""
     out = {}
     for pid in [root, *descendants(root)]:
-        mem = process_memory(pid)
-        if mem is not None:
-            out[label(pid)] = mem
+        value = read(pid)
+        if value is not None:
+            out[label(pid)] = value
     return out
+
+
+def tree_memory(root: int) -> dict[str, Memory]:
+    """MEMORY_FIELDS of ``root`` and every process under it, by :func:`label`."""
+    return over_tree(root, process_memory)
 
 
 def total(memory: dict[str, Memory], field: str = "held") -> int:
@@ -161,12 +169,7 @@ def anon_layout(pid: int) -> dict | None:
 
 def tree_layout(root: int) -> dict[str, dict]:
     """:func:`anon_layout` of ``root`` and every process under it, by :func:`label`."""
-    out = {}
-    for pid in [root, *descendants(root)]:
-        layout = anon_layout(pid)
-        if layout is not None:
-            out[label(pid)] = layout
-    return out
+    return over_tree(root, anon_layout)
 
 
 def layout_growth(start: dict[str, dict], end: dict[str, dict]) -> dict[str, dict]:
