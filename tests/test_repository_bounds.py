@@ -167,6 +167,7 @@ def test_the_server_runs_without_jemallocs_thread_caches_and_its_stubs_with_them
     assert env["MALLOC_CONF"] == SERVER_JEMALLOC_CONF and "tcache:false" in env["MALLOC_CONF"]
     assert _as_a_stub_starts(env)["MALLOC_CONF"] == JEMALLOC_CONF
     assert "tcache" not in JEMALLOC_CONF
+    assert "narenas:1" in SERVER_JEMALLOC_CONF and "narenas" not in JEMALLOC_CONF  # one arena in tritonserver only
     # a user's own BASH_ENV still runs, after trtspec's
     (tmp_path / "mine.sh").write_text("export MINE=1\n")
     chained = _as_a_stub_starts(server_env(base={"PATH": "/usr/bin", "BASH_ENV": str(tmp_path / "mine.sh")}))

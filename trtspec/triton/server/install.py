@@ -45,11 +45,13 @@ AUTO_ALLOCATOR = "jemalloc"
 JEMALLOC_CONF = "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0"
 # tritonserver runs about 250 threads and each thread that frees memory keeps a cache of its own
 # (tcache) that fills as more of them handle requests: its heap grew for the whole soak with them
-# on and stayed within the goal with them off (operations.md: memory). The engine stubs keep
-# theirs: off there too, served steps ran slower (docs/performance.md: memory). The Python backend
-# starts every stub as `bash -c "exec STUB ..."`, and bash first runs the file named by BASH_ENV,
-# which gives the stubs JEMALLOC_CONF back (stub_env_file).
-SERVER_JEMALLOC_CONF = JEMALLOC_CONF + ",tcache:false"
+# on (+5.7 MiB, 21.75%) and by +0.2 MiB (1.22%) with them off; spread over jemalloc's 8 arenas
+# (4 per core) its pages stayed partly used after a peak, and with one arena the soak held it to
+# +41 KiB (0.27%; operations.md: memory). The engine stubs keep both: without their caches, served
+# steps ran slower (docs/performance.md: memory). The Python backend starts every stub as
+# `bash -c "exec STUB ..."`, and bash first runs the file named by BASH_ENV, which gives the stubs
+# JEMALLOC_CONF back (stub_env_file).
+SERVER_JEMALLOC_CONF = JEMALLOC_CONF + ",tcache:false,narenas:1"
 # oneDNN keeps a compiled primitive for every matmul shape the engines meet
 # (ONEDNN_PRIMITIVE_CACHE_CAPACITY, 1024 by default) and PyTorch's ideep layer, which runs the
 # engines' packed matmuls (_linear_pointwise), one computation per shape of its own
