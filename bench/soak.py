@@ -47,6 +47,7 @@ import json
 import queue
 import random
 import re
+import statistics
 import threading
 import time
 import urllib.request
@@ -69,16 +70,47 @@ def held_by_model(per_process: dict[str, dict]) -> dict[str, dict[str, float | N
     each {"mib", "pct"} (a second instance's stub: ``tensorrt_llm_2``, in pid order); a process
     that began or ended in the span has None for both."""
     out: dict[str, dict[str, float | None]] = {}
-    for name, g in sorted(per_process.items(), key=lambda item: int(item[0].rsplit("[", 1)[1].rstrip("]"))):
-        base = key = name.rsplit(" [", 1)[0].removeprefix("stub ")
-        n = 1
-        while key in out:
-            n += 1
-            key = f"{base}_{n}"
+    for name, key in model_names(per_process).items():
+        g = per_process[name]
         if "growth_kib" in g:
             out[key] = {"mib": round(g["growth_kib"]["held"] / 1024, 1), "pct": g["growth_pct"]["held"]}
         else:
             out[key] = {"mib": None, "pct": None}
+    return out
+
+
+def model_names(processes) -> dict[str, str]:
+    """Each process label ("tritonserver [PID]", "stub MODEL [PID]") to the name the documents
+    cite, in pid order: ``tritonserver`` or the model, a second instance's stub ``MODEL_2``."""
+    out: dict[str, str] = {}
+    for name in sorted(processes, key=lambda label: int(label.rsplit("[", 1)[1].rstrip("]"))):
+        base = key = name.rsplit(" [", 1)[0].removeprefix("stub ")
+        n = 1
+        while key in out.values():
+            n += 1
+            key = f"{base}_{n}"
+        out[name] = key
+    return out
+
+
+def in_flight_trend(samples: list[dict]) -> dict[str, dict[str, float]]:
+    """Per process, the median held MiB of the span's in-flight samples (every 10 s) in its
+    first and its second half, and the change in %: a trend under load, which the two single
+    in-flight samples at the span's ends, taken at whatever was in flight then, cannot show.
+    Processes absent from any sample are left out; fewer than 4 samples give nothing."""
+    if len(samples) < 4:
+        return {}
+    labels = set.intersection(*(set(s) - {"t"} for s in samples))
+    half = len(samples) // 2
+    out = {}
+    for label, key in model_names(labels).items():
+        first = statistics.median(s[label][0] for s in samples[:half])
+        second = statistics.median(s[label][0] for s in samples[half:])
+        out[key] = {
+            "first_half_mib": round(first, 1),
+            "second_half_mib": round(second, 1),
+            "pct": round(100 * (second - first) / first, 2) if first else 0.0,
+        }
     return out
 
 
@@ -439,6 +471,8 @@ def main() -> int:
         "in_flight_held_growth": in_flight["held_growth"],
         "worst_in_flight_held_growth_pct": in_flight["worst_held_growth_pct"],
         "worst_in_flight_process": in_flight["worst_process"],
+        # The 10-s samples in flight: median of the span's second half against its first.
+        "in_flight_trend": in_flight_trend(samples),
         "drained": drained,  # each drain ended with no request in flight
         # Where each process's private memory changed over the judged span, idle against idle:
         # threads, and anonymous KiB and mappings by kind ([start, end]; bench/server_memory.py).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from soak import Traffic, memory_report
+from soak import Traffic, in_flight_trend, memory_report
 
 
 def _mem(held_mib: float) -> dict[str, int]:
@@ -37,6 +37,29 @@ def test_a_process_that_began_after_the_idle_start_counts_as_unbounded_growth():
     assert idle["worst_process"] == "stub tensorrt_llm [12]"
     assert idle["worst_held_growth_pct"] == float("inf")
     assert idle["held_growth"]["tensorrt_llm"] == {"mib": None, "pct": None}
+
+
+def test_the_in_flight_trend_compares_medians_of_the_two_halves_so_a_spike_does_not_count_and_a_climb_does():
+    # tritonserver swings with what is in flight (one 24 MiB spike at the end); the draft climbs
+    # 1 MiB a sample; a second instance's stub is named apart; a process seen only once is left out
+    samples = []
+    for i in range(8):
+        triton = 24.0 if i == 7 else 15.5
+        samples.append(
+            {
+                "t": 10.0 * i,
+                "tritonserver [10]": [triton, 0, 0, 0, 8],
+                "stub tensorrt_llm_draft [12]": [700.0 + i, 0, 0, 0, 1],
+                "stub tensorrt_llm_draft [14]": [700.0, 0, 0, 0, 1],
+            }
+            | ({"stub tensorrt_llm [16]": [900.0, 0, 0, 0, 1]} if i == 3 else {})
+        )
+    trend = in_flight_trend(samples)
+    assert trend["tritonserver"] == {"first_half_mib": 15.5, "second_half_mib": 15.5, "pct": 0.0}
+    assert trend["tensorrt_llm_draft"] == {"first_half_mib": 701.5, "second_half_mib": 705.5, "pct": 0.57}
+    assert trend["tensorrt_llm_draft_2"]["pct"] == 0.0
+    assert "tensorrt_llm" not in trend
+    assert in_flight_trend(samples[:3]) == {}
 
 
 def test_a_drain_waits_for_the_request_in_flight_and_holds_new_ones_until_resumed():
