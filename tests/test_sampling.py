@@ -13,7 +13,7 @@ from markov_pair import TARGET, MarkovDrafter, MarkovVerifier, T, V, accept_all,
 from trtspec.errors import RequestError
 from trtspec.speculative import loop
 from trtspec.speculative.loop import GenerationRequest, NoDrafter, generate
-from trtspec.speculative.sampling import SamplingParams, warp
+from trtspec.speculative.sampling import SamplingParams, nucleus, warp
 
 
 class LookupDrafter:
@@ -97,6 +97,29 @@ def test_warp_top_k_and_top_p():
     assert math.isclose(float(nucleus[0]), float(full[0] / (full[0] + full[1])), rel_tol=1e-12)
     cold = warp(logits, SamplingParams(temperature=0.5))[0]
     assert math.isclose(float(cold[0]), float(torch.softmax(logits.double() / 0.5, -1)[0, 0]), rel_tol=1e-12)
+
+
+def _nucleus_by_full_sort(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The nucleus by definition: sort every token (value descending, lowest index first among
+    ties), keep the prefix whose mass ranked above each token is still below top_p."""
+    order = torch.argsort(x, dim=-1, descending=True, stable=True)
+    sorted_p = torch.softmax(x.gather(-1, order), dim=-1)
+    kept_sorted = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p
+    return torch.zeros_like(kept_sorted).scatter(-1, order, kept_sorted)
+
+
+@pytest.mark.parametrize("vocab", [5, 300, 3000, 49152])
+@pytest.mark.parametrize("kind", ["peaked", "flat", "ties", "masked"])
+def test_nucleus_found_among_candidates_is_the_full_sorts(vocab, kind):
+    # Flat rows need the candidates grown (nuclei of thousands of tokens); integer logits tie
+    # across the candidates' edge, where a lower index must win; -inf rows are top-k's.
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=gen, dtype=torch.float64)
+    x = {"peaked": x * 8, "flat": x * 0.01, "ties": torch.randint(-2, 2, x.shape, generator=gen).double(), "masked": x}[kind]
+    if kind == "masked":
+        x[:, : vocab // 2] = float("-inf")
+    for top_p in (0.05, 0.5, 0.9, 0.95, 0.999999):
+        assert torch.equal(nucleus(x, top_p), _nucleus_by_full_sort(x, top_p)), (kind, top_p)
 
 
 @pytest.mark.parametrize(
