@@ -59,8 +59,8 @@ define codesign_pair
 	  --sweep none -c 1 --max-tokens 64 --out .trtspec/$(2)-bench
 endef
 
-# make demo's head: the shipped prompts' greedy responses cut at 64 tokens, trained for a fixed
-# number of steps (docs/performance.md#co-design).
+# make demo's head: the shipped prompts' greedy responses and one sampled response each, cut at
+# 64 tokens, trained for a fixed number of steps (docs/performance.md#data-per-cpu-minute).
 weights/smollm2-135m-eagle3-head-demo: | weights/smollm2-135m
 	$(TRTSPEC) distill $(EAGLE3_DEMO_SPEC) $(DISTILL_FLAGS)
 
