@@ -10,7 +10,8 @@ TRTSPEC := $(VENV)/bin/trtspec
 TORCH_PIN ?= torch==2.13.0
 DEMO_SPEC := engine_specs/smollm2-135m-cpu.yaml
 EAGLE3_SPEC := engine_specs/smollm2-135m-eagle3.yaml
-# make demo trains its own EAGLE-3 head once (cached in weights/smollm2-135m-eagle3-head-demo),
+# make demo trains its own EAGLE-3 head once (cached in weights/smollm2-135m-eagle3-head-demo;
+# trained again when its spec, which holds the recipe and the prompts it never trains on, is newer),
 # make demo-eagle3 the long recipe's (weights/smollm2-135m-eagle3-head): the two heads never
 # overwrite each other. Each recipe is its spec's distill: block (docs/codesign.md); flags in
 # DISTILL_FLAGS override its keys, e.g. make demo-eagle3 DISTILL_FLAGS="--time-budget 2h".
@@ -61,16 +62,16 @@ endef
 
 # make demo's head: the shipped prompts' greedy responses and one sampled response each, cut at
 # 64 tokens, trained for a fixed number of steps (docs/performance.md#data-per-cpu-minute).
-weights/smollm2-135m-eagle3-head-demo: | weights/smollm2-135m
-	$(TRTSPEC) distill $(EAGLE3_DEMO_SPEC) $(DISTILL_FLAGS)
+weights/smollm2-135m-eagle3-head-demo: $(EAGLE3_DEMO_SPEC) | weights/smollm2-135m
+	$(TRTSPEC) distill $(EAGLE3_DEMO_SPEC) --force $(DISTILL_FLAGS)
 
 demo-codesign: install weights/smollm2-135m-eagle3-head-demo
 	$(call codesign_pair,$(EAGLE3_DEMO_SPEC),demo-codesign)
 
 # The long recipe: more data (sampled responses and continuations from inside the greedy ones)
 # and the data-scaling curve, not part of `make demo`.
-weights/smollm2-135m-eagle3-head: | weights/smollm2-135m
-	$(TRTSPEC) distill $(EAGLE3_SPEC) $(DISTILL_FLAGS)
+weights/smollm2-135m-eagle3-head: $(EAGLE3_SPEC) | weights/smollm2-135m
+	$(TRTSPEC) distill $(EAGLE3_SPEC) --force $(DISTILL_FLAGS)
 
 demo-eagle3: install weights/smollm2-135m-eagle3-head
 	$(call codesign_pair,$(EAGLE3_SPEC),demo-eagle3)
