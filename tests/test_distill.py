@@ -233,6 +233,16 @@ def test_existing_output_without_force(tmp_path, tiny_ckpts):
     assert "already exists; pass --force" in r.output
 
 
+def test_a_budget_spent_before_the_first_step_writes_no_head_and_keeps_the_data(tmp_path, tiny_ckpts):
+    spec = eagle_spec(tmp_path, tiny_ckpts["target"])
+    with pytest.raises(TrtspecError, match=r"spent before the first training step .* no head written. Raise --time-budget"):
+        distill(load_spec(spec), small_opts(tmp_path, time_budget=0.001))
+    assert not (tmp_path / "head").exists()
+    assert list((tmp_path / ".head.distill").glob("data-*.safetensors"))  # the capture, reused by the next run
+    result = distill(load_spec(spec), small_opts(tmp_path, time_budget=None))
+    assert result.steps == 6 and (tmp_path / "head" / "config.json").is_file()
+
+
 @pytest.mark.parametrize(
     "content, message",
     [

@@ -133,6 +133,13 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
         trainer = Trainer(head, target, draft_ids, opts, steps, store)
         cpu0 = time.process_time()
         step, curve, stopped_by = trainer.fit(train_s, held_s, work / "checkpoint.pt", run_key, start, on_step)
+        if step == 0:  # an untrained (anchored) head would pass for a distilled one
+            raise TrtspecError(
+                f"the time budget ({opts.time_budget:g} s) was spent before the first training step "
+                f"(the data took {time.monotonic() - start:.0f} s); no head written. Raise --time-budget "
+                f"(or pass none), or make less data (--samples-per-prompt, --max-tokens); the captured data "
+                f"in {work} is kept and reused"
+            )
         train_cpu_s = round(time.process_time() - cpu0, 1)  # this process's CPU seconds (all its threads)
         final = trainer.report(held_s, unseen_s)
         costs = measure_costs(target, head, len(final["unseen_accepted"]))
