@@ -106,7 +106,11 @@ class DistillRecipe(BaseModel):
     max_steps: Annotated[int, Field(ge=1), Flag("Training steps at most.")] = 2000
     time_budget: Annotated[
         float | None,
-        Flag("Stop training when the run (data included) reaches this: 600, 10m, 1h (none: no budget).", text=True),
+        Flag(
+            "Stop training when the run (data included) reaches this: 600, 10m, 1h (none: no budget); "
+            "no head when it is reached before the first step.",
+            text=True,
+        ),
     ] = None  # seconds, the whole run, data generation included
     seed: Annotated[int, Flag("Seed of the split, the initialisation and the batches.")] = 0
     batch_size: Annotated[int, Field(ge=1), Flag("Sequences per training step.")] = 8
