@@ -69,6 +69,8 @@ VARIANTS = {
     "lm-head-trained": ("the LM head trained too", ["--train-lm-head"]),
     "ttt3-equal": ("3 training-time-test steps weighted equally", ["--ttt-steps", "3", "--step-decay", "1.0"]),
     "constant-lr": ("a constant learning rate", ["--schedule", "constant"]),
+    "lr-2x": ("twice the learning rate (2e-3; default 1e-3)", ["--lr", "2e-3"]),
+    "lr-4x": ("four times the learning rate (4e-3; default 1e-3)", ["--lr", "4e-3"]),
     "none": (
         "the earlier recipe: every revert above (no anchor, TensorRT-LLM's layers, LM head trained, 3 equal TTT steps, constant lr, hard labels)",
         [
