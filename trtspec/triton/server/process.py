@@ -340,7 +340,8 @@ class TritonServer:
             _ATTACHED.add(self)
 
     def wait_ready(self, timeout: float = 120.0) -> float:
-        """Block until ``/v2/health/ready`` answers 200; return seconds since start.
+        """Block until ``/v2/health/ready`` answers 200 and, with metrics on, ``/metrics`` does
+        too (Triton starts its metrics endpoint after the HTTP one); return seconds since start.
 
         On failure (process exit, a model that failed to load, timeout) the server is stopped
         and ServerError carries the relevant log lines.
@@ -353,7 +354,7 @@ class TritonServer:
             code = self._proc.poll()
             if code is not None:
                 raise self.fail(f"tritonserver exited with code {code} before it was ready")
-            if _http_ok(url):
+            if _http_ok(url) and (not self.command.allow_metrics or _http_ok(self.metrics_url)):
                 self.ready_seconds = time.monotonic() - self._started_at
                 return self.ready_seconds
             # With exit_on_error the server exits by itself (handled above, with full logs);
