@@ -4,7 +4,6 @@ listens."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import threading
 import time
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from trtspec.triton.server.process import ServerCommand, TritonServer
+from trtspec.triton.server.process import ServerCommand, TritonServer, free_ports
 
 
 class _Ok(BaseHTTPRequestHandler):
@@ -25,12 +24,6 @@ class _Ok(BaseHTTPRequestHandler):
         pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(port: int) -> ThreadingHTTPServer:
     httpd = ThreadingHTTPServer(("127.0.0.1", port), _Ok)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
@@ -39,7 +32,7 @@ def _serve(port: int) -> ThreadingHTTPServer:
 
 @pytest.fixture
 def endpoints():
-    http_port, metrics_port = _free_port(), _free_port()
+    http_port, metrics_port = free_ports(2)
     servers = [_serve(http_port)]
     proc = subprocess.Popen(["sleep", "60"])  # stands in for tritonserver: alive, never exits
     yield http_port, metrics_port, servers, proc
