@@ -242,3 +242,29 @@ def test_held_out_agreement_is_the_same_in_one_batch_or_many(tmp_path, tiny_ckpt
     parts = agreement(head, args[0], (collate(s[i : i + 3], 512, store) for i in range(0, len(s), 3)), *args[1:])
     assert whole["chains"] > 0 and 0 < whole["top1"][0] < 1
     assert parts == whole
+
+
+def test_rows_that_share_their_first_tokens_each_keep_their_own_labels(built):
+    """Two rows of a generation batch hold the same tokens for a while (a prompt's greedy and
+    sampled responses), then part: each row's recorded labels and top-k logits are its own, as
+    a teacher-forced capture of its sequence gives them."""
+    from trtspec.distill.data import LabelRecorder, capture
+    from trtspec.engines.torch.engine import ForwardItem, TorchEngine
+
+    eng = TorchEngine.load(built("same").target.folder, slots=4)
+    eng.capture_features((0, 1))
+    rec = LabelRecorder(eng)
+    prompt = [5, 17, 42, 99, 7]
+    eng.prefill_shared([prompt, prompt])
+    rec.run([ForwardItem(prompt, 1), ForwardItem(prompt, 1)])  # the loop's steps, as generate makes them
+    rec.run([ForwardItem(prompt + [11], 1), ForwardItem(prompt + [11], 1)])
+    rec.run([ForwardItem(prompt + [11, 12], 1), ForwardItem(prompt + [11, 13], 1)])
+    outputs = ([11, 12, 3], [11, 13, 3])
+    got = [rec.sample(prompt, out) for out in outputs]
+    p = len(prompt) - 1  # the first position with logits: the last prompt token's
+    for out, g in zip(outputs, got):
+        ref = capture(eng, prompt, out)  # every position; the generated sample ends before its last token
+        n = len(g.labels)
+        assert torch.equal(g.labels[p:], ref.labels[p:n])
+        assert torch.equal(g.top_ids[p:], ref.top_ids[p:n])
+        torch.testing.assert_close(g.top_logits[p:], ref.top_logits[p:n], rtol=1e-4, atol=1e-4)

@@ -283,3 +283,40 @@ def test_a_batched_decode_in_consecutive_slots_gathers_no_kv(dep):
         eng.forget_prefixes()
         (alone,) = eng.run([ForwardItem(s, 1)])
         torch.testing.assert_close(b, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_shared_computes_a_shared_prefix_and_a_repeated_prompt_once(dep):
+    """Slot i ends up holding prompts[i] with the K/V and features each prompt's own prefill
+    gives; the header all share is computed once, a prompt held twice once; a batch of those
+    prompts then takes slots 0..n-1 in order and computes one position each."""
+    from trtspec.engines.torch.engine import TorchEngine
+
+    eng = TorchEngine.load(dep.target.folder, slots=5)
+    eng.capture_features((0, 1))
+    header = _seq(6, 70)
+    a, b, c = header + [1, *_seq(4, 71)], header + [2, *_seq(7, 72)], header + [3, *_seq(2, 73)]
+    prompts = [a, b, a, c, a]
+    computed = []
+    forward = eng._forward
+
+    def counting(items, assigned, starts):
+        computed.append(sum(len(it.tokens) - s for it, s in zip(items, starts)))
+        return forward(items, assigned, starts)
+
+    eng._forward = counting
+    eng.prefill_shared(prompts)
+    assert sum(computed) == len(header) + sum(len(p) - len(header) for p in (a, b, c))
+    assert [len(t) for t in eng.pool.tokens] == [len(p) for p in prompts]
+    shared_feats = [eng.features_of(p, 0, len(p)) for p in prompts]
+    computed.clear()
+    shared = eng.run([ForwardItem(p, 1) for p in prompts])
+    assert [slot for slot, _ in eng.pool.assign(prompts)] == [0, 1, 2, 3, 4]
+    assert computed == [len(prompts)]  # the last position of each: its logits
+    for p, logits, feats in zip(prompts, shared, shared_feats):
+        eng.forget_prefixes()
+        (alone,) = eng.run([ForwardItem(p, 1)])
+        torch.testing.assert_close(logits, alone, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(feats, eng.features_of(p, 0, len(p)), rtol=1e-4, atol=1e-4)  # other shapes: rounding
+    # No shared prefix at all: each distinct prompt still lands in its own slot.
+    eng.prefill_shared([b[::-1], a[::-1], b[::-1]])
+    assert eng.pool.tokens[:3] == [b[::-1], a[::-1], b[::-1]]

@@ -45,7 +45,8 @@ def distill_prompts(path: Path) -> list[str]:
 class LabelRecorder:
     """The target's run() that also keeps, per KV slot and position, its top-k logits at every
     position it computes logits for: the labels of a sequence generated through it (greedy
-    label = top-1). Each item's slot is the one the engine committed its tokens to."""
+    label = top-1). Each item's slot is the one the engine ran it in (two rows of a batch may
+    hold the same tokens for a while: a prompt's greedy and sampled responses)."""
 
     def __init__(self, target: TorchEngine, k: int = SOFT_TOP_K):
         self.target = target
@@ -56,8 +57,7 @@ class LabelRecorder:
 
     def run(self, items: list[ForwardItem]) -> list[torch.Tensor]:
         out = self.target.run(items)
-        for it, logits in zip(items, out):  # logits [n, vocab] of the last n positions
-            slot = self.slot_of(it.tokens, len(it.tokens))
+        for it, logits, slot in zip(items, out, self.target.last_slots):  # logits [n, vocab] of the last n positions
             top = torch.topk(logits.float(), self.k, dim=-1)
             p = len(it.tokens) - logits.shape[0]
             self.top_ids[slot, p : len(it.tokens)] = top.indices.to(torch.int32)
@@ -129,8 +129,10 @@ def generated(
             yield from found.pop(b)
             continue
         # A fresh pool: the batch takes slots 0..b-1 in order, so its decode steps attend to a
-        # view of the KV cache instead of gathering every row's keys (engines/torch/model.py).
-        target.forget_prefixes()
+        # view of the KV cache instead of gathering every row's keys (engines/torch/model.py);
+        # what its prompts share (the chat template's system prompt, about half of a prompt;
+        # a prompt sampled more than once) is computed once, not once a row.
+        target.prefill_shared([requests[i].prompt_ids for i in batch])
         results = generate([requests[i] for i in batch], NoDrafter(), LogitsVerifier(recorder.run))
         samples = [recorder.sample(requests[i].prompt_ids, r.output_ids, starts[i]) for i, r in zip(batch, results)]
         if parts is not None:

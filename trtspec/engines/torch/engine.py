@@ -9,6 +9,7 @@ common prefix with the slot's tokens is what stays valid.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -113,6 +114,12 @@ class SlotPool:
             for s, cached in enumerate(self.tokens):
                 if s in taken or not cached:
                     continue
+                # A continuation keeps at least its first len(cached) - rollback tokens: one
+                # list comparison rules out the rest (a batch of 128 rows that share a system
+                # prompt would otherwise walk 128 x 128 common prefixes token by token a step).
+                m = max(len(cached) - self.rollback, 1)
+                if seq[:m] != cached[:m]:
+                    continue
                 n = common_prefix_len(seq, cached)
                 if n > 0 and n >= len(cached) - self.rollback and n > best_len:
                     best, best_len = s, n  # the longest continuation
@@ -194,6 +201,7 @@ class TorchEngine:
         # Per item of the last run(): (tokens reused from the slot's cache, tokens the slot held
         # before): what KV-cache block counts are computed from (trtspec/cache.py kv_blocks).
         self.last_use: list[tuple[int, int]] = []
+        self.last_slots: list[int] = []  # per item of the last run(): the slot it ran in
         # EAGLE-3: layer outputs kept per (slot, position) like K/V, so a head can read the
         # features of any cached prefix (capture_features turns it on).
         self.capture: tuple[int, ...] = ()
@@ -290,6 +298,49 @@ class TorchEngine:
         with self._lock:
             self.pool.forget()
 
+    def prefill_shared(self, prompts: list[list[int]]) -> None:
+        """A fresh pool whose slot i holds prompts[i]'s K/V (and captured features), computed
+        with each shared part once: the prefix every prompt starts with (a chat template's
+        system prompt) in slot 0, copied into the others; then each distinct prompt's rest in
+        its first slot, copied into the slots of the same prompt. A batch of those prompts in
+        that order then takes slots 0..len-1 (no K/V gather) and computes one position each."""
+        if not 1 <= len(prompts) <= self.max_batch_size or not all(prompts):
+            raise RequestError(f"{len(prompts)} prompts (none empty) must fit the engine's {self.max_batch_size} slots")
+        with self._lock:
+            self.pool.forget()
+            shared = prompts[0][: min(map(len, prompts))]
+            for p in prompts[1:]:
+                shared = shared[: common_prefix_len(shared, p)]
+            if shared and len(prompts) > 1:
+                self._run_locked([ForwardItem(list(shared), 1)])  # a fresh pool puts it in slot 0
+                self._copy_slot(0, range(1, len(prompts)), len(shared))
+            first = {}  # prompt -> its first slot
+            for i, p in enumerate(prompts):
+                first.setdefault(tuple(p), i)
+            copies = [i for i, p in enumerate(prompts) if first[tuple(p)] != i]
+            for i in copies:  # filled below; meanwhile no prompt computed now may take the slot
+                self.pool.truncate(i, 0)
+                self.pool.last_used[i] = math.inf
+            # Each distinct prompt takes the first slot left that holds the shared prefix (or,
+            # with none, the first free one): its own.
+            self._run_locked([ForwardItem(list(p), 1) for i, p in enumerate(prompts) if first[tuple(p)] == i])
+            for i in copies:
+                self._copy_slot(first[tuple(prompts[i])], [i], len(prompts[i]))
+            self.pool.last_used = [0.0] * len(self.pool.last_used)
+
+    def _copy_slot(self, src: int, dst, n: int) -> None:
+        """Slots ``dst`` hold the first ``n`` tokens of slot ``src``: its K/V and features copied."""
+        dst = torch.tensor(list(dst), dtype=torch.long)
+        if not len(dst):
+            return
+        for layer in range(len(self.cache.k)):
+            self.cache.k[layer][dst, :, :n] = self.cache.k[layer][src : src + 1, :, :n]
+            self.cache.v[layer][dst, :, :n] = self.cache.v[layer][src : src + 1, :, :n]
+        if self.features is not None:
+            self.features[dst, :n] = self.features[src : src + 1, :n]
+        for d in dst.tolist():
+            self.pool.commit(d, self.pool.tokens[src][:n])
+
     def run(self, items: list[ForwardItem]) -> list[torch.Tensor]:
         """Logits [n_logits, vocab] (float32) for the last n_logits positions of each item."""
         if not items:
@@ -365,6 +416,7 @@ class TorchEngine:
             self._settle_trees([it.tokens[: len(it.tokens) - len(it.tree or ())] for it in items])
         assigned = self.pool.assign([it.tokens for it in items])
         self.last_use = [(reuse, len(self.pool.tokens[slot])) for slot, reuse in assigned]
+        self.last_slots = [slot for slot, _ in assigned]
         starts = []
         for it, (slot, reuse) in zip(items, assigned):
             # Positions that need logits must be computed now, even if already cached. A tree's
