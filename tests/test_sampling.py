@@ -144,3 +144,21 @@ def test_pit_test_false_alarm_and_power(monkeypatch):
     monkeypatch.setattr(loop, "accept_or_resample", accept_all)
     caught = sum(markov_pit(MarkovDrafter(), 100, s) < 0.01 for s in range(40))
     assert caught == 40
+
+
+def test_draw_follows_its_weights_and_never_a_zero_one():
+    """The inverse-CDF draw: each token as often as its weight says (weights need not sum to
+    one), a zero-weight token never; invalid weights are refused."""
+    from trtspec.speculative.sampling import draw
+
+    weights = torch.zeros(1000, dtype=torch.float64)
+    weights[[3, 500, 998]] = torch.tensor([2.0, 1.0, 5.0], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.tensor([draw(weights, gen) for _ in range(8000)]), minlength=1000).double()
+    assert counts.sum() == counts[[3, 500, 998]].sum()
+    expected = weights[[3, 500, 998]] / 8 * 8000
+    chi2 = float(((counts[[3, 500, 998]] - expected) ** 2 / expected).sum())
+    assert chi2 < 13.8  # 2 degrees of freedom, p = 0.001
+    for bad in (torch.zeros(5), torch.tensor([0.5, float("nan"), 0.5]), torch.tensor([1.0, -0.1])):
+        with pytest.raises(ValueError):
+            draw(bad, gen)
