@@ -65,6 +65,16 @@ VARIANTS = {
         ["--norms", "--ttt-steps", "3", "--step-decay", "0.8", "--no-anchor"],
     ),
     "no-anchor": ("random fc and layer, norm 1 (no anchoring)", ["--no-anchor"]),
+    "dropout-0.1": ("dropout 0.1 on the fused input and the attention output (default: none)", ["--dropout", "0.1"]),
+    "start-decay-20": (
+        "the weights pulled back toward the anchored start by lr x 20 a step (L2-SP; default: no pull)",
+        ["--start-decay", "20"],
+    ),
+    "start-decay-5": (
+        "the weights pulled back toward the anchored start by lr x 5 a step (L2-SP; default: no pull)",
+        ["--start-decay", "5"],
+    ),
+    "dropout-0.2": ("dropout 0.2 on the fused input and the attention output (default: none)", ["--dropout", "0.2"]),
     "trt-layers": ("TensorRT-LLM's default layers {1, L//2-1, L-4}", ["--layers", "1,14,26"]),
     "lm-head-trained": ("the LM head trained too", ["--train-lm-head"]),
     "ttt3-equal": ("3 training-time-test steps weighted equally", ["--ttt-steps", "3", "--step-decay", "1.0"]),

@@ -1,5 +1,5 @@
 """What distill measures per draft depth (top-1/2/3 recall, chain and tree acceptance) and the
-recipe's depth and noise options: the depth-1 phase, uniform feature noise."""
+recipe's depth and noise options: the depth-1 phase, uniform feature noise, dropout."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from test_distill import eagle_spec, small_opts
 
 import trtspec.distill.ttt as train
 from trtspec.distill.run import distill
-from trtspec.distill.ttt import Batch, add_feature_noise, agreement
+from trtspec.distill.ttt import Batch, add_feature_noise, agreement, dropout_mask
 from trtspec.spec import load_spec
 
 MISS = 5  # a rank outside the top 3
@@ -67,6 +67,65 @@ def test_feature_noise_is_uniform_bounded_and_seeded():
     assert torch.equal(one, two) and not torch.equal(one, other)
     assert float(one.abs().max()) <= 0.05 + 1e-6 and float(one.abs().max()) > 0.04
     assert abs(float(one.mean())) < 0.01  # centred: uniform in [-a, a]
+
+
+def test_dropout_masks_are_seeded_inverted_and_absent_at_zero():
+    like = torch.zeros(3, dtype=torch.float64)
+    assert dropout_mask((4, 50, 64), 0.0, torch.Generator().manual_seed(1), like) is None
+    one = dropout_mask((4, 50, 64), 0.2, torch.Generator().manual_seed(1), like)
+    two = dropout_mask((4, 50, 64), 0.2, torch.Generator().manual_seed(1), like)
+    other = dropout_mask((4, 50, 64), 0.2, torch.Generator().manual_seed(2), like)
+    assert one.dtype == torch.float64 and torch.equal(one, two) and not torch.equal(one, other)
+    assert set(one.unique().tolist()) == {0.0, 1 / 0.8}  # kept entries scaled: the expected input unchanged
+    assert float((one == 0).double().mean()) == pytest.approx(0.2, abs=0.01)  # 12,800 draws
+
+
+def test_dropout_changes_training_steps_only_and_runs_are_deterministic(tmp_path, tiny_ckpts, monkeypatch):
+    """--dropout 0.3: two runs give the same head (masks from the step's seeded generator), a
+    different one from no dropout; the held-out and unseen evaluations run without it."""
+    seen = []
+    real = train.unrolled_logits
+
+    def spy(head, embed, batch, steps, cos, sin, dropout=0.0, gen=None):
+        seen.append((head.training, dropout))
+        return real(head, embed, batch, steps, cos, sin, dropout, gen)
+
+    monkeypatch.setattr(train, "unrolled_logits", spy)
+    runs = {}
+    for name, p in (("a", 0.3), ("b", 0.3), ("c", 0.0)):
+        seen.clear()
+        spec = load_spec(eagle_spec(tmp_path / name, tiny_ckpts["target"]))
+        runs[name] = distill(spec, small_opts(tmp_path / name, dropout=p))
+        assert {d for training, d in seen if training} == {p} and {d for training, d in seen if not training} == {0.0}
+    losses = {name: [row["loss"] for row in r.curve] for name, r in runs.items()}
+    assert losses["a"] == losses["b"] and runs["a"].metrics == runs["b"].metrics
+    assert all(x != y for x, y in zip(losses["a"], losses["c"]))  # every step's loss saw other inputs
+
+
+def test_start_decay_pulls_the_trained_weights_back_to_where_they_started(tmp_path, tiny_ckpts, monkeypatch):
+    """--start-decay: at lr x rate >= 1 every step ends where the head started; at a moderate
+    rate the head ends nearer its start than without (L2-SP toward the anchored start)."""
+    from trtspec.distill.trainer import Trainer
+
+    made = []
+    real_init = Trainer.__init__
+
+    def keep(self, *a, **kw):
+        real_init(self, *a, **kw)
+        made.append((self, [p.detach().clone() for p in self.params]))
+
+    monkeypatch.setattr(Trainer, "__init__", keep)
+
+    def distance(name: str, rate: float) -> float:
+        made.clear()
+        spec = load_spec(eagle_spec(tmp_path / name, tiny_ckpts["target"]))
+        distill(spec, small_opts(tmp_path / name, start_decay=rate, lr=1e-2))
+        trainer, start = made[-1]
+        return sum(float((p.detach() - s).norm()) for p, s in zip(trainer.params, start))
+
+    assert distance("pinned", 1e9) == 0.0
+    free, pulled = distance("free", 0.0), distance("pulled", 30.0)
+    assert 0.0 < pulled < 0.9 * free, (pulled, free)
 
 
 def test_the_depth_1_phase_trains_the_first_step_alone_then_every_step(tmp_path, tiny_ckpts, monkeypatch):

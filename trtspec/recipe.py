@@ -163,6 +163,22 @@ class DistillRecipe(BaseModel):
     feature_noise: Annotated[
         float, Field(ge=0.0), Flag("Uniform noise in [-A, A] added to the target's features while training.")
     ] = 0.0
+    dropout: Annotated[
+        float,
+        Field(ge=0.0, lt=1.0),
+        Flag(
+            "Dropout on the head's fused input and on its attention output while training (a head trained for "
+            "several passes over a small capture learns it by heart)."
+        ),
+    ] = 0.0
+    start_decay: Annotated[
+        float,
+        Field(ge=0.0),
+        Flag(
+            "Pull the trained weights back toward the head's start (with --anchor: the target's own layer) by "
+            "lr x this each step, as AdamW's weight decay pulls toward zero (L2-SP); 0: no pull."
+        ),
+    ] = 0.0
     norms: Annotated[
         bool,
         Flag(

@@ -50,6 +50,8 @@ class Trainer:
         head.lm_head.weight.requires_grad_(opts.train_lm_head)
         self.params = [p for p in head.parameters() if p.requires_grad]
         self.optim = torch.optim.AdamW(self.params, lr=opts.lr, weight_decay=opts.weight_decay)
+        # The weights the head starts from (a resumed run builds the same head first), for start_decay.
+        self.start = [p.detach().clone() for p in self.params] if opts.start_decay > 0 else []
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, self.lr_factor)
         self.weights = step_weights(steps, opts.step_decay)
         # The first ttt_phase of the steps train the first draft step alone (the depth-1 head,
@@ -79,8 +81,9 @@ class Trainer:
         self.head.train(was)
         return a
 
-    def step_loss(self, batch, step: int = -1) -> torch.Tensor:
-        """The loss of training step ``step`` (0-based; -1: past any depth-1 phase)."""
+    def step_loss(self, batch, step: int = -1, gen: torch.Generator | None = None) -> torch.Tensor:
+        """The loss of training step ``step`` (0-based; -1: past any depth-1 phase); ``gen``
+        draws its dropout masks (the recipe's dropout; none without it)."""
         soft = self.opts.labels == "soft"
         depth, weights = (1, [1.0]) if 0 <= step < self.phase_steps else (self.steps, self.weights)
         loss, _ = ttt_loss(
@@ -96,6 +99,8 @@ class Trainer:
             response_only=not self.opts.all_positions,
             reach=self.opts.ttt_reach,
             loss=self.opts.loss,
+            dropout=self.opts.dropout if gen is not None else 0.0,
+            gen=gen,
         )
         return loss
 
@@ -126,12 +131,13 @@ class Trainer:
                     # One thread count for every step, so a run's weights do not depend on timing
                     # (a resumed run equals an uninterrupted one); generation follows a neighbour.
                     with threads.governor().pinned() if on_cpu else contextlib.nullcontext():
-                        loss = self.step_loss(to_device(batch, self.device), step)
+                        loss = self.step_loss(to_device(batch, self.device), step, gen)
                         self.optim.zero_grad()
                         loss.backward()
                         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
                         updating = True
                         self.optim.step()
+                        self._pull_to_start()
                     self.sched.step()
                     step += 1
                     updating = False
@@ -152,6 +158,15 @@ class Trainer:
         write_bytes_atomic(ckpt, self._checkpoint(step, curve, run_key))
         self.head.eval()
         return step, curve, stopped_by
+
+    @torch.no_grad()
+    def _pull_to_start(self) -> None:
+        """start_decay: each weight moves lr x start_decay of the way back to where it started."""
+        if not self.start:
+            return
+        rate = self.optim.param_groups[0]["lr"] * self.opts.start_decay
+        for p, p0 in zip(self.params, self.start, strict=True):
+            p.add_(p0 - p, alpha=min(1.0, rate))
 
     def _eval_row(self, held_s) -> dict:
         a = self.evaluate(held_s, self.steps)

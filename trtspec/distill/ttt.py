@@ -76,6 +76,15 @@ def add_feature_noise(batch: Batch, amplitude: float, gen: torch.Generator) -> B
     return Batch(batch.tokens, features, batch.labels, batch.response, batch.top_ids, batch.top_logits)
 
 
+def dropout_mask(shape, p: float, gen: torch.Generator | None, like: torch.Tensor) -> torch.Tensor | None:
+    """An inverted-dropout mask (kept entries 1/(1-p), dropped 0) drawn from ``gen`` on the CPU,
+    as feature noise is: the same masks for the same seed and step on every device; None at p 0."""
+    if p <= 0:
+        return None
+    keep = torch.rand(shape, generator=gen) >= p
+    return (keep.to(like.dtype) / (1.0 - p)).to(like.device)
+
+
 def _project(head: Eagle3Head, x: torch.Tensor, cos, sin):
     """q [B, heads, T, d] and k, v [B, heads, T, d] (kv heads repeated) with RoPE."""
     attn, cfg = head.midlayer.self_attn, head.cfg
@@ -97,8 +106,11 @@ def _shift(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     return torch.cat([pad, x.narrow(dim, 0, x.shape[dim] - n)], dim=dim)
 
 
-def unrolled_logits(head: Eagle3Head, embed, batch: Batch, steps: int, cos_table, sin_table) -> list[torch.Tensor]:
-    """Draft logits [B, T, draft_vocab] of each unrolled step (0..steps-1)."""
+def unrolled_logits(
+    head: Eagle3Head, embed, batch: Batch, steps: int, cos_table, sin_table, dropout: float = 0.0, gen=None
+) -> list[torch.Tensor]:
+    """Draft logits [B, T, draft_vocab] of each unrolled step (0..steps-1); ``dropout``: the
+    fused input and each step's attention output dropped at that rate (masks from ``gen``)."""
     b, t = batch.tokens.shape
     dtype = head.fc.weight.dtype
     nxt = torch.cat([batch.tokens[:, 1:], torch.zeros_like(batch.tokens[:, :1])], dim=1)  # x_{t+1}
@@ -109,6 +121,8 @@ def unrolled_logits(head: Eagle3Head, embed, batch: Batch, steps: int, cos_table
     sin = sin_table[pos].to(dtype).view(1, 1, t, -1)
     scale = 1.0 / math.sqrt(head.cfg.head_dim)
     state = head.fuse(batch.features.to(dtype))  # [B, T, hidden]
+    if (mask := dropout_mask(state.shape, dropout, gen, state)) is not None:
+        state = state * mask
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     out_logits = []
@@ -131,6 +145,8 @@ def unrolled_logits(head: Eagle3Head, embed, batch: Batch, steps: int, cos_table
         for i, vi in enumerate(own):
             attn = attn + probs[..., t + i : t + i + 1] * vi
         attn = head.midlayer.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+        if (mask := dropout_mask(attn.shape, dropout, gen, attn)) is not None:
+            attn = attn * mask
         out = head.midlayer.finish(attn, state)  # [B, T, hidden]
         out_logits.append(head.draft_logits(out))
         state = _shift(head.feed_back(out), 1, dim=1)  # step j+1 at t continues from step j's output at t-1
@@ -169,6 +185,8 @@ def ttt_loss(
     response_only: bool = True,
     reach: bool = False,
     loss: Literal["kl", "lk"] = "kl",
+    dropout: float = 0.0,
+    gen: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Cross-entropy per step, weighted by ``weights`` (default: equal), over the positions
     step_targets scores (``response_only``: chains inside responses only).
@@ -183,9 +201,9 @@ def ttt_loss(
     ``loss``: with soft labels, "kl" is the cross-entropy above (KL up to the target's entropy),
     "lk" is -log of the acceptance rate (soft_lk_loss). With hard labels the two coincide: the
     target's distribution is its greedy token, the acceptance rate is the draft's probability of
-    it, and -log of that is the hard cross-entropy.
+    it, and -log of that is the hard cross-entropy. ``dropout``, ``gen``: unrolled_logits'.
     """
-    logits = unrolled_logits(head, embed, batch, steps, cos, sin)
+    logits = unrolled_logits(head, embed, batch, steps, cos, sin, dropout, gen)
     if soft and batch.top_ids is None:
         raise ValueError("soft labels need the captured top-k logits (Batch.top_ids)")
     targets = step_targets(batch, steps, response_only)
