@@ -74,6 +74,14 @@ VARIANTS = {
         "the weights pulled back toward the anchored start by lr x 5 a step (L2-SP; default: no pull)",
         ["--start-decay", "5"],
     ),
+    "label-t2": (
+        "soft labels at temperature 2: the target's and the head's logits over 2, the KL x 4 (default: 1)",
+        ["--label-temperature", "2"],
+    ),
+    "label-t4": (
+        "soft labels at temperature 4: the target's and the head's logits over 4, the KL x 16 (default: 1)",
+        ["--label-temperature", "4"],
+    ),
     "dropout-0.2": ("dropout 0.2 on the fused input and the attention output (default: none)", ["--dropout", "0.2"]),
     "trt-layers": ("TensorRT-LLM's default layers {1, L//2-1, L-4}", ["--layers", "1,14,26"]),
     "lm-head-trained": ("the LM head trained too", ["--train-lm-head"]),

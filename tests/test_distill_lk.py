@@ -147,3 +147,27 @@ def test_distill_trains_with_the_chosen_loss_and_records_it(tmp_path, tiny_ckpts
     assert seen == ["lk"] * 6 and all(math.isfinite(r["loss"]) for r in result.curve)
     manifest = json.loads((result.output / "trtspec-head.json").read_text())
     assert manifest["recipe"]["loss"] == "lk" and manifest["recipe_from"]["loss"] == "cli"
+
+
+def test_label_temperature_softens_both_distributions_and_scales_the_kl_by_t_squared(logits):
+    """At T = 2 each scored position's loss is 4 x the cross-entropy of softmax(target top-k / 2)
+    (renormalised over the draft vocabulary) to log_softmax(head logits / 2); T = 1 is the
+    default loss bit for bit. The recipe takes T only with soft labels under the KL."""
+    batch, t2d = _batch()
+
+    def loss(**kw) -> torch.Tensor:
+        return ttt_loss(None, None, batch, 2, t2d, None, None, soft=True, **kw)[0].detach()
+
+    assert torch.equal(loss(temperature=1.0), loss())
+    p_in = torch.softmax(torch.tensor([2.0, 1.0]) / 2, -1)
+    want = 0.0
+    for j, tgt in enumerate(step_targets(batch, 2)):
+        rows = [t for t in range(6) if tgt[0, t] >= 0]
+        logq = torch.log_softmax(logits[j][0].detach() / 2, -1)
+        ce = [-4 * (p_in * logq[t, [int(batch.labels[0, t + 1]), 0]]).sum() for t in rows]
+        want += 0.5 * float(sum(ce)) / len(ce)
+    assert float(loss(temperature=2.0)) == pytest.approx(want, rel=1e-6)
+    assert DistillRecipe(label_temperature=2.0).label_temperature == 2.0
+    for bad in ({"labels": "hard"}, {"loss": "lk"}):
+        with pytest.raises(ValueError, match="label_temperature 2 softens soft labels under the KL"):
+            DistillRecipe(label_temperature=2.0, **bad)

@@ -66,6 +66,7 @@ def test_the_block_is_read_with_the_spec(tmp_path, tiny_ckpts):
         ({"scaling": [0.5, 2]}, "distill.scaling takes comma-separated fractions of the data below 1"),
         ({"labels": "fuzzy"}, "distill.labels: Input should be 'soft' or 'hard'"),
         ({"ttt_steps": 17}, "distill.ttt_steps: Input should be less than or equal to 16"),
+        ({"label_temperature": 2, "labels": "hard"}, "distill: label_temperature 2 softens soft labels under the KL; it needs labels soft"),
     ],
 )
 def test_bad_blocks_are_refused_with_the_specs_message(tmp_path, tiny_ckpts, recipe, message):
@@ -218,3 +219,14 @@ def test_resume_refuses_a_changed_recipe_from_the_options(tmp_path, tiny_ckpts, 
     loaded = load_spec(recipe_spec(tmp_path, tiny_ckpts["target"], None))
     with pytest.raises(TrtspecError, match="other data, seed or training options"):
         distill_run.distill(loaded, DistillOptions(gen_batch=4, resume=True, **{**base, **change}))
+
+
+def test_flags_and_the_block_that_contradict_each_other_are_refused_together(tmp_path, tiny_ckpts):
+    """The spec says labels: hard, the command --label-temperature 2: each is valid alone, the
+    merged recipe is not (exit 2, the message names both settings and the fix)."""
+    spec = recipe_spec(tmp_path, tiny_ckpts["target"], {"labels": "hard"})
+    with pytest.raises(SpecError, match="label_temperature 2 softens soft labels under the KL.*got labels hard, loss kl"):
+        resolve(load_spec(spec), DistillOptions(label_temperature=2.0))
+    r = runner.invoke(app, ["distill", str(spec), "--label-temperature", "2"])
+    assert r.exit_code == 2 and "use --labels soft --loss kl" in " ".join(r.stderr.split())
+    assert not (tmp_path / "head").exists()

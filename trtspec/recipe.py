@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trtspec.flags import Flag
 
@@ -135,6 +135,14 @@ class DistillRecipe(BaseModel):
             "--labels hard the two are the same loss."
         ),
     ] = "kl"  # lk measured on the demo's capture: docs/codesign.md
+    label_temperature: Annotated[
+        float,
+        Field(gt=0.0, le=10.0),
+        Flag(
+            "Soft labels with --loss kl: the target's and the head's logits both divided by T and the loss "
+            "scaled by T^2 (distillation's temperature); above 1 the runner-ups weigh more. 1: the plain KL."
+        ),
+    ] = 1.0
     all_positions: Annotated[bool, Flag("Also train on prompt and template positions (default: response positions only).")] = (
         False
     )
@@ -219,6 +227,23 @@ class DistillRecipe(BaseModel):
         if not all(0 < f < 1 for f in v):
             raise ValueError(f"takes comma-separated {_FRACTIONS} (got {','.join(f'{f:g}' for f in v)})")
         return v
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if problem := self.conflict():
+            raise ValueError(problem)
+        return self
+
+    def conflict(self) -> str | None:
+        """What makes these settings contradict each other, or None. The validator runs it on a
+        recipe built at once; distill's options run it again once the command's flags and the
+        spec's block are merged (a copy is not validated)."""
+        if self.label_temperature != 1.0 and (self.labels != "soft" or self.loss != "kl"):
+            return (
+                f"label_temperature {self.label_temperature:g} softens soft labels under the KL; it needs labels soft "
+                f"and loss kl (got labels {self.labels}, loss {self.loss}): drop it or use --labels soft --loss kl"
+            )
+        return None
 
 
 RECIPE_FIELDS: tuple[str, ...] = tuple(DistillRecipe.model_fields)

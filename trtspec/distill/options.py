@@ -9,6 +9,7 @@ from typing import Annotated
 
 from pydantic import Field
 
+from trtspec.errors import SpecError
 from trtspec.flags import Flag
 from trtspec.recipe import RECIPE_FIELDS, DistillRecipe
 from trtspec.spec import LoadedSpec
@@ -53,7 +54,10 @@ def resolve(loaded: LoadedSpec, opts: DistillOptions) -> tuple[DistillOptions, d
             sources[name] = SPEC
         else:
             sources[name] = DEFAULT
-    return opts.model_copy(update=update), sources
+    merged = opts.model_copy(update=update)
+    if problem := merged.conflict():  # the flags and the spec's block together
+        raise SpecError(f"{loaded.path}: distill: {problem}")
+    return merged, sources
 
 
 def recipe_dump(opts: DistillOptions) -> dict:

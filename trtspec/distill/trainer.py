@@ -101,6 +101,7 @@ class Trainer:
             loss=self.opts.loss,
             dropout=self.opts.dropout if gen is not None else 0.0,
             gen=gen,
+            temperature=self.opts.label_temperature,
         )
         return loss
 

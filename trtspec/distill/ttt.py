@@ -187,6 +187,7 @@ def ttt_loss(
     loss: Literal["kl", "lk"] = "kl",
     dropout: float = 0.0,
     gen: torch.Generator | None = None,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Cross-entropy per step, weighted by ``weights`` (default: equal), over the positions
     step_targets scores (``response_only``: chains inside responses only).
@@ -202,16 +203,18 @@ def ttt_loss(
     "lk" is -log of the acceptance rate (soft_lk_loss). With hard labels the two coincide: the
     target's distribution is its greedy token, the acceptance rate is the draft's probability of
     it, and -log of that is the hard cross-entropy. ``dropout``, ``gen``: unrolled_logits'.
+    ``temperature`` (soft labels, "kl"): both distributions softened by T, the loss scaled by T^2
+    (Hinton et al.'s distillation), so the gradient's size does not shrink with T.
     """
     logits = unrolled_logits(head, embed, batch, steps, cos, sin, dropout, gen)
     if soft and batch.top_ids is None:
         raise ValueError("soft labels need the captured top-k logits (Batch.top_ids)")
     targets = step_targets(batch, steps, response_only)
     draft_tgts = [torch.where(tgt >= 0, t2d[tgt.clamp(min=0)], torch.full_like(tgt, -1)) for tgt in targets]
-    target_dist = _soft_targets(batch, t2d) if soft else None
+    target_dist = _soft_targets(batch, t2d, temperature) if soft else None
     reached = reach_weights(logits, draft_tgts) if reach else [None] * steps
     losses = [
-        _step_loss(lg, tgt, draft_tgt, target_dist, w, loss)
+        _step_loss(lg, tgt, draft_tgt, target_dist, w, loss, temperature)
         for lg, tgt, draft_tgt, w in zip(logits, targets, draft_tgts, reached)
     ]
     w = torch.tensor(weights if weights is not None else [1.0 / steps] * steps, device=losses[0].device)
@@ -240,15 +243,15 @@ def reach_weights(logits: list[torch.Tensor], draft_tgts: list[torch.Tensor]) ->
     return out
 
 
-def _soft_targets(batch: Batch, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The target's distribution over the draft vocabulary at each position's next token:
-    (draft ids [B, T, k] (-1: outside), their probabilities [B, T, k], whether any is inside
-    [B, T])."""
+def _soft_targets(batch: Batch, t2d: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The target's distribution over the draft vocabulary at each position's next token, its
+    logits divided by ``temperature``: (draft ids [B, T, k] (-1: outside), their probabilities
+    [B, T, k], whether any is inside [B, T])."""
     # Position t at step j predicts the target's next token at t + 1 (as step_targets).
     ids = _shift_left_3d(batch.top_ids, 1, fill=-1)  # [B, T, k]
     draft = torch.where(ids >= 0, t2d[ids.clamp(min=0)], torch.full_like(ids, -1))
     keep = draft >= 0
-    lg_t = _shift_left_3d(batch.top_logits, 1, fill=0.0).masked_fill(~keep, float("-inf"))
+    lg_t = (_shift_left_3d(batch.top_logits, 1, fill=0.0) / temperature).masked_fill(~keep, float("-inf"))
     probs = torch.softmax(lg_t, dim=-1).nan_to_num(0.0)  # rows with no draft-vocab token: all 0
     return draft, probs, keep.any(-1)
 
@@ -283,9 +286,9 @@ def _draft_logq(lg: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(lg.float(), dim=-1).gather(-1, draft.clamp(min=0))
 
 
-def _step_loss(lg, tgt, draft_tgt, target_dist, reached, loss: str = "kl") -> torch.Tensor:
+def _step_loss(lg, tgt, draft_tgt, target_dist, reached, loss: str = "kl", temperature: float = 1.0) -> torch.Tensor:
     """One unrolled step's loss: the mean over its scored positions, weighted by ``reached``
-    ([B, T]) when given."""
+    ([B, T]) when given; soft "kl" at ``temperature``: the head's logits over T, the loss x T^2."""
     if target_dist is None:
         if reached is None:
             return F.cross_entropy(lg.float().flatten(0, 1), draft_tgt.flatten(), ignore_index=-1)
@@ -293,7 +296,10 @@ def _step_loss(lg, tgt, draft_tgt, target_dist, reached, loss: str = "kl") -> to
         per_pos, scored = per_pos.view_as(draft_tgt), draft_tgt >= 0
     else:
         draft, probs, has = target_dist
-        per_pos = (soft_lk_loss if loss == "lk" else _soft_kl_loss)(lg, draft, probs)  # [B, T]
+        if loss == "lk":
+            per_pos = soft_lk_loss(lg, draft, probs)  # [B, T]
+        else:
+            per_pos = _soft_kl_loss(lg / temperature, draft, probs) * temperature**2
         scored = (tgt >= 0) & has
         if reached is None:
             return per_pos[scored].sum() / scored.sum().clamp(min=1)
