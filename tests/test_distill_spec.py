@@ -66,7 +66,10 @@ def test_the_block_is_read_with_the_spec(tmp_path, tiny_ckpts):
         ({"scaling": [0.5, 2]}, "distill.scaling takes comma-separated fractions of the data below 1"),
         ({"labels": "fuzzy"}, "distill.labels: Input should be 'soft' or 'hard'"),
         ({"ttt_steps": 17}, "distill.ttt_steps: Input should be less than or equal to 16"),
-        ({"label_temperature": 2, "labels": "hard"}, "distill: label_temperature 2 softens soft labels under the KL; it needs labels soft"),
+        (
+            {"label_temperature": 2, "labels": "hard"},
+            "distill: label_temperature 2 softens soft labels under the KL; it needs labels soft",
+        ),
     ],
 )
 def test_bad_blocks_are_refused_with_the_specs_message(tmp_path, tiny_ckpts, recipe, message):
