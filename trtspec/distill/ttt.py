@@ -299,7 +299,10 @@ def _step_loss(lg, tgt, draft_tgt, target_dist, reached, loss: str = "kl", tempe
         if loss == "lk":
             per_pos = soft_lk_loss(lg, draft, probs)  # [B, T]
         else:
-            per_pos = _soft_kl_loss(lg / temperature, draft, probs) * temperature**2
+            if temperature == 1.0:  # the default: no extra [B, T, draft_vocab] copy a step
+                per_pos = _soft_kl_loss(lg, draft, probs)
+            else:
+                per_pos = _soft_kl_loss(lg / temperature, draft, probs) * temperature**2
         scored = (tgt >= 0) & has
         if reached is None:
             return per_pos[scored].sum() / scored.sum().clamp(min=1)
