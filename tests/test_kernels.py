@@ -345,3 +345,95 @@ def test_an_engine_sized_to_short_data_is_measured_within_its_positions(built, t
     engine = TorchEngine.load(built().target.folder, slots=1, max_seq_len=20)
     assert engine.kernels.source != "fallback", engine.kernels.reason
     assert all(t > 0 for t in kernels.step_timer(engine.model, engine.cos, engine.sin, kernels.timed_sizes(9))())
+
+
+# -- an EAGLE-3 head's kernels ---------------------------------------------------------------------
+
+
+def _head_layout(head) -> str:
+    body = [c for m in (head.fc, *head.midlayer.modules()) for c in (m, *m.children()) if isinstance(c, nn.Linear | OneDnnLinear)]
+    kinds = {type(c) for c in body}
+    assert len(kinds) == 1, f"mixed layouts in the head's layer: {kinds}"
+    packed_head = isinstance(head.lm_head, OneDnnLinear)
+    return "onednn" if kinds == {OneDnnLinear} else "head" if packed_head else "dense"
+
+
+@pytest.fixture
+def head_parts(built, tiny_ckpts, monkeypatch):
+    """A random head for the tiny target, and what a HeadEngine shares with its target."""
+    from transformers import AutoConfig
+
+    from trtspec.distill.heads import new_head
+    from trtspec.engines.eagle3_checkpoint import default_layer_ids
+
+    hf = AutoConfig.from_pretrained(tiny_ckpts["target"])
+    head, _ = new_head(hf, tiny_ckpts["target"], default_layer_ids(hf.num_hidden_layers), list(range(7, 300, 2)), 0, anchor=False)
+    target = _dense(built().target.folder, monkeypatch)
+    return head.eval(), target
+
+
+def _head_engine(head, target, tmp_path, monkeypatch, env: str | None = None):
+    from trtspec.engines.torch.eagle3_head import HeadEngine
+
+    monkeypatch.setenv("TRTSPEC_CACHE", str(tmp_path))
+    if env is not None:
+        monkeypatch.setenv("TRTSPEC_ONEDNN", env)
+    engine = HeadEngine(head, target.model.model.embed_tokens, target.cos, target.sin, 64, torch.float32, 2)
+    monkeypatch.delenv("TRTSPEC_ONEDNN", raising=False)
+    return engine
+
+
+def _drafts(engine) -> tuple[list[int], torch.Tensor]:
+    from trtspec.engines.torch.eagle3_head import HeadRow
+
+    width = engine.cfg.n_features * engine.cfg.target_hidden_size
+    state = engine.fuse(torch.linspace(-1, 1, 5 * width).view(5, width))
+    outs = engine.extend([HeadRow(0, 0, state, [5, 9, 11, 13, 17]), HeadRow(1, 0, state[:2], [21, 23])])
+    last = torch.stack([o[-1] for o in outs])
+    return engine.next_ids(last), last
+
+
+def test_a_head_engine_runs_its_own_packed_copy_and_drafts_what_the_dense_head_drafts(head_parts, tmp_path, monkeypatch):
+    """The engine packs a copy: the caller's head (a trainer's) keeps its nn.Linear weights, and
+    the packed head's layer outputs and draft ids are the dense head's."""
+    head, target = head_parts
+    dense = _head_engine(head, target, tmp_path, monkeypatch, env="0")
+    packed = _head_engine(head, target, tmp_path, monkeypatch, env="1")
+    assert (dense.kernels.layout, packed.kernels.layout, packed.kernels.source) == ("dense", "onednn", "forced")
+    assert _head_layout(packed.head) == "onednn" and _head_layout(dense.head) == "dense"
+    assert packed.head is not head and _head_layout(head) == "dense" and type(head.lm_head) is nn.Linear
+    ids, outs = _drafts(dense)
+    packed_ids, packed_outs = _drafts(packed)
+    torch.testing.assert_close(packed_outs, outs, rtol=1e-5, atol=1e-5)
+    assert packed_ids == ids
+
+
+def test_a_heads_layout_is_measured_by_timing_head_steps_and_cached_under_its_own_key(head_parts, tmp_path, monkeypatch):
+    from trtspec.engines.torch import eagle3_head
+
+    head, target = head_parts
+    calls: list[str] = []
+    step_timer = eagle3_head.head_step_timer
+
+    def fake(h, embed, cos, sin, dtype, sizes):
+        assert sizes == eagle3_head.HEAD_STEP_SIZES
+        real = step_timer(h, embed, cos, sin, dtype, sizes)  # the real step runs on every layout
+
+        def timed():
+            layout = _head_layout(h)
+            calls.append(layout)
+            assert all(t > 0 for t in real())
+            return [0.001 if layout == "head" else 0.003 for _ in sizes]
+
+        return timed
+
+    monkeypatch.setattr(eagle3_head, "head_step_timer", fake)
+    first = _head_engine(head, target, tmp_path, monkeypatch)
+    assert (first.kernels.layout, first.kernels.source) == ("head", "measured")
+    assert set(calls) == set(kernels.LAYOUTS) and _head_layout(first.head) == "head"
+    key = json.loads(first.kernels.key)
+    assert key["model"] == "eagle3-head" and key != json.loads(kernels.choice_key(target.model, 4))
+    measured = len(calls)
+    second = _head_engine(head, target, tmp_path, monkeypatch)
+    assert (second.kernels.layout, second.kernels.source, len(calls)) == ("head", "cached", measured)
+    assert _head_layout(second.head) == "head"

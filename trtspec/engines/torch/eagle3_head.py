@@ -13,12 +13,19 @@ state as its residual under norm_before_residual, and ``feed_back`` gives the ne
 norm(output) under norm_output. A head that sets none runs exactly the plain EAGLE-3 layer.
 
 HeadEngine keeps the head's own static KV cache per slot, indexed by position like the
-target's: a rejected draft is undone by rewinding an integer.
+target's: a rejected draft is undone by rewinding an integer. On a CPU it runs its own copy of
+the head with its Linears on the kernel layout this machine runs fastest (engines/torch/kernels.py, measured once per machine and head shape): a head step is
+c of the speed-up bound, and PyTorch's dense kernel reads the head's ~40 MB slower than the
+weights re-laid for oneDNN on the CPUs tried.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,9 +33,10 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from trtspec.device import check_dtype
+from trtspec.device import check_dtype, uses_cpu_kernels
 from trtspec.engines.eagle3_checkpoint import HeadConfig, read_head_config
 from trtspec.engines.manifest import read_manifest
+from trtspec.engines.torch import kernels
 from trtspec.engines.torch.engine import DTYPES, WEIGHTS, SlotPool, TorchEngine
 from trtspec.engines.torch.model import MLP, TREE_ROWS, Attention, DecoderConfig, KVCache, RMSNorm, StepInputs, rope_tables
 from trtspec.errors import EngineError
@@ -135,6 +143,58 @@ class Eagle3Head(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
 
+HEAD_STEP_SIZES = (1, 2)  # tokens of the head steps timed: a draft step; the step after a verify that kept a draft
+
+
+def choose_head_kernels(
+    head: Eagle3Head, embed: nn.Embedding, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype, cache_dir: Path | None = None
+) -> kernels.KernelChoice:
+    """Put ``head``'s Linears on this machine's fastest layout for a head of its shape
+    (kernels.choose_layout). Its q/k/v stay apart: distill's scoring path reads them by name."""
+    cfg = head.cfg
+    shape = {
+        "model": "eagle3-head",
+        "shape": f"{cfg.hidden_size}x{cfg.intermediate_size}x{cfg.n_features}x{cfg.target_hidden_size}"
+        f"x{cfg.draft_vocab_size}/{cfg.num_heads}/{cfg.num_kv_heads}/{cfg.head_dim}",
+        "dtype": str(dtype),
+        "sizes": ",".join(map(str, HEAD_STEP_SIZES)),
+    }
+    key = json.dumps(json.loads(kernels.machine_key()) | shape, sort_keys=True)
+    return kernels.choose_layout(
+        head,
+        key,
+        HEAD_STEP_SIZES,
+        lambda: head_step_timer(head, embed, cos, sin, dtype, HEAD_STEP_SIZES),
+        kernels.apply_layout,
+        cache_dir,
+    )
+
+
+def head_step_timer(
+    head: Eagle3Head, embed: nn.Embedding, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype, sizes: tuple[int, ...]
+) -> Callable[[], list[float]]:
+    """A function that times one head step of each of ``sizes`` tokens (seconds each): ``fc``
+    over that many positions' target features, the layer at position kernels.PREFILL of a
+    private one-slot cache, and the draft LM head over the last position, as a draft step runs."""
+    start = max(0, min(kernels.PREFILL, cos.shape[0] - max(sizes)))
+    cache = KVCache(decoder_config(head.cfg), 1, start + max(sizes) + 1, dtype)
+    features = torch.zeros(max(sizes), head.cfg.n_features * head.cfg.target_hidden_size, dtype=dtype)
+    steps = [kernels.timing_step(n, start, embed.num_embeddings) for n in sizes]
+
+    @torch.inference_mode()
+    def run(step: StepInputs) -> float:
+        t = time.perf_counter()
+        n = step.rows[0][2]
+        state = head.fuse(features[:n]).unsqueeze(0)  # [1, n, hidden]
+        embeds = embed(step.tokens).to(dtype)
+        c, s = cos[step.positions].to(dtype).unsqueeze(1), sin[step.positions].to(dtype).unsqueeze(1)
+        out = head.midlayer(state, embeds, c, s, step, cache.k[0], cache.v[0])
+        int(torch.argmax(head.draft_logits(out[0, -1:]).float()))
+        return time.perf_counter() - t
+
+    return lambda: [run(step) for step in steps]
+
+
 @dataclass
 class HeadRow:
     """One sequence's positions start..start+n-1 for the head: state [n, hidden] and the
@@ -168,7 +228,6 @@ class HeadEngine:
         dtype: torch.dtype,
         slots: int,
     ):
-        self.head = head
         self.cfg = head.cfg
         self.dtype = dtype
         # The head's device is its weights' (in process: the target's, see load); inputs,
@@ -176,6 +235,11 @@ class HeadEngine:
         self.device = head.fc.weight.device
         self.embed = embed
         self.cos, self.sin = cos, sin  # [max_seq_len, head_dim]
+        self.kernels: kernels.KernelChoice | None = None  # how the head's Linears run (CPU only)
+        if uses_cpu_kernels(self.device):
+            head = copy.deepcopy(head)  # the caller's head (a trainer's, say) keeps its nn.Linear weights
+            self.kernels = choose_head_kernels(head, embed, cos, sin, dtype)
+        self.head = head
         self.max_seq_len = max_seq_len
         with self.device:
             self.cache = KVCache(decoder_config(self.cfg), slots, max_seq_len + TREE_ROWS, dtype)  # room for a tree's nodes

@@ -110,17 +110,25 @@ def cpu_signature() -> dict[str, str]:
     }
 
 
-def choice_key(model: DecoderLM, verify_tokens: int) -> str:
-    cfg = model.cfg
+def machine_key() -> str:
+    """What every cached choice depends on besides its model: this CPU, its threads, torch,
+    and the candidates and kernels behind them."""
     parts = cpu_signature() | {
         "threads": str(torch.get_num_threads()),
         "torch": torch.__version__,
+        "layouts": ",".join(LAYOUTS),  # a choice made among fewer candidates is measured again
+        "kernels": KERNELS_VERSION,  # a choice made with other kernels behind a layout, too
+    }
+    return json.dumps(parts, sort_keys=True)
+
+
+def choice_key(model: DecoderLM, verify_tokens: int) -> str:
+    cfg = model.cfg
+    parts = json.loads(machine_key()) | {
         "shape": f"{cfg.hidden_size}x{cfg.intermediate_size}x{cfg.num_layers}x{cfg.vocab_size}"
         f"/{cfg.num_heads}/{cfg.num_kv_heads}/{cfg.head_dim}",
         "dtype": str(model.model.embed_tokens.weight.dtype),
         "verify_tokens": str(verify_tokens),
-        "layouts": ",".join(LAYOUTS),  # a choice made among fewer candidates is measured again
-        "kernels": KERNELS_VERSION,  # a choice made with other kernels behind a layout, too
     }
     return json.dumps(parts, sort_keys=True)
 
@@ -161,7 +169,7 @@ class _Layouts:
     """Both forms of every Linear, so measurement can switch between the layouts; ``keep``
     leaves the model on one choice and drops the weights it does not use."""
 
-    def __init__(self, model: DecoderLM):
+    def __init__(self, model: nn.Module):
         self.places = [
             (module, name, child)
             for module in list(model.modules())
@@ -196,7 +204,8 @@ class _Layouts:
 # -- measuring --------------------------------------------------------------------------------
 
 
-def _step(tokens: int, start: int, vocab: int) -> StepInputs:
+def timing_step(tokens: int, start: int, vocab: int) -> StepInputs:
+    """One slot's step of ``tokens`` new tokens after ``start`` cached ones, as a timed step runs it."""
     positions = torch.arange(start, start + tokens).view(1, tokens)  # [1, q]
     span = start + tokens
     mask = None
@@ -213,7 +222,7 @@ def step_timer(model: DecoderLM, cos: torch.Tensor, sin: torch.Tensor, sizes: tu
     (zeros): the work, and so the time, does not depend on their values."""
     start = max(0, min(PREFILL, cos.shape[0] - max(sizes)))
     cache = KVCache(model.cfg, 1, start + max(sizes) + 1, model.model.embed_tokens.weight.dtype)
-    steps = [_step(n, start, model.cfg.vocab_size) for n in sizes]
+    steps = [timing_step(n, start, model.cfg.vocab_size) for n in sizes]
 
     def run(step: StepInputs) -> float:
         t = time.perf_counter()
@@ -225,12 +234,12 @@ def step_timer(model: DecoderLM, cos: torch.Tensor, sin: torch.Tensor, sizes: tu
 
 
 def measure_layouts(
-    model: DecoderLM, cos: torch.Tensor, sin: torch.Tensor, sizes: tuple[int, ...]
+    model: nn.Module, timed: Callable[[], list[float]], sizes: tuple[int, ...]
 ) -> tuple[str, dict[str, float], dict[str, list[float]]]:
-    """Time every layout on this model, a step of each of ``sizes`` tokens, interleaved;
-    returns (the choice, summed median seconds per layout, median seconds per layout and size)."""
+    """Time every layout on ``model`` (a module with Linears and an ``lm_head``) with
+    ``timed`` (seconds of a step of each of ``sizes`` tokens), interleaved; returns (the
+    choice, summed median seconds per layout, median seconds per layout and size)."""
     layouts = _Layouts(model)
-    timed = step_timer(model, cos, sin, sizes)
     samples: dict[str, list[list[float]]] = {name: [] for name in LAYOUTS}
     try:
         for layout in LAYOUTS:  # warm-up: first calls pay for allocation and kernel setup
@@ -298,12 +307,30 @@ def choose_kernels(
             "quantized",
             reason=f"weight-only quantized Linears ({', '.join(schemes)}): PyTorch's weight-only CPU kernels",
         )
+    sizes = timed_sizes(verify_tokens)
+    return choose_layout(
+        model, choice_key(model, verify_tokens), sizes, lambda: step_timer(model, cos, sin, sizes), _apply, cache_dir
+    )
+
+
+def choose_layout(
+    model: nn.Module,
+    key: str,
+    sizes: tuple[int, ...],
+    make_timer: Callable[[], Callable[[], list[float]]],
+    apply: Callable[[nn.Module, str], None],
+    cache_dir: Path | None = None,
+) -> KernelChoice:
+    """Put ``model`` (a module with Linears and an ``lm_head``: a target, an EAGLE-3 head) on
+    the layout TRTSPEC_ONEDNN forces, or on this machine's cached choice under ``key``, or on
+    the fastest measured now (``make_timer()``: seconds of a step of each of ``sizes`` tokens)
+    and cached. ``apply`` puts a freshly loaded (dense) model on a layout without measuring."""
     forced = os.environ.get("TRTSPEC_ONEDNN", "").strip()
     if forced in FORCED:
         layout = FORCED[forced]
         if layout != "dense" and not _onednn_possible(model):
             return KernelChoice("dense", "fallback", reason=f"TRTSPEC_ONEDNN={forced} but oneDNN cannot run this model")
-        _apply(model, layout)
+        apply(model, layout)
         return KernelChoice(layout, "forced", reason=f"TRTSPEC_ONEDNN={forced}")
     if not _onednn_possible(model):
         return KernelChoice(
@@ -313,23 +340,22 @@ def choose_kernels(
             "which needs avx512bw/vl/dq or avx_ne_convert)",
         )
     try:
-        return _measured_or_cached(model, cos, sin, verify_tokens, (cache_dir or cache_root()) / CACHE_FILE)
+        return _measured_or_cached(model, key, sizes, make_timer, apply, (cache_dir or cache_root()) / CACHE_FILE)
     except Exception as err:  # never fail a load over a speed choice: transformers' kernels
         # (measure_layouts has put the model back on dense before raising)
         print(f"trtspec: kernel measurement failed ({type(err).__name__}: {err}); using dense", file=sys.stderr)
         return KernelChoice("dense", "fallback", reason=f"measurement failed: {err}")
 
 
-def _measured_or_cached(model: DecoderLM, cos: torch.Tensor, sin: torch.Tensor, verify_tokens: int, path: Path) -> KernelChoice:
-    """This machine's cached choice for the model's shape applied, or one measured now and cached."""
-    key, sizes = choice_key(model, verify_tokens), timed_sizes(verify_tokens)
+def _measured_or_cached(model: nn.Module, key: str, sizes: tuple[int, ...], make_timer, apply, path: Path) -> KernelChoice:
+    """This machine's cached choice for ``key`` applied, or one measured now and cached."""
     with _locked(path):
         cached = _read(path).get(key)
         if cached is not None and _valid(str(cached.get("layout"))):
-            _apply(model, cached["layout"])
+            apply(model, cached["layout"])
             seconds, steps = dict(cached.get("seconds", {})), dict(cached.get("steps", {}))
             return KernelChoice(cached["layout"], "cached", seconds, key, steps=steps, sizes=sizes)
-        best, seconds, steps = measure_layouts(model, cos, sin, sizes)
+        best, seconds, steps = measure_layouts(model, make_timer(), sizes)
         entries = _read(path)
         entries[key] = {
             "layout": best,
@@ -356,14 +382,20 @@ def weight_only_linears(model: DecoderLM) -> list[WeightOnlyLinear]:
 
 
 def _apply(model: DecoderLM, layout: str) -> None:
-    """Put a freshly loaded (dense) model on ``layout`` without measuring."""
+    """Put a freshly loaded (dense) model on ``layout`` without measuring (a single layout
+    packs only the Linears it runs: no transient second copy of the others)."""
     if "|" in layout:
-        _Layouts(model).keep(layout)
+        apply_layout(model, layout)
     elif layout != "dense":
         model.pack_linears_for_onednn(head_only=layout == "head")
 
 
-def _onednn_possible(model: DecoderLM) -> bool:
+def apply_layout(model: nn.Module, layout: str) -> None:
+    """Put any module with Linears and an ``lm_head`` (dense) on ``layout`` without measuring."""
+    _Layouts(model).keep(layout)
+
+
+def _onednn_possible(model: nn.Module) -> bool:
     weight = getattr(model.lm_head, "weight", None)
     if not torch.backends.mkldnn.is_available() or weight is None or weight.dtype not in PACKABLE:
         return False
