@@ -285,6 +285,37 @@ def test_a_batched_decode_in_consecutive_slots_gathers_no_kv(dep):
         torch.testing.assert_close(b, alone, rtol=1e-5, atol=1e-5)
 
 
+def test_rows_with_finished_slots_between_them_attend_over_a_view_as_if_gathered(dep, monkeypatch):
+    """A batch whose middle sequence finished (slots 0 and 2 of 0..2 go on) attends over a view
+    of slots 0..2 with its queries placed in it, not a gather of each row's K/V per layer; the
+    logits are the gather's (RANGE_ROWS 0 forces it) up to float rounding (SDPA splits its work
+    by the batch it is given), as each row's are alone."""
+    from torch.profiler import profile
+
+    from trtspec.engines.torch import model
+
+    eng = dep.target
+    seqs = [_seq(n, 60 + n) for n in (7, 12, 9)]
+
+    def step(prof: bool):
+        eng.forget_prefixes()
+        eng.run([ForwardItem(s, 1) for s in seqs])
+        live = [seqs[0] + [5, 6], seqs[2] + [7, 8]]  # slot 1's sequence finished
+        if not prof:
+            return eng.run([ForwardItem(s, 2) for s in live]), {}
+        with profile() as p:
+            out = eng.run([ForwardItem(s, 2) for s in live])
+        return out, {e.key: e.count for e in p.key_averages()}
+
+    ranged, counts = step(prof=True)
+    assert eng.last_slots == [0, 2]
+    assert counts.get("aten::index_select", 0) <= 1  # the embedding lookup, no K/V gather
+    monkeypatch.setattr(model, "RANGE_ROWS", 0)
+    gathered, _ = step(prof=False)
+    for a, b in zip(ranged, gathered):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_prefill_shared_computes_a_shared_prefix_and_a_repeated_prompt_once(dep):
     """Slot i ends up holding prompts[i] with the K/V and features each prompt's own prefill
     gives; the header all share is computed once, a prompt held twice once; a batch of those

@@ -155,6 +155,9 @@ class KVCache:
         self.max_seq = max_seq
 
 
+RANGE_ROWS = 2  # rows in ascending slots attend over a view of their slots' range when it is at most this many times the rows
+
+
 @dataclass
 class StepInputs:
     """One batched forward over ragged sequences (right-padded to the longest)."""
@@ -168,11 +171,17 @@ class StepInputs:
     # Derived once per step (not per layer), for batches of 2+ rows:
     first_slot: int | None = field(init=False, default=None)  # rows sit in consecutive slots from here
     writes: tuple[torch.Tensor, ...] | None = field(init=False, default=None)  # see __post_init__
+    # Rows in ascending slots within a short range (a batch some of whose sequences finished):
+    # (first slot, slots in the range, each row's place in it, the mask over the range).
+    in_range: tuple[int, int, torch.Tensor, torch.Tensor | None] | None = field(init=False, default=None)
 
     def __post_init__(self):
         s0 = self.rows[0][0]
-        if all(slot == s0 + i for i, (slot, _, _) in enumerate(self.rows)):
+        slots = [slot for slot, _, _ in self.rows]
+        if all(slot == s0 + i for i, slot in enumerate(slots)):
             self.first_slot = s0  # the K/V to attend is a view of the cache, no gather
+        elif all(a < b for a, b in zip(slots, slots[1:])) and slots[-1] - s0 + 1 <= RANGE_ROWS * len(slots):
+            self.in_range = self._range(s0, slots[-1] - s0 + 1)
         if len(self.rows) > 1:
             # Where each real token's K/V goes: (slot, position) and where it comes from:
             # (row, token); one scatter per layer instead of one slice copy per row.
@@ -183,6 +192,18 @@ class StepInputs:
                 row_i += [r] * n
                 tok_i += range(n)
             self.writes = tuple(torch.tensor(x, dtype=torch.long) for x in (slot_i, pos_i, row_i, tok_i))
+
+    def _range(self, s0: int, n: int) -> tuple[int, int, torch.Tensor, torch.Tensor | None]:
+        """Attention over the cache's slots s0..s0+n-1 as a view, the rows' queries placed among
+        them: the slots between the rows are attended too (to key 0 only) and dropped, which
+        costs less than gathering every row's keys and values each layer."""
+        place = self.slots - s0  # [b]
+        mask = None
+        if self.mask is not None:
+            mask = self.mask.new_zeros((n, *self.mask.shape[1:]))  # [n, 1, q, S]
+            mask[..., 0] = True  # a slot between the rows sees key 0 only (no empty row)
+            mask[place] = self.mask
+        return s0, n, place, mask
 
 
 class DenseLinear(nn.Linear):
@@ -267,6 +288,18 @@ class Attention(nn.Module):
             s0 = step.first_slot
             keys = k_cache[s0 : s0 + b, :, : step.span]  # [b, kv_heads, S, head_dim]
             values = v_cache[s0 : s0 + b, :, : step.span]
+        elif step.in_range is not None:  # ascending slots in a short range: a view, queries placed in it
+            s0, n, place, mask = step.in_range
+            queries = xq.new_zeros((n, *xq.shape[1:]))  # [n, heads, q, head_dim]
+            queries[place] = xq
+            out = F.scaled_dot_product_attention(
+                queries,
+                k_cache[s0 : s0 + n, :, : step.span],
+                v_cache[s0 : s0 + n, :, : step.span],
+                attn_mask=mask,
+                enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+            )[place]  # [b, heads, q, head_dim]
+            return self.o_proj(out.transpose(1, 2).reshape(b, q, cfg.num_heads * cfg.head_dim))
         else:
             keys = k_cache[:, :, : step.span].index_select(0, step.slots)  # [b, kv_heads, S, head_dim]
             values = v_cache[:, :, : step.span].index_select(0, step.slots)
