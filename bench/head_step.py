@@ -9,7 +9,9 @@ layout this machine chooses, and times a k=1 draft step (``fc`` over one positio
 features, the layer at a 128-token context, the draft LM head and its argmax) ``--repeats``
 times, the engines interleaved, with the target's decode step at the same context in between.
 Reports the minimum and median milliseconds of each and c = head step / target decode step
-(medians). Timings: run it on a quiet machine only.
+(medians); with ``--acceptance A --verify V`` (a measured k=1 acceptance and 2-token verify in
+target decode steps, e.g. from `trtspec bench --methods`) also each layout's k=1 bound,
+(1 + A) / (V + c). Timings: run it on a quiet machine only.
 """
 
 from __future__ import annotations
@@ -29,8 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("engine", help="a built torch target engine folder (e.g. engines/smollm2-135m-eagle3-demo/target)")
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=300)
+    ap.add_argument("--acceptance", type=float, help="a measured k=1 acceptance, for the bound")
+    ap.add_argument("--verify", type=float, help="a measured 2-token verify in target decode steps, for the bound")
     ap.add_argument("--json", help="also write a result file bench/results/NAME.json")
     args = ap.parse_args(argv)
+    if (args.acceptance is None) != (args.verify is None):
+        ap.error("--acceptance and --verify go together (the bound needs both)")
 
     import torch
     from transformers import AutoConfig
@@ -88,20 +94,25 @@ def main(argv: list[str] | None = None) -> int:
         if r:
             times["target"].append(time.perf_counter() - t0)
     med = {name: statistics.median(t) for name, t in times.items()}
-    rows = []
+    rows, bounds = [], {}
+    columns = ["head layout", "min ms", "median ms", "c"] + (["k=1 bound"] if args.acceptance is not None else [])
     for name in engines:
         c = med[name] / med["target"]
-        rows.append([name, f"{min(times[name]) * 1e3:.2f}", f"{med[name] * 1e3:.2f}", f"{c:.4f}"])
-        print(f"{name:8s} min {min(times[name]) * 1e3:6.2f} ms  median {med[name] * 1e3:6.2f} ms  c {c:.4f}")
+        row = [name, f"{min(times[name]) * 1e3:.2f}", f"{med[name] * 1e3:.2f}", f"{c:.4f}"]
+        if args.acceptance is not None:
+            bounds[name] = round((1 + args.acceptance) / (args.verify + c), 3)
+            row.append(f"{bounds[name]:.3f}x")
+        rows.append(row)
+        print("  ".join(f"{col} {cell}" for col, cell in zip(columns, row)))
     print(f"target decode step: median {med['target'] * 1e3:.2f} ms; the machine chose {chosen.layout} ({chosen.source})")
     if args.json:
         values = {
-            "table": {"columns": ["head layout", "min ms", "median ms", "c"], "rows": rows, "align": "lrrr"},
+            "table": {"columns": columns, "rows": rows, "align": "l" + "r" * (len(columns) - 1)},
             "median_ms": {name: round(v * 1e3, 3) for name, v in med.items()},
             "c": {name: round(med[name] / med["target"], 4) for name in engines},
             "chosen": chosen.layout,
             "repeats": args.repeats,
-        }
+        } | ({"bound": bounds, "acceptance": args.acceptance, "verify": args.verify} if bounds else {})
         print(f"wrote {write_result(RESULTS / f'{args.json}.json', command_line('head_step.py', argv), values)}")
     return 0
 
