@@ -14,9 +14,10 @@ norm(output) under norm_output. A head that sets none runs exactly the plain EAG
 
 HeadEngine keeps the head's own static KV cache per slot, indexed by position like the
 target's: a rejected draft is undone by rewinding an integer. On a CPU it runs its own copy of
-the head with its Linears on the kernel layout this machine runs fastest (engines/torch/kernels.py, measured once per machine and head shape): a head step is
-c of the speed-up bound, and PyTorch's dense kernel reads the head's ~40 MB slower than the
-weights re-laid for oneDNN on the CPUs tried.
+the head with its Linears on the kernel layout this machine runs fastest (engines/torch/kernels.py,
+measured once per machine and head shape): a head step is c of the speed-up bound, and
+PyTorch's dense kernel reads the head's ~40 MB of weights slower than oneDNN's layout does on
+the CPU measured (docs/performance.md#the-demos-co-designed-pair-quiet).
 """
 
 from __future__ import annotations
