@@ -57,15 +57,11 @@ class LabelRecorder:
 
     def run(self, items: list[ForwardItem]) -> list[torch.Tensor]:
         out = self.target.run(items)
-        # One top-k over every row's logits (a generation batch: [128, vocab] in one call).
-        top = torch.topk((out[0] if len(out) == 1 else torch.cat(out)).float(), self.k, dim=-1)
-        ids, values, at = top.indices.to(torch.int32), top.values, 0
         for it, logits, slot in zip(items, out, self.target.last_slots):  # logits [n, vocab] of the last n positions
-            n = logits.shape[0]
-            p = len(it.tokens) - n
-            self.top_ids[slot, p : len(it.tokens)] = ids[at : at + n]
-            self.top_logits[slot, p : len(it.tokens)] = values[at : at + n]
-            at += n
+            top = torch.topk(logits.float(), self.k, dim=-1)
+            p = len(it.tokens) - logits.shape[0]
+            self.top_ids[slot, p : len(it.tokens)] = top.indices.to(torch.int32)
+            self.top_logits[slot, p : len(it.tokens)] = top.values
         return out
 
     def slot_of(self, tokens: list[int], n: int) -> int:

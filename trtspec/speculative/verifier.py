@@ -38,13 +38,9 @@ class LogitsVerifier:
         needed; no KV-cache block counts, so neither is ``context_phase``."""
         trees = asks.get("trees") or [None] * len(drafts)
         items = [ForwardItem(list(c) + list(d), len(d) + 1, t) for c, d, t in zip(contexts, drafts, trees)]
-        rows = [logits[:, : self.vocab_limit] for logits in self.run(items)]  # each [len(draft) + 1, vocab]
-        # Every row's argmax and margins in one call (a batch of 128 rows: one top-2 over
-        # [128, vocab], not 128): each row's result is its own, as if computed alone.
-        ids, margins = greedy_with_margins(rows[0] if len(rows) == 1 else torch.cat(rows))
-        out, at = [], 0
-        for logits in rows:
-            n = logits.shape[0]
-            out.append(Verdict(ids[at : at + n], margins[at : at + n], logits))
-            at += n
+        out = []
+        for logits in self.run(items):  # each [len(draft) + 1, vocab]
+            logits = logits[:, : self.vocab_limit]
+            ids, margins = greedy_with_margins(logits)
+            out.append(Verdict(ids, margins, logits))
         return out
