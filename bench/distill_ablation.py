@@ -87,6 +87,14 @@ VARIANTS = {
     "lm-head-trained": ("the LM head trained too", ["--train-lm-head"]),
     "ttt3-equal": ("3 training-time-test steps weighted equally", ["--ttt-steps", "3", "--step-decay", "1.0"]),
     "constant-lr": ("a constant learning rate", ["--schedule", "constant"]),
+    "ema-0.99": (
+        "the written head is the running average of the weights, decay 0.99 a step (default: the last weights)",
+        ["--ema", "0.99"],
+    ),
+    "ema-0.998": (
+        "the written head is the running average of the weights, decay 0.998 a step (default: the last weights)",
+        ["--ema", "0.998"],
+    ),
     "lr-2x": ("twice the learning rate (2e-3; default 1e-3)", ["--lr", "2e-3"]),
     "lr-4x": ("four times the learning rate (4e-3; default 1e-3)", ["--lr", "4e-3"]),
     "none": (

@@ -362,3 +362,48 @@ def test_shipped_prompts_are_unique_and_never_a_gate_or_bench_prompt():
         verify = (yaml.safe_load(spec.read_text()) or {}).get("verify") or {}
         measured |= set(verify.get("prompts") or [])
     assert measured and not measured & set(shipped)
+
+
+def test_an_averaged_run_writes_its_average_and_resumes_to_the_same_head(tmp_path, tiny_ckpts):
+    """--ema D: the head written is the running average of the weights (kept in the checkpoint
+    beside the last weights), and an interrupted run resumes to the same average, bit for bit."""
+    straight = distill(load_spec(eagle_spec(tmp_path / "a", tiny_ckpts["target"])), small_opts(tmp_path / "a", ema=0.5))
+    written = load_file(str(tmp_path / "a" / "head" / "model.safetensors"))
+    ckpt = torch.load(tmp_path / "a" / ".head.distill" / "checkpoint.pt", weights_only=True)
+    trained = [name for name, w in ckpt["head"].items() if name in written and not torch.equal(w, written[name])]
+    assert trained and len(ckpt["average"]) > 0  # the last weights are not what was written
+    last = distill(load_spec(eagle_spec(tmp_path / "c", tiny_ckpts["target"])), small_opts(tmp_path / "c"))
+    plain = load_file(str(tmp_path / "c" / "head" / "model.safetensors"))
+    assert any(not torch.equal(plain[name], written[name]) for name in trained)
+    assert last.steps == straight.steps
+
+    b = tmp_path / "b"
+    loaded = load_spec(eagle_spec(b, tiny_ckpts["target"]))
+
+    def interrupt(row):
+        if row["step"] == 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        distill(loaded, small_opts(b, ema=0.5), on_step=interrupt)
+    resumed = distill(loaded, small_opts(b, ema=0.5, resume=True))
+    wb = load_file(str(b / "head" / "model.safetensors"))
+    for name in written:
+        assert torch.equal(written[name], wb[name]), name
+    assert resumed.metrics == straight.metrics
+
+
+def test_the_weight_average_moves_by_one_minus_the_decay_toward_the_weights():
+    from trtspec.distill.options import DistillOptions as Options
+    from trtspec.distill.trainer import Trainer
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.opts = Options(ema=0.75)
+    trainer.params = [torch.nn.Parameter(torch.full((3,), 4.0)), torch.nn.Parameter(torch.zeros(2))]
+    trainer.average = [torch.zeros(3), torch.full((2,), 8.0)]
+    trainer._update_average()
+    assert torch.equal(trainer.average[0], torch.full((3,), 1.0))  # 0.75 x 0 + 0.25 x 4
+    assert torch.equal(trainer.average[1], torch.full((2,), 6.0))  # 0.75 x 8 + 0.25 x 0
+    with trainer._averaged():
+        assert torch.equal(trainer.params[0].detach(), torch.full((3,), 1.0))
+    assert torch.equal(trainer.params[0].detach(), torch.full((3,), 4.0))  # the last weights back

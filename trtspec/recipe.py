@@ -187,6 +187,14 @@ class DistillRecipe(BaseModel):
             "lr x this each step, as AdamW's weight decay pulls toward zero (L2-SP); 0: no pull."
         ),
     ] = 0.0
+    ema: Annotated[
+        float,
+        Field(ge=0.0, lt=1.0),
+        Flag(
+            "Keep a running average of the trained weights, avg = D x avg + (1 - D) x weights after every step, and "
+            "evaluate and write the average instead of the last weights (0: the last weights)."
+        ),
+    ] = 0.0
     norms: Annotated[
         bool,
         Flag(

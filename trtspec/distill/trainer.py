@@ -52,6 +52,8 @@ class Trainer:
         self.optim = torch.optim.AdamW(self.params, lr=opts.lr, weight_decay=opts.weight_decay)
         # The weights the head starts from (a resumed run builds the same head first), for start_decay.
         self.start = [p.detach().clone() for p in self.params] if opts.start_decay > 0 else []
+        # The recipe's ema: a running average of the weights, from the start's (what is evaluated and written).
+        self.average = [p.detach().clone() for p in self.params] if opts.ema > 0 else []
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, self.lr_factor)
         self.weights = step_weights(steps, opts.step_decay)
         # The first ttt_phase of the steps train the first draft step alone (the depth-1 head,
@@ -77,7 +79,8 @@ class Trainer:
     def evaluate(self, samples: list[Sample], depth: int) -> dict:
         was = self.head.training
         self.head.eval()
-        a = agreement(self.head, self.embed, self.batches(samples), depth, self.cos, self.sin)
+        with self._averaged():
+            a = agreement(self.head, self.embed, self.batches(samples), depth, self.cos, self.sin)
         self.head.train(was)
         return a
 
@@ -139,6 +142,7 @@ class Trainer:
                         updating = True
                         self.optim.step()
                         self._pull_to_start()
+                        self._update_average()
                     self.sched.step()
                     step += 1
                     updating = False
@@ -157,6 +161,10 @@ class Trainer:
             console.info(f"interrupted: the last good checkpoint is in {ckpt}; finish with --resume")
             raise
         write_bytes_atomic(ckpt, self._checkpoint(step, curve, run_key))
+        with torch.no_grad():  # the head written is the average (a checkpoint keeps both)
+            for p, a in zip(self.params, self.average):
+                p.copy_(a)
+        self.average = []
         self.head.eval()
         return step, curve, stopped_by
 
@@ -168,6 +176,29 @@ class Trainer:
         rate = self.optim.param_groups[0]["lr"] * self.opts.start_decay
         for p, p0 in zip(self.params, self.start, strict=True):
             p.add_(p0 - p, alpha=min(1.0, rate))
+
+    @torch.no_grad()
+    def _update_average(self) -> None:
+        """ema: avg = D x avg + (1 - D) x weights, after each optimiser step."""
+        for a, p in zip(self.average, self.params):
+            a.lerp_(p, 1.0 - self.opts.ema)
+
+    @contextmanager
+    def _averaged(self):
+        """The averaged weights in the head for the block's duration (the last weights otherwise)."""
+        if not self.average:
+            yield
+            return
+        with torch.no_grad():
+            last = [p.detach().clone() for p in self.params]
+            for p, a in zip(self.params, self.average):
+                p.copy_(a)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, w in zip(self.params, last):
+                    p.copy_(w)
 
     def _eval_row(self, held_s) -> dict:
         a = self.evaluate(held_s, self.steps)
@@ -211,6 +242,7 @@ class Trainer:
             "curve": json.dumps(curve),
             "key": key,
             "seed": self.opts.seed,
+            "average": self.average,
         }
         torch.save(state, buf)
         return buf.getvalue()
@@ -224,6 +256,10 @@ class Trainer:
         self.head.load_state_dict(state["head"])
         self.optim.load_state_dict(state["optim"])
         self.sched.load_state_dict(state["sched"])
+        if self.average:
+            with torch.no_grad():
+                for a, saved in zip(self.average, state["average"], strict=True):
+                    a.copy_(saved)
         console.info(f"resuming at step {state['step']}")
         return int(state["step"]), json.loads(state["curve"])
 
