@@ -150,3 +150,38 @@ def test_the_depth_1_phase_trains_the_first_step_alone_then_every_step(tmp_path,
     top_r = a.metrics["unseen_top_r"]
     assert len(top_r) == 3 and all(len(d) == 3 and d[0] <= d[1] <= d[2] for d in top_r)
     assert [d[0] for d in a.metrics["unseen_top_r_accepted"]] == pytest.approx(a.metrics["unseen_accepted"])
+
+
+def test_the_runtime_walk_drafts_where_the_last_step_ended_and_skips_chains_inside_a_run(monkeypatch):
+    """The same hand-made drafts walked as greedy generation drafts them (response tokens at
+    positions 2..7): right first drafts at chain starts 1, 3 and 6 (of 1..5 scored), right
+    second drafts at 2, 3 and 5. k=1 drafts from chain 1 (right: two tokens), then from 3
+    (right), then the response has no room for a draft: 2 of 2 kept where every chain start
+    keeps 2 of 5. k=2 drafts chain 1 (both right: three tokens), then one draft at chain 4
+    (the response's last token left; wrong)."""
+    tokens = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    labels = torch.tensor([[2, 3, 4, 5, 6, 7, 8, 9]])
+    response = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]]).bool()
+    batch = Batch(tokens, torch.zeros(1, 8, 4), labels, response)
+    targets = train.step_targets(batch, 2)
+    depth0 = _logits(targets[0], {1: 0, 2: 1, 3: 0, 4: 2, 5: MISS, 6: 0}, 10)
+    depth1 = _logits(targets[1], {2: 0, 3: 0, 4: 1, 5: 0, 6: 2}, 10)
+    monkeypatch.setattr(train, "unrolled_logits", lambda *a: [depth0, depth1])
+    head = SimpleNamespace(cfg=SimpleNamespace(draft_vocab_size=10), to_target_ids=lambda ids: ids)
+    a = agreement(head, None, [batch], 2, None, None)
+    assert a["accepted"][0] == pytest.approx(2 / 5)  # over every chain start
+    assert a["walk_forwards"] == [2, 2]
+    assert a["walk_length"] == pytest.approx([4 / 2, 4 / 2])  # k=1: 2 + 2 tokens; k=2: 3 + 1
+    assert a["walk_accepted"][0] == pytest.approx([2 / 2])
+    assert a["walk_accepted"][1] == pytest.approx([1 / 2, 1 / 1])
+
+
+def test_the_recommended_k_uses_the_walks_tokens_per_forward_when_given():
+    from trtspec.distill.costs import recommend_k
+
+    costs = {"verify": [1.0, 1.0, 1.0], "head": 0.1}
+    chain_k, chain_bounds = recommend_k([0.5, 0.5, 0.5], costs)
+    assert chain_k == 2 and chain_bounds == pytest.approx([1.5 / 1.1, 1.75 / 1.2, 1.875 / 1.3], abs=1e-3)
+    # the same heads walked: runs make k=3's forwards worth far more than the chain formula says
+    k, bounds = recommend_k([0.5, 0.5, 0.5], costs, [1.4, 1.9, 2.3])
+    assert k == 3 and bounds == pytest.approx([1.4 / 1.1, 1.9 / 1.2, 2.3 / 1.3], abs=1e-3)

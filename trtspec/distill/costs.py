@@ -6,7 +6,10 @@ Speedup of drafting k tokens per target forward (the Leviathan bound, with measu
     bound(k)              = tokens per forward(k) / (verify(k) + k * c)
 
 a_j: per-position acceptance (P(draft j right | drafts before it right), measured on unseen
-prompts); verify(k): a target forward over k + 1 new tokens in target decode steps (never less
+prompts). distill gives the tokens per forward of each k directly, from walking the unseen
+responses as greedy generation drafts them (ttt.agreement's walk_length): right drafts come in
+runs the runtime steps over, so over every chain start the formula above counts more than
+the runtime gets. verify(k): a target forward over k + 1 new tokens in target decode steps (never less
 than verify(k - 1): a longer verify does a shorter one's work and more); c: one
 head step in target decode steps. All on this machine, in this process, at one context length,
 on the target's device (every timed call ends by reading its result on the CPU, so a GPU's
@@ -77,18 +80,23 @@ def measure_costs(target: TorchEngine, head: Eagle3Head, depth: int) -> dict:
 LONGER_K_GAIN = 1.02  # a longer k is recommended only if its bound beats every shorter one's by 2%
 
 
-def recommend_k(accepted: list[float], costs: dict) -> tuple[int, list[float]]:
+def recommend_k(accepted: list[float], costs: dict, tokens: list[float] | None = None) -> tuple[int, list[float]]:
     """(the shortest k whose bound is within LONGER_K_GAIN of the highest, 0 when none beats
     target-only; the bound of each k). A draft position right 3% of the time adds almost
     nothing to the bound, and on a loaded machine the verify costs flatten out: a longer k must
-    win clearly, not by the timing's noise."""
+    win clearly, not by the timing's noise. ``tokens``: the tokens per forward of each k where
+    they were measured (distill's walk of the unseen responses as the runtime drafts them);
+    otherwise the chain formula over ``accepted``."""
     bounds = []
-    for k in range(1, min(len(accepted), len(costs["verify"])) + 1):
-        tokens, run = 1.0, 1.0
-        for a in accepted[:k]:
-            run *= a
-            tokens += run
-        bounds.append(round(tree_speedup_bound(tokens, k, costs["head"], costs["verify"][k - 1]), 3))
+    for k in range(1, min(len(tokens or accepted), len(costs["verify"])) + 1):
+        if tokens:
+            per_forward = tokens[k - 1]
+        else:
+            per_forward, run = 1.0, 1.0
+            for a in accepted[:k]:
+                run *= a
+                per_forward += run
+        bounds.append(round(tree_speedup_bound(per_forward, k, costs["head"], costs["verify"][k - 1]), 3))
     if not bounds or max(bounds) <= 1.0:
         return 0, bounds
     best = next(i for i, b in enumerate(bounds) if b * LONGER_K_GAIN >= max(bounds))

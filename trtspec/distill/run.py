@@ -143,7 +143,7 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
         train_cpu_s = round(time.process_time() - cpu0, 1)  # this process's CPU seconds (all its threads)
         final = trainer.report(held_s, unseen_s)
         costs = measure_costs(target, head, len(final["unseen_accepted"]))
-        k, bound = recommend_k(final["unseen_accepted"], costs)
+        k, bound = recommend_k(final["unseen_accepted"], costs, final["unseen_walk_length"])
         advice = {"costs": costs, "bound": bound, "recommended_k": k}  # timed: differs run to run
     manifest = {
         **_made_from(loaded, data, len(draft_ids), opts, sources),
@@ -255,6 +255,12 @@ def _summary(out: Path, step: int, final: dict, advice: dict) -> None:
         + f", acceptance length {final['unseen_acceptance_length']:.2f} at k={len(acc)}; top-1/2/3 recall per depth "
         + ", ".join("/".join(f"{r:.2f}" for r in d) for d in final["unseen_top_r"])
     )
+    if walk := final.get("unseen_walk_length"):
+        console.info(
+            "as greedy generation drafts them (one walk of each unseen response per k): tokens per forward "
+            + ", ".join(f"k={i + 1}: {t:.2f}" for i, t in enumerate(walk))
+            + f"; the first draft kept {final['unseen_walk_accepted'][0][0]:.2f} of the time at k=1"
+        )
     c = advice["costs"]
     k = advice["recommended_k"]
     console.info(

@@ -221,6 +221,7 @@ class Trainer:
         final = self._eval_row(held_s)
         depth = max(self.steps, MIN_EVAL_DEPTH)
         none = {"top1": [], "acceptance_length": 1.0, "accepted": [], "top_r": [], "top_r_accepted": [], "chains": 0}
+        none |= {"walk_length": [], "walk_accepted": [], "walk_forwards": []}
         u = self.evaluate(unseen_s, depth) if unseen_s else none
         final.update(
             unseen_top1=u["top1"],
@@ -229,6 +230,10 @@ class Trainer:
             unseen_top_r=u["top_r"],  # per depth: P(the target's token among the head's top 1/2/3)
             unseen_top_r_accepted=u["top_r_accepted"],  # the same given depths before it were too
             unseen_chains=u["chains"],
+            # as greedy generation drafts them, per k = 1..depth (ttt.agreement): what the bound uses
+            unseen_walk_length=u["walk_length"],
+            unseen_walk_accepted=u["walk_accepted"],
+            unseen_walk_forwards=u["walk_forwards"],
         )
         return final
 

@@ -333,12 +333,22 @@ def agreement(head, embed, batches: Iterable[Batch], steps: int, cos, sin) -> di
     head fed the target's tokens before it (the tree's node on the right path);
     top_r_accepted[j][r-1]: the same given that the target's tokens at depths 0..j-1 were
     among the top r too (a tree r wide at every depth); its r=1 column is ``accepted``.
+
+    What the runtime sees, for k = 1..steps (walk_*[k-1]): greedy generation drafts only where
+    its last step ended, so it walks each response once: from the first response token, k
+    drafts (fewer near the end: never past the response), the right ones and the target's
+    token kept, the next chain from there. Right drafts come in runs (an easy stretch of text),
+    and after a right one the runtime skips the chains that start inside the run, so fewer of
+    its drafts are right than of all chains. walk_length[k-1]: tokens per drafting forward
+    (1 + drafts kept), what the bound of k is computed from; walk_accepted[k-1][j]: P(draft j
+    kept | drafts before it kept) along the walk; walk_forwards[k-1]: its drafting forwards.
     """
     counts = _Agreement(steps, min(TOP_R, head.cfg.draft_vocab_size))
     for batch in batches:
         targets = step_targets(batch, steps)
         right, in_top = counts.score_steps(head, unrolled_logits(head, embed, batch, steps, cos, sin), targets)
         counts.count_chains(batch, targets, right, in_top)
+        counts.count_walks(batch, right)
     return counts.result()
 
 
@@ -352,6 +362,9 @@ class _Agreement:
         self.hit_n = [[0] * ranks for _ in range(steps)]  # chain starts whose depth-j token is in the top r
         self.alive_r_n = [[0] * ranks for _ in range(steps + 1)]  # chains whose depths < j are all in the top r
         self.run_sum, self.chains = 0.0, 0
+        self.walk_forwards, self.walk_tokens = [0] * steps, [0] * steps  # per k: drafting forwards, tokens they gave
+        self.walk_reached = [[0] * steps for _ in range(steps)]  # per k, per draft j: forwards whose draft j was checked
+        self.walk_right = [[0] * steps for _ in range(steps)]  # ... and kept
 
     def score_steps(self, head, logits, targets) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per unrolled step: where its draft is right ([B, T]) and where the target's token is
@@ -396,6 +409,28 @@ class _Agreement:
         self.run_sum += float(runs[starts].sum())
         self.chains += int(starts.sum())
 
+    def count_walks(self, batch: Batch, right) -> None:
+        """Each response walked as greedy generation drafts it, once per k (agreement's walk_*)."""
+        rows = [r.tolist() for r in right]  # per step j: [B][T] bool
+        for b, resp in enumerate(batch.response.tolist()):
+            where = [t for t, r in enumerate(resp) if r]
+            if not where:
+                continue
+            first, n = where[0], where[-1] - where[0] + 1  # the first response token, the response's length
+            for k in range(1, self.steps + 1):
+                out = 1  # the first response token comes from the prefill, undrafted
+                while (kk := min(k, n - out - 1)) > 0:  # never a draft past the response's end
+                    p = first + out - 2  # the chain from a context ending at token p + 1 (ttt.py)
+                    kept = 0
+                    while kept < kk and rows[kept][b][p + kept]:
+                        kept += 1
+                    self.walk_forwards[k - 1] += 1
+                    self.walk_tokens[k - 1] += kept + 1
+                    for j in range(min(kept + 1, kk)):
+                        self.walk_reached[k - 1][j] += 1
+                        self.walk_right[k - 1][j] += j < kept
+                    out += kept + 1
+
     def result(self) -> dict:
         steps, ranks, chains = self.steps, self.ranks, self.chains
         ratio = lambda a, n: a / n if n else 0.0  # noqa: E731
@@ -408,6 +443,11 @@ class _Agreement:
                 [ratio(self.alive_r_n[j + 1][r], self.alive_r_n[j][r]) for r in range(ranks)] for j in range(steps)
             ],
             "chains": chains,
+            "walk_length": [ratio(self.walk_tokens[k], self.walk_forwards[k]) or 1.0 for k in range(steps)],
+            "walk_accepted": [
+                [ratio(self.walk_right[k][j], self.walk_reached[k][j]) for j in range(k + 1)] for k in range(steps)
+            ],
+            "walk_forwards": list(self.walk_forwards),
         }
 
 
