@@ -1,7 +1,10 @@
 """How well a distilled head fits the data it trained on, against prompts it never saw: distill's
 own chain scoring (Trainer.report: per-position acceptance k=3, acceptance length) on a seeded
 sample of its training sequences, on the held-out prompts and on the unseen prompts. A wide gap
-between the first and the last says the head learned its data by heart. Also how far training moved each trained weight from the head's
+between the first and the last says the head learned its data by heart. The unseen prompts
+are also scored in two parts (the spec's verify prompts, what `trtspec bench` runs; the
+evaluation prompts) and walked as greedy generation drafts them (ttt.agreement's walk: the
+first draft kept at k=1, tokens per forward at k=1..3). Also how far training moved each trained weight from the head's
 start (the anchored copy of the target's layer): rms(w - w0) / rms(w0).
 
     python bench/head_fit.py engine_specs/smollm2-135m-eagle3-demo.yaml \
@@ -32,8 +35,10 @@ def fit(spec: Path, head_dir: Path, train_sample: int, seed: int = 0) -> dict:
     opts = distill_options(head_dir)
     steps = json.loads((head_dir / HEAD_MANIFEST).read_text())["ttt_steps"]
     work = work_folder(head_dir)
+    loaded = load_spec(spec)
     with work_lock(work):
-        data = prepare(load_spec(spec), opts, work)
+        data = prepare(loaded, opts, work)
+    n_verify = len(dict.fromkeys(loaded.verify_prompts()))  # the unseen prompts: the verify prompts first
     head = load_head(head_dir, data.target_hf)
     draft_ids = head.to_target_ids(torch.arange(head.cfg.draft_vocab_size)).tolist()
     trainer = Trainer(head, data.target, draft_ids, opts, steps, data.store)
@@ -43,6 +48,8 @@ def fit(spec: Path, head_dir: Path, train_sample: int, seed: int = 0) -> dict:
         ),
         "held-out prompts": data.held,
         "unseen prompts": data.unseen,
+        "unseen: the spec's verify prompts": data.unseen[:n_verify],
+        "unseen: the evaluation prompts": data.unseen[n_verify:],
     }
     out = []
     for name, samples in sets.items():
@@ -54,10 +61,15 @@ def fit(spec: Path, head_dir: Path, train_sample: int, seed: int = 0) -> dict:
                 "acceptance_length_k3": round(m["unseen_acceptance_length"], 3),
                 "per_position": [round(a, 3) for a in m["unseen_accepted"]],
                 "chains": m["unseen_chains"],
+                # as greedy generation drafts them: k=1's first draft kept, tokens per forward per k
+                "walk_k1_kept": round(m["unseen_walk_accepted"][0][0], 3),
+                "walk_length": [round(t, 3) for t in m["unseen_walk_length"]],
+                "walk_forwards": m["unseen_walk_forwards"],
             }
         )
         print(
-            f"{name}: k=1 {out[-1]['k1_acceptance']:.3f}, acceptance length k=3 {out[-1]['acceptance_length_k3']:.3f}, {m['unseen_chains']} chains",
+            f"{name}: k=1 {out[-1]['k1_acceptance']:.3f}, acceptance length k=3 {out[-1]['acceptance_length_k3']:.3f}, {m['unseen_chains']} chains; "
+            f"walked: k=1 kept {out[-1]['walk_k1_kept']:.3f}, tokens per forward k=1..3 {out[-1]['walk_length']}",
             flush=True,
         )
     weights = moved(head, data, opts, draft_ids)

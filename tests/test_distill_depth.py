@@ -154,11 +154,11 @@ def test_the_depth_1_phase_trains_the_first_step_alone_then_every_step(tmp_path,
 
 def test_the_runtime_walk_drafts_where_the_last_step_ended_and_skips_chains_inside_a_run(monkeypatch):
     """The same hand-made drafts walked as greedy generation drafts them (response tokens at
-    positions 2..7): right first drafts at chain starts 1, 3 and 6 (of 1..5 scored), right
-    second drafts at 2, 3 and 5. k=1 drafts from chain 1 (right: two tokens), then from 3
-    (right), then the response has no room for a draft: 2 of 2 kept where every chain start
-    keeps 2 of 5. k=2 drafts chain 1 (both right: three tokens), then one draft at chain 4
-    (the response's last token left; wrong)."""
+    positions 2..7, and 9, the last position's label: 7 tokens): right first drafts at chain
+    starts 1, 3 and 6 (of 1..5 scored), right second drafts at 2, 3 and 5. k=1 drafts from
+    chain 1 (right: two tokens), from 3 (right: two), from 5 (wrong: one), then the last token
+    comes undrafted: 2 of 3 kept where every chain start keeps 2 of 5. k=2 drafts chain 1 (both
+    right: three tokens), chain 4 (wrong), then one draft at chain 5 (wrong)."""
     tokens = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
     labels = torch.tensor([[2, 3, 4, 5, 6, 7, 8, 9]])
     response = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]]).bool()
@@ -170,10 +170,10 @@ def test_the_runtime_walk_drafts_where_the_last_step_ended_and_skips_chains_insi
     head = SimpleNamespace(cfg=SimpleNamespace(draft_vocab_size=10), to_target_ids=lambda ids: ids)
     a = agreement(head, None, [batch], 2, None, None)
     assert a["accepted"][0] == pytest.approx(2 / 5)  # over every chain start
-    assert a["walk_forwards"] == [2, 2]
-    assert a["walk_length"] == pytest.approx([4 / 2, 4 / 2])  # k=1: 2 + 2 tokens; k=2: 3 + 1
-    assert a["walk_accepted"][0] == pytest.approx([2 / 2])
-    assert a["walk_accepted"][1] == pytest.approx([1 / 2, 1 / 1])
+    assert a["walk_forwards"] == [3, 3]
+    assert a["walk_length"] == pytest.approx([5 / 3, 5 / 3])  # k=1: 2 + 2 + 1 tokens; k=2: 3 + 1 + 1
+    assert a["walk_accepted"][0] == pytest.approx([2 / 3])
+    assert a["walk_accepted"][1] == pytest.approx([1 / 3, 1 / 1])
 
 
 def test_the_recommended_k_uses_the_walks_tokens_per_forward_when_given():

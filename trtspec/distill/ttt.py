@@ -412,11 +412,14 @@ class _Agreement:
     def count_walks(self, batch: Batch, right) -> None:
         """Each response walked as greedy generation drafts it, once per k (agreement's walk_*)."""
         rows = [r.tolist() for r in right]  # per step j: [B][T] bool
+        labels = batch.labels.tolist()
         for b, resp in enumerate(batch.response.tolist()):
             where = [t for t, r in enumerate(resp) if r]
             if not where:
                 continue
-            first, n = where[0], where[-1] - where[0] + 1  # the first response token, the response's length
+            # The first response token and the response's length: its last token is the label of
+            # the last position (the target never ran over it) where that label is known.
+            first, n = where[0], where[-1] - where[0] + 1 + (labels[b][where[-1]] >= 0)
             for k in range(1, self.steps + 1):
                 out = 1  # the first response token comes from the prefill, undrafted
                 while (kk := min(k, n - out - 1)) > 0:  # never a draft past the response's end
