@@ -161,9 +161,7 @@ class Trainer:
             console.info(f"interrupted: the last good checkpoint is in {ckpt}; finish with --resume")
             raise
         write_bytes_atomic(ckpt, self._checkpoint(step, curve, run_key))
-        with torch.no_grad():  # the head written is the average (a checkpoint keeps both)
-            for p, a in zip(self.params, self.average):
-                p.copy_(a)
+        self._set_weights(self.average)  # the head written is the average (a checkpoint keeps both)
         self.average = []
         self.head.eval()
         return step, curve, stopped_by
@@ -189,16 +187,18 @@ class Trainer:
         if not self.average:
             yield
             return
-        with torch.no_grad():
-            last = [p.detach().clone() for p in self.params]
-            for p, a in zip(self.params, self.average):
-                p.copy_(a)
+        last = [p.detach().clone() for p in self.params]
+        self._set_weights(self.average)
         try:
             yield
         finally:
-            with torch.no_grad():
-                for p, w in zip(self.params, last):
-                    p.copy_(w)
+            self._set_weights(last)
+
+    @torch.no_grad()
+    def _set_weights(self, values: list[torch.Tensor]) -> None:
+        """The trained weights set to ``values`` (in self.params' order; none: unchanged)."""
+        for p, v in zip(self.params, values):
+            p.copy_(v)
 
     def _eval_row(self, held_s) -> dict:
         a = self.evaluate(held_s, self.steps)
