@@ -174,3 +174,10 @@ def serve_app(app, log_level: str = "warning"):
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def unrolled_as(full: list):
+    """A stand-in for trtspec.distill.ttt.unrolled_logits that gives the per-step logits
+    ``full`` ([B, T, vocab] each), read at the positions a caller asks for (``at``) as the real
+    one returns them."""
+    return lambda *a, at=None, **kw: full if at is None else [x[m] for x, m in zip(full, at)]

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import unrolled_as
 from test_distill import eagle_spec, small_opts
 
 import trtspec.distill.ttt as train
@@ -44,7 +45,7 @@ def test_per_depth_recall_and_tree_acceptance_from_hand_made_drafts(monkeypatch)
     assert targets[0].tolist() == [[-1, 4, 5, 6, 7, 8, 9, -1]] and targets[1].tolist() == [[-1, -1, 5, 6, 7, 8, 9, -1]]
     depth0 = _logits(targets[0], {1: 0, 2: 1, 3: 0, 4: 2, 5: MISS, 6: 0}, 10)
     depth1 = _logits(targets[1], {2: 0, 3: 0, 4: 1, 5: 0, 6: 2}, 10)  # chain p drafts depth 1 at p + 1
-    monkeypatch.setattr(train, "unrolled_logits", lambda *a: [depth0, depth1])
+    monkeypatch.setattr(train, "unrolled_logits", unrolled_as([depth0, depth1]))
     head = SimpleNamespace(cfg=SimpleNamespace(draft_vocab_size=10), to_target_ids=lambda ids: ids)
     a = agreement(head, None, [batch], 2, None, None)
     assert a["chains"] == 5
@@ -86,9 +87,9 @@ def test_dropout_changes_training_steps_only_and_runs_are_deterministic(tmp_path
     seen = []
     real = train.unrolled_logits
 
-    def spy(head, embed, batch, steps, cos, sin, dropout=0.0, gen=None):
+    def spy(head, embed, batch, steps, cos, sin, dropout=0.0, gen=None, at=None):
         seen.append((head.training, dropout))
-        return real(head, embed, batch, steps, cos, sin, dropout, gen)
+        return real(head, embed, batch, steps, cos, sin, dropout, gen, at)
 
     monkeypatch.setattr(train, "unrolled_logits", spy)
     runs = {}
@@ -166,7 +167,7 @@ def test_the_runtime_walk_drafts_where_the_last_step_ended_and_skips_chains_insi
     targets = train.step_targets(batch, 2)
     depth0 = _logits(targets[0], {1: 0, 2: 1, 3: 0, 4: 2, 5: MISS, 6: 0}, 10)
     depth1 = _logits(targets[1], {2: 0, 3: 0, 4: 1, 5: 0, 6: 2}, 10)
-    monkeypatch.setattr(train, "unrolled_logits", lambda *a: [depth0, depth1])
+    monkeypatch.setattr(train, "unrolled_logits", unrolled_as([depth0, depth1]))
     head = SimpleNamespace(cfg=SimpleNamespace(draft_vocab_size=10), to_target_ids=lambda ids: ids)
     a = agreement(head, None, [batch], 2, None, None)
     assert a["accepted"][0] == pytest.approx(2 / 5)  # over every chain start

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import unrolled_as
 from test_distill import eagle_spec, small_opts
 
 import trtspec.distill.ttt as train
@@ -74,7 +75,7 @@ def _batch() -> tuple[Batch, torch.Tensor]:
 @pytest.fixture
 def logits(monkeypatch) -> list[torch.Tensor]:
     out = [torch.randn(1, 6, VOCAB, generator=torch.Generator().manual_seed(20 + j), requires_grad=True) for j in range(2)]
-    monkeypatch.setattr(train, "unrolled_logits", lambda *a: out)
+    monkeypatch.setattr(train, "unrolled_logits", unrolled_as(out))
     return out
 
 

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import unrolled_as
 from test_distill import eagle_spec, small_opts
 
 import trtspec.distill.ttt as train
@@ -40,17 +41,25 @@ def test_reach_is_the_product_of_the_chains_earlier_probabilities():
     batch, t2d = _batch()
     logits = [torch.randn(1, 8, VOCAB, generator=torch.Generator().manual_seed(j)) for j in range(3)]
     tgts = _draft_targets(batch, t2d, 3)
-    w = reach_weights(logits, tgts)
+    at = [t >= 0 for t in step_targets(batch, 3)]
+    held = reach_weights([x[m] for x, m in zip(logits, at)], tgts, at)  # at each step's scored positions
+    w = []
+    for x, m in zip(held, at):  # back to [1, T]: nan where a step is not scored
+        full = torch.full(m.shape, float("nan"))
+        full[m] = x
+        w.append(full)
 
     def p(j: int, t: int) -> float:  # the head's probability of step j's target at t
         d = int(tgts[j][0, t])
         return float(torch.softmax(logits[j][0, t], -1)[d]) if d >= 0 else 0.0
 
+    assert [int(m.sum()) for m in at] == [7, 6, 5]
     for t in range(8):
-        assert float(w[0][0, t]) == 1.0
-        if t >= 1:
+        if at[0][0, t]:
+            assert float(w[0][0, t]) == 1.0
+        if at[1][0, t]:
             assert float(w[1][0, t]) == pytest.approx(p(0, t - 1))
-        if t >= 2:  # the chain of step 2 at t: step 0 at t - 2, step 1 at t - 1
+        if at[2][0, t]:  # the chain of step 2 at t: step 0 at t - 2, step 1 at t - 1
             assert float(w[2][0, t]) == pytest.approx(p(0, t - 2) * p(1, t - 1))
     # position 2's step-0 target (the label after position 3) is outside: its chain is dead
     assert int(tgts[0][0, 2]) == -1 and float(w[1][0, 3]) == 0.0 and float(w[2][0, 4]) == 0.0
@@ -67,7 +76,7 @@ def test_the_reach_weighted_loss_ignores_a_dead_chain_and_weights_the_rest(monke
         batch.top_ids = torch.stack([batch.labels, torch.zeros_like(batch.labels)], dim=-1)
         batch.top_logits = torch.tensor([2.0, 1.0]).expand(1, 8, 2).clone()
     logits = [torch.randn(1, 8, VOCAB, generator=torch.Generator().manual_seed(10 + j), requires_grad=True) for j in range(2)]
-    monkeypatch.setattr(train, "unrolled_logits", lambda *a: logits)
+    monkeypatch.setattr(train, "unrolled_logits", unrolled_as(logits))
     weights = [0.6, 0.4]
 
     def loss(reach: bool) -> float:
@@ -75,12 +84,13 @@ def test_the_reach_weighted_loss_ignores_a_dead_chain_and_weights_the_rest(monke
 
     if not soft:
         tgts = _draft_targets(batch, t2d, 2)
-        r = reach_weights(logits, tgts)
+        at = [t >= 0 for t in step_targets(batch, 2)]
+        r = reach_weights([x[m] for x, m in zip(logits, at)], tgts, at)  # [N_j]: step j's scored positions
         want = 0.0
         for j in range(2):
-            ok = tgts[j][0] >= 0
-            ce = F.cross_entropy(logits[j][0].detach(), tgts[j][0].clamp(min=0), reduction="none")
-            want += weights[j] * float((r[j][0] * ce)[ok].sum() / r[j][0][ok].sum())
+            ok = tgts[j][at[j]] >= 0
+            ce = F.cross_entropy(logits[j][at[j]].detach(), tgts[j][at[j]].clamp(min=0), reduction="none")
+            want += weights[j] * float((r[j] * ce)[ok].sum() / r[j][ok].sum())
         assert loss(True) == pytest.approx(want, rel=1e-5)
         assert loss(True) != pytest.approx(loss(False), rel=1e-3)
     before = (loss(True), loss(False))

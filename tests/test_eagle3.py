@@ -288,6 +288,49 @@ def test_drafter_chain_equals_the_unrolled_training_steps(eagle_deploy):
     assert d2 == unrolled(ctx2, d2)
 
 
+def test_the_scored_positions_path_equals_the_unrolled_steps_there(eagle_deploy):
+    """unrolled_logits(at=...) runs the LM head at the marked positions and each deeper step on
+    their chains only: the same logits, and the same gradients, as the full unrolled steps read
+    at those positions (two rows of other lengths, a two-turn response, dropout masks drawn
+    from the same seed)."""
+    from trtspec.distill.data import capture, collate
+    from trtspec.distill.ttt import step_targets, unrolled_logits
+
+    dep = eagle_deploy("random")
+    target, head = dep.target, dep.head.head
+    a = capture(target, dep.encode("Speculative decoding makes inference"), list(range(40, 52)))
+    b = capture(target, dep.encode("Pack my box"), list(range(60, 67)))
+    b.response = torch.zeros(len(b.tokens), dtype=torch.bool)
+    b.response[3:6] = True  # two assistant turns, as a corpus conversation has
+    b.response[8:] = True
+    batch = collate([a, b], 1000)
+    steps = 3
+    at = [tgt >= 0 for tgt in step_targets(batch, steps)]
+    assert 0 < int(at[0].sum()) < at[0].numel() and int(at[2].sum()) > 0
+    embed = target.model.model.embed_tokens
+    head.train()
+    try:
+
+        def run(chains: bool):
+            head.zero_grad()
+            gen = torch.Generator().manual_seed(7)
+            lg = unrolled_logits(head, embed, batch, steps, target.cos, target.sin, 0.2, gen, at=at if chains else None)
+            lg = lg if chains else [x[m] for x, m in zip(lg, at)]
+            sum((x * torch.linspace(-1, 1, x.shape[-1])).sum() for x in lg).backward()
+            return [x.detach() for x in lg], {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
+
+        (full, full_grad), (chain, chain_grad) = run(False), run(True)
+    finally:
+        head.zero_grad()
+        head.eval()
+    assert [x.shape for x in chain] == [x.shape for x in full]
+    for x, y in zip(chain, full):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    assert chain_grad.keys() == full_grad.keys() and "fc.weight" in chain_grad
+    for name in full_grad:
+        torch.testing.assert_close(chain_grad[name], full_grad[name], rtol=1e-4, atol=1e-5)
+
+
 def test_no_features_yet_means_no_drafts(eagle_deploy):
     dep = eagle_deploy("random")
     dep.forget_prefixes()

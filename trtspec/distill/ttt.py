@@ -107,50 +107,118 @@ def _shift(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
 
 
 def unrolled_logits(
-    head: Eagle3Head, embed, batch: Batch, steps: int, cos_table, sin_table, dropout: float = 0.0, gen=None
+    head: Eagle3Head,
+    embed,
+    batch: Batch,
+    steps: int,
+    cos_table,
+    sin_table,
+    dropout: float = 0.0,
+    gen=None,
+    at: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
-    """Draft logits [B, T, draft_vocab] of each unrolled step (0..steps-1); ``dropout``: the
-    fused input and each step's attention output dropped at that rate (masks from ``gen``)."""
+    """Draft logits of each unrolled step (0..steps-1): [B, T, draft_vocab] at every position;
+    with ``at`` (a [B, T] bool mask per step) [N_j, draft_vocab] at step j's marked positions
+    only, in row-major order (``unrolled_logits(...)[j][at[j]]``, up to float rounding).
+
+    With ``at``, the LM head runs at the marked positions only and each deeper step runs only
+    on the chains they belong to (step j at t continues the chain whose first fed token is
+    x_{t-j+1}): in a training batch the scored positions, the responses' chains, are ~40% of
+    the positions (prompts, templates and padding are the rest), and a deeper step needs
+    nothing else. ``dropout``: the fused input and each step's attention output dropped at
+    that rate (masks from ``gen``, drawn at the full [B, T] shape either way: the same masks)."""
     b, t = batch.tokens.shape
     dtype = head.fc.weight.dtype
     nxt = torch.cat([batch.tokens[:, 1:], torch.zeros_like(batch.tokens[:, :1])], dim=1)  # x_{t+1}
     with torch.no_grad():  # the target's embeddings are frozen: no [vocab, hidden] gradient
         embeds = embed(nxt).to(dtype)  # [B, T, hidden]
     pos = torch.arange(t, device=batch.tokens.device)
-    cos = cos_table[pos].to(dtype).view(1, 1, t, -1)
-    sin = sin_table[pos].to(dtype).view(1, 1, t, -1)
-    scale = 1.0 / math.sqrt(head.cfg.head_dim)
+    cos, sin = (table[pos].to(dtype).view(1, 1, t, -1) for table in (cos_table, sin_table))
     state = head.fuse(batch.features.to(dtype))  # [B, T, hidden]
     if (mask := dropout_mask(state.shape, dropout, gen, state)) is not None:
         state = state * mask
-    keys: list[torch.Tensor] = []
-    values: list[torch.Tensor] = []
-    out_logits = []
-    for j in range(steps):
-        x = head.midlayer.attention_input(state, embeds)  # [B, T, 2*hidden]
-        q, k, v = _project(head, x, cos, sin)  # [B, h, T, d]
+    q, k0, v0 = _project(head, head.midlayer.attention_input(state, embeds), cos, sin)  # [B, h, T, d]
+    # Step 0 at t attends to step-0 keys at positions <= t.
+    drop = lambda: dropout_mask(state.shape, dropout, gen, state)  # noqa: E731  [B, T, hidden] or None
+    out = _finish(head, _attend(head, q, k0, v0, pos.view(t, 1) >= pos.view(1, t), [], []), state, drop())
+    if at is not None:
+        return [head.draft_logits(out[at[0]])] + _chain_steps(head, out, embeds, k0, v0, steps, cos_table, sin_table, at, drop)
+    out_logits = [head.draft_logits(out)]
+    keys, values = [k0], [v0]
+    for j in range(1, steps):
+        state = _shift(head.feed_back(out), 1, dim=1)  # step j at t continues from step j-1's output at t-1
+        q, k, v = _project(head, head.midlayer.attention_input(state, embeds), cos, sin)
         keys.append(k)
         values.append(v)
-        # Step-0 keys at positions s <= t - j (rows t < j keep key 0 so no row is empty).
-        s = torch.arange(t, device=pos.device)
-        allowed = s.view(1, t) <= (pos.view(t, 1) - j).clamp(min=0)  # [T, S]
-        scores = [torch.matmul(q, keys[0].transpose(-1, -2)).masked_fill(~allowed, float("-inf")) * scale]
-        own = []
-        for i in range(1, j + 1):  # step i's key at position t - j + i
-            ki = _shift(keys[i], j - i, dim=2)
-            own.append(_shift(values[i], j - i, dim=2))
-            scores.append(((q * ki).sum(-1, keepdim=True)) * scale)  # [B, h, T, 1]
-        probs = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(dtype)
-        attn = torch.matmul(probs[..., :t], values[0])
-        for i, vi in enumerate(own):
-            attn = attn + probs[..., t + i : t + i + 1] * vi
-        attn = head.midlayer.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
-        if (mask := dropout_mask(attn.shape, dropout, gen, attn)) is not None:
-            attn = attn * mask
-        out = head.midlayer.finish(attn, state)  # [B, T, hidden]
+        # Step-0 keys at positions s <= t - j (rows t < j keep key 0 so no row is empty), and
+        # step i's key at position t - j + i for i = 1..j.
+        allowed = pos.view(1, t) <= (pos.view(t, 1) - j).clamp(min=0)  # [T, S]
+        own_k = [_shift(keys[i], j - i, dim=2) for i in range(1, j + 1)]
+        own_v = [_shift(values[i], j - i, dim=2) for i in range(1, j + 1)]
+        out = _finish(head, _attend(head, q, k0, v0, allowed, own_k, own_v), state, drop())
         out_logits.append(head.draft_logits(out))
-        state = _shift(head.feed_back(out), 1, dim=1)  # step j+1 at t continues from step j's output at t-1
     return out_logits
+
+
+def _chain_steps(head, out0, embeds, k0, v0, steps: int, cos_table, sin_table, at, drop) -> list[torch.Tensor]:
+    """unrolled_logits' steps 1..steps-1 on the chains ``at`` marks, in chain coordinates: row r
+    of batch row b is the chain whose first fed token sits at position c = starts[b, r], and
+    its step j runs at position c + j - 1 with the state of its own step j - 1 (no shift).
+    ``drop()``: the next dropout mask at [B, T, hidden] (None: none), read at the step's positions."""
+    b, t = embeds.shape[:2]
+    device = embeds.device
+    need = torch.zeros_like(at[0])
+    for j in range(1, steps):  # chain starts c whose step j is marked at c + j - 1
+        need |= _shift_left(at[j], j - 1)
+    need[:, 0] = False  # a chain's context holds at least one position
+    counts = need.sum(1)
+    pos = torch.arange(t, device=device)
+    # The most chains a row has, read as a nonzero's size rather than by .item(): the same
+    # number, and a step that also runs where values cannot be read (the meta device)
+    r = max(1, int((pos < counts.max()).nonzero().shape[0]))
+    starts = torch.argsort(torch.where(need, pos, pos + t), dim=1, stable=True)[:, :r]  # each row's chains, ascending
+    live = torch.arange(r, device=device).view(1, r) < counts.view(b, 1)
+    starts = torch.where(live, starts, torch.ones_like(starts))  # padding chains: read, never selected
+    rows = torch.arange(b, device=device).view(b, 1)
+    state = head.feed_back(out0)[rows, starts - 1]  # step 1 of chain c continues from step 0 at c - 1
+    allowed = pos.view(1, 1, 1, t) <= (starts - 1).view(b, 1, r, 1)  # step-0 keys at positions < c
+    own_k: list[torch.Tensor] = []
+    own_v: list[torch.Tensor] = []
+    logits = []
+    for j in range(1, steps):
+        where = (starts + j - 1).clamp(max=t - 1)  # [B, R]: the position of step j
+        cos, sin = (table[where].to(state.dtype).view(b, 1, r, -1) for table in (cos_table, sin_table))
+        q, k, v = _project(head, head.midlayer.attention_input(state, embeds[rows, where]), cos, sin)
+        own_k.append(k)
+        own_v.append(v)
+        mask = drop()
+        out = _finish(head, _attend(head, q, k0, v0, allowed, own_k, own_v), state, None if mask is None else mask[rows, where])
+        chosen = live & (starts + j - 1 < t) & at[j][rows, where]
+        logits.append(head.draft_logits(out[chosen]))
+        state = head.feed_back(out)
+    return logits
+
+
+def _attend(head: Eagle3Head, q, k0, v0, allowed, own_k: list, own_v: list) -> torch.Tensor:
+    """One unrolled step's attention output [B, L, hidden] (o_proj applied): queries q [B, h, L, d]
+    over the step-0 keys and values k0, v0 [B, h, T, d] where ``allowed`` ([.., L, T]), and over
+    their own chain's earlier drafting steps, one key and value per query each (own_k[i],
+    own_v[i]: [B, h, L, d])."""
+    b, _, n, _ = q.shape
+    t = k0.shape[2]
+    scale = 1.0 / math.sqrt(head.cfg.head_dim)
+    scores = [torch.matmul(q, k0.transpose(-1, -2)).masked_fill(~allowed, float("-inf")) * scale]
+    scores += [(q * ki).sum(-1, keepdim=True) * scale for ki in own_k]  # [B, h, L, 1] each
+    probs = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)
+    attn = torch.matmul(probs[..., :t], v0)
+    for i, vi in enumerate(own_v):
+        attn = attn + probs[..., t + i : t + i + 1] * vi
+    return head.midlayer.self_attn.o_proj(attn.transpose(1, 2).reshape(b, n, -1))
+
+
+def _finish(head: Eagle3Head, attn, state, mask) -> torch.Tensor:
+    """The step's layer output from its attention output, dropped by ``mask`` (None: kept)."""
+    return head.midlayer.finish(attn if mask is None else attn * mask, state)
 
 
 def step_targets(batch: Batch, steps: int, response_only: bool = True) -> list[torch.Tensor]:
@@ -206,40 +274,45 @@ def ttt_loss(
     ``temperature`` (soft labels, "kl"): both distributions softened by T, the loss scaled by T^2
     (Hinton et al.'s distillation), so the gradient's size does not shrink with T.
     """
-    logits = unrolled_logits(head, embed, batch, steps, cos, sin, dropout, gen)
     if soft and batch.top_ids is None:
         raise ValueError("soft labels need the captured top-k logits (Batch.top_ids)")
     targets = step_targets(batch, steps, response_only)
+    at = [tgt >= 0 for tgt in targets]  # the positions each step is scored at: its logits are made there only
+    logits = unrolled_logits(head, embed, batch, steps, cos, sin, dropout, gen, at=at)  # [N_j, draft_vocab] each
     draft_tgts = [torch.where(tgt >= 0, t2d[tgt.clamp(min=0)], torch.full_like(tgt, -1)) for tgt in targets]
     target_dist = _soft_targets(batch, t2d, temperature) if soft else None
-    reached = reach_weights(logits, draft_tgts) if reach else [None] * steps
+    reached = reach_weights(logits, draft_tgts, at) if reach else [None] * steps
     losses = [
-        _step_loss(lg, tgt, draft_tgt, target_dist, w, loss, temperature)
-        for lg, tgt, draft_tgt, w in zip(logits, targets, draft_tgts, reached)
+        _step_loss(
+            lg, tgt[m], draft_tgt[m], None if target_dist is None else tuple(x[m] for x in target_dist), w, loss, temperature
+        )
+        for lg, tgt, draft_tgt, m, w in zip(logits, targets, draft_tgts, at, reached)
     ]
     w = torch.tensor(weights if weights is not None else [1.0 / steps] * steps, device=losses[0].device)
     # A batch may hold no scored position for some step (all prompt): cross_entropy is nan there.
     return (torch.stack(losses).nan_to_num(0.0) * w).sum(), logits
 
 
-def reach_weights(logits: list[torch.Tensor], draft_tgts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """[B, T] per unrolled step: the probability that a greedy chain reaches step j at t, as
-    the head sees it: the product of its probabilities of the target's tokens at the chain's
-    earlier steps (step i at t - j + i; 0 where that token is outside the draft vocabulary).
-    No gradient flows through it. Step 0 weighs 1 everywhere. At runtime step j drafts only
-    after drafts 0..j-1 were accepted; weighting by it trains the later steps on the chains
-    that get there (GRIFFIN masks the chains that do not)."""
+def reach_weights(logits: list[torch.Tensor], draft_tgts: list[torch.Tensor], at: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[N_j] per unrolled step, at its scored positions ``at[j]`` (``logits[j]``: the head's
+    there): the probability that a greedy chain reaches step j at t, as the head sees it: the
+    product of its probabilities of the target's tokens at the chain's earlier steps (step i at
+    t - j + i; 0 where that token is outside the draft vocabulary or not scored). No gradient
+    flows through it. Step 0 weighs 1 everywhere. At runtime step j drafts only after drafts
+    0..j-1 were accepted; weighting by it trains the later steps on the chains that get there
+    (GRIFFIN masks the chains that do not)."""
     with torch.no_grad():
-        right = [
-            torch.softmax(lg.float(), dim=-1).gather(-1, d.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (d >= 0)
-            for lg, d in zip(logits, draft_tgts)
-        ]  # [B, T] each
+        right = []  # [B, T] per step
+        for lg, d, m in zip(logits, draft_tgts, at):
+            p = torch.zeros(d.shape, dtype=torch.float32, device=d.device)
+            p[m] = torch.softmax(lg.float(), dim=-1).gather(-1, d[m].clamp(min=0).unsqueeze(-1)).squeeze(-1) * (d[m] >= 0)
+            right.append(p)
         out = []
-        for j in range(len(logits)):
+        for j, m in enumerate(at):
             w = torch.ones_like(right[0])
             for i in range(j):
                 w = w * _shift(right[i], j - i, dim=1)
-            out.append(w)
+            out.append(w[m])
     return out
 
 
@@ -288,12 +361,14 @@ def _draft_logq(lg: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
 
 def _step_loss(lg, tgt, draft_tgt, target_dist, reached, loss: str = "kl", temperature: float = 1.0) -> torch.Tensor:
     """One unrolled step's loss: the mean over its scored positions, weighted by ``reached``
-    ([B, T]) when given; soft "kl" at ``temperature``: the head's logits over T, the loss x T^2."""
+    when given; soft "kl" at ``temperature``: the head's logits over T, the loss x T^2. Every
+    argument holds the step's positions only: ``lg`` [N, draft_vocab], the rest [N] (the
+    soft distribution's [N, k])."""
     if target_dist is None:
         if reached is None:
-            return F.cross_entropy(lg.float().flatten(0, 1), draft_tgt.flatten(), ignore_index=-1)
-        per_pos = F.cross_entropy(lg.float().flatten(0, 1), draft_tgt.flatten(), ignore_index=-1, reduction="none")
-        per_pos, scored = per_pos.view_as(draft_tgt), draft_tgt >= 0
+            return F.cross_entropy(lg.float(), draft_tgt, ignore_index=-1)
+        per_pos = F.cross_entropy(lg.float(), draft_tgt, ignore_index=-1, reduction="none")
+        scored = draft_tgt >= 0
     else:
         draft, probs, has = target_dist
         if loss == "lk":
@@ -346,7 +421,8 @@ def agreement(head, embed, batches: Iterable[Batch], steps: int, cos, sin) -> di
     counts = _Agreement(steps, min(TOP_R, head.cfg.draft_vocab_size))
     for batch in batches:
         targets = step_targets(batch, steps)
-        right, in_top = counts.score_steps(head, unrolled_logits(head, embed, batch, steps, cos, sin), targets)
+        at = [tgt >= 0 for tgt in targets]
+        right, in_top = counts.score_steps(head, unrolled_logits(head, embed, batch, steps, cos, sin, at=at), targets, at)
         counts.count_chains(batch, targets, right, in_top)
         counts.count_walks(batch, right)
     return counts.result()
@@ -366,19 +442,22 @@ class _Agreement:
         self.walk_reached = [[0] * steps for _ in range(steps)]  # per k, per draft j: forwards whose draft j was checked
         self.walk_right = [[0] * steps for _ in range(steps)]  # ... and kept
 
-    def score_steps(self, head, logits, targets) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per unrolled step: where its draft is right ([B, T]) and where the target's token is
-        within its top r ([B, T, ranks]), counting step j's right drafts."""
+    def score_steps(self, head, logits, targets, at) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per unrolled step (``logits[j]``: the head's at its scored positions ``at[j]``): where
+        its draft is right ([B, T]) and where the target's token is within its top r
+        ([B, T, ranks]), counting step j's right drafts."""
         right, in_top = [], []
-        for lg, tgt in zip(logits, targets):
-            top = head.to_target_ids(torch.topk(lg.float(), self.ranks, dim=-1).indices)  # [B, T, ranks]
-            ok = (top[..., 0] == tgt) & (tgt >= 0)
-            scored = tgt >= 0
-            self.right_n[len(right)] += int(ok[scored].sum())
-            self.scored_n[len(right)] += int(scored.sum())
+        for lg, tgt, m in zip(logits, targets, at):
+            want = tgt[m]  # [N]
+            top = head.to_target_ids(torch.topk(lg.float(), self.ranks, dim=-1).indices)  # [N, ranks]
+            ok = torch.zeros_like(m)
+            ok[m] = top[:, 0] == want
+            self.right_n[len(right)] += int(ok.sum())
+            self.scored_n[len(right)] += int(m.sum())
             right.append(ok)
-            hits = (top == tgt.unsqueeze(-1)).cumsum(-1) > 0  # [B, T, ranks]: within the top r
-            in_top.append(hits & scored.unsqueeze(-1))
+            hits = torch.zeros((*m.shape, self.ranks), dtype=torch.bool, device=m.device)
+            hits[m] = (top == want.unsqueeze(-1)).cumsum(-1) > 0  # within the top r
+            in_top.append(hits)
         return right, in_top
 
     def count_chains(self, batch: Batch, targets, right, in_top) -> None:
