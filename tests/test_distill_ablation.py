@@ -41,3 +41,19 @@ def test_rows_of_several_runs_merge_into_one_result_file(tmp_path, monkeypatch):
         "python bench/distill_ablation.py spec.yaml --steps 400",
         "python bench/distill_ablation.py spec.yaml --steps 456",
     ]
+
+
+def test_train_step_times_the_trainers_own_steps_on_a_heads_capture(tmp_path, tiny_ckpts):
+    """bench/train_step.py reads a distilled head's capture and options back and times the
+    trainer's loss and backward at each depth asked (nothing generated again)."""
+    import train_step
+    from test_distill import eagle_spec, small_opts
+
+    from trtspec.distill.run import distill
+    from trtspec.spec import load_spec
+
+    spec = eagle_spec(tmp_path, tiny_ckpts["target"])
+    result = distill(load_spec(spec), small_opts(tmp_path))
+    rows = train_step.time_steps(spec, result.output, 2, [1, 2])
+    assert [(r["depth"], r["steps"]) for r in rows] == [(1, 2), (2, 2)]
+    assert all(r["median_s"] > 0 and r["cpu_s"] >= 0 and r["threads"] >= 1 for r in rows)
