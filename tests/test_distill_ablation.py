@@ -46,9 +46,9 @@ def test_rows_of_several_runs_merge_into_one_result_file(tmp_path, monkeypatch):
 def test_train_step_times_the_trainers_own_steps_on_a_heads_capture(tmp_path, tiny_ckpts):
     """bench/train_step.py reads a distilled head's capture and options back and times the
     trainer's loss and backward at each depth asked (nothing generated again)."""
-    import train_step
     from test_distill import eagle_spec, small_opts
 
+    import train_step
     from trtspec.distill.run import distill
     from trtspec.spec import load_spec
 

@@ -138,8 +138,8 @@ def unrolled_logits(
     if (mask := dropout_mask(state.shape, dropout, gen, state)) is not None:
         state = state * mask
     q, k0, v0 = _project(head, head.midlayer.attention_input(state, embeds), cos, sin)  # [B, h, T, d]
-    # Step 0 at t attends to step-0 keys at positions <= t.
     drop = lambda: dropout_mask(state.shape, dropout, gen, state)  # noqa: E731  [B, T, hidden] or None
+    # Step 0 at t attends to step-0 keys at positions <= t.
     out = _finish(head, _attend(head, q, k0, v0, pos.view(t, 1) >= pos.view(1, t), [], []), state, drop())
     if at is not None:
         return [head.draft_logits(out[at[0]])] + _chain_steps(head, out, embeds, k0, v0, steps, cos_table, sin_table, at, drop)
