@@ -45,6 +45,8 @@ def time_steps(spec: Path, head_dir: Path, steps: int, depths: list[int]) -> lis
         trainer = Trainer(head, data.target, draft_ids, opts, depth, data.store)
         head.train()
         seconds, cpu = [], 0.0
+        # The batch draw is Trainer.fit's, written out here rather than called, so that this
+        # script also runs against commits whose trainer predates any helper for it.
         for step in range(-1, steps):  # step -1: untimed (first calls allocate)
             gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + max(step, 0))
             idx = torch.randint(len(data.train), (min(opts.batch_size, len(data.train)),), generator=gen).tolist()
