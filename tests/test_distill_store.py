@@ -268,3 +268,40 @@ def test_rows_that_share_their_first_tokens_each_keep_their_own_labels(built):
         assert torch.equal(g.labels[p:], ref.labels[p:n])
         assert torch.equal(g.top_ids[p:], ref.top_ids[p:n])
         torch.testing.assert_close(g.top_logits[p:], ref.top_logits[p:n], rtol=1e-4, atol=1e-4)
+
+
+def test_a_prompts_responses_share_a_batch_and_come_back_in_request_order(built, tmp_path):
+    """distill's requests come as every prompt's greedy response, then the sampled ones:
+    generated() batches the requests of one prompt together (its prefill computed once) and
+    still yields one sample per request in request order, each what that request generates
+    alone; samples whose batch has left memory are read back from its part, and a second call
+    reads every batch from the parts instead of generating it."""
+    from trtspec.distill.data import batch_order, generated
+    from trtspec.engines.torch.engine import TorchEngine
+    from trtspec.speculative.loop import GenerationRequest
+    from trtspec.speculative.sampling import SamplingParams
+
+    eng = TorchEngine.load(built("same").target.folder, slots=4)
+    eng.capture_features((0, 1))
+    prompts = [[5, 17, 42, 99, 7], [5, 17, 8], [5, 17, 42, 3, 3, 61]]
+    reqs = [GenerationRequest(p, 6) for p in prompts] + [
+        GenerationRequest(p, 6, sampling=SamplingParams(temperature=0.8, seed=7 + i)) for i, p in enumerate(prompts)
+    ]
+    assert batch_order(reqs, 4) == [[0, 3, 1, 4], [2, 5]]
+    prefills, real = [], eng.prefill_shared
+    eng.prefill_shared = lambda ps: (prefills.append(ps), real(ps))[1]
+    got = list(generated(eng, reqs, tmp_path / "parts"))
+    assert prefills == [[prompts[0], prompts[0], prompts[1], prompts[1]], [prompts[2], prompts[2]]]
+    assert len(list((tmp_path / "parts").glob("part-*.safetensors"))) == 2
+    for r, s in zip(reqs, got):
+        (alone,) = generated(eng, [r])
+        assert s.prompt_len == len(r.prompt_ids) and torch.equal(s.tokens, alone.tokens)
+        assert torch.equal(s.labels, alone.labels)
+        # another batch's prefill rounds the features differently in the last bits, never the tokens
+        torch.testing.assert_close(s.features, alone.features, rtol=1e-4, atol=1e-4)
+    prefills.clear()
+    again = list(generated(eng, reqs, tmp_path / "parts"))  # every batch found: nothing generated
+    assert not prefills
+    assert all(torch.equal(a.tokens, b.tokens) and torch.equal(a.features, b.features) for a, b in zip(got, again))
+    kept = list(generated(eng, reqs))  # no parts: finished batches held in memory until their turn
+    assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(got, kept))

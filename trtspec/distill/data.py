@@ -2,7 +2,7 @@
 EAGLE-3 head reads and the target's greedy label (and top-k logits) at every response position.
 
 Responses come from the one loop (target-only: the same greedy tokens `verify` compares), in
-batches of the engine's slots. Generating IS capturing: the engine keeps the features of every
+batches of the engine's slots, a prompt's requests in one batch (its prefill computed once). Generating IS capturing: the engine keeps the features of every
 position it computes (capture_features) and a LabelRecorder keeps the target's top-k logits at
 every position it scores, so a finished response already holds its features and labels — no
 second forward. Sequences that were not generated in this process (a resumed run's logged
@@ -12,6 +12,8 @@ many sequences per forward.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -101,46 +103,98 @@ def generated(
     on_batch=None,
     response_from: list[int] | None = None,
 ) -> Iterator[Sample]:
-    """One captured Sample per request, in request order, batched over the engine's slots.
+    """One captured Sample per request, in request order, batched over the engine's slots
+    (``batch_order``: the requests of one prompt side by side, so its prefill is computed once).
 
     With ``parts`` (a folder), every finished batch is written there whole, features included
-    (store.write_part, atomically), and a later call reads the batches it finds instead of
-    generating them: an interrupted generation loses at most the batch in flight, and a
-    resumed one yields exactly what an uninterrupted one would. ``on_batch(done, total)`` is
-    called before the first batch (done: the requests whose batch was found) and after each
-    generated one. ``response_from``: per request, the first position whose token is response
-    text (default: its prompt's length)."""
-    size = target.max_batch_size
+    (store.write_part, atomically, named by the batch's requests), and a later call reads the
+    batches it finds instead of generating them: an interrupted generation loses at most the
+    batch in flight, and a resumed one yields exactly what an uninterrupted one would. A
+    sample whose turn comes after its batch has left memory is read back from its part; without
+    ``parts`` finished batches stay in memory until yielded. ``on_batch(done, total)`` is called
+    before the first batch (done: the requests whose batch was found) and after each generated
+    one. ``response_from``: per request, the first position whose token is response text
+    (default: its prompt's length)."""
     starts = response_from or [len(r.prompt_ids) for r in requests]
-    batches = [list(range(n, min(n + size, len(requests)))) for n in range(0, len(requests), size)]
-    found: dict[int, list[Sample]] = {}
+    batches = batch_order(requests, target.max_batch_size)
+    where = {i: (b, j) for b, batch in enumerate(batches) for j, i in enumerate(batch)}
+    paths = (
+        [
+            parts / f"part-{b:05d}-{_batch_digest([requests[i] for i in batch], starts, batch)}.safetensors"
+            for b, batch in enumerate(batches)
+        ]
+        if parts is not None
+        else []
+    )
+    finished: set[int] = set()
     if parts is not None:
         parts.mkdir(parents=True, exist_ok=True)
         for b, batch in enumerate(batches):
-            got = read_part(parts / f"part-{b:05d}.safetensors") if (parts / f"part-{b:05d}.safetensors").is_file() else None
+            got = read_part(paths[b]) if paths[b].is_file() else None
             if got is not None and len(got) == len(batch):
-                found[b] = got
-    done = sum(len(batches[b]) for b in found)
+                finished.add(b)
+    done = sum(len(batches[b]) for b in finished)
     if on_batch:
         on_batch(done, len(requests))
+    held: dict[int, list[Sample]] = {}  # finished batches in memory
+    left = [len(batch) for batch in batches]  # per batch, its samples not yielded yet
+    turn = 0  # the next request to yield
+
+    def in_turn() -> Iterator[Sample]:
+        nonlocal turn
+        while turn < len(requests) and where[turn][0] in finished:
+            b, j = where[turn]
+            if b not in held:
+                if parts is not None:
+                    held.clear()  # on disk: at most the batch just generated and one read back
+                got = read_part(paths[b])
+                if got is None or len(got) != len(batches[b]):
+                    raise RuntimeError(f"{paths[b]} was removed or damaged while generating; run again")
+                held[b] = got
+            yield held[b][j]
+            turn += 1
+            left[b] -= 1
+            if not left[b]:
+                held.pop(b)
+
     recorder = LabelRecorder(target)
     for b, batch in enumerate(batches):
-        if b in found:
-            yield from found.pop(b)
+        if b in finished:
+            yield from in_turn()
             continue
         # A fresh pool: the batch takes slots 0..b-1 in order, so its decode steps attend to a
         # view of the KV cache instead of gathering every row's keys (engines/torch/model.py);
         # what its prompts share (the chat template's system prompt, about half of a prompt;
-        # a prompt sampled more than once) is computed once, not once a row.
+        # a prompt answered more than once) is computed once, not once a row.
         target.prefill_shared([requests[i].prompt_ids for i in batch])
         results = generate([requests[i] for i in batch], NoDrafter(), LogitsVerifier(recorder.run))
         samples = [recorder.sample(requests[i].prompt_ids, r.output_ids, starts[i]) for i, r in zip(batch, results)]
         if parts is not None:
-            write_part(parts / f"part-{b:05d}.safetensors", samples)
+            write_part(paths[b], samples)
+            held.clear()
+        held[b] = samples
+        finished.add(b)
         done += len(batch)
         if on_batch:
             on_batch(done, len(requests))
-        yield from samples
+        yield from in_turn()
+
+
+def batch_order(requests: list[GenerationRequest], size: int) -> list[list[int]]:
+    """The request indices of each generation batch (at most ``size``): the requests of one
+    prompt side by side (a prompt's greedy and sampled responses share a batch, and so one
+    prefill), prompts in the order of their first request."""
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for i, r in enumerate(requests):
+        by_prompt.setdefault(tuple(r.prompt_ids), []).append(i)
+    order = [i for group in by_prompt.values() for i in group]
+    return [order[n : n + size] for n in range(0, len(order), size)]
+
+
+def _batch_digest(requests: list[GenerationRequest], starts: list[int], batch: list[int]) -> str:
+    """What a part's samples depend on, short: another batching or request never reads it."""
+    key = [(r.prompt_ids, r.max_tokens, sorted(r.end_ids), repr(r.sampling), starts[i]) for r, i in zip(requests, batch)]
+    return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:12]
 
 
 def capture_batch(
