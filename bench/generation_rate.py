@@ -10,6 +10,11 @@ Runs ``--rounds`` times after one untimed warm batch and reports each round's to
 and their median. It times whatever trtspec it imports: run it with PYTHONPATH pointing at a
 checkout of another commit to compare two versions of the code on the same engine.
 
+With ``--profile``, one more round under torch.profiler: seconds per group of ops (matmuls,
+attention, the label recorder's top-k and the greedy picks, the rest) and outside any op, and the
+packed matmuls' GFLOP/s against a 2048^3 float32 matmul on the same threads: how near the
+machine's compute the data is made.
+
 Then (``--step-repeats``, 0: not at all) one decode step of a batch a quarter of whose sequences
 finished (96 live rows spread over 128 slots, 100-token contexts), the rows attending over a
 view of their slots' range (engines/torch/model.py RANGE_ROWS) and gathering their K/V
@@ -36,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--step-repeats", type=int, default=12, help="timed decode steps per attention form (0: none)")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="one more round under torch.profiler: where its time goes, and its matmuls' rate against this machine's sgemm",
+    )
     ap.add_argument("--json", help="also write a result file bench/results/NAME.json")
     args = ap.parse_args(argv)
 
@@ -77,11 +87,75 @@ def main(argv: list[str] | None = None) -> int:
     if rates:
         values |= {"tok_s": [round(x, 1) for x in rates], "median_tok_s": round(statistics.median(rates), 1)}
         print(f"median {values['median_tok_s']} tok/s ({args.rows} rows, {len(requests)} sequences)")
+    if args.profile:
+        values["profile"] = _profile(target, requests)
     if args.step_repeats:
         values["finished_quarter_step_ms"] = _range_step(folder, args.step_repeats)
     if args.json:
         print(f"wrote {write_result(RESULTS / f'{args.json}.json', command_line('generation_rate.py', argv), values)}")
     return 0
+
+
+# ATen ops by what they do in a generation round (self time; everything else is other_ops).
+# labels: the label recorder's top-k and the greedy picks.
+OP_GROUPS = {
+    "matmuls": ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm"),
+    "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math"),
+    "labels": ("aten::topk", "aten::argmax", "aten::sort"),
+}
+
+
+def _profile(target, requests) -> dict:
+    """One generation round under torch.profiler: seconds per op group (self time; OP_GROUPS,
+    the rest other_ops), the time outside any op (outside_ops: Python, dispatch), and the packed matmuls' GFLOP/s (2 x rows x in x out of
+    each call, padding rows included: the work run) against a 2048^3 float32 matmul's here."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from trtspec.distill.data import generated
+    from trtspec.engines.torch.model import OneDnnLinear
+
+    flop = [0]
+    real = OneDnnLinear._matmul
+
+    def counted(self, flat):
+        flop[0] += 2 * flat.shape[0] * self.in_features * self.out_features
+        return real(self, flat)
+
+    OneDnnLinear._matmul = counted
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            tokens = sum(len(s.tokens) - s.prompt_len + 1 for s in generated(target, requests))
+            wall = time.perf_counter() - t0
+    finally:
+        OneDnnLinear._matmul = real
+    groups = dict.fromkeys([*OP_GROUPS, "other_ops"], 0.0)
+    for ev in prof.key_averages():
+        name = next((g for g, ops in OP_GROUPS.items() if ev.key in ops), "other_ops")
+        groups[name] += ev.self_cpu_time_total / 1e6
+    groups["outside_ops"] = max(0.0, wall - sum(groups.values()))
+    a = torch.randn(2048, 2048)
+    a @ a
+    t0 = time.perf_counter()
+    for _ in range(5):
+        a @ a
+    sgemm = 5 * 2 * 2048**3 / (time.perf_counter() - t0) / 1e9
+    out = {
+        "wall_s": round(wall, 1),
+        "tokens": tokens,
+        "seconds": {k: round(v, 1) for k, v in groups.items()},
+        "share": {k: round(v / wall, 3) for k, v in groups.items()},
+        "matmul_gflop_s": round(flop[0] / groups["matmuls"] / 1e9, 1) if flop[0] and groups["matmuls"] else None,
+        "sgemm_2048_gflop_s": round(sgemm, 1),
+    }
+    print(
+        f"profiled round: {tokens} tokens in {wall:.1f} s (the profiler's own cost included); "
+        + ", ".join(f"{k} {v:.1f} s ({out['share'][k]:.0%})" for k, v in groups.items())
+    )
+    if out["matmul_gflop_s"]:
+        print(f"packed matmuls {out['matmul_gflop_s']} GFLOP/s; a 2048^3 float32 matmul here {out['sgemm_2048_gflop_s']} GFLOP/s")
+    return out
 
 
 def _range_step(folder: Path, repeats: int) -> dict[str, float]:

@@ -57,3 +57,45 @@ def test_train_step_times_the_trainers_own_steps_on_a_heads_capture(tmp_path, ti
     rows = train_step.time_steps(spec, result.output, 2, [1, 2])
     assert [(r["depth"], r["steps"]) for r in rows] == [(1, 2), (2, 2)]
     assert all(r["median_s"] > 0 and r["cpu_s"] >= 0 and r["threads"] >= 1 for r in rows)
+
+
+def test_generation_rate_profiles_a_round_by_op_group(built, capsys):
+    """bench/generation_rate.py --profile: one more generation round under the profiler, its
+    wall time split into op groups and the time outside any op, nothing left over."""
+    import generation_rate
+
+    folder = built("same").target.folder
+    assert (
+        generation_rate.main(
+            [
+                str(folder),
+                "--prompts",
+                "3",
+                "--rows",
+                "4",
+                "--max-tokens",
+                "3",
+                "--rounds",
+                "1",
+                "--step-repeats",
+                "0",
+                "--profile",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "round 1:" in out and "profiled round:" in out and "matmuls" in out
+
+
+def test_generation_profile_groups_add_up_to_the_round(built):
+    import generation_rate
+    from trtspec.engines.torch.engine import TorchEngine
+    from trtspec.speculative.loop import GenerationRequest
+
+    target = TorchEngine.load(built("same").target.folder, slots=4)
+    target.capture_features((0, 1))
+    prof = generation_rate._profile(target, [GenerationRequest([5, 17, 42], 4), GenerationRequest([5, 8], 4)])
+    assert prof["tokens"] > 0 and prof["sgemm_2048_gflop_s"] > 0
+    assert set(prof["seconds"]) == {*generation_rate.OP_GROUPS, "other_ops", "outside_ops"}
+    assert abs(sum(prof["seconds"].values()) - prof["wall_s"]) <= 0.1 + 0.01 * prof["wall_s"]
