@@ -305,3 +305,31 @@ def test_a_prompts_responses_share_a_batch_and_come_back_in_request_order(built,
     assert all(torch.equal(a.tokens, b.tokens) and torch.equal(a.features, b.features) for a, b in zip(got, again))
     kept = list(generated(eng, reqs))  # no parts: finished batches held in memory until their turn
     assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(got, kept))
+
+
+def test_a_part_removed_before_its_samples_are_read_back_is_a_named_failure(built, tmp_path, monkeypatch):
+    """A batch written to disk and gone when its samples' turn comes (another process cleaned
+    the work folder): a RuntimeFailure that names the file and the fix, not a wrong sample."""
+    import trtspec.distill.data as data
+    from trtspec.engines.torch.engine import TorchEngine
+    from trtspec.errors import RuntimeFailure
+    from trtspec.speculative.loop import GenerationRequest
+    from trtspec.speculative.sampling import SamplingParams
+
+    eng = TorchEngine.load(built("same").target.folder, slots=4)
+    eng.capture_features((0, 1))
+    prompts = [[5, 17, 42, 99, 7], [5, 17, 8], [5, 17, 42, 3, 3, 61]]
+    reqs = [GenerationRequest(p, 4) for p in prompts] + [
+        GenerationRequest(p, 4, sampling=SamplingParams(temperature=0.8, seed=i)) for i, p in enumerate(prompts)
+    ]
+    written, real = [], data.write_part
+
+    def write_then_lose_the_first(path, samples):
+        real(path, samples)
+        written.append(path)
+        if len(written) == 2:  # the sampled responses of batch 0 are read back after this one
+            written[0].unlink()
+
+    monkeypatch.setattr(data, "write_part", write_then_lose_the_first)
+    with pytest.raises(RuntimeFailure, match="part-00000-.*removed or damaged.*run distill again"):
+        list(data.generated(eng, reqs, tmp_path / "parts"))

@@ -23,7 +23,7 @@ from trtspec.distill.sample import SOFT_TOP_K, FeatureRows, Sample
 from trtspec.distill.store import read_part, write_part
 from trtspec.distill.ttt import Batch
 from trtspec.engines.torch.engine import ForwardItem, TorchEngine
-from trtspec.errors import SpecError
+from trtspec.errors import RuntimeFailure, SpecError
 from trtspec.speculative.loop import NoDrafter, generate
 from trtspec.speculative.requests import GenerationRequest
 from trtspec.speculative.verifier import LogitsVerifier
@@ -149,7 +149,10 @@ def generated(
                     held.clear()  # on disk: at most the batch just generated and one read back
                 got = read_part(paths[b])
                 if got is None or len(got) != len(batches[b]):
-                    raise RuntimeError(f"{paths[b]} was removed or damaged while generating; run again")
+                    raise RuntimeFailure(
+                        f"{paths[b]}, a batch generated in this run, was removed or damaged before it was stored; "
+                        "run distill again (the batches left in its folder are reused)"
+                    )
                 held[b] = got
             yield held[b][j]
             turn += 1
