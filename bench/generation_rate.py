@@ -107,8 +107,9 @@ OP_GROUPS = {
 
 def _profile(target, requests) -> dict:
     """One generation round under torch.profiler: seconds per op group (self time; OP_GROUPS,
-    the rest other_ops), the time outside any op (outside_ops: Python, dispatch), and the packed matmuls' GFLOP/s (2 x rows x in x out of
-    each call, padding rows included: the work run) against a 2048^3 float32 matmul's here."""
+    the rest other_ops), the time outside any op (outside_ops: Python, dispatch), and the packed
+    matmuls' GFLOP/s (2 x rows x in x out of each call, padding rows included: the work run)
+    against a 2048^3 float32 matmul's here."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 

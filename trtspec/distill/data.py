@@ -2,8 +2,8 @@
 EAGLE-3 head reads and the target's greedy label (and top-k logits) at every response position.
 
 Responses come from the one loop (target-only: the same greedy tokens `verify` compares), in
-batches of the engine's slots, a prompt's requests in one batch (its prefill computed once). Generating IS capturing: the engine keeps the features of every
-position it computes (capture_features) and a LabelRecorder keeps the target's top-k logits at
+batches of the engine's slots, a prompt's requests in one batch (its prefill computed once).
+Generating IS capturing: the engine keeps the features of every position it computes (capture_features) and a LabelRecorder keeps the target's top-k logits at
 every position it scores, so a finished response already holds its features and labels — no
 second forward. Sequences that were not generated in this process (a resumed run's logged
 responses, a user's conversations: distill/corpus.py) are captured by teacher-forced forwards,
@@ -119,11 +119,8 @@ def generated(
     batches = batch_order(requests, target.max_batch_size)
     where = {i: (b, j) for b, batch in enumerate(batches) for j, i in enumerate(batch)}
     paths = (
-        [
-            parts / f"part-{b:05d}-{_batch_digest([requests[i] for i in batch], starts, batch)}.safetensors"
-            for b, batch in enumerate(batches)
-        ]
-        if parts is not None
+        [parts / f"part-{b:05d}-{_batch_digest(requests, starts, batch)}.safetensors" for b, batch in enumerate(batches)]
+        if parts
         else []
     )
     finished: set[int] = set()
@@ -195,8 +192,10 @@ def batch_order(requests: list[GenerationRequest], size: int) -> list[list[int]]
 
 
 def _batch_digest(requests: list[GenerationRequest], starts: list[int], batch: list[int]) -> str:
-    """What a part's samples depend on, short: another batching or request never reads it."""
-    key = [(r.prompt_ids, r.max_tokens, sorted(r.end_ids), repr(r.sampling), starts[i]) for r, i in zip(requests, batch)]
+    """What the part of ``batch`` (request indices) depends on, short: another batching or
+    request never reads it."""
+    rs = [(requests[i], starts[i]) for i in batch]
+    key = [(r.prompt_ids, r.max_tokens, sorted(r.end_ids), repr(r.sampling), start) for r, start in rs]
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:12]
 
 
