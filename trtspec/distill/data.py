@@ -117,50 +117,25 @@ def generated(
     (default: its prompt's length)."""
     starts = response_from or [len(r.prompt_ids) for r in requests]
     batches = batch_order(requests, target.max_batch_size)
-    where = {i: (b, j) for b, batch in enumerate(batches) for j, i in enumerate(batch)}
     paths = (
         [parts / f"part-{b:05d}-{_batch_digest(requests, starts, batch)}.safetensors" for b, batch in enumerate(batches)]
         if parts
         else []
     )
-    finished: set[int] = set()
+    order = _InOrder(batches, paths)
     if parts is not None:
         parts.mkdir(parents=True, exist_ok=True)
         for b, batch in enumerate(batches):
             got = read_part(paths[b]) if paths[b].is_file() else None
             if got is not None and len(got) == len(batch):
-                finished.add(b)
-    done = sum(len(batches[b]) for b in finished)
+                order.finish(b)  # read again when its samples' turn comes
+    done = sum(len(batches[b]) for b in order.finished)
     if on_batch:
         on_batch(done, len(requests))
-    held: dict[int, list[Sample]] = {}  # finished batches in memory
-    left = [len(batch) for batch in batches]  # per batch, its samples not yielded yet
-    turn = 0  # the next request to yield
-
-    def in_turn() -> Iterator[Sample]:
-        nonlocal turn
-        while turn < len(requests) and where[turn][0] in finished:
-            b, j = where[turn]
-            if b not in held:
-                if parts is not None:
-                    held.clear()  # on disk: at most the batch just generated and one read back
-                got = read_part(paths[b])
-                if got is None or len(got) != len(batches[b]):
-                    raise RuntimeFailure(
-                        f"{paths[b]}, a batch generated in this run, was removed or damaged before it was stored; "
-                        "run distill again (the batches left in its folder are reused)"
-                    )
-                held[b] = got
-            yield held[b][j]
-            turn += 1
-            left[b] -= 1
-            if not left[b]:
-                held.pop(b)
-
     recorder = LabelRecorder(target)
     for b, batch in enumerate(batches):
-        if b in finished:
-            yield from in_turn()
+        if b in order.finished:
+            yield from order.ready()
             continue
         # A fresh pool: the batch takes slots 0..b-1 in order, so its decode steps attend to a
         # view of the KV cache instead of gathering every row's keys (engines/torch/model.py);
@@ -171,13 +146,55 @@ def generated(
         samples = [recorder.sample(requests[i].prompt_ids, r.output_ids, starts[i]) for i, r in zip(batch, results)]
         if parts is not None:
             write_part(paths[b], samples)
-            held.clear()
-        held[b] = samples
-        finished.add(b)
+        order.finish(b, samples)
         done += len(batch)
         if on_batch:
             on_batch(done, len(requests))
-        yield from in_turn()
+        yield from order.ready()
+
+
+class _InOrder:
+    """Samples of batches finished in any order, handed out in request order. With ``paths``
+    (the batches' parts on disk) it holds at most the batch just generated and one read back;
+    without, each finished batch until its last sample is handed out."""
+
+    def __init__(self, batches: list[list[int]], paths: list[Path]):
+        self.batches, self.paths = batches, paths
+        self.where = {i: (b, j) for b, batch in enumerate(batches) for j, i in enumerate(batch)}
+        self.left = [len(batch) for batch in batches]  # per batch, its samples not handed out yet
+        self.finished: set[int] = set()
+        self.held: dict[int, list[Sample]] = {}
+        self.turn = 0  # the next request
+
+    def finish(self, b: int, samples: list[Sample] | None = None) -> None:
+        """Batch ``b`` is done: ``samples`` in memory, or (None) in its part."""
+        self.finished.add(b)
+        if samples is not None:
+            if self.paths:
+                self.held.clear()
+            self.held[b] = samples
+
+    def ready(self) -> Iterator[Sample]:
+        """Every sample whose turn has come, its batch finished."""
+        while self.turn < len(self.where) and self.where[self.turn][0] in self.finished:
+            b, j = self.where[self.turn]
+            if b not in self.held:  # only with parts: without, a batch is held until handed out
+                self.held.clear()
+                self.held[b] = self._read(b)
+            yield self.held[b][j]
+            self.turn += 1
+            self.left[b] -= 1
+            if not self.left[b]:
+                self.held.pop(b)
+
+    def _read(self, b: int) -> list[Sample]:
+        got = read_part(self.paths[b])
+        if got is None or len(got) != len(self.batches[b]):
+            raise RuntimeFailure(
+                f"{self.paths[b]}, a batch generated in this run, was removed or damaged before it was stored; "
+                "run distill again (the batches left in its folder are reused)"
+            )
+        return got
 
 
 def batch_order(requests: list[GenerationRequest], size: int) -> list[list[int]]:
