@@ -23,7 +23,10 @@ from trtspec.recipe import DistillRecipe
 
 Dtype = Literal["float32", "float16", "bfloat16"]
 Backend = Literal["torch", "trtllm"]
-Method = Literal["draft_target", "eagle3", "ngram", "suffix"]
+Method = Literal["draft_target", "eagle3", "ngram", "suffix", "auto"]
+DrafterMethod = Literal["draft_target", "eagle3", "ngram", "suffix"]  # one drafter each
+MODEL_METHODS = ("draft_target", "eagle3")  # drafted by a model (the spec's `draft`)
+FREE_METHODS = ("ngram", "suffix")  # drafted from the text itself, at no model cost
 # TensorRT-LLM's quantization names; each backend gives a value its own meaning (docs/trtllm.md,
 # docs/quantization.md). int8_wo / int4_wo: weights in 8 / 4 bits, activations in the dtype.
 Quantization = Literal["none", "fp8", "int4_awq", "int8_wo", "int4_wo"]
@@ -117,6 +120,27 @@ class SwitchOffSpec(_Strict):
 
     window: Annotated[int, Field(ge=1, le=100_000)]
     min_acceptance_length: Annotated[float, Field(gt=1.0, le=MAX_DRAFT_LEN_LIMIT + 1)]
+
+
+class AutoSpec(_Strict):
+    """Method auto (speculative/adaptive.py): per request and per step the loop picks one of
+    ``methods`` and k from the request's recent acceptance and the engine's measured costs."""
+
+    methods: Annotated[tuple[DrafterMethod, ...], Field(min_length=1)]
+    # Steps between re-probes of a request whose speculation is off, and of a drafter left untried.
+    probe_every: Annotated[int, Field(ge=1, le=10_000)] = 16
+
+    @field_validator("methods")
+    @classmethod
+    def _distinct(cls, methods: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(methods)) != len(methods):
+            raise ValueError(f"{list(methods)} lists a method twice; list each once")
+        if "eagle3" in methods:
+            raise ValueError(
+                "eagle3: auto chooses among draft_target, suffix and ngram (an EAGLE-3 head is built "
+                "for method eagle3 only); use method: eagle3 with adaptive: true, or list draft_target"
+            )
+        return methods
 
 
 class SuffixSpec(_Strict):
@@ -253,12 +277,32 @@ class SpeculativeSpec(_Strict):
     suffix: SuffixSpec | None = None
     # A draft tree (draft_target, eagle3): None drafts chains of up to max_draft_len tokens.
     tree: TreeSpec | None = None
+    # Method auto's drafters (required with method auto, refused otherwise).
+    auto: AutoSpec | None = None
+    # k per request per step within [1, max_draft_len] from measured acceptance and costs
+    # (speculative/adaptive.py), under the schedule's cap; method auto always adapts.
+    adaptive: bool = False
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The drafters the deployment runs: auto's list, else the one method."""
+        return self.auto.methods if self.method == "auto" and self.auto is not None else (self.method,)
+
+    @property
+    def model_draft(self) -> str | None:
+        """The method among ``methods`` that drafts with the spec's `draft` model (None: none)."""
+        return next((m for m in self.methods if m in MODEL_METHODS), None)
+
+    @property
+    def adapts(self) -> bool:
+        """The loop picks k (and, for auto, the drafter) per request per step."""
+        return self.adaptive or self.method == "auto"
 
     @property
     def suffix_drafting(self) -> SuffixSpec | None:
         """The suffix settings drafting uses: method suffix's (defaults if none given), the
         layered ones of draft_target / eagle3, else None."""
-        if self.method == "suffix":
+        if self.method == "suffix" or (self.method == "auto" and "suffix" in self.methods):
             return self.suffix or SuffixSpec()
         return self.suffix
 
@@ -309,6 +353,7 @@ class SpeculativeSpec(_Strict):
             )
         if self.tree is not None:
             self._check_tree(self.tree)
+        self._check_adaptive()
         if self.method == "suffix" and self.suffix is not None and "threshold" in self.suffix.model_fields_set:
             raise ValueError(
                 "suffix.threshold chooses between a suffix draft and a model draft; method suffix has "
@@ -316,12 +361,31 @@ class SpeculativeSpec(_Strict):
             )
         return self
 
+    def _check_adaptive(self) -> None:
+        if (self.method == "auto") != (self.auto is not None):
+            raise ValueError(
+                "method auto needs `auto: {methods: [draft_target, suffix, ngram]}`"
+                if self.method == "auto"
+                else f"auto: applies to method auto; remove auto or set method: auto (now {self.method})"
+            )
+        if self.method != "auto":
+            return
+        if self.suffix is not None and "suffix" not in self.methods:
+            raise ValueError("suffix: auto.methods lists no suffix; add suffix to auto.methods or remove suffix")
+        if self.suffix is not None and "threshold" in self.suffix.model_fields_set:
+            raise ValueError(
+                "suffix.threshold layers a suffix draft on a model draft; method auto chooses between "
+                "them from measured acceptance instead: remove threshold"
+            )
+
     def _check_tree(self, tree: TreeSpec) -> None:
         if self.method not in TREE_METHODS:
             raise ValueError(
                 f"tree: method {self.method} drafts one continuation, a chain; trees are drafted by "
                 f"{' and '.join(TREE_METHODS)}: remove tree or change method"
             )
+        if self.adaptive:
+            raise ValueError("tree: adaptive picks a chain's length per step; remove tree or adaptive")
         if self.suffix is not None:
             raise ValueError(
                 "tree: a layered suffix draft is a chain and would replace the tree on the rows it drafts; remove suffix or tree"
@@ -469,6 +533,8 @@ class EngineSpec(_Strict):
             )
         if method in ("ngram", "suffix") and self.draft is not None:
             raise ValueError(f"method {method} uses no draft model; remove `draft`")
+        if method == "auto":
+            self._check_auto_draft()
         if self.backend == "trtllm":
             check_trtllm_runtime(self)
         elif "trtllm" in self.model_fields_set:
@@ -485,6 +551,16 @@ class EngineSpec(_Strict):
         if self.backend == "torch":
             check_torch_models(self)
         return self
+
+    def _check_auto_draft(self) -> None:
+        """Method auto drafts with the `draft` model exactly when it lists draft_target."""
+        listed = self.speculative.model_draft
+        if listed is not None and self.draft is None:
+            raise ValueError(f"auto.methods lists {listed}, which drafts with a `draft` model; add draft or remove {listed}")
+        if listed is None and self.draft is not None:
+            raise ValueError(
+                f"auto.methods ({', '.join(self.speculative.methods)}) use no draft model; remove `draft` or list draft_target"
+            )
 
     def models(self) -> dict[str, ModelSpec]:
         """The models to build, by role."""
@@ -607,6 +683,11 @@ def check_engine_runtime(spec: EngineSpec) -> None:
             "speculative.tree: trtllm.runtime engine builds draft_target pairs, which draft chains "
             "(trtllm-build drafts trees only in EAGLE-1 engines, which trtspec does not build); remove "
             f"tree, or use trtllm.runtime: llmapi with method eagle3 and tree.dynamic (needs {NEEDS['llmapi']})"
+        )
+    if s.adaptive:
+        raise ValueError(
+            "speculative.adaptive: trtllm.runtime engine drafts the k a request sends; remove adaptive "
+            f"or use trtllm.runtime: llmapi (needs {NEEDS['llmapi']})"
         )
     if s.method not in ENGINE_METHODS:
         raise ValueError(
