@@ -408,6 +408,9 @@ def test_an_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
         ({}, ["--engines-from", "image"], "engines_from image needs engines_image"),
         ({}, ["--queue-target", "0"], "--queue-target: Input should be greater than or equal to 1"),
         ({}, ["--engines-from", "nfs"], "--engines-from: Input should be 'pvc', 'image' or 'build'"),
+        ({}, ["--cpu", "4", "--cpu-limit", "2"], "cpu_limit (2) is below the cpu request (4)"),
+        ({}, ["--cpu-limit", "2Gi"], "--cpu-limit: '2Gi' is not a CPU quantity"),
+        ({}, ["--cpu", "0m"], "--cpu: '0m' is no CPU at all"),
     ],
 )
 def test_bad_input_one_message_exit_2_nothing_written(tmp_path, spec_sections, args, message):
@@ -539,7 +542,8 @@ def test_network_policy_admits_only_the_clients_to_the_api_and_prometheus_to_met
     assert "networkpolicy.yaml" in p.manifests["kustomization.yaml"]["resources"]
     spec = policy["spec"]
     assert spec["podSelector"]["matchLabels"] == p.manifests["deployment.yaml"]["spec"]["selector"]["matchLabels"]
-    assert spec["policyTypes"] == ["Ingress"]  # egress stays open: build mode downloads checkpoints
+    assert spec["policyTypes"] == ["Ingress", "Egress"]
+    assert spec["egress"] == [{"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}]  # DNS only
     ports = {p["name"]: p["containerPort"] for p in container(p)["ports"]}
     api, metrics = spec["ingress"]
     assert api == {
@@ -573,3 +577,51 @@ def test_a_clients_label_that_is_no_label_is_one_clear_error(tmp_path):
     assert str(err.value) == (
         "--clients-label: 'front' is not a pod label selector; write it as key=value, e.g. app.kubernetes.io/name=my-front"
     )
+
+
+@pytest.mark.parametrize("backend", ["torch", "trtllm"])
+def test_only_a_pod_that_builds_from_the_hub_may_leave_the_cluster_and_only_over_https(tmp_path, backend):
+    dns = {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
+    for mode in MODES[:2]:  # pvc, image: engines arrive ready, the pod downloads nothing
+        policy = plan(spec_file(tmp_path, backend), **mode).manifests["networkpolicy.yaml"]
+        assert policy["spec"]["egress"] == [dns]
+    policy = plan(spec_file(tmp_path, backend), engines_from="build").manifests["networkpolicy.yaml"]
+    dns_rule, hub = policy["spec"]["egress"]
+    assert dns_rule == dns and hub["ports"] == [{"protocol": "TCP", "port": 443}]
+    (block,) = hub["to"]
+    assert block["ipBlock"]["cidr"] == "0.0.0.0/0"  # the Hub's addresses change; private ranges stay closed
+    assert {"10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"} <= set(block["ipBlock"]["except"])
+
+
+def _threads(c: dict) -> tuple[str, str]:
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    return env["TRTSPEC_THREADS"], env["OMP_NUM_THREADS"]
+
+
+@pytest.mark.parametrize(
+    "backend, options, request_cpu, limit_cpu, threads",
+    [
+        ("torch", {}, "2", "2", "2"),  # the limit is the request by default
+        ("trtllm", {}, "4", "4", "4"),
+        ("torch", {"cpu": "1500m"}, "1500m", "1500m", "1"),  # whole cores
+        ("torch", {"cpu": "250m"}, "250m", "250m", "1"),  # at least one
+        ("torch", {"cpu": "2", "cpu_limit": "3.5"}, "2", "3.5", "3"),  # set apart
+        ("torch", {"cpu_limit": "1"}, "1", "1", "1"),  # a limit alone lowers the default request
+        ("torch", {"cpu_limit": "8"}, "2", "8", "8"),
+    ],
+)
+def test_cpu_limit_and_thread_count_follow_the_request_or_the_limit(tmp_path, backend, options, request_cpu, limit_cpu, threads):
+    p = plan(spec_file(tmp_path, backend), **options)
+    r = container(p)["resources"]
+    assert (r["requests"]["cpu"], r["limits"]["cpu"]) == (request_cpu, limit_cpu)
+    assert _threads(container(p)) == (threads, threads)
+    schemas.validate(p.manifests[f"{p.workload.lower()}.yaml"], DEFAULT_KUBE_VERSION)
+
+
+def test_every_init_container_has_a_cpu_limit_and_the_build_step_the_pods_thread_count(tmp_path):
+    build = plan(spec_file(tmp_path, "torch"), engines_from="build", cpu="3").manifests["statefulset.yaml"]
+    (init,) = build["spec"]["template"]["spec"]["initContainers"]
+    assert init["resources"]["limits"]["cpu"] == "3" and _threads(init) == ("3", "3")
+    image = plan(spec_file(tmp_path, "torch"), engines_from="image", engines_image="reg/eng:1").manifests["deployment.yaml"]
+    (copy_step,) = image["spec"]["template"]["spec"]["initContainers"]
+    assert copy_step["resources"]["limits"]["cpu"] == copy_step["resources"]["requests"]["cpu"]

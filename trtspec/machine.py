@@ -11,6 +11,10 @@ import os
 import platform
 from pathlib import Path
 
+# The thread count torch's CPU kernels use: N fixes it, "auto" (the default) lets
+# engines/torch/threads.py choose; deploy/k8s.py sets it from a pod's CPU limit.
+THREADS_ENV = "TRTSPEC_THREADS"
+
 
 def cpu_name() -> str:
     """The CPU model as the OS names it (/proc/cpuinfo's first model name), else platform's name."""

@@ -19,8 +19,9 @@ from pathlib import Path
 
 from trtspec import __version__
 from trtspec.deploy.checks import check_build_sources, check_ports, object_name, pod_gpus, startup_budget
-from trtspec.deploy.options import DEFAULT_CPU, DEFAULT_MEMORY, K8sOptions, default_image
+from trtspec.deploy.options import DEFAULT_MEMORY, K8sOptions, default_image, thread_count
 from trtspec.layout import BLS_MODEL, BLS_STREAMING_MODEL
+from trtspec.machine import THREADS_ENV
 from trtspec.spec import LoadedSpec
 from trtspec.triton.server.process import ADMIN_KEY_ENV, ADMIN_KEY_FILE_ENV
 
@@ -98,10 +99,11 @@ def _security_context() -> dict:
 
 
 def _resources(options: K8sOptions, backend: str, gpus: int) -> dict:
-    # No CPU limit: throttling a decode loop costs latency, and the HPA scales on requests.
+    # A CPU limit equal to the request by default: the pod gets exactly the cores it asked for,
+    # and its thread pools are sized to them (_thread_env), so the quota does not throttle them.
     memory = options.memory or DEFAULT_MEMORY[backend]
-    requests = {"cpu": options.cpu or DEFAULT_CPU[backend], "memory": memory}
-    limits = {"memory": memory}
+    requests = {"cpu": options.cpu_request(backend), "memory": memory}
+    limits = {"cpu": options.cpu_ceiling(backend), "memory": memory}
     if gpus:
         requests[GPU_RESOURCE] = str(gpus)
         limits[GPU_RESOURCE] = str(gpus)
@@ -145,7 +147,7 @@ def server_container(name: str, loaded: LoadedSpec, options: K8sOptions, gpus: i
             {"name": "grpc", "containerPort": s.grpc_port, "protocol": "TCP"},
             {"name": "metrics", "containerPort": s.metrics_port, "protocol": "TCP"},
         ],
-        "env": _env({"name": ADMIN_KEY_FILE_ENV, "value": ADMIN_KEY_FILE}),
+        "env": _env(*_thread_env(options, loaded.spec.backend), {"name": ADMIN_KEY_FILE_ENV, "value": ADMIN_KEY_FILE}),
         "resources": _resources(options, loaded.spec.backend, gpus),
         "startupProbe": _http_probe(HEALTH_READY, STARTUP_PERIOD_S, math.ceil(startup_s / STARTUP_PERIOD_S)),
         "readinessProbe": _http_probe(HEALTH_READY, 5, 3),
@@ -178,6 +180,13 @@ def _env(*extra: dict) -> list[dict]:
     ]
 
 
+def _thread_env(options: K8sOptions, backend: str) -> list[dict]:
+    """Kernel threads = the CPU limit's whole cores (at least 1): OpenMP would otherwise size its
+    pool to the node's cores, and the quota would throttle every thread past the limit."""
+    n = str(thread_count(options.cpu_ceiling(backend)))
+    return [{"name": THREADS_ENV, "value": n}, {"name": "OMP_NUM_THREADS", "value": n}]
+
+
 def _admin_key_volume(name: str, options: K8sOptions) -> dict:
     """The key that opens Triton's restricted admin APIs (logging, trace, shared memory, model
     repository): the optional Secret's TRTSPEC_ADMIN_KEY as a file readable by the pod's group
@@ -197,7 +206,7 @@ def init_containers(name: str, loaded: LoadedSpec, options: K8sOptions, gpus: in
                 "image": options.engines_image,
                 "imagePullPolicy": options.image_pull_policy,
                 "command": ["sh", "-c", f"cp -R /engines/. {ENGINES_DIR}/"],
-                "resources": {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "256Mi"}},
+                "resources": {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"cpu": "500m", "memory": "256Mi"}},
                 "securityContext": _security_context(),
                 "volumeMounts": mounts,
             }
@@ -212,7 +221,11 @@ def init_containers(name: str, loaded: LoadedSpec, options: K8sOptions, gpus: in
                 "image": options.image or default_image(loaded.spec.backend),
                 "imagePullPolicy": options.image_pull_policy,
                 "command": ["trtspec", "build", f"{SPEC_DIR}/spec.yaml", "--output", ENGINES_DIR],
-                "env": _env({"name": "HF_HOME", "value": HF_HOME}, {"name": "HF_TOKEN", "valueFrom": secret}),
+                "env": _env(
+                    *_thread_env(options, loaded.spec.backend),
+                    {"name": "HF_HOME", "value": HF_HOME},
+                    {"name": "HF_TOKEN", "valueFrom": secret},
+                ),
                 "resources": _resources(options, loaded.spec.backend, gpus),
                 "securityContext": _security_context(),
                 "volumeMounts": [
@@ -403,12 +416,28 @@ def _peers(label: str, namespace: str | None) -> dict:
     return peer
 
 
+# Egress a pod may still make: name lookups (the cluster's DNS), and in build mode HTTPS to
+# the model hub on public addresses (its addresses change; private ranges stay closed, so
+# the build step reaches no service inside the cluster).
+DNS_PORT = 53
+HTTPS_PORT = 443
+PRIVATE_RANGES = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "169.254.0.0/16", "100.64.0.0/10")
+
+
+def _egress(options: K8sOptions) -> list[dict]:
+    rules: list[dict] = [{"ports": [{"protocol": p, "port": DNS_PORT} for p in ("UDP", "TCP")]}]
+    if options.engines_from == "build":
+        public = {"ipBlock": {"cidr": "0.0.0.0/0", "except": list(PRIVATE_RANGES)}}
+        rules.append({"to": [public], "ports": [{"protocol": "TCP", "port": HTTPS_PORT}]})
+    return rules
+
+
 def network_policy(name: str, loaded: LoadedSpec, options: K8sOptions) -> dict:
     """Ingress to the server pods: HTTP and gRPC from the clients only (the OpenAI front or the
     pods the options name), metrics from Prometheus only; nothing else, engine models included
     (every model Triton serves is reachable on the same ports). Kubelet probes come from the
-    pod's node, which a NetworkPolicy always admits. Egress is left open (build mode downloads
-    checkpoints)."""
+    pod's node, which a NetworkPolicy always admits. Egress: DNS only, plus HTTPS to public
+    addresses where the pod builds its engines from the Hub (_egress)."""
     s = loaded.spec.serve
     tcp = lambda port: {"protocol": "TCP", "port": port}  # noqa: E731
     return {
@@ -417,7 +446,7 @@ def network_policy(name: str, loaded: LoadedSpec, options: K8sOptions) -> dict:
         "metadata": _meta(name),
         "spec": {
             "podSelector": {"matchLabels": _labels(name)},
-            "policyTypes": ["Ingress"],
+            "policyTypes": ["Ingress", "Egress"],
             "ingress": [
                 {
                     "from": [_peers(options.clients_label, options.clients_namespace)],
@@ -425,6 +454,7 @@ def network_policy(name: str, loaded: LoadedSpec, options: K8sOptions) -> dict:
                 },
                 {"from": [_peers(options.metrics_label, options.metrics_namespace)], "ports": [tcp(s.metrics_port)]},
             ],
+            "egress": _egress(options),
         },
     }
 

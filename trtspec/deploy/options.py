@@ -17,6 +17,8 @@ from trtspec.flags import Flag
 DEFAULT_KUBE_VERSION = "1.33"
 # Kubernetes quantities as users write them ("500m", "2", "8Gi", "1.5G").
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|Ki|Mi|Gi|Ti|Pi)?$")
+# CPU as users write it: cores ("2", "1.5") or millicores ("500m").
+_CPU = re.compile(r"^([0-9]+(\.[0-9]+)?)(m?)$")
 # DNS-1035 label: what a Service name must be (the strictest name among our objects).
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 # A label key (optional DNS prefix + "/" + name) and value, as Kubernetes accepts them.
@@ -48,6 +50,20 @@ def _quantity(value: str) -> str:
     if not _QUANTITY.match(value):
         raise ValueError(f"'{value}' is not a Kubernetes quantity (examples: 500m, 2, 8Gi)")
     return value
+
+
+def cpu_cores(value: str) -> float:
+    """A CPU quantity ("2", "1.5", "500m") in cores; ValueError for anything else."""
+    match = _CPU.match(value)
+    if not match:
+        raise ValueError(f"'{value}' is not a CPU quantity: cores (2, 1.5) or millicores (500m)")
+    return float(match.group(1)) / (1000 if match.group(3) else 1)
+
+
+def thread_count(cpu_limit: str) -> int:
+    """Threads a pod limited to ``cpu_limit`` runs its kernels with: its whole cores, at least 1
+    (a pool wider than the quota spends its periods throttled)."""
+    return max(1, int(cpu_cores(cpu_limit)))
 
 
 Quantity = Annotated[str, Field(min_length=1)]
@@ -92,6 +108,9 @@ class K8sOptions(BaseModel):
     cpu_target: Annotated[int, Field(ge=1, le=100), Flag("CPU utilisation % the fallback scales at.")] = 80
     service_monitor: Annotated[bool, Flag("Also write a prometheus-operator ServiceMonitor.")] = False
     cpu: Annotated[Quantity | None, Flag("CPU request (default: torch 2, trtllm 4).")] = None
+    cpu_limit: Annotated[
+        Quantity | None, Flag("CPU limit, >= the request; its whole cores set the thread count (default: the request).")
+    ] = None
     memory: Annotated[Quantity | None, Flag("Memory request and limit (default: torch 8Gi, trtllm 32Gi).")] = None
     shm_size: Annotated[Quantity, Flag("In-memory /dev/shm for the Python backend and NCCL.")] = "1Gi"
     scratch_size: Quantity = "4Gi"  # emptyDir: model repository, trtspec cache
@@ -112,10 +131,17 @@ class K8sOptions(BaseModel):
         int | None, Field(ge=10, le=86400), Flag("Startup probe budget (default: sized from the engines).")
     ] = None
 
-    @field_validator("cpu", "memory", "shm_size", "storage_size", "scratch_size", "tmp_size")
+    @field_validator("memory", "shm_size", "storage_size", "scratch_size", "tmp_size")
     @classmethod
     def _is_quantity(cls, v: str | None) -> str | None:
         return v if v is None else _quantity(v)
+
+    @field_validator("cpu", "cpu_limit")
+    @classmethod
+    def _is_cpu(cls, v: str | None) -> str | None:
+        if v is not None and cpu_cores(v) <= 0:
+            raise ValueError(f"'{v}' is no CPU at all; give at least 1m")
+        return v
 
     @field_validator("clients_label", "metrics_label")
     @classmethod
@@ -145,4 +171,19 @@ class K8sOptions(BaseModel):
             raise ValueError("engines_image only applies to engines_from image")
         if self.engines_from != "pvc" and self.pvc:
             raise ValueError("pvc only applies to engines_from pvc")
+        if self.cpu_limit is not None and self.cpu is not None and cpu_cores(self.cpu_limit) < cpu_cores(self.cpu):
+            raise ValueError(f"cpu_limit ({self.cpu_limit}) is below the cpu request ({self.cpu}); Kubernetes refuses that")
         return self
+
+    def cpu_request(self, backend: str) -> str:
+        """--cpu, else the backend's default (never above --cpu-limit: a limit alone lowers it)."""
+        default = DEFAULT_CPU[backend]
+        if self.cpu is not None:
+            return self.cpu
+        if self.cpu_limit is not None and cpu_cores(self.cpu_limit) < cpu_cores(default):
+            return self.cpu_limit
+        return default
+
+    def cpu_ceiling(self, backend: str) -> str:
+        """The pod's CPU limit: --cpu-limit, else the request (a guaranteed, unshared share)."""
+        return self.cpu_limit or self.cpu_request(backend)

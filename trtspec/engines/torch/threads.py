@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 
 from trtspec.errors import SpecError
+from trtspec.machine import THREADS_ENV as ENV
 
-ENV = "TRTSPEC_THREADS"
 PROBE_MIN = 1.0  # seconds between probes of another thread count, after a change
 PROBE_MAX = 16.0  # ... doubling up to this while the choice holds
 HYSTERESIS = 0.9  # another count must be this much faster than the current one to take over
