@@ -179,6 +179,21 @@ def test_the_caps_hold_for_all_scopes_together_oldest_evicted_first():
     assert cache.live_tokens == cache.held_tokens == 0 and not cache.parts
 
 
+def test_each_tenant_has_its_own_share_and_evicts_only_its_own_responses():
+    cache = ResponseCache(max_responses=4, max_tokens=60, tenants=2)
+    assert (cache.share_responses, cache.share_tokens) == (2, 30)
+    cache.add([500, 501, 502], scope="b")  # tenant b's one response
+    for r in range(30):  # tenant a floods, under two of its users' scopes
+        cache.add([1000 + r] * 6 + [r, r + 1], scope=f"a/user-{r % 2}")
+        assert cache.shares["a"].live_tokens <= 30 and len(cache.shares["a"].sizes) <= 2
+    assert cache.candidates([9, 500, 501], 24, "b")  # a's flood evicted none of b's
+    assert [part.scope for part in cache.shares["a"].owners] == ["a/user-0", "a/user-1"]  # a's newest two
+    assert not cache.candidates([1027, 27, 28], 24, "a/user-1")  # a's older ones: evicted, oldest first
+    cache.add([700, 701, 702], scope="c/x")  # a third tenant: both shares are held, nothing kept
+    assert "c/x" not in cache.parts and set(cache.shares) == {"a", "b"}
+    assert not cache.candidates([9, 500, 501], 24, "a/user-0")  # scopes still never see each other
+
+
 def test_cache_memory_per_token_is_what_the_docs_say():
     """BYTES_PER_TOKEN is the documented cost of a cached token (spec cache_tokens x it)."""
     gen = torch.Generator().manual_seed(0)

@@ -163,6 +163,15 @@ class SuffixSpec(_Strict):
     # Layered on a model draft: rows whose suffix match is at least this long take the suffix
     # draft, the others the model's (TensorRT-LLM sa_config.threshold).
     threshold: Annotated[int, Field(ge=2, le=64)] = 4
+    # The caps above are split into this many equal shares, one per tenant (the OpenAI front's
+    # API-key tenants; direct Triton callers are one more): a tenant evicts only its own
+    # responses, oldest first. A tenant arriving when every share is held drafts without the
+    # cache. 1: one pool for all (a single-tenant deployment that wants the whole cache).
+    tenants: Annotated[int, Field(ge=1, le=1024)] = 8
+    # Honour the suffix_cache_scope a direct Triton caller sends (inside the direct callers'
+    # share). Off: only the OpenAI front (the server's caller key) names scopes; every other
+    # request is in the direct callers' one shared scope.
+    client_scopes: bool = False
 
 
 # Draft trees (docs/trees.md): the most nodes one tree verifies in a target forward (the root,

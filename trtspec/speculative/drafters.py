@@ -233,4 +233,4 @@ def response_cache(suffix: SuffixSpec | None) -> ResponseCache | None:
     drafting, or requests kept apart)."""
     if suffix is None or suffix.cache_responses <= 0:
         return None
-    return ResponseCache(suffix.cache_responses, suffix.cache_tokens)
+    return ResponseCache(suffix.cache_responses, suffix.cache_tokens, suffix.tenants)

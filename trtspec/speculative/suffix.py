@@ -25,7 +25,9 @@ only while their requests do; the cache holds at most ``cache_tokens`` tokens (a
 Scopes: the cache is partitioned by each request's ``suffix_scope`` (GenerationRequest): a
 request reads and feeds only its own scope's earlier responses (``SHARED_SCOPE``, the default,
 is the deployment's shared one), and a request whose scope is None neither reads nor feeds it.
-The caps hold for all scopes together, and eviction is oldest first across scopes.
+A scope's tenant is its text before the first "/" (``tenant_of``): the caps are split into
+``tenants`` equal shares, one per tenant, and eviction is oldest first within a tenant's share,
+so no tenant evicts another's responses.
 """
 
 from __future__ import annotations
@@ -130,20 +132,53 @@ class _Part:
         return len(self.index.tokens) - self.start
 
 
-class ResponseCache:
-    """Earlier responses of one deployment, partitioned by scope (a request reads only its
-    own scope's), oldest evicted first across all scopes, within ``max_tokens`` live tokens and
-    ``max_responses`` responses for all scopes together. A scope's evicted tokens stay in its
-    stream until they are as many as its live ones, then the stream is rebuilt from the live
-    part; a scope left with no live response is dropped."""
+def tenant_of(scope: str) -> str:
+    """The tenant whose share holds ``scope``: its text before the first "/" (the OpenAI front
+    writes tenant/user; "" is the direct Triton callers' tenant)."""
+    return scope.split("/", 1)[0]
 
-    def __init__(self, max_responses: int, max_tokens: int):
-        self.max_responses = max_responses
-        self.max_tokens = max_tokens
-        self.parts: dict[str, _Part] = {}  # scope -> its responses (only scopes with live ones)
-        self.sizes: deque[int] = deque()  # live responses' lengths (separator included), oldest first
+
+class _Share:
+    """One tenant's live responses, oldest first, with the scope each is in."""
+
+    __slots__ = ("sizes", "owners", "live_tokens")
+
+    def __init__(self):
+        self.sizes: deque[int] = deque()  # live responses' lengths (separator included)
         self.owners: deque[_Part] = deque()  # ... and the scope each is in
         self.live_tokens = 0
+
+
+class ResponseCache:
+    """Earlier responses of one deployment, partitioned by scope (a request reads only its
+    own scope's). The caps (``max_tokens`` live tokens, ``max_responses`` responses) are split
+    into ``tenants`` equal shares, one per tenant (``tenant_of``): a response evicts the oldest
+    of its own tenant's, never another tenant's; a tenant arriving when every share is held is
+    not cached. ``tenants`` 1: one pool for every scope, oldest evicted first across them. A scope's evicted tokens stay in its stream until they are as many as its live
+    ones, then the stream is rebuilt from the live part; a scope left with no live response is
+    dropped, and a tenant left with none frees its share."""
+
+    def __init__(self, max_responses: int, max_tokens: int, tenants: int = 1):
+        self.max_responses = max_responses
+        self.max_tokens = max_tokens
+        self.tenants = tenants
+        self.share_responses = max(1, max_responses // tenants)  # each tenant's caps
+        self.share_tokens = max(2, max_tokens // tenants)
+        self.parts: dict[str, _Part] = {}  # scope -> its responses (only scopes with live ones)
+        self.shares: dict[str, _Share] = {}  # tenant -> its share (only tenants with live responses)
+
+    @property
+    def sizes(self) -> list[int]:
+        """Live responses' lengths (separator included), oldest first within each share."""
+        return [n for share in self.shares.values() for n in share.sizes]
+
+    @property
+    def owners(self) -> list[_Part]:
+        return [part for share in self.shares.values() for part in share.owners]
+
+    @property
+    def live_tokens(self) -> int:
+        return sum(share.live_tokens for share in self.shares.values())
 
     @property
     def held_tokens(self) -> int:
@@ -153,34 +188,44 @@ class ResponseCache:
     def clear(self) -> None:
         """Forget every response (comparisons start cold: see Deployment.forget_prefixes)."""
         self.parts.clear()
-        self.sizes.clear()
-        self.owners.clear()
-        self.live_tokens = 0
+        self.shares.clear()
 
     def add(self, tokens: Sequence[int], scope: Scope = SHARED_SCOPE) -> None:
-        """Remember one response in ``scope`` (a longer one than the cap keeps its last tokens;
-        scope None: nothing is kept)."""
+        """Remember one response in ``scope`` (a longer one than its share's cap keeps its last
+        tokens; scope None, or a new tenant when every share is held: nothing is kept)."""
         if scope is None or self.max_responses <= 0 or self.max_tokens <= 1 or not tokens:
             return
-        tokens = list(tokens[-(self.max_tokens - 1) :]) + [_SEPARATOR]
+        tenant = tenant_of(scope) if self.tenants > 1 else ""  # one share: one pool for every scope
+        share = self.shares.get(tenant)
+        if share is None:
+            if len(self.shares) >= self.tenants:
+                return
+            share = self.shares[tenant] = _Share()
+        tokens = list(tokens[-(self.share_tokens - 1) :]) + [_SEPARATOR]
         part = self.parts.get(scope)
         if part is None:
             part = self.parts[scope] = _Part(scope)
         part.index.extend(tokens)
-        self.sizes.append(len(tokens))
-        self.owners.append(part)
-        self.live_tokens += len(tokens)
+        share.sizes.append(len(tokens))
+        share.owners.append(part)
+        share.live_tokens += len(tokens)
+        self._evict(tenant, share)
+
+    def _evict(self, tenant: str, share: _Share) -> None:
+        """The share's oldest responses until it is within its caps."""
         evicted: dict[str, _Part] = {}
-        while self.sizes and (len(self.sizes) > self.max_responses or self.live_tokens > self.max_tokens):
-            n, old = self.sizes.popleft(), self.owners.popleft()
+        while share.sizes and (len(share.sizes) > self.share_responses or share.live_tokens > self.share_tokens):
+            n, old = share.sizes.popleft(), share.owners.popleft()
             old.start += n
-            self.live_tokens -= n
+            share.live_tokens -= n
             evicted[old.scope] = old
         for old in evicted.values():
             if old.live == 0:
                 del self.parts[old.scope]
             elif old.start >= old.live:
                 old.index, old.start = TokenIndex(old.index.tokens[old.start :]), 0
+        if not share.sizes:
+            del self.shares[tenant]
 
     def candidates(self, ctx: list[int], max_depth: int, scope: Scope = SHARED_SCOPE) -> list[tuple[int, list[int], int]]:
         """(match length, stream, end position) as TokenIndex.candidates, over ``scope``'s live
