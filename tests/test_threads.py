@@ -3,6 +3,8 @@ leaves, chosen from measured forward times (a fake clock stands in for the neigh
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from trtspec.engines.torch import threads
@@ -195,3 +197,43 @@ def test_a_held_governor_runs_every_forward_at_the_full_count_and_records_none()
     assert set(applied) == {2}
     assert (2, "b") not in gov.times and (2, "c") not in gov.times and len(gov.times[(2, "a")]) == 1
     assert gov.pick("a") == 1  # as before the held block
+
+
+def _pod_cgroup(tmp_path: Path, quota: str, v1: bool = False) -> tuple[Path, Path]:
+    """A fake cgroup mount whose limit sits on the process's own, nested cgroup (as a pod's
+    does), and the /proc/self/cgroup line that names it."""
+    root, path = tmp_path / "cgroup", "kubepods.slice/pod-a/cri-b"
+    folder = root / ("cpu,cpuacct" if v1 else "") / path
+    folder.mkdir(parents=True)
+    if v1:
+        (folder / "cpu.cfs_quota_us").write_text(quota)
+        (folder / "cpu.cfs_period_us").write_text("100000\n")
+    else:
+        (folder / "cpu.max").write_text(f"{quota} 100000\n")
+        (root / "cpu.max").write_text("max 100000\n")  # the mount's own: unlimited
+    proc = tmp_path / "proc-cgroup"
+    proc.write_text(f"4:cpu,cpuacct:/{path}\n" if v1 else f"0::/{path}\n")
+    return root, proc
+
+
+def test_the_quota_is_read_from_the_process_own_cgroup_and_its_tightest_ancestor(tmp_path):
+    root, proc = _pod_cgroup(tmp_path / "v2", "150000")
+    assert threads.quota_cores(root, proc) == 1.5
+    (root / "kubepods.slice" / "cpu.max").write_text("100000 100000\n")  # a tighter parent wins
+    assert threads.quota_cores(root, proc) == 1.0
+    root, proc = _pod_cgroup(tmp_path / "v1", "250000\n", v1=True)
+    assert threads.quota_cores(root, proc) == 2.5
+
+
+def test_the_governor_never_probes_beyond_the_cgroup_quota(tmp_path, monkeypatch):
+    root, proc = _pod_cgroup(tmp_path, "150000")  # a pod limited to 1.5 CPUs on a 4-core node
+    monkeypatch.setattr(threads, "CGROUP_ROOT", root)
+    monkeypatch.setattr(threads, "PROC_CGROUP", proc)
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(threads.torch, "get_num_threads", lambda: 4)
+    monkeypatch.delenv(threads.ENV, raising=False)
+    monkeypatch.setattr(threads, "_governor", None)
+    assert threads.governor().counts == [1]
+    (root / "kubepods.slice" / "pod-a" / "cri-b" / "cpu.max").write_text("300000 100000\n")
+    monkeypatch.setattr(threads, "_governor", None)
+    assert max(threads.governor().counts) == 3

@@ -10,9 +10,10 @@ threads 38.8 ms, 1 thread 58.9 ms; beside one busy single-threaded process, 2 th
 when nobody is there), 1 thread 62.6 ms. So the pool keeps spinning (fastest when quiet) and
 shrinks while a neighbour is there:
 
-1. At start the pool gets the cores the process may run on: the affinity mask and a cgroup CPU
-   quota (a container limited to 1.5 CPUs gets 1 thread), never more than torch's own default
-   (``OMP_NUM_THREADS`` when set).
+1. At start the pool gets the cores the process may run on: the affinity mask and the tightest
+   cgroup CPU quota over its own cgroup and their ancestors (a pod limited to 1.5 CPUs gets 1
+   thread), never more than torch's own default (``OMP_NUM_THREADS`` when set); the governor
+   never tries more.
 2. ``Governor`` times each forward under a shape key (the engine, its rows and new tokens)
    per thread count and runs each forward with the count whose recent forwards of that shape
    were fastest (the current count wins ties within ``HYSTERESIS``). Every ``PROBE_MIN``
@@ -47,16 +48,51 @@ HYSTERESIS = 0.9  # another count must be this much faster than the current one 
 RECENT = 3  # forwards per (count, shape) whose median stands for it
 
 
-def quota_cores(root: Path = Path("/sys/fs/cgroup")) -> float | None:
-    """The cgroup CPU quota in cores (v2 ``cpu.max``, or v1 ``cpu.cfs_quota_us``), None if unlimited."""
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")  # which cgroup this process is in, per hierarchy
+
+
+def _cgroup_dirs(root: Path, proc_cgroup: Path) -> list[Path]:
+    """This process's cgroup folders and every ancestor up to the mount: v2's unified one
+    (``0::/path``) and v1's cpu controller (``N:cpu,cpuacct:/path``), plus the mounts themselves
+    (a container sees its own cgroup there while /proc still names the host's path)."""
+    places = [(root, "/"), (root / "cpu", "/")]
+    with contextlib.suppress(OSError):
+        for line in proc_cgroup.read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if not controllers:
+                places.append((root, path))
+            elif "cpu" in controllers.split(","):
+                places += [(root / "cpu", path), (root / controllers, path)]
+    dirs: list[Path] = []
+    for base, path in places:
+        here = base / path.strip("/")
+        while True:
+            dirs.append(here)
+            if here == base:
+                break
+            here = here.parent
+    return list(dict.fromkeys(dirs))
+
+
+def _folder_quota(folder: Path) -> float | None:
     with contextlib.suppress(OSError, ValueError):
-        quota, period = (root / "cpu.max").read_text().split()[:2]
+        quota, period = (folder / "cpu.max").read_text().split()[:2]
         return None if quota == "max" else int(quota) / int(period)
     with contextlib.suppress(OSError, ValueError):
-        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
-        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        quota = int((folder / "cpu.cfs_quota_us").read_text())
+        period = int((folder / "cpu.cfs_period_us").read_text())
         return None if quota <= 0 else quota / period
     return None
+
+
+def quota_cores(root: Path | None = None, proc_cgroup: Path | None = None) -> float | None:
+    """The tightest cgroup CPU quota over this process's cgroup and its ancestors, in cores
+    (v2 ``cpu.max``, or v1 ``cpu.cfs_quota_us``); None if none is limited. A pod's limit sits
+    on its own cgroup, below the mount, so the mount's root alone would miss it."""
+    dirs = _cgroup_dirs(CGROUP_ROOT if root is None else root, PROC_CGROUP if proc_cgroup is None else proc_cgroup)
+    quotas = [q for q in map(_folder_quota, dirs) if q is not None]
+    return min(quotas, default=None)
 
 
 def usable_cores(quota: float | None = None, affinity: int | None = None) -> int:
