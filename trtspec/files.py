@@ -51,17 +51,36 @@ def write_text_atomic(path: Path, text: str) -> None:
         raise
 
 
-def write_bytes_atomic(path: Path, data: bytes) -> None:
+def write_bytes_atomic(path: Path, data: bytes, *, durable: bool = False) -> None:
+    """``data`` as ``path``, renamed into place. ``durable``: also on disk before this returns
+    (the file and its folder fsynced before the rename, the folder again after), so a power
+    loss leaves the old file or the new one whole, never an empty or torn one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        if durable:
+            fsync_folder(path.parent)
         os.replace(tmp, path)
+        if durable:
+            fsync_folder(path.parent)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def fsync_folder(folder: Path) -> None:
+    """Flush a folder's entries (a rename into it, a new file) to disk."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

@@ -40,7 +40,7 @@ from trtspec.distill.heads import head_norms, new_head, refuse_existing, save_he
 from trtspec.distill.options import GEN_BATCH_MAX, DistillOptions, recipe_dump, resolve, run_dump
 from trtspec.distill.sample import Sample
 from trtspec.distill.store import CorruptStore, FeatureStore, open_store, remove_store, write_store
-from trtspec.distill.trainer import Trainer
+from trtspec.distill.trainer import Trainer, read_checkpoint
 from trtspec.engines.build import build
 from trtspec.engines.eagle3_checkpoint import distill_layer_ids
 from trtspec.engines.manifest import check_manifest, versions
@@ -120,8 +120,10 @@ def distill(loaded: LoadedSpec, opts: DistillOptions, on_step: Progress | None =
     work = work_folder(out)
     if opts.resume and not (work / "checkpoint.pt").is_file():
         raise TrtspecError(f"--resume: no checkpoint in {work}; run without --resume to start")
-    split = _split(loaded, opts)
-    with work_lock(work):
+    with work_lock(work):  # before any work: a second run into this folder stops here
+        if opts.resume:
+            read_checkpoint(work / "checkpoint.pt")  # a torn one is refused now, not after the data
+        split = _split(loaded, opts)
         data = prepare(loaded, opts, work, split)
         target, folder, target_hf, layer_ids = data.target, data.folder, data.target_hf, data.layer_ids
         store, train_s, held_s, unseen_s = data.store, data.train, data.held, data.unseen
@@ -697,7 +699,9 @@ def work_lock(work: Path):
         except BlockingIOError:
             owner = os.read(fd, 32).decode(errors="replace").strip() or "not written yet"
             os.close(fd)
-            raise TrtspecError(f"{work} is in use by another distill (pid {owner}); wait for it to finish, or stop it") from None
+            raise TrtspecError(
+                f"{work} is in use by another distill (pid {owner}, holding the lock {lock}); wait for it to finish, or stop it"
+            ) from None
         try:
             same = os.fstat(fd).st_ino == os.stat(lock).st_ino
         except FileNotFoundError:  # its last holder removed it as we opened it

@@ -152,15 +152,15 @@ class Trainer:
                         self._progress(row, step, first_step, t_train, start)
                     curve.append(row)
                     if step % opts.eval_every == 0:
-                        write_bytes_atomic(ckpt, self._checkpoint(step, curve, run_key))
+                        write_bytes_atomic(ckpt, self._checkpoint(step, curve, run_key), durable=True)
                     if on_step:
                         on_step(row)
         except KeyboardInterrupt:
             if not updating:
-                write_bytes_atomic(ckpt, self._checkpoint(step, curve, run_key))
+                write_bytes_atomic(ckpt, self._checkpoint(step, curve, run_key), durable=True)
             console.info(f"interrupted: the last good checkpoint is in {ckpt}; finish with --resume")
             raise
-        write_bytes_atomic(ckpt, self._checkpoint(step, curve, run_key))
+        write_bytes_atomic(ckpt, self._checkpoint(step, curve, run_key), durable=True)
         self._set_weights(self.average)  # the head written is the average (a checkpoint keeps both)
         self.average = []
         self.head.eval()
@@ -253,7 +253,7 @@ class Trainer:
         return buf.getvalue()
 
     def _resume(self, ckpt: Path, run_key: str) -> tuple[int, list]:
-        state = torch.load(ckpt, map_location="cpu", weights_only=True)
+        state = read_checkpoint(ckpt)
         if state.get("key") != run_key or state.get("seed") != self.opts.seed or "sched" not in state:
             raise TrtspecError(
                 f"--resume: {ckpt} was made with other data, seed or training options (--labels, the recipe); run without --resume"
@@ -267,6 +267,29 @@ class Trainer:
                     a.copy_(saved)
         console.info(f"resuming at step {state['step']}")
         return int(state["step"]), json.loads(state["curve"])
+
+
+# What every checkpoint holds (Trainer._checkpoint); a file without them is not one of ours.
+CHECKPOINT_KEYS = frozenset({"head", "optim", "sched", "step", "curve", "key", "seed", "average"})
+
+
+def read_checkpoint(ckpt: Path) -> dict:
+    """A training checkpoint's state; TrtspecError (exit 2) naming the file when it is torn,
+    corrupt or not a distill checkpoint, instead of torch's or pickle's traceback."""
+    try:
+        state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise TrtspecError(f"--resume: no checkpoint at {ckpt}; run without --resume to start") from None
+    except Exception as e:  # noqa: BLE001 - torn zip, bad pickle, wrong type: one answer for all
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TrtspecError(
+            f"--resume: {ckpt} is torn or corrupt ({reason}); delete it and run without --resume to train from the start"
+        ) from None
+    if not isinstance(state, dict) or not CHECKPOINT_KEYS <= state.keys():
+        raise TrtspecError(
+            f"--resume: {ckpt} is not a distill checkpoint; delete it and run without --resume to train from the start"
+        )
+    return state
 
 
 @contextmanager
