@@ -80,3 +80,276 @@ def test_trtllm_engine_runtime_refuses_adaptive_and_auto(tmp_path):
         tmp_path, {"method": "draft_target", "adaptive": True}, **trt
     )
     assert "speculative.method auto: trtllm.runtime engine builds draft_target" in _error(tmp_path, AUTO, **trt)
+
+
+# ---------------------------------------------------------------- the one loop
+
+from test_loop import OracleVerifier, oracle, reference  # noqa: E402
+
+from trtspec.speculative.adaptive import AdaptivePolicy, AdaptiveSettings  # noqa: E402
+from trtspec.speculative.drafters import NgramDrafter  # noqa: E402
+from trtspec.speculative.loop import Batch, GenerationRequest, Menu, NoDrafter, Verdict, generate  # noqa: E402
+
+
+class Clock:
+    """Virtual seconds: the fake engines below advance it by what their calls would cost."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+CYCLE = [5, 6, 7, 8, 9, 10]
+
+
+def switching(ctx: list[int], prompt_len: int = 3, repeats: int = 36) -> int:
+    """A target whose first ``repeats`` output tokens cycle (predictable: n-gram drafts them),
+    then free text (the oracle's hash)."""
+    out = len(ctx) - prompt_len
+    return CYCLE[out % len(CYCLE)] if out < repeats else oracle(ctx)
+
+
+class TimedVerifier(OracleVerifier):
+    """The oracle (or ``target``) as the target, costing base + per_token x tokens scored."""
+
+    def __init__(self, clock: Clock, target=oracle, base=0.030, per_token=0.0005):
+        super().__init__()
+        self.clock, self.target, self.base, self.per_token = clock, target, base, per_token
+
+    def verify(self, contexts, drafts, **asks):
+        self.clock.now += self.base + self.per_token * sum(len(d) + 1 for d in drafts)
+        out = []
+        for ctx, d in zip(contexts, drafts):
+            seq, ids = list(ctx), []
+            for tok in list(d) + [None]:
+                ids.append(self.target(seq))
+                if tok is None or tok != ids[-1]:
+                    break
+                seq.append(tok)
+            out.append(Verdict(ids, [1.0] * len(ids)))
+        return out
+
+
+class ModelDraft:
+    """A model draft that agrees with ``target`` except every ``miss``-th token, costing
+    ``step`` seconds per draft step."""
+
+    def __init__(self, clock: Clock, target=oracle, miss: int = 3, step: float = 0.003):
+        self.clock, self.target, self.miss, self.step = clock, target, miss, step
+
+    def propose(self, contexts, ks):
+        self.clock.now += self.step * max(ks, default=0)
+        out = []
+        for ctx, k in zip(contexts, ks):
+            seq, d = list(ctx), []
+            for _ in range(k):
+                t = self.target(seq)
+                d.append(t if len(seq) % self.miss else (t + 1) % 50)
+                seq.append(d[-1])
+            out.append(d)
+        return out
+
+
+def menu(clock: Clock, drafters: dict, probe_every: int = 16, max_draft_len: int = 5) -> Menu:
+    free = frozenset(n for n in drafters if n in ("ngram", "suffix"))
+    return Menu(drafters, AdaptivePolicy(AdaptiveSettings(tuple(drafters), free, max_draft_len, probe_every), clock))
+
+
+class Recording(Menu):
+    """A Menu whose policy's choices are kept in order (per request key)."""
+
+    def __init__(self, inner: Menu):
+        super().__init__(inner.drafters, inner.policy)
+        self.seen: list[tuple[str, int]] = []
+        choose = self.policy.choose
+
+        def spy(state, offers, ceiling, active):
+            c = choose(state, offers, ceiling, active)
+            self.seen.append((c.drafter, c.k))
+            return c
+
+        self.policy.choose = spy
+
+
+def test_auto_output_is_target_greedy_and_its_choices_are_counted():
+    clock = Clock()
+    m = menu(clock, {"draft_target": ModelDraft(clock), "ngram": NgramDrafter()})
+    reqs = [GenerationRequest([1, 2, 3 + i], 40, 5) for i in range(3)]
+    results = generate(reqs, m, TimedVerifier(clock))
+    for i, res in enumerate(results):
+        assert res.output_ids == reference(40, (1, 2, 3 + i))
+        assert sum(res.metrics.choices.values()) == res.metrics.target_forwards - 1  # every step but the prefill's
+        assert res.metrics.drafted > 0
+    assert m.policy.deployment["draft_target"].tried > 0 and m.policy.costs.draft_step["draft_target"] > 0
+
+
+def test_the_choice_changes_within_a_request_as_its_text_does():
+    """Repetitive then free text in ONE request: n-gram (free) while the text repeats, the
+    model draft once it does not; the output is the target's greedy output throughout."""
+    clock = Clock()
+    m = Recording(menu(clock, {"draft_target": ModelDraft(clock, switching), "ngram": NgramDrafter()}))
+    (res,) = generate([GenerationRequest([1, 2, 3], 90, 5)], m, TimedVerifier(clock, switching))
+    expected, ctx = [], [1, 2, 3]
+    for _ in range(90):
+        expected.append(switching(ctx))
+        ctx.append(expected[-1])
+    assert res.output_ids == expected
+    names = [d for d, _ in m.seen]
+    early, late = names[2:8], names[-8:]
+    assert early.count("ngram") >= 5, m.seen
+    assert late.count("draft_target") >= 6, m.seen
+
+
+def test_speculation_turns_off_where_it_loses_and_comes_back():
+    """Adaptive n-gram on a compute-bound target: free text rejects every draft, so it turns
+    off (re-probing with one token); when the text repeats again it drafts again."""
+    clock = Clock()
+    phases = lambda ctx: oracle(ctx) if len(ctx) - 3 < 60 else CYCLE[(len(ctx) - 3) % len(CYCLE)]  # noqa: E731
+
+    class Wrong(NgramDrafter):  # before token 60 its drafts are always wrong
+        def propose(self, contexts, ks):
+            out = super().propose(contexts, ks)
+            return [d if len(c) - 3 >= 60 else [(t + 1) % 50 for t in d] or [0] * k for c, d, k in zip(contexts, out, ks)]
+
+    m = Recording(menu(clock, {"ngram": Wrong()}, probe_every=4))
+    (res,) = generate([GenerationRequest([1, 2, 3], 120, 5)], m, TimedVerifier(clock, phases, base=0.010, per_token=0.004))
+    expected, ctx = [], [1, 2, 3]
+    for _ in range(120):
+        expected.append(phases(ctx))
+        ctx.append(expected[-1])
+    assert res.output_ids == expected
+    ks = [k for _, k in m.seen]
+    off = [i for i, k in enumerate(ks) if k == 0]
+    assert len(off) >= 10  # it turned off ...
+    probes = [i for i in range(off[0], off[-1]) if ks[i] == 1]
+    assert probes  # ... re-probing while off ...
+    assert max(ks[off[-1] + 1 :]) >= 3  # ... and came back once the text repeated
+    assert res.metrics.choices.get("off:0", 0) == len(off)
+
+
+def test_target_only_and_auto_agree_on_a_batch_that_grows_and_shrinks():
+    clock = Clock()
+    m = menu(clock, {"draft_target": ModelDraft(clock), "ngram": NgramDrafter()})
+    batch, plain = Batch(m, TimedVerifier(clock)), Batch(NoDrafter(), OracleVerifier())
+    for b in (batch, plain):
+        keys = [b.add(GenerationRequest([1, 2, 3 + i], 20 + 7 * i, 5)) for i in range(2)]
+        b.step()
+        keys.append(b.add(GenerationRequest([4, 5, 6], 25, 5)))
+        while b.active:
+            b.step()
+        b.out = [b.pop(k).output_ids for k in keys]
+    assert batch.out == plain.out
+    assert not batch.states  # no request's state outlives it
+
+
+# ---------------------------------------------------------------- in process, tiny engines
+
+
+def _deployment(tmp_path_factory, ckpts, draft, **overrides):
+    """A tiny deployment built and loaded in process (conftest's ``built`` keys its cache by
+    hashable overrides; auto's list is not)."""
+    from conftest import write_spec
+
+    from trtspec.engines.build import build
+    from trtspec.runtime import Deployment
+
+    loaded = load_spec(write_spec(tmp_path_factory.mktemp("auto"), ckpts, draft, **overrides))
+    build(loaded, loaded.output_dir())
+    return Deployment(loaded, loaded.output_dir())
+
+
+PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Triton serves models over HTTP and gRPC. Triton serves"]
+AUTO_TINY = {"speculative.method": "auto", "speculative.auto": {"methods": ["draft_target", "suffix", "ngram"]}}
+
+
+@pytest.mark.parametrize(
+    "draft, overrides",
+    [
+        ("draft", AUTO_TINY),
+        ("draft", {"speculative.adaptive": True}),
+        (None, {"speculative.method": "ngram", "speculative.adaptive": True}),
+        (None, {"speculative.method": "auto", "speculative.auto": {"methods": ["suffix", "ngram"]}}),
+    ],
+    ids=["auto", "adaptive-draft_target", "adaptive-ngram", "auto-free"],
+)
+def test_auto_and_adaptive_are_token_identical_on_tiny_engines(tmp_path_factory, tiny_ckpts, draft, overrides):
+    from trtspec.speculative.loop import Menu
+
+    dep = _deployment(tmp_path_factory, tiny_ckpts, draft, **overrides)
+    assert isinstance(dep.drafter(), Menu)
+    reqs = [dep.request(dep.encode(p), 40) for p in PROMPTS]
+    target = dep.generate(reqs, speculative=False)
+    spec = dep.generate(reqs, speculative=True)
+    for t, s in zip(target, spec):
+        assert s.output_ids == t.output_ids
+        assert s.metrics.choices and sum(s.metrics.choices.values()) <= s.metrics.target_forwards - 1
+    assert dep.adaptive.costs.samples  # the target's forwards were timed
+
+
+# ---------------------------------------------------------------- the Triton orchestrator
+
+
+def test_triton_orchestrator_chooses_per_request_streams_batches_and_counts(built):
+    """The orchestrator runs the same loop: auto over the two engine models, several prompts
+    batched and one streamed, token-identical to target-only in process; its Prometheus
+    counters hold exactly the choices the responses report."""
+    from test_triton_cores import _call, _cores, _request, settings_for
+
+    from trtspec.spec import SuffixSpec
+    from trtspec.speculative.metrics import SpecMetrics, metrics_from_json
+    from trtspec.triton.backend.metrics import EndpointMetrics, MemorySink
+    from trtspec.triton.backend.orchestrator_core import Orchestrator
+
+    dep = built()
+    settings = settings_for(dep, decoupled=True, adaptive_methods=("draft_target", "suffix", "ngram"), suffix=SuffixSpec())
+    orch = Orchestrator(settings, _call(_cores(dep)), dep.tokenizer, dep.end_ids)
+    sink = MemorySink()
+    orch.metrics = EndpointMetrics(sink, "m", "speculative", "m_0", dep.spec.speculative.max_draft_len)
+    assert orch.adaptive is not None
+    outs = orch.run([_request(p, 32) for p in PROMPTS])
+    sent = []
+    assert orch.run([_request(PROMPTS[1], 32, stream=True)], lambda i, t, final: sent.append(t)) == [None]
+    target = dep.generate([dep.request(dep.encode(p, True), 32) for p in PROMPTS], speculative=False)
+    for out, ref in zip(outs, target):
+        assert out["output_ids"][0, : int(out["sequence_length"][0, 0])].tolist() == ref.output_ids
+    assert [tok for t in sent for tok in t["output_ids"][0].tolist()] == target[1].output_ids
+    total = SpecMetrics()
+    for m in [metrics_from_json(o["perf_metrics_json"][0, 0].decode()) for o in outs] + [
+        metrics_from_json(sent[-1]["perf_metrics_json"][0, 0].decode())
+    ]:
+        total = total.merge(m)
+    assert total.choices
+    by_drafter: dict[str, int] = {}
+    for key, n in total.choices.items():
+        by_drafter[key.rpartition(":")[0]] = by_drafter.get(key.rpartition(":")[0], 0) + n
+    for drafter, n in by_drafter.items():
+        assert (
+            sink.value("trtspec_chosen_drafter_total", model="m", mode="speculative", instance="m_0", drafter=drafter).value == n
+        )
+    ks = sorted(int(key.rpartition(":")[2]) for key, n in total.choices.items() for _ in range(n))
+    assert sorted(sink.value("trtspec_chosen_draft_length", model="m", mode="speculative", instance="m_0").observations) == ks
+
+
+def test_endpoint_params_carry_the_adaptive_methods(tmp_path):
+    from trtspec.triton.backend.params import EngineEndpointParams, load_aware
+
+    spec = _load(tmp_path, AUTO).speculative
+    params = EngineEndpointParams(
+        mode="speculative",
+        method="auto",
+        default_draft_tokens=4,
+        max_input_len=8,
+        max_seq_len=16,
+        max_draft_len=4,
+        vocab_size=10,
+        tokenizer_dir="/t",
+        **load_aware(spec),
+    )
+    back = EngineEndpointParams.from_params(params.to_params())
+    settings = back.settings(decoupled=False, max_batch_size=2)
+    assert settings.adaptive_methods == ("draft_target", "suffix", "ngram") and settings.probe_every == 16
+    assert settings.adaptive_policy().settings.free == frozenset({"suffix", "ngram"})
+    fixed = _load(tmp_path, {"method": "ngram"}, draft=False).speculative
+    assert "adaptive_methods" not in load_aware(fixed)

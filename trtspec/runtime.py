@@ -15,6 +15,7 @@ from trtspec.engines.torch.engine import TorchEngine
 from trtspec.errors import EngineError, RequestError
 from trtspec.layout import engine_folder
 from trtspec.spec import LoadedSpec, SuffixSpec
+from trtspec.speculative.adaptive import AdaptivePolicy
 from trtspec.speculative.drafters import engine_drafter, make_drafter, response_cache
 from trtspec.speculative.loop import (
     SHARED_SCOPE,
@@ -25,6 +26,7 @@ from trtspec.speculative.loop import (
     StepCallback,
     generate,
 )
+from trtspec.speculative.menus import make_menu, policy_of
 from trtspec.speculative.processing import Processing
 from trtspec.speculative.requests import Limits, encode_prompt, end_token_ids, make_request
 from trtspec.speculative.sampling import SamplingParams
@@ -70,17 +72,25 @@ class Deployment:
         self.policy = LoadPolicy.from_spec(spec.speculative)
         # Suffix decoding's earlier responses, one cache per deployment (bounded; None: none kept).
         self.suffix_cache = response_cache(spec.speculative.suffix_drafting)
+        # Adaptive speculation's policy (method auto, or adaptive): its measured costs span calls.
+        self.adaptive = policy_of(spec.speculative)
 
-    def drafter(self, method: str | None = None, suffix: SuffixSpec | None = None) -> Drafter:
-        """The spec's drafter (with the deployment's suffix cache), or ``method``'s over the
-        same engines with ``suffix`` drafting and no cache (bench: requests kept apart)."""
+    def drafter(
+        self, method: str | None = None, suffix: SuffixSpec | None = None, policy: AdaptivePolicy | None = None
+    ) -> Drafter:
+        """The spec's drafter (with the deployment's suffix cache; a loop.Menu when it adapts),
+        or ``method``'s over the same engines with ``suffix`` drafting and no cache (bench:
+        requests kept apart), a Menu of ``policy``'s methods when one is given."""
         s = self.spec.speculative
         model = engine_drafter(self.target, self.draft, self.head)
         if method is None:
-            method, suffix, cache = s.method, s.suffix_drafting, self.suffix_cache
+            method, suffix, cache, policy = s.method, s.suffix_drafting, self.suffix_cache, self.adaptive
         else:
             cache = None
-        return make_drafter(method, max_ngram=s.max_ngram, min_ngram=s.min_ngram, draft_model=model, suffix=suffix, cache=cache)
+        kw = dict(max_ngram=s.max_ngram, min_ngram=s.min_ngram, draft_model=model, suffix=suffix, cache=cache)
+        if policy is not None:
+            return make_menu(method, policy, **kw)
+        return make_drafter(method, **kw)
 
     def verifier(self) -> LogitsVerifier:
         return LogitsVerifier(self.target.run)

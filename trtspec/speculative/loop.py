@@ -22,6 +22,13 @@ orchestrator's continuous batching); ``generate`` runs one to the end.
 
 Drafter and verifier are plain interfaces: in process they call torch engines; inside the
 Triton orchestrator they call the engine models over BLS. The loop never drafts or scores.
+
+Adaptive speculation (method auto, or ``adaptive`` on one method): the drafter is a ``Menu`` of
+named drafters with an AdaptivePolicy (speculative/adaptive.py). Each step the drafters that
+cost nothing offer their drafts, the policy picks per sequence the drafter and k (0: no draft),
+the model draft is asked only for the sequences it was picked for, and the loop times the
+drafter's and the target's calls for the policy's costs. The accept step is the same, so the
+output is too.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from typing import TYPE_CHECKING, Literal, Protocol, TypedDict
 import torch
 
 from trtspec.errors import RequestError
+from trtspec.speculative.adaptive import OFF, AdaptivePolicy, Choice, RequestState, choice_key
 from trtspec.speculative.metrics import SpecMetrics
 from trtspec.speculative.processing import Processing, RowRules, log_prob_logits, processed, warp_params
 from trtspec.speculative.sampling import SamplingParams, accept_or_resample, accept_tree, warp
@@ -192,6 +200,35 @@ class NoDrafter:
         return [[] for _ in contexts]
 
 
+class Menu:
+    """The drafters adaptive speculation chooses among, by method name in the spec's order, and
+    the policy that chooses. ``free``: the names whose drafts cost nothing (n-gram, suffix):
+    they offer a draft every step; the others draft only where they are picked. A suffix
+    drafter's offer is counted as sent (SourceCounts) only where it is picked."""
+
+    scoped = True  # release takes the request's scope (passed on to the scoped drafters)
+
+    def __init__(self, drafters: dict[str, Drafter], policy: AdaptivePolicy):
+        self.drafters = drafters
+        self.policy = policy
+        self.free = policy.settings.free
+
+    def release(self, prompt: list[int], output: list[int], scope: str | None = SHARED_SCOPE) -> None:
+        for d in self.drafters.values():
+            release = getattr(d, "release", None)
+            if release is not None:
+                release(prompt, output, *((scope,) if getattr(d, "scoped", False) else ()))
+
+    def offer(self, name: str, contexts, ks, rules, scopes) -> tuple[list[list[int]], Callable[[int, int], None]]:
+        """A free drafter's drafts for every row, and ``take(row, k)``: row's first k tokens go
+        to the target (what a suffix drafter then counts as sent)."""
+        d = self.drafters[name]
+        if not hasattr(d, "drafts"):  # nothing to count: propose as usual
+            return _propose(d, contexts, ks, rules, scopes), lambda j, k: None
+        found = d.drafts(contexts, ks, scopes)
+        return [f.tokens for f in found], lambda j, k: d.sent(found[j].session, len(contexts[j]), found[j].tokens[:k], name)
+
+
 def accepted_prefix(draft: list[int], verdict: Verdict) -> int:
     """Number of draft tokens the target agreed with; validates the verdict's shape."""
     target = verdict.target_ids
@@ -220,6 +257,8 @@ class Proposal:
     cap: int | None = None  # the load policy's draft-length cap this step (None: no cap)
     # Per row its draft as a tree (a chain: the one-branch tree of drafts[j]); None: built from drafts.
     trees: list[DraftTree] | None = None
+    # Adaptive speculation: per row the policy's choice (None: no choice, e.g. a first step).
+    choices: list[Choice | None] | None = None
 
     def tree(self, j: int) -> DraftTree:
         return self.trees[j] if self.trees is not None else DraftTree.chain(self.drafts[j])
@@ -256,6 +295,8 @@ class StepReport:
     # each yielded one token, as SpecMetrics counts them.
     extra_forwards: int = 0
     emitted: dict[int, list[int]] = field(default_factory=dict)  # key -> tokens appended this step
+    # Adaptive speculation: the policy's choice per sequence it chose for ("drafter:k").
+    chosen: list[str] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)  # keys whose generation ended this step
 
 
@@ -279,6 +320,9 @@ class Batch:
         self.requests: dict[int, GenerationRequest] = {}
         self.results: dict[int, GenerationResult] = {}
         self.gens: dict[int, torch.Generator] = {}  # sampled requests' random streams
+        # Adaptive speculation (drafter a Menu): each request's recent acceptance per drafter.
+        self.menu = drafter if isinstance(drafter, Menu) else None
+        self.states: dict[int, RequestState] = {}
         self._next = 0
 
     def add(self, request: GenerationRequest) -> int:
@@ -288,6 +332,8 @@ class Batch:
         self.results[key] = GenerationResult()
         if request.sampling is not None:
             self.gens[key] = request.sampling.generator()
+        if self.menu is not None:
+            self.states[key] = self.menu.policy.new_request()
         if request.max_tokens <= 0:
             self.results[key].finish_reason = "length"
             if self.on_step:
@@ -303,6 +349,7 @@ class Batch:
         """Stop ``key`` now (its tokens so far stay in the result) and forget it. A drafter
         that keeps per-request state (suffix decoding) is told, through ``release``."""
         self.gens.pop(key, None)
+        self.states.pop(key, None)
         request, result = self.requests.pop(key), self.results.pop(key)
         release = getattr(self.drafter, "release", None)
         if release is not None:
@@ -323,7 +370,14 @@ class Batch:
         if not active:
             return StepReport()
         proposal = self.propose(active)
-        return self.accept(proposal, self.score(proposal))
+        if self.menu is None:
+            return self.accept(proposal, self.score(proposal))
+        clock = self.menu.policy.costs.clock
+        start = clock()
+        verdicts = self.score(proposal)
+        if all(self.results[i].steps for i in proposal.keys):  # a prefill's forward is no decode step's cost
+            self.menu.policy.costs.verified(sum(len(d) + 1 for d in proposal.drafts), clock() - start)
+        return self.accept(proposal, verdicts)
 
     def propose(self, active: list[int]) -> Proposal:
         """Drafts for the sequences ``active`` (the drafter's only call this step)."""
@@ -340,6 +394,8 @@ class Batch:
         cap = self.policy.cap(len(active)) if self.policy is not None else None
         if cap is not None:
             ks = [min(k, cap) for k in ks]
+        if self.menu is not None:
+            return self._propose_chosen(active, contexts, ks, cap)
         drafts: list[list[int]] = [[] for _ in active]
         qs: list[torch.Tensor | None] = [None for _ in active]
         trees = self._propose_trees(active, contexts, ks, cap)
@@ -367,6 +423,59 @@ class Batch:
             )
         rows = [trees[j] if j in trees else DraftTree.chain(d) for j, d in enumerate(drafts)]
         return Proposal(active, contexts, ks, drafts, qs, cap, rows)
+
+    def _propose_chosen(self, active: list[int], contexts, ceilings: list[int], cap: int | None) -> Proposal:
+        """Adaptive speculation: the free drafters offer, the policy picks (drafter, k) per row
+        within its ceiling, the picked model drafter drafts its rows (timed for the policy)."""
+        menu, n = self.menu, len(active)
+        rows = [j for j, k in enumerate(ceilings) if k > 0]
+        rules = [self.requests[active[j]].rules(len(self.results[active[j]].output_ids)) for j in rows]
+        scopes = [self.requests[active[j]].suffix_scope for j in rows]
+        sub = ([contexts[j] for j in rows], [ceilings[j] for j in rows])
+        offers: dict[int, dict[str, int]] = {j: {} for j in rows}
+        offered: dict[str, tuple[list[list[int]], Callable[[int, int], None]]] = {}
+        for name in menu.drafters:
+            if name in menu.free and rows:
+                offered[name] = menu.offer(name, *sub, rules, scopes)
+            for r, j in enumerate(rows):
+                offers[j][name] = len(offered[name][0][r]) if name in offered else ceilings[j]
+        choices = [Choice(OFF, 0)] * n
+        for j in rows:
+            choices[j] = menu.policy.choose(self.states[active[j]], offers[j], ceilings[j], n)
+        drafts: list[list[int]] = [[] for _ in active]
+        qs: list[torch.Tensor | None] = [None] * n
+        for r, j in enumerate(rows):
+            c = choices[j]
+            if c.drafter in offered:
+                drafts[j] = offered[c.drafter][0][r][: c.k]
+                offered[c.drafter][1](r, c.k)
+        for name in menu.drafters:
+            if name not in menu.free:
+                self._draft_picked(name, [j for j in rows if choices[j].drafter == name], active, contexts, choices, drafts, qs)
+        ks = [c.k for c in choices]
+        return Proposal(
+            active, contexts, ks, drafts, qs, cap, choices=[c if j in offers else None for j, c in enumerate(choices)]
+        )
+
+    def _draft_picked(self, name: str, picked: list[int], active, contexts, choices, drafts, qs) -> None:
+        """The model drafter ``name``'s drafts for the rows ``picked`` for it, timed."""
+        if not picked:
+            return
+        drafter, clock = self.menu.drafters[name], self.menu.policy.costs.clock
+        ks = [choices[j].k for j in range(len(active))]
+        start = clock()
+        greedy = [j for j in picked if self.requests[active[j]].sampling is None]
+        if greedy:
+            rules = [self.requests[active[j]].rules(len(self.results[active[j]].output_ids)) for j in greedy]
+            scopes = [self.requests[active[j]].suffix_scope for j in greedy]
+            for j, d in zip(greedy, _propose(drafter, [contexts[j] for j in greedy], [ks[j] for j in greedy], rules, scopes)):
+                drafts[j] = list(d[: ks[j]])
+        sampled = [j for j in picked if self.requests[active[j]].sampling is not None]
+        if sampled:
+            reqs = [self.requests[active[j]] for j in sampled]
+            generated = [len(self.results[active[j]].output_ids) for j in sampled]
+            _propose_sampled(drafter, sampled, contexts, ks, reqs, [self.gens[active[j]] for j in sampled], drafts, qs, generated)
+        self.menu.policy.costs.drafted(name, max(ks[j] for j in picked), len(picked), clock() - start)
 
     def _propose_trees(self, active: list[int], contexts, ks: list[int], cap: int | None) -> dict[int, DraftTree]:
         """Row -> its draft tree, for the rows whose request asks for a tree and whose drafter
@@ -417,6 +526,10 @@ class Batch:
             decision = decide(
                 req, len(res.output_ids), proposal.contexts[j], draft, proposal.qs[j], verdicts[j], self.gens.get(i), tree
             )
+            if proposal.choices is not None and (c := proposal.choices[j]) is not None:
+                self.menu.policy.observe(self.states[i], c.drafter, len(draft), decision.accepted)
+                res.metrics.record_choice(choice_key(c.drafter, c.k))
+                report.chosen.append(choice_key(c.drafter, c.k))
             self._record(i, tree, verdicts[j], decision, report)
         return report
 

@@ -17,6 +17,9 @@ Definitions (one "step" = one target forward that verifies a draft, possibly emp
                           the expected tokens per forward of any tree made of measured nodes
                           is 1 + the sum of their rates (greedy: a node is accepted exactly
                           when its path is the target's own chain, whatever else is drafted)
+  choices["d:k"]          adaptive speculation only: steps whose drafter and draft length the
+                          policy chose as d and k ("off:0": target-only that step; a step with
+                          no room to draft, or a sequence's first, is no choice)
 """
 
 from __future__ import annotations
@@ -37,6 +40,11 @@ class SpecMetrics:
     histogram: list[int] = field(default_factory=list)  # index = accepted drafts in a step
     node_drafted: dict[str, int] = field(default_factory=dict)  # draft trees: per node key
     node_accepted: dict[str, int] = field(default_factory=dict)
+    choices: dict[str, int] = field(default_factory=dict)  # adaptive: "drafter:k" -> steps
+
+    def record_choice(self, key: str) -> None:
+        """One step whose (drafter, k) the adaptive policy chose (adaptive.choice_key)."""
+        self.choices[key] = self.choices.get(key, 0) + 1
 
     def record_step(self, n_drafted: int, n_accepted: int, depth: int | None = None) -> None:
         """One target forward that saw ``n_drafted`` drafts and accepted ``n_accepted``; a
@@ -77,6 +85,7 @@ class SpecMetrics:
         out.histogram = _add(self.histogram, other.histogram)
         out.node_drafted = _add_counts(self.node_drafted, other.node_drafted)
         out.node_accepted = _add_counts(self.node_accepted, other.node_accepted)
+        out.choices = _add_counts(self.choices, other.choices)
         return out
 
     @property
@@ -96,9 +105,11 @@ class SpecMetrics:
         return {k: self.node_accepted.get(k, 0) / d for k, d in self.node_drafted.items() if d}
 
     def to_dict(self) -> dict:
-        """The measures defined above, by name (node_rate only when a tree was drafted)."""
+        """The measures defined above, by name (node_rate only when a tree was drafted, choices
+        only when a policy chose)."""
         out = {name: copy.copy(getattr(self, name)) for name in _REPORTED}
-        return out | ({"node_rate": self.node_rate} if self.node_drafted else {})
+        out |= {"node_rate": self.node_rate} if self.node_drafted else {}
+        return out | ({"choices": dict(self.choices)} if self.choices else {})
 
 
 # What a report carries, in the order of the definitions at the top of this module.

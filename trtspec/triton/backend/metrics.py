@@ -27,6 +27,11 @@ Definitions (one "step" = one target forward of one sequence, as in speculative/
                                         (counted when the request's next step or its end shows them)
   trtspec_suffix_cache_tokens           gauge: tokens the instance's cache of earlier responses holds
                                         (live + evicted not yet compacted; <= 2 x suffix.cache_tokens)
+  trtspec_chosen_drafter_total          counter, label ``drafter``: adaptive speculation (method auto,
+                                        adaptive): sequence-steps the policy drafted with that drafter
+                                        (draft_target | suffix | ngram | ...; off: it chose k = 0)
+  trtspec_chosen_draft_length           histogram: the draft length k the policy chose per sequence-step
+                                        (0: off); a first step, or one with no room to draft, is no choice
 
 acceptance rate = rate(accepted) / rate(drafted) (per source: the source_* pair); mean acceptance length =
 rate(acceptance_length_sum) / rate(acceptance_length_count).
@@ -120,6 +125,9 @@ class EndpointMetrics:
         self._by_source: dict[str, tuple[Counter, Counter]] = {}
         self._seen: dict[str, tuple[int, int]] = {}  # source -> (drafted, accepted) already counted
         self._cache_tokens: Gauge | None = None  # made on first use: only suffix endpoints have a cache
+        self._max_draft_len = max_draft_len
+        self._chosen: dict[str, Counter] = {}  # drafter -> counter, made on first use (adaptive only)
+        self._chosen_k: Histogram | None = None
 
     def step(self, counts: StepCounts) -> None:
         """One loop step. ``counts`` may be any object with StepCounts' fields."""
@@ -134,6 +142,24 @@ class EndpointMetrics:
             self.lengths.observe(1)  # a forward without drafts yields the target's token only
         self.active.set(counts.sequences)
         self.k.set(counts.k)
+        for key in getattr(counts, "chosen", ()):
+            self.chose(key)
+
+    def chose(self, key: str) -> None:
+        """The adaptive policy chose ``key`` ("drafter:k", speculative.adaptive.choice_key) for one sequence-step."""
+        drafter, _, k = key.rpartition(":")
+        if drafter not in self._chosen:
+            labels = self._labels | {"drafter": drafter}
+            self._chosen[drafter] = self._sink.counter(
+                PREFIX + "chosen_drafter_total", "Sequence-steps the adaptive policy drafted with each drafter.", labels
+            )
+        if self._chosen_k is None:
+            buckets = [float(n) for n in range(self._max_draft_len + 1)]
+            self._chosen_k = self._sink.histogram(
+                PREFIX + "chosen_draft_length", "Draft length the adaptive policy chose per sequence-step.", self._labels, buckets
+            )
+        self._chosen[drafter].increment(1)
+        self._chosen_k.observe(int(k))
 
     def finished(self, reason: str | None, tokens: int) -> None:
         """One sequence ended with ``tokens`` output tokens; ``reason`` None counts as error."""

@@ -43,11 +43,12 @@ import numpy as np
 
 from trtspec.errors import RequestError
 from trtspec.spec import SuffixSpec
+from trtspec.speculative.adaptive import AdaptivePolicy
 from trtspec.speculative.drafters import make_drafter, response_cache
 from trtspec.speculative.loop import SHARED_SCOPE, Batch, GenerationResult, NoDrafter
+from trtspec.speculative.menus import adaptive_policy, make_menu
 from trtspec.speculative.metrics import SourceCounts
 from trtspec.speculative.processing import Processing
-from trtspec.speculative.requests import Limits, check_scope, encode_prompt, make_request
 from trtspec.speculative.sampling import SamplingParams
 from trtspec.speculative.schedule import LoadPolicy
 from trtspec.tokens import check_token_ids
@@ -100,11 +101,19 @@ class OrchestratorSettings:
     max_response_mb: int = DEFAULT_MAX_RESPONSE_MB
     # Suffix drafting: method suffix's settings, or layered on the model draft (None: none).
     suffix: SuffixSpec | None = None
+    # Adaptive speculation (method auto, or adaptive k): the methods the policy chooses among.
+    adaptive_methods: tuple[str, ...] | None = None
+    probe_every: int = 16
 
     def load_policy(self) -> LoadPolicy | None:
         if self.mode != "speculative":
             return None
         return LoadPolicy.of(dict(self.schedule) if self.schedule else None, self.switch_off)
+
+    def adaptive_policy(self) -> AdaptivePolicy | None:
+        if self.mode != "speculative" or not self.adaptive_methods:
+            return None
+        return adaptive_policy(self.adaptive_methods, self.limits.max_draft_len, self.probe_every)
 
 
 @dataclass(frozen=True)
@@ -226,6 +235,7 @@ class Orchestrator:
         self.end_ids = end_ids
         self.metrics = metrics  # Prometheus (triton/backend/metrics.py); None: not reported
         self.policy = settings.load_policy()  # one per instance: its window spans batches
+        self.adaptive = settings.adaptive_policy()  # one per instance: its measured costs span batches
         # Suffix drafting's earlier responses and its per-source counts: one per instance
         # (each instance runs its own loop), kept across batches; the cache is bounded.
         self.suffix_cache = response_cache(settings.suffix) if settings.mode == "speculative" else None
@@ -416,15 +426,10 @@ class Orchestrator:
             model = BlsDrafter(self.call, self.s.draft_model, self.s.draft_vocab_limit)
         elif self.s.method == "eagle3":
             model = self._eagle3_drafter()
-        return make_drafter(
-            self.s.method,
-            max_ngram=self.s.max_ngram,
-            min_ngram=self.s.min_ngram,
-            draft_model=model,
-            suffix=self.s.suffix,
-            cache=self.suffix_cache,
-            sources=self.sources,
-        )
+        kw = dict(min_ngram=self.s.min_ngram, draft_model=model, suffix=self.s.suffix, cache=self.suffix_cache)
+        if self.adaptive is not None:
+            return make_menu(self.s.method, self.adaptive, max_ngram=self.s.max_ngram, sources=self.sources, **kw)
+        return make_drafter(self.s.method, max_ngram=self.s.max_ngram, sources=self.sources, **kw)
 
     def _eagle3_drafter(self):
         """The head runs here, beside the loop; the target's features come from the target

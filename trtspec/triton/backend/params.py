@@ -120,6 +120,10 @@ class EngineEndpointParams(EndpointParams):
     # The deployment's draft tree (spec speculative.tree) as JSON of its TreeSpec fields; None:
     # chains. A request drafts it unless it sends draft_tree false.
     tree: object | None = _param(codec="tree")
+    # Adaptive speculation (spec method auto, or adaptive): the methods the policy chooses
+    # among, comma-separated ("draft_target,suffix,ngram"; one for adaptive k); None: fixed k.
+    adaptive_methods: str | None = None
+    probe_every: int = 16
 
     def settings(self, decoupled: bool, max_batch_size: int):
         from trtspec.triton.backend.contract import DEFAULT_MAX_RESPONSE_MB
@@ -146,6 +150,8 @@ class EngineEndpointParams(EndpointParams):
             switch_off=self.switch_off,
             max_response_mb=DEFAULT_MAX_RESPONSE_MB if self.max_response_mb is None else self.max_response_mb,
             suffix=self.suffix,
+            adaptive_methods=tuple(self.adaptive_methods.split(",")) if self.adaptive_methods else None,
+            probe_every=self.probe_every,
         )
 
     def _tree_shape(self):
@@ -221,10 +227,13 @@ def _decode(text: str, hint, codec: str | None):
 
 
 def load_aware(speculative) -> dict:
-    """The spec's `speculative.schedule` / `switch_off` as EngineEndpointParams keywords."""
+    """The spec's `speculative.schedule` / `switch_off` / adaptive methods as EngineEndpointParams keywords."""
     out: dict = {}
     if speculative.schedule:
         out["schedule"] = tuple(sorted(speculative.schedule.items()))
     if speculative.switch_off is not None:
         out["switch_off"] = (speculative.switch_off.window, speculative.switch_off.min_acceptance_length)
+    if speculative.adapts:
+        out["adaptive_methods"] = ",".join(speculative.methods)
+        out["probe_every"] = speculative.auto.probe_every if speculative.auto is not None else 16
     return out

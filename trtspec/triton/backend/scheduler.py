@@ -105,6 +105,7 @@ class StepStats:
     k: int = 0  # the largest draft length asked this step (0: nobody drafted)
     asked_k: int = 0  # the largest num_draft_tokens of the step's requests (the configured k)
     extra_forwards: int = 0  # further one-token forwards of a target that kept decoding
+    chosen: list[str] = field(default_factory=list)  # adaptive: the policy's "drafter:k" per sequence
     queued: int = 0  # requests waiting for a place after this step's admissions
     held: int = 0  # sequences holding a place after the step (0 when idle)
     finished: int = 0  # requests answered this step
@@ -274,6 +275,7 @@ class Scheduler:
                 )
                 stats.accepted_each, stats.extra_forwards = list(report.accepted_each), report.extra_forwards
                 stats.asked_k = report.asked_k
+                stats.chosen = list(report.chosen)
                 self._answer(report.emitted, stats)
         with self._cv:
             stats.queued = len(self.waiting)

@@ -230,7 +230,7 @@ def _torch_engine_models(
 ) -> dict[str, tuple[ModelConfig, str | None]]:
     """The torch engines as Python-backend models: target, draft (draft_target) and control."""
     spec = loaded.spec
-    has_draft = spec.speculative.method == "draft_target"
+    has_draft = spec.speculative.model_draft == "draft_target"
     models: dict[str, tuple[ModelConfig, str | None]] = {}
     # The control endpoint gets its own copy of the target (own KV cache): verify --url
     # must compare two paths that share no cache state, or a cache bug would pass as
@@ -291,7 +291,7 @@ def _endpoint_models(
     spec = loaded.spec
     limits = spec.limits("target")
     batch = limits.max_batch_size
-    has_draft = spec.speculative.method == "draft_target"
+    has_draft = spec.speculative.model_draft == "draft_target"
     models: dict[str, tuple[ModelConfig, str | None]] = {}
     endpoints = {BLS_MODEL: ("speculative", False), CONTROL_MODEL: ("target_only", False)}
     if spec.serve.streaming:
