@@ -17,6 +17,7 @@ from pathlib import Path
 from trtspec.cache import cache_root
 from trtspec.errors import CheckpointError
 from trtspec.files import FileRecord, file_record
+from trtspec.gguf_check import check_gguf
 from trtspec.spec import LoadedSpec, ModelSpec
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -91,6 +92,7 @@ def resolve(loaded: LoadedSpec, role: str, allow_pickle: bool = False) -> Checkp
         gguf = folder / model.gguf_file
         if not gguf.is_file():
             raise CheckpointError(f"{role}.gguf_file: {gguf} not found; fix the file name")
+        check_gguf(role, gguf)  # a damaged or foreign file: one line naming the tensor, not a traceback
         record = file_record(gguf)
         converted = _convert_gguf(role, folder, model.gguf_file, record.sha256)
         weights = sorted(converted.glob("*.safetensors"))

@@ -7,11 +7,14 @@ Folders (engines, model repositories) are built under a hidden temp name and swa
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +138,21 @@ def ensure_writable(folder: Path) -> None:
         raise TrtspecError(
             f"output folder {folder} is not writable ({e.strerror}); pass --output DIR or fix its permissions"
         ) from e
+
+
+@contextmanager
+def writable_folder(folder: Path) -> Iterator[None]:
+    """ensure_writable(folder) for the block; a folder this made is removed again when the block
+    fails and leaves it empty, so a refused command leaves nothing behind."""
+    existed = folder.exists()
+    ensure_writable(folder)
+    try:
+        yield
+    except BaseException:
+        if not existed:
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only ever an empty one
+        raise
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:

@@ -23,7 +23,7 @@ from trtspec.checkpoints import Checkpoint, check_embedding_rows, require_shared
 from trtspec.device import place
 from trtspec.engines.manifest import Manifest, SourceRecord, now, read_manifest, versions, write_manifest
 from trtspec.errors import EngineError
-from trtspec.files import ensure_writable, file_record, remove_stale_temps, swap_into_place
+from trtspec.files import file_record, remove_stale_temps, swap_into_place, writable_folder
 from trtspec.layout import KINDS_OF_ROLE, EngineKind, engine_folder, role_of
 from trtspec.spec import LoadedSpec
 
@@ -237,13 +237,13 @@ def build(loaded: LoadedSpec, output_dir: Path, force: bool = False, allow_pickl
     prepare: Callable[[], None] | None = getattr(backend, "prepare", None)
     if prepare is not None:  # e.g. trtllm: refuse at once where tensorrt_llm is missing
         prepare()
-    ensure_writable(output_dir)
-    remove_stale_temps(output_dir)
-    checkpoints = resolve_pair(loaded, allow_pickle, roles)
-    the_plan = plan(loaded, output_dir, force)
-    the_plan.units = [u for u in the_plan.units if u.role in checkpoints]
-    reconcile(the_plan, checkpoints)
-    backend.build(loaded, checkpoints, the_plan)
+    with writable_folder(output_dir):  # a refused build leaves no empty folder behind
+        remove_stale_temps(output_dir)
+        checkpoints = resolve_pair(loaded, allow_pickle, roles)
+        the_plan = plan(loaded, output_dir, force)
+        the_plan.units = [u for u in the_plan.units if u.role in checkpoints]
+        reconcile(the_plan, checkpoints)
+        backend.build(loaded, checkpoints, the_plan)
     return BuildResult(output_dir, the_plan.units)
 
 

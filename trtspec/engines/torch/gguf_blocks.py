@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from trtspec.engines.torch.quant import GROUP, QuantizedWeight, pack_int4
+from trtspec.errors import CheckpointError
 
 Q4_1_BYTES = 2 + 2 + GROUP // 2  # d, m, codes
 
@@ -90,10 +91,16 @@ def read_q4_1(path: Path, hf_config) -> dict[str, QuantizedWeight]:
         name = hf_name(tensor.name)
         if name is None or tensor.tensor_type != GGMLQuantizationType.Q4_1:
             continue
+        role = name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1]
+        rows_per = 2 * heads[role] if permuted and role in heads else 1  # whole heads of row pairs
+        if len(tensor.shape) != 2 or int(tensor.shape[1]) % rows_per:
+            raise CheckpointError(
+                f"tensor {tensor.name} in {path} has shape {[int(n) for n in tensor.shape]}, not the "
+                f"[in, out] of the Linear {name}; use a GGUF converted from this model"
+            )
         in_features, out_features = (int(n) for n in tensor.shape)  # GGUF lists the fastest dimension first
         weight = decode_q4_1(np.asarray(tensor.data), out_features, in_features)
-        role = name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1]
-        if permuted and role in heads:
+        if rows_per > 1:
             weight = _take_rows(weight, _rope_rows(out_features, heads[role]))
         out[name] = weight
     return out
