@@ -41,6 +41,7 @@ def _model(scheduler, calls=None, orch=None):
 
     model = object.__new__(TritonPythonModel)
     model.scheduler, model.calls, model.core = scheduler, calls, orch
+    model.key, model.client_scopes = "server-key", False
     model.sink = types.SimpleNamespace(close=lambda: None)
     return model
 
@@ -227,7 +228,11 @@ def test_the_caller_key_is_one_per_server_private_and_checked(tmp_path):
     assert callers.from_inside(f'{{"{callers.CALLER_PARAMETER}": "{key}"}}', key)
     for given in ("{}", '{"trtspec_caller": "guess"}', '{"trtspec_caller": 1}', "not json", None):
         assert not callers.from_inside(given, key)
-    assert callers.from_inside("{}", None)  # no key could be made: as before, every caller
+    # no key could be made or read: fail closed, nobody is inside (not even a claimed key)
+    assert not callers.from_inside("{}", None) and not callers.from_inside(f'{{"trtspec_caller": "{key}"}}', None)
+    assert callers.caller_of("{}", key) == callers.ANYONE and callers.caller_of(None, None) == callers.ANYONE
+    assert callers.caller_of('{"trtspec_caller": "guess"}', key) == callers.WRONG_KEY
+    assert callers.caller_of(f'{{"trtspec_caller": "{key}"}}', None) == callers.WRONG_KEY
     assert callers.server_key(1, tmp_path / "missing") is None
     # a new key removes the files of servers that are gone, never a live one's
     gone = subprocess.Popen(["true"])
@@ -269,6 +274,43 @@ def test_an_engine_model_answers_only_its_repositorys_bls_models(pb, tmp_path):
     for refused in (answers[0], answers[2]):
         assert refused.has_error() and refused.error().code == "INVALID_ARG"
         assert "tensorrt_llm is internal to this model repository" in refused.error().message()
+
+
+def test_an_engine_model_without_a_caller_key_refuses_every_request_by_name(pb):
+    """Where the key file cannot be made or read the gate fails closed: every request, even one
+    claiming a key, is refused with the error that names the fix; none reaches the engine."""
+    from trtspec.triton.backend.models.engine_model import TritonPythonModel
+
+    class Core:
+        def infer(self, inputs):
+            assert not inputs, "no request may reach the engine"
+            return []
+
+    model = object.__new__(TritonPythonModel)
+    model.core, model.key, model.name = Core(), None, "tensorrt_llm"
+    plain = pb_standin.Request({"input_ids": np.ones((1, 2), np.int32)}, unreadable=True)
+    claimed = pb_standin.Request({}, unreadable=True, parameters='{"trtspec_caller": "0123"}')
+    for answer in model.execute([plain, claimed]):
+        assert answer.has_error() and answer.error().code == "INTERNAL"
+        assert "tensorrt_llm refuses every request: this tritonserver could not make or read its caller key" in (
+            answer.error().message()
+        )
+        assert "give tritonserver a writable /dev/shm" in answer.error().message()
+
+
+def test_the_front_finds_the_caller_key_of_the_server_on_its_port(tmp_path):
+    import socket
+
+    from trtspec.triton.backend import callers
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        assert callers.key_for_port(port, tmp_path) is None  # this process has no key file yet
+        key = callers.server_key(os.getpid(), tmp_path)
+        assert callers.key_for_port(port, tmp_path) == key
+    assert callers.key_for_port(port, tmp_path) is None  # nobody listens there now
 
 
 def _engine_inputs(ids=(5, 6, 7), lengths=None, out_len=2, draft=None, **extra):

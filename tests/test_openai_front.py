@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import urllib.request
 
@@ -323,7 +324,9 @@ def test_ignore_eos_and_continuous_usage_reach_the_deployment(oai, scripted):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
 
 
-def test_user_is_the_suffix_cache_scope_and_suffix_cache_false_opts_out(oai, scripted):
+def test_user_narrows_the_tenants_suffix_cache_scope_and_suffix_cache_false_opts_out(oai, scripted):
+    """Without keys every request is tenant "default": user narrows its scope to default/user,
+    never replaces it."""
     from trtspec.openai.triton import TritonText
 
     oai.completions.create(model=MODEL, prompt="hello", max_tokens=2, user="tenant-é")
@@ -331,12 +334,12 @@ def test_user_is_the_suffix_cache_scope_and_suffix_cache_false_opts_out(oai, scr
     oai.completions.create(model=MODEL, prompt="hello", max_tokens=2, user="tenant-a", extra_body={"suffix_cache": False})
     sent = [{t.name(): t for t in TritonText._inputs(g, False)} for g in scripted.calls]
     assert sent[0]["suffix_cache_scope"].datatype() == "BYTES" and "suffix_cache" not in sent[0]
-    assert scripted.calls[0].suffix_cache_scope == "tenant-é"
-    assert "suffix_cache_scope" not in sent[1] and "suffix_cache" not in sent[1]  # the shared scope
+    assert scripted.calls[0].suffix_cache_scope == "default/tenant-é"
+    assert scripted.calls[1].suffix_cache_scope == "default"  # no user: the tenant's own scope
     assert "suffix_cache_scope" not in sent[2] and sent[2]["suffix_cache"].datatype() == "BOOL"
     assert scripted.calls[2].suffix_cache is False
     status, error, _ = _status_error(lambda: oai.completions.create(model=MODEL, prompt="hello", max_tokens=2, user="x" * 300))
-    assert status == 400 and "user is 300 bytes, more than 256" in error["message"]
+    assert status == 400 and "user is 300 bytes, more than 248" in error["message"]  # 256 less "default/"
     assert len(scripted.calls) == 3  # refused before the deployment
 
 
@@ -367,3 +370,98 @@ def test_log_prob_token_texts_are_incremental_and_equal_the_whole_decode(tokeniz
     assert tokens == by_prefixes() and "".join(tokens) == decoded
     assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
     assert Counting.decoded <= 8 * len(ids), (Counting.decoded, len(ids))  # linear, not ~n^2/2
+
+
+# ------------------------------------------------------------------------ API keys and tenants
+
+SECRET_A, SECRET_B = "sk-acme-0123456789abcdef", "sk-umbrella-fedcba9876543210"
+
+
+@pytest.fixture
+def keyed(tokenizer, tmp_path):
+    """(base url, the scripted deployment, the key file) with keys required."""
+    from trtspec.openai.keys import ApiKeys
+
+    path = tmp_path / "keys.yaml"
+    path.write_text(f"{SECRET_A}: acme\n{SECRET_B}: umbrella\n")
+    backend = Scripted()
+    settings = FrontSettings(model=MODEL, max_seq_len=MAX_SEQ_LEN, created=0)
+    app = create_app(backend, tokenizer, settings, ApiKeys.from_file(path))
+    for port in serve_app(app, log_level="critical"):
+        yield f"http://127.0.0.1:{port}", backend, path
+
+
+def _post(base: str, key: str | None, **body) -> httpx.Response:
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    payload = {"model": MODEL, "prompt": "hello", "max_tokens": 2} | body
+    return httpx.post(base + "/v1/completions", json=payload, headers=headers, timeout=30, trust_env=False)
+
+
+def test_a_request_without_a_valid_key_is_401_in_openais_shape_and_never_reaches_the_deployment(keyed):
+    base, backend, _ = keyed
+    for key in (None, "sk-guess", SECRET_A[:-1], SECRET_A + "x", SECRET_A.upper()):
+        r = _post(base, key)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert r.json() == {
+            "error": {
+                "message": "the request has no valid API key; send `Authorization: Bearer <key>` with a key this server "
+                "was given",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "invalid_api_key",
+            }
+        }
+    r = httpx.get(base + "/v1/models", trust_env=False)
+    assert r.status_code == 401
+    assert httpx.get(base + "/health", trust_env=False).status_code == 200  # a probe needs no key
+    assert backend.calls == []
+    client = openai.OpenAI(
+        base_url=base + "/v1", api_key=SECRET_B, max_retries=0, http_client=openai.DefaultHttpxClient(trust_env=False)
+    )
+    assert client.completions.create(model=MODEL, prompt="hello", max_tokens=2).choices[0].text == "xx"
+
+
+def test_the_scope_is_the_keys_tenant_and_user_only_narrows_it(keyed):
+    base, backend, _ = keyed
+    for key, user in ((SECRET_A, None), (SECRET_A, "bob"), (SECRET_B, "acme"), (SECRET_B, "../acme"), (SECRET_B, "")):
+        assert _post(base, key, **({} if user is None else {"user": user})).status_code == 200
+    scopes = [g.suffix_cache_scope for g in backend.calls]
+    assert scopes == ["acme", "acme/bob", "umbrella/acme", "umbrella/../acme", "umbrella"]
+
+
+def test_the_key_file_is_read_again_when_it_changes_and_a_broken_one_keeps_the_last_good_keys(keyed, caplog):
+    base, backend, path = keyed
+    path.write_text(f"{SECRET_B}: umbrella\nsk-new-tenant-00000000: initech\n")  # acme revoked, one added
+    assert _post(base, SECRET_A).status_code == 401
+    assert _post(base, "sk-new-tenant-00000000").status_code == 200
+    assert backend.calls[-1].suffix_cache_scope == "initech"
+    caplog.clear()
+    path.write_text(f"{SECRET_B}: [not, a, tenant]\n")  # malformed: the last good keys stay
+    assert _post(base, "sk-new-tenant-00000000").status_code == 200
+    assert _post(base, SECRET_B).status_code == 200
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and f"API key file {path} changed but" in errors[0] and "keeping the last good keys" in errors[0]
+    assert "the tenant of key 1 must be a non-empty name" in errors[0]
+    assert not any(s in r.getMessage() for r in caplog.records for s in (SECRET_A, SECRET_B, "sk-new-tenant"))
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("sk-a: acme\nsk-b: a/b\n", "the tenant of key 2 holds '/'"),
+        ("sk-a: ''\n", "the tenant of key 1 must be a non-empty name"),
+        ("- sk-a\n", "must be a mapping of API key to tenant"),
+        ("{sk-a: acme", "is not YAML or JSON"),
+        ('{"sk a": "acme"}', "key 1 must be printable text without spaces"),
+        ("sk-a: " + "t" * 65 + "\n", "longer than 64 bytes"),
+    ],
+)
+def test_a_malformed_key_file_is_refused_at_start_naming_the_entry_not_the_key(tmp_path, text, words):
+    from trtspec.errors import SpecError
+    from trtspec.openai.keys import ApiKeys
+
+    path = tmp_path / "keys.yaml"
+    path.write_text(text)
+    with pytest.raises(SpecError, match=re.escape(words)) as err:
+        ApiKeys.from_file(path)
+    assert "sk-a" not in str(err.value) and "sk a" not in str(err.value)

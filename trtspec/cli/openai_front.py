@@ -20,9 +20,20 @@ def openai(
     ],
     url: Annotated[str, typer.Option("--url", help="The Triton deployment's gRPC HOST:PORT.")] = "127.0.0.1:8001",
     host: Annotated[
-        str, typer.Option("--host", help="Address to bind. The API has no auth: keep it on loopback unless a proxy guards it.")
+        str,
+        typer.Option("--host", help="Address to bind. Without --api-key(s) anyone who reaches it may call: keep it on loopback."),
     ] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=1, max=65535, help="HTTP port of the API.")] = 8080,
+    api_keys: Annotated[
+        Path | None,
+        typer.Option(
+            "--api-keys",
+            help="YAML/JSON file mapping API key -> tenant; each tenant its own suffix cache scope. Re-read when it changes.",
+        ),
+    ] = None,
+    api_key: Annotated[
+        str | None, typer.Option("--api-key", help="One API key (tenant 'default'); prefer --api-keys: argv is visible.")
+    ] = None,
     engines: EnginesOpt = None,
 ) -> None:
     """Serve /v1/models, /v1/completions and /v1/chat/completions (SSE streaming) for a
@@ -32,13 +43,23 @@ def openai(
     Greedy decoding only: temperature > 0, n > 1, penalties, logprobs and tools get an
     OpenAI-shaped 400 error naming the field.
 
+    Every /v1 request needs `Authorization: Bearer <key>` when --api-keys or --api-key is
+    given (401 otherwise); the key's tenant is the request's suffix cache scope, which `user`
+    narrows inside it. Without keys the deployment is single-tenant.
+
     Examples:
       trtspec serve engine_specs/smollm2-135m-cpu.yaml --detach
       trtspec openai engine_specs/smollm2-135m-cpu.yaml --port 8080
+      trtspec openai engine_specs/smollm2-135m-cpu.yaml --host 0.0.0.0 --api-keys keys.yaml
     """
+    from trtspec.errors import SpecError
+    from trtspec.openai.keys import ApiKeys
     from trtspec.openai.run import run
 
+    if api_keys is not None and api_key is not None:
+        raise SpecError("give --api-keys FILE or --api-key KEY, not both")
+    keys = ApiKeys.from_file(api_keys) if api_keys is not None else ApiKeys.single(api_key) if api_key is not None else None
     t = launch.serve_target(target, engines, write=False)
     url = parse_url(url)
     console.err.print(f"OpenAI API on http://{host}:{port}/v1 -> Triton gRPC {url}; Ctrl-C to stop")
-    run(t.repo_dir, url, host, port)
+    run(t.repo_dir, url, host, port, keys)

@@ -42,6 +42,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from trtspec.errors import RequestError
+from trtspec.openai.keys import DEFAULT_TENANT, ApiKeys
 from trtspec.openai.schemas import ChatBody, CompletionBody
 from trtspec.openai.triton import DeploymentError, Generation, Piece, TritonText
 
@@ -56,6 +57,9 @@ class FrontSettings:
     max_seq_len: int
     created: int
     max_body_bytes: int = 0  # 0: default_body_limit(max_seq_len)
+    # The deployment reads suffix cache scopes (trtspec's endpoints with suffix drafting): each
+    # request is sent in its tenant's scope. False: no scope is sent (nothing would read it).
+    suffix_scopes: bool = True
 
     @property
     def body_limit(self) -> int:
@@ -131,10 +135,14 @@ def _error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(message, "invalid_request_error", where or None), status_code=400)
 
 
-def create_app(backend: TritonText, tokenizer, settings: FrontSettings) -> FastAPI:
+def create_app(backend: TritonText, tokenizer, settings: FrontSettings, keys: ApiKeys | None = None) -> FastAPI:
+    """The app; with ``keys`` every /v1 request needs one of them and is its key's tenant,
+    without, every request is the one tenant DEFAULT_TENANT (a single-tenant deployment)."""
     app = FastAPI(title="trtspec OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     front = _Front(backend, tokenizer, settings)
     app.add_middleware(BodyLimit, limit=settings.body_limit)
+    if keys is not None:  # outermost: a request without a key is refused before its body is read
+        app.add_middleware(RequireKey, keys=keys)
 
     _error_handlers(app)
 
@@ -156,13 +164,13 @@ def create_app(backend: TritonText, tokenizer, settings: FrontSettings) -> FastA
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
         prompt = _checked(body.check)
-        g = await front.generation(body, prompt, chat=False)
+        g = await front.generation(body, prompt, chat=False, tenant=_tenant(request))
         return await front.answer(body, g, chat=False, request=request)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
         messages = _checked(body.check)
-        g = await front.generation(body, await front.tokenized(front.render, messages), chat=True)
+        g = await front.generation(body, await front.tokenized(front.render, messages), chat=True, tenant=_tenant(request))
         return await front.answer(body, g, chat=True, request=request)
 
     return app
@@ -207,6 +215,43 @@ class BodyLimit:
     async def _refuse(self, send) -> None:
         err = ApiError(413, f"the request body exceeds {self.limit} bytes; send a shorter prompt", code="request_too_large")
         await error_response(err)({"type": "http"}, None, send)
+
+
+class RequireKey:
+    """ASGI middleware: every /v1 request carries a valid API key (``Authorization: Bearer
+    KEY``) or is answered 401 in OpenAI's error shape before its body is read; the key's tenant
+    goes to the routes as ``request.state.tenant``. /health stays open (a probe needs no key)."""
+
+    def __init__(self, app, keys: ApiKeys):
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1") or scope.get("method") == "OPTIONS":
+            return await self.app(scope, receive, send)
+        tenant = self.keys.tenant_of(_bearer(scope.get("headers") or []))
+        if tenant is None:
+            err = ApiError(
+                401,
+                "the request has no valid API key; send `Authorization: Bearer <key>` with a key this server was given",
+                code="invalid_api_key",
+            )
+            response = error_response(err)
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return await response({"type": "http"}, None, send)
+        scope.setdefault("state", {})["tenant"] = tenant
+        return await self.app(scope, receive, send)
+
+
+def _bearer(headers) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header (None: none)."""
+    value = dict(headers).get(b"authorization", b"").decode("latin-1")
+    scheme, _, token = value.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def _tenant(request: Request) -> str:
+    """The request's tenant: its API key's (RequireKey), or the one tenant where there are no keys."""
+    return getattr(request.state, "tenant", DEFAULT_TENANT)
 
 
 def _checked(check):
@@ -261,7 +306,7 @@ class _Front:
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
-    async def generation(self, body, text: str, chat: bool) -> Generation:
+    async def generation(self, body, text: str, chat: bool, tenant: str = DEFAULT_TENANT) -> Generation:
         control = self.control(body.model)
         n_prompt = await self.tokenized(self.count_tokens, text)
         room = self.s.max_seq_len - n_prompt
@@ -274,7 +319,9 @@ class _Front:
         # Chat without a limit runs to the end of the context, as OpenAI's; a limit past it is
         # refused by the deployment with its own message.
         limit = body.limit(room) if chat else (body.max_tokens or 16)
-        scope, cached = _checked(body.cache_scope)
+        scope, cached = _checked(lambda: body.cache_scope(tenant))
+        if not self.s.suffix_scopes:
+            scope = None  # the deployment reads no scope: none is sent
         return Generation(
             text=text,
             max_tokens=limit,

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from trtspec.errors import RequestError
-from trtspec.speculative.requests import check_scope
+from trtspec.speculative.requests import MAX_SCOPE_BYTES, check_scope
 from trtspec.triton.request import INT32_MAX  # counts travel as int32 tensors: refused here beyond it
 
 
@@ -33,8 +33,8 @@ class _Body(BaseModel):
     # max_tokens (the end token is then a token like any other); fixed-length benchmarks send it.
     ignore_eos: bool = False
     logit_bias: dict[str, float] | None = None
-    # OpenAI's end-user id: the scope of suffix decoding's cache of earlier responses the
-    # request reads and feeds (suffix_cache_scope; absent: the deployment's shared scope).
+    # OpenAI's end-user id: narrows the scope of suffix decoding's cache of earlier responses
+    # the request reads and feeds to tenant/user, inside its API key's tenant (never beyond it).
     user: str | None = None
     # trtspec: draft length for this request (the deployment's default when absent)
     num_draft_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
@@ -42,12 +42,14 @@ class _Body(BaseModel):
     # whatever user says)
     suffix_cache: bool = True
 
-    def cache_scope(self) -> tuple[str | None, bool]:
-        """(suffix_cache_scope, suffix_cache) as the deployment takes them: user checked as a
-        scope; no scope where suffix_cache is false."""
+    def cache_scope(self, tenant: str) -> tuple[str | None, bool]:
+        """(suffix_cache_scope, suffix_cache) as the deployment takes them: the tenant's scope,
+        narrowed to tenant/user where the body names a user (checked to fit the scope's
+        MAX_SCOPE_BYTES with the tenant); no scope where suffix_cache is false."""
         if not self.suffix_cache:
             return None, False
-        return check_scope(self.user, "user"), True
+        user = check_scope(self.user, "user", MAX_SCOPE_BYTES - len(tenant.encode()) - 1)
+        return (f"{tenant}/{user}" if user else tenant), True
 
     def stops(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from trtspec.errors import RequestError
 from trtspec.layout import BLS_MODEL, BLS_STREAMING_MODEL, CONTROL_MODEL
+from trtspec.triton.backend.callers import CALLER_PARAMETER
 from trtspec.triton.request import infer_inputs
 
 # gRPC status (as tritonclient and grpc name it) -> HTTP status of the OpenAI front.
@@ -89,11 +90,15 @@ class Generation:
 
 class TritonText:
     """Completions from a running trtspec deployment at ``url`` (HOST:PORT, gRPC); every call
-    waits at most ``timeout`` seconds."""
+    waits at most ``timeout`` seconds. ``caller_key``: the server's caller key
+    (triton/backend/callers.py), sent with every request so the endpoints take this front's
+    suffix cache scopes (its tenants'); None: none is sent, and the endpoints put every request
+    in their shared scope."""
 
-    def __init__(self, url: str, timeout: float = 600.0):
+    def __init__(self, url: str, timeout: float = 600.0, caller_key: str | None = None):
         self.url = url
         self.timeout = timeout
+        self.parameters = None if caller_key is None else {CALLER_PARAMETER: caller_key}
         self._client = None
 
     @property
@@ -161,7 +166,9 @@ class TritonText:
         outputs = self._wanted(g)
         model = CONTROL_MODEL if g.control else BLS_MODEL
         try:
-            result = await self.client.infer(model, self._inputs(g, False), outputs=outputs, client_timeout=self.timeout)
+            result = await self.client.infer(
+                model, self._inputs(g, False), outputs=outputs, client_timeout=self.timeout, parameters=self.parameters
+            )
         except Exception as err:
             raise self._error(err) from None
         return _piece(result, final=True)
@@ -179,6 +186,7 @@ class TritonText:
             "outputs": self._wanted(g),
             "request_id": uuid.uuid4().hex,
             "enable_empty_final_response": True,
+            "parameters": self.parameters,
         }
 
         async def requests():

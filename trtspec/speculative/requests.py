@@ -140,18 +140,16 @@ def _check_prompt(prompt_ids: list[int], max_tokens: int, limits: Limits) -> Non
         )
 
 
-def check_scope(scope: str | bytes | None, name: str = "suffix_scope") -> str | None:
-    """A request's suffix cache scope, checked: None, or text of at most MAX_SCOPE_BYTES UTF-8
+def check_scope(scope: str | bytes | None, name: str = "suffix_scope", limit: int = MAX_SCOPE_BYTES) -> str | None:
+    """A request's suffix cache scope, checked: None, or text of at most ``limit`` UTF-8
     bytes without control characters ("" is the deployment's shared scope; bytes are decoded
     as UTF-8 once their size is checked). ``name``: the field as the request's sender knows it,
-    for the RequestError."""
+    for the RequestError; ``limit``: what is left of MAX_SCOPE_BYTES where a prefix joins it."""
     if scope is None:
         return None
     if isinstance(scope, bytes):
-        if len(scope) > MAX_SCOPE_BYTES:
-            raise RequestError(
-                f"{name} is {len(scope)} bytes, more than {MAX_SCOPE_BYTES}; send a shorter key (a hash of it, say)"
-            )
+        if len(scope) > limit:
+            raise RequestError(f"{name} is {len(scope)} bytes, more than {limit}; send a shorter key (a hash of it, say)")
         try:
             scope = scope.decode("utf-8")
         except UnicodeDecodeError:
@@ -162,8 +160,8 @@ def check_scope(scope: str | bytes | None, name: str = "suffix_scope") -> str | 
         size = len(scope.encode("utf-8"))
     except UnicodeEncodeError:
         raise RequestError(f"{name} is not valid UTF-8; send UTF-8 text") from None
-    if size > MAX_SCOPE_BYTES:
-        raise RequestError(f"{name} is {size} bytes, more than {MAX_SCOPE_BYTES}; send a shorter key (a hash of it, say)")
+    if size > limit:
+        raise RequestError(f"{name} is {size} bytes, more than {limit}; send a shorter key (a hash of it, say)")
     if any(ord(c) < 32 or ord(c) == 127 for c in scope):
         raise RequestError(f"{name} holds a control character; send printable text")
     return scope

@@ -14,8 +14,15 @@ a 0600 file in /dev/shm named after the server's pid (every stub of one server s
 that are gone are removed when a new key is made. Clients reach the
 server only through its gRPC/HTTP APIs, which never show a stub's files or environment; the
 key is not in config.pbtxt (readable through the model-configuration API). Where no key can be
-made (no writable /dev/shm), engine models answer every caller, as before, and say so in the
-log once.
+made or read (no writable /dev/shm), the gate fails closed: the engine models refuse every
+request with ``no_key_error`` (the fix: give tritonserver a writable /dev/shm), and the text
+endpoints trust no caller.
+
+The text endpoints ask the same key of one caller: the OpenAI front (`trtspec openai`), which
+reads it from the server's key file (``key_for_port``) and sends it with every request. Only
+a request carrying it may name its suffix cache scope (the front's tenants); a request that
+carries a wrong key is refused (``caller_of``), so a front that lost its server's key fails
+loudly instead of putting every tenant in one scope.
 """
 
 from __future__ import annotations
@@ -82,15 +89,79 @@ def _forget_dead(folder: Path) -> None:
             continue
 
 
-def from_inside(parameters: str | None, key: str | None) -> bool:
-    """A request's parameters (python_backend's JSON string) carry ``key``; True without a key."""
-    if key is None:
-        return True
+INSIDE, ANYONE, WRONG_KEY = "inside", "anyone", "wrong key"  # what caller_of finds
+
+
+def caller_of(parameters: str | None, key: str | None) -> str:
+    """Who sent a request, from its parameters (python_backend's JSON string): INSIDE when
+    they carry ``key``, ANYONE when they carry no caller key, WRONG_KEY when they carry another
+    (or any, where this server has no key: nothing is trusted then)."""
     try:
         given = json.loads(parameters or "{}").get(CALLER_PARAMETER)
     except (ValueError, AttributeError):
-        return False
-    return isinstance(given, str) and secrets.compare_digest(given, key)
+        return WRONG_KEY
+    if given is None:
+        return ANYONE
+    if key is None or not isinstance(given, str):
+        return WRONG_KEY
+    return INSIDE if secrets.compare_digest(given.encode(), key.encode()) else WRONG_KEY
+
+
+def from_inside(parameters: str | None, key: str | None) -> bool:
+    """A request's parameters carry ``key``; False where this server has no key (fail closed)."""
+    return caller_of(parameters, key) == INSIDE
+
+
+def no_key_error(model: str) -> str:
+    return (
+        f"{model} refuses every request: this tritonserver could not make or read its caller key in {SHM} "
+        "(callers.py), so it cannot tell its own endpoints from other callers; give tritonserver a writable "
+        "/dev/shm (docker --shm-size, a Kubernetes emptyDir with medium Memory) and restart it"
+    )
+
+
+def wrong_key_error() -> str:
+    return (
+        f"the request's {CALLER_PARAMETER} key is not this server's; restart `trtspec openai` against this "
+        "server (it reads the key of the server it was started for), or send no key"
+    )
+
+
+def key_for_port(port: int, folder: Path = SHM) -> str | None:
+    """The caller key of the tritonserver on this machine listening on ``port``, where this
+    user can read it (None: no such server here, or not ours)."""
+    for pid in _listening_pids(port):
+        try:
+            key = key_path(pid, folder).read_text(encoding="ascii").strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if key:
+            return key
+    return None
+
+
+def _listening_pids(port: int) -> list[int]:
+    """The processes of this user listening on TCP ``port`` (Linux /proc)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                pids.append(int(proc.name))
+        except OSError:  # another user's process, or gone
+            continue
+    return pids
 
 
 def outside_error(model: str) -> str:

@@ -49,9 +49,11 @@ from trtspec.speculative.loop import SHARED_SCOPE, Batch, GenerationResult, NoDr
 from trtspec.speculative.menus import adaptive_policy, make_menu
 from trtspec.speculative.metrics import SourceCounts
 from trtspec.speculative.processing import Processing
+from trtspec.speculative.requests import MAX_SCOPE_BYTES, Limits, check_scope, encode_prompt, make_request
 from trtspec.speculative.sampling import SamplingParams
 from trtspec.speculative.schedule import LoadPolicy
 from trtspec.tokens import check_token_ids
+from trtspec.triton.backend import callers
 from trtspec.triton.backend.bls import BlsDecoder, BlsDrafter, BlsVerifier, EngineCall
 from trtspec.triton.backend.contract import (
     DEFAULT_MAX_RESPONSE_MB,
@@ -203,6 +205,29 @@ def _scope_of(request: RequestInputs, r: int) -> str | None:
             raise RequestError("suffix_cache false keeps the request out of every scope; send it or suffix_cache_scope, not both")
         return None
     return SHARED_SCOPE if scope is None else check_scope(scope, "suffix_cache_scope")
+
+
+def caller_scopes(inputs: Mapping[str, np.ndarray], caller: str, client_scopes: bool) -> Mapping[str, np.ndarray]:
+    """The inputs as ``caller`` (callers.caller_of) may send them. The OpenAI front (INSIDE: it
+    carries the server's caller key) names its tenants' scopes (tenant/user). Anyone else's
+    suffix_cache_scope is dropped, so every direct caller is in the shared scope; where the
+    spec allows client scopes (suffix.client_scopes) it is kept under the direct callers'
+    tenant ("/" + scope), so no direct caller ever reaches a front tenant's responses. A wrong
+    caller key is refused: a front that lost its server's key must not share its tenants' scopes."""
+    if caller == callers.WRONG_KEY:
+        raise RequestError(callers.wrong_key_error())
+    raw = inputs.get("suffix_cache_scope")
+    if caller == callers.INSIDE or raw is None:
+        return inputs
+    out = dict(inputs)
+    if not client_scopes:
+        del out["suffix_cache_scope"]
+        return out
+    raw = np.asarray(raw)
+    limit = MAX_SCOPE_BYTES - 1  # room for the "/" of the direct callers' tenant
+    scoped = [check_scope(x, "suffix_cache_scope", limit) for x in raw.reshape(-1)]
+    out["suffix_cache_scope"] = np.array([f"/{x}".encode() if x else b"" for x in scoped], dtype=np.object_).reshape(raw.shape)
+    return out
 
 
 def stop_words(stops, row: int, rows: int) -> list[str]:

@@ -41,15 +41,18 @@ class TritonPythonModel:
         self.core = EngineCore(self.engine.run, limits, vocab_limit, exclude, features_of, lambda: self.engine.last_use)
         self.name = args["model_name"]
         self.key = callers.server_key()  # only the repository's own BLS models may call (callers.py)
-        if self.key is None:
-            log.warn(f"{self.name}: no caller key could be made in /dev/shm; this engine model answers every caller")
+        if self.key is None:  # fail closed: no caller can be told from the endpoints
+            log.error(callers.no_key_error(self.name))
 
     def execute(self, requests):
         """One batched engine run for the requests of this repository's endpoints; any other
-        caller is refused by name before its inputs are read (callers.py says why)."""
+        caller is refused by name before its inputs are read (callers.py says why), and every
+        caller where this server has no key."""
         inside = [pb.from_inside(r, self.key) for r in requests]
         answers = iter(self.core.infer([pb.inputs_of(r) for r, ok in zip(requests, inside) if ok]))
-        outside = RequestError(callers.outside_error(self.name))
+        outside = RuntimeError(callers.no_key_error(self.name))
+        if self.key is not None:
+            outside = RequestError(callers.outside_error(self.name))
         out = []
         for ok in inside:
             a = next(answers) if ok else outside

@@ -18,12 +18,13 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
+from trtspec.errors import RequestError
 from trtspec.speculative.requests import end_token_ids
 from trtspec.triton.backend import callers, log
 from trtspec.triton.backend.bls import ENGINE_TIMEOUT_S, split_rows, with_timeout
 from trtspec.triton.backend.metrics import EndpointMetrics, TritonSink
 from trtspec.triton.backend.models import pb
-from trtspec.triton.backend.orchestrator_core import Orchestrator
+from trtspec.triton.backend.orchestrator_core import Orchestrator, caller_scopes
 from trtspec.triton.backend.params import EngineEndpointParams
 from trtspec.triton.backend.scheduler import Scheduler, Unavailable
 
@@ -48,9 +49,11 @@ class TritonPythonModel:
         if settings.mode == "speculative":
             timeout_s = ENGINE_TIMEOUT_S if params.engine_timeout_s is None else params.engine_timeout_s
         us = int(timeout_s * 1e6)
-        # trtspec's torch engine models answer only this repository's BLS models (callers.py)
-        key = callers.server_key() if params.engine_margins else None
-        call = functools.partial(pb.bls_call, timeout_us=us, key=key)
+        # trtspec's torch engine models answer only this repository's BLS models, and only the
+        # OpenAI front (the same key) names suffix cache scopes here (callers.py)
+        self.key = callers.server_key()
+        self.client_scopes = params.suffix is not None and params.suffix.client_scopes
+        call = functools.partial(pb.bls_call, timeout_us=us, key=self.key if params.engine_margins else None)
         if params.engine_requests == "per_row":
             call = split_rows(functools.partial(pb.bls_call_many, timeout_us=us))
         self.calls = None
@@ -87,22 +90,43 @@ class TritonPythonModel:
             # Each request on its own: one that cannot be read is answered alone, and execute()
             # never raises (Triton would answer the whole batch, queued requests included, twice).
             for r in requests:
-                pb.guarded(r, lambda r=r: self.scheduler.submit(pb.inputs_of(r), pb.Reply(r), timeout_us=int(r.timeout())))
+                pb.guarded(r, lambda r=r: self._submit(r))
             return None
-        inputs = [pb.inputs_of(r) for r in requests]
+        inputs = [self._inputs(r) for r in requests]
+        readable = [i for i, x in enumerate(inputs) if not isinstance(x, Exception)]
         if not self.decoupled:
-            answers = self.core.run(inputs)
+            answers = inputs[:]
+            for i, a in zip(readable, self.core.run([inputs[i] for i in readable])):
+                answers[i] = a
             return [pb.error_response(a) if isinstance(a, Exception) else pb.response(a) for a in answers]
         senders = [r.get_response_sender() for r in requests]
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
-        def send(i, tensors, last):
-            senders[i].send(pb.response(tensors), flags=final if last else 0)
+        def send(j, tensors, last):
+            senders[readable[j]].send(pb.response(tensors), flags=final if last else 0)
 
-        for i, err in enumerate(self.core.run(inputs, send)):
+        errors = [x if isinstance(x, Exception) else None for x in inputs]
+        for j, err in enumerate(self.core.run([inputs[i] for i in readable], send)):
+            errors[readable[j]] = err
+        for i, err in enumerate(errors):
             if err is not None:
                 pb.guarded(requests[i], lambda i=i, err=err: senders[i].send(pb.error_response(err), flags=final))
         return None
+
+    def _inputs(self, request):
+        """The request's inputs as its caller may send them (orchestrator_core.caller_scopes),
+        or the RequestError that refuses it."""
+        try:
+            return caller_scopes(pb.inputs_of(request), pb.caller_of(request, self.key), self.client_scopes)
+        except RequestError as err:
+            return err
+
+    def _submit(self, request) -> None:
+        inputs, reply = self._inputs(request), pb.Reply(request)
+        if isinstance(inputs, Exception):
+            reply.fail(inputs)
+            return
+        self.scheduler.submit(inputs, reply, timeout_us=int(request.timeout()))
 
     def finalize(self):
         """Unload: every request held is answered before this returns. The worker stops after

@@ -99,15 +99,19 @@ def _request(model: str, inputs: Mapping[str, np.ndarray], output_names, timeout
     )
 
 
-def from_inside(request, key: str | None) -> bool:
-    """The request came from this repository's own BLS models (callers.py)."""
-    if key is None:
-        return True
+def caller_of(request, key: str | None) -> str:
+    """Who sent the request: callers.INSIDE, ANYONE or WRONG_KEY (callers.caller_of)."""
     try:
         parameters = request.parameters()
     except Exception:
-        return False
-    return callers.from_inside(parameters, key)
+        return callers.WRONG_KEY
+    return callers.caller_of(parameters, key)
+
+
+def from_inside(request, key: str | None) -> bool:
+    """The request came from this repository's own BLS models (callers.py); False where this
+    server has no key (fail closed)."""
+    return caller_of(request, key) == callers.INSIDE
 
 
 def _outputs(model: str, reply, output_names) -> dict[str, np.ndarray]:
