@@ -262,6 +262,7 @@ def _deployment(tmp_path_factory, ckpts, draft, **overrides):
 
 PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Triton serves models over HTTP and gRPC. Triton serves"]
 AUTO_TINY = {"speculative.method": "auto", "speculative.auto": {"methods": ["draft_target", "suffix", "ngram"]}}
+AUTO_TINY_FLAT = {"speculative.method": "auto", "speculative.auto.methods": ["draft_target", "suffix", "ngram"]}
 
 
 @pytest.mark.parametrize(
@@ -353,3 +354,43 @@ def test_endpoint_params_carry_the_adaptive_methods(tmp_path):
     assert settings.adaptive_policy().settings.free == frozenset({"suffix", "ngram"})
     fixed = _load(tmp_path, {"method": "ngram"}, draft=False).speculative
     assert "adaptive_methods" not in load_aware(fixed)
+
+
+# ---------------------------------------------------------------- bench and verify
+
+
+def test_bench_compares_auto_with_the_fixed_methods_and_reports_its_choices_per_request(built):
+    from trtspec.bench.methods import compare_methods, method_set, methods_table
+
+    dep = built()
+    ms = method_set(dep, ["draft_target", "ngram", "suffix", "auto"], 4)
+    assert "auto k<=4" in ms.drafters
+    reqs = [dep.request(dep.encode(p), 24) for p in PROMPTS]
+    rows = methods_table(compare_methods(dep.verifier(), ms.drafters, reqs, ms.forget))
+    auto = next(r for r in rows if r["method"] == "auto k<=4")
+    assert all(r["identical_to_target_only"] for r in rows)
+    assert len(auto["choices_per_request"]) == len(PROMPTS)
+    assert sum(auto["choices"].values()) == sum(sum(c.values()) for c in auto["choices_per_request"])
+    assert {key.rpartition(":")[0] for key in auto["choices"]} <= {"draft_target", "suffix", "ngram", "off"}
+
+
+def test_verify_passes_with_auto_greedy_and_sampled(tmp_path_factory, tiny_ckpts, tmp_path):
+    """`trtspec verify` on an auto spec: greedy outputs identical, and --sampling's chi-square
+    test p >= 0.01 with the drafter chosen per step (the accept rule is the standard one)."""
+    import json
+
+    from conftest import built_spec
+    from typer.testing import CliRunner
+
+    from trtspec.cli.app import app
+
+    spec = built_spec(tmp_path_factory, tiny_ckpts, "auto-verify", **AUTO_TINY_FLAT)
+    greedy = CliRunner().invoke(app, ["verify", str(spec), "--max-tokens", "24"])
+    assert greedy.exit_code == 0, greedy.output
+    report = tmp_path / "sampling.json"
+    args = ["verify", str(spec), "--sampling", "40", "--temperature", "0.9", "--seed", "3", "--max-tokens", "8"]
+    sampled = CliRunner().invoke(app, args + ["--json-file", str(report)])
+    assert sampled.exit_code == 0, sampled.output
+    s = json.loads(report.read_text())["sampling"]
+    assert s["p_value"] >= 0.01 and s["passed"] is True
+    assert s["metrics"]["drafted"] > 0 and s["metrics"].get("choices")

@@ -14,6 +14,10 @@ Definitions (per method, summed over prompts and rounds):
                     token (what one draft step costs in target steps)
   by source         layered and suffix drafters: drafted and accepted tokens per draft source
                     (suffix | model), counted by the drafter (speculative/metrics.SourceCounts)
+  choices           method auto: per request (prompt, round) the steps the adaptive policy
+                    drafted with each drafter and k ("ngram:5": 12, "off:0": 3), and their sum
+Method auto chooses among the spec's auto.methods, or else this spec's model draft, suffix and
+ngram; one policy serves all of a run's prompts, as one deployment's does.
 Every method's output ids are compared with target-only's: a difference is reported, never
 averaged away.
 """
@@ -24,7 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from trtspec.speculative.loop import Drafter, GenerationRequest, NoDrafter, generate
+from trtspec.speculative.loop import Drafter, GenerationRequest, Menu, NoDrafter, generate
 from trtspec.speculative.metrics import SourceCounts, SpecMetrics
 
 
@@ -60,6 +64,7 @@ class MethodStats:
     sources: SourceCounts = field(default_factory=SourceCounts)
     identical: bool = True
     mismatches: list[int] = field(default_factory=list)  # prompt indices
+    choices: list[dict[str, int]] = field(default_factory=list)  # method auto: per request run
 
     @property
     def tokens_per_s(self) -> float:
@@ -90,6 +95,9 @@ class MethodStats:
                 d["draft_cost_c"] = round(self.draft_seconds / m.drafted / per_target_token, 4)
         if self.sources.drafted:
             d["by_source"] = self.sources.to_dict()
+        if self.metrics.choices:
+            d["choices"] = dict(sorted(self.metrics.choices.items()))
+            d["choices_per_request"] = self.choices
         return d
 
 
@@ -112,17 +120,20 @@ def compare_methods(
             for name in order:
                 progress(f"round {r + 1}/{rounds} prompt {i + 1}/{len(requests)}: {name}")
                 factory, k = (NoDrafter, 0) if name == "target-only" else drafters[name]
-                drafter = TimedDrafter(factory())
+                made = factory()
+                drafter = made if isinstance(made, Menu) else TimedDrafter(made)
                 one = GenerationRequest(req.prompt_ids, req.max_tokens, k, req.end_ids, req.stop_sequences)
                 forget()
                 t0 = time.perf_counter()
                 (res,) = generate([one], drafter, verifier)
                 s = stats[name]
                 s.seconds += time.perf_counter() - t0
-                s.draft_seconds += drafter.seconds
+                s.draft_seconds += drafter.seconds if isinstance(drafter, TimedDrafter) else 0.0
+                if res.metrics.choices:
+                    s.choices.append(dict(sorted(res.metrics.choices.items())))
                 s.tokens += len(res.output_ids)
                 s.metrics = s.metrics.merge(res.metrics)
-                for source, n in getattr(drafter.inner, "sources", SourceCounts()).drafted.items():
+                for source, n in getattr(getattr(drafter, "inner", None), "sources", SourceCounts()).drafted.items():
                     s.sources.record(source, n, drafter.inner.sources.accepted.get(source, 0))
                 outputs[name] = res.output_ids
             for name in drafters:
@@ -134,7 +145,7 @@ def compare_methods(
 
 # ---------------------------------------------------------------- the drafters of `bench --methods`
 
-METHODS = ("eagle3", "draft_target", "ngram", "suffix", "eagle3+suffix", "draft_target+suffix")
+METHODS = ("eagle3", "draft_target", "ngram", "suffix", "eagle3+suffix", "draft_target+suffix", "auto")
 
 
 @dataclass
@@ -174,7 +185,9 @@ def method_set(dep, methods: Sequence[str], k: int, other=None, other_k: int | N
             raise RequestError(f"--methods: unknown method '{name}'; choose from {', '.join(METHODS)}")
         base, _, layer = name.partition("+")
         layered = sx if layer else None
-        if base == s.method and base != "suffix":
+        if name == "auto":
+            drafters[f"auto k<={k}"] = (auto_drafter(dep, sx, k), k)
+        elif base == s.method and base != "suffix":
             drafters[f"{name} k={k}"] = ((lambda b=base, x=layered: dep.drafter(b, x)), k)
         elif name == "ngram":
             drafters[f"ngram k={k}"] = (lambda: make_drafter("ngram", max_ngram=s.max_ngram, min_ngram=s.min_ngram), k)
@@ -197,6 +210,20 @@ def method_set(dep, methods: Sequence[str], k: int, other=None, other_k: int | N
             f()
 
     return MethodSet(drafters, forget)
+
+
+def auto_drafter(dep, suffix, k: int) -> Callable[[], Drafter]:
+    """Method auto over ``dep``: the spec's auto.methods, or its model draft (if any), suffix and
+    ngram, with k <= ``k``; one policy for every run, its costs measured as it goes."""
+    from trtspec.speculative.menus import adaptive_policy
+
+    s = dep.spec.speculative
+    if s.method == "auto":
+        methods = s.methods
+    else:
+        methods = tuple(m for m in (s.model_draft, "suffix", "ngram") if m is not None)
+    policy = adaptive_policy(methods, k)
+    return lambda: dep.drafter("auto", suffix, policy=policy)
 
 
 def other_drafter(dep, other) -> tuple[Callable[[], Drafter], Callable[[], None]]:
