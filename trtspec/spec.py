@@ -709,6 +709,13 @@ def check_engine_runtime(spec: EngineSpec) -> None:
 def check_llmapi_runtime(spec: EngineSpec) -> None:
     """trtllm.runtime llmapi: what the LLM API takes of the spec (ValueError)."""
     t, s = spec.trtllm, spec.speculative
+    if s.adapts:
+        raise ValueError(
+            f"speculative.{'method auto' if s.method == 'auto' else 'adaptive'}: trtspec does not yet write "
+            "TensorRT-LLM's own adaptive settings (AUTO decoding, acceptance_rate_window_size / "
+            "acceptance_rate_threshold); use backend torch, or a fixed method with speculative.schedule "
+            "(draft_len_schedule)"
+        )
     if s.default_draft_tokens != s.max_draft_len:
         raise ValueError(
             "speculative.default_draft_tokens: the LLM API drafts max_draft_len tokens every step "

@@ -32,6 +32,12 @@ SGLANG_ALGORITHM = {"eagle3": "EAGLE3", "draft_target": "STANDALONE"}
 
 
 def _model_draft(s: SpeculativeSpec, engine: str, methods: dict[str, str]) -> str:
+    if s.adapts:
+        raise SpecError(
+            f"speculative.{'method auto' if s.method == 'auto' else 'adaptive'}: trtspec's per-request choice of "
+            f"drafter and k from measured acceptance has no {engine} equivalent written here; export a fixed "
+            "method (and its speculative.schedule) instead"
+        )
     if s.method not in methods:
         raise SpecError(
             f"speculative.method {s.method}: trtspec writes {engine} settings for model drafts "
