@@ -8,6 +8,7 @@ more requests than its batch holds, the server's /metrics must show the load the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -176,6 +177,10 @@ def test_pod_command_serves_the_probes_and_exports_the_hpa_metric(tmp_path, tiny
         assert _get(logging_url, {"triton-admin-key": admin_key})[0] == 200
         assert _get(f"http://127.0.0.1:{http}/v2/trace/setting")[0] == 403
         assert _get(f"http://127.0.0.1:{http}/v2/systemsharedmemory/status")[0] == 403
+        # ... which no process's command line shows (/proc/PID/cmdline is world-readable)
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            with contextlib.suppress(OSError):
+                assert admin_key.encode() not in cmdline.read_bytes(), cmdline
 
         # the other series the README says to watch
         for name in (

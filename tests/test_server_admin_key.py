@@ -54,3 +54,36 @@ def test_the_shown_command_of_a_launched_server_hides_the_key_too():
     server = _server(admin_key=KEY)
     server.launcher = ["mpirun", "-n", "1", *server.command.argv()]
     assert not any(KEY in a for a in server.shown_argv()) and server.shown_argv()[0] == "mpirun"
+
+
+def test_the_running_server_reads_the_key_but_its_command_line_never_shows_it(tmp_path):
+    """/proc/PID/cmdline is readable by every local user: the started process must parse the
+    admin rules while its command line (what ps shows) carries only REDACTED."""
+    import sys
+    import time
+
+    out = tmp_path / "seen.json"
+    script = tmp_path / "tritonserver"  # stands in for the binary: records what it parsed and what others see
+    script.write_text(
+        f"#!{sys.executable}\n"
+        "import json, sys, time\n"
+        "cmdline = open('/proc/self/cmdline', 'rb').read().decode().split('\\0')\n"
+        f"open({str(out)!r}, 'w').write(json.dumps({{'argv': sys.argv, 'cmdline': cmdline}}))\n"
+        "time.sleep(60)\n"
+    )
+    script.chmod(0o755)
+    server = TritonServer(ServerCommand(binary=script, model_repository=tmp_path, admin_key=KEY))
+    server.start(tmp_path / "log")
+    try:
+        deadline = time.monotonic() + 30
+        while not out.exists() or not out.read_text():
+            assert server.is_running() and time.monotonic() < deadline, (tmp_path / "log").read_text()
+            time.sleep(0.05)
+        seen = json.loads(out.read_text())
+        outside = (Path("/proc") / str(server.pid) / "cmdline").read_bytes().decode()
+    finally:
+        server.stop(timeout=5)
+    rules = [a for a in seen["argv"] if a.startswith(("--http-restricted-api=", "--grpc-restricted-protocol="))]
+    assert len(rules) == 2 and all(a.endswith(f"triton-admin-key={KEY}") for a in rules)  # the server parses the key
+    assert seen["argv"][1:] == server.command.argv()[1:]  # every other argument as given
+    assert KEY not in outside and KEY not in " ".join(seen["cmdline"]) and outside.count(REDACTED) == 2

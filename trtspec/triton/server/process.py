@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Literal
 
 from trtspec.errors import ServerError, TrtspecError
+from trtspec.triton.server import hidden_args
 from trtspec.triton.server.detached import write_pid_file
 from trtspec.triton.server.install import Allocator, find_tritonserver, prepare_backend_dir, python_env, server_env
 from trtspec.triton.server.procgroup import end_group, signal_group
@@ -84,9 +85,10 @@ REDACTED = "<admin key>"  # what argv shows in place of the key anywhere trtspec
 def _admin_key() -> str:
     """The key from the file TRTSPEC_ADMIN_KEY_FILE names (absent: an optional Secret that does
     not exist), else TRTSPEC_ADMIN_KEY, else a random key nobody knows. tritonserver 2.51 reads
-    it only from its command line (--http-restricted-api / --grpc-restricted-protocol): it is
-    in the server process's argv, which other processes of the same user (or root) can read,
-    and nowhere else: the pid file and printed commands show REDACTED."""
+    it only from its command line (--http-restricted-api / --grpc-restricted-protocol), so
+    start() passes those arguments through the server's environment (readable by its own user
+    only) and its command line shows REDACTED (hidden_args); so do the pid file and printed
+    commands."""
     path = os.environ.get(ADMIN_KEY_FILE_ENV)
     if path:
         try:
@@ -314,9 +316,14 @@ class TritonServer:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path or os.devnull, "wb") as log:  # the child keeps its own copy of the fd
             try:
-                self._proc = subprocess.Popen(
-                    self.argv(),
-                    env=self.env,
+                # The admin key never on the command line (/proc/PID/cmdline is world-readable):
+                # argv shows REDACTED, the server reads the key from its environment (hidden_args).
+                shown, real = self.shown_argv(), self.argv()
+                self._proc = hidden_args.spawn(
+                    shown,
+                    {i: arg for i, (arg, seen) in enumerate(zip(real, shown, strict=True)) if arg != seen},
+                    self.env,
+                    None if detach else _die_with_parent,
                     stdin=subprocess.DEVNULL,
                     stdout=None if to_stdout else log,
                     stderr=None if to_stdout else subprocess.STDOUT,
@@ -324,7 +331,6 @@ class TritonServer:
                     # caller's terminal does not reach the server behind our back.
                     start_new_session=True,
                     # PDEATHSIG follows the *thread* that forks: start from a long-lived thread.
-                    preexec_fn=None if detach else _die_with_parent,
                 )
             except OSError as err:
                 raise ServerError(f"could not run {self.command.binary}: {err}") from err
