@@ -57,7 +57,7 @@ def test_auto_lists_its_drafters_and_adapts(tmp_path):
         ({"method": "auto", "auto": {"methods": ["auto"]}}, True, "auto.methods.0: Input should be"),
         ({"method": "auto", "auto": {"methods": []}}, True, "auto.methods"),
         ({"method": "auto", "auto": {"methods": ["ngram", "ngram"]}}, False, "lists a method twice"),
-        ({"method": "auto", "auto": {"methods": ["eagle3", "ngram"]}}, True, "use method: eagle3 with adaptive: true"),
+        ({"method": "auto", "auto": {"methods": ["draft_target", "eagle3"]}}, True, "both draft with the spec's one `draft`"),
         (AUTO, False, "auto.methods lists draft_target, which drafts with a `draft` model; add draft or remove"),
         ({"method": "auto", "auto": {"methods": ["suffix", "ngram"]}}, True, "use no draft model; remove `draft`"),
         (AUTO | {"tree": {"dynamic": {"top_k": 2, "nodes": 4}}}, True, "tree: method auto drafts one continuation"),

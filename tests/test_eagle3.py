@@ -342,9 +342,10 @@ def test_no_features_yet_means_no_drafts(eagle_deploy):
 # ------------------------------------------------------------------------------ Triton (cores)
 
 
-def _eagle_orchestrator(dep, log=None):
+def _eagle_orchestrator(dep, log=None, settings=None):
     """The text endpoint's logic with its BLS calls going to the target engine model's core in
-    this process: a separate TorchEngine, as inside tritonserver (its own process)."""
+    this process: a separate TorchEngine, as inside tritonserver (its own process). ``settings``:
+    the orchestrator's (default: method eagle3's over ``dep``'s folders)."""
     import numpy as np
 
     from trtspec.engines.torch.engine import TorchEngine
@@ -371,7 +372,7 @@ def _eagle_orchestrator(dep, log=None):
             raise answer
         return {n: answer[n] for n in names}
 
-    settings = OrchestratorSettings(
+    settings = settings or OrchestratorSettings(
         mode="speculative",
         decoupled=False,
         target_model="tensorrt_llm",

@@ -79,7 +79,7 @@ def resolve(loaded: LoadedSpec, role: str, allow_pickle: bool = False) -> Checkp
     else:
         folder = loaded.resolve(model.path)
         if not folder.is_dir():
-            if role == "draft" and loaded.spec.speculative.method == "eagle3":
+            if role == "draft" and loaded.spec.speculative.model_draft == "eagle3":
                 raise CheckpointError(
                     f"draft.path: {folder} is not a folder; train the EAGLE-3 head there with "
                     f"`trtspec distill {loaded.path}` or point draft at an existing head"

@@ -52,11 +52,11 @@ class Deployment:
         # One device for every engine of the deployment (the head reads the target's features).
         self.device = place(spec.device, {role: m.dtype for role, m in spec.models().items()})
         self.engines: dict[str, TorchEngine] = {}
-        self.head = None  # method eagle3: the head, reading the target's features
+        self.head = None  # an EAGLE-3 head (method eagle3, or auto listing it), reading the target's features
         for role in spec.models():
             folder = engine_folder(output_dir, role)
             check_manifest(folder, role, spec.build_hash(role))
-            if role == "draft" and spec.speculative.method == "eagle3":
+            if role == "draft" and spec.speculative.model_draft == "eagle3":  # eagle3, or auto listing it
                 from trtspec.engines.torch.eagle3_head import HeadEngine
 
                 self.head = HeadEngine.load(folder, self.engines["target"], slots)

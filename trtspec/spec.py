@@ -135,10 +135,11 @@ class AutoSpec(_Strict):
     def _distinct(cls, methods: tuple[str, ...]) -> tuple[str, ...]:
         if len(set(methods)) != len(methods):
             raise ValueError(f"{list(methods)} lists a method twice; list each once")
-        if "eagle3" in methods:
+        models = [m for m in methods if m in MODEL_METHODS]
+        if len(models) > 1:
             raise ValueError(
-                "eagle3: auto chooses among draft_target, suffix and ngram (an EAGLE-3 head is built "
-                "for method eagle3 only); use method: eagle3 with adaptive: true, or list draft_target"
+                f"{' and '.join(models)} both draft with the spec's one `draft` model (a checkpoint, or an "
+                "EAGLE-3 head); list one of them"
             )
         return methods
 
@@ -548,7 +549,7 @@ class EngineSpec(_Strict):
             check_trtllm_runtime(self)
         elif "trtllm" in self.model_fields_set:
             raise ValueError("`trtllm` settings only apply to backend: trtllm; remove them")
-        if method == "eagle3":
+        if self.speculative.model_draft == "eagle3":  # method eagle3, or auto listing it
             if self.draft.gguf_file is not None:
                 raise ValueError("draft.gguf_file: an EAGLE-3 head is a safetensors folder; remove gguf_file")
         if self.draft is not None:
@@ -562,13 +563,14 @@ class EngineSpec(_Strict):
         return self
 
     def _check_auto_draft(self) -> None:
-        """Method auto drafts with the `draft` model exactly when it lists draft_target."""
+        """Method auto drafts with the `draft` model exactly when it lists draft_target (a
+        checkpoint) or eagle3 (an EAGLE-3 head)."""
         listed = self.speculative.model_draft
         if listed is not None and self.draft is None:
             raise ValueError(f"auto.methods lists {listed}, which drafts with a `draft` model; add draft or remove {listed}")
         if listed is None and self.draft is not None:
             raise ValueError(
-                f"auto.methods ({', '.join(self.speculative.methods)}) use no draft model; remove `draft` or list draft_target"
+                f"auto.methods ({', '.join(self.speculative.methods)}) use no draft model; remove `draft` or list draft_target or eagle3"
             )
 
     def models(self) -> dict[str, ModelSpec]:
@@ -612,7 +614,7 @@ def check_torch_models(spec: EngineSpec) -> None:
                 f"{role}.quantization: {model.quantization} is a TensorRT-LLM quantization; "
                 f"the torch backend runs {', '.join(TORCH_QUANTIZATIONS)} (or set backend: trtllm)"
             )
-        if model.quantization != "none" and role == "draft" and spec.speculative.method == "eagle3":
+        if model.quantization != "none" and role == "draft" and spec.speculative.model_draft == "eagle3":
             raise ValueError(
                 "draft.quantization: the torch backend runs an EAGLE-3 head as trained; "
                 "remove quantization (the target may be quantized)"

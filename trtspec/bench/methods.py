@@ -187,7 +187,7 @@ def method_set(dep, methods: Sequence[str], k: int, other=None, other_k: int | N
         layered = sx if layer else None
         if name == "auto":
             drafters[f"auto k<={k}"] = (auto_drafter(dep, sx, k), k)
-        elif base == s.method and base != "suffix":
+        elif base in (s.method, s.model_draft) and base != "suffix":  # auto's model draft too
             drafters[f"{name} k={k}"] = ((lambda b=base, x=layered: dep.drafter(b, x)), k)
         elif name == "ngram":
             drafters[f"ngram k={k}"] = (lambda: make_drafter("ngram", max_ngram=s.max_ngram, min_ngram=s.min_ngram), k)

@@ -221,7 +221,7 @@ def resolve_pair(loaded: LoadedSpec, allow_pickle: bool = False, roles=None) -> 
             role: resolve(loaded, role, allow_pickle) for role in loaded.spec.models() if roles is None or role in roles
         }
     with console.step("checking draft/target compatibility"):
-        check_pair(checkpoints, loaded.spec.speculative.method)
+        check_pair(checkpoints, loaded.spec.speculative.model_draft or loaded.spec.speculative.method)
     return checkpoints
 
 

@@ -87,7 +87,7 @@ def check(loaded: LoadedSpec, allow_pickle: bool = False) -> CheckReport:
         checkpoints = resolve_pair(loaded, allow_pickle)
         backend = backend_for(spec.backend)
     report = CheckReport(spec.name, spec.backend, spec.speculative.method, spec.speculative.max_draft_len)
-    eagle3 = spec.speculative.method == "eagle3"
+    eagle3 = spec.speculative.model_draft == "eagle3"
     report.paired = "draft" in checkpoints and not eagle3
     for role, ckpt in checkpoints.items():
         cfg = ckpt.hf_config()
@@ -112,7 +112,7 @@ def check(loaded: LoadedSpec, allow_pickle: bool = False) -> CheckReport:
                 "parameters": params,
                 # An EAGLE-3 head has no tokenizer: its vocabulary is the reduced draft vocabulary.
                 "vocab": (getattr(cfg, "draft_vocab_size", None) or cfg.vocab_size)
-                if role == "draft" and spec.speculative.method == "eagle3"
+                if role == "draft" and eagle3
                 else len(ckpt.tokenizer()),
                 "embedding_rows": cfg.vocab_size,
                 "dtype": ckpt.model.dtype,

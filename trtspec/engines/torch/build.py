@@ -39,7 +39,7 @@ class TorchBackend:
         for unit in plan.units:
             if not unit.needs_build:
                 continue
-            if unit.role == "draft" and loaded.spec.speculative.method == "eagle3":
+            if unit.role == "draft" and loaded.spec.speculative.model_draft == "eagle3":  # eagle3, or auto listing it
                 from trtspec.engines.torch.eagle3_build import build_head_engine
 
                 build_head_engine(loaded, checkpoints["draft"], unit.folders["draft"])

@@ -449,7 +449,7 @@ class Orchestrator:
         model = None
         if self.s.draft_model is not None:
             model = BlsDrafter(self.call, self.s.draft_model, self.s.draft_vocab_limit)
-        elif self.s.method == "eagle3":
+        elif self.s.eagle3_head_dir is not None:  # method eagle3, or auto listing it
             model = self._eagle3_drafter()
         kw = dict(min_ngram=self.s.min_ngram, draft_model=model, suffix=self.s.suffix, cache=self.suffix_cache)
         if self.adaptive is not None:

@@ -256,7 +256,7 @@ def _torch_engine_models(
         if kind == "draft":
             params["vocab_limit"] = str(min(vocab, _vocab_size(engines_dir / "draft")))
         inputs, outputs = ENGINE_INPUTS, ENGINE_OUTPUTS
-        if spec.speculative.method == "eagle3":  # the target answers the head's feature requests
+        if spec.speculative.model_draft == "eagle3":  # the target answers the head's feature requests
             params["capture_layers"] = ",".join(str(i) for i in _head_layers(engines_dir))
             inputs, outputs = ENGINE_INPUTS + EAGLE3_INPUTS, ENGINE_OUTPUTS + EAGLE3_OUTPUTS
         cfg = ModelConfig(
@@ -292,6 +292,7 @@ def _endpoint_models(
     limits = spec.limits("target")
     batch = limits.max_batch_size
     has_draft = spec.speculative.model_draft == "draft_target"
+    head = spec.speculative.model_draft == "eagle3"  # runs in the orchestrator (method eagle3, or auto listing it)
     models: dict[str, tuple[ModelConfig, str | None]] = {}
     endpoints = {BLS_MODEL: ("speculative", False), CONTROL_MODEL: ("target_only", False)}
     if spec.serve.streaming:
@@ -306,8 +307,8 @@ def _endpoint_models(
             suffix=spec.speculative.suffix_drafting if mode == "speculative" else None,
             tree=spec.speculative.tree if mode == "speculative" else None,
             max_response_mb=spec.serve.max_response_mb,  # contract.check_response_size
-            eagle3_head_dir=str(engines_dir / "draft") if spec.speculative.method == "eagle3" else None,
-            eagle3_target_dir=str(engines_dir / "target") if spec.speculative.method == "eagle3" else None,
+            eagle3_head_dir=str(engines_dir / "draft") if head else None,
+            eagle3_target_dir=str(engines_dir / "target") if head else None,
             **engine,
             **(load_aware(spec.speculative) if mode == "speculative" else {}),
         )
