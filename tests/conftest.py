@@ -17,9 +17,12 @@ TINY_SPEC = ROOT / "engine_specs" / "tiny-llama.yaml"
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
     """Never touch the user's cache or the network; set before any session fixture runs."""
-    saved = {k: os.environ.get(k) for k in ("TRTSPEC_CACHE", "HF_HUB_OFFLINE")}
+    saved = {k: os.environ.get(k) for k in ("TRTSPEC_CACHE", "HF_HUB_OFFLINE", "TRTSPEC_COMPILE")}
     os.environ["TRTSPEC_CACHE"] = str(tmp_path_factory.getbasetemp() / "trtspec-cache")
     os.environ["HF_HUB_OFFLINE"] = "1"
+    # Engines run eager unless a test asks for the compiled step (test_compiled.py): compiling
+    # every engine a test loads would cost minutes; TRTSPEC_COMPILE=1 runs the suite compiled.
+    os.environ.setdefault("TRTSPEC_COMPILE", "0")
     yield
     for k, v in saved.items():
         if v is None:

@@ -59,6 +59,9 @@ class Manifest(BuildRecord):
     versions: dict[str, str]
     commands: list[list[str]] = []  # external commands run (trtllm builds)
     created: str
+    # torch engines: the compiled step's choice per machine (engines/torch/compiled.py), keyed
+    # by a digest of the machine, its threads and torch; made by `trtspec build` on that machine.
+    programs: dict[str, dict[str, str | float]] = {}
 
 
 def versions() -> dict[str, str]:

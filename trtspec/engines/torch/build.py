@@ -4,6 +4,7 @@ weight-only quantized when the spec says so: quant.py) and save it as a torch en
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -12,7 +13,9 @@ import torch
 
 from trtspec import console
 from trtspec.checkpoints import Checkpoint
+from trtspec.device import resolve
 from trtspec.engines.build import BuildPlan, finish_torch_engine
+from trtspec.engines.manifest import read_manifest, write_manifest
 from trtspec.engines.torch.engine import DTYPES, WEIGHTS
 from trtspec.engines.torch.gguf_blocks import read_q4_1
 from trtspec.engines.torch.model import SUPPORTED_MODEL_TYPES, DecoderConfig, DecoderLM
@@ -37,17 +40,40 @@ class TorchBackend:
 
     def build(self, loaded: LoadedSpec, checkpoints: dict[str, Checkpoint], plan: BuildPlan) -> None:
         for unit in plan.units:
-            if not unit.needs_build:
-                continue
-            if unit.role == "draft" and loaded.spec.speculative.model_draft == "eagle3":  # eagle3, or auto listing it
+            head = unit.role == "draft" and loaded.spec.speculative.model_draft == "eagle3"  # eagle3, or auto listing it
+            if unit.needs_build and head:
                 from trtspec.engines.torch.eagle3_build import build_head_engine
 
                 build_head_engine(loaded, checkpoints["draft"], unit.folders["draft"])
-            else:
+            elif unit.needs_build:
                 build_torch_engine(loaded, checkpoints[unit.role], unit.folders[unit.role])
+            if not head and resolve(loaded.spec.device).type == "cpu":
+                compile_for_this_machine(unit.role, unit.folders[unit.role])
 
 
 BACKEND = TorchBackend()
+
+
+def compile_for_this_machine(role: str, folder: Path) -> None:
+    """The engine's kernel and compiled-step choices made on this machine (measured, compiled
+    into inductor's cache, cached) and recorded in its manifest; a no-op when the manifest
+    records this machine's already, or with TRTSPEC_COMPILE=0."""
+    from trtspec.engines.torch.compiled import COMPILE_ENV, machine_record
+    from trtspec.engines.torch.engine import TorchEngine
+
+    if os.environ.get(COMPILE_ENV, "auto").strip() == "0":
+        return
+    manifest = read_manifest(folder)
+    key, machine = machine_record()
+    if key in manifest.programs:
+        return
+    with console.step(f"{role}: compiling the step for this machine ({machine})"):
+        engine = TorchEngine.load(folder, slots=1)
+        choice = engine.programs
+        record = {"machine": machine, "one": choice.one, "many": choice.many, "source": choice.source, "reason": choice.reason}
+        record["compile_seconds"] = round(float(sum(engine.program.compiled_kinds.values())), 1) if engine.program else 0.0
+        write_manifest(folder, manifest.model_copy(update={"programs": {**manifest.programs, key: record}}))
+    console.info(f"{role}: step {choice.summary()}")
 
 
 def build_torch_engine(loaded: LoadedSpec, ckpt: Checkpoint, folder: Path) -> None:

@@ -9,6 +9,7 @@ common prefix with the slot's tokens is what stays valid.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import threading
 import time
@@ -19,10 +20,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from trtspec import console
 from trtspec.device import check_dtype, resolve, uses_cpu_kernels
 from trtspec.engines.manifest import Manifest, read_manifest
 from trtspec.engines.torch import threads
-from trtspec.engines.torch.kernels import KernelChoice, choose_kernels
+from trtspec.engines.torch.compiled import ProgramChoice, StepProgram, choose_program, dense_weights, program_timer
+from trtspec.engines.torch.kernels import KernelChoice, choice_key, choose_kernels, timed_sizes
 from trtspec.engines.torch.model import TREE_ROWS, DecoderConfig, DecoderLM, KVCache, StepInputs, rope_tables, tree_layout
 from trtspec.errors import EngineError, RequestError
 from trtspec.tokens import check_token_ids
@@ -207,6 +210,9 @@ class TorchEngine:
         self.capture: tuple[int, ...] = ()
         self.features: torch.Tensor | None = None  # [slots, max_seq, len(capture) * hidden]
         self.kernels: KernelChoice | None = None  # how load() chose the Linear kernels
+        # The whole step compiled (compiled.py), where load() measured it faster: per step kind.
+        self.program: StepProgram | None = None
+        self.programs = ProgramChoice("eager", "eager", "fallback", "not chosen")
         self.weight_bytes = 0  # weights one forward reads (load() counts them)
         self.forward_rows = FORWARD_ROWS  # a forward's own cost in tokens (forward_groups)
 
@@ -245,14 +251,43 @@ class TorchEngine:
         )
         # The Linear kernels: whichever is faster on this CPU, measured once per machine.
         if uses_cpu_kernels(device):
+            streamed = dense_weights(model)  # before the kernel choice re-lays them
             engine.kernels = choose_kernels(model, engine.cos, engine.sin, verify_tokens=manifest.max_draft_len + 1)
+            engine.choose_program(streamed)
             if warm:
                 engine.warm_matmuls()
+                engine.warm_programs()
         else:
             engine.kernels = KernelChoice(
                 "dense", "fallback", reason=f"{device}: PyTorch's own kernels (the CPU choice does not apply)"
             )
         return engine
+
+    def choose_program(self, streamed: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        """Eager or the compiled step (compiled.py) for each kind of step, as measured on this
+        machine (cached per machine); ``streamed``: the dense weights a one-row step may stream."""
+        verify_tokens = self.manifest.max_draft_len + 1
+        key = json.dumps(json.loads(choice_key(self.model, verify_tokens)) | {"layout": self.kernels.layout}, sort_keys=True)
+        program = StepProgram(self.model, self.manifest.role, streamed)
+        sizes = timed_sizes(verify_tokens)
+        self.programs = choose_program(key, program_timer(self.model, program, self.cos, self.sin, sizes))
+        if self.programs.one != "compiled":
+            program.streamed = {}  # the dense copies are not read: let them go
+        if self.programs.any_compiled:
+            self.program = program
+        else:
+            program.close()
+        if self.programs.source == "fallback":
+            console.info(f"{self.manifest.role}: the step runs eager: {self.programs.reason}")
+
+    def warm_programs(self) -> None:
+        """Compile now the kinds of step a server meets besides the measured ones (several rows
+        of one and of several tokens), so no request waits for a compile."""
+        if self.program is None or self.max_batch_size < 2:
+            return
+        for n in (1, 2):
+            self.run([ForwardItem([1 + i] * (n + 1), n) for i in range(2)])
+        self.forget_prefixes()
 
     def warm_matmuls(self) -> int:
         """Every packed matmul shape a forward can meet, made at each thread count the governor
@@ -443,7 +478,8 @@ class TorchEngine:
                     wanted[i] = hidden
             # Every row's positions that need logits go through the LM head in ONE call: the
             # head (vocab x hidden, the largest weight) is then read once a step, not once per row.
-            logits = self.model.logits(wanted[0] if len(wanted) == 1 else torch.cat(wanted)).cpu()  # where the loop reads it
+            heads = wanted[0] if len(wanted) == 1 else torch.cat(wanted)  # [rows, hidden]
+            logits = self._runner(heads.shape[0]).logits(heads).cpu()  # where the loop reads it
         self.forwards += 1
         out = list(logits.split([it.n_logits for it in items]))  # per item [n_logits, vocab]
         for it, (slot, _) in zip(items, assigned):
@@ -459,10 +495,11 @@ class TorchEngine:
         item, the final hidden states [n_logits, hidden] of its positions that need logits."""
         step = self._step_inputs(items, assigned, starts)
         captured: list[torch.Tensor] = []  # each [b, q, hidden]
+        forward = self._runner(step.tokens.numel())
         if self.capture:
-            hidden = self.model.hidden_states(step, self.cos, self.sin, self.cache, self.capture, captured)
+            hidden = forward.hidden_states(step, self.cos, self.sin, self.cache, self.capture, captured)
         else:
-            hidden = self.model.hidden_states(step, self.cos, self.sin, self.cache)  # [b, q, hidden]
+            hidden = forward.hidden_states(step, self.cos, self.sin, self.cache)  # [b, q, hidden]
         if captured:
             feats = torch.cat(captured, dim=-1)  # [b, q, len(capture) * hidden]
             for row, (slot, start, n) in enumerate(step.rows):
@@ -471,6 +508,12 @@ class TorchEngine:
             hidden[row, len(it.tokens) - start - it.n_logits : len(it.tokens) - start]
             for row, (it, start) in enumerate(zip(items, starts))
         ]
+
+    def _runner(self, rows: int):
+        """The model (eager) or the compiled program, as chosen for a step of ``rows`` rows."""
+        if self.program is not None and self.programs.path(rows) == "compiled":
+            return self.program
+        return self.model
 
     def _step_inputs(self, items, assigned, starts) -> StepInputs:
         b = len(items)

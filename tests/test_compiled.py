@@ -1,0 +1,150 @@
+"""The compiled step (engines/torch/compiled.py) against the eager engine: the same logits to
+float rounding, the same greedy tokens, speculative output identical to target-only, and a
+failed compile that leaves the engine eager with its reason."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from trtspec.engines.torch import compiled
+from trtspec.engines.torch.engine import ForwardItem, TorchEngine
+
+
+@pytest.fixture(scope="module")
+def folder(built):
+    return built("same").target.folder.parent
+
+
+def _load(folder, role, mode, **kw) -> TorchEngine:
+    saved = os.environ.get(compiled.COMPILE_ENV)
+    os.environ[compiled.COMPILE_ENV] = mode
+    try:
+        return TorchEngine.load(folder / role, **kw)
+    finally:
+        if saved is None:
+            os.environ.pop(compiled.COMPILE_ENV, None)
+        else:
+            os.environ[compiled.COMPILE_ENV] = saved
+
+
+@pytest.fixture(scope="module")
+def pair(folder):
+    """The tiny target twice: eager, and every step compiled."""
+    return _load(folder, "target", "0"), _load(folder, "target", "1")
+
+
+def _seq(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 384, (n,), generator=g).tolist()
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> None:
+    # the same weights and formulas summed in another order: float32 rounding only
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_the_compiled_engine_runs_compiled_programs(pair):
+    eager, fast = pair
+    assert eager.program is None and eager.programs.source == "forced"
+    assert fast.program is not None and (fast.programs.one, fast.programs.many) == ("compiled", "compiled")
+    assert fast.program.streamed, "a float32 target streams its weights in one-row steps"
+
+
+def test_decode_verify_and_prefill_steps_match_eager(pair):
+    eager, fast = pair
+    seq = _seq(30, 0)
+    for eng in pair:
+        eng.forget_prefixes()
+    _same(fast.run([ForwardItem(seq, 30)])[0], eager.run([ForwardItem(seq, 30)])[0])  # prefill
+    for n in range(31, 37):  # decode steps: one row
+        seq = seq + [n]
+        _same(fast.run([ForwardItem(seq, 1)])[0], eager.run([ForwardItem(seq, 1)])[0])
+    for k in (1, 4, 8):  # verify steps of k + 1 tokens
+        seq = seq + _seq(k + 1, k)
+        _same(fast.run([ForwardItem(seq, k + 1)])[0], eager.run([ForwardItem(seq, k + 1)])[0])
+    kinds = set(fast.program.compiled_kinds)
+    assert {(False, False, False), (False, True, False)} <= kinds
+
+
+def test_a_ragged_batch_and_a_tree_match_eager(pair):
+    eager, fast = pair
+    seqs = [_seq(n, 10 + n) for n in (5, 17, 9, 30)]
+    for eng in pair:
+        eng.forget_prefixes()
+    for a, b in zip(fast.run([ForwardItem(s, 3) for s in seqs]), eager.run([ForwardItem(s, 3) for s in seqs])):
+        _same(a, b)
+    # a batched decode: several rows, one token each
+    seqs = [s + [1] for s in seqs]
+    for a, b in zip(fast.run([ForwardItem(s, 1) for s in seqs]), eager.run([ForwardItem(s, 1) for s in seqs])):
+        _same(a, b)
+    tree = ForwardItem(seqs[0] + [4, 5, 6, 7], 5, tree=(-1, 0, 0, 1))
+    _same(fast.run([tree])[0], eager.run([tree])[0])
+
+
+def test_captured_layers_match_eager(pair):
+    eager, fast = pair
+    seq = _seq(12, 3)
+    for eng in pair:
+        eng.capture_features((0, 1))
+        eng.run([ForwardItem(seq, 1)])
+        eng.run([ForwardItem(seq + [9], 1)])  # a one-row step keeps its features too
+    torch.testing.assert_close(fast.features_of(seq + [9], 0, 13), eager.features_of(seq + [9], 0, 13), rtol=1e-4, atol=1e-4)
+    for eng in pair:
+        eng.capture = ()
+        eng.features = None
+
+
+@pytest.mark.parametrize("method", ["draft_target", "ngram"])
+def test_speculative_output_is_target_only_output_on_compiled_engines(built, monkeypatch, method):
+    monkeypatch.setenv(compiled.COMPILE_ENV, "1")
+    from trtspec.runtime import Deployment
+
+    dep = built("same" if method == "draft_target" else None, **({"speculative.method": method} if method == "ngram" else {}))
+    fresh = Deployment(dep.loaded, dep.target.folder.parent)  # loaded now: compiled
+    assert fresh.target.program is not None
+    prompts = [fresh.encode(p, chat_template=False) for p in ("The quick brown fox", "one two three one two three")]
+    plain = fresh.generate([fresh.request(p, 24) for p in prompts], speculative=False)
+    spec = fresh.generate([fresh.request(p, 24) for p in prompts], speculative=True)
+    assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+
+
+def test_no_compiler_runs_eager_and_says_why(folder, monkeypatch):
+    monkeypatch.setattr(compiled, "compiler_missing", lambda: "no C++ compiler for torch.compile (test)")
+    eng = _load(folder, "target", "auto", slots=1)
+    assert eng.program is None and eng.programs.source == "fallback"
+    assert "no C++ compiler" in eng.programs.reason
+    assert eng.run([ForwardItem(_seq(8, 1), 1)])[0].shape[0] == 1
+
+
+def test_a_failing_compile_runs_eager_and_says_why(folder, monkeypatch, tmp_path):
+    monkeypatch.setenv("TRTSPEC_CACHE", str(tmp_path))  # nothing cached: measured now
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("inductor could not lower this graph")
+
+    monkeypatch.setattr(compiled.StepProgram, "_hidden", broken)
+    eng = _load(folder, "target", "auto", slots=1)
+    assert eng.program is None and eng.programs.source == "fallback"
+    assert eng.programs.reason.startswith("compiling failed")
+    assert eng.run([ForwardItem(_seq(8, 1), 1)])[0].shape[0] == 1
+
+
+def test_the_measured_choice_is_cached_per_machine(folder, monkeypatch, tmp_path):
+    monkeypatch.setenv("TRTSPEC_CACHE", str(tmp_path))
+    first = _load(folder, "target", "auto", slots=1)
+    assert first.programs.source == "measured"
+    assert set(first.programs.seconds) == {"eager", "compiled"}
+    again = _load(folder, "target", "auto", slots=1)
+    assert again.programs.source == "cached"
+    assert (again.programs.one, again.programs.many) == (first.programs.one, first.programs.many)
+
+
+def test_decide_keeps_the_faster_path_per_kind():
+    seconds = {"eager": {"1": 1.0, "2": 1.0, "6": 1.0}, "compiled": {"1": 0.5, "2": 1.5, "6": 0.9}}
+    assert compiled.decide(seconds) == ("compiled", "eager")  # 2.4 > 2.0 for the verify steps
+    seconds["compiled"]["2"] = 1.0
+    assert compiled.decide(seconds) == ("compiled", "compiled")

@@ -1,0 +1,436 @@
+"""A decoder's whole forward step as one compiled program (torch.compile, fullgraph).
+
+Why: run op by op, a SmolLM2 step makes thousands of small kernel calls, each through Python
+and the dispatcher. Compiled as one graph (the gpt-fast design), a layer's norms, RoPE,
+residuals, activation and K/V writes fuse into a few generated C++ loops, and a step costs one
+guard check instead of a Python call per op.
+
+The Linear layers, two ways:
+  streamed  a one-row step (a decode step) computes each dense weight's matrix-vector product
+            as a multiply-and-sum that inductor generates as one vectorised loop streaming the
+            weight once. oneDNN's and MKL's kernels for one row read the weight well below the
+            memory bandwidth (the all-Linears pass of the demo target: 24.7 ms oneDNN, 18.8 ms
+            streamed, on a 2-core AVX-512 EPYC); for two or more rows the generated loops read
+            the weight once per row, so they are used for one row only.
+  kernel    every other step calls the engine's own Linear module (kernels.py's measured choice:
+            oneDNN's blocked layout, PyTorch's weight-only int4/int8 kernels) through one opaque
+            op, ``trtspec::linear``. The graph then holds no packed weight, which inductor could
+            not cache on disk, so the next process reuses the compiled code.
+
+Arithmetic: the same formulas as DecoderLM.hidden_states on the same weights, so logits agree
+to float rounding (the fused loops and the streamed sums add in another order); verify's
+verdicts class any token that rounding flips as numerical.
+
+Programs: one per kind of step, compiled the first time it is met: one row or several, one new
+token or several, with or without captured layers. Tokens per row, rows (from two), keys
+attended and K/V written are dynamic sizes, so a growing context never compiles again.
+Inductor keeps compiled code under ``$TRTSPEC_CACHE/inductor``; a process that meets a kind
+again compiles it from there in seconds.
+
+Chosen by measurement (``choose_program``): eager against compiled for a one-row step and for
+the verify steps, per machine, cached like the kernel choice; where compiling fails (no C++
+compiler, an unsupported op) the engine runs eager and says so in one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trtspec.cache import cache_root
+from trtspec.engines.torch.model import ByRows, DecoderLM, KVCache, StepInputs, _rotate_half
+from trtspec.files import write_json_atomic
+
+COMPILE_ENV = "TRTSPEC_COMPILE"  # auto (default): measured | 1: compiled, unmeasured | 0: eager
+CACHE_FILE = "programs.json"
+PROGRAMS_VERSION = "1"  # bumped when what a program runs changes: cached choices are measured again
+ROUNDS = 5
+STREAMED_DTYPES = (torch.float32, torch.bfloat16)
+
+# name -> (module, out_features): the Linears compiled programs call through trtspec::linear
+_LINEARS: dict[str, tuple[nn.Module, int]] = {}
+_created: dict[str, int] = {}  # programs made in this process, per role
+
+
+@torch.library.custom_op("trtspec::linear", mutates_args=())
+def _linear(x: torch.Tensor, name: str) -> torch.Tensor:
+    """[rows, in] -> [rows, out] through the engine's Linear registered as ``name``."""
+    return _LINEARS[name][0](x)
+
+
+@_linear.register_fake
+def _(x: torch.Tensor, name: str) -> torch.Tensor:
+    return x.new_empty((x.shape[0], _LINEARS[name][1]))
+
+
+def _out_features(module: nn.Module) -> int:
+    return _out_features(module.one) if isinstance(module, ByRows) else int(module.out_features)
+
+
+def _layer_linears(model: DecoderLM) -> list[dict[str, nn.Module]]:
+    """Per layer, its four fused Linears by role."""
+    out = []
+    for layer in model.model.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        if a.qkv_proj is None or mlp.gate_up_proj is None:
+            raise ValueError("a compiled step needs fused projections (DecoderLM.fuse_projections)")
+        out.append({"qkv": a.qkv_proj, "o": a.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj})
+    return out
+
+
+def dense_weights(model: DecoderLM) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """The float weights (and biases) of the model's Linears by program name ("3.qkv", "lm_head"),
+    taken before the kernel choice re-lays them: what a streamed one-row step reads. Empty for a
+    model whose Linears are not float32 / bfloat16 dense (weight-only quantized)."""
+    out = {}
+    named = [(f"{i}.{role}", m) for i, parts in enumerate(_layer_linears(model)) for role, m in parts.items()]
+    for name, m in [*named, ("lm_head", model.lm_head)]:
+        weight = getattr(m, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dtype not in STREAMED_DTYPES or weight.is_mkldnn:
+            return {}
+        out[name] = (weight.detach(), m.bias.detach() if getattr(m, "bias", None) is not None else None)
+    return out
+
+
+@dataclass(frozen=True)
+class StepTensors:
+    """A step's inputs as tensors only (a compiled program guards on no Python value)."""
+
+    tokens: torch.Tensor  # [b, q] int64
+    positions: torch.Tensor  # [b, q] int64
+    mask: torch.Tensor  # [b, 1, q, S] bool: True = may attend; S = keys attended
+    slots: torch.Tensor  # [b] int64: each row's cache slot
+    write_slot: torch.Tensor  # [n] int64: where each real token's K/V goes (slot, position) ...
+    write_pos: torch.Tensor  # [n]
+    write_row: torch.Tensor  # [n] ... and where it comes from (row, token)
+    write_tok: torch.Tensor  # [n]
+
+    @classmethod
+    def of(cls, step: StepInputs) -> StepTensors:
+        b, q = step.tokens.shape
+        dev = step.tokens.device
+        mask = step.mask
+        if mask is None:  # one row decoding one token: every cached key
+            mask = torch.ones((b, 1, q, step.span), dtype=torch.bool, device=dev)
+        if step.writes is not None:
+            writes = step.writes
+        else:  # one row: a contiguous run of positions
+            slot, start, n = step.rows[0]
+            pos = torch.arange(start, start + n)
+            writes = (torch.full_like(pos, slot), pos, torch.zeros_like(pos), torch.arange(n))
+        return cls(step.tokens, step.positions, mask, step.slots, *(t.to(dev) for t in writes))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (
+            self.tokens,
+            self.positions,
+            self.mask,
+            self.slots,
+            self.write_slot,
+            self.write_pos,
+            self.write_row,
+            self.write_tok,
+        )
+
+    def mark_dynamic(self) -> None:
+        """Sizes that vary from step to step, marked dynamic so that they never recompile (a
+        size of 1 stays a kind of its own: one row, one new token)."""
+        dims = {0: (self.tokens, self.positions, self.mask, self.slots), 1: (self.tokens, self.positions)}
+        for dim, tensors in dims.items():
+            for t in tensors:
+                if t.shape[dim] > 1:
+                    torch._dynamo.maybe_mark_dynamic(t, dim)
+        for dim in (2, 3):
+            if self.mask.shape[dim] > 1:
+                torch._dynamo.maybe_mark_dynamic(self.mask, dim)
+        for t in (self.write_slot, self.write_pos, self.write_row, self.write_tok):
+            if t.shape[0] > 1:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
+def _streamed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """One row through a dense weight as one generated loop: [1, in] x [out, in] -> [1, out]."""
+    out = (x.float() * weight.float()).sum(-1).to(x.dtype).unsqueeze(0)  # [1, out]
+    return out if bias is None else out + bias
+
+
+class StepProgram:
+    """DecoderLM.hidden_states as compiled programs: ``hidden_states`` takes the same StepInputs
+    and cache and returns the same final-norm hidden states (and captured layers)."""
+
+    def __init__(self, model: DecoderLM, role: str, streamed: dict[str, tuple[torch.Tensor, torch.Tensor | None]] | None = None):
+        self.model = model
+        # The names its Linears are called by: the same in every process that loads the same
+        # engines in the same order, so inductor's cache finds the compiled code again.
+        self.key = f"{role}-{_created.setdefault(role, 0)}"
+        _created[role] += 1
+        self.streamed = dict(streamed or {})  # program name -> (weight, bias) for one-row steps
+        self.register()
+        self._compiled = torch.compile(self._hidden, fullgraph=True, dynamic=False)
+        self._compiled_head = torch.compile(self._head, fullgraph=True, dynamic=False)
+        self.compiled_kinds: dict[tuple[bool, bool, bool], float] = {}  # kind -> seconds its first call took
+
+    def register(self) -> None:
+        """Point this program's Linear names at the model's current modules (call again after a
+        kernel choice swaps them)."""
+        for i, parts in enumerate(_layer_linears(self.model)):
+            for role, m in parts.items():
+                _LINEARS[f"{self.key}/{i}.{role}"] = (m, _out_features(m))
+        _LINEARS[f"{self.key}/lm_head"] = (self.model.lm_head, _out_features(self.model.lm_head))
+
+    def close(self) -> None:
+        for name in [n for n in _LINEARS if n.startswith(f"{self.key}/")]:
+            del _LINEARS[name]
+
+    def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        if x.shape[0] == 1 and name in self.streamed:  # a static size inside a program
+            return _streamed(x, *self.streamed[name])
+        return torch.ops.trtspec.linear(x, f"{self.key}/{name}")
+
+    def _hidden(
+        self,
+        tokens,
+        positions,
+        mask,
+        slots,
+        write_slot,
+        write_pos,
+        write_row,
+        write_tok,
+        k_cache,
+        v_cache,
+        cos_table,
+        sin_table,
+        capture,
+    ):
+        cfg = self.model.cfg
+        h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        b, q = tokens.shape
+        span = mask.shape[-1]
+        x = self.model.model.embed_tokens(tokens)  # [b, q, hidden]
+        cos = cos_table[positions].to(x.dtype).unsqueeze(1)  # [b, 1, q, head_dim]
+        sin = sin_table[positions].to(x.dtype).unsqueeze(1)
+        captured = []
+        for i, layer in enumerate(self.model.model.layers):
+            qkv = self._lin(layer.input_layernorm(x).reshape(b * q, -1), f"{i}.qkv").view(b, q, h + 2 * kv, d).transpose(1, 2)
+            qk = qkv[:, : h + kv]  # [b, h + kv, q, d]: queries and keys rotated together
+            qk = qk * cos + _rotate_half(qk) * sin
+            xq, xk, xv = qk[:, :h], qk[:, h:], qkv[:, h + kv :]
+            # only the real tokens' K/V is written (padding never clobbers a position)
+            k_cache[i][write_slot, :, write_pos] = xk.transpose(1, 2)[write_row, write_tok]  # [n, kv, d]
+            v_cache[i][write_slot, :, write_pos] = xv.transpose(1, 2)[write_row, write_tok]
+            keys = k_cache[i][:, :, :span].index_select(0, slots)  # [b, kv, S, d]
+            values = v_cache[i][:, :, :span].index_select(0, slots)
+            out = F.scaled_dot_product_attention(xq, keys, values, attn_mask=mask, enable_gqa=h != kv)  # [b, h, q, d]
+            x = x + self._lin(out.transpose(1, 2).reshape(b * q, h * d), f"{i}.o").view(b, q, -1)
+            gate, up = self._lin(layer.post_attention_layernorm(x).reshape(b * q, -1), f"{i}.gate_up").chunk(2, -1)
+            x = x + self._lin(F.silu(gate) * up, f"{i}.down").view(b, q, -1)
+            if i in capture:
+                captured.append(x)
+        return self.model.model.norm(x), captured
+
+    @torch.inference_mode()
+    def hidden_states(
+        self,
+        step: StepInputs,
+        cos_table: torch.Tensor,
+        sin_table: torch.Tensor,
+        cache: KVCache,
+        capture: tuple[int, ...] = (),
+        captured: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """As DecoderLM.hidden_states, through the compiled program of the step's kind."""
+        t = StepTensors.of(step)
+        t.mark_dynamic()
+        kind = (t.tokens.shape[0] > 1, t.tokens.shape[1] > 1, bool(capture))
+        started = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # inductor's notes on the code it traces are not the user's concern
+            hidden, layers = self._compiled(*t.tensors(), cache.k, cache.v, cos_table, sin_table, tuple(capture))
+        if kind not in self.compiled_kinds:
+            self.compiled_kinds[kind] = time.perf_counter() - started
+        if captured is not None:
+            captured.extend(layers)
+        return hidden
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._lin(hidden, "lm_head").float()
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """As DecoderLM.logits: float32 logits [rows, vocab] of final hidden states [rows, hidden]."""
+        if hidden.shape[0] > 1:
+            torch._dynamo.maybe_mark_dynamic(hidden, 0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return self._compiled_head(hidden)
+
+
+def _configure() -> None:
+    """Room for every program of the engines in one process (each StepProgram instance and kind
+    is a guarded entry of the same code), and inductor's code cache under trtspec's cache."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 512)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+
+
+# -- choosing: eager or compiled, per machine -----------------------------------------------------
+
+
+@dataclass
+class ProgramChoice:
+    """Which path runs each kind of step: ``one`` (a one-row step: a decode step) and ``many``
+    (two or more rows: verify, tree, prefill and batched steps), each "compiled" or "eager"."""
+
+    one: str
+    many: str
+    source: str  # measured | cached | forced | fallback
+    reason: str = ""
+    seconds: dict[str, dict[str, float]] = field(default_factory=dict)  # path -> step kind -> median seconds
+    compile_seconds: float = 0.0  # compiling the measured kinds in this process
+
+    def path(self, rows: int) -> str:
+        return self.one if rows == 1 else self.many
+
+    @property
+    def any_compiled(self) -> bool:
+        return "compiled" in (self.one, self.many)
+
+    def summary(self) -> str:
+        return f"one row {self.one}, more rows {self.many} ({self.source}{': ' + self.reason if self.reason else ''})"
+
+
+def _forced() -> str | None:
+    value = os.environ.get(COMPILE_ENV, "auto").strip().lower()
+    if value not in ("auto", "0", "1"):
+        print(f"trtspec: {COMPILE_ENV}={value!r} is not auto, 1 or 0; measuring (auto)", file=sys.stderr)
+        return None
+    return None if value == "auto" else value
+
+
+def compiler_missing() -> str | None:
+    """Why inductor cannot build C++ here, or None."""
+    from torch._inductor import cpp_builder
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except Exception as err:  # inductor raises its own error types for a missing compiler
+        return f"no C++ compiler for torch.compile ({type(err).__name__}: {err})"
+    return None
+
+
+def program_timer(
+    model: DecoderLM, program: StepProgram, cos: torch.Tensor, sin: torch.Tensor, sizes: tuple[int, ...]
+) -> Callable[[], dict[str, dict[str, float]]]:
+    """A ``measure`` for choose_program: a step of each of ``sizes`` tokens (with its logits) on
+    both paths at a short context of a private one-slot cache."""
+    from trtspec.engines.torch.kernels import PREFILL, timing_step
+
+    start = max(0, min(PREFILL, cos.shape[0] - max(sizes)))
+    cache = KVCache(model.cfg, 1, start + max(sizes) + 1, model.model.embed_tokens.weight.dtype)
+    steps = {str(n): timing_step(n, start, model.cfg.vocab_size) for n in sizes}
+
+    def runner(forward) -> Callable[[StepInputs], None]:
+        def run(step: StepInputs) -> None:
+            hidden = forward.hidden_states(step, cos, sin, cache)  # [1, q, hidden]
+            forward.logits(hidden[0, -step.rows[0][2] :])
+
+        return run
+
+    return lambda: time_paths(runner(model), runner(program), steps)
+
+
+def time_paths(
+    eager: Callable[[StepInputs], None], compiled: Callable[[StepInputs], None], steps: dict[str, StepInputs]
+) -> dict[str, dict[str, float]]:
+    """Median seconds of each step on each path, the paths interleaved (after one warm-up
+    call each, which also compiles)."""
+    runs = {"eager": eager, "compiled": compiled}
+    samples: dict[str, dict[str, list[float]]] = {p: {k: [] for k in steps} for p in runs}
+    for fn in runs.values():
+        for step in steps.values():
+            fn(step)
+    for r in range(ROUNDS):
+        for p in list(runs)[r % 2 :] + list(runs)[: r % 2]:
+            for k, step in steps.items():
+                t = time.perf_counter()
+                runs[p](step)
+                samples[p][k].append(time.perf_counter() - t)
+    return {p: {k: statistics.median(v) for k, v in s.items()} for p, s in samples.items()}
+
+
+def decide(seconds: dict[str, dict[str, float]]) -> tuple[str, str]:
+    """(one-row path, more-rows path): compiled where its steps' medians sum lower."""
+
+    def best(kinds: list[str]) -> str:
+        return "compiled" if sum(seconds["compiled"][k] for k in kinds) < sum(seconds["eager"][k] for k in kinds) else "eager"
+
+    many = [k for k in seconds["eager"] if k != "1"]
+    return best(["1"]), best(many) if many else "compiled"
+
+
+def choose_program(key: str, measure: Callable[[], dict[str, dict[str, float]]], cache_dir: Path | None = None) -> ProgramChoice:
+    """This machine's choice for ``key``: forced by TRTSPEC_COMPILE, cached, or measured now by
+    ``measure`` (time_paths over the engine's steps) and cached. Never raises: a failure is
+    the eager path with its reason."""
+    forced = _forced()
+    if forced == "0":
+        return ProgramChoice("eager", "eager", "forced", f"{COMPILE_ENV}=0")
+    missing = compiler_missing()
+    if missing:
+        return ProgramChoice("eager", "eager", "fallback", missing)
+    _configure()
+    if forced == "1":
+        return ProgramChoice("compiled", "compiled", "forced", f"{COMPILE_ENV}=1")
+    path = (cache_dir or cache_root()) / CACHE_FILE
+    full_key = json.dumps(json.loads(key) | {"programs": PROGRAMS_VERSION}, sort_keys=True)
+    cached = _read(path).get(full_key)
+    if isinstance(cached, dict) and {cached.get("one"), cached.get("many")} <= {"eager", "compiled"}:
+        return ProgramChoice(cached["one"], cached["many"], "cached", seconds=dict(cached.get("seconds", {})))
+    try:
+        seconds = measure()
+    except Exception as err:  # never fail a load over a speed choice
+        reason = f"compiling failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+        return ProgramChoice("eager", "eager", "fallback", reason)
+    one, many = decide(seconds)
+    entries = _read(path)
+    entries[full_key] = {
+        "one": one,
+        "many": many,
+        "seconds": seconds,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    with contextlib.suppress(OSError):  # a read-only cache: measured again next time
+        write_json_atomic(path, entries)
+    return ProgramChoice(one, many, "measured", seconds=seconds)
+
+
+def machine_record() -> tuple[str, str]:
+    """(key, machine name) under which a manifest records this machine's compiled-step choice:
+    a digest of the CPU, its threads, torch and this code's programs."""
+    from trtspec.engines.torch.kernels import machine_key
+    from trtspec.machine import cpu_name
+
+    key = hashlib.sha256(f"{machine_key()}|{PROGRAMS_VERSION}".encode()).hexdigest()[:16]
+    return key, f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
