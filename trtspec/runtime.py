@@ -6,6 +6,7 @@ only its drafter and verifier differ (they call engine models instead of engines
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -16,6 +17,7 @@ from trtspec.errors import EngineError, RequestError
 from trtspec.layout import engine_folder
 from trtspec.spec import LoadedSpec, SuffixSpec
 from trtspec.speculative.adaptive import AdaptivePolicy
+from trtspec.speculative.capture import CaptureTag, CaptureWriter
 from trtspec.speculative.drafters import engine_drafter, make_drafter, response_cache
 from trtspec.speculative.loop import (
     SHARED_SCOPE,
@@ -74,6 +76,11 @@ class Deployment:
         self.suffix_cache = response_cache(spec.speculative.suffix_drafting)
         # Adaptive speculation's policy (method auto, or adaptive): its measured costs span calls.
         self.adaptive = policy_of(spec.speculative)
+        # serve.capture (method eagle3 only, so the target keeps the features): None when off.
+        self.capture = None
+        if spec.serve.capture is not None:
+            t = self.target
+            self.capture = CaptureWriter(spec.serve.capture, loaded.capture_dir(), t.run, t.features_of)
 
     def drafter(
         self, method: str | None = None, suffix: SuffixSpec | None = None, policy: AdaptivePolicy | None = None
@@ -133,12 +140,31 @@ class Deployment:
         speculative: bool = True,
         on_step: StepCallback | None = None,
         use_schedule: bool = True,
+        tags: Sequence[CaptureTag] | None = None,
     ) -> list[GenerationResult]:
         """``use_schedule=False``: every request drafts its own k whatever the load (bench's
-        k x concurrency grid measures what a schedule should be)."""
+        k x concurrency grid measures what a schedule should be). ``tags``: per request, its
+        id and capture flag, for serve.capture (None: none is captured)."""
         drafter = self.drafter() if speculative else NoDrafter()
         policy = self.policy if speculative and use_schedule else None
-        return generate(requests, drafter, self.verifier(), on_step, policy)
+        results = generate(requests, drafter, self.verifier(), on_step, policy)
+        if tags is not None:
+            self.keep(requests, results, tags)
+        return results
+
+    def keep(
+        self, requests: Sequence[GenerationRequest], results: Sequence[GenerationResult], tags: Sequence[CaptureTag]
+    ) -> list:
+        """Capture the answered ``requests`` that serve.capture wants (docs/capture.md): per
+        request, the part written, or None."""
+        if self.capture is None:
+            return [None] * len(requests)
+        return [
+            self.capture.record(t.request_id, r.prompt_ids, res.output_ids, r.suffix_scope)
+            if self.capture.wants(t.request_id, r.suffix_scope, t.allowed)
+            else None
+            for r, res, t in zip(requests, results, tags, strict=True)
+        ]
 
     def forget_prefixes(self) -> None:
         """Empty every engine's prefix cache. Timed comparisons call this before each run:

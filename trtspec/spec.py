@@ -431,6 +431,23 @@ class SpeculativeSpec(_Strict):
 MAX_RESPONSE_MB = 2047
 
 
+class CaptureSpec(_Strict):
+    """serve.capture: the served traffic kept for `distill --from-capture` (docs/capture.md).
+    Off unless set: it stores users' text and the target's features."""
+
+    dir: str  # relative to the spec file
+    max_gb: Annotated[float, Field(gt=0)]  # the folder's bound: the oldest parts go first
+    sample: Annotated[float, Field(gt=0, le=1)]  # the share of requests kept (chosen by request id)
+    exclude_tenants: list[str] = []  # tenants (an API key's) whose requests are never kept
+
+    @field_validator("dir")
+    @classmethod
+    def _dir_named(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("dir is empty; name the folder captured requests are kept in")
+        return v
+
+
 class ServeSpec(_Strict):
     host: str = "127.0.0.1"
     http_port: Annotated[int, Field(ge=1, le=65535)] = 8000
@@ -446,6 +463,7 @@ class ServeSpec(_Strict):
     # At most MAX_RESPONSE_MB: a response is one gRPC message.
     max_response_mb: Annotated[int, Field(ge=1)] = 32
     repo_dir: str | None = None  # default model_repo/<name>
+    capture: CaptureSpec | None = None  # off: no request is kept
 
     @field_validator("max_response_mb")
     @classmethod
@@ -522,6 +540,14 @@ class EngineSpec(_Strict):
     def _device_name(cls, v: str) -> str:
         return check_device_name(v)
 
+    def _check_capture(self) -> None:
+        method = self.speculative.method
+        if self.serve.capture is not None and (method != "eagle3" or self.backend != "torch"):
+            raise ValueError(
+                "serve.capture keeps the features an EAGLE-3 head reads, which only a torch engine serving "
+                f"method eagle3 has (this spec: backend {self.backend}, method {method}); remove serve.capture"
+            )
+
     @model_validator(mode="after")
     def _cross_field(self) -> EngineSpec:
         method = self.speculative.method
@@ -541,6 +567,7 @@ class EngineSpec(_Strict):
                 f"distill: the recipe trains an EAGLE-3 head, and method {method} drafts without one; "
                 "remove distill or set speculative.method: eagle3"
             )
+        self._check_capture()
         if method in ("ngram", "suffix") and self.draft is not None:
             raise ValueError(f"method {method} uses no draft model; remove `draft`")
         if method == "auto":
@@ -711,13 +738,7 @@ def check_engine_runtime(spec: EngineSpec) -> None:
 def check_llmapi_runtime(spec: EngineSpec) -> None:
     """trtllm.runtime llmapi: what the LLM API takes of the spec (ValueError)."""
     t, s = spec.trtllm, spec.speculative
-    if s.adapts:
-        raise ValueError(
-            f"speculative.{'method auto' if s.method == 'auto' else 'adaptive'}: trtspec does not yet write "
-            "TensorRT-LLM's own adaptive settings (AUTO decoding, acceptance_rate_window_size / "
-            "acceptance_rate_threshold); use backend torch, or a fixed method with speculative.schedule "
-            "(draft_len_schedule)"
-        )
+    check_llmapi_adaptive(spec)
     if s.default_draft_tokens != s.max_draft_len:
         raise ValueError(
             "speculative.default_draft_tokens: the LLM API drafts max_draft_len tokens every step "
@@ -760,6 +781,39 @@ def check_llmapi_runtime(spec: EngineSpec) -> None:
             f"trtllm.max_num_tokens ({t.max_num_tokens}) is below build.max_input_len "
             f"({spec.limits('target').max_input_len}); without chunked prefill a prompt must fit "
             "one step: raise max_num_tokens or lower max_input_len"
+        )
+
+
+def check_llmapi_adaptive(spec: EngineSpec) -> None:
+    """Adaptive speculation under the LLM API (ValueError where it has no equivalent). Method
+    auto over drafters without a model is AutoDecodingConfig (decoding_type AUTO, 1.3+), whose
+    own heuristic picks a draft-model-free method and its k, ignoring the inherited settings;
+    no LLM API config picks k per request from acceptance (adaptive)."""
+    s = spec.speculative
+    if s.adaptive:
+        raise ValueError(
+            "speculative.adaptive: the LLM API picks no k per request from acceptance (its draft_len_schedule "
+            "caps k by batch size, for every request); remove adaptive and keep speculative.schedule, or use "
+            "backend torch"
+        )
+    if s.method != "auto":
+        return
+    if spec.trtllm.line != "1.3+":
+        raise ValueError(
+            "speculative.method auto: trtspec writes TensorRT-LLM's AUTO decoding for 1.3 and later only; "
+            "set trtllm.line: '1.3+' or use backend torch"
+        )
+    if s.model_draft is not None:
+        raise ValueError(
+            f"speculative.auto.methods lists {s.model_draft}: TensorRT-LLM's AUTO chooses a draft-model-free "
+            "method by its own heuristic and loads no draft model; list only ngram and suffix (and remove "
+            "draft), or use backend torch"
+        )
+    given = [n for n in ("schedule", "switch_off", "suffix", "max_ngram", "min_ngram") if n in s.model_fields_set]
+    if given:
+        raise ValueError(
+            f"speculative.{given[0]}: TensorRT-LLM's AUTO ignores the settings it inherits and sets its own "
+            f"(drafter, k and n-gram size by concurrency); remove {given[0]} or use backend torch"
         )
 
 
@@ -853,6 +907,11 @@ class LoadedSpec(BaseModel):
         if self.spec.serve.repo_dir is not None:
             return self.resolve(self.spec.serve.repo_dir)
         return (Path.cwd() / "model_repo" / self.spec.name).resolve()
+
+    def capture_dir(self) -> Path | None:
+        """serve.capture.dir resolved against the spec file; None when capture is off."""
+        c = self.spec.serve.capture
+        return None if c is None else self.resolve(c.dir)
 
     def verify_prompts(self) -> list[str]:
         """Inline prompts followed by those of prompts_file (JSONL, key "prompt")."""

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 from trtspec.distill.sample import SOFT_TOP_K, FeatureRows, Sample
-from trtspec.distill.store import read_part, write_part
 from trtspec.distill.ttt import Batch
 from trtspec.engines.torch.engine import ForwardItem, TorchEngine
 from trtspec.errors import RuntimeFailure, SpecError
 from trtspec.speculative.loop import NoDrafter, generate
+from trtspec.speculative.parts import read_part, teacher_forced, write_part
 from trtspec.speculative.requests import GenerationRequest
 from trtspec.speculative.verifier import LogitsVerifier
 
@@ -236,20 +236,9 @@ def capture_batch(
         logits = target.run([ForwardItem(list(s), len(s)) for s in group])  # each [T, vocab]
         for s, lg, r in zip(group, logits, response_from[i : i + len(group)]):
             feats = target.features_of(s, 0, len(s)).cpu()  # [T, n_layers * hidden]; the store is on disk
-            top = torch.topk(lg.float(), min(SOFT_TOP_K, lg.shape[-1]), dim=-1)
             mask = r if isinstance(r, torch.Tensor) else None
             plen = int(r) if mask is None else int(mask.long().argmax()) if bool(mask.any()) else len(s)
-            out.append(
-                Sample(
-                    torch.tensor(s, dtype=torch.long),
-                    plen,
-                    feats,
-                    top.indices[:, 0].clone(),
-                    top_ids=top.indices,
-                    top_logits=top.values,
-                    response=mask,
-                )
-            )
+            out.append(teacher_forced(list(s), plen, feats, lg, mask))
         i += len(group)
     return out
 

@@ -34,6 +34,7 @@ import torch
 from trtspec.distill.sample import Sample
 from trtspec.errors import TrtspecError
 from trtspec.files import write_bytes_atomic
+from trtspec.speculative.parts import tensors_of
 
 FORMAT = 4  # 1: one torch.save of every sample, features included, held in RAM; 2: no top-k logits; 3: no response mask
 _CHUNK = 1 << 24  # bytes hashed at a time
@@ -60,54 +61,6 @@ class FeatureStore:
             got = f.readinto(memoryview(view).cast("B"))
         if got != view.nbytes:
             raise CorruptStore(f"{self.features} shrank while training; run distill again (it captures again)")
-
-
-def write_part(path: Path, samples: list[Sample]) -> None:
-    """One finished generation batch, features included, in one safetensors file written
-    atomically: an interrupted generation keeps every finished batch, bit for bit."""
-    from safetensors.torch import save
-
-    t = _tensors(samples)
-    t["features"] = torch.cat([s.features.contiguous() for s in samples])
-    write_bytes_atomic(path, save(t))
-
-
-def read_part(path: Path) -> list[Sample] | None:
-    """The samples of a batch written by write_part (features in memory); None if unreadable."""
-    from safetensors.torch import load_file
-
-    try:
-        t = load_file(str(path))
-        starts = t["starts"].tolist()
-        return [
-            Sample(
-                t["tokens"][a:b],
-                p,
-                t["features"][a:b],
-                t["labels"][a:b],
-                top_ids=t["top_ids"][a:b].long(),
-                top_logits=t["top_logits"][a:b],
-                response=t["response"][a:b].bool(),
-            )
-            for a, b, p in zip(starts[:-1], starts[1:], t["prompt_len"].tolist())
-        ]
-    except Exception:  # noqa: BLE001 - a torn or foreign file: generate the batch again
-        return None
-
-
-def _tensors(samples: list[Sample]) -> dict[str, torch.Tensor]:
-    starts = [0]
-    for s in samples:
-        starts.append(starts[-1] + len(s.tokens))
-    return {
-        "tokens": torch.cat([s.tokens for s in samples]),  # [rows] int64
-        "labels": torch.cat([s.labels for s in samples]),  # [rows] int64
-        "top_ids": torch.cat([s.top_ids.to(torch.int32) for s in samples]),  # [rows, k] int32
-        "top_logits": torch.cat([s.top_logits.float() for s in samples]),  # [rows, k] float32
-        "starts": torch.tensor(starts, dtype=torch.long),  # [sequences + 1]
-        "prompt_len": torch.tensor([s.prompt_len for s in samples], dtype=torch.long),  # [sequences]
-        "response": torch.cat([s.response_mask().to(torch.uint8) for s in samples]),  # [rows] 1: response text
-    }
 
 
 def paths(work: Path, key: str) -> tuple[Path, Path]:
@@ -161,7 +114,7 @@ def write_store(work: Path, key: str, inputs: dict, samples: Iterable[Sample]) -
             "sha256": sha.hexdigest(),
         },
     }
-    tensors = _tensors(kept)
+    tensors = tensors_of(kept)
     write_bytes_atomic(index, save(tensors, metadata={"trtspec": json.dumps(manifest, sort_keys=True)}))
     return _store(index, feat_path, manifest, tensors)
 

@@ -1,0 +1,130 @@
+"""Serving's capture: the requests an EAGLE-3 head should learn from, kept where the target's
+features already are (the engine serving method eagle3), in distill's part format
+(speculative/parts.py), for `trtspec distill --from-capture` (docs/capture.md).
+
+Which requests: off unless the spec sets serve.capture; then the sampled share, chosen by a
+hash of the request id (the same id is always chosen or always not, whatever process sees
+it), never one that opted out, never one of an excluded tenant. What: prompt + response
+tokens, the feature layers at every position and the target's top-k labels, scored by one
+teacher-forced forward after the request is answered. Where: one part per request, named
+capture-<ns since epoch>-<digest>.safetensors, written to a temp name, fsynced, renamed; the
+folder is kept under max_gb by removing the oldest parts first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trtspec.engines.torch.engine import ForwardItem, RunFn
+from trtspec.spec import CaptureSpec
+from trtspec.speculative.parts import Sample, part_record, read_part, teacher_forced, write_part
+
+PATTERN = "capture-*.safetensors"
+FeaturesOf = Callable[[list[int], int, int], "torch.Tensor | None"]
+
+
+def chosen(request_id: str, share: float) -> bool:
+    """Whether the request ``request_id`` is in the sampled ``share`` (0 < share <= 1): the
+    first 8 bytes of its sha256 as a fraction of 2**64, below ``share``."""
+    h = int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "big")
+    return h < share * 2**64
+
+
+def tenant_of(scope: str | None) -> str:
+    """A suffix scope's tenant: its text before the first "/" ("" for the shared scope)."""
+    return (scope or "").split("/", 1)[0]
+
+
+@dataclass(frozen=True)
+class CaptureTag:
+    """What capture needs of a served request beyond its tokens: its id (which decides whether
+    it is sampled) and whether it allows capture (its opt-out)."""
+
+    request_id: str
+    allowed: bool = True
+
+
+@dataclass
+class Captured:
+    """One captured request read back: its sample and the record it was written with."""
+
+    path: Path
+    sample: Sample
+    record: dict
+
+
+class CaptureWriter:
+    """Keeps chosen requests in ``folder``; one per deployment (or Triton engine model)."""
+
+    def __init__(self, spec: CaptureSpec, folder: Path, run: RunFn, features_of: FeaturesOf, clock=time.time_ns):
+        self.spec = spec
+        self.folder = Path(folder)
+        self.max_bytes = int(spec.max_gb * 1e9)
+        self.run, self.features_of, self.clock = run, features_of, clock
+        self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)  # users' text: the owner's only
+
+    def wants(self, request_id: str, scope: str | None, allowed: bool = True) -> bool:
+        """Whether to keep this request: allowed by it (its capture flag), not of an excluded
+        tenant, and chosen by its id."""
+        return allowed and tenant_of(scope) not in self.spec.exclude_tenants and chosen(request_id, self.spec.sample)
+
+    def record(self, request_id: str, prompt_ids: list[int], output_ids: list[int], scope: str | None) -> Path | None:
+        """Score prompt + response with the target and keep it as one part; None when the
+        engine no longer holds the features (then nothing is written)."""
+        tokens = list(prompt_ids) + list(output_ids)[:-1]  # the last token was never fed back
+        if len(tokens) < 2 or not output_ids:
+            return None
+        logits = self.run([ForwardItem(tokens, len(tokens))])[0]  # [T, vocab]
+        feats = self.features_of(tokens, 0, len(tokens))  # [T, n_layers * hidden]
+        if feats is None:
+            return None
+        sample = teacher_forced(tokens, len(prompt_ids), feats.cpu(), logits)
+        now = self.clock()
+        digest = hashlib.sha256(f"{request_id}:{now}:{os.getpid()}".encode()).hexdigest()[:12]
+        path = self.folder / f"capture-{now:020d}-{digest}.safetensors"
+        meta = {"request_id": request_id, "tenant": tenant_of(scope), "scope": scope or "", "time_ns": now}
+        write_part(path, [sample], meta)
+        bound(self.folder, self.max_bytes)
+        return path
+
+
+def parts(folder: Path) -> list[Path]:
+    """The finished parts of a capture folder, oldest first (temp names never match)."""
+    return sorted(Path(folder).glob(PATTERN), key=lambda p: p.name)
+
+
+def bound(folder: Path, max_bytes: int) -> list[Path]:
+    """Remove the oldest parts until the folder's parts hold at most ``max_bytes``; the removed."""
+    found = []
+    for p in parts(folder):
+        try:
+            found.append((p, p.stat().st_size))
+        except FileNotFoundError:  # another writer removed it
+            continue
+    total = sum(size for _, size in found)
+    removed = []
+    for p, size in found:
+        if total <= max_bytes:
+            break
+        p.unlink(missing_ok=True)
+        total -= size
+        removed.append(p)
+    return removed
+
+
+def read_capture(folder: Path) -> list[Captured]:
+    """Every whole part of ``folder``, oldest first; a torn, altered or foreign part is skipped."""
+    out = []
+    for p in parts(folder):
+        samples, record = read_part(p), part_record(p)
+        if samples is None or record is None or len(samples) != 1:
+            continue
+        out.append(Captured(p, samples[0], record))
+    return out
