@@ -97,6 +97,52 @@ def test_orchestrator_keeps_each_scope_apart_and_refuses_malformed_scopes(built)
             orch.parse(_request(PROMPTS[0], 8, **extra))
 
 
+def test_only_the_front_names_scopes_and_client_scopes_stay_in_the_direct_callers_tenant():
+    import numpy as np
+
+    from trtspec.errors import RequestError
+    from trtspec.triton.backend import callers
+    from trtspec.triton.backend.orchestrator_core import caller_scopes
+
+    inputs = {"text_input": np.array([[b"hi"], [b"ho"]], dtype=np.object_)}
+    scoped = inputs | {"suffix_cache_scope": np.array([[b"acme/bob"], [b""]], dtype=np.object_)}
+    assert caller_scopes(scoped, callers.INSIDE, False) is scoped  # the front: as it sent them
+    assert "suffix_cache_scope" not in caller_scopes(scoped, callers.ANYONE, False)  # anyone: the shared scope
+    assert caller_scopes(inputs, callers.ANYONE, True) is inputs
+    # Allowed client scopes go under the direct callers' tenant (""), never a front tenant's.
+    kept = caller_scopes(scoped, callers.ANYONE, True)["suffix_cache_scope"]
+    assert kept.shape == (2, 1) and kept.reshape(-1).tolist() == [b"/acme/bob", b""]
+    with pytest.raises(RequestError, match="suffix_cache_scope is 256 bytes, more than 255"):
+        caller_scopes(inputs | {"suffix_cache_scope": np.array([[b"x" * 256]] * 2, dtype=np.object_)}, callers.ANYONE, True)
+    with pytest.raises(RequestError, match="the request's trtspec_caller key is not this server's"):
+        caller_scopes(inputs, callers.WRONG_KEY, False)
+
+
+def test_a_direct_callers_client_scope_never_reads_a_front_tenants_responses(built):
+    """suffix.client_scopes: a direct caller naming the front tenant's scope drafts from the
+    direct callers' share only: 0 drafts from the tenant's cached response."""
+    import numpy as np
+
+    from trtspec.triton.backend import callers
+    from trtspec.triton.backend.orchestrator_core import caller_scopes
+
+    dep = built(None, **{"speculative.method": "suffix", "speculative.max_draft_len": 8})
+    orch = _suffix_orchestrator(dep, SuffixSpec(client_scopes=True))
+    prompt = PROMPTS[2]
+
+    def drafted(caller, scope):
+        request = _request(prompt, 24, num_draft_tokens=8)
+        request["suffix_cache_scope"] = np.array([[scope]], dtype=np.object_)
+        (out,) = orch.run([caller_scopes(request, caller, True)])
+        return int(out["total_draft_tokens"][0, 0])
+
+    cold = drafted(callers.INSIDE, b"acme")
+    assert drafted(callers.INSIDE, b"acme") > cold  # the tenant's response feeds the tenant
+    for scope in (b"acme", b"acme/bob", b"/acme"):  # each a new direct scope: cold
+        assert drafted(callers.ANYONE, scope) == cold, scope
+    assert set(orch.suffix_cache.shares) == {"acme", ""}
+
+
 @pytest.mark.parametrize("name, value", [("suffix_cache_scope", b"tenant-a"), ("suffix_cache", False)])
 def test_the_llmapi_endpoint_refuses_suffix_cache_scopes(name, value):
     import numpy as np
@@ -183,6 +229,83 @@ def served(tmp_path_factory, tiny_ckpts):
     yield from serve_tiny(tmp_path_factory, tiny_ckpts, "suffix", **SUFFIX, **{"build.max_batch_size": 2})
 
 
+PROBE = "Once upon a time, a small robot walked into the old library and"
+KEY_ACME, KEY_UMBRELLA = "sk-acme-0123456789abcdef", "sk-umbrella-fedcba9876543210"
+
+
+def _front_post(base: str, api_key: str | None, body: dict):
+    try:
+        import httpx2 as httpx
+    except ImportError:
+        import httpx
+    headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+    return httpx.post(base + "/v1/completions", json=body, headers=headers, timeout=120, trust_env=False)
+
+
+def _drafted(base: str, model: str, api_key: str, **body) -> tuple[str, int]:
+    """The front's answer to PROBE for ``api_key``: (text, draft tokens)."""
+    r = _front_post(base, api_key, {"model": model, "prompt": PROBE, "max_tokens": 40} | body)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"], r.json()["usage"]["speculative"]["draft_tokens"]
+
+
+@pytest.fixture
+def keyed_front(served, tmp_path):
+    """The real front, with two tenants' keys, on the served deployment: its base url."""
+    from conftest import serve_app
+
+    from trtspec.openai.app import FrontSettings, create_app
+    from trtspec.openai.keys import ApiKeys
+    from trtspec.openai.run import caller_key
+    from trtspec.openai.triton import TritonText
+
+    server, dep = served
+    (tmp_path / "keys.yaml").write_text(f"{KEY_ACME}: acme\n{KEY_UMBRELLA}: umbrella\n")
+    keys = ApiKeys.from_file(tmp_path / "keys.yaml")
+    key = caller_key(server.grpc_endpoint, keys, scopes=True)  # found through the server's port
+    settings = FrontSettings(model=dep.spec.name, max_seq_len=dep.spec.limits("target").max_seq_len, created=0)
+    app = create_app(TritonText(server.grpc_endpoint, caller_key=key), dep.tokenizer, settings, keys)
+    for port in serve_app(app, log_level="critical"):
+        yield f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.server
+def test_a_cross_tenant_probe_gets_no_draft_from_another_tenants_responses(served, keyed_front):
+    """The real front (API keys) on the real server. Acme's cached response feeds acme's next
+    request; umbrella, whatever user it sends, and a direct Triton caller, whatever scope it
+    names, draft exactly as a cold scope does (0 drafts from acme's response); a request
+    without a key is 401, a direct caller with a forged caller key is refused. Runs first on
+    the server, so the direct callers' shared scope holds nothing yet."""
+    from test_serve import _t
+
+    from trtspec.layout import BLS_MODEL
+    from trtspec.triton.backend import callers
+
+    server, dep = served
+    model = dep.spec.name
+    text, cold = _drafted(keyed_front, model, KEY_ACME)  # acme's first: nothing cached in its scope yet
+    own = _drafted(keyed_front, model, KEY_ACME)
+    assert own[0] == text and own[1] > cold  # acme's cached response feeds acme
+    for user in (None, "acme", "../acme", "acme/", "/acme"):  # each a new scope of umbrella
+        probe = _drafted(keyed_front, model, KEY_UMBRELLA, **({} if user is None else {"user": user}))
+        assert probe == (text, cold), user  # a cold scope's count: nothing from acme's response
+    # A direct caller naming acme's scope, without the caller key: its scope is dropped, so it
+    # drafts in the direct callers' scope (empty yet) exactly as a cold scope does.
+    client = grpcclient.InferenceServerClient(server.grpc_endpoint)
+    direct = [
+        _t("text_input", PROBE.encode(), "BYTES"),
+        _t("max_tokens", 40, "INT32"),
+        _t("exclude_input_in_output", True, "BOOL"),
+        _t("return_perf_metrics", True, "BOOL"),
+    ]
+    result = client.infer(BLS_MODEL, direct + [_t("suffix_cache_scope", b"acme", "BYTES")])
+    assert int(result.as_numpy("total_draft_tokens")[0, 0]) == cold
+    with pytest.raises(Exception, match="the request's trtspec_caller key is not this server's"):
+        client.infer(BLS_MODEL, direct, parameters={callers.CALLER_PARAMETER: "forged"})
+    r = _front_post(keyed_front, None, {"model": model, "prompt": PROBE})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
 @pytest.mark.server
 def test_served_suffix_streams_batches_and_cancels_with_target_only_tokens(served):
     from test_serve import _bls, _ids, _stream
@@ -221,6 +344,7 @@ def test_served_scopes_unary_and_streamed_with_target_only_tokens(served):
     from test_serve import _bls, _ids, _stream, _t
 
     from trtspec.layout import BLS_MODEL
+    from trtspec.triton.backend import callers
 
     server, dep = served
     client = grpcclient.InferenceServerClient(server.grpc_endpoint)
@@ -231,9 +355,13 @@ def test_served_scopes_unary_and_streamed_with_target_only_tokens(served):
     assert _ids(client.infer(BLS_MODEL, a)) == want
     assert _ids(client.infer(BLS_MODEL, private)) == want
     assert sum((_ids(r) for r in _stream(server.grpc_endpoint, a, "scoped")), []) == want
+    # A direct caller's scope is dropped (it is in the direct callers' scope), checked or not;
+    # the front's (the server's caller key) is checked.
     bad = _bls(prompt, 40) + [_t("suffix_cache_scope", b"x" * 300, "BYTES")]
+    assert _ids(client.infer(BLS_MODEL, bad)) == want
+    front = {callers.CALLER_PARAMETER: callers.key_path(server.pid).read_text().strip()}
     with pytest.raises(Exception, match="suffix_cache_scope is 300 bytes, more than 256"):
-        client.infer(BLS_MODEL, bad)
+        client.infer(BLS_MODEL, bad, parameters=front)
 
 
 def test_peer_paths_of_a_suffix_spec_run_ours_identical(built):
