@@ -176,3 +176,13 @@ def test_a_torn_or_altered_part_is_never_read(deploy, damage):
     else:  # a writer killed before its rename leaves only its temp name
         first.rename(first.with_name(f".{first.name}.tmp123"))
     assert [c.path for c in read_capture(deploy.capture.folder)] == [second]
+
+
+def test_a_triton_repository_is_refused_while_its_engine_models_cannot_capture(tmp_path, tiny_ckpts):
+    from trtspec.triton.repository.writer import write_repository
+
+    loaded = load_spec(_spec(tmp_path, tiny_ckpts))
+    with pytest.raises(SpecError) as e:
+        write_repository(loaded, tmp_path / "engines", tmp_path / "repo")
+    assert "serve.capture is kept by the in-process runtime only" in str(e.value) and e.value.exit_code == 2
+    assert not (tmp_path / "repo").exists()

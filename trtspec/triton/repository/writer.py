@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trtspec.engines.manifest import check_manifest
-from trtspec.errors import TrtspecError
+from trtspec.errors import SpecError, TrtspecError
 from trtspec.files import swap_into_place
 from trtspec.layout import (
     BLS_MODEL,
@@ -334,6 +334,11 @@ def _endpoint_models(
 
 def write_repository(loaded: LoadedSpec, engines_dir: Path, repo_dir: Path, llmapi_impl: str = TENSORRT_LLM) -> Path:
     """Write the repository atomically (temp folder + rename); return its path."""
+    if loaded.spec.serve.capture is not None:  # a deployment that says it captures must capture
+        raise SpecError(
+            f"{loaded.path}: serve.capture is kept by the in-process runtime only; the Triton engine models do not "
+            "capture requests yet, so this repository would serve without capturing; remove serve.capture to serve it"
+        )
     plan = plan_repository(loaded, engines_dir, llmapi_impl)
     repo_dir = Path(repo_dir).resolve()
     if repo_dir.name == "triton":
