@@ -338,6 +338,13 @@ ENGINE_BAD_REQUESTS = [
     (False, _engine_inputs(streaming=True), "streaming=true needs a decoupled model"),
     (True, _engine_inputs(draft=(1, 2), out_len=3), "built without speculative decoding"),
     (False, {k: v for k, v in _engine_inputs().items() if k != "input_lengths"}, "input_lengths"),
+    # every input has a checked range (penalties, temperature, bias weights and min_tokens:
+    # Processing; hidden_states_from: answer_features): these were taken before
+    (False, _engine_inputs(out_len=1, return_top_k=17), "return_top_k must be in 0..16"),
+    (False, _engine_inputs(out_len=1, return_top_k=384), "return_top_k must be in 0..16"),
+    (False, _engine_inputs(end_id=384), "end_id must be a token id (0..383) or -1"),
+    (False, _engine_inputs(end_id=-2), "end_id must be a token id (0..383) or -1"),
+    (False, _engine_inputs(pad_id=-5), "pad_id must be a token id (0..383)"),
 ]
 
 

@@ -40,6 +40,7 @@ import numpy as np
 from trtspec.engines.torch.engine import RunFn
 from trtspec.engines.torch.model import tree_layout
 from trtspec.errors import RequestError
+from trtspec.spec import MAX_TREE_TOP_K
 from trtspec.speculative.loop import GenerationRequest, NoDrafter, Verdict, accepted_prefix, generate
 from trtspec.speculative.processing import Processing, processed
 from trtspec.speculative.requests import Limits
@@ -235,8 +236,7 @@ def parse_engine_request(
             "logits processing (penalties, min_tokens, bad words, bias) applies to chains: a draft "
             "tree's nodes continue different paths; send draft_tree_parents without those inputs"
         )
-    if top_k is not None and ((top_k < 0) | (top_k > limits.vocab_size)).any():
-        raise RequestError(f"return_top_k must be in 0..{limits.vocab_size} (the vocabulary)")
+    _check_ranges(end_ids, pad_ids, top_k, limits.vocab_size)
     jobs = []
     d_len = 0 if drafts is None else int(drafts.shape[1])
     for r in range(rows):
@@ -257,6 +257,17 @@ def parse_engine_request(
     excl = [exclude_default if exclude is None else bool(exclude[r]) for r in range(rows)]
     want = [False if margins is None else bool(margins[r]) for r in range(rows)]
     return jobs, excl, want, pad
+
+
+def _check_ranges(end_ids, pad_ids, top_k, vocab_size: int) -> None:
+    """end_id a token id or -1 (no end token), pad_id a token id, return_top_k within the
+    children one tree node may have (a drafter grows trees from them; more would only cost)."""
+    if end_ids is not None and ((end_ids < -1) | (end_ids >= vocab_size)).any():
+        raise RequestError(f"end_id must be a token id (0..{vocab_size - 1}) or -1 (no end token)")
+    if pad_ids is not None and ((pad_ids < 0) | (pad_ids >= vocab_size)).any():
+        raise RequestError(f"pad_id must be a token id (0..{vocab_size - 1})")
+    if top_k is not None and ((top_k < 0) | (top_k > MAX_TREE_TOP_K)).any():
+        raise RequestError(f"return_top_k must be in 0..{MAX_TREE_TOP_K} (the most children a draft tree node may have)")
 
 
 def _input_ids(inputs: Mapping[str, np.ndarray], limits: Limits) -> np.ndarray:
@@ -487,6 +498,33 @@ def answer_features(inputs: Mapping[str, np.ndarray], features_of, limits: Limit
     return {"hidden_states": out, "hidden_states_length": got}
 
 
+def answer_capture(inputs: Mapping[str, np.ndarray], capture) -> dict[str, np.ndarray]:
+    """serve.capture (trtspec extension): keep one answered request, scored teacher-forced
+    (speculative/capture.py's CaptureWriter.record).
+
+    inputs   input_ids [1, T] (prompt + response), input_lengths [1, 1],
+             capture_prompt_length [1, 1], capture_request_id and capture_scope BYTES [1, 1]
+    outputs  capture_kept [1, 1] INT32: 1 when a part was written
+    """
+    if capture is None:
+        raise RequestError("capture_request_id: this engine model keeps no requests (serve.capture is off)")
+    ids = np.asarray(inputs.get("input_ids"))
+    lengths, plen = per_row(inputs, "input_lengths", 1), per_row(inputs, "capture_prompt_length", 1)
+    if ids.ndim != 2 or ids.shape[0] != 1 or lengths is None or plen is None:
+        raise RequestError("a capture request is one row: input_ids [1, T], input_lengths and capture_prompt_length")
+    n, p = int(lengths[0]), int(plen[0])
+    if not 0 < p < n <= ids.shape[1]:
+        raise RequestError(f"capture_prompt_length {p} must be in 1..input_lengths - 1 ({n - 1})")
+    tokens = [int(t) for t in ids[0, :n]]
+    rid, scope = (_bytes_text(np.asarray(inputs[name]).reshape(-1)[0]) for name in ("capture_request_id", "capture_scope"))
+    kept = capture.record(rid, tokens[:p], tokens[p:], scope or None)
+    return {"capture_kept": np.array([[int(kept is not None)]], dtype=np.int32)}
+
+
+def _bytes_text(value) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
 class EngineCore:
     """Serve a list of requests (each a dict of input arrays) with one batched engine run."""
 
@@ -498,8 +536,10 @@ class EngineCore:
         exclude_default: bool = False,
         features_of=None,
         cache_use=None,
+        capture=None,
     ):
         self.run = run
+        self.capture = capture  # serve.capture's CaptureWriter (target model only); None: off
         self.cache_use = cache_use  # () -> the engine's last_use (TorchEngine), for kv_cache_* outputs
         self.limits = limits
         self.vocab_limit = vocab_limit
@@ -514,6 +554,9 @@ class EngineCore:
             try:
                 if inputs.get("hidden_states_from") is not None:  # a lookup, no forward
                     answers[i] = answer_features(inputs, self.features_of, self.limits)
+                    continue
+                if inputs.get("capture_request_id") is not None:  # an answered request to keep
+                    answers[i] = answer_capture(inputs, self.capture)
                     continue
                 parsed[i] = parse_engine_request(inputs, self.limits, self.exclude_default)
             except RequestError as err:
