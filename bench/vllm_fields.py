@@ -4,7 +4,10 @@ speculative setting trtspec hands vLLM (bench/peers.py) against it; a name missi
 trtspec bug, never a guess.
 
 Source: vllm-project/vllm vllm/config/speculative.py@f19b16d95e4395790661f4835e4436bc3dd5d9c7
-(every field of the class, in order; the suffix fields need Arctic Inference installed).
+(every field of the class, in order; the suffix fields need Arctic Inference installed), and
+num_speculative_tokens_per_batch_size ("dynamic speculative decoding control": a list of
+(range_start, range_end, num_speculative_tokens) with inclusive batch-size ranges), read at
+vllm/config/speculative.py@002e77c1f0ef9b19cff8b9e21cfbd6feb3d6b443.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ SPECULATIVE_CONFIG = frozenset(
         "suffix_decoding_max_spec_factor",
         "suffix_decoding_min_token_prob",
         "draft_load_config",
+        "num_speculative_tokens_per_batch_size",  # @002e77c1f0ef9b19cff8b9e21cfbd6feb3d6b443
     }
 )
 
@@ -50,4 +54,15 @@ def unknown_fields(config: dict) -> list[str]:
     out = [k for k in config if k not in SPECULATIVE_CONFIG]
     if "method" in config and config["method"] not in METHODS:
         out.append(f"method={config['method']}")
+    ranges = config.get("num_speculative_tokens_per_batch_size")
+    if ranges is not None and not _batch_ranges(ranges):
+        out.append(f"num_speculative_tokens_per_batch_size={ranges}")
     return out
+
+
+def _batch_ranges(ranges) -> bool:
+    """list[tuple[int, int, int]]: (range_start, range_end, num_speculative_tokens), inclusive."""
+    return isinstance(ranges, list) and all(
+        isinstance(r, (list, tuple)) and len(r) == 3 and all(isinstance(x, int) for x in r) and 1 <= r[0] <= r[1] and r[2] >= 0
+        for r in ranges
+    )

@@ -1,6 +1,6 @@
 """Method auto and adaptive k: the spec's settings, the one loop's choices (lossless, per
 request, within a request, off and back), and where they reach (runtime, Triton, bench,
-verify, exports, Prometheus)."""
+verify, Prometheus; exports: test_auto_exports.py)."""
 
 from __future__ import annotations
 
@@ -394,21 +394,3 @@ def test_verify_passes_with_auto_greedy_and_sampled(tmp_path_factory, tiny_ckpts
     s = json.loads(report.read_text())["sampling"]
     assert s["p_value"] >= 0.01 and s["passed"] is True
     assert s["metrics"]["drafted"] > 0 and s["metrics"].get("choices")
-
-
-# ---------------------------------------------------------------- exports
-
-
-def test_exports_refuse_auto_and_adaptive_by_name(tmp_path):
-    from trtspec.engines.exports import sglang_args, vllm_speculative_config
-    from trtspec.errors import SpecError
-
-    for speculative, what in ((AUTO, "method auto"), ({"method": "draft_target", "adaptive": True}, "adaptive")):
-        s = _load(tmp_path, speculative).speculative
-        for export, engine in ((vllm_speculative_config, "vLLM"), (sglang_args, "SGLang")):
-            with pytest.raises(SpecError, match=f"speculative.{what}: .* no {engine} equivalent"):
-                export(s, "/draft")
-    trt = {"backend": "trtllm", "trtllm": {"runtime": "llmapi", "line": "1.3+"}}
-    assert "speculative.adaptive: trtspec does not yet write TensorRT-LLM's own adaptive settings" in _error(
-        tmp_path, {"method": "draft_target", "adaptive": True}, **trt
-    )

@@ -7,7 +7,14 @@ from dataclasses import dataclass, field
 
 from trtspec.checkpoints import DTYPE_BYTES, estimate_memory, parameter_count
 from trtspec.engines.build import _llmapi, backend_for, resolve_pair
-from trtspec.engines.exports import VLLM_METHOD, VLLM_TREE_ENV, sglang_args, vllm_speculative_config
+from trtspec.engines.exports import (
+    SGLANG_ADAPTIVE_CONFIG,
+    VLLM_METHOD,
+    VLLM_TREE_ENV,
+    sglang_adaptive_config,
+    sglang_args,
+    vllm_speculative_config,
+)
 from trtspec.errors import SpecError
 from trtspec.spec import LoadedSpec
 
@@ -74,6 +81,8 @@ class CheckReport:
                 else f"SGLang: {sglang['error']}",
                 soft_wrap=True,
             )
+            for name, content in sglang.get("files", {}).items():  # written beside the command
+                out.print(f"  with {name}: {json.dumps(content)}", soft_wrap=True)
 
 
 def check(loaded: LoadedSpec, allow_pickle: bool = False) -> CheckReport:
@@ -122,20 +131,24 @@ def check(loaded: LoadedSpec, allow_pickle: bool = False) -> CheckReport:
             }
         )
     if "draft" in checkpoints and spec.speculative.method in VLLM_METHOD:
-        report.elsewhere = _elsewhere(spec.speculative, str(checkpoints["target"].folder), str(checkpoints["draft"].folder))
+        target, draft = str(checkpoints["target"].folder), str(checkpoints["draft"].folder)
+        report.elsewhere = _elsewhere(spec.speculative, target, draft, spec.limits("target").max_batch_size)
     return report
 
 
-def _elsewhere(s, target: str, draft: str) -> dict:
-    """vLLM's speculative_config and SGLang's flags for this draft (``target``, ``draft``: the
-    resolved checkpoint folders), or why each cannot have it."""
+def _elsewhere(s, target: str, draft: str, max_batch_size: int) -> dict:
+    """vLLM's speculative_config and SGLang's flags (and adaptive config file) for this draft
+    (``target``, ``draft``: the resolved checkpoint folders), or why each cannot have it."""
     out: dict = {"target": target}
     try:
-        out["vllm"] = {"speculative_config": vllm_speculative_config(s, draft)} | ({"env": VLLM_TREE_ENV} if s.tree else {})
+        cfg = vllm_speculative_config(s, draft, max_batch_size)
+        out["vllm"] = {"speculative_config": cfg} | ({"env": VLLM_TREE_ENV} if s.tree else {})
     except SpecError as e:
         out["vllm"] = {"error": str(e)}
     try:
         out["sglang"] = {"args": sglang_args(s, draft)}
+        if s.adaptive:  # the file --speculative-adaptive-config names
+            out["sglang"]["files"] = {SGLANG_ADAPTIVE_CONFIG: sglang_adaptive_config(s)}
     except SpecError as e:
         out["sglang"] = {"error": str(e)}
     return out

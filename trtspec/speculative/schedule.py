@@ -24,6 +24,8 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from trtspec.engines.exports import vllm_schedule
+
 
 @dataclass(frozen=True)
 class DraftSchedule:
@@ -159,13 +161,6 @@ def break_even_length(grid: list[GridPoint], concurrency: int, k: int) -> float 
 
 def vllm_shape(schedule: DraftSchedule, max_batch_size: int) -> dict:
     """``speculative_config`` keys for vLLM: num_speculative_tokens (the largest k) and
-    num_speculative_tokens_per_batch_size, inclusive (first, last, k) batch-size ranges."""
-    pts = schedule.points
-    ranges = []
-    for i, (n, k) in enumerate(pts):
-        last = pts[i + 1][0] - 1 if i + 1 < len(pts) else max(max_batch_size, n)
-        ranges.append([n, last, k])
-    top = max(k for _, k in pts)
-    if top == 0:
-        raise ValueError("the schedule drafts nothing at any load: leave speculation off instead")
-    return {"num_speculative_tokens": top, "num_speculative_tokens_per_batch_size": ranges}
+    num_speculative_tokens_per_batch_size, inclusive (first, last, k) batch-size ranges
+    (written by engines/exports.py, as `trtspec check` writes a spec's schedule)."""
+    return vllm_schedule(schedule.to_mapping(), max_batch_size)

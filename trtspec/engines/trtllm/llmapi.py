@@ -64,6 +64,8 @@ class LlmapiManifest(BuildRecord):
 def speculative_config(spec: EngineSpec, draft_dir: Path | None, line: str) -> dict:
     """The `speculative_config` mapping for ``line`` (keys inventoried in llmapi_fields)."""
     s = spec.speculative
+    if s.method == "auto":  # spec validation: draft-model-free methods, 1.3+, no inherited settings
+        return {"decoding_type": DECODING_TYPE[("auto", line)]}  # AUTO sets its own k: none written
     cfg: dict = {"decoding_type": DECODING_TYPE[(s.method, line)], "max_draft_len": s.max_draft_len}
     if s.method in ("draft_target", "eagle3"):
         cfg["speculative_model"] = str(draft_dir)

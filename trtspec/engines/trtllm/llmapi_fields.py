@@ -15,6 +15,11 @@ Sources:
         Eagle3DecodingConfig reference of 1.3.0rc27 has eagle_choices and num_eagle_layers,
         1.4.0rc1 no eagle_choices, 1.4.0rc4 neither: nvidia.github.io/TensorRT-LLM/<version>/
         llm-api/reference/Eagle3DecodingConfig.html)
+        AutoDecodingConfig (decoding_type AUTO): DecodingBaseConfig's fields and no own, read at
+        nvidia.github.io/TensorRT-LLM/1.3.0rc29/llm-api/reference/AutoDecodingConfig.html and in
+        llm_args.py (main): "automatically select a good, draft-model free speculation algorithm
+        with some heuristic. Attributes that are inherited from the base class are ignored."
+        Written for 1.3+ only (1.2.1 has an AUTO class too; trtspec has not inventoried it).
 """
 
 from __future__ import annotations
@@ -213,6 +218,7 @@ DECODING_TYPES = {
         "Eagle3": DECODING_BASE["1.3+"] | _EAGLE["1.3+"] | {"sa_config"},
         "NGram": DECODING_BASE["1.3+"] | _NGRAM,
         "SA": DECODING_BASE["1.3+"] | _SA,
+        "AUTO": DECODING_BASE["1.3+"],  # AutoDecodingConfig: the base fields, which it ignores
     },
 }
 # Spellings the other line uses, named in errors (1.2 has no Eagle3/Draft_Target key).
@@ -247,6 +253,7 @@ DECODING_TYPE = {
     ("ngram", "1.2"): "NGram",
     ("ngram", "1.3+"): "NGram",
     ("suffix", "1.3+"): "SA",  # 1.2 has no suffix automaton: spec validation refuses it there
+    ("auto", "1.3+"): "AUTO",  # a draft-model-free method chosen by upstream's heuristic; spec validation: 1.3+ only
 }
 # and back: the trtspec method a decoding_type of either line runs
 METHOD_OF = {decoding_type: method for (method, _line), decoding_type in DECODING_TYPE.items()}

@@ -80,6 +80,11 @@ class DecodingConfig:
             raise ValueError(f"Invalid decoding type: {kind} (TensorRT-LLM {line})")
         if kind not in DECODING_TYPES[line]:
             raise NotImplementedError(f"decoding type {kind} is not inventoried by trtspec")
+        if kind == "AUTO":  # which drafter and what k are upstream's heuristic, not a field
+            raise NotImplementedError(
+                "decoding type AUTO: TensorRT-LLM chooses the drafter and k by its own heuristic, which the "
+                "conformance double does not run; verify an AUTO build on TensorRT-LLM"
+            )
         _refuse_unknown(f"{kind} speculative_config", data, DECODING_TYPES[line][kind], line)
         if isinstance(data.get("sa_config"), dict):
             _refuse_unknown(f"{kind} sa_config", data["sa_config"], SA_ENHANCER[line], line)
