@@ -465,3 +465,20 @@ def test_a_malformed_key_file_is_refused_at_start_naming_the_entry_not_the_key(t
     with pytest.raises(SpecError, match=re.escape(words)) as err:
         ApiKeys.from_file(path)
     assert "sk-a" not in str(err.value) and "sk a" not in str(err.value)
+
+
+def test_with_keys_the_front_refuses_to_start_without_its_servers_caller_key_and_says_what_it_serves(monkeypatch):
+    from trtspec.errors import ServerError
+    from trtspec.openai import run
+    from trtspec.openai.keys import ApiKeys
+
+    keys = ApiKeys({SECRET_A: "acme", SECRET_B: "umbrella"})
+    monkeypatch.setattr(run.callers, "key_for_port", lambda port: None)
+    with pytest.raises(ServerError, match="cannot read the caller key of the Triton server at 127.0.0.1:8001") as err:
+        run.caller_key("127.0.0.1:8001", keys, scopes=True)
+    assert err.value.exit_code == 3
+    assert run.caller_key("127.0.0.1:8001", None, scopes=True) is None  # single-tenant: nothing to keep apart
+    assert run.caller_key("127.0.0.1:8001", keys, scopes=False) is None  # the deployment reads no scope
+    assert "single-tenant deployment" in run.start_line(None, None, True)
+    assert run.start_line(keys, "k", True) == "API keys required: 2 keys, 2 tenants, each its own suffix cache scope"
+    assert SECRET_A not in run.start_line(keys, "k", True)
