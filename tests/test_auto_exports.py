@@ -93,6 +93,69 @@ def test_llmapi_refuses_what_it_lacks_by_name(tmp_path, tiny_ckpts, draft, overr
     _refused(tmp_path, tiny_ckpts, needle, draft, **{**LLMAPI_13, **overrides})
 
 
+RATE_OFF = {"speculative.switch_off": {"window": 1, "min_acceptance_rate": 1.0}}
+
+
+def test_llmapi_writes_the_rate_switch_off_on_1_3_and_the_double_applies_it(tmp_path, tiny_ckpts):
+    """switch_off.min_acceptance_rate is 1.3+'s acceptance_rate_window_size / threshold: the
+    mean over the last N drafting steps of accepted / drafted; below it, off for good."""
+    from trtspec.engines.build import build
+    from trtspec.speculative.llmapi import acceptance, greedy_params, load_api, make_llm
+
+    loaded = load_spec(write_spec(tmp_path, tiny_ckpts, **LLMAPI_13, **RATE_OFF))
+    build(loaded, loaded.output_dir())
+    args = yaml.safe_load((loaded.output_dir() / "llmapi" / "speculative.yaml").read_text())
+    sc = args["speculative_config"]
+    assert (sc["acceptance_rate_window_size"], sc["acceptance_rate_threshold"]) == (1, 1.0)
+    assert unknown_keys(args, "1.3+") == []
+    api = load_api("double", "1.3+")
+    llm = make_llm(api, loaded.output_dir() / "llmapi" / "speculative.yaml")
+    sp = greedy_params(api, 16, True)
+    first = llm.generate("The quick brown fox", sp).outputs[0]
+    accepted, drafted = acceptance(first)
+    assert 0 < drafted and accepted < drafted  # a step below rate 1.0 turned it off ...
+    second = llm.generate("The quick brown fox", sp).outputs[0]
+    assert acceptance(second) == (0, 0) and second.token_ids == first.token_ids  # ... for good, same tokens
+
+
+def test_the_rate_switch_counts_drafting_steps_only():
+    from trtspec.speculative.schedule import LoadPolicy
+
+    policy = LoadPolicy.of(None, None, (2, 0.5))
+    policy.stepped(4, 1)
+    policy.stepped(0, 0)  # a step that drafted nothing is no sample
+    policy.finished(4, 1.0)  # nor is a finished request
+    assert policy.cap(1) is None
+    policy.stepped(4, 2)  # mean of 0.25 and 0.5 < 0.5
+    assert policy.cap(1) == 0
+
+
+@pytest.mark.parametrize(
+    "backend, overrides, needle",
+    [
+        ({}, {"speculative.switch_off": {"window": 4}}, "speculative.switch_off: give one threshold: min_acceptance_length"),
+        (
+            {},
+            {"speculative.switch_off": {"window": 4, "min_acceptance_length": 2, "min_acceptance_rate": 0.5}},
+            "speculative.switch_off: give one threshold: min_acceptance_length",
+        ),
+        ({}, RATE_OFF, "speculative.switch_off.min_acceptance_rate: backend torch switches off on the acceptance length"),
+        (
+            {"backend": "trtllm", "trtllm.runtime": "engine", "trtllm.line": "1.2"},
+            RATE_OFF,
+            "speculative.switch_off.min_acceptance_rate: trtllm.runtime engine switches off on the acceptance length",
+        ),
+        ({**LLMAPI_13, "trtllm.line": "1.2"}, RATE_OFF, "speculative.switch_off: TensorRT-LLM 1.3+ switches speculation off"),
+        (LLMAPI_13, SWITCH_OFF, "speculative.switch_off: TensorRT-LLM 1.3+ switches speculation off"),
+    ],
+    ids=["no-threshold", "two-thresholds", "torch-rate", "engine-rate", "llmapi-1.2-rate", "llmapi-1.3-length"],
+)
+def test_each_runtime_takes_its_own_switch_off(tmp_path, tiny_ckpts, backend, overrides, needle):
+    with pytest.raises(SpecError, match=re.escape(needle)) as info:
+        _spec(tmp_path, tiny_ckpts, **backend, **overrides)
+    assert info.value.exit_code == 2
+
+
 # ---------------------------------------------------------------- vLLM
 
 

@@ -80,14 +80,14 @@ def test_without_a_schedule_every_request_drafts_its_own_k():
 
 
 def test_the_switch_off_stops_drafting_for_good_once_the_window_mean_falls():
-    sw = AcceptanceSwitch(window=2, min_acceptance_length=2.0)
+    sw = AcceptanceSwitch(window=2, threshold=2.0)
     sw.record(3.0)
     assert not sw.off
     sw.record(0.9)  # mean 1.95 < 2.0
     assert sw.off
     sw.record(5.0)
     assert sw.off  # for good, as TensorRT-LLM's acceptance window
-    policy = LoadPolicy(None, AcceptanceSwitch(window=1, min_acceptance_length=9.0))
+    policy = LoadPolicy(None, AcceptanceSwitch(window=1, threshold=9.0))
     drafter = RecordingDrafter()
     first = generate([GenerationRequest([1, 2, 3], 12, 4)], drafter, OracleVerifier(), policy=policy)[0]
     assert first.metrics.drafted > 0 and policy.switch.off  # length 5 < 9 over a window of 1

@@ -114,12 +114,25 @@ class ModelSpec(_Strict):
 
 
 class SwitchOffSpec(_Strict):
-    """Speculation off for good once the mean acceptance length of the last ``window``
-    finished requests falls below ``min_acceptance_length`` (TensorRT-LLM 1.2's
-    acceptance_window / acceptance_length_threshold)."""
+    """Speculation off for good once acceptance over a window falls below a threshold, one of:
+    ``min_acceptance_length``, the mean acceptance length of the last ``window`` finished
+    requests that drafted (trtspec's loop; TensorRT-LLM 1.2's acceptance_window /
+    acceptance_length_threshold); ``min_acceptance_rate``, the mean over the last ``window``
+    decoding steps that drafted of accepted / drafted tokens (TensorRT-LLM 1.3+'s
+    acceptance_rate_window_size / acceptance_rate_threshold; written for the LLM API only)."""
 
     window: Annotated[int, Field(ge=1, le=100_000)]
-    min_acceptance_length: Annotated[float, Field(gt=1.0, le=MAX_DRAFT_LEN_LIMIT + 1)]
+    min_acceptance_length: Annotated[float, Field(gt=1.0, le=MAX_DRAFT_LEN_LIMIT + 1)] | None = None
+    min_acceptance_rate: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+
+    @model_validator(mode="after")
+    def _one_threshold(self) -> SwitchOffSpec:
+        if (self.min_acceptance_length is None) == (self.min_acceptance_rate is None):
+            raise ValueError(
+                "give one threshold: min_acceptance_length (mean tokens per target forward of finished "
+                "requests) or min_acceptance_rate (accepted / drafted tokens per step; TensorRT-LLM 1.3+)"
+            )
+        return self
 
 
 class AutoSpec(_Strict):
@@ -628,6 +641,16 @@ class EngineSpec(_Strict):
         return hashlib.sha256(blob).hexdigest()
 
 
+def refuse_rate_switch_off(s: SpeculativeSpec, where: str) -> None:
+    """min_acceptance_rate is TensorRT-LLM 1.3+'s gate, written for the LLM API only."""
+    if s.switch_off is not None and s.switch_off.min_acceptance_rate is not None:
+        raise ValueError(
+            f"speculative.switch_off.min_acceptance_rate: {where} switches off on the acceptance length of "
+            "finished requests; give min_acceptance_length (min_acceptance_rate is TensorRT-LLM 1.3+'s "
+            "acceptance_rate_threshold, for trtllm.runtime llmapi)"
+        )
+
+
 def check_torch_models(spec: EngineSpec) -> None:
     """Raise ValueError (rendered as a spec error) for TensorRT-LLM settings on backend torch."""
     for role, model in spec.models().items():
@@ -653,6 +676,7 @@ def check_torch_models(spec: EngineSpec) -> None:
             )
         if model.gpu_device_ids is not None:
             raise ValueError(f"{role}: gpu_device_ids only applies to backend: trtllm")
+    refuse_rate_switch_off(spec.speculative, "backend torch")
     if spec.speculative.use_draft_logits:
         raise ValueError(
             "speculative.use_draft_logits only applies to backend: trtllm; the torch "
@@ -727,6 +751,7 @@ def check_engine_runtime(spec: EngineSpec) -> None:
             "speculative.adaptive: trtllm.runtime engine drafts the k a request sends; remove adaptive "
             f"or use trtllm.runtime: llmapi (needs {NEEDS['llmapi']})"
         )
+    refuse_rate_switch_off(s, "trtllm.runtime engine")
     if s.method not in ENGINE_METHODS:
         raise ValueError(
             f"speculative.method {s.method}: trtllm.runtime engine builds draft_target "
@@ -750,11 +775,12 @@ def check_llmapi_runtime(spec: EngineSpec) -> None:
             "speculative.schedule: TensorRT-LLM's draft_len_schedule must map 1 sequence to "
             f"max_draft_len; set schedule[1] to {s.max_draft_len} or max_draft_len to {s.schedule.get(1)}"
         )
-    if s.switch_off is not None and t.line != "1.2":
+    if s.switch_off is not None and (s.switch_off.min_acceptance_rate is None) != (t.line == "1.2"):
         raise ValueError(
             "speculative.switch_off: TensorRT-LLM 1.3+ switches speculation off on an acceptance "
-            "rate (acceptance_rate_window_size / acceptance_rate_threshold), not on the acceptance "
-            "length trtspec measures; remove switch_off or set trtllm.line: '1.2'"
+            "rate (acceptance_rate_window_size / acceptance_rate_threshold), 1.2 on an acceptance "
+            "length (acceptance_window / acceptance_length_threshold); give min_acceptance_rate for "
+            "trtllm.line '1.3+', min_acceptance_length for '1.2'"
         )
     check_llmapi_suffix(spec)
     check_llmapi_tree(spec)

@@ -531,6 +531,8 @@ class Batch:
                 res.metrics.record_choice(choice_key(c.drafter, c.k))
                 report.chosen.append(choice_key(c.drafter, c.k))
             self._record(i, tree, verdicts[j], decision, report)
+        if self.policy is not None:
+            self.policy.stepped(report.drafted, report.accepted)
         return report
 
     def _record(self, key: int, tree: DraftTree, verdict: Verdict, decision: Decision, report: StepReport) -> None:

@@ -10,8 +10,9 @@ it before each step.
 
 ``DraftSchedule`` is the spec's `speculative.schedule` ({min active sequences: k}, thresholds
 as TensorRT-LLM's ``draft_len_schedule``); ``AcceptanceSwitch`` is `speculative.switch_off`
-(rolling mean acceptance length over the last N finished requests, below a threshold:
-speculation off from then on, as TensorRT-LLM's acceptance window does); ``LoadPolicy`` joins
+(rolling mean acceptance length over the last N finished requests, or rolling mean acceptance
+rate over the last N drafting steps, below a threshold: speculation off from then on, as
+TensorRT-LLM 1.2's acceptance window and 1.3+'s acceptance rate window do); ``LoadPolicy`` joins
 them for the loop. ``recommend`` turns a measured k x concurrency grid into a schedule; ``vllm_shape`` writes
 it as vLLM takes it (TensorRT-LLM's keys: engines/trtllm/llmapi.py, schedule_keys).
 """
@@ -61,21 +62,25 @@ class DraftSchedule:
 
 @dataclass
 class AcceptanceSwitch:
-    """Speculation off for good once the mean acceptance length (tokens per target forward)
-    of the last ``window`` finished requests that drafted falls below ``min_acceptance_length``."""
+    """Speculation off for good once the mean of the last ``window`` samples falls below
+    ``threshold``. A sample is a finished request's acceptance length, tokens per target
+    forward (switch_off.min_acceptance_length; TensorRT-LLM 1.2), or with ``per_step`` a
+    drafting step's accepted / drafted tokens over the batch (switch_off.min_acceptance_rate;
+    TensorRT-LLM 1.3+'s "rolling average over the last N speculation-enabled iterations")."""
 
     window: int
-    min_acceptance_length: float
+    threshold: float
+    per_step: bool = False
     off: bool = False
 
     def __post_init__(self) -> None:
         self.recent: deque[float] = deque(maxlen=self.window)
 
-    def record(self, acceptance_length: float) -> None:
+    def record(self, sample: float) -> None:
         if self.off:
             return
-        self.recent.append(acceptance_length)
-        if len(self.recent) == self.window and sum(self.recent) / self.window < self.min_acceptance_length:
+        self.recent.append(sample)
+        if len(self.recent) == self.window and sum(self.recent) / self.window < self.threshold:
             self.off = True
 
 
@@ -90,21 +95,30 @@ class LoadPolicy:
         self._lock = threading.Lock()
 
     @classmethod
-    def of(cls, schedule: Mapping[int, int] | None, switch_off: tuple[int, float] | None) -> LoadPolicy | None:
-        """From a {active sequences: k} mapping and a (window, min acceptance length) pair;
-        None when neither is set. The spec, the Triton parameters and the LLM API double all
-        come through here."""
-        if not schedule and switch_off is None:
+    def of(
+        cls,
+        schedule: Mapping[int, int] | None,
+        switch_off: tuple[int, float] | None,
+        rate_switch_off: tuple[int, float] | None = None,
+    ) -> LoadPolicy | None:
+        """From a {active sequences: k} mapping and a (window, min acceptance length) or a
+        (window, min acceptance rate) pair; None when none is set. The spec, the Triton
+        parameters and the LLM API double all come through here."""
+        if not schedule and switch_off is None and rate_switch_off is None:
             return None
-        return cls(
-            DraftSchedule.from_mapping(schedule) if schedule else None,
-            AcceptanceSwitch(*switch_off) if switch_off is not None else None,
-        )
+        switch = None
+        if switch_off is not None:
+            switch = AcceptanceSwitch(*switch_off)
+        elif rate_switch_off is not None:
+            switch = AcceptanceSwitch(*rate_switch_off, per_step=True)
+        return cls(DraftSchedule.from_mapping(schedule) if schedule else None, switch)
 
     @classmethod
     def from_spec(cls, speculative) -> LoadPolicy | None:
         """From a SpeculativeSpec."""
         s = speculative.switch_off
+        if s is not None and s.min_acceptance_rate is not None:
+            return cls.of(speculative.schedule, None, (s.window, s.min_acceptance_rate))
         return cls.of(speculative.schedule, (s.window, s.min_acceptance_length) if s is not None else None)
 
     def cap(self, active: int) -> int | None:
@@ -115,10 +129,18 @@ class LoadPolicy:
         return self.schedule.k_for(active) if self.schedule is not None else None
 
     def finished(self, drafted: int, acceptance_length: float) -> None:
-        if self.switch is None or drafted == 0:
+        """A request ended, having drafted ``drafted`` tokens in all."""
+        if self.switch is None or self.switch.per_step or drafted == 0:
             return
         with self._lock:
             self.switch.record(acceptance_length)
+
+    def stepped(self, drafted: int, accepted: int) -> None:
+        """A decoding step scored ``drafted`` draft tokens over its batch, ``accepted`` kept."""
+        if self.switch is None or not self.switch.per_step or drafted == 0:
+            return
+        with self._lock:
+            self.switch.record(accepted / drafted)
 
 
 # ---------------------------------------------------------------- recommending a schedule

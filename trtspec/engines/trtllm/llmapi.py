@@ -106,19 +106,24 @@ def schedule_keys(schedule: dict[int, int] | None, switch_off, line: str) -> dic
     """Load-aware speculation as DecodingBaseConfig takes it, both lines:
     ``draft_len_schedule`` {batch size threshold: draft length} must hold {1: max_draft_len}
     (upstream's validator; spec validation checks it); 0 switches speculation off at that
-    batch size. The acceptance switch-off is 1.2's
-    ``acceptance_window`` / ``acceptance_length_threshold`` (rolling mean acceptance length
-    over finished requests); 1.3+ gates on an acceptance *rate* instead (spec validation
-    refuses switch_off there)."""
+    batch size. The acceptance switch-off is 1.2's ``acceptance_window`` /
+    ``acceptance_length_threshold`` (rolling mean acceptance length over finished requests)
+    and 1.3+'s ``acceptance_rate_window_size`` / ``acceptance_rate_threshold`` (rolling mean
+    of accepted / drafted tokens over speculating iterations); spec validation gives each
+    line its own threshold (min_acceptance_length, min_acceptance_rate)."""
     out: dict = {}
     if schedule:
         out["draft_len_schedule"] = dict(sorted(schedule.items()))
-    if switch_off is not None:
-        if line != "1.2":
-            raise ValueError("switch_off is written for TensorRT-LLM 1.2 only (1.3+ gates on acceptance rate)")
-        out["acceptance_window"] = switch_off.window
-        out["acceptance_length_threshold"] = switch_off.min_acceptance_length
-    return out
+    if switch_off is None:
+        return out
+    if line == "1.2" and switch_off.min_acceptance_length is not None:
+        return out | {"acceptance_window": switch_off.window, "acceptance_length_threshold": switch_off.min_acceptance_length}
+    if line == "1.3+" and switch_off.min_acceptance_rate is not None:
+        return out | {
+            "acceptance_rate_window_size": switch_off.window,
+            "acceptance_rate_threshold": switch_off.min_acceptance_rate,
+        }
+    raise ValueError("switch_off's threshold does not fit the line (spec validation refuses it)")
 
 
 def _head_layers_if_not_default(head_dir: Path | None) -> list[int] | None:

@@ -187,8 +187,9 @@ def update_llm_args_with_extra_dict(line: str, llm_args: dict, extra: dict, extr
 
 
 def _load_policy(spec):
-    """draft_len_schedule ({batch size: draft length}) and 1.2's acceptance_window /
-    acceptance_length_threshold, applied by the one loop as upstream's executor applies them."""
+    """draft_len_schedule ({batch size: draft length}), 1.2's acceptance_window /
+    acceptance_length_threshold and 1.3+'s acceptance_rate_window_size /
+    acceptance_rate_threshold, applied by the one loop as upstream's executor applies them."""
     from trtspec.speculative.schedule import LoadPolicy
 
     if spec is None:
@@ -199,7 +200,9 @@ def _load_policy(spec):
         raise ValueError("draft_len_schedule must contain batch_size=1 with draft_len equal to max_draft_len")
     window, threshold = fields.get("acceptance_window"), fields.get("acceptance_length_threshold")
     switch = (int(window), float(threshold)) if window and threshold is not None else None
-    return LoadPolicy.of(schedule or None, switch)
+    window, threshold = fields.get("acceptance_rate_window_size"), fields.get("acceptance_rate_threshold")
+    rate = (int(window), float(threshold)) if window and threshold is not None else None  # window 0: off upstream
+    return LoadPolicy.of(schedule or None, switch, rate)
 
 
 class LLM:
