@@ -178,11 +178,12 @@ def test_a_torn_or_altered_part_is_never_read(deploy, damage):
     assert [c.path for c in read_capture(deploy.capture.folder)] == [second]
 
 
-def test_a_triton_repository_is_refused_while_its_engine_models_cannot_capture(tmp_path, tiny_ckpts):
-    from trtspec.triton.repository.writer import write_repository
+def test_a_request_whose_tenant_is_unknown_is_never_kept_while_tenants_are_excluded():
+    from trtspec.spec import CaptureSpec
+    from trtspec.speculative.capture import wanted
 
-    loaded = load_spec(_spec(tmp_path, tiny_ckpts))
-    with pytest.raises(SpecError) as e:
-        write_repository(loaded, tmp_path / "engines", tmp_path / "repo")
-    assert "serve.capture is kept by the in-process runtime only" in str(e.value) and e.value.exit_code == 2
-    assert not (tmp_path / "repo").exists()
+    open_to_all = CaptureSpec(dir="d", max_gb=1, sample=1.0)
+    excluding = CaptureSpec(dir="d", max_gb=1, sample=1.0, exclude_tenants=["acme"])
+    assert wanted(open_to_all, "r", None) and wanted(excluding, "r", "bob/x")
+    assert not wanted(excluding, "r", None)  # no scope (suffix cache off): its tenant could be acme
+    assert not wanted(excluding, "r", "acme/x") and not wanted(open_to_all, "r", "", allowed=False)

@@ -482,3 +482,13 @@ def test_with_keys_the_front_refuses_to_start_without_its_servers_caller_key_and
     assert "single-tenant deployment" in run.start_line(None, None, True)
     assert run.start_line(keys, "k", True) == "API keys required: 2 keys, 2 tenants, each its own suffix cache scope"
     assert SECRET_A not in run.start_line(keys, "k", True)
+
+
+def test_capture_false_keeps_the_request_out_of_serve_capture(oai, scripted):
+    from trtspec.openai.triton import TritonText
+
+    oai.completions.create(model=MODEL, prompt="hello", max_tokens=2)
+    oai.completions.create(model=MODEL, prompt="hello", max_tokens=2, extra_body={"capture": False})
+    sent = [{t.name(): t for t in TritonText._inputs(g, False)} for g in scripted.calls]
+    assert "capture" not in sent[0] and scripted.calls[0].capture is True  # the deployment's choice
+    assert sent[1]["capture"].datatype() == "BOOL" and scripted.calls[1].capture is False

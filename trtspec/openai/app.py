@@ -334,6 +334,7 @@ class _Front:
             ignore_eos=body.ignore_eos,
             suffix_cache_scope=scope,
             suffix_cache=cached,
+            capture=body.capture,
         )
 
     async def answer(self, body, g: Generation, chat: bool, request: Request | None = None):

@@ -41,6 +41,8 @@ class _Body(BaseModel):
     # trtspec: false keeps the request out of suffix decoding's cache (neither read nor fed,
     # whatever user says)
     suffix_cache: bool = True
+    # trtspec: false keeps the request out of serve.capture (docs/capture.md)
+    capture: bool = True
 
     def cache_scope(self, tenant: str) -> tuple[str | None, bool]:
         """(suffix_cache_scope, suffix_cache) as the deployment takes them: the tenant's scope,

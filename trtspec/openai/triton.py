@@ -86,6 +86,7 @@ class Generation:
     ignore_eos: bool = False  # generate exactly max_tokens: no end token (upstream's end_id -1)
     suffix_cache_scope: str | None = None  # the suffix cache scope (None: the shared one)
     suffix_cache: bool = True  # False: neither read nor feed the suffix cache
+    capture: bool = True  # False: serve.capture never keeps it
 
 
 class TritonText:
@@ -154,6 +155,8 @@ class TritonText:
             values["suffix_cache_scope"] = g.suffix_cache_scope
         if not g.suffix_cache:
             values["suffix_cache"] = False
+        if not g.capture:
+            values["capture"] = False
         return infer_inputs(values)
 
     @staticmethod

@@ -42,6 +42,15 @@ def tenant_of(scope: str | None) -> str:
     return (scope or "").split("/", 1)[0]
 
 
+def wanted(spec: CaptureSpec, request_id: str, scope: str | None, allowed: bool = True) -> bool:
+    """Whether serve.capture keeps this request: allowed by it (its capture flag), not of an
+    excluded tenant, and chosen by its id. A request in no scope (suffix cache off: None) has
+    no known tenant, so it is never kept while any tenant is excluded."""
+    if not allowed or (scope is None and spec.exclude_tenants):
+        return False
+    return tenant_of(scope) not in spec.exclude_tenants and chosen(request_id, spec.sample)
+
+
 @dataclass(frozen=True)
 class CaptureTag:
     """What capture needs of a served request beyond its tokens: its id (which decides whether
@@ -71,9 +80,7 @@ class CaptureWriter:
         self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)  # users' text: the owner's only
 
     def wants(self, request_id: str, scope: str | None, allowed: bool = True) -> bool:
-        """Whether to keep this request: allowed by it (its capture flag), not of an excluded
-        tenant, and chosen by its id."""
-        return allowed and tenant_of(scope) not in self.spec.exclude_tenants and chosen(request_id, self.spec.sample)
+        return wanted(self.spec, request_id, scope, allowed)
 
     def record(self, request_id: str, prompt_ids: list[int], output_ids: list[int], scope: str | None) -> Path | None:
         """Score prompt + response with the target and keep it as one part; None when the

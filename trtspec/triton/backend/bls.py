@@ -438,6 +438,25 @@ class BlsFeatures:
         return [None if got[r] < 0 else torch.from_numpy(np.ascontiguousarray(feats[r, : got[r]])) for r in range(len(wants))]
 
 
+class BlsKeeper:
+    """serve.capture over BLS: one answered request, prompt + response, sent to the target
+    engine model, which scores it and keeps it (speculative/capture.py) where its features are."""
+
+    def __init__(self, call: EngineCall, model: str):
+        self.call = call
+        self.model = model
+
+    def __call__(self, request_id: str, prompt_ids: list[int], output_ids: list[int], scope: str | None) -> bool:
+        """Whether the target model kept it."""
+        inputs = sequence_inputs([list(prompt_ids) + list(output_ids)])
+        inputs["request_output_len"] = _column([1], np.int32)
+        inputs["capture_request_id"] = np.array([[request_id.encode()]], dtype=np.object_)
+        inputs["capture_scope"] = np.array([[(scope or "").encode()]], dtype=np.object_)
+        inputs["capture_prompt_length"] = _column([len(prompt_ids)], np.int32)
+        out = self.call(self.model, inputs, ["capture_kept"])
+        return bool(np.asarray(out["capture_kept"]).reshape(-1)[0])
+
+
 @dataclass(eq=False)
 class BlsDecoder:
     """Target-only: one request per prompt for all its tokens (request_output_len = max_tokens)."""

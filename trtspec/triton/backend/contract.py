@@ -119,6 +119,8 @@ TRTSPEC_BLS_INPUTS: tuple[Tensor, ...] = (
     # suffix_cache false: neither read nor feed it.
     _t("suffix_cache_scope", "TYPE_STRING"),
     _t("suffix_cache", "TYPE_BOOL"),
+    # serve.capture (docs/capture.md): false keeps this request out of the capture.
+    _t("capture", "TYPE_BOOL"),
 )
 TRTSPEC_BLS_OUTPUTS: tuple[Tensor, ...] = (
     _t("output_ids", "TYPE_INT32", (-1,)),

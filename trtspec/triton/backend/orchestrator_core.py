@@ -35,17 +35,20 @@ from __future__ import annotations
 
 import copy
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import numpy as np
 
 from trtspec.errors import RequestError
-from trtspec.spec import SuffixSpec
+from trtspec.spec import CaptureSpec, SuffixSpec
 from trtspec.speculative.adaptive import AdaptivePolicy
+from trtspec.speculative.capture import wanted
 from trtspec.speculative.drafters import make_drafter, response_cache
-from trtspec.speculative.loop import SHARED_SCOPE, Batch, GenerationResult, NoDrafter
+from trtspec.speculative.loop import SHARED_SCOPE, Batch, GenerationRequest, GenerationResult, NoDrafter
 from trtspec.speculative.menus import adaptive_policy, make_menu
 from trtspec.speculative.metrics import SourceCounts
 from trtspec.speculative.processing import Processing
@@ -53,8 +56,8 @@ from trtspec.speculative.requests import MAX_SCOPE_BYTES, Limits, check_scope, e
 from trtspec.speculative.sampling import SamplingParams
 from trtspec.speculative.schedule import LoadPolicy
 from trtspec.tokens import check_token_ids
-from trtspec.triton.backend import callers
-from trtspec.triton.backend.bls import BlsDecoder, BlsDrafter, BlsVerifier, EngineCall
+from trtspec.triton.backend import callers, log
+from trtspec.triton.backend.bls import BlsDecoder, BlsDrafter, BlsKeeper, BlsVerifier, EngineCall
 from trtspec.triton.backend.contract import (
     DEFAULT_MAX_RESPONSE_MB,
     check_response_size,
@@ -106,6 +109,8 @@ class OrchestratorSettings:
     # Adaptive speculation (method auto, or adaptive k): the methods the policy chooses among.
     adaptive_methods: tuple[str, ...] | None = None
     probe_every: int = 16
+    # serve.capture: which answered requests the target engine model keeps (None: none).
+    capture: CaptureSpec | None = None
 
     def load_policy(self) -> LoadPolicy | None:
         if self.mode != "speculative":
@@ -144,6 +149,7 @@ class RequestInputs:
     draft_tree: np.ndarray | None
     suffix_cache_scope: np.ndarray | None
     suffix_cache: np.ndarray | None
+    capture: np.ndarray | None
     stop_words: np.ndarray | None  # BYTES [rows, n] or [n] (stop_words reads a row's)
 
     # The optional per-row inputs stored under their contract names, in reading order.
@@ -161,6 +167,7 @@ class RequestInputs:
         "draft_tree",
         "suffix_cache_scope",
         "suffix_cache",
+        "capture",
     )
 
     @property
@@ -265,6 +272,7 @@ class Orchestrator:
         # (each instance runs its own loop), kept across batches; the cache is bounded.
         self.suffix_cache = response_cache(settings.suffix) if settings.mode == "speculative" else None
         self.sources = SourceCounts()
+        self._capture_thread: ThreadPoolExecutor | None = None  # serve.capture's (keep), made when first used
 
     # -- parsing -------------------------------------------------------------------------
 
@@ -392,6 +400,7 @@ class Orchestrator:
                     sequences=n_seqs[r],
                     # a decoupled model answers each prompt and sequence on its own, as upstream
                     separate=self.s.decoupled and sum(n_seqs) > 1,
+                    capture=request.capture is None or bool(request.capture[r]),
                 )
             )
         return out
@@ -567,6 +576,31 @@ class Orchestrator:
 
     def pack(self, rows: Sequence[Row], results: Sequence[GenerationResult]) -> dict[str, np.ndarray]:
         return pack(self.tokenizer, rows, results)
+
+    def keep(self, rows: Sequence[Row], results: Sequence[GenerationResult], request_id: str) -> None:
+        """A request was answered: the rows serve.capture wants go to the target engine model,
+        which keeps them (speculative/capture.py), on a thread of their own so the loop never
+        waits. A row's id is the request's (with its row and sequence where it has several);
+        a request sent without an id gets a random one."""
+        spec = self.s.capture
+        if spec is None:
+            return
+        rid = request_id or uuid.uuid4().hex
+        for row, res in zip(rows, results):
+            key = rid if len(rows) == 1 else f"{rid}/{row.batch_index}/{row.sequence_index}"
+            if res.output_ids and wanted(spec, key, row.request.suffix_scope, row.capture):
+                self._keeper().submit(self._keep_one, key, row.request, list(res.output_ids))
+
+    def _keeper(self) -> ThreadPoolExecutor:
+        if self._capture_thread is None:
+            self._capture_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trtspec-capture")
+        return self._capture_thread
+
+    def _keep_one(self, key: str, request: GenerationRequest, output_ids: list[int]) -> None:
+        try:
+            BlsKeeper(self.call, self.s.target_model)(key, request.prompt_ids, output_ids, request.suffix_scope)
+        except Exception as err:  # the answer is out; a capture that fails loses only itself
+            log.error(f"serve.capture could not keep the request: {type(err).__name__}: {err}", key)
 
 
 class _Collect:

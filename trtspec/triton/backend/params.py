@@ -124,6 +124,9 @@ class EngineEndpointParams(EndpointParams):
     # among, comma-separated ("draft_target,suffix,ngram"; one for adaptive k); None: fixed k.
     adaptive_methods: str | None = None
     probe_every: int = 16
+    # serve.capture (speculative/capture.py) as JSON of its CaptureSpec fields, dir absolute;
+    # None: no request is kept. The endpoint chooses the requests, the target model keeps them.
+    capture: object | None = _param(codec="capture")
 
     def settings(self, decoupled: bool, max_batch_size: int):
         from trtspec.triton.backend.contract import DEFAULT_MAX_RESPONSE_MB
@@ -152,6 +155,7 @@ class EngineEndpointParams(EndpointParams):
             suffix=self.suffix,
             adaptive_methods=tuple(self.adaptive_methods.split(",")) if self.adaptive_methods else None,
             probe_every=self.probe_every,
+            capture=self.capture if self.mode == "speculative" else None,
         )
 
     def _tree_shape(self):
@@ -194,7 +198,7 @@ class LlmapiEndpointParams(EndpointParams):
 def _encode(value, codec: str | None) -> str:
     if codec == "schedule":
         return json.dumps({str(n): k for n, k in sorted(value)})
-    if codec in ("suffix", "tree"):
+    if codec in ("suffix", "tree", "capture"):
         return json.dumps(value.model_dump(exclude_none=True), sort_keys=True)
     if codec == "switch_off":
         window, length = value
@@ -217,6 +221,10 @@ def _decode(text: str, hint, codec: str | None):
         from trtspec.spec import TreeSpec
 
         return TreeSpec(**json.loads(text))
+    if codec == "capture":
+        from trtspec.spec import CaptureSpec
+
+        return CaptureSpec(**json.loads(text))
     if codec == "switch_off":
         raw = json.loads(text)
         return int(raw["window"]), float(raw["min_acceptance_length"])

@@ -27,6 +27,7 @@ class Row:
     sequence_index: int = 0  # which of the prompt's num_return_sequences this row is
     sequences: int = 1  # num_return_sequences: > 1 answers one response per sequence
     separate: bool = False  # one response per row (decoupled model, several prompts or sequences)
+    capture: bool = True  # the request's capture input (false: serve.capture never keeps it)
 
     @property
     def want_log_probs(self) -> bool:

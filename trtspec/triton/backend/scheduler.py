@@ -72,6 +72,8 @@ class Reply(Protocol):
 
     def cancelled(self) -> bool: ...
 
+    def request_id(self) -> str: ...  # the client's request id ('' when it sent none)
+
 
 def deliver(reply: Reply, err: Exception) -> bool:
     """Answer ``err`` as the request's final response; False when its sender refused (gone)."""
@@ -137,8 +139,12 @@ class Scheduler:
         max_active: int,
         max_queue: int,
         observe: Callable[[StepStats], None] | None = None,
+        answered: Callable[[list[Row], list[GenerationResult], str], None] | None = None,
     ):
         self.orch = orch
+        # Called with a request's rows, results and id once its final answer went out
+        # (serve.capture's Orchestrator.keep); never before, so it cannot delay an answer.
+        self.answered = answered
         self.max_active = max_active
         self.max_queue = max_queue
         self.observe = observe
@@ -377,6 +383,11 @@ class Scheduler:
                 with self._cv:
                     self.active.remove(job)
                 stats.finished += 1
+                if self.answered is not None:
+                    try:
+                        self.answered(job.rows, ended, job.reply.request_id())
+                    except Exception as err:  # the answer is out; only what follows it failed
+                        log.error(f"after the answer: {type(err).__name__}: {err}")
 
     def _responses(self, job: _Job, mine, ended, emitted, done: bool) -> list[dict]:
         if job.streams is not None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trtspec.engines.manifest import check_manifest
-from trtspec.errors import SpecError, TrtspecError
+from trtspec.errors import TrtspecError
 from trtspec.files import swap_into_place
 from trtspec.layout import (
     BLS_MODEL,
@@ -46,7 +46,7 @@ from trtspec.layout import (
     role_of,
     tokenizer_folder,
 )
-from trtspec.spec import LoadedSpec
+from trtspec.spec import CaptureSpec, LoadedSpec
 from trtspec.speculative.llmapi import TENSORRT_LLM
 from trtspec.triton.backend import contract
 from trtspec.triton.backend.contract import Tensor
@@ -134,6 +134,14 @@ def ensemble_config(step_model: str, batch: int) -> ModelConfig:
 # method eagle3 (trtspec extension): the orchestrator's head asks the target model for the
 # features it captured of positions hidden_states_from..input_length-1.
 EAGLE3_INPUTS = [_in("hidden_states_from", "TYPE_INT32")]
+# serve.capture (trtspec extension): an endpoint sends the target model each answered request
+# it chose (prompt + response); the target scores and keeps it (speculative/capture.py).
+CAPTURE_INPUTS = [
+    _in("capture_request_id", "TYPE_STRING"),
+    _in("capture_scope", "TYPE_STRING"),
+    _in("capture_prompt_length", "TYPE_INT32"),
+]
+CAPTURE_OUTPUTS = [TensorSpec("capture_kept", "TYPE_INT32", [1])]
 EAGLE3_OUTPUTS = [
     TensorSpec("hidden_states", "TYPE_FP32", [-1, -1]),  # [positions, n_layers * hidden]
     TensorSpec("hidden_states_length", "TYPE_INT32", [1]),  # -1: not cached
@@ -231,6 +239,7 @@ def _torch_engine_models(
     """The torch engines as Python-backend models: target, draft (draft_target) and control."""
     spec = loaded.spec
     has_draft = spec.speculative.model_draft == "draft_target"
+    capture = capture_of(loaded)
     models: dict[str, tuple[ModelConfig, str | None]] = {}
     # The control endpoint gets its own copy of the target (own KV cache): verify --url
     # must compare two paths that share no cache state, or a cache bug would pass as
@@ -259,6 +268,9 @@ def _torch_engine_models(
         if spec.speculative.model_draft == "eagle3":  # the target answers the head's feature requests
             params["capture_layers"] = ",".join(str(i) for i in _head_layers(engines_dir))
             inputs, outputs = ENGINE_INPUTS + EAGLE3_INPUTS, ENGINE_OUTPUTS + EAGLE3_OUTPUTS
+            if kind == "target" and capture is not None:
+                params["capture"] = json.dumps(capture.model_dump(), sort_keys=True)
+                inputs, outputs = inputs + CAPTURE_INPUTS, outputs + CAPTURE_OUTPUTS
         cfg = ModelConfig(
             name=name,
             backend="python",
@@ -274,6 +286,12 @@ def _torch_engine_models(
         )
         models[name] = (cfg, ENGINE_SHIM)
     return models
+
+
+def capture_of(loaded: LoadedSpec) -> CaptureSpec | None:
+    """serve.capture with its folder made absolute (the models do not know the spec's folder)."""
+    c = loaded.spec.serve.capture
+    return None if c is None else c.model_copy(update={"dir": str(loaded.capture_dir())})
 
 
 def _scored_width(speculative, kind: str) -> int:
@@ -309,6 +327,7 @@ def _endpoint_models(
             max_response_mb=spec.serve.max_response_mb,  # contract.check_response_size
             eagle3_head_dir=str(engines_dir / "draft") if head else None,
             eagle3_target_dir=str(engines_dir / "target") if head else None,
+            capture=capture_of(loaded) if mode == "speculative" else None,
             **engine,
             **(load_aware(spec.speculative) if mode == "speculative" else {}),
         )
@@ -334,11 +353,6 @@ def _endpoint_models(
 
 def write_repository(loaded: LoadedSpec, engines_dir: Path, repo_dir: Path, llmapi_impl: str = TENSORRT_LLM) -> Path:
     """Write the repository atomically (temp folder + rename); return its path."""
-    if loaded.spec.serve.capture is not None:  # a deployment that says it captures must capture
-        raise SpecError(
-            f"{loaded.path}: serve.capture is kept by the in-process runtime only; the Triton engine models do not "
-            "capture requests yet, so this repository would serve without capturing; remove serve.capture to serve it"
-        )
     plan = plan_repository(loaded, engines_dir, llmapi_impl)
     repo_dir = Path(repo_dir).resolve()
     if repo_dir.name == "triton":

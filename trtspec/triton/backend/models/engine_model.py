@@ -5,19 +5,29 @@ instances, or several rows of one); they are answered by ONE batched run of the 
 keeps its prefix KV cache between requests (re-sent sequences are not recomputed).
 
 Config parameters: engine_dir, role, kv_cache_slots, max_draft_len, vocab_limit (optional),
-exclude_input_in_output, capture_layers (optional, eagle3: answer hidden_states_from requests).
+exclude_input_in_output, capture_layers (optional, eagle3: answer hidden_states_from requests),
+capture (optional, serve.capture as JSON: keep the answered requests the endpoints send).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from trtspec.engines.torch.engine import TorchEngine
 from trtspec.errors import RequestError
+from trtspec.spec import CaptureSpec
+from trtspec.speculative.capture import CaptureWriter
 from trtspec.speculative.requests import Limits
 from trtspec.triton.backend import callers, log
 from trtspec.triton.backend.engine_core import EngineCore
 from trtspec.triton.backend.models import pb
+
+
+def capture_writer(text: str, engine: TorchEngine) -> CaptureWriter:
+    """serve.capture's writer from the model parameter (JSON of its CaptureSpec, dir absolute)."""
+    spec = CaptureSpec(**json.loads(text))
+    return CaptureWriter(spec, Path(spec.dir), engine.run, engine.features_of)
 
 
 class TritonPythonModel:
@@ -34,11 +44,13 @@ class TritonPythonModel:
         )
         vocab_limit = int(params["vocab_limit"]) if "vocab_limit" in params else None
         exclude = params.get("exclude_input_in_output", "false").lower() == "true"
-        features_of = None
+        features_of = capture = None
         if params.get("capture_layers"):  # method eagle3: keep the features the head reads
             self.engine.capture_features(tuple(int(x) for x in params["capture_layers"].split(",")))
             features_of = self.engine.features_of
-        self.core = EngineCore(self.engine.run, limits, vocab_limit, exclude, features_of, lambda: self.engine.last_use)
+        if params.get("capture"):  # serve.capture: keep the answered requests the endpoints send
+            capture = capture_writer(params["capture"], self.engine)
+        self.core = EngineCore(self.engine.run, limits, vocab_limit, exclude, features_of, lambda: self.engine.last_use, capture)
         self.name = args["model_name"]
         self.key = callers.server_key()  # only the repository's own BLS models may call (callers.py)
         if self.key is None:  # fail closed: no caller can be told from the endpoints

@@ -70,7 +70,11 @@ class TritonPythonModel:
             # Each instance holds up to max_batch_size live sequences: the engines have that
             # many KV slots per calling instance (triton/repository/writer.py).
             self.scheduler = Scheduler(
-                self.core, settings.limits.max_batch_size, params.max_queue, observe=self.core.observe_step
+                self.core,
+                settings.limits.max_batch_size,
+                params.max_queue,
+                observe=self.core.observe_step,
+                answered=self.core.keep if settings.capture is not None else None,
             )
             self.worker = threading.Thread(target=self.scheduler.serve, name="trtspec-scheduler", daemon=True)
             self.worker.start()
