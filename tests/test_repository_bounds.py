@@ -4,6 +4,7 @@ bounded; the server process runs with an allocator that returns freed memory."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -20,8 +21,10 @@ from trtspec.triton.backend.params import EngineEndpointParams
 from trtspec.triton.repository import pbtxt
 from trtspec.triton.repository.writer import write_repository
 from trtspec.triton.server.install import (
+    ALLOCATOR_ENV,
     ALLOCATORS,
     JEMALLOC_CONF,
+    SERVER_GLIBC_ENV,
     SERVER_JEMALLOC_CONF,
     STUB_NAME,
     find_allocator,
@@ -77,9 +80,40 @@ def test_an_allocator_is_found_by_name_auto_is_jemalloc_and_a_missing_one_says_w
         find_allocator("jemalloc", [str(tmp_path / "none")])
 
 
+def _chosen_allocator() -> Path | None:
+    """The library "auto" preloads here: TRTSPEC_ALLOCATOR's when set, else jemalloc's when installed."""
+    return find_allocator(os.environ.get(ALLOCATOR_ENV) or "auto")
+
+
+def _serve_with(tmp_path_factory, tiny_ckpts, allocator: str):
+    served = serve_tiny(tmp_path_factory, tiny_ckpts, "bounds")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(ALLOCATOR_ENV, allocator)  # how a user chooses it (install.server_env)
+        started = next(served)  # only while it starts: the other fixture reads the user's choice
+    yield started
+    served.close()  # stops the server
+
+
 @pytest.fixture(scope="module")
-def bounded_server(tmp_path_factory, tiny_ckpts):
-    yield from serve_tiny(tmp_path_factory, tiny_ckpts, "bounds")
+def glibc_server(tmp_path_factory, tiny_ckpts):
+    yield from _serve_with(tmp_path_factory, tiny_ckpts, "glibc")
+
+
+@pytest.fixture(scope="module")
+def jemalloc_server(tmp_path_factory, tiny_ckpts):
+    lib = _chosen_allocator()
+    if lib is None or lib.name != ALLOCATORS["jemalloc"]:
+        pytest.skip("jemalloc not installed (apt-get install libjemalloc2, or TRTSPEC_ALLOCATOR=its path)")
+    yield from _serve_with(tmp_path_factory, tiny_ckpts, str(lib))
+
+
+@pytest.fixture(scope="module")
+def bounded_server(request):
+    """The server as trtspec serve starts it here (allocator auto): one of the two above."""
+    lib = _chosen_allocator()
+    return request.getfixturevalue(
+        "jemalloc_server" if lib is not None and lib.name == ALLOCATORS["jemalloc"] else "glibc_server"
+    )
 
 
 def _request(*extra):
@@ -97,8 +131,9 @@ def _image(shape):
 
 
 @pytest.mark.server
-def test_an_oversized_unserved_input_is_refused_by_shape_and_no_model_process_keeps_it(bounded_server):
-    server, _ = bounded_server
+@pytest.mark.parametrize("allocator", ["glibc", "jemalloc"])
+def test_an_oversized_unserved_input_is_refused_by_shape_and_no_model_process_keeps_it(allocator, request):
+    server, _ = request.getfixturevalue(f"{allocator}_server")
     client = grpcclient.InferenceServerClient(server.grpc_endpoint)
     # At upstream's rank and the smallest size, the endpoint names the feature it lacks.
     with pytest.raises(Exception, match=r"multimodal inputs \(image_bytes_input\) is not supported"):
@@ -107,14 +142,15 @@ def test_an_oversized_unserved_input_is_refused_by_shape_and_no_model_process_ke
     before = tree_memory(server.pid)
     for _ in range(2):
         with pytest.raises(Exception, match="unexpected shape for input 'image_bytes_input'"):
-            client.infer(BLS_MODEL, _request(_image((1, 1, 1, 64, 1 << 20))))  # 64 MiB
+            client.infer(BLS_MODEL, _request(_image((1, 1, 1, 256, 1 << 20))))  # 256 MiB
     for _ in range(4):
         assert client.infer(BLS_MODEL, _request()).as_numpy("output_ids").size  # still serving
     time.sleep(3.0)  # jemalloc's own thread purges freed pages within about a second
     after = tree_memory(server.pid)
     assert before.keys() == after.keys()
+    assert sum(after[n]["held"] - before[n]["held"] for n in before) <= 128 << 10  # the tree: the goal
     for name in before:
-        if name.startswith("stub"):  # no stub's shared-memory pool took the 64 MiB in
+        if name.startswith("stub"):  # no stub's shared-memory pool took the 256 MiB in
             assert after[name]["shm_maps"] == before[name]["shm_maps"], name
             assert after[name]["rss_shmem"] - before[name]["rss_shmem"] < 8 << 10, name
         else:  # and tritonserver kept no request object holding them (its gRPC pool is off)
@@ -149,6 +185,55 @@ def test_server_env_preloads_the_allocator_once(tmp_path):
     assert (
         server_env(base={"PATH": "/usr/bin", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16"})["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "16"
     )
+
+
+def test_glibcs_malloc_maps_large_buffers_in_the_server_only_unless_the_user_set_it_up(tmp_path, monkeypatch):
+    """Without a preloaded allocator tritonserver gets fixed glibc thresholds, so a refused
+    input's buffers are unmapped when freed; the stubs start with glibc's own (BASH_ENV)."""
+    monkeypatch.setenv("TRTSPEC_CACHE", str(tmp_path / "cache"))
+    env = server_env(base={"PATH": "/usr/bin"}, allocator="glibc")
+    assert {k: env[k] for k in SERVER_GLIBC_ENV} == SERVER_GLIBC_ENV and "LD_PRELOAD" not in env
+    assert int(env["MALLOC_MMAP_THRESHOLD_"]) <= 64 << 10  # under the gRPC read slices
+    stub = _as_a_stub_starts(env)
+    assert not SERVER_GLIBC_ENV.keys() & stub.keys()
+    (tmp_path / "mine.sh").write_text("export MINE=1\n")  # a user's own BASH_ENV still runs
+    assert (
+        _as_a_stub_starts(server_env(base={"PATH": "/usr/bin", "BASH_ENV": str(tmp_path / "mine.sh")}, allocator="glibc"))["MINE"]
+        == "1"
+    )
+    for mine in ({"MALLOC_ARENA_MAX": "2"}, {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"}):
+        theirs = server_env(base={"PATH": "/usr/bin", **mine}, allocator="glibc")
+        assert not SERVER_GLIBC_ENV.keys() & theirs.keys() and "BASH_ENV" not in theirs, mine
+
+
+def test_trtspec_allocator_chooses_the_allocator_auto_preloads(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRTSPEC_CACHE", str(tmp_path / "cache"))
+    lib = tmp_path / ALLOCATORS["jemalloc"]  # one a user brought without root
+    lib.write_bytes(b"")
+    env = server_env(base={"PATH": "/usr/bin", ALLOCATOR_ENV: str(lib)})
+    assert env["LD_PRELOAD"] == str(lib) and env["MALLOC_CONF"] == SERVER_JEMALLOC_CONF
+    assert not SERVER_GLIBC_ENV.keys() & env.keys()
+    glibc = server_env(base={"PATH": "/usr/bin", ALLOCATOR_ENV: "glibc"})
+    assert "LD_PRELOAD" not in glibc and glibc["MALLOC_MMAP_THRESHOLD_"] == SERVER_GLIBC_ENV["MALLOC_MMAP_THRESHOLD_"]
+    assert "LD_PRELOAD" not in server_env(base={"PATH": "/usr/bin", ALLOCATOR_ENV: str(lib)}, allocator="glibc")  # named wins
+    with pytest.raises(ServerError, match="is not a file"):
+        server_env(base={"PATH": "/usr/bin", ALLOCATOR_ENV: str(tmp_path / "none.so")})
+    with pytest.raises(ServerError, match="unknown allocator 'mimalloc'"):
+        server_env(base={"PATH": "/usr/bin", ALLOCATOR_ENV: "mimalloc"})
+
+
+@pytest.mark.server
+def test_the_served_glibc_server_maps_large_buffers_and_its_stubs_keep_glibcs_thresholds(glibc_server):
+    server, _ = glibc_server
+
+    def environ(pid: int) -> dict[str, str]:
+        items = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+        return dict(item.split("=", 1) for item in items if "=" in item)
+
+    stubs = [pid for pid in descendants(server.pid) if STUB_NAME in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
+    assert stubs and "LD_PRELOAD" not in environ(server.pid)
+    assert {k: environ(server.pid).get(k) for k in SERVER_GLIBC_ENV} == SERVER_GLIBC_ENV
+    assert all(not SERVER_GLIBC_ENV.keys() & environ(pid).keys() for pid in stubs)
 
 
 def _as_a_stub_starts(env: dict[str, str]) -> dict[str, str]:

@@ -12,14 +12,14 @@ from trtspec import console
 from trtspec.cli.common import EnginesOpt, LlmapiOpt, handle_errors
 from trtspec.speculative.llmapi import TENSORRT_LLM
 from trtspec.triton.server import launch
-from trtspec.triton.server.install import CACHE_ENV
+from trtspec.triton.server.install import CACHE_ENV, SERVER_GLIBC_ENV
 
 
 def _print_dry_run(server, t) -> None:
     """The command line and the environment the server would get (install.server_env)."""
     console.out.print(" ".join(server.shown_argv()))
     env = server.env or {}
-    shown = ["PATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "MALLOC_CONF", "BASH_ENV", *CACHE_ENV]
+    shown = ["PATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "MALLOC_CONF", *SERVER_GLIBC_ENV, "BASH_ENV", *CACHE_ENV]
     for key in [*shown, *sorted(k for k in env if k.startswith("TRTLLM_"))]:
         console.out.print(f"{key}={env.get(key, os.environ.get(key, ''))}")
     if t.loaded is not None:

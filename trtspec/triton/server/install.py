@@ -71,6 +71,16 @@ CACHE_ENV = {
     "ONEDNN_PRIMITIVE_CACHE_CAPACITY": SHAPE_CACHE_CAPACITY,
     "LRU_CACHE_CAPACITY": SHAPE_CACHE_CAPACITY,
 }
+# glibc's malloc (no allocator preloaded) keeps what a freed buffer held unless the buffer was
+# mmapped: a gRPC message is read in slices of 64 to 128 KiB, under glibc's 128 KiB threshold, so
+# two refused 256 MiB inputs filled new 64 MiB arena heaps that a live object at their top kept
+# (tritonserver +221 MiB); its threshold also rises to what was freed, up to 32 MiB. Fixed at 32
+# KiB in tritonserver only, every larger buffer is mapped and unmapped on its own: +4.5 MiB
+# (operations.md, memory). The stubs keep glibc's own thresholds, which keep their steps'
+# buffers for reuse, as they keep jemalloc's thread caches (stub_env_file unsets them).
+SERVER_GLIBC_ENV = {"MALLOC_MMAP_THRESHOLD_": "32768", "MALLOC_TRIM_THRESHOLD_": "131072"}
+# Names or a shared library's path (one a user brought without root); "auto" otherwise.
+ALLOCATOR_ENV = "TRTSPEC_ALLOCATOR"
 Allocator = Literal["auto", "jemalloc", "tcmalloc", "glibc"]
 _LIB_DIRS = (f"/usr/lib/{sysconfig.get_config_var('MULTIARCH') or 'x86_64-linux-gnu'}", "/usr/lib64", "/usr/lib", "/lib64")
 
@@ -204,12 +214,16 @@ def prepare_backend_dir(install: TritonInstall, python_version: str, cache_root:
     return target
 
 
-def find_allocator(name: Allocator, lib_dirs: Sequence[str] = _LIB_DIRS) -> Path | None:
-    """The shared library of allocator ``name`` ("auto": AUTO_ALLOCATOR when installed); None
-    for "glibc" and for "auto" without it. A named one that is missing is an
+def find_allocator(name: Allocator | str, lib_dirs: Sequence[str] = _LIB_DIRS) -> Path | None:
+    """The shared library of allocator ``name`` ("auto": AUTO_ALLOCATOR when installed; a path:
+    that file); None for "glibc" and for "auto" without it. A named one that is missing is an
     error that says which package provides it."""
     if name == "glibc":
         return None
+    if "/" in name:  # a library's path
+        if not Path(name).is_file():
+            raise ServerError(f"allocator {name} is not a file; give the path of an allocator's shared library, or auto or glibc")
+        return Path(name)
     candidate = AUTO_ALLOCATOR if name == "auto" else name
     if candidate not in ALLOCATORS:
         raise ServerError(f"unknown allocator {candidate!r}; choose one of auto, glibc, {', '.join(ALLOCATORS)}")
@@ -238,9 +252,11 @@ def server_env(
     links ``libpython3.X.so`` dynamically, and must get the base interpreter's copy, not a
     system one of another patch level (undefined symbols), hence LIBDIR first on
     LD_LIBRARY_PATH. A relocated stub/backend also needs the wheel's bundled libraries.
-    ``allocator`` (find_allocator) goes first on LD_PRELOAD, with jemalloc's settings for the
-    server (SERVER_JEMALLOC_CONF) and, through BASH_ENV, for its stubs (JEMALLOC_CONF) unless the
-    environment sets MALLOC_CONF; oneDNN's and ideep's caches are bounded (CACHE_ENV) unless the
+    ``allocator`` (find_allocator; "auto": the environment's TRTSPEC_ALLOCATOR when set) goes first
+    on LD_PRELOAD, with jemalloc's settings for the server (SERVER_JEMALLOC_CONF) and, through
+    BASH_ENV, for its stubs (JEMALLOC_CONF) unless the environment sets MALLOC_CONF; with none,
+    glibc's malloc gets SERVER_GLIBC_ENV in the server only, unless the environment sets glibc's
+    malloc up; oneDNN's and ideep's caches are bounded (CACHE_ENV) unless the
     environment sets them.
     """
     py = venv if isinstance(venv, PythonEnv) else python_env(venv)
@@ -249,22 +265,31 @@ def server_env(
     env["PATH"] = _prepend([str(py.prefix / "bin")], env.get("PATH", ""))
     libs = [str(py.libdir)] + ([str(install.libs_dir)] if install.libs_dir else [])
     env["LD_LIBRARY_PATH"] = _prepend(libs, env.get("LD_LIBRARY_PATH", ""))
-    malloc = find_allocator(allocator)
+    malloc = find_allocator((env.get(ALLOCATOR_ENV) or "auto") if allocator == "auto" else allocator)
     if malloc is not None:
         env["LD_PRELOAD"] = " ".join([str(malloc), *(p for p in env.get("LD_PRELOAD", "").split() if p != str(malloc))])
         if malloc.name == ALLOCATORS["jemalloc"] and "MALLOC_CONF" not in env:  # a user's own setting wins
             env["MALLOC_CONF"] = SERVER_JEMALLOC_CONF
-            env["BASH_ENV"] = str(stub_env_file(JEMALLOC_CONF, env.get("BASH_ENV")))
+            env["BASH_ENV"] = str(stub_env_file(f"export MALLOC_CONF={shlex.quote(JEMALLOC_CONF)}", env.get("BASH_ENV")))
+    elif not _sets_up_glibc_malloc(env):  # a user's own settings win
+        env.update(SERVER_GLIBC_ENV)
+        env["BASH_ENV"] = str(stub_env_file(f"unset {' '.join(SERVER_GLIBC_ENV)}", env.get("BASH_ENV")))
     for name, capacity in CACHE_ENV.items():
         env.setdefault(name, str(capacity))  # a user's own setting wins
     return env
 
 
-def stub_env_file(malloc_conf: str, chained: str | None = None) -> Path:
-    """The file bash runs (BASH_ENV) before it execs each Python-backend stub: it sets the stub's
-    MALLOC_CONF to ``malloc_conf`` and then runs ``chained`` (a BASH_ENV the user had). Named by
-    its content under trtspec's cache, written once, never half-written."""
-    text = f"export MALLOC_CONF={shlex.quote(malloc_conf)}\n"
+def _sets_up_glibc_malloc(env: Mapping[str, str]) -> bool:
+    """Whether ``env`` sets glibc's malloc up itself: a MALLOC_ variable (but jemalloc's
+    MALLOC_CONF) or a glibc.malloc tunable."""
+    return "glibc.malloc." in env.get("GLIBC_TUNABLES", "") or any(k.startswith("MALLOC_") and k != "MALLOC_CONF" for k in env)
+
+
+def stub_env_file(setting: str, chained: str | None = None) -> Path:
+    """The file bash runs (BASH_ENV) before it execs each Python-backend stub: it runs the shell
+    line ``setting`` (the stub's allocator settings) and then ``chained`` (a BASH_ENV the user
+    had). Named by its content under trtspec's cache, written once, never half-written."""
+    text = f"{setting}\n"
     if chained:
         text += f". {shlex.quote(chained)}\n"
     path = cache_root() / "server-env" / f"stub-{hashlib.sha256(text.encode()).hexdigest()[:16]}.sh"
