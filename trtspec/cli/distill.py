@@ -36,9 +36,17 @@ def distill(
       trtspec distill engine_specs/smollm2-135m-eagle3.yaml --corpus chats.jsonl --max-steps 3000
       trtspec distill engine_specs/tiny-llama-eagle3.yaml --max-steps 200 --force
       trtspec distill my-8b-eagle3.yaml --device cuda --time-budget 2h   # target, capture and training on the GPU
+      trtspec distill my.yaml --from-capture captured --init heads/v1 -o heads/v2 --max-steps 300
+
+    With --from-capture DIR --init HEAD: continue HEAD on the requests serve.capture kept in DIR
+    (docs/capture.md), --replay of the training sequences from HEAD's original data; the newest
+    --capture-held-out of the captured requests are never trained on, and both heads are scored
+    side by side on them and on the spec's verify prompts (acceptance at k=1).
     """
+    from trtspec.distill.refine import refine
     from trtspec.distill.run import distill as run
 
     loaded = with_device(load_spec(spec), device)
-    result = run(loaded, opts.model_copy(update={"allow_pickle": allow_pickle}))
+    opts = opts.model_copy(update={"allow_pickle": allow_pickle})
+    result = refine(loaded, opts) if opts.from_capture or opts.init else run(loaded, opts)
     emit(result, lambda out: out.print(result.summary()), as_json=as_json, json_file=json_file)

@@ -33,6 +33,21 @@ class DistillOptions(DistillRecipe):
         ),
     ] = None  # None: distill/run.generation_rows
     allow_pickle: bool = False  # the command's --allow-pickle (cli/common.py)
+    # Continuing a head on served traffic (distill/refine.py, docs/capture.md).
+    from_capture: Annotated[
+        Path | None, Flag("A serve.capture folder: continue --init's head on the requests captured there.")
+    ] = None
+    init: Annotated[Path | None, Flag("The head to continue from (with --from-capture); it is only read.")] = None
+    replay: Annotated[
+        float,
+        Field(ge=0, lt=1),
+        Flag("With --from-capture: the share of training sequences from the head's original data (so it does not forget)."),
+    ] = 0.5
+    capture_held_out: Annotated[
+        float,
+        Field(gt=0, lt=1),
+        Flag("With --from-capture: the share of captured requests, the newest, held out (never trained on) to score both heads."),
+    ] = 0.2
 
 
 # Where a recipe value came from, as the head's manifest records it.
