@@ -140,6 +140,10 @@ class Costs:
     weight_bytes: int | None = None  # the target's weights, all read once per decode step
     kv_bytes: int | None = None  # the K/V the timed decode step reads (its context + itself)
     bandwidth: Bandwidth | None = None  # this machine's measured memory bandwidth
+    # Verifying k + 1 tokens, in target decode steps, for k = 1..max_draft_len (str(k) keys).
+    verify_by_k: dict[str, float] = field(default_factory=dict)
+    # Per engine: which path ran its steps, eager or compiled, by kind (one row | more rows).
+    paths: dict[str, str] = field(default_factory=dict)
 
     @property
     def step_bytes(self) -> int | None:
@@ -476,7 +480,16 @@ def measure_engine_costs(deployment, prompt: str, k: int, repeats: int = 7) -> C
     if getattr(deployment, "head", None) is not None:
         draft_step = _head_step(deployment, ctx, k, repeats)
     weights, kv = deployment.target.step_bytes(len(ctx) + 4)  # the timed step's context: ctx + 4
-    return Costs(target_step, draft_step, verify_step, k, weights, kv, measure_bandwidth())
+    verify_by_k = {
+        str(n): forward_seconds(deployment.target, ctx, n + 1, max(3, repeats // 2)) / target_step
+        for n in range(1, getattr(getattr(deployment.target, "manifest", None), "max_draft_len", k) + 1)
+    }
+    paths = {
+        role: engine.programs.summary()
+        for role, engine in (("target", deployment.target), ("draft", deployment.draft))
+        if engine is not None and hasattr(engine, "programs")
+    }
+    return Costs(target_step, draft_step, verify_step, k, weights, kv, measure_bandwidth(), verify_by_k, paths)
 
 
 def forward_seconds(engine, ctx: list[int], n_new: int, repeats: int, tree: bool = False) -> float:

@@ -54,6 +54,10 @@ def _render_costs(report: BenchReport, console) -> None:
     )
     if c.step_bytes is not None and c.bandwidth is not None:
         console.print(floor_line(c))
+    for role, path in c.paths.items():
+        console.print(f"{role} steps: {path}")
+    if c.verify_by_k:
+        console.print("verify cost by k (target decode steps): " + ", ".join(f"{k}: {v:.2f}" for k, v in c.verify_by_k.items()))
 
 
 def _render_sweep(report: BenchReport, console) -> None:

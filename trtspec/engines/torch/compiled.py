@@ -52,6 +52,7 @@ from torch import nn
 
 from trtspec.cache import cache_root
 from trtspec.engines.torch.model import ByRows, DecoderLM, KVCache, StepInputs, _rotate_half
+from trtspec.engines.torch.quant import WeightOnlyLinear
 from trtspec.files import write_json_atomic
 
 COMPILE_ENV = "TRTSPEC_COMPILE"  # auto (default): measured | 1: compiled, unmeasured | 0: eager
@@ -91,17 +92,22 @@ def _layer_linears(model: DecoderLM) -> list[dict[str, nn.Module]]:
     return out
 
 
-def dense_weights(model: DecoderLM) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-    """The float weights (and biases) of the model's Linears by program name ("3.qkv", "lm_head"),
-    taken before the kernel choice re-lays them: what a streamed one-row step reads. Empty for a
-    model whose Linears are not float32 / bfloat16 dense (weight-only quantized)."""
-    out = {}
+def streamed_weights(model: DecoderLM) -> dict[str, nn.Module]:
+    """The Linears a one-row step streams, by program name ("3.qkv", "lm_head"): float32 and
+    bfloat16 dense ones as they are before the kernel choice re-lays them (copies of their
+    weights are kept), and int8 weight-only ones (their kernel's own codes). int4 weight-only
+    Linears keep their kernel: a generated loop that unpacks nibbles ran slower than it."""
+    out: dict[str, nn.Module] = {}
     named = [(f"{i}.{role}", m) for i, parts in enumerate(_layer_linears(model)) for role, m in parts.items()]
     for name, m in [*named, ("lm_head", model.lm_head)]:
         weight = getattr(m, "weight", None)
-        if not isinstance(weight, torch.Tensor) or weight.dtype not in STREAMED_DTYPES or weight.is_mkldnn:
-            return {}
-        out[name] = (weight.detach(), m.bias.detach() if getattr(m, "bias", None) is not None else None)
+        if isinstance(m, WeightOnlyLinear) and m.scheme == "int8_wo":
+            out[name] = m
+        elif isinstance(weight, torch.Tensor) and weight.dtype in STREAMED_DTYPES and not weight.is_mkldnn:
+            with torch.device("meta"):
+                copy = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, dtype=weight.dtype)
+            copy.weight, copy.bias = m.weight, m.bias  # the same tensors: kept when the choice re-lays m
+            out[name] = copy
     return out
 
 
@@ -161,23 +167,29 @@ class StepTensors:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
-def _streamed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """One row through a dense weight as one generated loop: [1, in] x [out, in] -> [1, out]."""
-    out = (x.float() * weight.float()).sum(-1).to(x.dtype).unsqueeze(0)  # [1, out]
-    return out if bias is None else out + bias
+def _streamed(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
+    """One row through a Linear as one generated loop that reads its weight once:
+    [1, in] -> [1, out], summed in float32."""
+    if isinstance(linear, WeightOnlyLinear):  # int8 codes [out, in], a scale per output row
+        codes, scales = linear.kernel_tensors()
+        out = (x.float() * codes.float()).sum(-1) * scales.float()  # [out]
+    else:
+        out = (x.float() * linear.weight.float()).sum(-1)
+    out = out.to(x.dtype).unsqueeze(0)  # [1, out]
+    return out if linear.bias is None else out + linear.bias
 
 
 class StepProgram:
     """DecoderLM.hidden_states as compiled programs: ``hidden_states`` takes the same StepInputs
     and cache and returns the same final-norm hidden states (and captured layers)."""
 
-    def __init__(self, model: DecoderLM, role: str, streamed: dict[str, tuple[torch.Tensor, torch.Tensor | None]] | None = None):
+    def __init__(self, model: DecoderLM, role: str, streamed: dict[str, nn.Module] | None = None):
         self.model = model
         # The names its Linears are called by: the same in every process that loads the same
         # engines in the same order, so inductor's cache finds the compiled code again.
         self.key = f"{role}-{_created.setdefault(role, 0)}"
         _created[role] += 1
-        self.streamed = dict(streamed or {})  # program name -> (weight, bias) for one-row steps
+        self.streamed = dict(streamed or {})  # program name -> the Linear a one-row step streams
         self.register()
         self._compiled = torch.compile(self._hidden, fullgraph=True, dynamic=False)
         self._compiled_head = torch.compile(self._head, fullgraph=True, dynamic=False)
@@ -197,7 +209,7 @@ class StepProgram:
 
     def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
         if x.shape[0] == 1 and name in self.streamed:  # a static size inside a program
-            return _streamed(x, *self.streamed[name])
+            return _streamed(x, self.streamed[name])
         return torch.ops.trtspec.linear(x, f"{self.key}/{name}")
 
     def _hidden(

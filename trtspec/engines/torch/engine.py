@@ -24,7 +24,7 @@ from trtspec import console
 from trtspec.device import check_dtype, resolve, uses_cpu_kernels
 from trtspec.engines.manifest import Manifest, read_manifest
 from trtspec.engines.torch import threads
-from trtspec.engines.torch.compiled import ProgramChoice, StepProgram, choose_program, dense_weights, program_timer
+from trtspec.engines.torch.compiled import ProgramChoice, StepProgram, choose_program, program_timer, streamed_weights
 from trtspec.engines.torch.kernels import KernelChoice, choice_key, choose_kernels, timed_sizes
 from trtspec.engines.torch.model import TREE_ROWS, DecoderConfig, DecoderLM, KVCache, StepInputs, rope_tables, tree_layout
 from trtspec.errors import EngineError, RequestError
@@ -251,7 +251,7 @@ class TorchEngine:
         )
         # The Linear kernels: whichever is faster on this CPU, measured once per machine.
         if uses_cpu_kernels(device):
-            streamed = dense_weights(model)  # before the kernel choice re-lays them
+            streamed = streamed_weights(model)  # before the kernel choice re-lays them
             engine.kernels = choose_kernels(model, engine.cos, engine.sin, verify_tokens=manifest.max_draft_len + 1)
             engine.choose_program(streamed)
             if warm:
@@ -263,9 +263,9 @@ class TorchEngine:
             )
         return engine
 
-    def choose_program(self, streamed: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+    def choose_program(self, streamed: dict[str, torch.nn.Module]) -> None:
         """Eager or the compiled step (compiled.py) for each kind of step, as measured on this
-        machine (cached per machine); ``streamed``: the dense weights a one-row step may stream."""
+        machine (cached per machine); ``streamed``: the Linears a one-row step may stream."""
         verify_tokens = self.manifest.max_draft_len + 1
         key = json.dumps(json.loads(choice_key(self.model, verify_tokens)) | {"layout": self.kernels.layout}, sort_keys=True)
         program = StepProgram(self.model, self.manifest.role, streamed)

@@ -179,6 +179,12 @@ class WeightOnlyLinear(nn.Module):
             self._kernel_scales = torch.stack((scales.t(), zeros.t()), dim=-1).to(self.dtype).contiguous()  # [in/G, out, 2]
         self.qweight = self.scales = self.mins = None
 
+    def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes and scales as the kernel reads them (int8_wo: codes [out, in], scales [out])."""
+        if self._kernel_weight is None:
+            self.pack()
+        return self._kernel_weight, self._kernel_scales
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernel_weight is None:
             self.pack()
