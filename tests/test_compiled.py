@@ -148,3 +148,20 @@ def test_decide_keeps_the_faster_path_per_kind():
     assert compiled.decide(seconds) == ("compiled", "eager")  # 2.4 > 2.0 for the verify steps
     seconds["compiled"]["2"] = 1.0
     assert compiled.decide(seconds) == ("compiled", "compiled")
+
+
+def test_a_compile_that_fails_while_serving_turns_the_engine_eager_and_the_step_still_answers(folder):
+    eng = _load(folder, "target", "1", slots=1)
+    reference = _load(folder, "target", "0", slots=1)
+    seq = _seq(10, 4)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("BackendCompilerFailed: the C++ compiler went away")
+
+    eng.program._compiled = broken
+    (out,) = eng.run([ForwardItem(seq, 2)])
+    assert eng.program is None and eng.programs.source == "fallback"
+    assert "the C++ compiler went away" in eng.programs.reason
+    assert torch.equal(out, reference.run([ForwardItem(seq, 2)])[0])
+    (again,) = eng.run([ForwardItem(seq + [5], 1)])  # eager from now on, the cache consistent
+    assert torch.equal(again, reference.run([ForwardItem(seq + [5], 1)])[0])

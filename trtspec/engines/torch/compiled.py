@@ -296,6 +296,10 @@ def _configure() -> None:
     is a guarded entry of the same code), and inductor's code cache under trtspec's cache."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 512)
+    import torch._inductor.config as inductor_config
+
+    # Compile in this process: no pool of compile workers forked from a server's model process.
+    inductor_config.compile_threads = 1
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
 
 

@@ -281,12 +281,13 @@ class TorchEngine:
             console.info(f"{self.manifest.role}: the step runs eager: {self.programs.reason}")
 
     def warm_programs(self) -> None:
-        """Compile now the kinds of step a server meets besides the measured ones (several rows
-        of one and of several tokens), so no request waits for a compile."""
-        if self.program is None or self.max_batch_size < 2:
+        """Compile now every kind of step a server meets (one row or several, of one token or
+        several), so that no request waits for a compile."""
+        if self.program is None:
             return
-        for n in (1, 2):
-            self.run([ForwardItem([1 + i] * (n + 1), n) for i in range(2)])
+        for rows in range(1, min(self.max_batch_size, 2) + 1):
+            for n in (1, 2):
+                self.run([ForwardItem([1 + i] * (n + 1), n) for i in range(rows)])
         self.forget_prefixes()
 
     def warm_matmuls(self) -> int:
@@ -479,7 +480,9 @@ class TorchEngine:
             # Every row's positions that need logits go through the LM head in ONE call: the
             # head (vocab x hidden, the largest weight) is then read once a step, not once per row.
             heads = wanted[0] if len(wanted) == 1 else torch.cat(wanted)  # [rows, hidden]
-            logits = self._runner(heads.shape[0]).logits(heads).cpu()  # where the loop reads it
+            logits = self._compiled_or_eager(
+                heads.shape[0], lambda forward: forward.logits(heads)
+            ).cpu()  # where the loop reads it
         self.forwards += 1
         out = list(logits.split([it.n_logits for it in items]))  # per item [n_logits, vocab]
         for it, (slot, _) in zip(items, assigned):
@@ -495,11 +498,10 @@ class TorchEngine:
         item, the final hidden states [n_logits, hidden] of its positions that need logits."""
         step = self._step_inputs(items, assigned, starts)
         captured: list[torch.Tensor] = []  # each [b, q, hidden]
-        forward = self._runner(step.tokens.numel())
-        if self.capture:
-            hidden = forward.hidden_states(step, self.cos, self.sin, self.cache, self.capture, captured)
-        else:
-            hidden = forward.hidden_states(step, self.cos, self.sin, self.cache)  # [b, q, hidden]
+        capture = (self.capture, captured) if self.capture else ()
+        hidden = self._compiled_or_eager(
+            step.tokens.numel(), lambda forward: forward.hidden_states(step, self.cos, self.sin, self.cache, *capture)
+        )  # [b, q, hidden]
         if captured:
             feats = torch.cat(captured, dim=-1)  # [b, q, len(capture) * hidden]
             for row, (slot, start, n) in enumerate(step.rows):
@@ -509,11 +511,24 @@ class TorchEngine:
             for row, (it, start) in enumerate(zip(items, starts))
         ]
 
-    def _runner(self, rows: int):
-        """The model (eager) or the compiled program, as chosen for a step of ``rows`` rows."""
-        if self.program is not None and self.programs.path(rows) == "compiled":
-            return self.program
-        return self.model
+    def _compiled_or_eager(self, rows: int, call: Callable):
+        """``call`` on the compiled program where it runs steps of ``rows`` rows, else on the
+        model (eager). A compile that fails at run time (a kind first met here, a machine whose
+        compiler broke) leaves the engine eager for good, said in one line; the step is run
+        again eagerly, rewriting whatever K/V the failed attempt wrote."""
+        if self.program is None or self.programs.path(rows) != "compiled":
+            return call(self.model)
+        try:
+            return call(self.program)
+        except Exception as err:  # inductor's errors have no common base class
+            reason = (
+                f"compiling failed ({type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''})"
+            )
+            self.programs = ProgramChoice("eager", "eager", "fallback", reason)
+            self.program.close()
+            self.program = None
+            console.info(f"{self.manifest.role}: the step runs eager: {reason}")
+            return call(self.model)
 
     def _step_inputs(self, items, assigned, starts) -> StepInputs:
         b = len(items)
