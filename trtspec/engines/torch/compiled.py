@@ -210,6 +210,9 @@ class StepProgram:
     def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
         if x.shape[0] == 1 and name in self.streamed:  # a static size inside a program
             return _streamed(x, self.streamed[name])
+        module = _LINEARS[f"{self.key}/{name}"][0]
+        if isinstance(module, WeightOnlyLinear):  # PyTorch's own kernel: called from the program, no Python
+            return module(x)
         return torch.ops.trtspec.linear(x, f"{self.key}/{name}")
 
     def _hidden(
