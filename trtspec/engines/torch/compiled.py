@@ -249,7 +249,11 @@ class StepProgram:
             v_cache[i][write_slot, :, write_pos] = xv.transpose(1, 2)[write_row, write_tok]
             keys = k_cache[i][:, :, :span].index_select(0, slots)  # [b, kv, S, d]
             values = v_cache[i][:, :, :span].index_select(0, slots)
-            out = F.scaled_dot_product_attention(xq, keys, values, attn_mask=mask, enable_gqa=h != kv)  # [b, h, q, d]
+            # in float32 whatever the cache holds (the gather widens as it copies): the CPU's
+            # bfloat16 attention kernel cost the demo's 4-bit draft more than its weights at a
+            # 900-token context (a one-row step 41 -> 17 ms)
+            out = F.scaled_dot_product_attention(xq.float(), keys.float(), values.float(), attn_mask=mask, enable_gqa=h != kv)
+            out = out.to(x.dtype)  # [b, h, q, d]
             x = x + self._lin(out.transpose(1, 2).reshape(b * q, h * d), f"{i}.o").view(b, q, -1)
             gate, up = self._lin(layer.post_attention_layernorm(x).reshape(b * q, -1), f"{i}.gate_up").chunk(2, -1)
             x = x + self._lin(F.silu(gate) * up, f"{i}.down").view(b, q, -1)
