@@ -57,7 +57,7 @@ from trtspec.files import write_json_atomic
 
 COMPILE_ENV = "TRTSPEC_COMPILE"  # auto (default): measured | 1: compiled, unmeasured | 0: eager
 CACHE_FILE = "programs.json"
-PROGRAMS_VERSION = "1"  # bumped when what a program runs changes: cached choices are measured again
+PROGRAMS_VERSION = "2"  # bumped when what a program runs changes: cached choices are measured again
 ROUNDS = 5
 STREAMED_DTYPES = (torch.float32, torch.bfloat16)
 
