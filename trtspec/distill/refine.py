@@ -79,7 +79,7 @@ def refine(loaded: LoadedSpec, opts: DistillOptions, on_step=None) -> RefineResu
     replayed = replay_samples(data.train, len(train_s), opts.replay, opts.seed)
     steps = opts.ttt_steps or max(1, loaded.spec.speculative.default_draft_tokens)
     key = hashlib.sha256(json.dumps([c.path.name for c in train_c]).encode()).hexdigest()[:16]
-    target = _reaching(data, max(len(s.tokens) for s in train_s + held_s))
+    target = reaching(data.target, data.target_hf, max(len(s.tokens) for s in train_s + held_s))
     with work_lock(work_folder(out)):
         trainer = Trainer(head, target, draft_ids, opts, steps, data.store)
         step, _, stopped_by = trainer.fit(
@@ -174,11 +174,11 @@ class _TrainTarget:
     device: torch.device
 
 
-def _reaching(data: Prepared, positions: int) -> _TrainTarget:
+def reaching(t, hf_config, positions: int) -> _TrainTarget:
+    """The target engine ``t`` as Trainer reads it, its RoPE tables ``positions`` long at least."""
     from trtspec.engines.torch.model import rope_tables
 
-    t = data.target
-    cos, sin = (x.to(t.device) for x in rope_tables(data.target_hf, max(positions, t.max_seq_len)))
+    cos, sin = (x.to(t.device) for x in rope_tables(hf_config, max(positions, t.max_seq_len)))
     return _TrainTarget(t.model, cos, sin, t.vocab_size, t.device)
 
 
@@ -197,11 +197,19 @@ def _original_recipe(init: Path, opts: DistillOptions) -> DistillOptions:
 
 def load_head(init: Path, data: Prepared) -> tuple[Eagle3Head, dict, list[int]]:
     """The init head, trainable in float32, its config.json and its draft vocabulary (target ids)."""
+    return read_head(init, data.target_hf.num_hidden_layers, tuple(data.layer_ids), data.target.vocab_size)
+
+
+def read_head(init: Path, num_layers: int, layer_ids: tuple[int, ...], vocab: int) -> tuple[Eagle3Head, dict, list[int]]:
+    """A head folder (distill's, or a built head engine) for training or scoring in float32."""
     from safetensors.torch import load_file
 
-    cfg = read_head_config(init, data.target_hf.num_hidden_layers)
-    if tuple(cfg.layer_ids) != tuple(data.layer_ids) or cfg.vocab_size != data.target.vocab_size:
-        raise SpecError(f"--init: {init} reads layers {list(cfg.layer_ids)} of another target or layout; pass this spec's head")
+    cfg = read_head_config(init, num_layers)
+    if tuple(cfg.layer_ids) != tuple(layer_ids) or cfg.vocab_size != vocab:
+        raise SpecError(
+            f"{init} is a head for layers {list(cfg.layer_ids)} of a {cfg.vocab_size}-token target; this spec's head "
+            f"reads layers {list(layer_ids)} of a {vocab}-token one: pass a head made for this spec"
+        )
     head = Eagle3Head.from_state_dict(cfg, load_file(str(init / HEAD_WEIGHTS))).float()
     for p in head.parameters():
         p.requires_grad_(True)

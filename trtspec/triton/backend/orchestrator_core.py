@@ -591,6 +591,11 @@ class Orchestrator:
             if res.output_ids and wanted(spec, key, row.request.suffix_scope, row.capture):
                 self._keeper().submit(self._keep_one, key, row.request, list(res.output_ids))
 
+    def close(self) -> None:
+        """Unload: serve.capture's thread stops; requests it has not sent to the target are not kept."""
+        if self._capture_thread is not None:
+            self._capture_thread.shutdown(wait=False, cancel_futures=True)
+
     def _keeper(self) -> ThreadPoolExecutor:
         if self._capture_thread is None:
             self._capture_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trtspec-capture")

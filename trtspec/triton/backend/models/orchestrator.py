@@ -146,5 +146,6 @@ class TritonPythonModel:
             if self.worker.is_alive():
                 log.error(f"the scheduler did not stop within {UNLOAD_WAIT_S:g} s; answering what it holds")
                 self.scheduler.fail_all(Unavailable("the model is unloading; retry on another instance or later"))
+        self.core.close()  # serve.capture's thread: what it has not sent yet is dropped
         self.core.metrics = None
         self.sink.close()
