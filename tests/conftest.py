@@ -129,27 +129,42 @@ def serve_tiny(tmp_path_factory, tiny_ckpts, name: str, **overrides):
     """A real tritonserver on the tiny pair's repository (spec overrides as write_spec's), as a
     generator for fixtures: yields (server, in-process Deployment of the same engines), stops
     the server after. Skips where no tritonserver can be installed."""
-    from trtspec.engines.build import build
-    from trtspec.errors import ServerError
-    from trtspec.runtime import Deployment
     from trtspec.spec import load_spec
-    from trtspec.triton.repository.writer import write_repository
+
+    require_tritonserver()
+    folder = tmp_path_factory.mktemp(name)
+    loaded = load_spec(write_spec(folder, tiny_ckpts, **overrides))
+    for server, deployment, _ in serve_built(loaded, folder, tmp_path_factory.mktemp("backend-cache")):
+        yield server, deployment
+
+
+def require_tritonserver() -> None:
+    """Skip the calling test where no tritonserver can be installed."""
+    from trtspec.errors import ServerError
     from trtspec.triton.server.install import find_tritonserver
-    from trtspec.triton.server.process import TritonServer
 
     try:
         find_tritonserver()
     except ServerError as err:
         pytest.skip(str(err))
-    folder = tmp_path_factory.mktemp(name)
-    loaded = load_spec(write_spec(folder, tiny_ckpts, **overrides))
+
+
+def serve_built(loaded, folder: Path, backend_cache: Path):
+    """Build ``loaded``'s engines and serve their repository (written in ``folder``) on a real
+    tritonserver, as a generator for fixtures: yields (server, in-process Deployment of the same
+    engines, the repository), stops the server after."""
+    from trtspec.engines.build import build
+    from trtspec.runtime import Deployment
+    from trtspec.triton.repository.writer import write_repository
+    from trtspec.triton.server.process import TritonServer
+
     build(loaded, loaded.output_dir())
     repo = write_repository(loaded, loaded.output_dir(), folder / "repo")
-    server = TritonServer.for_repository(repo, cache_root=tmp_path_factory.mktemp("backend-cache"))
+    server = TritonServer.for_repository(repo, cache_root=backend_cache)
     server.start(folder / "server.log")
     try:
         server.wait_ready(timeout=300)
-        yield server, Deployment(loaded, loaded.output_dir())
+        yield server, Deployment(loaded, loaded.output_dir()), repo
     finally:
         server.stop()
 

@@ -10,14 +10,10 @@ import numpy as np
 import pytest
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs the serve extra: pip install 'trtspec[serve]'")
-from conftest import write_spec  # noqa: E402
+from conftest import require_tritonserver, serve_built, write_spec  # noqa: E402
 
-from trtspec.errors import ServerError  # noqa: E402
 from trtspec.layout import BLS_MODEL, CONTROL_MODEL, TARGET_MODEL  # noqa: E402
 from trtspec.speculative.capture import read_capture  # noqa: E402
-from trtspec.triton.repository.writer import write_repository  # noqa: E402
-from trtspec.triton.server.install import find_tritonserver  # noqa: E402
-from trtspec.triton.server.process import TritonServer  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "def fibonacci(n):", "SELECT name FROM"]
 
@@ -26,14 +22,9 @@ PROMPTS = ["The quick brown fox", "def fibonacci(n):", "SELECT name FROM"]
 def captured_served(tmp_path_factory, tiny_ckpts):
     from exact_head import make_bigram_target, make_exact_head
 
-    from trtspec.engines.build import build
-    from trtspec.runtime import Deployment
     from trtspec.spec import load_spec
 
-    try:
-        find_tritonserver()
-    except ServerError as err:
-        pytest.skip(str(err))
+    require_tritonserver()
     root = tmp_path_factory.mktemp("capture-serve")
     target = make_bigram_target(root / "target", tiny_ckpts["target"])
     head = make_exact_head(target, root / "head")
@@ -42,15 +33,8 @@ def captured_served(tmp_path_factory, tiny_ckpts):
         root / "spec", {"target": target, "head": head}, "head", **{"speculative.method": "eagle3", "serve.capture": capture}
     )
     loaded = load_spec(spec)
-    build(loaded, loaded.output_dir())
-    repo = write_repository(loaded, loaded.output_dir(), root / "repo")
-    server = TritonServer.for_repository(repo, cache_root=root / "backend-cache")
-    server.start(root / "server.log")
-    try:
-        server.wait_ready(timeout=300)
-        yield loaded, Deployment(loaded, loaded.output_dir()), server, repo
-    finally:
-        server.stop()
+    for server, deployment, repo in serve_built(loaded, root, root / "backend-cache"):
+        yield loaded, deployment, server, repo
 
 
 def _inputs(prompt: str, capture: bool | None):

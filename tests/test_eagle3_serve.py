@@ -9,16 +9,12 @@ import numpy as np
 import pytest
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs the serve extra: pip install 'trtspec[serve]'")
-from conftest import write_spec  # noqa: E402
+from conftest import require_tritonserver, serve_built, write_spec  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from trtspec.cli.app import app  # noqa: E402
-from trtspec.errors import ServerError  # noqa: E402
 from trtspec.layout import BLS_MODEL, CONTROL_MODEL, DRAFT_MODEL, TARGET_MODEL  # noqa: E402
 from trtspec.speculative.metrics import metrics_from_json  # noqa: E402
-from trtspec.triton.repository.writer import write_repository  # noqa: E402
-from trtspec.triton.server.install import find_tritonserver  # noqa: E402
-from trtspec.triton.server.process import TritonServer  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "def fibonacci(n):"]
 
@@ -27,27 +23,15 @@ PROMPTS = ["The quick brown fox", "def fibonacci(n):"]
 def eagle_served(tmp_path_factory, tiny_ckpts):
     from exact_head import make_bigram_target, make_exact_head
 
-    from trtspec.engines.build import build
-    from trtspec.runtime import Deployment
     from trtspec.spec import load_spec
 
-    try:
-        find_tritonserver()
-    except ServerError as err:
-        pytest.skip(str(err))
+    require_tritonserver()
     root = tmp_path_factory.mktemp("eagle-serve")
     target = make_bigram_target(root / "target", tiny_ckpts["target"])
     head = make_exact_head(target, root / "head")
     loaded = load_spec(write_spec(root / "spec", {"target": target, "head": head}, "head", **{"speculative.method": "eagle3"}))
-    build(loaded, loaded.output_dir())
-    repo = write_repository(loaded, loaded.output_dir(), root / "repo")
-    server = TritonServer.for_repository(repo, cache_root=root / "backend-cache")
-    server.start(root / "server.log")
-    try:
-        server.wait_ready(timeout=300)
-        yield loaded, Deployment(loaded, loaded.output_dir()), server, repo
-    finally:
-        server.stop()
+    for server, deployment, repo in serve_built(loaded, root, root / "backend-cache"):
+        yield loaded, deployment, server, repo
 
 
 def _bls(prompt: str, k: int, max_tokens: int = 30):
