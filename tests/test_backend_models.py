@@ -370,8 +370,8 @@ def test_a_served_engine_makes_every_matmul_shape_at_load_and_a_one_shot_load_do
     assert inspect.signature(TorchEngine.load).parameters["warm"].default is False
     asked = {}
 
-    def load(folder, slots=None, max_seq_len=None, device=None, warm=False):
-        asked.update(folder=folder, slots=slots, warm=warm)
+    def load(folder, slots=None, max_seq_len=None, device=None, warm=False, compiled=True):
+        asked.update(folder=folder, slots=slots, warm=warm, compiled=compiled)
         raise RuntimeError("stop after the load")
 
     monkeypatch.setattr(engine_model.TorchEngine, "load", staticmethod(load))
@@ -381,4 +381,4 @@ def test_a_served_engine_makes_every_matmul_shape_at_load_and_a_one_shot_load_do
     }
     with pytest.raises(RuntimeError, match="stop after the load"):
         engine_model.TritonPythonModel().initialize({"model_config": json.dumps(config), "model_name": "tensorrt_llm"})
-    assert asked == {"folder": tmp_path, "slots": 4, "warm": True}
+    assert asked == {"folder": tmp_path, "slots": 4, "warm": True, "compiled": False}  # served engines run eager

@@ -305,6 +305,8 @@ def _configure() -> None:
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 512)
     import torch._inductor.config as inductor_config
 
+    _utf8_files()
+
     # Compile in this process: no pool of compile workers forked from a server's model process.
     inductor_config.compile_threads = 1
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
@@ -334,6 +336,17 @@ class ProgramChoice:
 
     def summary(self) -> str:
         return f"one row {self.one}, more rows {self.many} ({self.source}{': ' + self.reason if self.reason else ''})"
+
+
+def _utf8_files() -> None:
+    """Files opened without an encoding read as UTF-8, as inductor reads its code templates.
+    Python coerces a C locale to UTF-8 at start, but an embedded interpreter (Triton's Python
+    stub) keeps ASCII and ignores PYTHONUTF8: there every compile failed on a template."""
+    import locale
+
+    if locale.getpreferredencoding(False).lower().replace("-", "") != "utf8":
+        with contextlib.suppress(locale.Error):
+            locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
 
 
 def _forced() -> str | None:
@@ -426,7 +439,7 @@ def choose_program(key: str, measure: Callable[[], dict[str, dict[str, float]]],
     try:
         seconds = measure()
     except Exception as err:  # never fail a load over a speed choice
-        reason = f"compiling failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+        reason = compile_failure(err)
         return ProgramChoice("eager", "eager", "fallback", reason)
     one, many = decide(seconds)
     entries = _read(path)
@@ -439,6 +452,13 @@ def choose_program(key: str, measure: Callable[[], dict[str, dict[str, float]]],
     with contextlib.suppress(OSError):  # a read-only cache: measured again next time
         write_json_atomic(path, entries)
     return ProgramChoice(one, many, "measured", seconds=seconds)
+
+
+def compile_failure(err: BaseException) -> str:
+    """One line saying why compiling failed: the compiler's own error, not inductor's wrapper."""
+    inner = getattr(err, "inner_exception", None) or err.__cause__ or err
+    lines = [line.strip() for line in str(inner).splitlines() if line.strip()]
+    return f"compiling failed ({type(inner).__name__}: {lines[0][:200] if lines else ''})"
 
 
 def machine_record() -> tuple[str, str]:

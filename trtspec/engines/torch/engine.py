@@ -24,7 +24,14 @@ from trtspec import console
 from trtspec.device import check_dtype, resolve, uses_cpu_kernels
 from trtspec.engines.manifest import Manifest, read_manifest
 from trtspec.engines.torch import threads
-from trtspec.engines.torch.compiled import ProgramChoice, StepProgram, choose_program, program_timer, streamed_weights
+from trtspec.engines.torch.compiled import (
+    ProgramChoice,
+    StepProgram,
+    choose_program,
+    compile_failure,
+    program_timer,
+    streamed_weights,
+)
 from trtspec.engines.torch.kernels import KernelChoice, choice_key, choose_kernels, timed_sizes
 from trtspec.engines.torch.model import TREE_ROWS, DecoderConfig, DecoderLM, KVCache, StepInputs, rope_tables, tree_layout
 from trtspec.errors import EngineError, RequestError
@@ -224,8 +231,10 @@ class TorchEngine:
         max_seq_len: int | None = None,
         device: torch.device | str | None = None,
         warm: bool = False,
+        compiled: bool = True,
     ) -> TorchEngine:
-        """``device``: a torch.device, or a name trtspec/device.py resolves (None: cpu). ``warm``:
+        """``device``: a torch.device, or a name trtspec/device.py resolves (None: cpu).
+        ``compiled``: False keeps every step eager (no compiled program is measured or made). ``warm``:
         make every packed matmul shape now (warm_matmuls): what a long-lived server's engine does
         (the Triton engine model), so its memory stays flat; a one-shot command (verify, bench,
         distill) ends before the shapes it never meets matter, and does not pay for them."""
@@ -253,7 +262,10 @@ class TorchEngine:
         if uses_cpu_kernels(device):
             streamed = streamed_weights(model)  # before the kernel choice re-lays them
             engine.kernels = choose_kernels(model, engine.cos, engine.sin, verify_tokens=manifest.max_draft_len + 1)
-            engine.choose_program(streamed)
+            if compiled:
+                engine.choose_program(streamed)
+            else:
+                engine.programs = ProgramChoice("eager", "eager", "forced", "this engine's caller runs it eager")
             if warm:
                 engine.warm_matmuls()
                 engine.warm_programs()
@@ -521,9 +533,7 @@ class TorchEngine:
         try:
             return call(self.program)
         except Exception as err:  # inductor's errors have no common base class
-            reason = (
-                f"compiling failed ({type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''})"
-            )
+            reason = compile_failure(err)
             self.programs = ProgramChoice("eager", "eager", "fallback", reason)
             self.program.close()
             self.program = None

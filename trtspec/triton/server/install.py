@@ -257,7 +257,7 @@ def server_env(
     BASH_ENV, for its stubs (JEMALLOC_CONF) unless the environment sets MALLOC_CONF; with none,
     glibc's malloc gets SERVER_GLIBC_ENV in the server only, unless the environment sets glibc's
     malloc up; oneDNN's and ideep's caches are bounded (CACHE_ENV) unless the
-    environment sets them; the stubs' Python reads files as UTF-8 (PYTHONUTF8) unless it says otherwise.
+    environment sets them.
     """
     py = venv if isinstance(venv, PythonEnv) else python_env(venv)
     install = install or find_tritonserver()
@@ -276,9 +276,6 @@ def server_env(
         env["BASH_ENV"] = str(stub_env_file(f"unset {' '.join(SERVER_GLIBC_ENV)}", env.get("BASH_ENV")))
     for name, capacity in CACHE_ENV.items():
         env.setdefault(name, str(capacity))  # a user's own setting wins
-    # The stub's embedded interpreter does not coerce a C locale to UTF-8 as `python` does, and
-    # inductor reads its code templates in the locale's encoding (the compiled step, compiled.py).
-    env.setdefault("PYTHONUTF8", "1")
     return env
 
 
