@@ -196,8 +196,7 @@ class StepProgram:
         self.compiled_kinds: dict[tuple[bool, bool, bool], float] = {}  # kind -> seconds its first call took
 
     def register(self) -> None:
-        """Point this program's Linear names at the model's current modules (call again after a
-        kernel choice swaps them)."""
+        """Point this program's Linear names at the model's current modules."""
         for i, parts in enumerate(_layer_linears(self.model)):
             for role, m in parts.items():
                 _LINEARS[f"{self.key}/{i}.{role}"] = (m, _out_features(m))
@@ -325,7 +324,6 @@ class ProgramChoice:
     source: str  # measured | cached | forced | fallback
     reason: str = ""
     seconds: dict[str, dict[str, float]] = field(default_factory=dict)  # path -> step kind -> median seconds
-    compile_seconds: float = 0.0  # compiling the measured kinds in this process
 
     def path(self, rows: int) -> str:
         return self.one if rows == 1 else self.many
