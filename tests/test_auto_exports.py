@@ -139,16 +139,10 @@ def test_the_rate_switch_counts_drafting_steps_only():
             {"speculative.switch_off": {"window": 4, "min_acceptance_length": 2, "min_acceptance_rate": 0.5}},
             "speculative.switch_off: give one threshold: min_acceptance_length",
         ),
-        ({}, RATE_OFF, "speculative.switch_off.min_acceptance_rate: backend torch switches off on the acceptance length"),
-        (
-            {"backend": "trtllm", "trtllm.runtime": "engine", "trtllm.line": "1.2"},
-            RATE_OFF,
-            "speculative.switch_off.min_acceptance_rate: trtllm.runtime engine switches off on the acceptance length",
-        ),
         ({**LLMAPI_13, "trtllm.line": "1.2"}, RATE_OFF, "speculative.switch_off: TensorRT-LLM 1.3+ switches speculation off"),
         (LLMAPI_13, SWITCH_OFF, "speculative.switch_off: TensorRT-LLM 1.3+ switches speculation off"),
     ],
-    ids=["no-threshold", "two-thresholds", "torch-rate", "engine-rate", "llmapi-1.2-rate", "llmapi-1.3-length"],
+    ids=["no-threshold", "two-thresholds", "llmapi-1.2-rate", "llmapi-1.3-length"],
 )
 def test_each_runtime_takes_its_own_switch_off(tmp_path, tiny_ckpts, backend, overrides, needle):
     with pytest.raises(SpecError, match=re.escape(needle)) as info:

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from trtspec.cli.app import app
 from trtspec.errors import SpecError
-from trtspec.spec import load_spec
+from trtspec.spec import SwitchOffSpec, load_spec
 from trtspec.speculative.loop import GenerationRequest, generate
 from trtspec.speculative.schedule import (
     AcceptanceSwitch,
@@ -212,7 +212,7 @@ def test_triton_parameters_carry_the_schedule_to_the_orchestrator(tmp_path, tiny
     back = EngineEndpointParams.from_params(spec_params)
     assert EngineEndpointParams(**{**back.__dict__, **load_aware(loaded.spec.speculative)}) == back
     assert back.to_params() == spec_params
-    assert (back.schedule, back.switch_off) == (((1, 5), (4, 2), (8, 0)), (16, 1.3))
+    assert (back.schedule, back.switch_off) == (((1, 5), (4, 2), (8, 0)), SwitchOffSpec(window=16, min_acceptance_length=1.3))
     settings = back.settings(decoupled=False, max_batch_size=4)
     policy = settings.load_policy()
     assert [policy.cap(n) for n in (1, 4, 9)] == [5, 2, 0]

@@ -118,8 +118,9 @@ class SwitchOffSpec(_Strict):
     ``min_acceptance_length``, the mean acceptance length of the last ``window`` finished
     requests that drafted (trtspec's loop; TensorRT-LLM 1.2's acceptance_window /
     acceptance_length_threshold); ``min_acceptance_rate``, the mean over the last ``window``
-    decoding steps that drafted of accepted / drafted tokens (TensorRT-LLM 1.3+'s
-    acceptance_rate_window_size / acceptance_rate_threshold; written for the LLM API only)."""
+    decoding steps that drafted of accepted / drafted tokens over the batch (TensorRT-LLM
+    1.3+'s acceptance_rate_window_size / acceptance_rate_threshold). trtspec's loop applies
+    either, in process and on Triton; the LLM API takes the one its line has."""
 
     window: Annotated[int, Field(ge=1, le=100_000)]
     min_acceptance_length: Annotated[float, Field(gt=1.0, le=MAX_DRAFT_LEN_LIMIT + 1)] | None = None
@@ -641,16 +642,6 @@ class EngineSpec(_Strict):
         return hashlib.sha256(blob).hexdigest()
 
 
-def refuse_rate_switch_off(s: SpeculativeSpec, where: str) -> None:
-    """min_acceptance_rate is TensorRT-LLM 1.3+'s gate, written for the LLM API only."""
-    if s.switch_off is not None and s.switch_off.min_acceptance_rate is not None:
-        raise ValueError(
-            f"speculative.switch_off.min_acceptance_rate: {where} switches off on the acceptance length of "
-            "finished requests; give min_acceptance_length (min_acceptance_rate is TensorRT-LLM 1.3+'s "
-            "acceptance_rate_threshold, for trtllm.runtime llmapi)"
-        )
-
-
 def check_torch_models(spec: EngineSpec) -> None:
     """Raise ValueError (rendered as a spec error) for TensorRT-LLM settings on backend torch."""
     for role, model in spec.models().items():
@@ -676,7 +667,6 @@ def check_torch_models(spec: EngineSpec) -> None:
             )
         if model.gpu_device_ids is not None:
             raise ValueError(f"{role}: gpu_device_ids only applies to backend: trtllm")
-    refuse_rate_switch_off(spec.speculative, "backend torch")
     if spec.speculative.use_draft_logits:
         raise ValueError(
             "speculative.use_draft_logits only applies to backend: trtllm; the torch "
@@ -751,7 +741,6 @@ def check_engine_runtime(spec: EngineSpec) -> None:
             "speculative.adaptive: trtllm.runtime engine drafts the k a request sends; remove adaptive "
             f"or use trtllm.runtime: llmapi (needs {NEEDS['llmapi']})"
         )
-    refuse_rate_switch_off(s, "trtllm.runtime engine")
     if s.method not in ENGINE_METHODS:
         raise ValueError(
             f"speculative.method {s.method}: trtllm.runtime engine builds draft_target "

@@ -116,10 +116,16 @@ class LoadPolicy:
     @classmethod
     def from_spec(cls, speculative) -> LoadPolicy | None:
         """From a SpeculativeSpec."""
-        s = speculative.switch_off
+        return cls.from_switch_off(speculative.schedule, speculative.switch_off)
+
+    @classmethod
+    def from_switch_off(cls, schedule: Mapping[int, int] | None, switch_off) -> LoadPolicy | None:
+        """From a {active sequences: k} mapping and a SwitchOffSpec (None: no switch-off), by
+        whichever threshold it gives: the in-process runtime and the Triton endpoints."""
+        s = switch_off
         if s is not None and s.min_acceptance_rate is not None:
-            return cls.of(speculative.schedule, None, (s.window, s.min_acceptance_rate))
-        return cls.of(speculative.schedule, (s.window, s.min_acceptance_length) if s is not None else None)
+            return cls.of(schedule, None, (s.window, s.min_acceptance_rate))
+        return cls.of(schedule, (s.window, s.min_acceptance_length) if s is not None else None)
 
     def cap(self, active: int) -> int | None:
         """The largest k any sequence may draft this step (None: no cap)."""

@@ -44,7 +44,7 @@ from typing import ClassVar
 import numpy as np
 
 from trtspec.errors import RequestError
-from trtspec.spec import CaptureSpec, SuffixSpec
+from trtspec.spec import CaptureSpec, SuffixSpec, SwitchOffSpec
 from trtspec.speculative.adaptive import AdaptivePolicy
 from trtspec.speculative.capture import wanted
 from trtspec.speculative.drafters import make_drafter, response_cache
@@ -99,9 +99,9 @@ class OrchestratorSettings:
     # (torch engine models); others are not asked, and those outputs stay -1.
     kv_blocks_supported: bool = False
     # Load-aware speculation (spec speculative.schedule / switch_off): {active sequences: k}
-    # and (window, min acceptance length); the active sequences are this instance's batch.
+    # and the spec's SwitchOffSpec (either threshold); the active sequences are this instance's batch.
     schedule: tuple[tuple[int, int], ...] | None = None
-    switch_off: tuple[int, float] | None = None
+    switch_off: SwitchOffSpec | None = None
     # The most one response may hold (contract.check_response_size; serve.max_response_mb).
     max_response_mb: int = DEFAULT_MAX_RESPONSE_MB
     # Suffix drafting: method suffix's settings, or layered on the model draft (None: none).
@@ -115,7 +115,7 @@ class OrchestratorSettings:
     def load_policy(self) -> LoadPolicy | None:
         if self.mode != "speculative":
             return None
-        return LoadPolicy.of(dict(self.schedule) if self.schedule else None, self.switch_off)
+        return LoadPolicy.from_switch_off(dict(self.schedule) if self.schedule else None, self.switch_off)
 
     def adaptive_policy(self) -> AdaptivePolicy | None:
         if self.mode != "speculative" or not self.adaptive_methods:

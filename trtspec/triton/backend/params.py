@@ -111,9 +111,10 @@ class EngineEndpointParams(EndpointParams):
     eagle3_head_dir: str | None = None  # method eagle3: the head engine folder ...
     eagle3_target_dir: str | None = None  # ... and the target's (its embeddings and RoPE)
     # Load-aware speculation (spec speculative.schedule / switch_off): {active sequences: k}
-    # as JSON {"n": k}, and (window, min acceptance length) as JSON {"window", "min_acceptance_length"}.
+    # as JSON {"n": k}, and the SwitchOffSpec as JSON of its fields: {"window",
+    # "min_acceptance_length"} or {"window", "min_acceptance_rate"}.
     schedule: tuple[tuple[int, int], ...] | None = _param("draft_len_schedule", codec="schedule")
-    switch_off: tuple[int, float] | None = _param(codec="switch_off")
+    switch_off: object | None = _param(codec="switch_off")
     # Suffix drafting (spec speculative.suffix_drafting: method suffix, or layered on the
     # model draft) as JSON of its SuffixSpec fields; None: none.
     suffix: object | None = _param(codec="suffix")
@@ -195,14 +196,15 @@ class LlmapiEndpointParams(EndpointParams):
         )
 
 
+# Parameters that carry one of the spec's settings blocks as JSON of its fields.
+_SPEC_CODECS = {"suffix": "SuffixSpec", "tree": "TreeSpec", "capture": "CaptureSpec", "switch_off": "SwitchOffSpec"}
+
+
 def _encode(value, codec: str | None) -> str:
     if codec == "schedule":
         return json.dumps({str(n): k for n, k in sorted(value)})
-    if codec in ("suffix", "tree", "capture"):
+    if codec in _SPEC_CODECS:
         return json.dumps(value.model_dump(exclude_none=True), sort_keys=True)
-    if codec == "switch_off":
-        window, length = value
-        return json.dumps({"window": window, "min_acceptance_length": length})
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)
@@ -213,21 +215,10 @@ def _decode(text: str, hint, codec: str | None):
         from trtspec.speculative.schedule import DraftSchedule
 
         return DraftSchedule.from_mapping({int(n): int(k) for n, k in json.loads(text).items()}).points
-    if codec == "suffix":
-        from trtspec.spec import SuffixSpec
+    if codec in _SPEC_CODECS:
+        from trtspec import spec
 
-        return SuffixSpec(**json.loads(text))
-    if codec == "tree":
-        from trtspec.spec import TreeSpec
-
-        return TreeSpec(**json.loads(text))
-    if codec == "capture":
-        from trtspec.spec import CaptureSpec
-
-        return CaptureSpec(**json.loads(text))
-    if codec == "switch_off":
-        raw = json.loads(text)
-        return int(raw["window"]), float(raw["min_acceptance_length"])
+        return getattr(spec, _SPEC_CODECS[codec])(**json.loads(text))
     kind = next((a for a in typing.get_args(hint) if a is not type(None)), hint)  # int | None -> int
     if kind is bool:
         return text == "true"
@@ -240,7 +231,7 @@ def load_aware(speculative) -> dict:
     if speculative.schedule:
         out["schedule"] = tuple(sorted(speculative.schedule.items()))
     if speculative.switch_off is not None:
-        out["switch_off"] = (speculative.switch_off.window, speculative.switch_off.min_acceptance_length)
+        out["switch_off"] = speculative.switch_off
     if speculative.adapts:
         out["adaptive_methods"] = ",".join(speculative.methods)
         out["probe_every"] = speculative.auto.probe_every if speculative.auto is not None else 16
