@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from trtspec import __version__
-from trtspec.cli import bench, build, check, deploy, distill, openai_front, repo, serve, stop, verify
+from trtspec.cli import bench, build, check, deploy, distill, openai_front, refresh, repo, serve, stop, verify
 
 app = typer.Typer(
     name="trtspec",
@@ -26,6 +26,7 @@ app.command("stop")(stop.stop)
 app.command("bench")(bench.bench)
 app.command("distill")(distill.distill)
 app.command("openai")(openai_front.openai)
+app.command("refresh")(refresh.refresh)
 app.add_typer(deploy.app, name="deploy")
 
 

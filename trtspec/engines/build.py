@@ -215,14 +215,17 @@ def check_pair(checkpoints: dict[str, Checkpoint], method: str = "draft_target")
 
 
 def resolve_pair(loaded: LoadedSpec, allow_pickle: bool = False, roles=None) -> dict[str, Checkpoint]:
-    """Resolve both checkpoints (or only ``roles``) and check that they make a pair."""
+    """Resolve both checkpoints (or only ``roles``) and check that they make a pair. An EAGLE-3
+    head built alone (`trtspec refresh`) is still checked against the target it drafts for."""
+    method = loaded.spec.speculative.model_draft or loaded.spec.speculative.method
+    needed = set(loaded.spec.models() if roles is None else roles)
+    if method == "eagle3" and "draft" in needed:
+        needed.add("target")
     with console.step("resolving checkpoints"):
-        checkpoints = {
-            role: resolve(loaded, role, allow_pickle) for role in loaded.spec.models() if roles is None or role in roles
-        }
+        checkpoints = {role: resolve(loaded, role, allow_pickle) for role in loaded.spec.models() if role in needed}
     with console.step("checking draft/target compatibility"):
-        check_pair(checkpoints, loaded.spec.speculative.model_draft or loaded.spec.speculative.method)
-    return checkpoints
+        check_pair(checkpoints, method)
+    return {role: c for role, c in checkpoints.items() if roles is None or role in roles}
 
 
 def build(loaded: LoadedSpec, output_dir: Path, force: bool = False, allow_pickle: bool = False, roles=None) -> BuildResult:

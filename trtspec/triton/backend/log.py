@@ -25,6 +25,10 @@ def _text(message: str, request_id: str | None) -> str:
     return f"trtspec: {message}" + (f" [request id {request_id!r}]" if request_id else "")
 
 
+def info(message: str, request_id: str | None = None) -> None:
+    _log("log_info", logging.INFO, _text(message, request_id))
+
+
 def error(message: str, request_id: str | None = None) -> None:
     _log("log_error", logging.ERROR, _text(message, request_id))
 

@@ -32,6 +32,13 @@ Definitions (one "step" = one target forward of one sequence, as in speculative/
                                         (draft_target | suffix | ngram | ...; off: it chose k = 0)
   trtspec_chosen_draft_length           histogram: the draft length k the policy chose per sequence-step
                                         (0: off); a first step, or one with no room to draft, is no choice
+  trtspec_eagle3_head_version           gauge: the EAGLE-3 head version new requests draft with (1: the
+                                        repository's own; `trtspec refresh` numbers the later ones)
+  trtspec_eagle3_head_acceptance        gauge, label ``head``: acceptance at k=1 on held-out captured
+                                        requests that `trtspec refresh` measured when it deployed the head:
+                                        ``serving`` (this head) and ``replaced`` (the head before it);
+                                        absent for version 1
+  trtspec_eagle3_head_swaps_total       counter: heads this instance swapped in
 
 acceptance rate = rate(accepted) / rate(drafted) (per source: the source_* pair); mean acceptance length =
 rate(acceptance_length_sum) / rate(acceptance_length_count).
@@ -178,6 +185,29 @@ class EndpointMetrics:
                 PREFIX + "suffix_cache_tokens", "Tokens held by the cache of earlier responses.", self._labels
             )
         self._cache_tokens.set(tokens)
+
+    def head(self, version: int, live: float | None, new: float | None) -> None:
+        """The EAGLE-3 head version new requests draft with, and refresh's figures for it and the
+        head it replaced (None: not measured, left unset); a version after the first is a swap."""
+        if not hasattr(self, "_head_version"):
+            self._head_version = self._sink.gauge(
+                PREFIX + "eagle3_head_version", "EAGLE-3 head version new requests draft with.", self._labels
+            )
+            self._head_swaps = self._sink.counter(PREFIX + "eagle3_head_swaps_total", "EAGLE-3 heads swapped in.", self._labels)
+            self._head_figures = {
+                which: self._sink.gauge(
+                    PREFIX + "eagle3_head_acceptance",
+                    "Acceptance at k=1 on held-out captured requests, measured by trtspec refresh.",
+                    self._labels | {"head": which},
+                )
+                for which in ("serving", "replaced")
+            }
+        elif version > 1:
+            self._head_swaps.increment(1)
+        self._head_version.set(version)
+        for which, value in (("serving", new), ("replaced", live)):
+            if value is not None:
+                self._head_figures[which].set(value)
 
     def sources(self, counts) -> None:
         """Bring the per-source counters up to ``counts`` (a speculative.metrics.SourceCounts

@@ -273,6 +273,7 @@ class Orchestrator:
         self.suffix_cache = response_cache(settings.suffix) if settings.mode == "speculative" else None
         self.sources = SourceCounts()
         self._capture_thread: ThreadPoolExecutor | None = None  # serve.capture's (keep), made when first used
+        self.head_swap = None  # method eagle3 in a Triton model: head_swap.HeadSwap (`trtspec refresh`)
 
     # -- parsing -------------------------------------------------------------------------
 
@@ -468,13 +469,20 @@ class Orchestrator:
     def _eagle3_drafter(self):
         """The head runs here, beside the loop; the target's features come from the target
         engine model (BlsFeatures), so the target is loaded once, in its own model."""
-        from trtspec.engines.torch.eagle3_head import HeadEngine
         from trtspec.speculative.eagle3_drafter import Eagle3Drafter
         from trtspec.triton.backend.bls import BlsFeatures
 
+        if self.head_swap is not None:  # `trtspec refresh` may have put in another head
+            return Eagle3Drafter(self.head_swap.head, BlsFeatures(self.call, self.s.target_model))
         if getattr(self, "_head", None) is None:
-            self._head = HeadEngine.load_beside(self.s.eagle3_head_dir, self.s.eagle3_target_dir, self.s.limits.max_batch_size)
+            self._head = self.load_head(self.s.eagle3_head_dir)
         return Eagle3Drafter(self._head, BlsFeatures(self.call, self.s.target_model))
+
+    def load_head(self, folder: str):
+        """The EAGLE-3 head engine in ``folder``, beside this endpoint's target (its embeddings and RoPE)."""
+        from trtspec.engines.torch.eagle3_head import HeadEngine
+
+        return HeadEngine.load_beside(folder, self.s.eagle3_target_dir, self.s.limits.max_batch_size)
 
     def verifier(self, margins: bool) -> BlsVerifier:
         return BlsVerifier(

@@ -75,6 +75,15 @@ class Reply(Protocol):
     def request_id(self) -> str: ...  # the client's request id ('' when it sent none)
 
 
+class Renewal(Protocol):
+    """Something the endpoint changes only between batches (head_swap.HeadSwap: a new head):
+    while ``due()``, no request is admitted; once the batch is empty, ``apply()`` and a new batch."""
+
+    def due(self) -> bool: ...
+
+    def apply(self) -> None: ...
+
+
 def deliver(reply: Reply, err: Exception) -> bool:
     """Answer ``err`` as the request's final response; False when its sender refused (gone)."""
     try:
@@ -140,8 +149,10 @@ class Scheduler:
         max_queue: int,
         observe: Callable[[StepStats], None] | None = None,
         answered: Callable[[list[Row], list[GenerationResult], str], None] | None = None,
+        renewal: Renewal | None = None,
     ):
         self.orch = orch
+        self.renewal = renewal
         # Called with a request's rows, results and id once its final answer went out
         # (serve.capture's Orchestrator.keep); never before, so it cannot delay an answer.
         self.answered = answered
@@ -233,7 +244,7 @@ class Scheduler:
         try:
             while True:
                 with self._cv:
-                    while not self._stopping and not self.active and not self.waiting:
+                    while not self._stopping and not self.active and not self.waiting and not self._renewal_due():
                         self._cv.wait()
                     if self._stopping:
                         break
@@ -257,11 +268,29 @@ class Scheduler:
             self._stopping = True
             self._cv.notify_all()
 
+    def wake(self) -> None:
+        """A renewal became due: an idle worker applies it now."""
+        with self._cv:
+            self._cv.notify_all()
+
+    def _renewal_due(self) -> bool:
+        return self.renewal is not None and self.renewal.due()
+
+    def _admit_or_renew(self) -> None:
+        """Admit, unless a renewal is due: then the requests in flight finish as they started,
+        nothing joins them, and once none is left the renewal applies to a new batch."""
+        if not self._renewal_due():
+            self._admit()
+        elif not self.active:
+            self.renewal.apply()
+            self.batch = self._new_batch()
+            self._admit()
+
     def step(self) -> StepStats:
         """One round: drop cancelled, admit, one loop step, stream and answer."""
         stats = StepStats()
         self._drop_cancelled(stats)
-        self._admit()
+        self._admit_or_renew()
         if self.batch.active:
             try:
                 report = self.batch.step()

@@ -22,6 +22,7 @@ from trtspec.errors import RequestError
 from trtspec.speculative.requests import end_token_ids
 from trtspec.triton.backend import callers, log
 from trtspec.triton.backend.bls import ENGINE_TIMEOUT_S, split_rows, with_timeout
+from trtspec.triton.backend.head_swap import CONTROL_FILE, HeadSwap, announce
 from trtspec.triton.backend.metrics import EndpointMetrics, TritonSink
 from trtspec.triton.backend.models import pb
 from trtspec.triton.backend.orchestrator_core import Orchestrator, caller_scopes
@@ -66,6 +67,7 @@ class TritonPythonModel:
         )
         self.core = Orchestrator(settings, call, tokenizer, end_token_ids(tokenizer, tokenizer_dir), metrics)
         self.scheduler = None
+        swap = self._head_swap(args, settings, metrics)
         if settings.mode == "speculative":
             # Each instance holds up to max_batch_size live sequences: the engines have that
             # many KV slots per calling instance (triton/repository/writer.py).
@@ -75,9 +77,26 @@ class TritonPythonModel:
                 params.max_queue,
                 observe=self.core.observe_step,
                 answered=self.core.keep if settings.capture is not None else None,
+                renewal=swap,
             )
             self.worker = threading.Thread(target=self.scheduler.serve, name="trtspec-scheduler", daemon=True)
             self.worker.start()
+            if swap is not None:
+                swap.wake = self.scheduler.wake
+                swap.start()
+
+    def _head_swap(self, args, settings, metrics) -> HeadSwap | None:
+        """A speculative EAGLE-3 endpoint's head, which `trtspec refresh` can replace through the
+        repository's control file (head_swap.py) without reloading this model."""
+        if settings.mode != "speculative" or settings.eagle3_head_dir is None:
+            return None
+        control = Path(args["model_repository"]).parent / CONTROL_FILE
+        swap = HeadSwap(
+            control, self.core.load_head, self.core.load_head(settings.eagle3_head_dir), lambda r: announce(metrics, r)
+        )
+        metrics.head(1, None, None)
+        self.core.head_swap = swap
+        return swap
 
     def is_ready(self) -> bool:
         """Triton's readiness of this instance (python_backend calls it where it supports
@@ -146,6 +165,8 @@ class TritonPythonModel:
             if self.worker.is_alive():
                 log.error(f"the scheduler did not stop within {UNLOAD_WAIT_S:g} s; answering what it holds")
                 self.scheduler.fail_all(Unavailable("the model is unloading; retry on another instance or later"))
+        if self.core.head_swap is not None:
+            self.core.head_swap.stop()
         self.core.close()  # serve.capture's thread: what it has not sent yet is dropped
         self.core.metrics = None
         self.sink.close()

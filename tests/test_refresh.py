@@ -1,0 +1,170 @@
+"""`trtspec refresh` without a server: the scheduler lets requests in flight finish on the old
+head and admits new ones only on the new head, an endpoint instance's head swap (the control
+file, a head that cannot be loaded, the metrics), the loop's rounds, and bad input answered
+with one Error line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from conftest import write_spec
+from test_scheduler import ListReply, _step_until, _target_only
+from test_triton_cores import PROMPTS, _orchestrator, _request
+from typer.testing import CliRunner
+
+from trtspec.cli.app import app
+from trtspec.distill import refresh_loop
+from trtspec.distill.refresh_loop import LoopOptions, distill_command, run_loop
+from trtspec.errors import RequestError
+from trtspec.triton.backend.head_swap import CONTROL_FILE, HeadRecord, HeadSwap, read_record
+from trtspec.triton.backend.metrics import EndpointMetrics, MemorySink
+from trtspec.triton.backend.scheduler import Scheduler
+
+runner = CliRunner()
+
+
+class Renewal:
+    def __init__(self):
+        self.pending, self.applied = False, 0
+
+    def due(self) -> bool:
+        return self.pending
+
+    def apply(self) -> None:
+        self.pending, self.applied = False, self.applied + 1
+
+
+def test_a_due_renewal_lets_the_request_in_flight_finish_on_its_batch_and_starts_the_next_on_a_new_one(built):
+    dep = built()
+    renewal = Renewal()
+    scheduler = Scheduler(_orchestrator(dep), max_active=4, max_queue=8, renewal=renewal)
+    first, second = ListReply(), ListReply()
+    scheduler.submit(_request(PROMPTS[0], max_tokens=24), first)
+    scheduler.step()
+    old_batch = scheduler.batch
+    renewal.pending = True  # a new head was loaded
+    scheduler.submit(_request(PROMPTS[1], max_tokens=8), second)
+    while not first.finished:
+        stats = scheduler.step()
+        assert scheduler.batch is old_batch and renewal.applied == 0  # in flight: the old batch, the old head
+        assert stats.sequences <= 1  # nothing joins it
+    assert not second.sent and second.error is None  # waited, not refused
+    _step_until(scheduler, lambda: second.finished)
+    assert renewal.applied == 1 and scheduler.batch is not old_batch  # the next request runs on the new one
+    assert first.ids() == _target_only(dep, PROMPTS[0], 24)
+    assert second.ids() == _target_only(dep, PROMPTS[1], 8)
+
+
+def test_an_idle_scheduler_applies_a_due_renewal_at_once(built):
+    renewal = Renewal()
+    scheduler = Scheduler(_orchestrator(built()), max_active=4, max_queue=8, renewal=renewal)
+    renewal.pending = True
+    assert scheduler.step().sequences == 0
+    assert renewal.applied == 1
+
+
+def _swap(tmp_path, loads: dict, seen: list):
+    def load(folder: str):
+        if loads.get(folder) is None:
+            raise OSError(f"no head in {folder}")
+        return loads[folder]
+
+    return HeadSwap(tmp_path / CONTROL_FILE, load, "head-1", seen.append)
+
+
+def test_an_instance_takes_the_newer_head_the_control_file_names_once_applied(tmp_path):
+    seen: list[HeadRecord] = []
+    swap = _swap(tmp_path, {"/h/2": "head-2"}, seen)
+    swap.poll()
+    assert not swap.due() and swap.head == "head-1"  # no control file: the repository's head
+    (tmp_path / CONTROL_FILE).write_text(json.dumps({"version": 2, "head": "/h/2", "live": 0.1, "new": 0.6}))
+    woken = []
+    swap.wake = lambda: woken.append(1)
+    swap.poll()
+    assert swap.due() and swap.head == "head-1" and woken == [1]  # loaded; the old head drafts until applied
+    swap.apply()
+    assert swap.head == "head-2" and not swap.due()
+    assert seen == [HeadRecord(2, "/h/2", 0.1, 0.6)]
+    swap.poll()
+    assert not swap.due()  # the same version is not loaded twice
+
+
+def test_a_head_that_cannot_be_loaded_is_skipped_and_the_instance_keeps_its_head(tmp_path):
+    seen: list[HeadRecord] = []
+    swap = _swap(tmp_path, {}, seen)
+    (tmp_path / CONTROL_FILE).write_text(json.dumps({"version": 2, "head": "/gone"}))
+    swap.poll()
+    assert not swap.due() and swap.head == "head-1" and seen == []
+    (tmp_path / CONTROL_FILE).write_text("{torn")
+    assert read_record(tmp_path / CONTROL_FILE) is None
+
+
+def test_the_head_version_and_both_heads_figures_are_exported():
+    sink = MemorySink()
+    m = EndpointMetrics(sink, "tensorrt_llm_bls", "speculative", "i0", 4)
+    labels = {"model": "tensorrt_llm_bls", "mode": "speculative", "instance": "i0"}
+    m.head(1, None, None)
+    assert sink.value("trtspec_eagle3_head_version", **labels).value == 1
+    assert sink.value("trtspec_eagle3_head_swaps_total", **labels).value == 0
+    m.head(2, 0.25, 0.5)
+    assert sink.value("trtspec_eagle3_head_version", **labels).value == 2
+    assert sink.value("trtspec_eagle3_head_swaps_total", **labels).value == 1
+    assert sink.value("trtspec_eagle3_head_acceptance", **labels, head="serving").value == 0.5
+    assert sink.value("trtspec_eagle3_head_acceptance", **labels, head="replaced").value == 0.25
+
+
+def test_the_loop_runs_its_rounds_and_a_failed_round_does_not_stop_it(tmp_path):
+    calls, sleeps = [], []
+
+    def one_round(n: int) -> str:
+        calls.append(n)
+        if n == 2:
+            raise RequestError("not better")
+        return "deployed"
+
+    opts = LoopOptions(60.0, tmp_path, tmp_path, rounds=3)
+    assert run_loop(one_round, opts, sleep=sleeps.append) == 3
+    assert calls == [1, 2, 3] and sleeps == [60.0, 60.0]  # no wait after the last round
+
+
+def test_a_round_trains_at_the_lowest_priority_and_one_that_has_nothing_to_train_on_deploys_nothing(tmp_path, monkeypatch):
+    class Loaded:
+        path = tmp_path / "spec.yaml"
+
+    opts = LoopOptions(1.0, tmp_path / "cap", tmp_path, distill_args=["--max-steps", "5"])
+    cmd = distill_command(Loaded(), tmp_path / "v1", tmp_path / "v2", opts)
+    assert cmd[:3] == ["nice", "-n", "19"] and cmd[3] == sys.executable
+    assert cmd[4:] == ["-m", "trtspec", "distill", str(Loaded.path), "--from-capture", str(tmp_path / "cap"), "--init",
+                       str(tmp_path / "v1"), "-o", str(tmp_path / "v2"), "--max-steps", "5"]  # fmt: skip
+
+    class Done:
+        returncode = 2
+
+    monkeypatch.setattr(refresh_loop.subprocess, "run", lambda *a, **kw: Done())
+    assert refresh_loop.train(Loaded(), tmp_path / "v1", tmp_path / "v2", opts) is None
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--url", "127.0.0.1:8001", "--head", "{tmp}/missing"], "is not a folder"),
+        (["--url", "http://127.0.0.1:8001", "--rollback"], "HOST:PORT"),
+        (["--url", "127.0.0.1:8001"], "one of --head NEW, --rollback or --every"),
+        (["--url", "127.0.0.1:8001", "--rollback", "--head", "{tmp}"], "one of --head NEW"),
+        (["--url", "127.0.0.1:8001", "--every", "soon"], "--every takes a positive duration"),
+    ],
+)
+def test_bad_input_is_one_error_line_and_exit_2(tmp_path, tiny_ckpts, args, says):
+    spec = write_spec(tmp_path / "spec", tiny_ckpts, **{"serve.repo_dir": str(tmp_path / "repo")})
+    r = runner.invoke(app, ["refresh", str(spec), *[a.replace("{tmp}", str(tmp_path)) for a in args]])
+    assert r.exit_code == 2, r.output
+    assert r.output.count("Error: ") == 1 and says in r.output, r.output
+
+
+def test_a_spec_without_a_written_repository_is_refused_before_the_server_is_asked(tmp_path, tiny_ckpts):
+    spec = write_spec(tmp_path / "spec", tiny_ckpts, **{"serve.repo_dir": str(tmp_path / "repo")})
+    r = runner.invoke(app, ["refresh", str(spec), "--url", "127.0.0.1:1", "--rollback"])
+    assert r.exit_code == 2 and r.output.count("Error: ") == 1, r.output
+    assert "holds no model repository" in r.output

@@ -1,0 +1,98 @@
+"""`trtspec refresh SPEC --url HOST:PORT --head NEW`: swap a better head into a running deployment."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from trtspec.cli.common import JsonFileOpt, JsonOpt, SpecArg, handle_errors
+from trtspec.cli.output import emit
+from trtspec.errors import RequestError
+from trtspec.spec import LoadedSpec, load_spec
+
+
+@handle_errors
+def refresh(
+    spec: SpecArg,
+    url: Annotated[str, typer.Option("--url", help="The running deployment's gRPC endpoint, HOST:PORT.")],
+    head: Annotated[Path | None, typer.Option("--head", help="The new head (`distill --from-capture -o NEW`).")] = None,
+    margin: Annotated[
+        float,
+        typer.Option("--margin", min=0.0, max=1.0, help="How much higher NEW's k=1 acceptance must be than the live head's."),
+    ] = 0.0,
+    rollback: Annotated[bool, typer.Option("--rollback", help="Put back the head that served before the live one.")] = False,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option("--metrics-port", min=1, max=65535, help="The server's metrics port (default serve.metrics_port)."),
+    ] = None,
+    every: Annotated[
+        str | None, typer.Option("--every", help="Loop: capture -> distill --from-capture -> refresh, every DURATION (30m, 2h).")
+    ] = None,
+    rounds: Annotated[int | None, typer.Option("--rounds", min=1, help="With --every: stop after N rounds.")] = None,
+    max_steps: Annotated[
+        int | None, typer.Option("--max-steps", min=1, help="With --every: each round's training steps.")
+    ] = None,
+    as_json: JsonOpt = False,
+    json_file: JsonFileOpt = None,
+) -> None:
+    """Put NEW into the running Triton deployment at --url without a restart or a model reload.
+
+    Only when NEW's acceptance at k=1 on its held-out captured requests beats the live head's
+    by --margin; every endpoint instance loads it while the live head drafts, the requests in
+    flight finish on the live head, new ones draft with NEW; then `verify --url` must find the
+    speculative answers identical to target-only, or the live head is put back. Run it where
+    the spec's engines and model repository are (it writes the repository's eagle3_head.json).
+    Exit 1 when NEW is not deployed (not better, or a divergence), 2 on bad input (no head
+    folder, no server at --url, a server serving another repository), 3 when the server's
+    instances do not take the head (the live head serves again), 130 interrupted.
+
+    Examples:
+      trtspec refresh my.yaml --url 127.0.0.1:8001 --head heads/v2 --margin 0.02
+      trtspec refresh my.yaml --url 127.0.0.1:8001 --rollback
+      trtspec refresh my.yaml --url 127.0.0.1:8001 --every 30m --max-steps 300
+    """
+    from trtspec.distill.refresh import check_head
+    from trtspec.distill.refresh import refresh as deploy
+    from trtspec.distill.refresh import rollback as back
+    from trtspec.distill.swap import Deployed
+    from trtspec.triton.client import parse_url
+
+    loaded = load_spec(spec)
+    url = parse_url(url)
+    metrics_url = f"{url.rpartition(':')[0]}:{metrics_port or loaded.spec.serve.metrics_port}"
+    if [head is not None, rollback, every is not None].count(True) != 1:
+        raise RequestError("refresh takes one of --head NEW, --rollback or --every DURATION")
+    if every is not None:
+        _loop(loaded, url, metrics_url, every, rounds, max_steps, margin)
+        return
+    if head is not None:
+        check_head(head)  # before the server is asked anything
+    deployed = Deployed(loaded, url, metrics_url)
+    result = back(loaded, deployed, _identical) if rollback else deploy(loaded, deployed, head, _identical, margin)
+    emit(result, lambda out: out.print(result.summary()), as_json=as_json, json_file=json_file)
+
+
+def _identical(loaded: LoadedSpec, url: str) -> bool:
+    """`verify --url`: the served speculative answers are the target-only ones."""
+    from trtspec.verify.run import VerifyOptions
+    from trtspec.verify.run import run as verify
+
+    return verify(loaded, loaded.output_dir(), VerifyOptions(url=url)).passed
+
+
+def _loop(loaded: LoadedSpec, url: str, metrics_url: str, every: str, rounds, max_steps, margin: float) -> None:
+    from trtspec.distill.refresh_loop import LoopOptions, loop
+    from trtspec.recipe import parse_duration
+
+    try:
+        every_s = parse_duration(every)
+    except ValueError as err:
+        raise RequestError(f"--every {err}") from None
+    capture = loaded.capture_dir()
+    if capture is None or every_s is None:
+        raise RequestError("refresh --every trains on what serve.capture keeps: give the spec serve.capture and a period")
+    extra = [] if max_steps is None else ["--max-steps", str(max_steps)]
+    work = loaded.output_dir().with_name(loaded.output_dir().name + ".refresh")
+    loop(loaded, url, metrics_url, LoopOptions(every_s, capture, work, rounds, extra), _identical, margin)
