@@ -19,7 +19,7 @@ from trtspec.layout import ENGINE_MODELS
 from trtspec.spec import load_spec
 from trtspec.triton.repository import pbtxt
 from trtspec.triton.repository.trtllm_models import EMPTY_BY_DESIGN, engine_model_configs
-from trtspec.triton.server.process import ServerCommand
+from trtspec.triton.server.process import ADMIN_KEY_ENV, ServerCommand
 from trtspec.triton.server.trtllm_launch import launch_command, launch_for_spec
 
 ROOT = Path(__file__).parent
@@ -80,7 +80,7 @@ def test_golden_configs(name):
 @pytest.mark.parametrize("name", GOLDEN_SPECS)
 def test_golden_launch(name):
     spec = load_spec(SPECS / f"{name}.yaml").spec
-    launch = launch_for_spec(spec, server(name))
+    launch = launch_for_spec(spec, server(name), python="python3")
     text = json.dumps({"argv": launch.argv, "env": launch.env, "world_size": launch.world_size}, indent=2) + "\n"
     check_golden(GOLDEN / name / "launch.json", text)
 
@@ -150,7 +150,11 @@ def test_participant_ids_when_workers_are_not_spawned():
     assert ranks == {"tensorrt_llm": "1,2", "tensorrt_llm_draft": "3", "tensorrt_llm_control": "4,5"}
     launch = launch_for_spec(spec, server("x"), spawn_processes=False)
     assert launch.world_size == 6  # orchestrator rank + 2 + 1 + 2
-    assert launch.env == {"TRTLLM_ORCHESTRATOR": "1", "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES": "0"}
+    assert launch.env == {
+        "TRTLLM_ORCHESTRATOR": "1",
+        "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES": "0",
+        ADMIN_KEY_ENV: "golden-admin-key",
+    }
     assert launch.argv.count("-n") == 6
 
 
@@ -158,8 +162,13 @@ def test_orchestrator_mode_with_spawned_workers_is_one_rank():
     spec = load_spec(SPECS / "trtllm-tp2.yaml").spec
     launch = launch_for_spec(spec, server("x"))
     assert launch.orchestrator and launch.world_size == 1
-    assert launch.env == {"TRTLLM_ORCHESTRATOR": "1", "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES": "1"}
-    assert launch.argv[:5] == ["mpirun", "--allow-run-as-root", "-n", "1", "/opt/tritonserver/bin/tritonserver"]
+    assert launch.env == {
+        "TRTLLM_ORCHESTRATOR": "1",
+        "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES": "1",
+        ADMIN_KEY_ENV: "golden-admin-key",
+    }
+    assert launch.argv[:6] == ["mpirun", "--allow-run-as-root", "-x", ADMIN_KEY_ENV, "-n", "1"]
+    assert launch.argv[8:10] == ["trtspec.triton.server.rank", "/opt/tritonserver/bin/tritonserver"]
     for gpu in (0, 1, 2):
         assert f"--cuda-memory-pool-byte-size={gpu}:0" in launch.argv
     assert "--http-address=127.0.0.1" in launch.argv  # loopback unless told otherwise
@@ -167,7 +176,7 @@ def test_orchestrator_mode_with_spawned_workers_is_one_rank():
 
 def test_leader_mode_one_rank_per_gpu():
     launch = launch_command(server("x"), [("tensorrt_llm", 2)])
-    assert not launch.orchestrator and launch.world_size == 2 and launch.env == {}
+    assert not launch.orchestrator and launch.world_size == 2 and launch.env == {ADMIN_KEY_ENV: "golden-admin-key"}
     ranks = " ".join(launch.argv).split(" : ")
     assert len(ranks) == 2
     assert "--model-control-mode=none" in ranks[0]

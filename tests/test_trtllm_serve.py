@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,11 +93,16 @@ def test_repository_refuses_engines_of_another_spec(trtllm_spec, tmp_path):
         write_repository(trtllm_spec, trtllm_spec.output_dir(), tmp_path / "repo")
 
 
-def test_serve_dry_run_prints_mpirun_orchestrator_launch(trtllm_spec):
+def test_serve_dry_run_prints_mpirun_orchestrator_launch(trtllm_spec, monkeypatch):
+    monkeypatch.setenv("TRTSPEC_ADMIN_KEY", "dry-run-admin-key")
     r = CliRunner().invoke(app, ["serve", str(trtllm_spec.path), "--dry-run"])
     assert r.exit_code == 0, r.output
     first = r.stdout.splitlines()[0]
-    assert first.startswith("mpirun --allow-run-as-root -n 1 ")
+    # each rank is the rank module around its tritonserver; the key is exported by name only
+    assert first.startswith(
+        f"mpirun --allow-run-as-root -x TRTSPEC_ADMIN_KEY -n 1 {sys.executable} -m trtspec.triton.server.rank "
+    )
+    assert "dry-run-admin-key" not in r.output and "<admin key>" in first
     assert "--http-address=127.0.0.1" in first and "--disable-auto-complete-config" in first
     assert "TRTLLM_ORCHESTRATOR=1" in r.stdout
     assert not (trtllm_spec.base_dir / "repo").exists()  # a dry run writes nothing

@@ -10,8 +10,10 @@ the environment's copy: the program parses the secret, /proc/PID/cmdline shows t
 How: the child asks to be traced (PTRACE_TRACEME), so the kernel stops it right after exec.
 Its parent reads where the stack's argv array (/proc/PID/stat: startstack, just above argc)
 and the environment strings (env_start) are, rewrites the hidden entries of argv through
-/proc/PID/mem, and detaches. Where tracing is not allowed (a seccomp profile that forbids
-ptrace) the start fails with ServerError rather than show the secret.
+/proc/PID/mem, and detaches. Where tracing is not allowed (Yama's kernel.yama.ptrace_scope 3,
+or 2 without CAP_SYS_PTRACE; a seccomp profile that forbids ptrace) the start is refused with
+one ServerError naming the fix, before anything runs, rather than show the secret: tritonserver
+has no other way to take its admin key (no file or environment form).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import signal
 import struct
 import subprocess
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 from trtspec.errors import ServerError
 
@@ -30,6 +33,50 @@ _PTRACE_TRACEME, _PTRACE_DETACH = 0, 17
 _WORD = struct.calcsize("P")
 # Resolved in the parent: the forked child must not dlopen or dlsym (another thread may hold the lock).
 _PTRACE = ctypes.CDLL(None, use_errno=True).ptrace
+
+
+YAMA_SCOPE = Path("/proc/sys/kernel/yama/ptrace_scope")
+_CAP_SYS_PTRACE = 19
+_FIX = (
+    "allow a process to trace its own child (sysctl kernel.yama.ptrace_scope=1, or CAP_SYS_PTRACE, "
+    "e.g. docker run --cap-add SYS_PTRACE; a seccomp profile that allows ptrace)"
+)
+
+
+def tracing_refusal() -> str | None:
+    """Why the kernel will not let this process trace its child, as far as it says up front
+    (Yama), or None. A seccomp filter shows only when the child asks (spawn)."""
+    try:
+        scope = int(YAMA_SCOPE.read_text())
+    except (OSError, ValueError):
+        return None  # no Yama: a parent may trace its own child
+    if scope >= 3:
+        return f"kernel.yama.ptrace_scope is {scope}: no process may trace another (it holds until a reboot)"
+    if scope == 2 and not _has_capability(_CAP_SYS_PTRACE):
+        return "kernel.yama.ptrace_scope is 2 and this process lacks CAP_SYS_PTRACE"
+    return None
+
+
+def _has_capability(bit: int) -> bool:
+    for line in open("/proc/self/status", encoding="ascii", errors="replace"):
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> bit & 1)
+    return False
+
+
+def refused(program: str, reason: str) -> ServerError:
+    """The one error for a program whose secret arguments cannot be kept off its command line."""
+    return ServerError(
+        f"cannot start {Path(program).name} with its admin key off its command line, which every local user can "
+        f"read: {reason}; {_FIX}"
+    )
+
+
+def require_tracing(program: str) -> None:
+    """Raise :func:`refused` where the kernel says up front that spawn could not hide arguments."""
+    reason = tracing_refusal()
+    if reason is not None:
+        raise refused(program, reason)
 
 
 def _trace_me() -> None:
@@ -76,6 +123,7 @@ def spawn(
     exit before the program is running (it is the tracer until detach)."""
     if not hidden:
         return subprocess.Popen(argv, env=env, preexec_fn=preexec, **popen)  # type: ignore[call-overload]
+    require_tracing(argv[0])
     env = {**(os.environ if env is None else env), **{f"{ENV_PREFIX}{i}": text for i, text in hidden.items()}}
 
     def child() -> None:
@@ -86,20 +134,19 @@ def spawn(
     try:
         proc = subprocess.Popen(argv, env=env, preexec_fn=child, **popen)  # type: ignore[call-overload]
     except subprocess.SubprocessError as err:  # _trace_me failed in the child
-        raise ServerError(
-            f"cannot start {argv[0]} with its secret arguments off its command line: tracing the child is "
-            f"not allowed here ({err}); allow ptrace for this process (seccomp, kernel.yama.ptrace_scope < 3)"
-        ) from err
+        raise refused(argv[0], "the kernel refused to let the child be traced (PTRACE_TRACEME)") from err
     _, status = os.waitpid(proc.pid, 0)  # the stop at exec
     if not os.WIFSTOPPED(status):
         proc.returncode = os.waitstatus_to_exitcode(status)
         return proc
     try:
         _point_argv_at_env(proc.pid, len(argv), hidden)
-    except BaseException:
+    except BaseException as err:
         os.kill(proc.pid, signal.SIGKILL)
         _PTRACE(ctypes.c_int(_PTRACE_DETACH), ctypes.c_int(proc.pid), None, None)
         proc.wait()
+        if isinstance(err, OSError):  # /proc/PID/mem closed to its tracer (a hardened kernel, gVisor)
+            raise refused(argv[0], f"its memory cannot be written through /proc ({err.strerror})") from err
         raise
     if _PTRACE(ctypes.c_int(_PTRACE_DETACH), ctypes.c_int(proc.pid), None, None) != 0:
         os.kill(proc.pid, signal.SIGKILL)

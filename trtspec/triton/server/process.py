@@ -200,7 +200,7 @@ _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Runs in the child between fork and exec: SIGTERM the server when its parent dies."""
     _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -304,6 +304,8 @@ class TritonServer:
             raise ServerError(f"this server is already running (pid {self.pid})")
         if detach and pid_file is None:
             raise ServerError("a detached server needs a pid_file to be stopped later")
+        if self.command.restricted_apis:  # refused up front, by name, where the key cannot be hidden
+            hidden_args.require_tracing(str(self.command.binary))
         if log_path is None:
             fd, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
             os.close(fd)
@@ -323,7 +325,7 @@ class TritonServer:
                     shown,
                     {i: arg for i, (arg, seen) in enumerate(zip(real, shown, strict=True)) if arg != seen},
                     self.env,
-                    None if detach else _die_with_parent,
+                    None if detach else die_with_parent,
                     stdin=subprocess.DEVNULL,
                     stdout=None if to_stdout else log,
                     stderr=None if to_stdout else subprocess.STDOUT,

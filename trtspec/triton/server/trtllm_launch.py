@@ -2,19 +2,23 @@
 
 The repository's tensorrtllm models (trtspec.triton.repository.trtllm_models) say which GPUs
 each engine uses; this module turns that into the command line upstream's
-launch_triton_server.py would run.
+launch_triton_server.py would run, with one difference: each rank's tritonserver is started
+by trtspec.triton.server.rank, so the admin key is on no command line (mpirun exports it to
+the ranks by name, -x TRTSPEC_ADMIN_KEY; rank.py says why).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from trtspec.layout import ENGINE_KINDS, ENGINE_MODELS
 from trtspec.spec import EngineSpec
 from trtspec.triton.repository.trtllm_models import gpu_ids
-from trtspec.triton.server.process import ServerCommand
+from trtspec.triton.server.process import ADMIN_KEY_ENV, ServerCommand
+from trtspec.triton.server.rank import rank_argv
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ def launch_command(
     gpus: Sequence[int] = (),
     spawn_processes: bool = True,
     mpirun: str = "mpirun",
+    python: str = sys.executable,
 ) -> Launch:
     """tritonserver under mpirun, one rank per GPU, as upstream's launch_triton_server.py.
 
@@ -47,7 +52,8 @@ def launch_command(
     (TRTLLM_ORCHESTRATOR=1): by default the backend spawns one worker per model on its
     gpu_device_ids and the server is a single rank; with ``spawn_processes=False`` every
     engine rank is an MPI rank (world = 1 + sum of tp x pp) and configs carry participant_ids.
-    One model alone runs in leader mode: world = its tp x pp.
+    One model alone runs in leader mode: world = its tp x pp. Each rank is ``python -m
+    trtspec.triton.server.rank`` around its tritonserver (the admin key in ``env`` only).
     """
     names = [name for name, _ in engine_models]
     orchestrator = len(engine_models) > 1
@@ -64,6 +70,9 @@ def launch_command(
     else:
         world = engine_models[0][1] if engine_models else 1
     argv = [mpirun, "--allow-run-as-root"]
+    if server.restricted_apis:
+        env[ADMIN_KEY_ENV] = server.admin_key
+        argv += ["-x", ADMIN_KEY_ENV]  # by name: the value stays in the environment
     for rank in range(world):
         extra = [f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"]
         if rank == 0:
@@ -72,14 +81,19 @@ def launch_command(
             cmd = dataclasses.replace(
                 server, model_control_mode="explicit", load_models=tuple(names), extra_args=(*server.extra_args, *extra)
             )
-        argv += ["-n", "1", *cmd.argv(), ":"]
+        argv += ["-n", "1", *rank_argv(python, cmd.argv(), server.admin_key), ":"]
     return Launch(argv=argv[:-1], env=env, world_size=world, orchestrator=orchestrator, server=server)
 
 
 def launch_for_spec(
-    spec: EngineSpec, server: ServerCommand, repo_names: Mapping[str, str] = ENGINE_MODELS, *, spawn_processes: bool = True
+    spec: EngineSpec,
+    server: ServerCommand,
+    repo_names: Mapping[str, str] = ENGINE_MODELS,
+    *,
+    spawn_processes: bool = True,
+    python: str = sys.executable,
 ) -> Launch:
     """:func:`launch_command` for the three engine models of a trtllm spec."""
     models = [(repo_names[k], len(gpu_ids(spec, k))) for k in ENGINE_KINDS]
     gpus = sorted({g for k in ENGINE_KINDS for g in gpu_ids(spec, k)})
-    return launch_command(server, models, gpus=gpus, spawn_processes=spawn_processes)
+    return launch_command(server, models, gpus=gpus, spawn_processes=spawn_processes, python=python)
