@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from trtspec.speculative.capabilities import Capabilities, Drafter
 from trtspec.speculative.loop import GenerationRequest, Verdict, generate
 from trtspec.speculative.sampling import SamplingParams, draw, warp
 from trtspec.verify.sampling import chi_square_uniform
@@ -38,7 +39,9 @@ class MarkovVerifier:
         return out
 
 
-class MarkovDrafter:
+class MarkovDrafter(Drafter):
+    capabilities = Capabilities(samples=True)
+
     def propose(self, contexts, ks):
         return [[int(torch.argmax(DRAFT[c[-1]]))] * k for c, k in zip(contexts, ks)]
 

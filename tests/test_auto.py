@@ -87,6 +87,7 @@ def test_trtllm_engine_runtime_refuses_adaptive_and_auto(tmp_path):
 from test_loop import OracleVerifier, oracle, reference  # noqa: E402
 
 from trtspec.speculative.adaptive import AdaptivePolicy, AdaptiveSettings  # noqa: E402
+from trtspec.speculative.capabilities import Drafter  # noqa: E402
 from trtspec.speculative.drafters import NgramDrafter  # noqa: E402
 from trtspec.speculative.loop import Batch, GenerationRequest, Menu, NoDrafter, Verdict, generate  # noqa: E402
 
@@ -132,7 +133,7 @@ class TimedVerifier(OracleVerifier):
         return out
 
 
-class ModelDraft:
+class ModelDraft(Drafter):
     """A model draft that agrees with ``target`` except every ``miss``-th token, costing
     ``step`` seconds per draft step."""
 

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from trtspec.speculative.capabilities import Drafter
 from trtspec.speculative.drafters import NgramDrafter
 from trtspec.speculative.loop import (
     Batch,
@@ -46,7 +47,7 @@ class OracleVerifier:
         return out
 
 
-class PerfectDrafter:
+class PerfectDrafter(Drafter):
     def propose(self, contexts, ks):
         out = []
         for ctx, k in zip(contexts, ks):

@@ -12,11 +12,12 @@ import torch
 from markov_pair import TARGET, MarkovDrafter, MarkovVerifier, T, V, accept_all, markov_pit
 from trtspec.errors import RequestError
 from trtspec.speculative import loop
+from trtspec.speculative.capabilities import Drafter
 from trtspec.speculative.loop import GenerationRequest, NoDrafter, generate
 from trtspec.speculative.sampling import SamplingParams, nucleus, warp
 
 
-class LookupDrafter:
+class LookupDrafter(Drafter):
     """No distribution: proposes the previous token again (a point mass)."""
 
     def propose(self, contexts, ks):

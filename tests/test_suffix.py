@@ -11,6 +11,7 @@ import torch
 from test_sampling import joint_p_value
 
 from trtspec.spec import SuffixSpec
+from trtspec.speculative.capabilities import Capabilities, Drafter
 from trtspec.speculative.drafters import LayeredDrafter, make_drafter, response_cache
 from trtspec.speculative.loop import Batch, GenerationRequest, NoDrafter, Verdict, generate
 from trtspec.speculative.metrics import SourceCounts
@@ -236,6 +237,8 @@ def test_batch_cancel_releases_the_sequence():
     calls = []
 
     class Recording(NoDrafter):
+        capabilities = Capabilities(releases=True)
+
         def release(self, prompt_ids, output_ids):
             calls.append((list(prompt_ids), list(output_ids)))
 
@@ -260,7 +263,7 @@ def test_greedy_output_identical_and_repeats_accepted():
     assert d.sources.accepted["suffix"] == spec.metrics.accepted
 
 
-class Unrelated:
+class Unrelated(Drafter):
     """A model draft that is always wrong."""
 
     def propose(self, contexts, ks):
@@ -311,8 +314,10 @@ class MarkovVerifier:
         return out
 
 
-class SampledModel:
+class SampledModel(Drafter):
     """A model draft with distributions (uniform q), to exercise the layered sampled path."""
+
+    capabilities = Capabilities(samples=True)
 
     def propose(self, contexts, ks):
         return [[0] * k for k in ks]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from trtspec.engines.torch.engine import ForwardItem
+from trtspec.speculative.capabilities import Capabilities, Drafter
 from trtspec.speculative.tree import ROOT, DraftTree, DynamicTree, StaticTree, TreeGrowth, accepted_path
 
 
@@ -233,8 +234,10 @@ class MarkovTreeVerifier:
         return out
 
 
-class MarkovTreeDrafter:
+class MarkovTreeDrafter(Drafter):
     """Trees of the Markov draft's top candidates (point masses to the sampler)."""
+
+    capabilities = Capabilities(trees=True)
 
     def propose(self, contexts, ks):
         raise AssertionError("tree requests are drafted as trees")

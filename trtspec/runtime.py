@@ -17,11 +17,11 @@ from trtspec.errors import EngineError, RequestError
 from trtspec.layout import engine_folder
 from trtspec.spec import LoadedSpec, SuffixSpec
 from trtspec.speculative.adaptive import AdaptivePolicy
+from trtspec.speculative.capabilities import Drafter
 from trtspec.speculative.capture import CaptureTag, CaptureWriter
 from trtspec.speculative.drafters import engine_drafter, make_drafter, response_cache
 from trtspec.speculative.loop import (
     SHARED_SCOPE,
-    Drafter,
     GenerationRequest,
     GenerationResult,
     NoDrafter,

@@ -28,12 +28,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from trtspec.speculative.loop import Drafter, GenerationRequest, Menu, NoDrafter, generate
+from trtspec.speculative.capabilities import Capabilities, Drafter
+from trtspec.speculative.loop import GenerationRequest, Menu, NoDrafter, generate
 from trtspec.speculative.metrics import SourceCounts, SpecMetrics
 
 
-class TimedDrafter:
+class TimedDrafter(Drafter):
     """Counts the seconds a drafter spends proposing (and passes ``release`` on)."""
+
+    capabilities = Capabilities(releases=True)
 
     def __init__(self, inner: Drafter):
         self.inner = inner
@@ -47,10 +50,9 @@ class TimedDrafter:
             self.seconds += time.perf_counter() - t0
 
     def release(self, prompt_ids, output_ids) -> None:
-        release = getattr(self.inner, "release", None)
-        if release is not None:
+        if self.inner.capabilities.releases:
             t0 = time.perf_counter()
-            release(prompt_ids, output_ids)
+            self.inner.release(prompt_ids, output_ids)
             self.seconds += time.perf_counter() - t0
 
 

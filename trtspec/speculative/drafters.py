@@ -18,21 +18,23 @@ import torch
 from trtspec.engines.torch.engine import ForwardItem, RunFn, TorchEngine
 from trtspec.errors import EngineError
 from trtspec.spec import SuffixSpec
-from trtspec.speculative.loop import SHARED_SCOPE, Drafter
+from trtspec.speculative.capabilities import Capabilities, Drafter
+from trtspec.speculative.loop import SHARED_SCOPE
 from trtspec.speculative.metrics import SourceCounts
 from trtspec.speculative.processing import RowRules, warp_params
 from trtspec.speculative.suffix import MODEL, SUFFIX, ResponseCache, Scope, SuffixDrafter
 from trtspec.speculative.tree import DraftTree, TreeGrowth, TreeShape, top_candidates
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """Greedy draft model: k single-token steps, batched across sequences.
 
     The engine's prefix cache makes each step compute only the newest token; tokens the
     target rejected are forgotten on the next call (the cache keeps the common prefix).
     """
 
-    mirrors_processing = True  # the requests' penalties, bans and bias shape the drafts too
+    # the requests' penalties, bans and bias shape the drafts too; sampled drafts; trees
+    capabilities = Capabilities(mirrors_processing=True, samples=True, trees=True)
 
     def __init__(self, run: RunFn, vocab_limit: int | None = None):
         self.run = run
@@ -94,7 +96,7 @@ class ModelDrafter:
         return drafts
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt lookup: find the longest suffix n-gram (max_ngram down to min_ngram) that
     occurred earlier in the context and propose what followed its latest occurrence."""
 
@@ -115,18 +117,18 @@ class NgramDrafter:
         return []
 
 
-class LayeredDrafter:
+class LayeredDrafter(Drafter):
     """Suffix drafting layered on a model draft (TensorRT-LLM's ``sa_config``): a row whose
     suffix match is at least ``suffix.settings.threshold`` tokens long gets the suffix draft;
     the others get the model's, asked for those rows only. Drafted and accepted tokens are
-    counted per source in ``suffix.sources``. The requests' scopes go to the suffix drafter."""
+    counted per source in ``suffix.sources``. The requests' scopes go to the suffix drafter,
+    their logits processing to a model that mirrors it."""
 
-    scoped = True
+    capabilities = Capabilities(mirrors_processing=True, scoped=True, releases=True, samples=True)
 
     def __init__(self, suffix: SuffixDrafter, model: Drafter):
         self.suffix = suffix
         self.model = model
-        self.mirrors_processing = getattr(model, "mirrors_processing", False)
 
     @property
     def sources(self):
@@ -142,6 +144,12 @@ class LayeredDrafter:
         to_model = [j for j, d in enumerate(drafts) if not d.tokens or d.match < threshold]
         return drafts, to_model
 
+    def _rules(self, rules: Sequence[RowRules | None] | None, to_model: list[int]) -> dict:
+        """The keywords that take the model's rows' logits processing to a model that mirrors it."""
+        if rules is None or not self.model.capabilities.mirrors_processing:
+            return {}
+        return {"rules": [rules[j] for j in to_model]}
+
     def _sent(self, contexts, drafts, out, to_model) -> None:
         for j, (ctx, d) in enumerate(zip(contexts, drafts)):
             self.suffix.sent(d.session, len(ctx), out[j], MODEL if j in to_model else SUFFIX)
@@ -151,8 +159,7 @@ class LayeredDrafter:
         out = [d.tokens for d in drafts]
         if to_model:
             sub = ([contexts[j] for j in to_model], [ks[j] for j in to_model])
-            kw = {"rules": [rules[j] for j in to_model]} if rules is not None and self.mirrors_processing else {}
-            for j, d in zip(to_model, self.model.propose(*sub, **kw)):
+            for j, d in zip(to_model, self.model.propose(*sub, **self._rules(rules, to_model))):
                 out[j] = list(d)
         self._sent(contexts, drafts, out, to_model)
         return out
@@ -164,8 +171,8 @@ class LayeredDrafter:
         out = [(d.tokens, _point_masses(d.tokens)) for d in drafts]
         if to_model:
             sub_ctx, sub_k = [contexts[j] for j in to_model], [ks[j] for j in to_model]
-            kw = {"rules": [rules[j] for j in to_model]} if rules is not None and self.mirrors_processing else {}
-            if hasattr(self.model, "propose_sampled"):
+            kw = self._rules(rules, to_model)
+            if self.model.capabilities.samples:
                 sampled = self.model.propose_sampled(
                     sub_ctx, sub_k, [params[j] for j in to_model], [gens[j] for j in to_model], **kw
                 )

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from trtspec.engines.torch.eagle3_head import HeadEngine, HeadRow
+from trtspec.speculative.capabilities import Capabilities, Drafter
 from trtspec.speculative.tree import ROOT, DraftTree, TreeGrowth, TreeShape, top_candidates
 
 # [(tokens, start, stop)] -> per entry the target features [stop - start, n_layers * hidden] of
@@ -39,7 +40,9 @@ def engine_features(engine) -> FeaturesFn:
     return lambda wants: [engine.features_of(tokens, a, b) for tokens, a, b in wants]
 
 
-class Eagle3Drafter:
+class Eagle3Drafter(Drafter):
+    capabilities = Capabilities(trees=True)
+
     def __init__(self, head: HeadEngine, features: FeaturesFn):
         self.head = head
         self.features = features

@@ -22,6 +22,8 @@ orchestrator's continuous batching); ``generate`` runs one to the end.
 
 Drafter and verifier are plain interfaces: in process they call torch engines; inside the
 Triton orchestrator they call the engine models over BLS. The loop never drafts or scores.
+What a drafter can do besides ``propose`` is its declared Capabilities
+(speculative/capabilities.py), read once when the Batch is built.
 
 Adaptive speculation (method auto, or ``adaptive`` on one method): the drafter is a ``Menu`` of
 named drafters with an AdaptivePolicy (speculative/adaptive.py). Each step the drafters that
@@ -41,6 +43,7 @@ import torch
 
 from trtspec.errors import RequestError
 from trtspec.speculative.adaptive import OFF, AdaptivePolicy, Choice, RequestState, choice_key
+from trtspec.speculative.capabilities import Capabilities, Drafter, TokenRows
 from trtspec.speculative.metrics import SpecMetrics
 from trtspec.speculative.processing import Processing, RowRules, log_prob_logits, processed, warp_params
 from trtspec.speculative.sampling import SamplingParams, accept_or_resample, accept_tree, warp
@@ -51,24 +54,8 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
 FinishReason = Literal["length", "eos", "stop"]
-TokenRows = Sequence[list[int]]  # one list of token ids per row (sequence) of a step
 RowFlags = Sequence[bool] | None  # one flag per row of a step; None: no row is flagged
 SHARED_SCOPE = ""  # the suffix cache scope of a request that names none: the deployment's shared one
-
-
-class Drafter(Protocol):
-    def propose(self, contexts: TokenRows, ks: Sequence[int]) -> list[list[int]]:
-        """Up to ks[i] draft tokens continuing contexts[i] (fewer is allowed).
-
-        A drafter that also takes ``rules`` (a keyword, one RowRules or None per context)
-        mirrors the requests' logits processing in its drafts (``mirrors_processing = True``);
-        the others draft as usual, which costs acceptance, never correctness. A drafter with
-        ``release(prompt_ids, output_ids)`` is told when a sequence leaves the loop. A drafter
-        that is ``scoped`` (suffix decoding) also takes ``scopes`` (a keyword, each request's
-        GenerationRequest.suffix_scope per context) and ``release``'s third argument. A drafter
-        with ``propose_tree(contexts, shapes) -> list[DraftTree]`` drafts the trees of requests
-        that ask for one (GenerationRequest.tree); the others draft those requests a chain."""
-        ...
 
 
 @dataclass
@@ -193,7 +180,7 @@ class PathRun:
 StepCallback = Callable[[int, list[int], bool], None]
 
 
-class NoDrafter:
+class NoDrafter(Drafter):
     """Target-only decoding: propose nothing."""
 
     def propose(self, contexts, ks):
@@ -206,7 +193,8 @@ class Menu:
     they offer a draft every step; the others draft only where they are picked. A suffix
     drafter's offer is counted as sent (SourceCounts) only where it is picked."""
 
-    scoped = True  # release takes the request's scope (passed on to the scoped drafters)
+    # release takes the request's scope (passed on to the drafters that release, scoped or not)
+    capabilities = Capabilities(scoped=True, releases=True)
 
     def __init__(self, drafters: dict[str, Drafter], policy: AdaptivePolicy):
         self.drafters = drafters
@@ -215,15 +203,13 @@ class Menu:
 
     def release(self, prompt: list[int], output: list[int], scope: str | None = SHARED_SCOPE) -> None:
         for d in self.drafters.values():
-            release = getattr(d, "release", None)
-            if release is not None:
-                release(prompt, output, *((scope,) if getattr(d, "scoped", False) else ()))
+            _release(d, prompt, output, scope)
 
     def offer(self, name: str, contexts, ks, rules, scopes) -> tuple[list[list[int]], Callable[[int, int], None]]:
         """A free drafter's drafts for every row, and ``take(row, k)``: row's first k tokens go
         to the target (what a suffix drafter then counts as sent)."""
         d = self.drafters[name]
-        if not hasattr(d, "drafts"):  # nothing to count: propose as usual
+        if not d.capabilities.offers:  # nothing to count: propose as usual
             return _propose(d, contexts, ks, rules, scopes), lambda j, k: None
         found = d.drafts(contexts, ks, scopes)
         return [f.tokens for f in found], lambda j, k: d.sent(found[j].session, len(contexts[j]), found[j].tokens[:k], name)
@@ -313,7 +299,13 @@ class Batch:
     def __init__(
         self, drafter: Drafter, verifier: Verifier, on_step: StepCallback | None = None, policy: LoadPolicy | None = None
     ):
+        if not isinstance(drafter, (Drafter, Menu)):
+            raise TypeError(
+                f"{type(drafter).__name__} is not a Drafter: subclass speculative.capabilities.Drafter "
+                "and declare its capabilities"
+            )
         self.drafter = drafter
+        self.capabilities = drafter.capabilities  # what the drafter can do, read once
         self.verifier = verifier
         self.on_step = on_step
         self.policy = policy  # load-aware draft-length cap and acceptance switch-off (schedule.py)
@@ -351,10 +343,7 @@ class Batch:
         self.gens.pop(key, None)
         self.states.pop(key, None)
         request, result = self.requests.pop(key), self.results.pop(key)
-        release = getattr(self.drafter, "release", None)
-        if release is not None:
-            scoped = (request.suffix_scope,) if getattr(self.drafter, "scoped", False) else ()
-            release(request.prompt_ids, result.output_ids, *scoped)
+        _release(self.drafter, request.prompt_ids, result.output_ids, request.suffix_scope)
         return result
 
     def pop(self, key: int) -> GenerationResult:
@@ -483,8 +472,7 @@ class Batch:
         cap (nodes: what a verify costs); rows whose tree shrinks to nothing draft nothing.
         Sampled rows get the same trees: their candidates are point masses to rejection
         sampling (sampling.py)."""
-        propose_tree = getattr(self.drafter, "propose_tree", None)
-        if propose_tree is None:
+        if not self.capabilities.trees:
             return {}
         shapes: dict[int, TreeShape] = {}
         for j, i in enumerate(active):
@@ -499,7 +487,7 @@ class Batch:
                 shapes[j] = cut
         if not shapes:
             return {}
-        proposed = propose_tree([contexts[j] for j in shapes], list(shapes.values()))
+        proposed = self.drafter.propose_tree([contexts[j] for j in shapes], list(shapes.values()))
         return dict(zip(shapes, proposed))
 
     def score(self, proposal: Proposal) -> list[Verdict]:
@@ -587,15 +575,22 @@ def _propose(drafter: Drafter, contexts, ks, rules: Sequence[RowRules | None], s
     return drafter.propose(contexts, ks, **_row_keywords(drafter, rules, scopes))
 
 
-def _row_keywords(drafter, rules: Sequence[RowRules | None], scopes: Sequence[str | None]) -> dict:
+def _row_keywords(drafter: Drafter, rules: Sequence[RowRules | None], scopes: Sequence[str | None]) -> dict:
     """The per-row keywords a drafter takes: ``rules`` where it mirrors processing (and some
     row has rules), ``scopes`` where it is scoped."""
     kw: dict = {}
-    if any(r is not None for r in rules) and getattr(drafter, "mirrors_processing", False):
+    if any(r is not None for r in rules) and drafter.capabilities.mirrors_processing:
         kw["rules"] = rules
-    if getattr(drafter, "scoped", False):
+    if drafter.capabilities.scoped:
         kw["scopes"] = scopes
     return kw
+
+
+def _release(drafter: Drafter | Menu, prompt: list[int], output: list[int], scope: str | None) -> None:
+    """Tell a drafter that releases that the sequence prompt + output left the loop (with its
+    suffix cache scope where the drafter is scoped)."""
+    if drafter.capabilities.releases:
+        drafter.release(prompt, output, *((scope,) if drafter.capabilities.scoped else ()))
 
 
 def _propose_sampled(drafter, sampled, contexts, ks, reqs, gens, drafts, qs, generated) -> None:
@@ -604,7 +599,7 @@ def _propose_sampled(drafter, sampled, contexts, ks, reqs, gens, drafts, qs, gen
     sub_ctx, sub_k = [contexts[j] for j in sampled], [ks[j] for j in sampled]
     rules = [r.rules(g) for r, g in zip(reqs, generated)]
     scopes = [r.suffix_scope for r in reqs]
-    if hasattr(drafter, "propose_sampled"):
+    if drafter.capabilities.samples:
         kw = _row_keywords(drafter, rules, scopes)
         proposed = drafter.propose_sampled(sub_ctx, sub_k, [r.sampling for r in reqs], gens, **kw)
         for j, (d, q) in zip(sampled, proposed):

@@ -8,8 +8,9 @@ from collections.abc import Sequence
 
 from trtspec.spec import FREE_METHODS, MODEL_METHODS, SuffixSpec
 from trtspec.speculative.adaptive import AdaptivePolicy, AdaptiveSettings
+from trtspec.speculative.capabilities import Drafter
 from trtspec.speculative.drafters import make_drafter
-from trtspec.speculative.loop import Drafter, Menu
+from trtspec.speculative.loop import Menu
 from trtspec.speculative.metrics import SourceCounts
 from trtspec.speculative.suffix import ResponseCache
 

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from trtspec.spec import SuffixSpec
+from trtspec.speculative.capabilities import Capabilities, Drafter
 from trtspec.speculative.loop import SHARED_SCOPE
 from trtspec.speculative.metrics import SourceCounts
 
@@ -237,7 +238,7 @@ class ResponseCache:
         return [(m, t, p) for m, p in part.index.candidates(ctx, max_depth, len(t), part.start)]
 
 
-class SuffixDrafter:
+class SuffixDrafter(Drafter):
     """Suffix decoding's drafter: each request's own index plus the deployment's
     ``cache`` (None: requests kept apart), read and fed in each request's scope (``scopes``,
     one per context, from GenerationRequest.suffix_scope; the loop passes them to a drafter
@@ -249,7 +250,8 @@ class SuffixDrafter:
     when the same request comes back (the tokens that followed show how many the target
     accepted) or leaves."""
 
-    scoped = True  # propose / release take the requests' scopes
+    # propose / release take the requests' scopes; a Menu's offers are counted where taken
+    capabilities = Capabilities(scoped=True, releases=True, offers=True)
 
     def __init__(self, settings: SuffixSpec, cache: ResponseCache | None = None, sources: SourceCounts | None = None):
         self.settings = settings

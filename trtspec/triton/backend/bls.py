@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from trtspec.speculative.capabilities import Capabilities, Drafter
 from trtspec.speculative.loop import GenerationRequest, GenerationResult, TokenRows, Verdict, VerifyAsks, finish
 from trtspec.speculative.processing import RowRules
 from trtspec.speculative.tree import Candidates, DraftTree, TreeGrowth, TreeShape
@@ -217,11 +218,11 @@ def generated(outputs: Mapping[str, np.ndarray], rows: int) -> list[list[int]]:
     return [ids[r, 0, : int(lengths[r, 0])].tolist() for r in range(rows)]
 
 
-class BlsDrafter:
+class BlsDrafter(Drafter):
     """Greedy drafts from a draft engine model, one batched request per loop step; the
     requests' logits processing goes along in upstream's `tensorrt_llm` inputs."""
 
-    mirrors_processing = True
+    capabilities = Capabilities(mirrors_processing=True, trees=True)
 
     def __init__(self, call: EngineCall, model: str, vocab_limit: int | None = None, pad_id: int = 0):
         self.call = call
