@@ -35,7 +35,7 @@ weights/smollm2-135m: | install
 	$(PY) -m trtspec.demo.weights weights/smollm2-135m
 
 weights/tiny-llama: | install
-	$(PY) -m trtspec.demo.tiny weights/tiny-llama
+	$(PY) -m trtspec.testing.tiny weights/tiny-llama
 
 # build -> verify in process -> serve (detached) -> verify over gRPC (streamed) -> stop,
 # then the co-designed pair (demo-codesign).

@@ -33,7 +33,7 @@ def _isolated_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_ckpts(tmp_path_factory) -> dict[str, Path]:
-    from trtspec.demo.tiny import make_tiny_pair
+    from trtspec.testing.tiny import make_tiny_pair
 
     return make_tiny_pair(tmp_path_factory.mktemp("tiny-ckpts"))
 

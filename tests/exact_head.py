@@ -1,6 +1,6 @@
 """The bigram target (``make_bigram_target``: greedy next token g(x) = ``bigram_map``, one-hot
 embeddings, lm_head = the matrix of g) and an EAGLE-3 head that reproduces it exactly: test
-fixtures for method eagle3 (the tiny models' shape comes from trtspec.demo.tiny.llama_config).
+fixtures for method eagle3 (the tiny models' shape comes from trtspec.testing.tiny.llama_config).
 
 Exact head: the features at position t are e_{x_t}; ``fc`` maps them to e_{g(x_t)}, which is
 e_{x_{t+1}} whenever x_{t+1} came from the target; the head's MLP is a lookup table that
@@ -33,7 +33,7 @@ def make_bigram_target(out: Path, tokenizer_from: Path, hidden: int | None = Non
     embeddings of that width (g is then what they make it)."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from trtspec.demo.tiny import llama_config
+    from trtspec.testing.tiny import llama_config
 
     tok = AutoTokenizer.from_pretrained(tokenizer_from)
     vocab = 400

@@ -43,3 +43,18 @@ def test_every_trtspec_import_resolves():
                         if (err.name or "").startswith("trtspec"):
                             missing.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {module}.{name}")
     assert not missing, "imports that would fail at run time:\n" + "\n".join(missing)
+
+
+def test_the_testing_contract_covers_every_product_module():
+    """The contract that keeps the product off trtspec.testing names every top-level module
+    but testing itself, so a new room is covered the day it is added."""
+    import tomllib
+
+    config = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text(encoding="utf-8"))
+    (contract,) = [c for c in config["tool"]["importlinter"]["contracts"] if c.get("forbidden_modules") == ["trtspec.testing"]]
+    top = {
+        f"trtspec.{p.stem if p.is_file() else p.name}"
+        for p in PACKAGE.iterdir()
+        if p.suffix == ".py" or (p / "__init__.py").is_file()
+    }
+    assert set(contract["source_modules"]) == top - {"trtspec.__init__", "trtspec.testing"}

@@ -1,7 +1,7 @@
 """trtllm.runtime llmapi: spec rules, the argument files a build writes, and the inventory.
 
 No GPU and no tensorrt_llm: the files are checked against the field inventory read from the
-upstream sources (llmapi_fields.py), parsed back as upstream's yaml.safe_load reads them.
+upstream sources (trtllm_lines/fields.py), parsed back as upstream's yaml.safe_load reads them.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 from trtspec.cli.app import app
 from trtspec.engines.build import BuildState, build
 from trtspec.engines.trtllm import llmapi
-from trtspec.engines.trtllm.llmapi_fields import DECODING_TYPES, LINES, unknown_keys
 from trtspec.errors import SpecError
 from trtspec.spec import load_spec
+from trtspec.trtllm_lines.fields import DECODING_TYPES, LINES, unknown_keys
 
 LLMAPI = {"backend": "trtllm", "speculative.default_draft_tokens": None}
 

@@ -237,7 +237,7 @@ def test_greedy_speculative_is_identical_with_quantized_engines(built, overrides
 def test_int4_refuses_a_model_the_kernel_cannot_hold(tmp_path):
     from transformers import LlamaForCausalLM
 
-    from trtspec.demo.tiny import llama_config, make_tokenizer
+    from trtspec.testing.tiny import llama_config, make_tokenizer
 
     tok = make_tokenizer()
     folder = tmp_path / "odd"

@@ -135,7 +135,7 @@ def test_bad_schedules_are_refused_by_name(tmp_path, tiny_ckpts, schedule, needl
 
 def test_llmapi_files_carry_the_schedule_and_the_double_applies_it(tmp_path, tiny_ckpts):
     from trtspec.engines.build import build
-    from trtspec.engines.trtllm.llmapi_fields import unknown_keys
+    from trtspec.trtllm_lines.fields import unknown_keys
 
     over = {
         "backend": "trtllm",

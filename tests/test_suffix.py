@@ -467,9 +467,9 @@ def test_tiny_sampling_check_passes_with_suffix_drafts(built):
 from conftest import write_spec  # noqa: E402
 
 from trtspec.engines.trtllm import llmapi  # noqa: E402
-from trtspec.engines.trtllm.llmapi_fields import DECODING_TYPES, SA_ENHANCER, unknown_keys  # noqa: E402
 from trtspec.errors import SpecError  # noqa: E402
 from trtspec.spec import load_spec  # noqa: E402
+from trtspec.trtllm_lines.fields import DECODING_TYPES, SA_ENHANCER, unknown_keys  # noqa: E402
 
 LLMAPI_13 = {"backend": "trtllm", "speculative.default_draft_tokens": None, "trtllm.line": "1.3+"}
 

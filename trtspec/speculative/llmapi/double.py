@@ -3,7 +3,7 @@
 It stands in for ``tensorrt_llm`` where there is no GPU, so the argument files trtspec writes
 and the request path that reads them (in-process verify, the Triton llmapi models) run in CI.
 It is strict where upstream is strict: every constructor refuses a name the field inventory
-of its TensorRT-LLM line lacks (engines/trtllm/llmapi_fields.py, read from upstream at recorded commits),
+of its TensorRT-LLM line lacks (trtllm_lines/fields.py, read from upstream at recorded commits),
 decoding_type is spelt as that line spells it, and required fields are required. It is not
 TensorRT-LLM: greedy only, one rank, local checkpoints only, one request batch at a time.
 EAGLE-3 (decoding type Eagle on 1.2, Eagle3 on 1.3+) runs a head folder in the layout upstream
@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-from trtspec.engines.trtllm.llmapi_fields import (
+from trtspec.spec import MAX_DRAFT_LEN_LIMIT
+from trtspec.trtllm_lines.fields import (
     ALL_DECODING_TYPES,
     DECODING_TYPES,
     KV_CACHE_CONFIG,
@@ -42,7 +43,6 @@ from trtspec.engines.trtllm.llmapi_fields import (
     SA_ENHANCER,
     SAMPLING_PARAMS,
 )
-from trtspec.spec import MAX_DRAFT_LEN_LIMIT
 
 VERSIONS = {"1.2": "1.2.1+trtspec.double", "1.3+": "1.3.0+trtspec.double"}
 

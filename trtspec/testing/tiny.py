@@ -1,7 +1,7 @@
 """Tiny Llama checkpoints (seeded, about 1 MB) for tests and the tiny-llama spec: the one
 factory of test models (llama_config is their shape).
 
-    python -m trtspec.demo.tiny weights/tiny-llama
+    python -m trtspec.testing.tiny weights/tiny-llama
 
 writes target/, draft/ (the target plus small noise: agrees most of the time), same/ (an
 exact copy of the target), unrelated/ (another seed) and other-vocab/ (a model whose
