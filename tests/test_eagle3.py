@@ -93,16 +93,16 @@ def generate_both(dep, prompts, k, max_tokens=40):
 # ------------------------------------------------------------------------------ layout
 
 
-def test_head_folder_has_the_names_the_loaders_read(heads, tiny_ckpts):
+def assert_loader_layout(folder: Path, target_folder: Path) -> tuple[dict, torch.Tensor]:
+    """What vLLM's, SGLang's and TensorRT-LLM's EAGLE-3 loaders read of a head folder, for the
+    target in ``target_folder``; its config.json and d2t."""
     from transformers import AutoConfig
 
-    folder = heads["random"]
     cfg = json.loads((folder / "config.json").read_text())
-    target = AutoConfig.from_pretrained(tiny_ckpts["target"])
+    target = AutoConfig.from_pretrained(target_folder)
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
     assert cfg["num_hidden_layers"] == 1
-    assert cfg["draft_vocab_size"] == len(DRAFT_IDS)
-    assert cfg["vocab_size"] == target.vocab_size == 400
+    assert cfg["vocab_size"] == target.vocab_size
     assert cfg["target_hidden_size"] == cfg["hidden_size"] == target.hidden_size
     # vLLM counts the INPUT of a layer: our layer-output ids + 1.
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in cfg["trtspec"]["target_layer_ids"]]
@@ -114,8 +114,14 @@ def test_head_folder_has_the_names_the_loaders_read(heads, tiny_ckpts):
     h, n_layers = target.hidden_size, len(cfg["trtspec"]["target_layer_ids"])
     assert shapes["fc.weight"] == (h, n_layers * h)
     assert shapes["midlayer.self_attn.q_proj.weight"][1] == 2 * h  # [embeds; state]
-    assert shapes["lm_head.weight"] == (len(DRAFT_IDS), h)
-    assert d2t.dtype == torch.int64
+    assert shapes["lm_head.weight"] == (cfg["draft_vocab_size"], h)
+    assert d2t.dtype == torch.int64 and d2t.shape == (cfg["draft_vocab_size"],)
+    return cfg, d2t
+
+
+def test_head_folder_has_the_names_the_loaders_read(heads, tiny_ckpts):
+    cfg, d2t = assert_loader_layout(heads["random"], tiny_ckpts["target"])
+    assert cfg["draft_vocab_size"] == len(DRAFT_IDS) and cfg["vocab_size"] == 400
     assert (torch.arange(len(DRAFT_IDS)) + d2t).tolist() == DRAFT_IDS  # target id = draft id + d2t
 
 

@@ -71,12 +71,12 @@ def _swap(tmp_path, loads: dict, seen: list):
             raise OSError(f"no head in {folder}")
         return loads[folder]
 
-    return HeadSwap(tmp_path / CONTROL_FILE, load, "head-1", seen.append)
+    return HeadSwap(tmp_path / CONTROL_FILE, load, "/h/1", seen.append)
 
 
 def test_an_instance_takes_the_newer_head_the_control_file_names_once_applied(tmp_path):
     seen: list[HeadRecord] = []
-    swap = _swap(tmp_path, {"/h/2": "head-2"}, seen)
+    swap = _swap(tmp_path, {"/h/1": "head-1", "/h/2": "head-2"}, seen)
     swap.poll()
     assert not swap.due() and swap.head == "head-1"  # no control file: the repository's head
     (tmp_path / CONTROL_FILE).write_text(json.dumps({"version": 2, "head": "/h/2", "live": 0.1, "new": 0.6}))
@@ -93,7 +93,7 @@ def test_an_instance_takes_the_newer_head_the_control_file_names_once_applied(tm
 
 def test_a_head_that_cannot_be_loaded_is_skipped_and_the_instance_keeps_its_head(tmp_path):
     seen: list[HeadRecord] = []
-    swap = _swap(tmp_path, {}, seen)
+    swap = _swap(tmp_path, {"/h/1": "head-1"}, seen)
     (tmp_path / CONTROL_FILE).write_text(json.dumps({"version": 2, "head": "/gone"}))
     swap.poll()
     assert not swap.due() and swap.head == "head-1" and seen == []
@@ -168,3 +168,50 @@ def test_a_spec_without_a_written_repository_is_refused_before_the_server_is_ask
     r = runner.invoke(app, ["refresh", str(spec), "--url", "127.0.0.1:1", "--rollback"])
     assert r.exit_code == 2 and r.output.count("Error: ") == 1, r.output
     assert "holds no model repository" in r.output
+
+
+def test_the_head_refresh_builds_alone_is_still_checked_against_the_target(tmp_path, tiny_ckpts):
+    from test_eagle3 import _edited_head, random_head
+
+    from trtspec.distill.refresh import build_head
+    from trtspec.errors import TrtspecError
+    from trtspec.spec import load_spec
+
+    head = random_head(tiny_ckpts["target"], tmp_path / "head")
+    bad = _edited_head(head, tmp_path / "bad", vocab_size=512)
+    ck = {"target": tiny_ckpts["target"], "head": head}
+    loaded = load_spec(write_spec(tmp_path / "s", ck, "head", **{"speculative.method": "eagle3"}))
+    with pytest.raises(TrtspecError, match="maps into a vocabulary of 512, the target's has 400") as info:
+        build_head(loaded, bad, 2)
+    assert info.value.exit_code == 2
+    assert not (loaded.output_dir().with_name(loaded.output_dir().name + ".head-v2") / "draft").exists()
+    built = build_head(loaded, head, 2)
+    assert (built / "config.json").is_file() and not (built.parent / "target").exists()  # the head alone
+
+
+def test_a_loop_round_continues_the_live_heads_distill_folder_and_refreshes_with_what_it_trained(tmp_path, monkeypatch):
+    calls = []
+
+    class FakeDeployed:
+        def __init__(self, loaded, url, metrics_url):
+            self.live = {"version": 2, "head": "/engines.head-v2/draft", "source": "/heads/v2"}
+
+    def fake_train(loaded, init, out, opts):
+        calls.append(("train", init, out.parent))
+        return out
+
+    def fake_refresh(loaded, deployed, head, identical, margin):
+        calls.append(("refresh", head.parent, margin))
+
+        class Result:
+            def summary(self):
+                return "deployed"
+
+        return Result()
+
+    monkeypatch.setattr(refresh_loop, "Deployed", FakeDeployed)
+    monkeypatch.setattr(refresh_loop, "train", fake_train)
+    monkeypatch.setattr(refresh_loop, "refresh", fake_refresh)
+    opts = LoopOptions(1.0, tmp_path / "cap", tmp_path / "work", rounds=1)
+    assert refresh_loop.loop(object(), "h:1", "h:2", opts, lambda *a: True, 0.05) == 1
+    assert calls == [("train", refresh_loop.Path("/heads/v2"), tmp_path / "work"), ("refresh", tmp_path / "work", 0.05)]

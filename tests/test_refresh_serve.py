@@ -16,6 +16,7 @@ import pytest
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs the serve extra: pip install 'trtspec[serve]'")
 from conftest import require_tritonserver, serve_built, write_spec  # noqa: E402
 from test_eagle3 import random_head  # noqa: E402
+from test_eagle3_serve import _bls  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from trtspec.cli.app import app  # noqa: E402
@@ -58,22 +59,12 @@ def live(tmp_path_factory, tiny_ckpts):
         yield {"root": root, "spec": spec, "server": server, "client": client, "new": new, "repo": repo}
 
 
-def _inputs(prompt: str, k: int = 3, capture: bool = False):
-    def t(name, value, dtype):
-        arr = np.array([[value]], dtype=np.object_ if dtype == "BYTES" else {"INT32": np.int32, "BOOL": np.bool_}[dtype])
-        x = grpcclient.InferInput(name, [1, 1], dtype)
-        x.set_data_from_numpy(arr)
-        return x
-
-    return [
-        t("text_input", prompt.encode(), "BYTES"),
-        t("max_tokens", 16, "INT32"),
-        t("num_draft_tokens", k, "INT32"),
-        t("apply_chat_template", True, "BOOL"),
-        t("exclude_input_in_output", True, "BOOL"),
-        t("return_perf_metrics", True, "BOOL"),
-        t("capture", capture, "BOOL"),  # the load traffic stays out of the capture
-    ]
+def _inputs(prompt: str, capture: bool = False):
+    """A speculative request (k=3, 16 tokens, with its perf metrics); capture false keeps the
+    load traffic out of the capture."""
+    flag = grpcclient.InferInput("capture", [1, 1], "BOOL")
+    flag.set_data_from_numpy(np.array([[capture]], dtype=np.bool_))
+    return _bls(prompt, 3, 16) + [flag]
 
 
 def _ids(result) -> list[int]:

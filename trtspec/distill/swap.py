@@ -58,7 +58,9 @@ class Deployed:
             ) from None
         head = config.get("parameters", {}).get(HEAD_PARAM, {}).get("string_value")
         if not head:
-            raise RequestError(f"the server at {self.url} serves no EAGLE-3 head; refresh swaps the head of method eagle3")
+            raise RequestError(
+                f"the server at {self.url} serves no EAGLE-3 head of its own; refresh swaps the head of method eagle3 on the torch backend"
+            )
         return head
 
     def _read_history(self, served: Path) -> list[dict]:

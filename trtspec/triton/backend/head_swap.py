@@ -50,11 +50,11 @@ def read_record(path: Path) -> HeadRecord | None:
 class HeadSwap:
     """One endpoint instance's head: the one it serves, and the next one once loaded."""
 
-    def __init__(self, control: Path, load: Callable[[str], object], head: object, on_swap: Callable[[HeadRecord], None]):
+    def __init__(self, control: Path, load: Callable[[str], object], folder: str, on_swap: Callable[[HeadRecord], None]):
         self.control = control
         self._load = load  # head folder -> head engine (HeadEngine.load_beside)
-        self.head = head  # the head engine new batches draft with
-        self.record = HeadRecord(1, "")  # what it serves: version 1 is the repository's own head
+        self.head = load(folder)  # the head engine new batches draft with
+        self.record = HeadRecord(1, folder)  # what it serves: version 1 is the repository's own head
         self._on_swap = on_swap  # metrics and log, once a head serves
         self._next: tuple[HeadRecord, object] | None = None
         self._tried = 1  # the newest version asked for (loaded or failed)

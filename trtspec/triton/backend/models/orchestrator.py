@@ -91,9 +91,7 @@ class TritonPythonModel:
         if settings.mode != "speculative" or settings.eagle3_head_dir is None:
             return None
         control = Path(args["model_repository"]).parent / CONTROL_FILE
-        swap = HeadSwap(
-            control, self.core.load_head, self.core.load_head(settings.eagle3_head_dir), lambda r: announce(metrics, r)
-        )
+        swap = HeadSwap(control, self.core.load_head, settings.eagle3_head_dir, lambda r: announce(metrics, r))
         metrics.head(1, None, None)
         self.core.head_swap = swap
         return swap
