@@ -17,9 +17,10 @@ acceptance of that request (``completion_tokens_details.accepted_prediction_toke
 the same as trtspec reports them).
 
 Hardening (docs/operations.md, "OpenAI front"): a body over ``max_body_bytes`` is refused
-with 413 before it is read; tokenizing runs on one worker thread, never on the event loop;
+with 413 before it is read, one that has not arrived whole within ``body_timeout_s`` with 408
+(a client that sends part of a body and stalls holds nothing for long); tokenizing runs on one worker thread, never on the event loop;
 every error, streamed or not, is OpenAI's error object with the status that says why (400
-the client's mistake, 404 an unknown model, 413 too large, 503 + Retry-After when the
+the client's mistake, 404 an unknown model, 408 a body too slow, 413 too large, 503 + Retry-After when the
 deployment is full, unloading or unreachable, 504 when it did not answer in time, 500 ours);
 a client that disconnects cancels its gRPC calls; with n > 1 one failed call cancels the
 others; greedy n > 1 is one call whose answer is repeated (greedy decoding is deterministic).
@@ -57,6 +58,8 @@ class FrontSettings:
     max_seq_len: int
     created: int
     max_body_bytes: int = 0  # 0: default_body_limit(max_seq_len)
+    # The most a request body may take to arrive whole, from the request's headers on (408 after).
+    body_timeout_s: float = 30.0
     # The deployment reads suffix cache scopes (trtspec's endpoints with suffix drafting): each
     # request is sent in its tenant's scope. False: no scope is sent (nothing would read it).
     suffix_scopes: bool = True
@@ -140,7 +143,7 @@ def create_app(backend: TritonText, tokenizer, settings: FrontSettings, keys: Ap
     without, every request is the one tenant DEFAULT_TENANT (a single-tenant deployment)."""
     app = FastAPI(title="trtspec OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     front = _Front(backend, tokenizer, settings)
-    app.add_middleware(BodyLimit, limit=settings.body_limit)
+    app.add_middleware(BodyLimit, limit=settings.body_limit, timeout=settings.body_timeout_s)
     if keys is not None:  # outermost: a request without a key is refused before its body is read
         app.add_middleware(RequireKey, keys=keys)
 
@@ -176,45 +179,91 @@ def create_app(backend: TritonText, tokenizer, settings: FrontSettings, keys: Ap
     return app
 
 
+# A refused body the client is still sending is read and dropped, up to this many times the
+# limit and for at most this long, before the answer: a connection closed on unread data is
+# reset, and the client would see the reset instead of its 413 (nginx's lingering close).
+_DRAIN_FACTOR = 16
+_DRAIN_S = 5.0
+
+
 class BodyLimit:
     """ASGI middleware: a request body over ``limit`` bytes is answered 413 (OpenAI's error
-    shape) without being read further, whether it declares its length or streams it."""
+    shape) and never kept, whether it declares its length or streams it; one that has not
+    arrived whole ``timeout`` seconds after the request began is answered 408 (a partial body,
+    a slow-loris client). Either way the connection is closed after the answer."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, timeout: float = 30.0):
+        self.app, self.limit, self.timeout = app, limit, timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._refuse(send)
-        received, over, started = 0, False, False
+            await _drain(receive, self.limit * _DRAIN_FACTOR)
+            return await _refuse(send, self._too_large())
+        deadline = asyncio.get_running_loop().time() + self.timeout
+        received, whole, refusal, started = 0, False, None, False
 
         async def limited_receive():
-            nonlocal received, over
-            message = await receive()
+            nonlocal received, whole, refusal
+            if whole:  # the body is in: what follows is the client's disconnect, whenever it comes
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
+            except TimeoutError:
+                refusal = self._too_slow()
+                return {"type": "http.disconnect"}  # the app stops reading; its answer is replaced
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                whole = not message.get("more_body", False)
                 if received > self.limit:
-                    over = True  # the app sees a disconnect; its answer is replaced by the 413
+                    refusal = self._too_large()
                     return {"type": "http.disconnect"}
             return message
 
         async def guarded_send(message):
             nonlocal started
-            if over:
+            if refusal is not None:
                 return
             started = True
             await send(message)
 
         await self.app(scope, limited_receive, guarded_send)
-        if over and not started:
-            await self._refuse(send)
+        if refusal is not None and not started:
+            if refusal.status == 413 and not whole:
+                await _drain(receive, self.limit * _DRAIN_FACTOR)
+            await _refuse(send, refusal)
 
-    async def _refuse(self, send) -> None:
-        err = ApiError(413, f"the request body exceeds {self.limit} bytes; send a shorter prompt", code="request_too_large")
-        await error_response(err)({"type": "http"}, None, send)
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"the request body exceeds {self.limit} bytes; send a shorter prompt", code="request_too_large")
+
+    def _too_slow(self) -> ApiError:
+        return ApiError(
+            408, f"the request body did not arrive whole within {self.timeout:g} s; send it at once", code="request_timeout"
+        )
+
+
+async def _drain(receive, budget: int) -> None:
+    """Read and drop what the client still sends of its body: at most ``budget`` bytes, for at
+    most _DRAIN_S seconds."""
+    loop = asyncio.get_running_loop()
+    deadline, dropped = loop.time() + _DRAIN_S, 0
+    while dropped <= budget:
+        try:
+            message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+        except TimeoutError:
+            return
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+        dropped += len(message.get("body", b""))
+
+
+async def _refuse(send, err: ApiError) -> None:
+    """``err`` as the whole answer, and the connection closed after it."""
+    response = error_response(err)
+    response.headers["Connection"] = "close"
+    await response({"type": "http"}, None, send)
 
 
 class RequireKey:
