@@ -101,6 +101,59 @@ def test_a_rank_starts_its_server_with_the_key_hidden_and_passes_signals_on(tmp_
     assert processes_mentioning(str(tmp_path)) == []
 
 
+def test_under_a_real_mpirun_no_process_shows_the_key(tmp_path):
+    """Two ranks in leader mode as `trtspec serve` launches them (Open MPI's mpirun): each
+    stand-in server parses the key, and no process of the launch shows it on its command
+    line; stopping the launch ends every rank."""
+    import os
+    import shutil
+
+    if shutil.which("mpirun") is None:
+        pytest.skip("needs Open MPI's mpirun (apt-get install openmpi-bin)")
+    script = tmp_path / "tritonserver"  # records what it parsed, one file per rank (its shm prefix)
+    script.write_text(
+        f"#!{sys.executable}\n"
+        "import json, sys, time\n"
+        "rank = next(a for a in sys.argv if 'shm-region-prefix-name=' in a).rsplit('=', 1)[1]\n"
+        f"open({str(tmp_path)!r} + '/seen-' + rank + 'json', 'w').write(json.dumps(sys.argv))\n"
+        "time.sleep(120)\n"
+    )
+    script.chmod(0o755)
+    command = ServerCommand(binary=script, model_repository=tmp_path, admin_key=KEY)
+    launch = launch_command(command, [("m", 2)])
+    server = TritonServer(command, env={**os.environ, **launch.env}, launcher=launch.argv)
+    server.start(tmp_path / "log")
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("seen-*"))) < 2 or not all(f.read_text() for f in tmp_path.glob("seen-*")):
+            assert server.is_running() and time.monotonic() < deadline, (tmp_path / "log").read_text()
+            time.sleep(0.1)
+        parsed = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("seen-*"))]
+        shown = _command_lines(str(tmp_path))
+    finally:
+        server.stop(timeout=10)
+    assert len(parsed) == 2 and all(sum(a.endswith(f"triton-admin-key={KEY}") for a in argv) == 2 for argv in parsed)
+    assert len(shown) >= 5 and not any(KEY in line for line in shown)  # mpirun, 2 ranks, 2 servers
+    assert sum(f"triton-admin-key={REDACTED}" in line for line in shown) >= 5
+    deadline = time.monotonic() + 30
+    while processes_mentioning(str(tmp_path)):
+        assert time.monotonic() < deadline, processes_mentioning(str(tmp_path))
+        time.sleep(0.2)
+
+
+def _command_lines(text: str) -> list[str]:
+    """The whole command line of every live process whose command line holds ``text``."""
+    lines = []
+    for entry in Path("/proc").iterdir():
+        try:
+            line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace") if entry.name.isdigit() else ""
+        except OSError:
+            continue
+        if text in line:
+            lines.append(line)
+    return lines
+
+
 def _yama(tmp_path, monkeypatch, scope: int) -> None:
     (tmp_path / "ptrace_scope").write_text(f"{scope}\n")
     monkeypatch.setattr(hidden_args, "YAMA_SCOPE", tmp_path / "ptrace_scope")
