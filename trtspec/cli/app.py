@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import typer
 
 from trtspec import __version__
@@ -28,6 +30,32 @@ app.command("distill")(distill.distill)
 app.command("openai")(openai_front.openai)
 app.command("refresh")(refresh.refresh)
 app.add_typer(deploy.app, name="deploy")
+
+
+def reflowed(text: str | None) -> str | None:
+    """Help text whose prose paragraphs are one line each, so the terminal wraps them at its
+    own width (Typer keeps a docstring's line breaks, and a paragraph hard-wrapped at 90
+    columns reads broken mid-sentence at 80); a paragraph with indented lines (examples) keeps
+    its lines as written."""
+    if not text:
+        return text
+    out = []
+    for paragraph in inspect.cleandoc(text).split("\n\n"):
+        lines = paragraph.splitlines()
+        block = any(line[:1].isspace() for line in lines[1:])
+        out.append(paragraph if block else " ".join(line.strip() for line in lines))
+    return "\n\n".join(out)
+
+
+def _reflow_commands(typer_app: typer.Typer) -> None:
+    """Every registered command's help, reflowed (sub-apps' too), in one place."""
+    for info in typer_app.registered_commands:
+        info.help = reflowed(info.help or (info.callback.__doc__ if info.callback else None))
+    for group in typer_app.registered_groups:
+        _reflow_commands(group.typer_instance)
+
+
+_reflow_commands(app)
 
 
 def _version(value: bool) -> None:

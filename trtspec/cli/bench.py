@@ -42,12 +42,17 @@ def bench(
     Examples:
       trtspec bench engine_specs/smollm2-135m-cpu.yaml
       trtspec bench engine_specs/smollm2-135m-cpu.yaml --url 127.0.0.1:8001 -c 1,4
-      trtspec bench engine_specs/smollm2-135m-cpu.yaml --sweep none -c 1 --neighbour 1
-      trtspec bench engine_specs/smollm2-135m-eagle3.yaml --methods eagle3,draft_target,ngram \\
+      trtspec bench engine_specs/smollm2-135m-cpu.yaml --sweep none -c 1 \\
+        --neighbour 1
+      trtspec bench engine_specs/smollm2-135m-eagle3.yaml \\
+        --methods eagle3,draft_target,ngram \\
         --draft-from engine_specs/smollm2-135m-cpu.yaml
-      trtspec bench engine_specs/smollm2-135m-cpu-suffix.yaml --methods suffix,ngram --sweep none -c 1 \\
-        --methods-prompts bench/prompts.jsonl --methods-prompts bench/repeat_prompts.jsonl
-      trtspec bench engine_specs/smollm2-135m-eagle3.yaml --trees --sweep none -c 1
+      trtspec bench engine_specs/smollm2-135m-cpu-suffix.yaml \\
+        --methods suffix,ngram --sweep none -c 1 \\
+        --methods-prompts bench/prompts.jsonl \\
+        --methods-prompts bench/repeat_prompts.jsonl
+      trtspec bench engine_specs/smollm2-135m-eagle3.yaml --trees --sweep none \\
+        -c 1
     """
     from trtspec.bench import plot, render, run
 

@@ -29,7 +29,7 @@ def build(
     Examples:
       trtspec build engine_specs/smollm2-135m-cpu.yaml
       trtspec build engine_specs/tiny-llama.yaml -o /tmp/engines --force
-      trtspec build my-spec.yaml --device cuda     # refuses at once where no GPU is usable
+      trtspec build my-spec.yaml --device cuda    # refused at once without a GPU
     """
     loaded = with_device(load_spec(spec), device)
     out_dir = loaded.output_dir(output)

@@ -39,9 +39,12 @@ def k8s(
     validated against the Kubernetes schemas of --kube-version before anything is written.
 
     Examples:
-      trtspec deploy k8s engine_specs/smollm2-135m-cpu.yaml --out deploy/smollm2 && kubectl apply -k deploy/smollm2
-      trtspec deploy k8s engine_specs/llama3.1-8b-instruct-trtllm.yaml --dry-run --max-replicas 8
-      trtspec deploy k8s my-spec.yaml -o k8s/ --engines-from build --image registry/trtspec-cpu:0.1.0 --force
+      trtspec deploy k8s engine_specs/smollm2-135m-cpu.yaml --out deploy/smollm2 \\
+        && kubectl apply -k deploy/smollm2
+      trtspec deploy k8s engine_specs/llama3.1-8b-instruct-trtllm.yaml --dry-run \\
+        --max-replicas 8
+      trtspec deploy k8s my-spec.yaml -o k8s/ --engines-from build \\
+        --image registry/trtspec-cpu:0.1.0 --force
     """
     loaded = load_spec(spec)
     plan, files, written = deploy_k8s(loaded, options, out, force=force, dry_run=dry_run, engines_dir=loaded.output_dir(engines))

@@ -33,10 +33,12 @@ def distill(
     Examples:
       trtspec distill engine_specs/smollm2-135m-eagle3.yaml
       trtspec distill engine_specs/smollm2-135m-eagle3.yaml --time-budget 25m
-      trtspec distill engine_specs/smollm2-135m-eagle3.yaml --corpus chats.jsonl --max-steps 3000
+      trtspec distill engine_specs/smollm2-135m-eagle3.yaml --corpus chats.jsonl \\
+        --max-steps 3000
       trtspec distill engine_specs/tiny-llama-eagle3.yaml --max-steps 200 --force
-      trtspec distill my-8b-eagle3.yaml --device cuda --time-budget 2h   # target, capture and training on the GPU
-      trtspec distill my.yaml --from-capture captured --init heads/v1 -o heads/v2 --max-steps 300
+      trtspec distill my-8b-eagle3.yaml --device cuda --time-budget 2h  # a GPU
+      trtspec distill my.yaml --from-capture captured --init heads/v1 \\
+        -o heads/v2 --max-steps 300
 
     With --from-capture DIR --init HEAD: continue HEAD on the requests serve.capture kept in DIR
     (docs/capture.md), --replay of the training sequences from HEAD's original data; the newest

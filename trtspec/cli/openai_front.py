@@ -50,7 +50,8 @@ def openai(
     Examples:
       trtspec serve engine_specs/smollm2-135m-cpu.yaml --detach
       trtspec openai engine_specs/smollm2-135m-cpu.yaml --port 8080
-      trtspec openai engine_specs/smollm2-135m-cpu.yaml --host 0.0.0.0 --api-keys keys.yaml
+      trtspec openai engine_specs/smollm2-135m-cpu.yaml --host 0.0.0.0 \\
+        --api-keys keys.yaml
     """
     from trtspec.errors import SpecError
     from trtspec.openai.keys import ApiKeys

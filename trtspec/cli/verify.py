@@ -40,15 +40,20 @@ def verify(
 
     Examples:
       trtspec verify engine_specs/smollm2-135m-cpu.yaml
-      trtspec verify my-spec.yaml --json-file report.json --junit verify.xml --html report.html
+      trtspec verify my-spec.yaml --json-file report.json --junit verify.xml \\
+        --html report.html
       trtspec verify half-precision.yaml --fail-on algorithmic
-      trtspec verify engine_specs/tiny-llama.yaml --sampling 200 --temperature 0.8 --top-p 0.95
-      trtspec verify engine_specs/tiny-llama.yaml --sampling 200 --url 127.0.0.1:8001
-      trtspec verify my-spec.yaml --baseline previous.json --max-acceptance-drop 5% --min-acceptance-length 3
-      trtspec verify engine_specs/smollm2-135m-cpu.yaml --url 127.0.0.1:8001 --stream
-      trtspec verify engine_specs/llama3.1-8b-instruct-llmapi.yaml     # LLM API, on a GPU
-      trtspec verify my-llmapi-spec.yaml --llmapi double               # CPU conformance double
-      trtspec verify my-spec.yaml --device cuda --fail-on algorithmic  # torch engines on a GPU
+      trtspec verify engine_specs/tiny-llama.yaml --sampling 200 \\
+        --temperature 0.8 --top-p 0.95
+      trtspec verify engine_specs/tiny-llama.yaml \\
+        --sampling 200 --url 127.0.0.1:8001
+      trtspec verify my-spec.yaml --baseline previous.json \\
+        --max-acceptance-drop 5% --min-acceptance-length 3
+      trtspec verify engine_specs/smollm2-135m-cpu.yaml --url 127.0.0.1:8001 \\
+        --stream
+      trtspec verify my-llmapi-spec.yaml                  # LLM API, on a GPU
+      trtspec verify my-llmapi-spec.yaml --llmapi double  # CPU conformance double
+      trtspec verify my-spec.yaml --device cuda           # torch engines on a GPU
     """
     loaded, opts = for_run(spec, device, opts, llmapi_impl)
     html_file = opts.html_file

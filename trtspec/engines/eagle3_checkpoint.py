@@ -3,8 +3,7 @@ check that a head was made for the target it is paired with.
 
 A head folder is a Hugging Face folder: ``config.json`` (Llama keys for ONE decoder layer, plus
 ``draft_vocab_size``, ``target_hidden_size`` and the target layers it reads) and safetensors
-with these names (as the loaders read them; sources and commits in
-../shared/reference/codesign.md and README "EAGLE-3"):
+with these names (as the loaders read them; docs/codesign.md, "The head"):
 
     fc.weight                       [hidden, n_layers * target_hidden]   fuses the target's features
     midlayer.hidden_norm.weight     [hidden]                             norm of the fused/fed-back state

@@ -7,7 +7,7 @@ A ValueError is rendered as a spec error. The LLM API's field names per line are
 
 from __future__ import annotations
 
-# backend trtllm: two runtimes exist upstream (sources: shared/reference/trtllm-llmapi.md).
+# backend trtllm: two runtimes exist upstream (docs/trtllm.md).
 # llmapi: the LLM API on the PyTorch backend, default since TensorRT-LLM 1.0 and the only
 # runtime on 1.3+; engine: trtllm-build engines served by tensorrtllm_backend, 1.2.x and older
 # only (removed from main in 2026: NVIDIA/TensorRT-LLM PRs #15907, #15918, #15763).
