@@ -58,10 +58,10 @@ def tracing_refusal() -> str | None:
 
 
 def _has_capability(bit: int) -> bool:
-    for line in open("/proc/self/status", encoding="ascii", errors="replace"):
-        if line.startswith("CapEff:"):
-            return bool(int(line.split()[1], 16) >> bit & 1)
-    return False
+    """Whether this process holds capability ``bit`` (its effective set, /proc/self/status)."""
+    status = Path("/proc/self/status").read_text(encoding="ascii", errors="replace")
+    line = next((x for x in status.splitlines() if x.startswith("CapEff:")), "CapEff: 0")
+    return bool(int(line.split()[1], 16) >> bit & 1)
 
 
 def refused(program: str, reason: str) -> ServerError:
