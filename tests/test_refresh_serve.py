@@ -173,3 +173,21 @@ def test_no_server_at_the_url_or_a_server_of_another_spec_is_refused(live, tmp_p
     )
     r = runner.invoke(app, ["refresh", str(other), "--url", live["server"].grpc_endpoint, "--head", str(live["new"])])
     assert r.exit_code == 2 and r.output.count("Error: ") == 1 and "not this spec's" in r.output, r.output
+
+
+@pytest.mark.server
+def test_the_loop_trains_on_the_capture_and_refreshes_by_itself(live):
+    """One round of --every: distill --from-capture on what the server kept (a process of its
+    own, at low priority), then refresh; the deployment answers as target-only throughout."""
+    r = _refresh(live, "--every", "1s", "--rounds", "1", "--max-steps", "2", "--replay", "0")
+    assert r.exit_code == 0, r.output
+    assert "refresh round 1: " in r.output
+    work = live["spec"].parent / "engines.refresh"
+    (round_head,) = sorted(work.glob("head-*"))
+    assert json.loads((round_head / "trtspec-head.json").read_text())["continued"]["replay"] == 0
+    deployed = "round 1: deployed" in r.output
+    assert deployed or "round 1: nothing deployed" in r.output, r.output
+    if deployed:  # the round's head, built beside the engines, serves now
+        assert _history(live)[-1]["source"] == str(round_head.resolve())
+    client = live["client"]
+    assert _ids(client.infer(BLS_MODEL, _inputs(PROMPTS[3]))) == _ids(client.infer(CONTROL_MODEL, _inputs(PROMPTS[3])))

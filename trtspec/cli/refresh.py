@@ -34,6 +34,10 @@ def refresh(
     max_steps: Annotated[
         int | None, typer.Option("--max-steps", min=1, help="With --every: each round's training steps.")
     ] = None,
+    replay: Annotated[
+        float | None,
+        typer.Option("--replay", min=0.0, max=0.99, help="With --every: distill's --replay (share of original data)."),
+    ] = None,
     as_json: JsonOpt = False,
     json_file: JsonFileOpt = None,
 ) -> None:
@@ -65,7 +69,8 @@ def refresh(
     if [head is not None, rollback, every is not None].count(True) != 1:
         raise RequestError("refresh takes one of --head NEW, --rollback or --every DURATION")
     if every is not None:
-        _loop(loaded, url, metrics_url, every, rounds, max_steps, margin)
+        extra = [] if max_steps is None else ["--max-steps", str(max_steps)]
+        _loop(loaded, url, metrics_url, every, rounds, extra + ([] if replay is None else ["--replay", str(replay)]), margin)
         return
     if head is not None:
         check_head(head)  # before the server is asked anything
@@ -82,7 +87,7 @@ def _identical(loaded: LoadedSpec, url: str) -> bool:
     return verify(loaded, loaded.output_dir(), VerifyOptions(url=url)).passed
 
 
-def _loop(loaded: LoadedSpec, url: str, metrics_url: str, every: str, rounds, max_steps, margin: float) -> None:
+def _loop(loaded: LoadedSpec, url: str, metrics_url: str, every: str, rounds, extra: list[str], margin: float) -> None:
     from trtspec.distill.refresh_loop import LoopOptions, loop
     from trtspec.recipe import parse_duration
 
@@ -93,6 +98,5 @@ def _loop(loaded: LoadedSpec, url: str, metrics_url: str, every: str, rounds, ma
     capture = loaded.capture_dir()
     if capture is None or every_s is None:
         raise RequestError("refresh --every trains on what serve.capture keeps: give the spec serve.capture and a period")
-    extra = [] if max_steps is None else ["--max-steps", str(max_steps)]
     work = loaded.output_dir().with_name(loaded.output_dir().name + ".refresh")
     loop(loaded, url, metrics_url, LoopOptions(every_s, capture, work, rounds, extra), _identical, margin)
