@@ -1,5 +1,5 @@
-"""The draft length k of a request that asks for none is decided at one place,
-speculative.requests.draft_tokens: verify in process, bench and a served request all run
+"""A request's draft length (num_draft_tokens) is decided at one place,
+speculative.requests.decide_num_draft_tokens: verify in process, bench and a served request all run
 (and report) the deployment's default_draft_tokens, and a k beyond max_draft_len is refused
 with the same words everywhere."""
 
@@ -16,7 +16,7 @@ from trtspec.cli.app import app
 from trtspec.errors import RequestError
 from trtspec.layout import BLS_MODEL
 from trtspec.speculative.metrics import metrics_from_json
-from trtspec.speculative.requests import draft_tokens
+from trtspec.speculative.requests import Limits, decide_num_draft_tokens, make_request
 from trtspec.triton.backend.orchestrator_core import Orchestrator
 from trtspec.triton.backend.params import EngineEndpointParams
 from trtspec.triton.repository import pbtxt
@@ -25,12 +25,23 @@ from trtspec.triton.repository.writer import write_repository
 runner = CliRunner()
 
 
-def test_draft_tokens_fills_the_default_and_checks_the_bound():
-    assert draft_tokens(None, 4, 8) == 4
-    assert draft_tokens(0, 4, 8) == 0 and draft_tokens(8, 4, 8) == 8
-    for asked, default in ((9, 4), (-1, 4), (None, 9)):
+def test_num_draft_tokens_fills_the_default_and_checks_the_bound():
+    assert decide_num_draft_tokens(None, 4, 8) == 4
+    assert decide_num_draft_tokens(0, 4, 8) == 0 and decide_num_draft_tokens(8, 4, 8) == 8
+    for sent, default in ((9, 4), (-1, 4), (None, 9)):
         with pytest.raises(RequestError, match=r"num_draft_tokens must be in 0\.\.8 \(max_draft_len"):
-            draft_tokens(asked, default, 8)
+            decide_num_draft_tokens(sent, default, 8)
+
+
+def test_an_endpoint_that_drafts_nothing_still_checks_the_request():
+    """Triton's target_only control: the request's num_draft_tokens is checked as the
+    speculative endpoint checks it, then decided 0 (no tree either), in make_request alone."""
+    limits = Limits(vocab_size=50, max_seq_len=64, max_draft_len=8, default_draft_tokens=4, drafts=False)
+    req = make_request([1, 2], 8, 5, limits)
+    assert (req.num_draft_tokens, req.tree) == (0, None)
+    assert make_request([1, 2], 8, None, limits).num_draft_tokens == 0
+    with pytest.raises(RequestError, match=r"num_draft_tokens must be in 0\.\.8"):
+        make_request([1, 2], 8, 9, limits)
 
 
 def _served_limits(dep, tmp_path):

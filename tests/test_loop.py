@@ -120,7 +120,7 @@ def test_first_step_drafts_nothing_so_the_first_token_is_the_prefills():
     batch.add(GenerationRequest([1, 2, 3], 10, 4))
     report = batch.step()
     assert calls == [] and verifier.calls == 1  # one target forward, no draft call
-    assert (report.sequences, report.drafted, report.k) == (1, 0, 0)
+    assert (report.sequences, report.drafted, report.draft_len) == (1, 0, 0)
     assert report.emitted == {0: reference(1)}
     batch.step()
     assert calls == [[4]]  # the drafter joins on the second step

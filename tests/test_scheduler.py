@@ -234,7 +234,7 @@ def test_step_stats_count_what_the_loop_did(built, k):
     scheduler.submit(_request(PROMPTS[1], max_tokens=24, num_draft_tokens=k), reply)
     _step_until(scheduler, lambda: not scheduler.busy)
     (ref,) = dep.generate([dep.request(dep.encode(PROMPTS[1]), 24, k)], speculative=True)
-    assert seen[0].k == 0 and seen[0].drafted == 0  # the prefill step drafts nothing
+    assert seen[0].draft_len == 0 and seen[0].drafted == 0  # the prefill step drafts nothing
     assert sum(s.drafted for s in seen) == ref.metrics.drafted
     assert sum(s.accepted for s in seen) == ref.metrics.accepted
     assert sum(s.finished for s in seen) == 1 and seen[-1].finished == 1

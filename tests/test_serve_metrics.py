@@ -74,8 +74,8 @@ def _as_histogram(spec: SpecMetrics) -> list[float]:
 
 def test_a_step_adds_its_counts_and_sets_the_gauges():
     sink, m = _metrics()
-    m.step(StepCounts(sequences=3, drafted=8, accepted=5, accepted_each=[4, 1], k=4))
-    m.step(StepCounts(sequences=1, drafted=4, accepted=0, accepted_each=[0], k=4))
+    m.step(StepCounts(sequences=3, drafted=8, accepted=5, accepted_each=[4, 1], draft_len=4))
+    m.step(StepCounts(sequences=1, drafted=4, accepted=0, accepted_each=[0], draft_len=4))
     assert _v(sink, "draft_tokens_total").value == 12
     assert _v(sink, "accepted_draft_tokens_total").value == 5
     # 5 and 2 from the drafting sequences, 1 from the one that did not draft, then 1.

@@ -619,7 +619,7 @@ def test_load_aware_schedule_caps_suffix_drafts():
     longest = 0
     while batch.active:
         report = batch.step()
-        longest = max(longest, report.k)
+        longest = max(longest, report.draft_len)
     results = [batch.pop(k) for k in keys]
     assert longest == 2  # two sequences at once: the schedule's k
     assert all(r.output_ids == greedy(NoDrafter(), [1, 2, 3], 40).output_ids for r in results)

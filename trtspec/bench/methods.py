@@ -42,10 +42,10 @@ class TimedDrafter(Drafter):
         self.inner = inner
         self.seconds = 0.0
 
-    def propose(self, contexts, ks):
+    def propose(self, contexts, draft_lens):
         t0 = time.perf_counter()
         try:
-            return self.inner.propose(contexts, ks)
+            return self.inner.propose(contexts, draft_lens)
         finally:
             self.seconds += time.perf_counter() - t0
 
@@ -172,7 +172,7 @@ def method_set(dep, methods: Sequence[str], k: int, other=None, other_k: int | N
     from trtspec.errors import RequestError
     from trtspec.spec import SuffixSpec
     from trtspec.speculative.drafters import make_drafter
-    from trtspec.speculative.requests import spec_draft_tokens
+    from trtspec.speculative.requests import spec_num_draft_tokens
 
     s = dep.spec.speculative
     sx = s.suffix_drafting or SuffixSpec()  # the spec's suffix settings, else the defaults
@@ -196,7 +196,7 @@ def method_set(dep, methods: Sequence[str], k: int, other=None, other_k: int | N
         elif name == "suffix":
             drafters[f"suffix k={k}"] = (lambda: make_drafter("suffix", suffix=sx), k)
         elif other is not None and base == other.spec.speculative.method:
-            kk = spec_draft_tokens(other_k, other.spec)
+            kk = spec_num_draft_tokens(other_k, other.spec)
             drafters[f"{name} k={kk}"] = (
                 (lambda b=base, x=layered: make_drafter(b, draft_model=extra(), suffix=x)) if layer else extra,
                 kk,

@@ -16,7 +16,7 @@ from trtspec.errors import RequestError
 from trtspec.flags import Flag
 from trtspec.spec import LoadedSpec
 from trtspec.speculative.llmapi import DOUBLE, TENSORRT_LLM
-from trtspec.speculative.requests import spec_draft_tokens
+from trtspec.speculative.requests import spec_num_draft_tokens
 from trtspec.triton.client import URL_HELP, parse_url
 
 
@@ -46,13 +46,9 @@ class BenchOptions(BaseModel):
     prompts_file: Annotated[Path | None, Flag('JSONL file of {"prompt": ...}.')] = None
     max_tokens: Annotated[int | None, Field(ge=1), Flag("Tokens per request (default: verify.max_tokens).")] = None
     # the main comparison's draft length; None: the spec's (speculative.requests)
-    k: Annotated[
+    num_draft_tokens: Annotated[
         int | None,
-        Flag(
-            "Draft length for the main comparison (default: the spec's default_draft_tokens).",
-            short="-k",
-            name="--num-draft-tokens",
-        ),
+        Flag("Draft length for the main comparison (default: the spec's default_draft_tokens).", short="-k"),
     ] = None
     sweep: Annotated[
         list[int] | None,
@@ -180,8 +176,8 @@ def run(
     opts = opts.for_spec(loaded)
     if not opts.prompts:
         raise RequestError("no prompts: add verify.prompts to the spec or pass --prompt/--prompts-file")
-    opts = opts.model_copy(update={"k": spec_draft_tokens(opts.k, loaded.spec)})
-    m.validate_args(opts.k, opts.sweep, opts.concurrency, loaded.spec.speculative.max_draft_len)
+    opts = opts.model_copy(update={"num_draft_tokens": spec_num_draft_tokens(opts.num_draft_tokens, loaded.spec)})
+    m.validate_args(opts.num_draft_tokens, opts.sweep, opts.concurrency, loaded.spec.speculative.max_draft_len)
     if loaded.spec.backend == "trtllm" and loaded.spec.trtllm.runtime == "llmapi" and not opts.url:
         return _run_llmapi(loaded, engines_dir, opts, progress)
     if opts.url:
@@ -203,13 +199,13 @@ def run(
     described = machine.description()
     if opts.neighbours:
         described += f"; {opts.neighbours} busy neighbour process{'es' if opts.neighbours > 1 else ''}"
-    report = m.BenchReport(loaded.spec.name, mode, described, len(opts.prompts), opts.max_tokens, opts.k)
+    report = m.BenchReport(loaded.spec.name, mode, described, len(opts.prompts), opts.max_tokens, opts.num_draft_tokens)
     report.max_batch_size = loaded.spec.build.max_batch_size
     methods = None
     if opts.methods:
         from trtspec.bench.methods import method_set
 
-        methods = method_set(dep, opts.methods, opts.k, opts.draft_spec)
+        methods = method_set(dep, opts.methods, opts.num_draft_tokens, opts.draft_spec)
     try:
         with busy_neighbours(opts.neighbours):
             m.run_bench(
@@ -258,8 +254,10 @@ def _run_llmapi(loaded: LoadedSpec, engines_dir: Path, opts: BenchOptions, progr
             "an llmapi build drafts a fixed k (speculative_config.max_draft_len) and one method: "
             "pass --sweep none and no --methods/--draft-from/--trees"
         )
-    if opts.k != k:
-        raise RequestError(f"-k {opts.k}: this llmapi build drafts {k} (speculative.max_draft_len); pass -k {k} or rebuild")
+    if opts.num_draft_tokens != k:
+        raise RequestError(
+            f"-k {opts.num_draft_tokens}: this llmapi build drafts {k} (speculative.max_draft_len); pass -k {k} or rebuild"
+        )
     with console.step("loading the LLM API (speculative and control)"):
         dep = LlmapiDeployment(loaded, engines_dir, opts.llmapi_impl)
     label = "llmapi conformance double, not TensorRT-LLM" if opts.llmapi_impl == DOUBLE else "TensorRT-LLM LLM API"

@@ -47,11 +47,11 @@ class ModelDrafter(Drafter):
         return logits if rules is None else rules.apply(logits, tokens, drafted)
 
     def propose(
-        self, contexts: Sequence[list[int]], ks: Sequence[int], rules: Sequence[RowRules | None] | None = None
+        self, contexts: Sequence[list[int]], draft_lens: Sequence[int], rules: Sequence[RowRules | None] | None = None
     ) -> list[list[int]]:
-        return self._draft(contexts, ks, rules, lambda i, x: int(torch.argmax(x[0])))
+        return self._draft(contexts, draft_lens, rules, lambda i, x: int(torch.argmax(x[0])))
 
-    def propose_sampled(self, contexts, ks, params, gens, rules=None) -> list[tuple[list[int], torch.Tensor]]:
+    def propose_sampled(self, contexts, draft_lens, params, gens, rules=None) -> list[tuple[list[int], torch.Tensor]]:
         """Drafts drawn from the draft's warped distribution, with those distributions
         ([k, vocab_limit] per sequence) for the rejection step."""
         from trtspec.speculative.sampling import draw, warp
@@ -63,7 +63,7 @@ class ModelDrafter(Drafter):
             dists[i].append(q)
             return draw(q, gens[i])
 
-        drafts = self._draft(contexts, ks, rules, pick)
+        drafts = self._draft(contexts, draft_lens, rules, pick)
         return [(d, torch.stack(q) if q else torch.zeros(0)) for d, q in zip(drafts, dists)]
 
     def propose_tree(self, contexts: Sequence[list[int]], shapes: Sequence[TreeShape]) -> list[DraftTree]:
@@ -84,12 +84,12 @@ class ModelDrafter(Drafter):
                 growths[i].grow(top_candidates(logits[:, : self.vocab_limit], growths[i].width))
         return [g.tree() for g in growths]
 
-    def _draft(self, contexts, ks, rules, pick: Callable[[int, torch.Tensor], int]) -> list[list[int]]:
+    def _draft(self, contexts, draft_lens, rules, pick: Callable[[int, torch.Tensor], int]) -> list[list[int]]:
         """k single-token steps; ``pick(i, logits [1, vocab_limit])`` chooses row i's next token."""
         drafts: list[list[int]] = [[] for _ in contexts]
         rules = rules or [None] * len(contexts)
-        for step in range(max(ks, default=0)):
-            live = [i for i, k in enumerate(ks) if k > step]
+        for step in range(max(draft_lens, default=0)):
+            live = [i for i, k in enumerate(draft_lens) if k > step]
             logits = self.run([ForwardItem(list(contexts[i]) + drafts[i], 1) for i in live])
             for i, row in zip(live, logits):
                 drafts[i].append(pick(i, self._next_logits(row, rules[i], list(contexts[i]) + drafts[i], step)))
@@ -104,8 +104,8 @@ class NgramDrafter(Drafter):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def propose(self, contexts: Sequence[list[int]], ks: Sequence[int]) -> list[list[int]]:
-        return [self._lookup(list(ctx), k) for ctx, k in zip(contexts, ks)]
+    def propose(self, contexts: Sequence[list[int]], draft_lens: Sequence[int]) -> list[list[int]]:
+        return [self._lookup(list(ctx), k) for ctx, k in zip(contexts, draft_lens)]
 
     def _lookup(self, ctx: list[int], k: int) -> list[int]:
         for n in range(min(self.max_ngram, len(ctx) - 1), self.min_ngram - 1, -1):
@@ -137,9 +137,9 @@ class LayeredDrafter(Drafter):
     def release(self, prompt: Sequence[int], output: Sequence[int], scope: Scope = SHARED_SCOPE) -> None:
         self.suffix.release(prompt, output, scope)
 
-    def _split(self, contexts, ks, scopes):
+    def _split(self, contexts, draft_lens, scopes):
         """The suffix drafts, and the rows that go to the model instead."""
-        drafts = self.suffix.drafts(contexts, ks, scopes)
+        drafts = self.suffix.drafts(contexts, draft_lens, scopes)
         threshold = self.suffix.settings.threshold
         to_model = [j for j, d in enumerate(drafts) if not d.tokens or d.match < threshold]
         return drafts, to_model
@@ -154,30 +154,32 @@ class LayeredDrafter(Drafter):
         for j, (ctx, d) in enumerate(zip(contexts, drafts)):
             self.suffix.sent(d.session, len(ctx), out[j], MODEL if j in to_model else SUFFIX)
 
-    def propose(self, contexts, ks, rules: Sequence[RowRules | None] | None = None, scopes=None) -> list[list[int]]:
-        drafts, to_model = self._split(contexts, ks, scopes)
+    def propose(self, contexts, draft_lens, rules: Sequence[RowRules | None] | None = None, scopes=None) -> list[list[int]]:
+        drafts, to_model = self._split(contexts, draft_lens, scopes)
         out = [d.tokens for d in drafts]
         if to_model:
-            sub = ([contexts[j] for j in to_model], [ks[j] for j in to_model])
+            sub = ([contexts[j] for j in to_model], [draft_lens[j] for j in to_model])
             for j, d in zip(to_model, self.model.propose(*sub, **self._rules(rules, to_model))):
                 out[j] = list(d)
         self._sent(contexts, drafts, out, to_model)
         return out
 
-    def propose_sampled(self, contexts, ks, params, gens, rules=None, scopes=None) -> list[tuple[list[int], torch.Tensor]]:
+    def propose_sampled(
+        self, contexts, draft_lens, params, gens, rules=None, scopes=None
+    ) -> list[tuple[list[int], torch.Tensor]]:
         """Model rows sampled from the model's distributions; suffix rows are point masses
         (one-hot q), as a deterministic drafter's are (speculative/sampling.py)."""
-        drafts, to_model = self._split(contexts, ks, scopes)
+        drafts, to_model = self._split(contexts, draft_lens, scopes)
         out = [(d.tokens, _point_masses(d.tokens)) for d in drafts]
         if to_model:
-            sub_ctx, sub_k = [contexts[j] for j in to_model], [ks[j] for j in to_model]
+            sub_ctx, sub_lens = [contexts[j] for j in to_model], [draft_lens[j] for j in to_model]
             kw = self._rules(rules, to_model)
             if self.model.capabilities.samples:
                 sampled = self.model.propose_sampled(
-                    sub_ctx, sub_k, [params[j] for j in to_model], [gens[j] for j in to_model], **kw
+                    sub_ctx, sub_lens, [params[j] for j in to_model], [gens[j] for j in to_model], **kw
                 )
             else:
-                sampled = [(d, _point_masses(d)) for d in self.model.propose(sub_ctx, sub_k, **kw)]
+                sampled = [(d, _point_masses(d)) for d in self.model.propose(sub_ctx, sub_lens, **kw)]
             for j, (d, q) in zip(to_model, sampled):
                 out[j] = (list(d), q)
         self._sent(contexts, drafts, [d for d, _ in out], to_model)

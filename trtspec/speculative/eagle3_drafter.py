@@ -48,9 +48,9 @@ class Eagle3Drafter(Drafter):
         self.features = features
         self.missing_features = 0  # proposals skipped: the target had not scored the context yet
 
-    def propose(self, contexts: Sequence[list[int]], ks: Sequence[int]) -> list[list[int]]:
+    def propose(self, contexts: Sequence[list[int]], draft_lens: Sequence[int]) -> list[list[int]]:
         with self.head.lock, torch.inference_mode():
-            return self._propose(contexts, ks)
+            return self._propose(contexts, draft_lens)
 
     def propose_tree(self, contexts: Sequence[list[int]], shapes: Sequence[TreeShape]) -> list[DraftTree]:
         with self.head.lock, torch.inference_mode():
@@ -94,7 +94,7 @@ class Eagle3Drafter(Drafter):
         drafted = {i for i, _ in live}  # the others' targets have not scored their context yet
         return [g.tree() if i in drafted else DraftTree((), (), ()) for i, g in enumerate(growths)]
 
-    def _catch_up(self, contexts: Sequence[list[int]], ks: Sequence[int]) -> tuple[list[tuple[int, int]], torch.Tensor]:
+    def _catch_up(self, contexts: Sequence[list[int]], draft_lens: Sequence[int]) -> tuple[list[tuple[int, int]], torch.Tensor]:
         """Run the head over the positions of each context it has not seen (from the target's
         features): the rows that can draft, (context index, head slot), and their outputs at
         position L-2 [rows, hidden], from which the first draft follows."""
@@ -103,7 +103,7 @@ class Eagle3Drafter(Drafter):
         rows: list[HeadRow] = []
         wants: list[tuple[int, int, int]] = []  # (context index, slot, start)
         for i, (ctx, (slot, reuse)) in enumerate(zip(contexts, head.pool.assign([list(c) for c in contexts]))):
-            if ks[i] > 0 and len(ctx) >= 2:
+            if draft_lens[i] > 0 and len(ctx) >= 2:
                 # The slot's positions 0..reuse-2 saw this context's tokens and target features;
                 # recompute from there (at least position n-2, whose output drafts).
                 wants.append((i, slot, min(max(reuse - 1, 0), len(ctx) - 2)))
@@ -125,16 +125,16 @@ class Eagle3Drafter(Drafter):
             head.pool.commit(slot, list(contexts[i]))
         return live, torch.stack([o[-1] for o in outs])  # [b, hidden]: outputs at position n-2
 
-    def _propose(self, contexts: Sequence[list[int]], ks: Sequence[int]) -> list[list[int]]:
+    def _propose(self, contexts: Sequence[list[int]], draft_lens: Sequence[int]) -> list[list[int]]:
         head = self.head
         drafts: list[list[int]] = [[] for _ in contexts]
-        live, last = self._catch_up(contexts, ks)
+        live, last = self._catch_up(contexts, draft_lens)
         if not live:
             return drafts
         for (i, _), tok in zip(live, head.next_ids(last)):
             drafts[i].append(tok)
-        for step in range(1, max(ks[i] for i, _ in live)):
-            chain = [j for j, (i, _) in enumerate(live) if ks[i] > step]
+        for step in range(1, max(draft_lens[i] for i, _ in live)):
+            chain = [j for j, (i, _) in enumerate(live) if draft_lens[i] > step]
             rows = [
                 HeadRow(
                     live[j][1],

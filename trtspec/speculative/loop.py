@@ -183,7 +183,7 @@ StepCallback = Callable[[int, list[int], bool], None]
 class NoDrafter(Drafter):
     """Target-only decoding: propose nothing."""
 
-    def propose(self, contexts, ks):
+    def propose(self, contexts, draft_lens):
         return [[] for _ in contexts]
 
 
@@ -205,13 +205,13 @@ class Menu:
         for d in self.drafters.values():
             _release(d, prompt, output, scope)
 
-    def offer(self, name: str, contexts, ks, rules, scopes) -> tuple[list[list[int]], Callable[[int, int], None]]:
+    def offer(self, name: str, contexts, draft_lens, rules, scopes) -> tuple[list[list[int]], Callable[[int, int], None]]:
         """A free drafter's drafts for every row, and ``take(row, k)``: row's first k tokens go
         to the target (what a suffix drafter then counts as sent)."""
         d = self.drafters[name]
         if not d.capabilities.offers:  # nothing to count: propose as usual
-            return _propose(d, contexts, ks, rules, scopes), lambda j, k: None
-        found = d.drafts(contexts, ks, scopes)
+            return _propose(d, contexts, draft_lens, rules, scopes), lambda j, k: None
+        found = d.drafts(contexts, draft_lens, scopes)
         return [f.tokens for f in found], lambda j, k: d.sent(found[j].session, len(contexts[j]), found[j].tokens[:k], name)
 
 
@@ -235,10 +235,10 @@ class Proposal:
 
     keys: list[int]  # the sequences the step runs, in the order they were added
     contexts: list[list[int]]  # prompt + output so far
-    # Draft length asked: num_draft_tokens within max_tokens and the load cap; 0 on a
-    # sequence's first step.
-    ks: list[int]
-    drafts: list[list[int]]  # at most ks[j] tokens; a drafter may propose fewer (a tree's in node order)
+    # Per row the most draft tokens the target scores for it this step (Batch.draft_lens); a
+    # tree row's: its node count.
+    draft_lens: list[int]
+    drafts: list[list[int]]  # at most draft_lens[j] tokens; a drafter may propose fewer (a tree's in node order)
     qs: list[torch.Tensor | None]  # sampled rows' draft distributions [len(draft), vocab]; None: a point mass
     cap: int | None = None  # the load policy's draft-length cap this step (None: no cap)
     # Per row its draft as a tree (a chain: the one-branch tree of drafts[j]); None: built from drafts.
@@ -272,10 +272,10 @@ class StepReport:
     sequences: int = 0  # sequences the step ran (one target forward each)
     drafted: int = 0  # draft tokens proposed this step, all sequences
     accepted: int = 0  # of those, accepted by the target
-    k: int = 0  # the largest draft length asked this step (0: no sequence drafted)
-    # The largest draft length the step's requests ask for (num_draft_tokens), before the loop
-    # drafts less near max_tokens or nothing on a sequence's first step: what monitoring shows.
-    asked_k: int = 0
+    draft_len: int = 0  # the largest of the step's draft_lens (0: no sequence drafted)
+    # The largest num_draft_tokens of the step's requests (within the load cap), before the
+    # loop drafts less near max_tokens or nothing on a sequence's first step: what monitoring shows.
+    num_draft_tokens: int = 0
     accepted_each: list[int] = field(default_factory=list)  # per sequence that drafted
     # Further forwards of a target that kept decoding past a rejection (Verdict.continued):
     # each yielded one token, as SpecMetrics counts them.
@@ -372,38 +372,29 @@ class Batch:
         """Drafts for the sequences ``active`` (the drafter's only call this step)."""
         requests, results = self.requests, self.results
         contexts = [requests[i].prompt_ids + results[i].output_ids for i in active]
-        # Never draft past the token budget: n accepted + 1 target token <= tokens left. A
-        # sequence's first step drafts nothing (its first token is the target's prefill).
-        ks = [
-            0
-            if not results[i].steps
-            else max(0, min(requests[i].num_draft_tokens, requests[i].max_tokens - len(results[i].output_ids) - 1))
-            for i in active
-        ]
         cap = self.policy.cap(len(active)) if self.policy is not None else None
-        if cap is not None:
-            ks = [min(k, cap) for k in ks]
+        draft_lens = self.draft_lens(active, cap)
         if self.menu is not None:
-            return self._propose_chosen(active, contexts, ks, cap)
+            return self._propose_chosen(active, contexts, draft_lens, cap)
         drafts: list[list[int]] = [[] for _ in active]
         qs: list[torch.Tensor | None] = [None for _ in active]
-        trees = self._propose_trees(active, contexts, ks, cap)
+        trees = self._propose_trees(active, contexts, draft_lens, cap)
         for j, tree in trees.items():
-            drafts[j], ks[j] = list(tree.tokens), len(tree)
-        wants = [j for j, k in enumerate(ks) if k > 0 and requests[active[j]].sampling is None and j not in trees]
+            drafts[j], draft_lens[j] = list(tree.tokens), len(tree)
+        wants = [j for j, k in enumerate(draft_lens) if k > 0 and requests[active[j]].sampling is None and j not in trees]
         if wants:
             rules = [requests[active[j]].rules(len(results[active[j]].output_ids)) for j in wants]
             scopes = [requests[active[j]].suffix_scope for j in wants]
-            proposed = _propose(self.drafter, [contexts[j] for j in wants], [ks[j] for j in wants], rules, scopes)
+            proposed = _propose(self.drafter, [contexts[j] for j in wants], [draft_lens[j] for j in wants], rules, scopes)
             for j, d in zip(wants, proposed):
-                drafts[j] = list(d[: ks[j]])
-        sampled = [j for j, k in enumerate(ks) if k > 0 and requests[active[j]].sampling is not None and j not in trees]
+                drafts[j] = list(d[: draft_lens[j]])
+        sampled = [j for j, k in enumerate(draft_lens) if k > 0 and requests[active[j]].sampling is not None and j not in trees]
         if sampled:
             _propose_sampled(
                 self.drafter,
                 sampled,
                 contexts,
-                ks,
+                draft_lens,
                 [requests[active[j]] for j in sampled],
                 [self.gens[active[j]] for j in sampled],
                 drafts,
@@ -411,7 +402,20 @@ class Batch:
                 [len(results[active[j]].output_ids) for j in sampled],
             )
         rows = [trees[j] if j in trees else DraftTree.chain(d) for j, d in enumerate(drafts)]
-        return Proposal(active, contexts, ks, drafts, qs, cap, rows)
+        return Proposal(active, contexts, draft_lens, drafts, qs, cap, rows)
+
+    def draft_lens(self, active: list[int], cap: int | None) -> list[int]:
+        """The step's draft length per sequence, decided here: its request's num_draft_tokens,
+        never past the token budget (n accepted + 1 target token <= tokens left) nor the load
+        cap; 0 on a sequence's first step (its first token is the target's prefill). A tree
+        row's becomes its tree's node count (_propose_trees); adaptive speculation picks within it."""
+        lens = []
+        for i in active:
+            req, res = self.requests[i], self.results[i]
+            left = req.max_tokens - len(res.output_ids) - 1
+            n = 0 if not res.steps else max(0, min(req.num_draft_tokens, left))
+            lens.append(n if cap is None else min(n, cap))
+        return lens
 
     def _propose_chosen(self, active: list[int], contexts, ceilings: list[int], cap: int | None) -> Proposal:
         """Adaptive speculation: the free drafters offer, the policy picks (drafter, k) per row
@@ -441,9 +445,9 @@ class Batch:
         for name in menu.drafters:
             if name not in menu.free:
                 self._draft_picked(name, [j for j in rows if choices[j].drafter == name], active, contexts, choices, drafts, qs)
-        ks = [c.k for c in choices]
+        draft_lens = [c.k for c in choices]
         return Proposal(
-            active, contexts, ks, drafts, qs, cap, choices=[c if j in offers else None for j, c in enumerate(choices)]
+            active, contexts, draft_lens, drafts, qs, cap, choices=[c if j in offers else None for j, c in enumerate(choices)]
         )
 
     def _draft_picked(self, name: str, picked: list[int], active, contexts, choices, drafts, qs) -> None:
@@ -451,22 +455,26 @@ class Batch:
         if not picked:
             return
         drafter, clock = self.menu.drafters[name], self.menu.policy.costs.clock
-        ks = [choices[j].k for j in range(len(active))]
+        draft_lens = [choices[j].k for j in range(len(active))]
         start = clock()
         greedy = [j for j in picked if self.requests[active[j]].sampling is None]
         if greedy:
             rules = [self.requests[active[j]].rules(len(self.results[active[j]].output_ids)) for j in greedy]
             scopes = [self.requests[active[j]].suffix_scope for j in greedy]
-            for j, d in zip(greedy, _propose(drafter, [contexts[j] for j in greedy], [ks[j] for j in greedy], rules, scopes)):
-                drafts[j] = list(d[: ks[j]])
+            for j, d in zip(
+                greedy, _propose(drafter, [contexts[j] for j in greedy], [draft_lens[j] for j in greedy], rules, scopes)
+            ):
+                drafts[j] = list(d[: draft_lens[j]])
         sampled = [j for j in picked if self.requests[active[j]].sampling is not None]
         if sampled:
             reqs = [self.requests[active[j]] for j in sampled]
             generated = [len(self.results[active[j]].output_ids) for j in sampled]
-            _propose_sampled(drafter, sampled, contexts, ks, reqs, [self.gens[active[j]] for j in sampled], drafts, qs, generated)
-        self.menu.policy.costs.drafted(name, max(ks[j] for j in picked), len(picked), clock() - start)
+            _propose_sampled(
+                drafter, sampled, contexts, draft_lens, reqs, [self.gens[active[j]] for j in sampled], drafts, qs, generated
+            )
+        self.menu.policy.costs.drafted(name, max(draft_lens[j] for j in picked), len(picked), clock() - start)
 
-    def _propose_trees(self, active: list[int], contexts, ks: list[int], cap: int | None) -> dict[int, DraftTree]:
+    def _propose_trees(self, active: list[int], contexts, draft_lens: list[int], cap: int | None) -> dict[int, DraftTree]:
         """Row -> its draft tree, for the rows whose request asks for a tree and whose drafter
         proposes trees. A tree is never deeper than the tokens left, nor larger than the load
         cap (nodes: what a verify costs); rows whose tree shrinks to nothing draft nothing.
@@ -477,12 +485,12 @@ class Batch:
         shapes: dict[int, TreeShape] = {}
         for j, i in enumerate(active):
             shape = self.requests[i].tree
-            if shape is None or ks[j] == 0:
+            if shape is None or draft_lens[j] == 0:
                 continue
             left = self.requests[i].max_tokens - len(self.results[i].output_ids) - 1
             cut = shape.cut(shape.size if cap is None else cap, left)
             if cut is None:
-                ks[j] = 0
+                draft_lens[j] = 0
             else:
                 shapes[j] = cut
         if not shapes:
@@ -507,8 +515,10 @@ class Batch:
     def accept(self, proposal: Proposal, verdicts: list[Verdict]) -> StepReport:
         """Each row's tokens decided from its verdict and appended to its result, in row order."""
         keys, cap = proposal.keys, proposal.cap
-        asked_k = max(self.requests[i].num_draft_tokens for i in keys)
-        report = StepReport(len(keys), k=max(proposal.ks), asked_k=asked_k if cap is None else min(asked_k, cap))
+        most = max(self.requests[i].num_draft_tokens for i in keys)
+        report = StepReport(
+            len(keys), draft_len=max(proposal.draft_lens), num_draft_tokens=most if cap is None else min(most, cap)
+        )
         for j, i in enumerate(keys):
             req, res, draft, tree = self.requests[i], self.results[i], proposal.drafts[j], proposal.tree(j)
             decision = decide(
@@ -569,10 +579,12 @@ def generate(
     return [batch.pop(k) for k in keys]
 
 
-def _propose(drafter: Drafter, contexts, ks, rules: Sequence[RowRules | None], scopes: Sequence[str | None]) -> list[list[int]]:
+def _propose(
+    drafter: Drafter, contexts, draft_lens, rules: Sequence[RowRules | None], scopes: Sequence[str | None]
+) -> list[list[int]]:
     """Greedy drafts; the requests' logits processing goes along to a drafter that mirrors it,
     their suffix scopes to a drafter that is scoped."""
-    return drafter.propose(contexts, ks, **_row_keywords(drafter, rules, scopes))
+    return drafter.propose(contexts, draft_lens, **_row_keywords(drafter, rules, scopes))
 
 
 def _row_keywords(drafter: Drafter, rules: Sequence[RowRules | None], scopes: Sequence[str | None]) -> dict:
@@ -593,20 +605,20 @@ def _release(drafter: Drafter | Menu, prompt: list[int], output: list[int], scop
         drafter.release(prompt, output, *((scope,) if drafter.capabilities.scoped else ()))
 
 
-def _propose_sampled(drafter, sampled, contexts, ks, reqs, gens, drafts, qs, generated) -> None:
+def _propose_sampled(drafter, sampled, contexts, draft_lens, reqs, gens, drafts, qs, generated) -> None:
     """Sampled drafts and their distributions; a drafter without ``propose_sampled`` (prompt
     lookup) proposes as usual and counts as a point mass (q None)."""
-    sub_ctx, sub_k = [contexts[j] for j in sampled], [ks[j] for j in sampled]
+    sub_ctx, sub_lens = [contexts[j] for j in sampled], [draft_lens[j] for j in sampled]
     rules = [r.rules(g) for r, g in zip(reqs, generated)]
     scopes = [r.suffix_scope for r in reqs]
     if drafter.capabilities.samples:
         kw = _row_keywords(drafter, rules, scopes)
-        proposed = drafter.propose_sampled(sub_ctx, sub_k, [r.sampling for r in reqs], gens, **kw)
+        proposed = drafter.propose_sampled(sub_ctx, sub_lens, [r.sampling for r in reqs], gens, **kw)
         for j, (d, q) in zip(sampled, proposed):
-            drafts[j], qs[j] = list(d[: ks[j]]), q[: ks[j]]
+            drafts[j], qs[j] = list(d[: draft_lens[j]]), q[: draft_lens[j]]
     else:
-        for j, d in zip(sampled, _propose(drafter, sub_ctx, sub_k, rules, scopes)):
-            drafts[j] = list(d[: ks[j]])
+        for j, d in zip(sampled, _propose(drafter, sub_ctx, sub_lens, rules, scopes)):
+            drafts[j] = list(d[: draft_lens[j]])
 
 
 def decide(

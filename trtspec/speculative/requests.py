@@ -27,10 +27,12 @@ MAX_SCOPE_BYTES = 256
 class Limits:
     """What a request may ask for: the engine's limits and the speculative settings.
 
-    ``max_draft_len`` 0 means the engine verifies no drafts (a draft engine);
-    ``max_input_len`` and ``max_batch_size`` are None where nothing bounds them separately;
-    ``default_draft_tokens`` is the k of a request that asks for none (:func:`draft_tokens`);
-    ``default_tree`` the draft tree shape of a request that asks for none (None: chains).
+    ``max_draft_len`` bounds a request's num_draft_tokens (0: the engine verifies no drafts,
+    a draft engine); ``max_input_len`` and ``max_batch_size`` are None where nothing bounds
+    them separately; ``default_draft_tokens`` is the num_draft_tokens of a request that sends
+    none (:func:`decide_num_draft_tokens`); ``default_tree`` the draft tree shape of a request
+    that asks for none (None: chains); ``drafts`` False: an endpoint that checks a request's
+    num_draft_tokens but drafts nothing (Triton's target_only control).
     """
 
     vocab_size: int
@@ -40,6 +42,7 @@ class Limits:
     max_batch_size: int | None = None
     default_draft_tokens: int = 0
     default_tree: TreeShape | None = None
+    drafts: bool = True
 
     @classmethod
     def from_spec(cls, spec: EngineSpec, vocab_size: int, role: str = "target") -> Limits:
@@ -59,21 +62,25 @@ class Limits:
             raise RequestError(f"batch of {rows} {what} exceeds max_batch_size {self.max_batch_size}; send fewer at once")
 
 
-def draft_tokens(asked: int | None, default: int, max_draft_len: int) -> int:
-    """The draft length k a request runs with, decided here and only here: the k it asked for
-    (num_draft_tokens), else the deployment's default_draft_tokens (the spec field; inside the
-    orchestrator, the Triton parameter written from it); RequestError outside 0..max_draft_len.
-    make_request calls it for every request; verify and bench call it to name the k of their
-    reports before a request runs."""
-    k = default if asked is None else asked
-    if not 0 <= k <= max_draft_len:
-        raise RequestError(f"num_draft_tokens must be in 0..{max_draft_len} (max_draft_len the engines were built for); got {k}")
-    return k
+def decide_num_draft_tokens(num_draft_tokens: int | None, default: int, max_draft_len: int, drafts: bool = True) -> int:
+    """A request's draft length (its num_draft_tokens), decided here and only here: what it
+    sent, else the deployment's default_draft_tokens (the spec field; inside the orchestrator,
+    the Triton parameter written from it); RequestError outside 0..max_draft_len; 0 where the
+    endpoint ``drafts`` nothing (checked all the same). make_request calls it for every
+    request; verify and bench call it (spec_num_draft_tokens) to name the draft length of
+    their reports before a request runs. The loop drafts at most this many per step
+    (loop.Batch.draft_lens); a draft tree request's nodes come from its shape, and its
+    num_draft_tokens 0 turns drafting off."""
+    n = default if num_draft_tokens is None else num_draft_tokens
+    if not 0 <= n <= max_draft_len:
+        raise RequestError(f"num_draft_tokens must be in 0..{max_draft_len} (max_draft_len the engines were built for); got {n}")
+    return n if drafts else 0
 
 
-def spec_draft_tokens(asked: int | None, spec: EngineSpec) -> int:
-    """:func:`draft_tokens` for a deployment of ``spec`` (its speculative block's default and bound)."""
-    return draft_tokens(asked, spec.speculative.default_draft_tokens, spec.speculative.max_draft_len)
+def spec_num_draft_tokens(num_draft_tokens: int | None, spec: EngineSpec) -> int:
+    """:func:`decide_num_draft_tokens` for a deployment of ``spec`` (its speculative block's
+    default and bound)."""
+    return decide_num_draft_tokens(num_draft_tokens, spec.speculative.default_draft_tokens, spec.speculative.max_draft_len)
 
 
 def make_request(
@@ -97,7 +104,7 @@ def make_request(
     feeds ("": the shared one; None: neither; see check_scope)."""
     shape = limits.default_tree if tree is None else None if tree == "chain" else tree
     _check_prompt(prompt_ids, max_tokens, limits)
-    num_draft_tokens = draft_tokens(num_draft_tokens, limits.default_draft_tokens, limits.max_draft_len)
+    num_draft_tokens = decide_num_draft_tokens(num_draft_tokens, limits.default_draft_tokens, limits.max_draft_len, limits.drafts)
     if processing is not None:
         processing.check_ids(limits.vocab_size)
     if shape is not None and shape.depth > limits.max_draft_len:

@@ -262,20 +262,22 @@ class SuffixDrafter(Drafter):
         self._sent: dict[int, tuple[int, list[int], str]] = {}  # session -> (context length, draft, source)
         self._next = 0
 
-    def propose(self, contexts: Sequence[list[int]], ks: Sequence[int], scopes: Sequence[Scope] | None = None) -> list[list[int]]:
-        drafts = self.drafts(contexts, ks, scopes)
+    def propose(
+        self, contexts: Sequence[list[int]], draft_lens: Sequence[int], scopes: Sequence[Scope] | None = None
+    ) -> list[list[int]]:
+        drafts = self.drafts(contexts, draft_lens, scopes)
         for ctx, d in zip(contexts, drafts):
             self.sent(d.session, len(ctx), d.tokens, SUFFIX)
         return [d.tokens for d in drafts]
 
     def drafts(
-        self, contexts: Sequence[list[int]], ks: Sequence[int], scopes: Sequence[Scope] | None = None
+        self, contexts: Sequence[list[int]], draft_lens: Sequence[int], scopes: Sequence[Scope] | None = None
     ) -> list[SuffixDraft]:
         """Each row's best suffix draft (not yet counted as sent: see ``sent``); ``scopes`` None:
         every row in the shared scope."""
         used: set[int] = set()
         out = []
-        for j, (ctx, k) in enumerate(zip(contexts, ks)):
+        for j, (ctx, k) in enumerate(zip(contexts, draft_lens)):
             ctx, scope = list(ctx), SHARED_SCOPE if scopes is None else scopes[j]
             sid = self._session(ctx, used, scope)
             d = self._draft(self.sessions[sid], ctx, k, scope)

@@ -15,7 +15,7 @@ from trtspec.errors import RequestError
 from trtspec.flags import Flag
 from trtspec.spec import LoadedSpec
 from trtspec.speculative.llmapi import TENSORRT_LLM
-from trtspec.speculative.requests import spec_draft_tokens
+from trtspec.speculative.requests import spec_num_draft_tokens
 from trtspec.speculative.sampling import SamplingParams
 from trtspec.triton.client import URL_HELP, parse_url
 from trtspec.verify import html_report
@@ -186,13 +186,13 @@ def run(loaded: LoadedSpec, engines_dir: Path, opts: VerifyOptions, progress: Pr
         raise RequestError(f"--html {html} is a folder; give a file path (e.g. {html / 'report.html'})")
     if opts.samples is not None:
         check_sample_count(opts.samples, len(prompts))
-    k = spec_draft_tokens(opts.num_draft_tokens, loaded.spec)
+    num_draft_tokens = spec_num_draft_tokens(opts.num_draft_tokens, loaded.spec)
     prompt_set = _prompt_set_name(loaded, opts.prompts)
     # A baseline that cannot compare is refused before minutes of generation, not after.
     base = None
     if opts.baseline is not None:
-        base = load_baseline(opts.baseline, identity(loaded.spec.name, prompts, prompt_set, k, n_tokens))
-    # The backends get the k as asked (None: the deployment's default, filled in by the request
+        base = load_baseline(opts.baseline, identity(loaded.spec.name, prompts, prompt_set, num_draft_tokens, n_tokens))
+    # The backends get num_draft_tokens as asked (None: the deployment's default, filled in by the request
     # rules in process, by the orchestrator over --url; the LLM API takes none).
     backend, mode = open_backend(
         loaded, engines_dir, opts.url, opts.stream, opts.num_draft_tokens, opts.tie_epsilon, opts.llmapi_impl
@@ -206,7 +206,7 @@ def run(loaded: LoadedSpec, engines_dir: Path, opts: VerifyOptions, progress: Pr
         mode=mode,
         progress=lambda i, n: tick("verifying prompts", i, n),
         prompt_set=prompt_set,
-        num_draft_tokens=k,
+        num_draft_tokens=num_draft_tokens,
     )
     gate = None
     if opts.baseline is not None or opts.min_acceptance_length is not None:

@@ -231,11 +231,11 @@ class BlsDrafter(Drafter):
         self.pad_id = pad_id
 
     def propose(
-        self, contexts: Sequence[list[int]], ks: Sequence[int], rules: Sequence[RowRules | None] | None = None
+        self, contexts: Sequence[list[int]], draft_lens: Sequence[int], rules: Sequence[RowRules | None] | None = None
     ) -> list[list[int]]:
         inputs = sequence_inputs(contexts, self.pad_id)
-        inputs["request_output_len"] = _column(ks, np.int32)
-        inputs["exclude_input_in_output"] = _column([True] * len(ks), np.bool_)
+        inputs["request_output_len"] = _column(draft_lens, np.int32)
+        inputs["exclude_input_in_output"] = _column([True] * len(draft_lens), np.bool_)
         if rules and any(r is not None for r in rules):
             inputs |= processing_inputs(rules)
         out = self.call(self.model, inputs, ["output_ids", "sequence_length"])

@@ -65,7 +65,7 @@ class StepCounts:
     drafted: int  # draft tokens proposed, all sequences
     accepted: int  # of those, accepted by the target
     accepted_each: list[int] = field(default_factory=list)  # per sequence that drafted
-    k: int = 0  # the largest draft length asked this step (0: nobody drafted)
+    draft_len: int = 0  # the largest draft length a sequence got this step (0: nobody drafted)
     # Further forwards of a target that kept decoding past a rejection (Verdict.continued):
     # each yielded one token, as SpecMetrics counts them.
     extra_forwards: int = 0
@@ -127,7 +127,7 @@ class EndpointMetrics:
         )
         self.active = sink.gauge(PREFIX + "active_sequences", "Sequences in the decoding loop.", labels)
         self.queued = sink.gauge(PREFIX + "queue_depth", "Requests held by this instance, not started yet.", labels)
-        self.k = sink.gauge(PREFIX + "draft_length", "Draft length k the last step asked for.", labels)
+        self.draft_len = sink.gauge(PREFIX + "draft_length", "Draft length k the last step asked for.", labels)
         self._sink, self._labels = sink, labels
         self._by_source: dict[str, tuple[Counter, Counter]] = {}
         self._seen: dict[str, tuple[int, int]] = {}  # source -> (drafted, accepted) already counted
@@ -148,7 +148,7 @@ class EndpointMetrics:
         for _ in range(singles):
             self.lengths.observe(1)  # a forward without drafts yields the target's token only
         self.active.set(counts.sequences)
-        self.k.set(counts.k)
+        self.draft_len.set(counts.draft_len)
         for key in getattr(counts, "chosen", ()):
             self.chose(key)
 

@@ -384,8 +384,6 @@ class Orchestrator:
                 tree=tree,
                 suffix_scope=scope,
             )
-            if self.s.mode == "target_only":
-                req.num_draft_tokens = 0
             out.append(
                 Row(
                     request=req,
@@ -564,7 +562,7 @@ class Orchestrator:
             self.metrics.step(stats)  # StepStats carries StepCounts' fields
             # the gauge shows the k the requests ask for, not the loop's per-step cap near
             # max_tokens (or the prefill step, which drafts nothing)
-            self.metrics.k.set(stats.asked_k)
+            self.metrics.draft_len.set(stats.num_draft_tokens)
         self.metrics.load(active=stats.held, queued=stats.queued)
         self.metrics.sources(self.sources)
         if self.suffix_cache is not None:

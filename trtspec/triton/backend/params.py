@@ -90,6 +90,7 @@ class EndpointParams:
             max_input_len=self.max_input_len,
             max_batch_size=max_batch_size,
             default_draft_tokens=self.default_draft_tokens,
+            drafts=self.mode == "speculative",  # target_only checks a request's num_draft_tokens, drafts none
         )
 
 

@@ -113,8 +113,8 @@ class StepStats:
     drafted: int = 0  # draft tokens proposed, all sequences
     accepted: int = 0  # of those, accepted by the target
     accepted_each: list[int] = field(default_factory=list)  # per sequence that drafted
-    k: int = 0  # the largest draft length asked this step (0: nobody drafted)
-    asked_k: int = 0  # the largest num_draft_tokens of the step's requests (the configured k)
+    draft_len: int = 0  # the largest draft length a sequence got this step (0: nobody drafted)
+    num_draft_tokens: int = 0  # the largest num_draft_tokens of the step's requests (the configured k)
     extra_forwards: int = 0  # further one-token forwards of a target that kept decoding
     chosen: list[str] = field(default_factory=list)  # adaptive: the policy's "drafter:k" per sequence
     queued: int = 0  # requests waiting for a place after this step's admissions
@@ -302,14 +302,14 @@ class Scheduler:
                 self._fail_active(failure, stats)
                 self.batch = self._new_batch()
             else:
-                stats.sequences, stats.drafted, stats.accepted, stats.k = (
+                stats.sequences, stats.drafted, stats.accepted, stats.draft_len = (
                     report.sequences,
                     report.drafted,
                     report.accepted,
-                    report.k,
+                    report.draft_len,
                 )
                 stats.accepted_each, stats.extra_forwards = list(report.accepted_each), report.extra_forwards
-                stats.asked_k = report.asked_k
+                stats.num_draft_tokens = report.num_draft_tokens
                 stats.chosen = list(report.chosen)
                 self._answer(report.emitted, stats)
         with self._cv:
