@@ -50,6 +50,11 @@ def test_a_keyword_is_a_capability_too():
         type("Scoped", (Drafter,), {"capabilities": Capabilities(scoped=True), "propose": lambda self, c, n: []})
 
 
+def test_a_drafter_without_propose_is_refused():
+    with pytest.raises(TypeError, match="Silent has no propose"):
+        type("Silent", (Drafter,), {})
+
+
 def test_the_loop_refuses_a_drafter_that_declares_nothing():
     class Undeclared:  # duck-typed: proposes, but states no capabilities
         def propose(self, contexts, draft_lens):

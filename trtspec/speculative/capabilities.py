@@ -64,6 +64,8 @@ class Drafter:
 
 def check_capabilities(cls: type) -> None:
     """TypeError where ``cls``'s methods and its declared capabilities disagree."""
+    if inspect.getattr_static(cls, "propose") is Drafter.__dict__["propose"]:
+        raise TypeError(f"drafter {cls.__name__} has no propose: every drafter proposes")
     declared = cls.capabilities
     if not isinstance(declared, Capabilities):
         raise TypeError(f"{cls.__name__}.capabilities must be a Capabilities, not {type(declared).__name__}")
