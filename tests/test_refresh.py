@@ -184,7 +184,7 @@ def test_the_head_refresh_builds_alone_is_still_checked_against_the_target(tmp_p
     with pytest.raises(TrtspecError, match="maps into a vocabulary of 512, the target's has 400") as info:
         build_head(loaded, bad, 2)
     assert info.value.exit_code == 2
-    assert not (loaded.output_dir().with_name(loaded.output_dir().name + ".head-v2") / "draft").exists()
+    assert not (loaded.output_dir().with_name(loaded.output_dir().name + ".refresh") / "v2" / "draft").exists()
     built = build_head(loaded, head, 2)
     assert (built / "config.json").is_file() and not (built.parent / "target").exists()  # the head alone
 
@@ -194,14 +194,14 @@ def test_a_loop_round_continues_the_live_heads_distill_folder_and_refreshes_with
 
     class FakeDeployed:
         def __init__(self, loaded, url, metrics_url):
-            self.live = {"version": 2, "head": "/engines.head-v2/draft", "source": "/heads/v2"}
+            self.live = {"version": 2, "head": "/engines.refresh/v2/draft", "source": "/heads/v2"}
 
     def fake_train(loaded, init, out, opts):
         calls.append(("train", init, out.parent))
         return out
 
-    def fake_refresh(loaded, deployed, head, identical, margin):
-        calls.append(("refresh", head.parent, margin))
+    def fake_refresh(loaded, deployed, head, identical, margin, folder):
+        calls.append(("refresh", head.parent, margin, folder))
 
         class Result:
             def summary(self):
@@ -214,4 +214,37 @@ def test_a_loop_round_continues_the_live_heads_distill_folder_and_refreshes_with
     monkeypatch.setattr(refresh_loop, "refresh", fake_refresh)
     opts = LoopOptions(1.0, tmp_path / "cap", tmp_path / "work", rounds=1)
     assert refresh_loop.loop(object(), "h:1", "h:2", opts, lambda *a: True, 0.05) == 1
-    assert calls == [("train", refresh_loop.Path("/heads/v2"), tmp_path / "work"), ("refresh", tmp_path / "work", 0.05)]
+    rounds = tmp_path / "work" / "rounds"
+    assert calls == [("train", refresh_loop.Path("/heads/v2"), rounds), ("refresh", rounds, 0.05, tmp_path / "work")]
+
+
+def test_the_control_file_is_the_repositorys_unless_the_environment_names_a_shared_one(tmp_path, monkeypatch):
+    from trtspec.triton.backend.head_swap import CONTROL_ENV, control_file
+
+    monkeypatch.delenv(CONTROL_ENV, raising=False)
+    assert control_file(tmp_path / "repo") == tmp_path / "repo" / CONTROL_FILE
+    monkeypatch.setenv(CONTROL_ENV, str(tmp_path / "shared" / "head.json"))
+    assert control_file(tmp_path / "repo") == tmp_path / "shared" / "head.json"
+
+
+def test_engines_given_on_the_command_line_are_the_ones_refresh_reads_and_builds_beside(tmp_path, tiny_ckpts):
+    from trtspec.cli.refresh import _loaded
+    from trtspec.distill.refresh import refresh_dir
+
+    spec = write_spec(tmp_path / "spec", tiny_ckpts)
+    loaded = _loaded(spec, tmp_path / "mounted" / "engines")
+    assert loaded.output_dir() == (tmp_path / "mounted" / "engines").resolve()
+    assert refresh_dir(loaded) == (tmp_path / "mounted" / "engines.refresh").resolve()
+
+
+def test_a_round_continues_the_live_source_else_the_specs_head_else_the_served_head_engine(tmp_path, tiny_ckpts):
+    from trtspec.distill.refresh_loop import init_head
+    from trtspec.spec import load_spec
+
+    (tmp_path / "head").mkdir()
+    ck = {"target": tiny_ckpts["target"], "head": tmp_path / "head"}
+    loaded = load_spec(write_spec(tmp_path / "s", ck, "head"))
+    assert init_head(loaded, {"head": "/e/draft", "source": "/heads/v3"}) == refresh_loop.Path("/heads/v3")
+    assert init_head(loaded, {"head": "/e/draft"}) == tmp_path / "head"
+    (tmp_path / "head").rmdir()  # a pod has the built engines only
+    assert init_head(loaded, {"head": "/e/draft"}) == refresh_loop.Path("/e/draft")

@@ -38,7 +38,8 @@ def test_the_continued_head_and_the_head_refresh_builds_have_the_loaders_layout(
     cfg, _ = assert_loader_layout(continued, tiny_ckpts["target"])
     assert json.loads((continued / "trtspec-head.json").read_text())["continued"]["held_requests"]
     built = build_head(loaded, continued, 2)
-    assert built.parent.name.endswith(".head-v2") and not (built.parent / "target").exists()  # the head alone
+    assert built.parent.name == "v2" and built.parent.parent.name.endswith(".refresh")
+    assert not (built.parent / "target").exists()  # the head alone
     built_cfg, _ = assert_loader_layout(built, tiny_ckpts["target"])
     assert {k: v for k, v in built_cfg.items() if k != "torch_dtype"} == {k: v for k, v in cfg.items() if k != "torch_dtype"}
 

@@ -162,7 +162,7 @@ def test_rollback_serves_the_previous_head_again(live):
 
 
 @pytest.mark.server
-def test_no_server_at_the_url_or_a_server_of_another_spec_is_refused(live, tmp_path, tiny_ckpts):
+def test_no_server_at_the_url_a_server_of_another_spec_or_a_torn_record_is_refused(live, tmp_path, tiny_ckpts):
     r = runner.invoke(app, ["refresh", str(live["spec"]), "--url", "127.0.0.1:1", "--head", str(live["new"])])
     assert r.exit_code == 2 and r.output.count("Error: ") == 1 and "cannot reach" in r.output, r.output
     other = write_spec(
@@ -173,6 +173,14 @@ def test_no_server_at_the_url_or_a_server_of_another_spec_is_refused(live, tmp_p
     )
     r = runner.invoke(app, ["refresh", str(other), "--url", live["server"].grpc_endpoint, "--head", str(live["new"])])
     assert r.exit_code == 2 and r.output.count("Error: ") == 1 and "not this spec's" in r.output, r.output
+    control = live["repo"] / CONTROL_FILE
+    kept = control.read_text()
+    control.write_text("{torn")
+    try:
+        r = _refresh(live, "--rollback")
+        assert r.exit_code == 2 and r.output.count("Error: ") == 1 and "is not a refresh record" in r.output, r.output
+    finally:
+        control.write_text(kept)
 
 
 @pytest.mark.server
@@ -183,7 +191,7 @@ def test_the_loop_trains_on_the_capture_and_refreshes_by_itself(live):
     assert r.exit_code == 0, r.output
     assert "refresh round 1: " in r.output
     work = live["spec"].parent / "engines.refresh"
-    (round_head,) = sorted(work.glob("head-*"))
+    (round_head,) = sorted((work / "rounds").glob("head-*"))
     assert json.loads((round_head / "trtspec-head.json").read_text())["continued"]["replay"] == 0
     deployed = "round 1: deployed" in r.output
     assert deployed or "round 1: nothing deployed" in r.output, r.output

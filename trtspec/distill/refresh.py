@@ -5,7 +5,7 @@ The new head (a `distill --from-capture` output) and the live one are scored at 
 held-out captured requests the new head's manifest names (never trained on); unless the new
 one beats the live one by --margin, nothing changes (exit 1). Otherwise it is built beside the
 engines (checked against the target as `trtspec build` checks a head) and put in through the
-repository's control file (distill/swap.py): every endpoint instance loads it while the old
+control file (distill/swap.py): every endpoint instance loads it while the old
 head drafts, lets the requests in flight finish on the old head, and drafts new requests with
 the new one. Then `verify --url` must find the speculative answers identical to target-only,
 or the previous head is put back (exit 1). --rollback puts back the head before the live one.
@@ -57,8 +57,16 @@ class RefreshResult:
 Identical = Callable[[LoadedSpec, str], bool]  # whether `verify --url` passes (the CLI gives it)
 
 
-def refresh(loaded: LoadedSpec, deployed: Deployed, head: Path, identical: Identical, margin: float = 0.0) -> RefreshResult:
-    """Deploy ``head`` into ``deployed`` when it beats the live head by ``margin`` at k=1."""
+def refresh_dir(loaded: LoadedSpec) -> Path:
+    """Where refresh builds heads and the loop trains them, unless --refresh-dir says: beside the engines."""
+    return loaded.output_dir().with_name(loaded.output_dir().name + ".refresh")
+
+
+def refresh(
+    loaded: LoadedSpec, deployed: Deployed, head: Path, identical: Identical, margin: float = 0.0, folder: Path | None = None
+) -> RefreshResult:
+    """Deploy ``head`` into ``deployed`` when it beats the live head by ``margin`` at k=1; the
+    head engine is built in ``folder`` (default refresh_dir)."""
     check_head(head)
     live_dir = Path(deployed.live["head"])
     live, new = measure(loaded, live_dir, head)
@@ -68,7 +76,7 @@ def refresh(loaded: LoadedSpec, deployed: Deployed, head: Path, identical: Ident
             f"{head} is not deployed: {new:.3f} at k=1 on the held-out captured requests, the live head "
             f"{live:.3f} (--margin {margin:g}); the live head still serves"
         )
-    built = build_head(loaded, head, deployed.live["version"] + 1)
+    built = build_head(loaded, head, deployed.live["version"] + 1, folder)
     entry = _put(deployed, str(built), source=str(head.resolve()), live=live, new=new)
     _check(loaded, deployed, identical, live_dir, f"with {head}")
     console.info(f"deployed: version {entry['version']} serves {built} ({live:.3f} -> {new:.3f} at k=1)")
@@ -149,14 +157,15 @@ def held_out(new: Path) -> list:
     return held
 
 
-def build_head(loaded: LoadedSpec, head: Path, version: int) -> Path:
-    """``head`` built as the deployment's head engine, beside its engines; the built folder."""
+def build_head(loaded: LoadedSpec, head: Path, version: int, folder: Path | None = None) -> Path:
+    """``head`` built as the deployment's head engine in ``folder``/v<version> (default
+    refresh_dir); the built head engine folder."""
     from trtspec.engines.build import build
 
     spec = loaded.spec
     other = LoadedSpec(
         spec=spec.model_copy(update={"draft": spec.draft.model_copy(update={"path": str(head.resolve())})}), path=loaded.path
     )
-    out = loaded.output_dir().with_name(f"{loaded.output_dir().name}.head-v{version}")
+    out = (folder or refresh_dir(loaded)) / f"v{version}"
     build(other, out, force=True, roles=("draft",))  # checked against the target as build checks a pair
     return engine_folder(out, "draft").resolve()

@@ -22,7 +22,7 @@ from pathlib import Path
 from trtspec import console
 from trtspec.distill.refresh import Identical, refresh
 from trtspec.distill.swap import Deployed
-from trtspec.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, RequestError, RuntimeFailure, TrtspecError
+from trtspec.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, RuntimeFailure, TrtspecError
 from trtspec.machine import THREADS_ENV
 from trtspec.spec import LoadedSpec
 
@@ -33,7 +33,7 @@ NICE = 19  # the lowest priority: serving always comes first
 class LoopOptions:
     every_s: float  # the period between rounds
     capture: Path  # serve.capture's folder
-    work: Path  # where each round's head is written (one folder per round)
+    work: Path  # the refresh folder: each round's head in rounds/, the built heads in v<N>/
     rounds: int | None = None  # None: until interrupted
     distill_args: list[str] = field(default_factory=list)  # passed on, e.g. --max-steps 300
 
@@ -78,12 +78,14 @@ def run_loop(one_round: Round, opts: LoopOptions, sleep: Callable[[float], None]
 
 
 def init_head(loaded: LoadedSpec, live: dict) -> Path:
-    """The head a round continues: the live one's distill folder (its manifest names its data)."""
+    """The head a round continues: the live one's distill folder (its manifest names its data),
+    the spec's draft.path for the repository's own head, else the served head engine itself."""
     if live.get("source"):
         return Path(live["source"])
-    if loaded.spec.draft is None or loaded.spec.draft.path is None:
-        raise RequestError("refresh --every continues the spec's draft.path head; give the spec a local head folder")
-    return loaded.resolve(loaded.spec.draft.path)
+    draft = loaded.spec.draft
+    if draft is not None and draft.path is not None and loaded.resolve(draft.path).is_dir():
+        return loaded.resolve(draft.path)
+    return Path(live["head"])  # a head folder too; without a distill manifest, the spec's data are replayed
 
 
 def loop(loaded: LoadedSpec, url: str, metrics_url: str, opts: LoopOptions, identical: Identical, margin: float) -> int:
@@ -91,10 +93,10 @@ def loop(loaded: LoadedSpec, url: str, metrics_url: str, opts: LoopOptions, iden
 
     def one_round(n: int) -> str:
         deployed = Deployed(loaded, url, metrics_url)
-        out = opts.work / f"head-{time.strftime('%Y%m%d-%H%M%S')}-{n}"
+        out = opts.work / "rounds" / f"head-{time.strftime('%Y%m%d-%H%M%S')}-{n}"
         head = train(loaded, init_head(loaded, deployed.live), out, opts)
         if head is None:
             return "nothing to train on yet"
-        return refresh(loaded, deployed, head, identical, margin).summary()
+        return refresh(loaded, deployed, head, identical, margin, opts.work).summary()
 
     return run_loop(one_round, opts)

@@ -1,15 +1,16 @@
 """The running deployment `trtspec refresh` changes: which head it serves, and the swap.
 
-The server is reached at --url (gRPC) to check that it serves this spec's repository with an
+The server is reached at --url (gRPC) to check that it serves this spec's engines with an
 EAGLE-3 endpoint, and at its metrics port to see every speculative endpoint instance take the
-new head (``trtspec_eagle3_head_version``). The head itself is put in through the repository's
-control file (triton/backend/head_swap.py), written atomically; the file also keeps every
-version deployed, newest last (what --rollback returns to).
+new head (``trtspec_eagle3_head_version``). The head itself is put in through the control file
+(triton/backend/head_swap.py: the repository's, or $TRTSPEC_HEAD_CONTROL's), written
+atomically; the file also keeps every version deployed, newest last (what --rollback returns to).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 import urllib.request
@@ -20,7 +21,7 @@ from trtspec.errors import RequestError, RuntimeFailure
 from trtspec.files import write_json_atomic
 from trtspec.layout import BLS_MODEL, engine_folder
 from trtspec.spec import LoadedSpec
-from trtspec.triton.backend.head_swap import CONTROL_FILE
+from trtspec.triton.backend.head_swap import CONTROL_ENV, control_file
 
 HEAD_PARAM = "eagle3_head_dir"  # the endpoints' config parameter: the repository's own head (version 1)
 VERSION_METRIC = "trtspec_eagle3_head_version"
@@ -32,8 +33,8 @@ class Deployed:
 
     def __init__(self, loaded: LoadedSpec, url: str, metrics_url: str):
         self.url, self.metrics_url = url, metrics_url
-        self.control = loaded.repo_dir() / CONTROL_FILE
-        if not (loaded.repo_dir() / BLS_MODEL).is_dir():
+        self.control = control_file(loaded.repo_dir())
+        if not os.environ.get(CONTROL_ENV) and not (loaded.repo_dir() / BLS_MODEL).is_dir():
             raise RequestError(
                 f"{loaded.repo_dir()} holds no model repository; refresh a deployment `trtspec serve` runs from this spec's repository"
             )
@@ -68,8 +69,9 @@ class Deployed:
             return [{"version": 1, "head": str(served)}]  # as `trtspec serve` started it
         try:
             history = json.loads(self.control.read_text(encoding="utf-8"))["history"]
-            assert isinstance(history, list) and history and all("version" in h and "head" in h for h in history)
-        except (OSError, ValueError, KeyError, TypeError, AssertionError):
+            if not isinstance(history, list) or not history or not all("version" in h and "head" in h for h in history):
+                raise ValueError("no versions")
+        except (OSError, ValueError, KeyError, TypeError):
             raise RequestError(
                 f"{self.control} is not a refresh record; restore it or remove it (version 1 serves then)"
             ) from None

@@ -1,7 +1,8 @@
 """A new EAGLE-3 head for a running endpoint, without reloading the model (`trtspec refresh`).
 
 The head runs inside each speculative endpoint instance, beside its loop. `trtspec refresh`
-writes the head it deploys into the repository's control file (``CONTROL_FILE``, atomically:
+writes the head it deploys into the repository's control file (``CONTROL_FILE``, or the file
+$TRTSPEC_HEAD_CONTROL names in the server's environment; written atomically:
 a reader sees the old record or the new one); every instance watches that file on a thread of
 its own, loads the head it names in the background while the old head keeps drafting, and
 then hands it to its scheduler, which stops admitting requests until the ones in flight have
@@ -17,6 +18,7 @@ its ``trtspec_eagle3_head_version`` gauge tells `trtspec refresh` that it never 
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +26,8 @@ from pathlib import Path
 
 from trtspec.triton.backend import log
 
-CONTROL_FILE = "eagle3_head.json"  # in the model repository's root
+CONTROL_FILE = "eagle3_head.json"  # in the model repository's root ...
+CONTROL_ENV = "TRTSPEC_HEAD_CONTROL"  # ... or this file (a volume the server and the refresh job share)
 POLL_S = 0.5  # how often an instance looks at the control file
 
 
@@ -36,6 +39,11 @@ class HeadRecord:
     head: str  # the head engine folder
     live: float | None = None  # acceptance at k=1 on held-out captured requests: the head it replaced
     new: float | None = None  # ... and this head
+
+
+def control_file(repository: Path) -> Path:
+    """Where the head to serve is named: $TRTSPEC_HEAD_CONTROL, else the repository's own file."""
+    return Path(os.environ.get(CONTROL_ENV) or repository / CONTROL_FILE)
 
 
 def read_record(path: Path) -> HeadRecord | None:

@@ -22,7 +22,7 @@ from trtspec.errors import RequestError
 from trtspec.speculative.requests import end_token_ids
 from trtspec.triton.backend import callers, log
 from trtspec.triton.backend.bls import ENGINE_TIMEOUT_S, split_rows, with_timeout
-from trtspec.triton.backend.head_swap import CONTROL_FILE, HeadSwap, announce
+from trtspec.triton.backend.head_swap import HeadSwap, announce, control_file
 from trtspec.triton.backend.metrics import EndpointMetrics, TritonSink
 from trtspec.triton.backend.models import pb
 from trtspec.triton.backend.orchestrator_core import Orchestrator, caller_scopes
@@ -90,7 +90,7 @@ class TritonPythonModel:
         repository's control file (head_swap.py) without reloading this model."""
         if settings.mode != "speculative" or settings.eagle3_head_dir is None:
             return None
-        control = Path(args["model_repository"]).parent / CONTROL_FILE
+        control = control_file(Path(args["model_repository"]).parent)
         swap = HeadSwap(control, self.core.load_head, settings.eagle3_head_dir, lambda r: announce(metrics, r))
         metrics.head(1, None, None)
         self.core.head_swap = swap
