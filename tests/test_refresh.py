@@ -248,3 +248,78 @@ def test_a_round_continues_the_live_source_else_the_specs_head_else_the_served_h
     assert init_head(loaded, {"head": "/e/draft"}) == tmp_path / "head"
     (tmp_path / "head").rmdir()  # a pod has the built engines only
     assert init_head(loaded, {"head": "/e/draft"}) == refresh_loop.Path("/e/draft")
+
+
+class _FakeDeployed:
+    """Deployed's record keeping without a server: every put serves at once."""
+
+    url = "127.0.0.1:8001"
+    control = "eagle3_head.json"
+
+    def __init__(self):
+        self.history = [{"version": 1, "head": "/engines/draft"}]
+
+    @property
+    def live(self) -> dict:
+        return self.history[-1]
+
+    def put(self, head: str, **figures) -> dict:
+        self.history.append({"version": self.live["version"] + 1, "head": head, **figures})
+        return self.history[-1]
+
+
+@pytest.mark.parametrize(("margin", "deployed"), [(0.1, False), (0.01, True)])
+def test_the_new_head_must_beat_the_live_one_by_the_margin(tmp_path, monkeypatch, margin, deployed):
+    from trtspec.distill import refresh as flow
+
+    monkeypatch.setattr(flow, "measure", lambda loaded, live, new: (0.40, 0.45))
+    monkeypatch.setattr(flow, "build_head", lambda loaded, head, version, folder: tmp_path / f"v{version}" / "draft")
+    target = _FakeDeployed()
+    if not deployed:
+        with pytest.raises(flow.Refused, match=r"0\.450 at k=1 .* the live head 0\.400 \(--margin 0\.1\)") as info:
+            flow.refresh(None, target, tmp_path, lambda *a: True, margin)
+        assert info.value.exit_code == 1 and len(target.history) == 1  # nothing changed
+        return
+    result = flow.refresh(None, target, tmp_path, lambda *a: True, margin)
+    assert (result.action, result.version, result.live, result.new) == ("deployed", 2, 0.40, 0.45)
+    assert target.live == {
+        "version": 2,
+        "head": str(tmp_path / "v2" / "draft"),
+        "source": str(tmp_path.resolve()),
+        "live": 0.40,
+        "new": 0.45,
+    }
+
+
+def test_a_divergence_after_the_swap_puts_the_live_head_back_and_exits_1(tmp_path, monkeypatch):
+    from trtspec.distill import refresh as flow
+
+    monkeypatch.setattr(flow, "measure", lambda loaded, live, new: (0.1, 0.9))
+    monkeypatch.setattr(flow, "build_head", lambda loaded, head, version, folder: tmp_path / "v2" / "draft")
+    target = _FakeDeployed()
+    with pytest.raises(flow.Refused, match="differ from target-only") as info:
+        flow.refresh(None, target, tmp_path, lambda *a: False)
+    assert info.value.exit_code == 1
+    assert [h["head"] for h in target.history] == ["/engines/draft", str(tmp_path / "v2" / "draft"), "/engines/draft"]
+    assert target.history[-1]["rollback_of"] == 2
+
+
+def test_a_swap_the_instances_never_take_puts_the_live_head_back_and_exits_3(tmp_path, monkeypatch):
+    from trtspec.distill import refresh as flow
+    from trtspec.errors import RuntimeFailure
+
+    monkeypatch.setattr(flow, "measure", lambda loaded, live, new: (0.1, 0.9))
+    monkeypatch.setattr(flow, "build_head", lambda loaded, head, version, folder: tmp_path / "v2" / "draft")
+    target = _FakeDeployed()
+    put = target.put
+
+    def stuck(head, **figures):
+        entry = put(head, **figures)
+        if head != "/engines/draft":
+            raise RuntimeFailure("the server's instances serve head versions [1] after 300 s, not 2")
+        return entry
+
+    target.put = stuck
+    with pytest.raises(RuntimeFailure, match="the live head serves again") as info:
+        flow.refresh(None, target, tmp_path, lambda *a: True)
+    assert info.value.exit_code == 3 and target.live["head"] == "/engines/draft"
