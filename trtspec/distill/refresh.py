@@ -3,10 +3,9 @@ deployment, without a restart or a reload, only when it is better (docs/refresh.
 
 The new head (a `distill --from-capture` output) and the live one are scored at k=1 on the
 held-out captured requests the new head's manifest names (never trained on); unless the new
-one beats the live one by --margin, nothing changes (exit 1). Otherwise it is built beside the
-engines (checked against the target as `trtspec build` checks a head) and put in through the
-control file (distill/swap.py): every endpoint instance loads it while the old
-head drafts, lets the requests in flight finish on the old head, and drafts new requests with
+one beats the live one by --margin, nothing changes (exit 1). Otherwise it is built in the
+refresh folder (checked against the target as `trtspec build` checks a head) and put in through
+the control file (distill/swap.py): every endpoint instance loads it while the old head drafts, lets the requests in flight finish on the old head, and drafts new requests with
 the new one. Then `verify --url` must find the speculative answers identical to target-only,
 or the previous head is put back (exit 1). --rollback puts back the head before the live one.
 """
