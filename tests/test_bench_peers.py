@@ -1,4 +1,4 @@
-"""The peers harness (bench/peers.py, bench/peers_report.py, bench/peers_bench.py) on the tiny pair: every path runs,
+"""The peers harness (lab/peers.py, lab/peers_report.py, lab/peers_bench.py) on the tiny pair: every path runs,
 the table lists them all, and greedy outputs agree token for token where they must."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, write_spec
 
-from _common import Result
-from peers import (
+from lab._common import Result
+from lab.peers import (
     Generation,
     PeerPath,
     Prompt,
@@ -24,7 +24,7 @@ from peers import (
     peer_paths,
     vllm_metrics,
 )
-from peers_report import render_markdown, summarise
+from lab.peers_report import render_markdown, summarise
 from trtspec.errors import EngineError
 
 ROWS = [("The quick brown fox", "chat"), ("Rewrite: Triton serves models over HTTP and gRPC.", "rewrite")]
@@ -99,7 +99,7 @@ def test_interrupt_keeps_the_prompts_every_path_completed():
 
 
 def _load_cli():
-    spec = importlib.util.spec_from_file_location("bench_peers", ROOT / "bench" / "peers_bench.py")
+    spec = importlib.util.spec_from_file_location("bench_peers", ROOT / "lab" / "peers_bench.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -120,7 +120,7 @@ def test_cli_writes_table_and_json(tmp_path, tiny_ckpts, built, capsys):
     assert data["concurrency"] == 1 and len(data["prompts"]) == 1 and len(data["paths"]) == 7
     assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
     result = Result.read(out.with_suffix(".json"))  # a result file the documents' figures can cite
-    assert result.command.startswith("python bench/peers_bench.py --spec ") and result.machine and result.time
+    assert result.command.startswith("python -m lab.peers_bench --spec ") and result.machine and result.time
 
 
 def _cli_setup(tmp_path, tiny_ckpts, built) -> tuple[list[str], Path]:

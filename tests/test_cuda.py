@@ -2,7 +2,7 @@
 a head distilled for a few steps, all with device cuda.
 
 Skipped cleanly where torch sees no GPU (the CPU-side logic is tests/test_device.py). Run with
-`pytest -m cuda`, or `make gpu-check` (bench/gpu_check.py runs these after its measurements).
+`pytest -m cuda`, or `make gpu-check` (lab/gpu_check.py runs these after its measurements).
 
 Verify on a GPU keeps its meaning: greedy identity, where a divergence may only be a numerical
 one (the GPU's kernels round a 1-row and a (k+1)-row forward differently; the verdicts replay

@@ -334,7 +334,7 @@ def test_generation_rows_from_free_gpu_memory(tmp_path, built):
     assert generation_rows(gpu, folder, hf, 3, 512, free=10**15) == GEN_BATCH_MAX
 
 
-# ------------------------------------------------------------------ bench/gpu_check.py, its CPU-safe parts
+# ------------------------------------------------------------------ lab/gpu_check.py, its CPU-safe parts
 
 
 @pytest.fixture(scope="module")
@@ -342,7 +342,7 @@ def gpu_check():
     import importlib.util
     import sys
 
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "lab" / "gpu_check.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["gpu_check"] = module  # dataclasses look their module up by name
     spec.loader.exec_module(module)

@@ -349,7 +349,7 @@ def test_sampled_responses_add_training_contexts_only(tmp_path, tiny_ckpts):
 
 
 def test_shipped_prompts_are_unique_and_never_a_gate_or_bench_prompt():
-    """The shipped set must leave the figures honest: no prompt that bench/prompts.jsonl or a
+    """The shipped set must leave the figures honest: no prompt that trtspec/bench/prompts.jsonl or a
     shipped spec's verify list measures on (distill drops the latter, bench relies on this)."""
     import yaml
 
@@ -358,7 +358,7 @@ def test_shipped_prompts_are_unique_and_never_a_gate_or_bench_prompt():
     root = Path(__file__).resolve().parents[1]
     shipped = distill_prompts(SHIPPED_PROMPTS)
     assert len(shipped) == len(set(shipped)) >= 500
-    measured = set(distill_prompts(root / "bench" / "prompts.jsonl"))
+    measured = set(distill_prompts(root / "trtspec" / "bench" / "prompts.jsonl"))
     for spec in sorted((root / "engine_specs").glob("*.yaml")):
         verify = (yaml.safe_load(spec.read_text()) or {}).get("verify") or {}
         measured |= set(verify.get("prompts") or [])

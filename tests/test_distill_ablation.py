@@ -1,12 +1,12 @@
-"""bench/distill_ablation.py's result file: rows of several runs merge, one per variant and
+"""lab/distill_ablation.py's result file: rows of several runs merge, one per variant and
 step count, a later run replacing an earlier one, each command kept once."""
 
 from __future__ import annotations
 
 import sys
 
-import distill_ablation
-from _common import Result
+from lab import distill_ablation
+from lab._common import Result
 
 
 def _row(variant: str, steps: int, k1: float, cpu: float | None) -> dict:
@@ -38,17 +38,17 @@ def test_rows_of_several_runs_merge_into_one_result_file(tmp_path, monkeypatch):
     assert r.values["table"]["rows"][0][-1] == "not recorded" and r.values["table"]["rows"][1][-1] == "880"
     assert r.values["table"]["rows"][2][3:6] == ["0.380", "1.500", "0.38 / 0.40 / 0.50"]
     assert r.command.splitlines() == [
-        "python bench/distill_ablation.py spec.yaml --steps 400",
-        "python bench/distill_ablation.py spec.yaml --steps 456",
+        "python -m lab.distill_ablation spec.yaml --steps 400",
+        "python -m lab.distill_ablation spec.yaml --steps 456",
     ]
 
 
 def test_train_step_times_the_trainers_own_steps_on_a_heads_capture(tmp_path, tiny_ckpts):
-    """bench/train_step.py reads a distilled head's capture and options back and times the
+    """lab/train_step.py reads a distilled head's capture and options back and times the
     trainer's loss and backward at each depth asked (nothing generated again)."""
     from test_distill import eagle_spec, small_opts
 
-    import train_step
+    from lab import train_step
     from trtspec.distill.run import distill
     from trtspec.spec import load_spec
 
@@ -60,9 +60,9 @@ def test_train_step_times_the_trainers_own_steps_on_a_heads_capture(tmp_path, ti
 
 
 def test_generation_rate_profiles_a_round_by_op_group(built, capsys):
-    """bench/generation_rate.py --profile: one more generation round under the profiler, its
+    """lab/generation_rate.py --profile: one more generation round under the profiler, its
     wall time split into op groups and the time outside any op, nothing left over."""
-    import generation_rate
+    from lab import generation_rate
 
     folder = built("same").target.folder
     assert (
@@ -89,7 +89,7 @@ def test_generation_rate_profiles_a_round_by_op_group(built, capsys):
 
 
 def test_generation_profile_groups_add_up_to_the_round(built):
-    import generation_rate
+    from lab import generation_rate
     from trtspec.engines.torch.engine import TorchEngine
     from trtspec.speculative.loop import GenerationRequest
 

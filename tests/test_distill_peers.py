@@ -1,4 +1,4 @@
-"""bench/distill_peers.py on a tiny target: a distilled head's own data exported in speculators'
+"""lab/distill_peers.py on a tiny target: a distilled head's own data exported in speculators'
 offline format (the same sequences, layers and draft vocabulary, the teacher's layer checked),
 speculators' trainer run on it on the CPU (where its environment exists), and its head scored
 in vLLM (where that environment exists too)."""
@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from test_distill import PROMPTS
 from test_vllm_head import vllm_tiny_target
 
-import distill_peers
+from lab import distill_peers
 from trtspec.distill.data import collate
 from trtspec.distill.run import DistillOptions, distill, prepare, work_folder
 from trtspec.spec import load_spec
@@ -180,8 +180,9 @@ def test_trtspec_scores_the_head_speculators_trained(trained, exported, tmp_path
 def test_a_speculators_head_without_its_export_is_refused(exported, tmp_path):
     head = exported[1]
     r = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "distill_peers.py"), "spec.yaml", "--head", str(head)]
+        [sys.executable, "-m", "lab.distill_peers", "spec.yaml", "--head", str(head)]
         + ["--out", str(tmp_path / "out"), "--speculators-head", str(tmp_path)],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
@@ -191,8 +192,9 @@ def test_a_speculators_head_without_its_export_is_refused(exported, tmp_path):
 
 def test_a_folder_without_a_head_manifest_is_refused(tmp_path):
     r = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "distill_peers.py"), "spec.yaml", "--head", str(tmp_path / "nothing")]
+        [sys.executable, "-m", "lab.distill_peers", "spec.yaml", "--head", str(tmp_path / "nothing")]
         + ["--out", str(tmp_path / "out")],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
@@ -273,7 +275,7 @@ def test_the_cpu_loss_is_specforges_forward_kl():
     """specforge_cpu's loss: the mean over every batch x time position of -sum p log q, zero where
     the mask is 0 (what SpecForge's Triton kernel computes); with one-hot targets, the masked
     cross-entropy."""
-    import specforge_cpu
+    from lab import specforge_cpu
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 5, 11, generator=g, requires_grad=True)
@@ -346,7 +348,7 @@ def specforge_trained(exported):
 
 
 def test_specforge_trains_on_the_export_and_trtspec_scores_its_head(specforge_trained, exported, tmp_path):
-    """SpecForge's trainer on the CPU (bench/specforge_cpu.py), its own export, converted and
+    """SpecForge's trainer on the CPU (lab/specforge_cpu.py), its own export, converted and
     scored on the same unseen chains as trtspec's head."""
     spec, head, _, info = exported
     src = distill_peers.Path(specforge_trained["head"])
@@ -404,7 +406,7 @@ def test_the_float32_muon_orthogonalizes_as_torchs_bf16_one_does():
     which it computes in bfloat16, to bfloat16's precision, tall and wide."""
     from torch.optim import _muon
 
-    import speculators_cpu
+    from lab import speculators_cpu
 
     coefficients = (3.4445, -4.7750, 2.0315)
     for shape in ((96, 64), (64, 96)):

@@ -509,9 +509,9 @@ def test_bench_methods_refuses_what_it_cannot_compare(eagle_deploy, built, tmp_p
 
 
 def test_peers_on_an_eagle3_spec_add_hf_assisted_with_the_pair_draft(eagle_deploy, built):
-    """bench/peers_bench.py --draft-from: an eagle3 spec gets our eagle3 and draft_target paths and
+    """lab/peers_bench.py --draft-from: an eagle3 spec gets our eagle3 and draft_target paths and
     transformers' assisted generation with the draft_target spec's draft, on the same target."""
-    from peers import encode_prompts, measure, peer_paths
+    from lab.peers import encode_prompts, measure, peer_paths
 
     dep = eagle_deploy("random")
     pair = built("draft")

@@ -3,7 +3,7 @@ norm_before_residual, norm_output), run by trtspec's head and scored by distill'
 as a reference of speculators' forward written here from its source
 (speculators 0.9.0 models/eagle3/core.py and model_definitions.py: read, not imported; its
 package lives in .venv-speculators, not in this environment), on a speculators-layout
-checkpoint converted by bench/distill_peers.py. Plain heads keep their exact path; a config
+checkpoint converted by lab/distill_peers.py. Plain heads keep their exact path; a config
 and weights that disagree on a norm are refused by the checkpoint check."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from test_eagle3 import DRAFT_IDS, runner
 from typer.testing import Result
 
-import distill_peers
+from lab import distill_peers
 from trtspec.cli.app import app
 
 NORMS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")

@@ -1,5 +1,5 @@
-"""The documents' figures come from the committed result files (bench/figures.py): README.md's
-and docs/performance.md's figure blocks must be exactly what bench/results/*.json give, and
+"""The documents' figures come from the committed result files (lab/figures.py): README.md's
+and docs/performance.md's figure blocks must be exactly what lab/results/*.json give, and
 the generator must catch a figure typed by hand, a missing value and a stale result."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 import pytest
 from conftest import ROOT
 
-import figures
+from lab import figures
 
 TEMPLATE = """<!-- figures: speed -->
 ```bash
@@ -57,12 +57,12 @@ def _generate(tmp_path, doc):
 
 def test_documents_match_their_result_files():
     """What CI checks: every figure block of README.md and docs/performance.md is what
-    bench/results/*.json give (`make figures` rewrites them)."""
+    lab/results/*.json give (`make figures` rewrites them)."""
     assert figures.differing() == []
 
 
 def test_check_command_exits_0_on_the_repository():
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "figures.py"), "--check"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "lab.figures", "--check"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
 
 
@@ -176,9 +176,9 @@ def test_record_writes_into_the_folder_given(tmp_path):
 
 
 def test_the_heads_plot_is_drawn_from_the_committed_results(tmp_path):
-    """bench/plot_heads.py reads every head's per-position acceptance from the result files
+    """lab/plot_heads.py reads every head's per-position acceptance from the result files
     (trtspec's ablation rows and the peer trainers' trtspec-scored rows) and draws them."""
-    import plot_heads
+    from lab import plot_heads
 
     data = plot_heads.heads()
     assert len(data) >= 4 and all(len(a) == 3 and all(0 <= x <= 1 for x in a) for a in data.values())

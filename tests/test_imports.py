@@ -1,4 +1,4 @@
-"""Every trtspec import in the package and in the lab (the root bench/) resolves, including the
+"""Every trtspec import in the package and in the lab (the root lab/) resolves, including the
 lazy ones inside functions (model code that runs only inside tritonserver or on a GPU is not
 imported by other tests, nor are most benchmark scripts)."""
 

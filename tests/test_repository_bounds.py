@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import serve_tiny
 
-from server_memory import tree_memory
+from lab.server_memory import tree_memory
 from trtspec.errors import ServerError
 from trtspec.layout import BLS_MODEL, CONTROL_MODEL, ENGINE_MODELS, TARGET_MODEL
 from trtspec.triton.backend.contract import UNSERVED_INPUTS

@@ -9,12 +9,12 @@ import math
 import pytest
 import torch
 
-from markov_pair import TARGET, MarkovDrafter, MarkovVerifier, T, V, accept_all, markov_pit
 from trtspec.errors import RequestError
 from trtspec.speculative import loop
 from trtspec.speculative.capabilities import Drafter
 from trtspec.speculative.loop import GenerationRequest, NoDrafter, generate
 from trtspec.speculative.sampling import SamplingParams, nucleus, warp
+from trtspec.testing.markov_pair import TARGET, MarkovDrafter, MarkovVerifier, T, V, accept_all, markov_pit
 
 
 class LookupDrafter(Drafter):

@@ -21,7 +21,7 @@ SCHEDULE = {1: 4, 2: 0}  # drafting off from two active sequences
 def test_the_demo_spec_ships_the_schedule_its_committed_bench_grid_recommends():
     from trtspec.spec import load_spec
 
-    result = json.loads((ROOT / "bench" / "results" / "xeon-schedule-grid.json").read_text())
+    result = json.loads((ROOT / "lab" / "results" / "xeon-schedule-grid.json").read_text())
     assert result["values"]["spec"] == "smollm2-135m-cpu"
     recommended = {int(n): k for n, k in result["values"]["schedule"]["spec"]["schedule"].items()}
     assert load_spec(ROOT / "engine_specs" / "smollm2-135m-cpu.yaml").spec.speculative.schedule == recommended

@@ -1,4 +1,4 @@
-"""Per-process memory (bench/server_memory.py, what the soak and memory benches report): each process of a tree on its own, shared memory apart."""
+"""Per-process memory (lab/server_memory.py, what the soak and memory benches report): each process of a tree on its own, shared memory apart."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-import server_memory as memory
+from lab import server_memory as memory
 from trtspec.triton.server.procgroup import descendants
 
 # A child that, once told, grows its heap by 64 MiB and maps and touches 16 MiB of /dev/shm.
@@ -73,7 +73,7 @@ def test_a_process_that_began_or_ended_in_the_span_counts_as_unbounded_growth():
 
 
 def test_the_soak_names_each_process_growth_by_the_model_it_serves():
-    from soak import held_by_model
+    from lab.soak import held_by_model
 
     def mem(held: int) -> dict:
         return {"held": held, "pss": held, "rss_anon": held, "rss_shmem": 0, "shm_maps": 0}

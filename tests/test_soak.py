@@ -1,4 +1,4 @@
-"""The soak's memory arithmetic and its drains (bench/soak.py): idle against idle, in flight
+"""The soak's memory arithmetic and its drains (lab/soak.py): idle against idle, in flight
 against in flight, and a drain that waits for every request in flight."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from soak import Traffic, in_flight_trend, memory_report
+from lab.soak import Traffic, in_flight_trend, memory_report
 
 
 def _mem(held_mib: float) -> dict[str, int]:

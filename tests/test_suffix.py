@@ -365,8 +365,8 @@ def test_sampling_draws_the_target_joint(factory):
 
 def test_sampling_check_catches_accept_all_with_suffix_drafts(monkeypatch):
     """The same test has power here: a sampler that skips the rejection step fails it."""
-    from markov_pair import accept_all
     from trtspec.speculative import loop
+    from trtspec.testing.markov_pair import accept_all
 
     monkeypatch.setattr(loop, "accept_or_resample", accept_all)
     assert _joint_p_value(lambda: SuffixDrafter(SuffixSpec(min_token_prob=0.0)))[0] < 1e-3
@@ -562,8 +562,9 @@ def test_llmapi_build_and_double_run_suffix(tmp_path, tiny_ckpts):
 
 
 def test_vllm_suffix_config_against_the_inventory(tmp_path, tiny_ckpts):
-    from peers import vllm_suffix
     from vllm_fields import unknown_fields
+
+    from lab.peers import vllm_suffix
 
     cfg = vllm_suffix(SuffixSpec(max_depth=32, spec_factor=2.0, min_token_prob=0.05, cache_responses=10))
     assert cfg == {
@@ -627,7 +628,7 @@ def test_load_aware_schedule_caps_suffix_drafts():
 
 
 def test_acceptance_replay_counts_what_the_loop_counts_against_the_target():
-    """bench/acceptance_replay.py answers drafts from recorded target-only outputs: its counts
+    """lab/acceptance_replay.py answers drafts from recorded target-only outputs: its counts
     equal those of the loop run against the target itself."""
     import importlib.util
     from pathlib import Path

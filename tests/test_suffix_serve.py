@@ -365,7 +365,7 @@ def test_served_scopes_unary_and_streamed_with_target_only_tokens(served):
 
 
 def test_peer_paths_of_a_suffix_spec_run_ours_identical(built):
-    from peers import trtspec_paths
+    from lab.peers import trtspec_paths
 
     dep = built(None, **{"speculative.method": "suffix", "speculative.max_draft_len": 8})
     paths = {p.key: p for p in trtspec_paths(dep)}

@@ -218,11 +218,11 @@ def test_eagle3_head_states_follow_each_branch(eagle_tree):
 
 
 class MarkovTreeVerifier:
-    """The exactly known Markov target (bench/markov_pair.py), scoring chains and trees."""
+    """The exactly known Markov target (trtspec/testing/markov_pair.py), scoring chains and trees."""
 
     def verify(self, contexts, drafts, want_logits=None, context_phase=None, trees=None):
-        from markov_pair import TARGET
         from trtspec.speculative.loop import Verdict
+        from trtspec.testing.markov_pair import TARGET
 
         out = []
         for j, (ctx, d) in enumerate(zip(contexts, drafts)):
@@ -243,8 +243,8 @@ class MarkovTreeDrafter(Drafter):
         raise AssertionError("tree requests are drafted as trees")
 
     def propose_tree(self, contexts, shapes):
-        from markov_pair import DRAFT
         from trtspec.speculative.tree import top_candidates
+        from trtspec.testing.markov_pair import DRAFT
 
         out = []
         for ctx, shape in zip(contexts, shapes):
@@ -260,9 +260,9 @@ SAMPLED_TREE = StaticTree.of([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0
 
 
 def tree_joint_counts(n: int, params, shape=SAMPLED_TREE, T=3):
-    from markov_pair import V
     from trtspec.speculative.loop import GenerationRequest, generate
     from trtspec.speculative.sampling import SamplingParams
+    from trtspec.testing.markov_pair import V
 
     reqs = [
         GenerationRequest(
@@ -279,8 +279,8 @@ def tree_joint_counts(n: int, params, shape=SAMPLED_TREE, T=3):
 
 def exact_joint4(params) -> torch.Tensor:
     """P(x1..x4) of the Markov target from token 0."""
-    from markov_pair import TARGET
     from trtspec.speculative.sampling import warp
+    from trtspec.testing.markov_pair import TARGET
 
     p = warp(TARGET, params)  # [V, V] rows: p(next | prev)
     return p[0][:, None, None, None] * p[:, :, None, None] * p[None, :, :, None] * p[None, None, :, :]

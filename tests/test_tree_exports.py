@@ -12,6 +12,7 @@ import yaml
 from conftest import write_spec
 from sglang_fields import unknown_flags
 from test_eagle3 import random_head
+from vllm_fields import unknown_fields
 
 from trtspec.engines.build import build
 from trtspec.engines.exports import VLLM_TREE_ENV, sglang_args, uneven_level, vllm_speculative_config
@@ -19,7 +20,6 @@ from trtspec.errors import SpecError
 from trtspec.spec import load_spec
 from trtspec.speculative.llmapi.double import DecodingConfig
 from trtspec.trtllm_lines.fields import DECODING_TYPES, unknown_keys
-from vllm_fields import unknown_fields
 
 LLMAPI_13 = {"backend": "trtllm", "speculative.default_draft_tokens": None, "trtllm.line": "1.3+"}
 DYNAMIC = {"speculative.tree": {"dynamic": {"top_k": 2, "nodes": 12}}}  # the tiny spec drafts 8 deep

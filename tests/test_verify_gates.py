@@ -186,9 +186,9 @@ def test_sampling_check_passes_and_catches_a_sampler_without_rejection(built, mo
     """On tiny models, against the target's exact conditionals: the real sampler passes; one
     that accepts every draft is caught. The unrelated draft makes q far from p, as a broken
     or mismatched draft would be (seeded: deterministic)."""
-    from markov_pair import accept_all
     from trtspec.speculative import loop
     from trtspec.speculative.sampling import SamplingParams
+    from trtspec.testing.markov_pair import accept_all
     from trtspec.verify.sampling import check_deployment
 
     dep = built("unrelated")

@@ -59,7 +59,9 @@ class DistillRecipe(BaseModel):
     )
     eval_prompts: Annotated[
         Path | None,
-        Flag("JSONL prompts scored as unseen beside the spec's verify prompts (never trained on), e.g. bench/prompts.jsonl."),
+        Flag(
+            "JSONL prompts scored as unseen beside the spec's verify prompts (never trained on), e.g. the chat set trtspec ships, trtspec/bench/prompts.jsonl in its install folder."
+        ),
     ] = None
     corpus: Annotated[
         Path | None,

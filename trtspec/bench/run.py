@@ -75,7 +75,8 @@ class BenchOptions(BaseModel):
         list[Path] | None,
         Flag(
             "A JSONL prompt set to compare --methods on, reported as its own set (repeatable; "
-            "default: the bench's prompts), e.g. bench/prompts.jsonl and bench/repeat_prompts.jsonl."
+            "default: the bench's prompts), e.g. the two sets trtspec ships: trtspec/bench/prompts.jsonl "
+            "(chat) and trtspec/bench/repeat_prompts.jsonl (text that repeats), in its install folder."
         ),
     ] = None
     draft_from: Annotated[

@@ -23,7 +23,7 @@ def bench(
     opts: BenchOptions,
     output: OutputOpt = None,
     out: Annotated[
-        Path | None, typer.Option("--out", help="Folder for bench.json and plots (default bench/results/<name>).")
+        Path | None, typer.Option("--out", help="Folder for bench.json and plots (default .trtspec/bench/<name>).")
     ] = None,
     as_json: JsonOpt = False,
     json_file: JsonFileOpt = None,
@@ -49,8 +49,8 @@ def bench(
         --draft-from engine_specs/smollm2-135m-cpu.yaml
       trtspec bench engine_specs/smollm2-135m-cpu-suffix.yaml \\
         --methods suffix,ngram --sweep none -c 1 \\
-        --methods-prompts bench/prompts.jsonl \\
-        --methods-prompts bench/repeat_prompts.jsonl
+        --methods-prompts trtspec/bench/prompts.jsonl \\
+        --methods-prompts trtspec/bench/repeat_prompts.jsonl
       trtspec bench engine_specs/smollm2-135m-eagle3.yaml --trees --sweep none \\
         -c 1
     """
@@ -62,7 +62,7 @@ def bench(
             loaded, loaded.output_dir(output), opts, progress=lambda s: status.update(f"benchmarking: {s}")
         )
     emit(report, lambda o: render.render(report, o), as_json=as_json, json_file=json_file)
-    for f in plot.write_outputs(report, out or Path("bench") / "results" / loaded.spec.name):
+    for f in plot.write_outputs(report, out or Path(".trtspec") / "bench" / loaded.spec.name):
         console.info(f"wrote {f}")
     if interrupted:
         raise typer.Exit(EXIT_INTERRUPTED)

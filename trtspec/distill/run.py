@@ -228,7 +228,7 @@ class Prepared:
 def prepare(loaded: LoadedSpec, opts: DistillOptions, work: Path, split: Split | None = None) -> Prepared:
     """Build (or reuse) the target, generate and capture the data (or reuse its capture in
     ``work``) and split it as training does: what distill trains on, and what another trainer
-    is given for a side by side (bench/distill_peers.py)."""
+    is given for a side by side (lab/distill_peers.py)."""
     split = split or _split(loaded, opts)
     target, folder, target_hf, layer_ids = _target(loaded, opts, split)
     store, info = _data(loaded, opts, split, target, folder, layer_ids, work)

@@ -4,7 +4,7 @@ SGLang's launch flags, chains and trees, for the same draft folder trtspec serve
 TensorRT-LLM's settings are written by ``engines/trtllm/llmapi.py``. What an engine cannot
 express is refused by name (SpecError, exit 2), never approximated: a different tree would
 verify other tokens and accept at another rate than the one trtspec measured. The names are
-checked against inventories of upstream's fields by the tests (bench/vllm_fields.py,
+checked against inventories of upstream's fields by the tests (tests/vllm_fields.py,
 tests/sglang_fields.py); the upstream facts, with sources, are in docs/trees.md.
 
 vLLM (vllm/config/speculative.py; trees: vllm-project/vllm PR #20401): a tree is

@@ -34,7 +34,7 @@ _OPT_BINARY = Path("/opt/tritonserver/bin/tritonserver")
 # into its stubs), as Triton's documentation on memory growth recommends. Each name -> its
 # shared library (Debian packages libjemalloc2 and libtcmalloc-minimal4). "auto" takes jemalloc
 # when installed, else glibc's malloc ("glibc" preloads nothing): measured on the SmolLM2 demo
-# (bench/refused_memory.py, two refused 256 MiB inputs then 32 ordinary requests, operations.md:
+# (lab/refused_memory.py, two refused 256 MiB inputs then 32 ordinary requests, operations.md:
 # memory), tritonserver kept +65 MiB with glibc, +11 MiB with jemalloc; tcmalloc kept more
 # than glibc in the same run with Triton's gRPC object pool on (+1.1 GiB against +0.6 GiB).
 ALLOCATORS: dict[str, str] = {"jemalloc": "libjemalloc.so.2", "tcmalloc": "libtcmalloc_minimal.so.4"}
