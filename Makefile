@@ -1,7 +1,7 @@
 # make demo  — install, prepare the demo weights, build, verify, serve on Triton, verify over gRPC,
 #              then the co-designed pair (an EAGLE-3 head distilled once at a short budget, cached)
 # make test  — install and run the test suite
-# make figures — regenerate the figure blocks of README.md and docs/performance.md from lab/results/*.json
+# make figures — regenerate the figure blocks of README.md, docs/performance.md and lab/RECORDS.md from lab/results/*.json
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TRTSPEC := $(VENV)/bin/trtspec
@@ -61,7 +61,7 @@ define codesign_pair
 endef
 
 # make demo's head: the shipped prompts' greedy responses and one sampled response each, cut at
-# 64 tokens, trained for a fixed number of steps (docs/performance.md#data-per-cpu-minute).
+# 64 tokens, trained for a fixed number of steps (lab/RECORDS.md#data-per-cpu-minute).
 weights/smollm2-135m-eagle3-head-demo: $(EAGLE3_DEMO_SPEC) | weights/smollm2-135m
 	$(TRTSPEC) distill $(EAGLE3_DEMO_SPEC) --force $(DISTILL_FLAGS)
 
@@ -90,7 +90,7 @@ bench-eagle3: install weights/smollm2-135m-eagle3-head
 	  --sweep 1-6 -c 1,2,4 --rounds 2 --out lab/results/smollm2-135m-eagle3
 	$(PY) -m lab.peers_bench --spec $(EAGLE3_SPEC) --draft-from $(DEMO_SPEC) --repeats 2 --out lab/results/peers-eagle3.md
 
-# The documents' figures: each figure block of README.md and docs/performance.md is its template in
+# The documents' figures: each figure block of README.md, docs/performance.md and lab/RECORDS.md is its template in
 # lab/figures.md filled from a committed result file, lab/results/NAME.json (command, machine,
 # time, values). tests/test_figures.py (make test) fails when a block differs from its result.
 figures:

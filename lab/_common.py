@@ -1,6 +1,6 @@
 """What the scripts in lab/ share: the repository root, a tritonserver for a spec, the command
-line that ran, and the result files docs/performance.md's and README.md's figures are generated
-from (lab/figures.py).
+line that ran, and the result files the figures of README.md, docs/performance.md and lab/RECORDS.md are
+generated from (lab/figures.py).
 
 A result file, lab/results/NAME.json:
 

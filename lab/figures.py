@@ -1,6 +1,6 @@
 """The documents' figures, generated from the committed result files.
 
-    python -m lab.figures            # rewrite every figure block of README.md and docs/performance.md (make figures)
+    python -m lab.figures            # rewrite every figure block of README.md, docs/performance.md and lab/RECORDS.md (make figures)
     python -m lab.figures --check    # exit 1 and name each block that differs from what the results give
     python -m lab.figures --record NAME --from lab/results/SPEC/bench.json --command "trtspec bench ..."
                                        # a run's own JSON as the result file lab/results/NAME.json
@@ -44,7 +44,7 @@ from pathlib import Path
 from lab._common import RESULTS, ROOT, Result
 from trtspec.files import write_json_atomic
 
-DOCUMENTS = (ROOT / "README.md", ROOT / "docs" / "performance.md")
+DOCUMENTS = (ROOT / "README.md", ROOT / "docs" / "performance.md", ROOT / "lab" / "RECORDS.md")
 TEMPLATES = ROOT / "lab" / "figures.md"
 EXIT_DIFFERS = 1
 EXIT_USAGE = 2

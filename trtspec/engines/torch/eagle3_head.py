@@ -17,7 +17,7 @@ target's: a rejected draft is undone by rewinding an integer. On a CPU it runs i
 the head with its Linears on the kernel layout this machine runs fastest (engines/torch/kernels.py,
 measured once per machine and head shape): a head step is c of the speed-up bound, and
 PyTorch's dense kernel reads the head's ~40 MB of weights slower than oneDNN's layout does on
-the CPU measured (docs/performance.md#the-demos-co-designed-pair-quiet).
+the CPU measured (lab/RECORDS.md#the-demos-co-designed-pair-quiet).
 """
 
 from __future__ import annotations

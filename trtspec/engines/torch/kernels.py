@@ -33,7 +33,7 @@ weights ran a 576x1536 Linear in 35 us against 87 us for PyTorch's dense bf16 (4
 
 An EAGLE-3 head's Linears are chosen the same way (choose_layout, with the head's own draft
 step timed and its own key: eagle3_head.choose_head_kernels); what each layout costs a head
-step: lab/head_step.py, docs/performance.md#the-demos-co-designed-pair-quiet.
+step: lab/head_step.py, lab/RECORDS.md#the-demos-co-designed-pair-quiet.
 
 ``TRTSPEC_ONEDNN=0`` forces dense, ``=1`` onednn and ``=head`` head (no measurement). float16, other dtypes,
 a torch without oneDNN, or a failed measurement use dense, the transformers kernels.

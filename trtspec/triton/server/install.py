@@ -46,8 +46,8 @@ JEMALLOC_CONF = "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0"
 # tritonserver runs about 250 threads and each thread that frees memory keeps a cache of its own
 # (tcache) that fills as more of them handle requests, and over jemalloc's arenas (4 per core)
 # its heap pages stayed partly used after a peak: with the caches off and one arena its soak growth
-# fell within the goal (figures: docs/performance.md and operations.md, memory). The engine stubs
-# keep both: without their caches, served steps ran slower (docs/performance.md: memory). The Python backend starts every stub as
+# fell within the goal (figures: lab/RECORDS.md and operations.md, memory). The engine stubs
+# keep both: without their caches, served steps ran slower (lab/RECORDS.md: memory). The Python backend starts every stub as
 # `bash -c "exec STUB ..."`, and bash first runs the file named by BASH_ENV, which gives the stubs
 # JEMALLOC_CONF back (stub_env_file).
 SERVER_JEMALLOC_CONF = JEMALLOC_CONF + ",tcache:false,narenas:1"
