@@ -25,7 +25,7 @@ def _imports(path: Path):
 
 def test_every_trtspec_import_resolves():
     missing = []
-    for path in sorted(PACKAGE.rglob("*.py")) + sorted((PACKAGE.parent / "bench").glob("*.py")):
+    for path in sorted(PACKAGE.rglob("*.py")) + sorted((PACKAGE.parent / "lab").glob("*.py")):
         for line, module, names in _imports(path):
             try:
                 mod = importlib.import_module(module)
@@ -58,3 +58,34 @@ def test_the_testing_contract_covers_every_product_module():
         if p.suffix == ".py" or (p / "__init__.py").is_file()
     }
     assert set(contract["source_modules"]) == top - {"trtspec.__init__", "trtspec.testing"}
+
+
+def test_the_lab_is_a_package_the_product_never_imports():
+    """lab/ runs as `python -m lab.NAME` and is imported as `lab.NAME` (by its scripts and by
+    tests): a sibling imported by its plain name resolves only for a script run by path, so no
+    lab module does that. trtspec never imports the lab: no import names it, and the
+    import-linter contract that forbids it covers the whole package."""
+    import tomllib
+
+    lab = PACKAGE.parent / "lab"
+    own = {p.stem for p in lab.glob("*.py")}
+    assert "_common" in own and "figures" in own  # the lab is where this test looks
+    plain, climbing = [], []
+    for path in sorted(lab.glob("*.py")) + sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module] + ([f"{node.module}.{a.name}" for a in node.names] if node.module == "lab" else [])
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            where = f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+            plain += [f"{where}: {n}" for n in names if path.parent == lab and n.split(".")[0] in own]
+            climbing += [f"{where}: {n}" for n in names if path.is_relative_to(PACKAGE) and n.split(".")[0] == "lab"]
+            missing = [n for n in names if n.startswith("lab.") and n.split(".")[1] not in own]
+            assert not missing, f"{where}: no lab module {missing}"
+    assert plain == [] and climbing == []
+    config = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text(encoding="utf-8"))
+    contracts = config["tool"]["importlinter"]["contracts"]
+    assert any(c.get("source_modules") == ["trtspec"] and c.get("forbidden_modules") == ["lab"] for c in contracts)
+    assert "lab" in config["tool"]["importlinter"]["root_packages"]

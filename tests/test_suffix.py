@@ -630,13 +630,8 @@ def test_load_aware_schedule_caps_suffix_drafts():
 def test_acceptance_replay_counts_what_the_loop_counts_against_the_target():
     """lab/acceptance_replay.py answers drafts from recorded target-only outputs: its counts
     equal those of the loop run against the target itself."""
-    import importlib.util
-    from pathlib import Path
+    from lab import acceptance_replay as mod
 
-    path = Path(__file__).resolve().parent.parent / "bench" / "acceptance_replay.py"
-    spec = importlib.util.spec_from_file_location("acceptance_replay", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     prompts = [[1, 2, 3], [5, 11, 12, 13, 9]]
     runs = [
         {"prompt_ids": p, "output_ids": greedy(NoDrafter(), p, 40).output_ids, "end": None, "finish": "length"} for p in prompts
