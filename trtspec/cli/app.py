@@ -21,7 +21,7 @@ app = typer.Typer(
 )
 app.command("check")(check.check)
 app.command("build")(build.build)
-app.command("verify")(verify.verify)
+app.command("verify", help=verify.HELP)(verify.verify)
 app.command("repo")(repo.repo)
 app.command("serve")(serve.serve)
 app.command("stop")(stop.stop)

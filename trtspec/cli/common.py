@@ -1,4 +1,6 @@
-"""What every command shares: option aliases and one way to report errors."""
+"""What every command shares: the options several commands take, each declared once as a typed
+``Annotated`` alias (a command's own options sit at the top of its module), and one way to
+report errors."""
 
 from __future__ import annotations
 
@@ -9,25 +11,31 @@ from pathlib import Path
 from typing import Annotated, TypeVar
 
 import typer
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from trtspec import console
 from trtspec.device import check_name as check_device_name
 from trtspec.errors import EXIT_INTERRUPTED, RequestError, TrtspecError
-from trtspec.spec import LoadedSpec, load_spec
+from trtspec.spec import EngineSpec, LoadedSpec, load_spec
+from trtspec.triton.client import URL_HELP
 
 SpecArg = Annotated[Path, typer.Argument(help="Engine spec YAML (engine_specs/*.yaml).", show_default=False)]
-OutputOpt = Annotated[
-    Path | None,
-    typer.Option("--output", "-o", help="Engine folder (default: the spec's output_dir, else engines/<name>)."),
-]
 AllowPickleOpt = Annotated[
     bool,
     typer.Option("--allow-pickle", help="Also load pickle weights (.bin/.pt). Pickle can run code: only for trusted sources."),
 ]
+OutputOpt = Annotated[  # bench's, until it reads --engines
+    Path | None,
+    typer.Option("--output", "-o", help="Engine folder (default: the spec's output_dir, else engines/<name>)."),
+]
 EnginesOpt = Annotated[
     Path | None,
     typer.Option("--engines", help="Engine folder (default: the spec's output_dir, else engines/<name>)."),
+]
+# verify and bench named their engine folder -o/--output, the name of what a command writes
+# (build, repo, distill): still read there, hidden, and said to be --engines.
+EnginesOldNameOpt = Annotated[
+    Path | None, typer.Option("--output", "-o", hidden=True, help="Deprecated name of --engines.", show_default=False)
 ]
 LlmapiOpt = Annotated[
     str,
@@ -48,6 +56,30 @@ DeviceOpt = Annotated[
         show_default=False,
     ),
 ]
+PromptOpt = Annotated[
+    list[str] | None, typer.Option("--prompt", "-p", help="Prompt (repeatable); default: the spec's verify prompts.")
+]
+NumDraftTokensOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--num-draft-tokens", "-k", help="Draft length k each request sends (default: the spec's default_draft_tokens)."
+    ),
+]
+UrlOpt = Annotated[str | None, typer.Option("--url", help=URL_HELP)]
+PidFileOpt = Annotated[Path, typer.Option("--pid-file", help="The pid file of a server started with `trtspec serve --detach`.")]
+MetricsPortOpt = Annotated[
+    int | None,
+    typer.Option("--metrics-port", min=1, max=65535, help="Triton's metrics port (default: serve.metrics_port, 8002)."),
+]
+
+
+def engines_dir(loaded: LoadedSpec, engines: Path | None, old_name: Path | None) -> Path:
+    """The engine folder of --engines, or of its old name -o/--output (said once on stderr)."""
+    if old_name is not None:
+        if engines is not None:
+            raise RequestError("give the engine folder once: --engines DIR (-o/--output is its old name)")
+        console.err.print("-o/--output names the engine folder here under its old name; use --engines", markup=False)
+    return loaded.output_dir(engines if engines is not None else old_name)
 
 
 def with_device(loaded: LoadedSpec, device: str | None) -> LoadedSpec:
@@ -64,7 +96,13 @@ def with_device(loaded: LoadedSpec, device: str | None) -> LoadedSpec:
             f"--device applies to backend: torch; {loaded.path.name} is backend {loaded.spec.backend} "
             "(TensorRT-LLM picks its GPUs with gpu_device_ids): drop --device"
         )
-    return loaded.model_copy(update={"spec": loaded.spec.model_copy(update={"device": name})})
+    values = {k: getattr(loaded.spec, k) for k in loaded.spec.model_fields_set}
+    try:  # validated again: the spec's rules on the device hold for --device too
+        spec = EngineSpec.model_validate({**values, "device": name})
+    except ValidationError as e:
+        reasons = "; ".join(str(err["msg"]).removeprefix("Value error, ") for err in e.errors())
+        raise RequestError(f"--device {name}: {reasons}") from None
+    return LoadedSpec(spec=spec, path=loaded.path)
 
 
 M = TypeVar("M", bound=BaseModel)

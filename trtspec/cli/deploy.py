@@ -9,29 +9,65 @@ import typer
 
 from trtspec import console
 from trtspec.cli.common import EnginesOpt, SpecArg, handle_errors
-from trtspec.cli.options import declared
-from trtspec.deploy.options import K8sOptions
+from trtspec.cli.options import from_flags
+from trtspec.deploy.options import DEFAULT_KUBE_VERSION, K8sOptions
 from trtspec.deploy.output import deploy_k8s, dry_run_text
 from trtspec.spec import load_spec
 
 app = typer.Typer(help="Generate deployment artefacts from a spec.", no_args_is_help=True)
 
+Opt = typer.Option
+OutOpt = Annotated[
+    Path | None, Opt("--out", "-o", help="Folder for the manifests and kustomization.yaml (replaced whole with --force).")
+]
+ForceOpt = Annotated[bool, Opt("--force", help="Replace an existing --out folder.")]
+DryRunOpt = Annotated[bool, Opt("--dry-run", help="Print the manifests; write nothing.")]
+# How the deployment runs on the cluster: K8sOptions' fields, validated into it.
+KubeVersionOpt = Annotated[str, Opt("--kube-version", help="Kubernetes version whose schemas the manifests must pass.")]
+NameOpt = Annotated[str | None, Opt("--name", help="Object names (default: the spec name, DNS-safe).")]
+NamespaceOpt = Annotated[str | None, Opt("--namespace", "-n", help="Namespace set in kustomization.yaml (default: kubectl's).")]
+ImageOpt = Annotated[
+    str | None,
+    Opt("--image", help="Server image (default: trtspec-cpu:<version> or trtspec-trtllm:<version>, built from docker/)."),
+]
+EnginesFromOpt = Annotated[
+    str,
+    Opt(
+        "--engines-from",
+        help="Where the engines come from (pvc: a claim holding built engines; image: an init container copies /engines from --engines-image; build: a StatefulSet building in the pod). One of: pvc, image, build.",
+    ),
+]
+PvcOpt = Annotated[str | None, Opt("--pvc", help="Claim with the engines (default <name>-engines).")]
+EnginesImageOpt = Annotated[str | None, Opt("--engines-image", help="Image holding the built engines under /engines.")]
+StorageSizeOpt = Annotated[str, Opt("--storage-size", help="Per-pod claim size in build mode.")]
+StorageClassOpt = Annotated[str | None, Opt("--storage-class", help="StorageClass of that claim.")]
+HpaOpt = Annotated[bool, Opt("--hpa/--no-hpa", help="HorizontalPodAutoscaler on queue depth with a CPU fallback.")]
+MinReplicasOpt = Annotated[int, Opt("--min-replicas", help="Autoscaler floor; the replica count with --no-hpa.")]
+MaxReplicasOpt = Annotated[int, Opt("--max-replicas", help="Autoscaler ceiling.")]
+QueueTargetOpt = Annotated[
+    int | None, Opt("--queue-target", help="Pending requests per pod to scale at (default: the spec's max_batch_size).")
+]
+CpuTargetOpt = Annotated[int, Opt("--cpu-target", help="CPU utilisation % the fallback scales at.")]
+ServiceMonitorOpt = Annotated[bool, Opt("--service-monitor", help="Also write a prometheus-operator ServiceMonitor.")]
+CpuOpt = Annotated[str | None, Opt("--cpu", help="CPU request (default: torch 2, trtllm 4).")]
+CpuLimitOpt = Annotated[
+    str | None, Opt("--cpu-limit", help="CPU limit, >= the request; its whole cores set the thread count (default: the request).")
+]
+MemoryOpt = Annotated[str | None, Opt("--memory", help="Memory request and limit (default: torch 8Gi, trtllm 32Gi).")]
+ShmSizeOpt = Annotated[str, Opt("--shm-size", help="In-memory /dev/shm for the Python backend and NCCL.")]
+NetworkPolicyOpt = Annotated[
+    bool, Opt("--network-policy/--no-network-policy", help="NetworkPolicy: only the clients and Prometheus get in.")
+]
+ClientsLabelOpt = Annotated[str, Opt("--clients-label", help="Pods that may call HTTP/gRPC (key=value).")]
+ClientsNamespaceOpt = Annotated[str | None, Opt("--clients-namespace", help="Their namespace (default: the deployment's).")]
+MetricsLabelOpt = Annotated[str, Opt("--metrics-label", help="Pods that may scrape metrics (key=value).")]
+MetricsNamespaceOpt = Annotated[str, Opt("--metrics-namespace", help="Their namespace.")]
+GpusPerNodeOpt = Annotated[int, Opt("--gpus-per-node", help="GPUs a node offers; a spec needing more is refused.")]
+StartupSecondsOpt = Annotated[
+    int | None, Opt("--startup-seconds", help="Startup probe budget (default: sized from the engines).")
+]
 
-@app.command("k8s")
-@handle_errors
-@declared(K8sOptions)
-def k8s(
-    spec: SpecArg,
-    options: K8sOptions,
-    out: Annotated[
-        Path | None,
-        typer.Option("--out", "-o", help="Folder for the manifests and kustomization.yaml (replaced whole with --force)."),
-    ] = None,
-    engines: EnginesOpt = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing --out folder.")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the manifests; write nothing.")] = False,
-) -> None:
-    """Write Kubernetes manifests (kustomize-ready) that serve SPEC on Triton.
+HELP = """Write Kubernetes manifests (kustomize-ready) that serve SPEC on Triton.
 
     Deployment (StatefulSet with --engines-from build), Service (HTTP, gRPC, metrics),
     probes on /v2/health/ready and /v2/health/live, HPA, PodDisruptionBudget, a NetworkPolicy
@@ -45,7 +81,46 @@ def k8s(
         --max-replicas 8
       trtspec deploy k8s my-spec.yaml -o k8s/ --engines-from build \\
         --image registry/trtspec-cpu:0.1.0 --force
-    """
+"""
+
+
+@app.command("k8s", help=HELP)
+@handle_errors
+def k8s(
+    ctx: typer.Context,
+    spec: SpecArg,
+    kube_version: KubeVersionOpt = DEFAULT_KUBE_VERSION,
+    name: NameOpt = None,
+    namespace: NamespaceOpt = None,
+    image: ImageOpt = None,
+    engines_from: EnginesFromOpt = "pvc",
+    pvc: PvcOpt = None,
+    engines_image: EnginesImageOpt = None,
+    storage_size: StorageSizeOpt = "50Gi",
+    storage_class: StorageClassOpt = None,
+    hpa: HpaOpt = True,
+    min_replicas: MinReplicasOpt = 1,
+    max_replicas: MaxReplicasOpt = 4,
+    queue_target: QueueTargetOpt = None,
+    cpu_target: CpuTargetOpt = 80,
+    service_monitor: ServiceMonitorOpt = False,
+    cpu: CpuOpt = None,
+    cpu_limit: CpuLimitOpt = None,
+    memory: MemoryOpt = None,
+    shm_size: ShmSizeOpt = "1Gi",
+    network_policy: NetworkPolicyOpt = True,
+    clients_label: ClientsLabelOpt = "app.kubernetes.io/component=trtspec-front",
+    clients_namespace: ClientsNamespaceOpt = None,
+    metrics_label: MetricsLabelOpt = "app.kubernetes.io/name=prometheus",
+    metrics_namespace: MetricsNamespaceOpt = "monitoring",
+    gpus_per_node: GpusPerNodeOpt = 8,
+    startup_seconds: StartupSecondsOpt = None,
+    out: OutOpt = None,
+    engines: EnginesOpt = None,
+    force: ForceOpt = False,
+    dry_run: DryRunOpt = False,
+) -> None:
+    options = from_flags(K8sOptions, ctx)
     loaded = load_spec(spec)
     plan, files, written = deploy_k8s(loaded, options, out, force=force, dry_run=dry_run, engines_dir=loaded.output_dir(engines))
     summary = (

@@ -1,10 +1,10 @@
-"""A command's options declared once: on the typed options model the library takes.
+"""A command's typed options, built from the flags the command line gave.
 
-``declared(Model)`` gives a command function, besides its own parameters, one option per field
-of ``Model`` that carries a ``trtspec.flags.Flag`` (its type, default and bounds from the field,
-its help from the flag), and calls it with the model, validated from the flags given, in the
-parameter annotated with ``Model``. A value the model refuses is one ``--flag: reason`` line per problem (exit 2), or
-``--flag takes ...`` where the reason says what the flag takes.
+Every option is declared once as a typed ``Annotated[...]`` alias (those several commands share
+in cli/common.py, a command's own at the top of its module) and named in the command's
+signature, where Typer reads it. A command that hands a library call an options model builds it
+with ``from_flags``: the model validated from the flags given, so the model's bounds, choices
+and cross-checks refuse a bad value with one ``--flag: reason`` line per problem (exit 2).
 """
 
 from __future__ import annotations
@@ -23,6 +23,43 @@ from trtspec.errors import RequestError
 from trtspec.flags import Flag
 
 M = TypeVar("M", bound=BaseModel)
+
+
+def given(ctx: typer.Context) -> dict[str, Any]:
+    """The values the command line gave, by parameter name: a flag left at its default is left
+    out, so the model's own default applies and ``model_fields_set`` names exactly the flags
+    given (distill lets those, and only those, override the spec's recipe)."""
+    return {k: v for k, v in ctx.params.items() if getattr(ctx.get_parameter_source(k), "name", None) != "DEFAULT"}
+
+
+def flag_names(ctx: typer.Context) -> dict[str, str]:
+    """Each parameter's long flag as the user types it (``samples`` -> ``--sampling``)."""
+    return {p.name: next((o for o in p.opts if o.startswith("--")), p.opts[0]) for p in ctx.command.params if p.opts}
+
+
+def from_flags(model: type[M], ctx: typer.Context, **values: Any) -> M:
+    """``model`` validated from the flags given that name its fields, plus ``values`` the
+    command decides itself."""
+    flags = {k: v for k, v in given(ctx).items() if k in model.model_fields}
+    return validated(model, {**flags, **values}, flag_names(ctx))
+
+
+def validated(model: type[M], values: dict[str, Any], names: dict[str, str] | None = None) -> M:
+    """``model`` from command-line values; each problem one line naming its flag (``names``:
+    field -> flag; a field not in it is ``--field-name``)."""
+    try:
+        return model.model_validate(values)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            name = str(err["loc"][0]) if err["loc"] else ""
+            where = (names or {}).get(name) or (f"--{name.replace('_', '-')}" if name else "options")
+            reason = str(err["msg"]).removeprefix("Value error, ")
+            lines.append(f"{where} {reason}" if reason.startswith("takes ") else f"{where}: {reason}")
+        raise RequestError("\n".join(lines)) from e
+
+
+# --- legacy: bench and distill, until they name their flags
 
 
 def flag_of(field) -> Flag | None:
@@ -72,23 +109,7 @@ def parameters(model: type[BaseModel]) -> list[inspect.Parameter]:
     return params
 
 
-def validated(model: type[M], values: dict[str, Any]) -> M:
-    """``model`` from command-line values; each problem one line naming its flag."""
-    try:
-        return model.model_validate(values)
-    except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            name = str(err["loc"][0]) if err["loc"] else ""
-            field = model.model_fields.get(name)
-            flag = flag_of(field) if field is not None else None
-            where = flag.long(name) if flag else f"--{name.replace('_', '-')}" if name else "options"
-            reason = str(err["msg"]).removeprefix("Value error, ")
-            lines.append(f"{where} {reason}" if reason.startswith("takes ") else f"{where}: {reason}")
-        raise RequestError("\n".join(lines)) from e
-
-
-def given(values: dict[str, Any], ctx: typer.Context | None) -> dict[str, Any]:
+def _given_values(values: dict[str, Any], ctx: typer.Context | None) -> dict[str, Any]:
     """The values the command line gave: a flag left at its default is left out, so the model's
     ``model_fields_set`` names exactly the flags given (distill lets those, and only those,
     override the spec's recipe)."""
@@ -114,7 +135,7 @@ def declared(model: type[M]) -> Callable[[Callable[..., Any]], Callable[..., Any
         def run(**kwargs):
             ctx = kwargs.pop(_CTX, None)
             values = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
-            return command(**kwargs, **{slot: validated(model, given(values, ctx))})
+            return command(**kwargs, **{slot: validated(model, _given_values(values, ctx))})
 
         kept = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in own.parameters.values() if p.name != slot]
         positional = [p for p in kept if p.default is inspect.Parameter.empty]

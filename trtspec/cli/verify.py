@@ -9,29 +9,91 @@ import typer
 from rich.progress import Progress
 
 from trtspec import console
-from trtspec.cli.common import DeviceOpt, JsonFileOpt, JsonOpt, LlmapiOpt, OutputOpt, SpecArg, for_run, handle_errors
-from trtspec.cli.options import declared
+from trtspec.cli.common import (
+    DeviceOpt,
+    EnginesOldNameOpt,
+    EnginesOpt,
+    JsonFileOpt,
+    JsonOpt,
+    LlmapiOpt,
+    NumDraftTokensOpt,
+    PromptOpt,
+    SpecArg,
+    UrlOpt,
+    engines_dir,
+    handle_errors,
+    with_device,
+)
+from trtspec.cli.options import from_flags
 from trtspec.cli.output import emit
 from trtspec.errors import EXIT_DIVERGED, EXIT_OK
+from trtspec.spec import load_spec
 from trtspec.speculative.llmapi import TENSORRT_LLM
 from trtspec.verify.run import VerifyOptions, run
 
+Opt = typer.Option
+MaxTokensOpt = Annotated[int | None, Opt("--max-tokens", help="Tokens per prompt (default: verify.max_tokens).")]
+StreamOpt = Annotated[bool, Opt("--stream", help="With --url: take the speculative path from the streaming endpoint.")]
+FailOnOpt = Annotated[
+    str,
+    Opt(
+        "--fail-on",
+        help="Exit 1 on any divergence, or only on algorithmic ones (numerical near-tie flips are reported, "
+        "not failed). One of: any, algorithmic.",
+    ),
+]
+BaselineOpt = Annotated[
+    Path | None,
+    Opt(
+        "--baseline",
+        help="A previous `verify --json` report of the same spec, prompts, k and max_tokens to gate acceptance against.",
+    ),
+]
+MaxDropOpt = Annotated[
+    str | None,
+    Opt(
+        "--max-acceptance-drop",
+        help="With --baseline: exit 1 if the acceptance rate fell by more than this (5% or 0.05), relative.",
+    ),
+]
+MinLengthOpt = Annotated[
+    float | None,
+    Opt("--min-acceptance-length", help="Exit 1 if the mean acceptance length (tokens per target forward) is below this."),
+]
+SamplingOpt = Annotated[
+    int | None,
+    Opt(
+        "--sampling",
+        help="Also test speculative SAMPLING: N samples per prompt, checked against the target's exact distribution "
+        "(chi-square, false-alarm rate 0.01). In process, or with --url from the served speculative endpoint, "
+        "scored by the target engine built here.",
+    ),
+]
+TemperatureOpt = Annotated[float | None, Opt("--temperature", help="With --sampling: temperature (> 0; default 1).")]
+TopKOpt = Annotated[int | None, Opt("--top-k", help="With --sampling: keep the k most likely tokens (0: all).")]
+TopPOpt = Annotated[float | None, Opt("--top-p", help="With --sampling: nucleus mass in (0, 1] (1: all).")]
+SeedOpt = Annotated[
+    int | None, Opt("--seed", help="With --sampling: first seed (sample i of prompt j uses seed + j*N + i; default 0).")
+]
+TieEpsilonOpt = Annotated[
+    float | None,
+    Opt(
+        "--tie-epsilon",
+        help="Logit gap below which a flip reproduced by the verifier's forward shape is numerical "
+        "(default per target dtype: float32 0.01, float16 0.25, bfloat16 1.0).",
+    ),
+]
+HtmlOpt = Annotated[
+    Path | None,
+    Opt(
+        "--html",
+        help="Also write a self-contained HTML report: both outputs per prompt, divergences highlighted with their "
+        "verdicts, acceptance plots.",
+    ),
+]
+JunitOpt = Annotated[Path | None, Opt("--junit", help="Also write a JUnit XML report (one testcase per prompt).")]
 
-@handle_errors
-@declared(VerifyOptions)
-def verify(
-    spec: SpecArg,
-    opts: VerifyOptions,
-    output: OutputOpt = None,
-    as_json: JsonOpt = False,
-    json_file: JsonFileOpt = None,
-    junit_file: Annotated[
-        Path | None, typer.Option("--junit", help="Also write a JUnit XML report (one testcase per prompt).")
-    ] = None,
-    llmapi_impl: LlmapiOpt = TENSORRT_LLM,
-    device: DeviceOpt = None,
-) -> None:
-    """Prove greedy speculative outputs are token-identical to target-only outputs.
+HELP = """Prove greedy speculative outputs are token-identical to target-only outputs.
 
     Each divergence is replayed on the target alone in both forward shapes and classed
     numerical (a near-tie flipped by the verifier's batched forward) or algorithmic.
@@ -54,22 +116,52 @@ def verify(
       trtspec verify my-llmapi-spec.yaml                  # LLM API, on a GPU
       trtspec verify my-llmapi-spec.yaml --llmapi double  # CPU conformance double
       trtspec verify my-spec.yaml --device cuda           # torch engines on a GPU
-    """
-    loaded, opts = for_run(spec, device, opts, llmapi_impl)
-    html_file = opts.html_file
+"""
+
+
+@handle_errors
+def verify(
+    ctx: typer.Context,
+    spec: SpecArg,
+    prompts: PromptOpt = None,
+    max_tokens: MaxTokensOpt = None,
+    num_draft_tokens: NumDraftTokensOpt = None,
+    url: UrlOpt = None,
+    stream: StreamOpt = False,
+    fail_on: FailOnOpt = "any",
+    baseline: BaselineOpt = None,
+    max_acceptance_drop: MaxDropOpt = None,
+    min_acceptance_length: MinLengthOpt = None,
+    samples: SamplingOpt = None,
+    temperature: TemperatureOpt = None,
+    top_k: TopKOpt = None,
+    top_p: TopPOpt = None,
+    seed: SeedOpt = None,
+    tie_epsilon: TieEpsilonOpt = None,
+    html_file: HtmlOpt = None,
+    engines: EnginesOpt = None,
+    output: EnginesOldNameOpt = None,
+    as_json: JsonOpt = False,
+    json_file: JsonFileOpt = None,
+    junit_file: JunitOpt = None,
+    llmapi_impl: LlmapiOpt = TENSORRT_LLM,
+    device: DeviceOpt = None,
+) -> None:
+    opts = from_flags(VerifyOptions, ctx)  # help: HELP, registered in app.py
+    loaded = with_device(load_spec(spec), device)
     bars = _Bars()
     try:
-        outcome = run(loaded, loaded.output_dir(output), opts, progress=bars.update)
+        outcome = run(loaded, engines_dir(loaded, engines, output), opts, progress=bars.update)
     finally:
         bars.close()
     emit(outcome, outcome.render, as_json=as_json, json_file=json_file)
     if junit_file:
         outcome.write_junit(junit_file)
-    if html_file:
+    if opts.html_file:
         from trtspec.machine import description as machine_description
 
-        outcome.write_html(html_file, machine_description())
-        console.info(f"wrote {html_file}")
+        outcome.write_html(opts.html_file, machine_description())
+        console.info(f"wrote {opts.html_file}")
     raise typer.Exit(EXIT_OK if outcome.passed else EXIT_DIVERGED)
 
 

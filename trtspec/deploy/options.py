@@ -12,7 +12,6 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trtspec import __version__
-from trtspec.flags import Flag
 
 DEFAULT_KUBE_VERSION = "1.33"
 # Kubernetes quantities as users write them ("500m", "2", "8Gi", "1.5G").
@@ -74,45 +73,32 @@ class K8sOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kube_version: Annotated[str, Flag("Kubernetes version whose schemas the manifests must pass.")] = DEFAULT_KUBE_VERSION
-    name: Annotated[str | None, Flag("Object names (default: the spec name, DNS-safe).")] = None
-    namespace: Annotated[str | None, Flag("Namespace set in kustomization.yaml (default: kubectl's).", short="-n")] = None
-    image: Annotated[
-        str | None,
-        Flag("Server image (default: trtspec-cpu:<version> or trtspec-trtllm:<version>, built from docker/)."),
-    ] = None
+    kube_version: str = DEFAULT_KUBE_VERSION
+    name: str | None = None
+    namespace: str | None = None
+    image: str | None = None
     image_pull_policy: Literal["IfNotPresent", "Always", "Never"] = "IfNotPresent"
     # pvc: a claim already holding `trtspec build` output (ReadOnlyMany, or one replica)
     # image: an init container copies /engines out of an image built with the engines in it
     # build: a StatefulSet whose init container builds into a per-pod volume (Hub sources)
-    engines_from: Annotated[
-        EnginesFrom,
-        Flag(
-            "Where the engines come from (pvc: a claim holding built engines; image: an init container copies"
-            " /engines from --engines-image; build: a StatefulSet building in the pod)."
-        ),
-    ] = "pvc"
-    pvc: Annotated[str | None, Flag("Claim with the engines (default <name>-engines).")] = None
-    engines_image: Annotated[str | None, Flag("Image holding the built engines under /engines.")] = None
-    storage_size: Annotated[Quantity, Flag("Per-pod claim size in build mode.")] = "50Gi"
-    storage_class: Annotated[str | None, Flag("StorageClass of that claim.")] = None
+    engines_from: EnginesFrom = "pvc"
+    pvc: str | None = None
+    engines_image: str | None = None
+    storage_size: Quantity = "50Gi"
+    storage_class: str | None = None
     hf_token_secret: str = "hf-token"  # optional Secret with key HF_TOKEN (build mode)
-    hpa: Annotated[bool, Flag("HorizontalPodAutoscaler on queue depth with a CPU fallback.", negatable=True)] = True
-    min_replicas: Annotated[int, Field(ge=1, le=1000), Flag("Autoscaler floor; the replica count with --no-hpa.")] = 1
-    max_replicas: Annotated[int, Field(ge=1, le=1000), Flag("Autoscaler ceiling.")] = 4
-    queue_target: Annotated[
-        int | None, Field(ge=1), Flag("Pending requests per pod to scale at (default: the spec's max_batch_size).")
-    ] = None
+    hpa: bool = True
+    min_replicas: Annotated[int, Field(ge=1, le=1000)] = 1
+    max_replicas: Annotated[int, Field(ge=1, le=1000)] = 4
+    queue_target: Annotated[int | None, Field(ge=1)] = None
     # Decoding sequences per pod it aims at; default: 80% of max_batch_size x instance_count.
     active_target: Annotated[int, Field(ge=1)] | None = None
-    cpu_target: Annotated[int, Field(ge=1, le=100), Flag("CPU utilisation % the fallback scales at.")] = 80
-    service_monitor: Annotated[bool, Flag("Also write a prometheus-operator ServiceMonitor.")] = False
-    cpu: Annotated[Quantity | None, Flag("CPU request (default: torch 2, trtllm 4).")] = None
-    cpu_limit: Annotated[
-        Quantity | None, Flag("CPU limit, >= the request; its whole cores set the thread count (default: the request).")
-    ] = None
-    memory: Annotated[Quantity | None, Flag("Memory request and limit (default: torch 8Gi, trtllm 32Gi).")] = None
-    shm_size: Annotated[Quantity, Flag("In-memory /dev/shm for the Python backend and NCCL.")] = "1Gi"
+    cpu_target: Annotated[int, Field(ge=1, le=100)] = 80
+    service_monitor: bool = False
+    cpu: Quantity | None = None
+    cpu_limit: Quantity | None = None
+    memory: Quantity | None = None
+    shm_size: Quantity = "1Gi"
     scratch_size: Quantity = "4Gi"  # emptyDir: model repository, trtspec cache
     tmp_size: Quantity = "1Gi"  # emptyDir: /tmp (HOME)
     # Secret (key TRTSPEC_ADMIN_KEY) opening Triton's admin APIs, mounted as a file; default
@@ -121,15 +107,13 @@ class K8sOptions(BaseModel):
     # NetworkPolicy: only pods labelled clients_label ("key=value"; default: trtspec's OpenAI
     # front) in clients_namespace (default: the deployment's own) reach HTTP and gRPC; only
     # pods labelled metrics_label in metrics_namespace reach the metrics port.
-    network_policy: Annotated[bool, Flag("NetworkPolicy: only the clients and Prometheus get in.", negatable=True)] = True
-    clients_label: Annotated[str, Flag("Pods that may call HTTP/gRPC (key=value).")] = "app.kubernetes.io/component=trtspec-front"
-    clients_namespace: Annotated[str | None, Flag("Their namespace (default: the deployment's).")] = None
-    metrics_label: Annotated[str, Flag("Pods that may scrape metrics (key=value).")] = "app.kubernetes.io/name=prometheus"
-    metrics_namespace: Annotated[str, Flag("Their namespace.")] = "monitoring"
-    gpus_per_node: Annotated[int, Field(ge=1, le=64), Flag("GPUs a node offers; a spec needing more is refused.")] = 8
-    startup_seconds: Annotated[
-        int | None, Field(ge=10, le=86400), Flag("Startup probe budget (default: sized from the engines).")
-    ] = None
+    network_policy: bool = True
+    clients_label: str = "app.kubernetes.io/component=trtspec-front"
+    clients_namespace: str | None = None
+    metrics_label: str = "app.kubernetes.io/name=prometheus"
+    metrics_namespace: str = "monitoring"
+    gpus_per_node: Annotated[int, Field(ge=1, le=64)] = 8
+    startup_seconds: Annotated[int | None, Field(ge=10, le=86400)] = None
 
     @field_validator("memory", "shm_size", "storage_size", "scratch_size", "tmp_size")
     @classmethod

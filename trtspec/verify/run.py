@@ -12,12 +12,11 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trtspec.errors import RequestError
-from trtspec.flags import Flag
 from trtspec.spec import LoadedSpec
 from trtspec.speculative.llmapi import TENSORRT_LLM
 from trtspec.speculative.requests import spec_num_draft_tokens
 from trtspec.speculative.sampling import SamplingParams
-from trtspec.triton.client import URL_HELP, parse_url
+from trtspec.triton.client import parse_url
 from trtspec.verify import html_report
 from trtspec.verify.acceptance import GateResult, identity, load_baseline, parse_fraction
 from trtspec.verify.acceptance import check as check_acceptance
@@ -31,69 +30,27 @@ Progress = Callable[[str, int, int], None]
 
 
 class VerifyOptions(BaseModel):
-    """What `trtspec verify` is asked, each option declared here once (the CLI's flags are
-    built from the flagged fields: trtspec/cli/options.py)."""
+    """What `trtspec verify` is asked: each value's type, default and bounds (the command's
+    flags, trtspec/cli/verify.py, are validated into it)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    prompts: Annotated[
-        list[str] | None,
-        Flag("Prompt to verify (repeatable); default: the spec's verify prompts.", short="-p", name="--prompt"),
-    ] = None
-    max_tokens: Annotated[int | None, Field(ge=1), Flag("Tokens per prompt (default: verify.max_tokens).")] = None
-    num_draft_tokens: Annotated[
-        int | None, Field(ge=0), Flag("Draft length k each request sends (default: the spec's default_draft_tokens).", short="-k")
-    ] = None  # None: the spec's default_draft_tokens (speculative.requests.draft_tokens)
-    url: Annotated[
-        str | None,
-        Flag(URL_HELP),
-    ] = None
-    stream: Annotated[bool, Flag("With --url: take the speculative path from the streaming endpoint.")] = False
-    fail_on: Annotated[
-        Literal["any", "algorithmic"],
-        Flag("Exit 1 on any divergence, or only on algorithmic ones (numerical near-tie flips are reported, not failed)."),
-    ] = "any"
-    baseline: Annotated[
-        Path | None,
-        Flag("A previous `verify --json` report of the same spec, prompts, k and max_tokens to gate acceptance against."),
-    ] = None
-    max_acceptance_drop: Annotated[
-        float | None,
-        Flag("With --baseline: exit 1 if the acceptance rate fell by more than this (5% or 0.05), relative.", text=True),
-    ] = None
-    min_acceptance_length: Annotated[
-        float | None, Field(ge=1.0), Flag("Exit 1 if the mean acceptance length (tokens per target forward) is below this.")
-    ] = None
-    samples: Annotated[
-        int | None,
-        Field(ge=1),
-        Flag(
-            "Also test speculative SAMPLING: N samples per prompt, checked against the target's exact distribution "
-            "(chi-square, false-alarm rate 0.01). In process, or with --url from the served speculative endpoint, "
-            "scored by the target engine built here.",
-            name="--sampling",
-        ),
-    ] = None
-    temperature: Annotated[float | None, Flag("With --sampling: temperature (> 0; default 1).")] = None
-    top_k: Annotated[int | None, Flag("With --sampling: keep the k most likely tokens (0: all).")] = None
-    top_p: Annotated[float | None, Flag("With --sampling: nucleus mass in (0, 1] (1: all).")] = None
-    seed: Annotated[int | None, Flag("With --sampling: first seed (sample i of prompt j uses seed + j*N + i; default 0).")] = None
-    tie_epsilon: Annotated[
-        float | None,
-        Field(ge=0.0),
-        Flag(
-            "Logit gap below which a flip reproduced by the verifier's forward shape is numerical "
-            "(default per target dtype: float32 0.01, float16 0.25, bfloat16 1.0)."
-        ),
-    ] = None  # None: per target dtype (verify/verdicts.py)
-    html_file: Annotated[
-        Path | None,
-        Flag(
-            "Also write a self-contained HTML report: both outputs per prompt, divergences highlighted with their "
-            "verdicts, acceptance plots.",
-            name="--html",
-        ),
-    ] = None  # the page is written after the run; a folder is refused before it
+    prompts: list[str] | None = None
+    max_tokens: Annotated[int | None, Field(ge=1)] = None
+    num_draft_tokens: Annotated[int | None, Field(ge=0)] = None  # None: the spec's default_draft_tokens
+    url: str | None = None
+    stream: bool = False
+    fail_on: Literal["any", "algorithmic"] = "any"
+    baseline: Path | None = None
+    max_acceptance_drop: float | None = None
+    min_acceptance_length: Annotated[float | None, Field(ge=1.0)] = None
+    samples: Annotated[int | None, Field(ge=1)] = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    tie_epsilon: Annotated[float | None, Field(ge=0.0)] = None  # None: per target dtype (verify/verdicts.py)
+    html_file: Path | None = None  # the page is written after the run; a folder is refused before it
     llmapi_impl: str = TENSORRT_LLM  # trtllm.runtime llmapi in process: the library or DOUBLE
 
     @field_validator("url")
