@@ -12,6 +12,7 @@ import typer.main
 from pydantic import BaseModel, Field
 from typer.testing import CliRunner
 
+from trtspec.bench.run import BenchOptions
 from trtspec.cli.app import app
 from trtspec.cli.common import engines_dir, with_device
 from trtspec.cli.options import from_flags
@@ -22,7 +23,7 @@ from trtspec.verify.run import VerifyOptions
 
 runner = CliRunner()
 COMMAND = typer.main.get_command(app)
-MODELS = {("verify",): VerifyOptions, ("deploy", "k8s"): K8sOptions}
+MODELS = {("verify",): VerifyOptions, ("bench",): BenchOptions, ("deploy", "k8s"): K8sOptions}
 
 
 def _command(path: tuple[str, ...]):
@@ -97,7 +98,7 @@ def test_the_engine_folder_is_engines_and_its_old_name_still_reads(tmp_path, cap
     assert engines_dir(loaded, None, tmp_path / "old") == (tmp_path / "old").resolve()
     with pytest.raises(RequestError, match="give the engine folder once: --engines DIR"):
         engines_dir(loaded, tmp_path / "e", tmp_path / "old")
-    for path in (("verify",),):
+    for path in (("verify",), ("bench",)):
         options = {p.name: p for p in _command(path).params}
         assert options["engines"].opts == ["--engines"] and not options["engines"].hidden
         assert options["output"].hidden and sorted(options["output"].opts) == ["--output", "-o"]

@@ -13,11 +13,10 @@ from trtspec import console, machine
 from trtspec.bench import measure as m
 from trtspec.bench.neighbour import busy_neighbours
 from trtspec.errors import RequestError
-from trtspec.flags import Flag
 from trtspec.spec import LoadedSpec
 from trtspec.speculative.llmapi import DOUBLE, TENSORRT_LLM
 from trtspec.speculative.requests import spec_num_draft_tokens
-from trtspec.triton.client import URL_HELP, parse_url
+from trtspec.triton.client import parse_url
 
 
 def int_list(text: str, what: str) -> list[int]:
@@ -35,77 +34,26 @@ def int_list(text: str, what: str) -> list[int]:
 
 
 class BenchOptions(BaseModel):
-    """What `trtspec bench` is asked, each option declared here once (the CLI's flags are built
-    from the flagged fields: trtspec/cli/options.py). ``for_spec`` fills what the spec decides."""
+    """What `trtspec bench` is asked: each value's type, default and bounds (the command's flags,
+    trtspec/cli/bench.py, are validated into it). ``for_spec`` fills what the spec decides."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
 
-    prompts: Annotated[
-        list[str] | None, Flag("Prompt (repeatable); default: the spec's verify prompts.", short="-p", name="--prompt")
-    ] = None
-    prompts_file: Annotated[Path | None, Flag('JSONL file of {"prompt": ...}.')] = None
-    max_tokens: Annotated[int | None, Field(ge=1), Flag("Tokens per request (default: verify.max_tokens).")] = None
+    prompts: list[str] | None = None
+    prompts_file: Path | None = None
+    max_tokens: Annotated[int | None, Field(ge=1)] = None
     # the main comparison's draft length; None: the spec's (speculative.requests)
-    num_draft_tokens: Annotated[
-        int | None,
-        Flag("Draft length for the main comparison (default: the spec's default_draft_tokens).", short="-k"),
-    ] = None
-    sweep: Annotated[
-        list[int] | None,
-        Flag("Draft lengths to sweep, e.g. 1-8 or 2,4,6; 'none' to skip (default 1-8; none for llmapi).", text=True),
-    ] = None
-    concurrency: Annotated[
-        list[int] | None,
-        Flag("Concurrency levels (default 1,2,4 in process; 1,2,4,8 with --url).", short="-c", text=True),
-    ] = None
-    rounds: Annotated[int, Field(ge=1), Flag("Repeat the interleaved main comparison.")] = 1
-    url: Annotated[
-        str | None,
-        Flag(URL_HELP),
-    ] = None
-    methods: Annotated[
-        list[str] | None,
-        Flag(
-            "Also compare drafting methods over the same target, e.g. eagle3,draft_target,ngram "
-            "(in process; target-only is always included).",
-            text=True,
-        ),
-    ] = None
-    methods_prompts: Annotated[
-        list[Path] | None,
-        Flag(
-            "A JSONL prompt set to compare --methods on, reported as its own set (repeatable; "
-            "default: the bench's prompts), e.g. the two sets trtspec ships: trtspec/bench/prompts.jsonl "
-            "(chat) and trtspec/bench/repeat_prompts.jsonl (text that repeats), in its install folder."
-        ),
-    ] = None
-    draft_from: Annotated[
-        Path | None,
-        Flag("A built spec with the same target weights whose draft (engine or EAGLE-3 head) supplies a method this spec lacks."),
-    ] = None
-    schedule: Annotated[
-        bool,
-        Flag(
-            "Also measure tokens/s for each --sweep k and target-only at each --concurrency, and "
-            "recommend a load-aware schedule (speculative.schedule; TensorRT-LLM and vLLM shapes too)."
-        ),
-    ] = False
-    trees: Annotated[
-        bool,
-        Flag(
-            "Also measure acceptance per draft-tree node (a wide probe tree) and the verify cost of n "
-            "nodes, and recommend a tree or a chain by expected tokens per second, timed against the best "
-            "chain (in process; methods draft_target and eagle3)."
-        ),
-    ] = False
-    neighbours: Annotated[
-        int,
-        Field(ge=0),
-        Flag(
-            "Measure beside N busy processes (one core each), as on a shared machine; the machine line says so.",
-            name="--neighbour",
-        ),
-    ] = 0
+    num_draft_tokens: int | None = None
+    sweep: list[int] | None = None
+    concurrency: list[int] | None = None
+    rounds: Annotated[int, Field(ge=1)] = 1
+    url: str | None = None
+    methods: list[str] | None = None
+    methods_prompts: list[Path] | None = None
+    draft_from: Path | None = None
+    schedule: bool = False
+    trees: bool = False
+    neighbours: Annotated[int, Field(ge=0)] = 0
     llmapi_impl: str = TENSORRT_LLM  # trtllm.runtime llmapi in process: the library or DOUBLE
     # Filled by for_spec: the prompt sets --methods compares on, (name, prompts), and the spec
     # --draft-from names.

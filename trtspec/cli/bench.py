@@ -9,28 +9,79 @@ import typer
 
 from trtspec import console
 from trtspec.bench.run import BenchOptions
-from trtspec.cli.common import DeviceOpt, JsonFileOpt, JsonOpt, LlmapiOpt, OutputOpt, SpecArg, for_run, handle_errors
-from trtspec.cli.options import declared
+from trtspec.cli.common import (
+    DeviceOpt,
+    EnginesOldNameOpt,
+    EnginesOpt,
+    JsonFileOpt,
+    JsonOpt,
+    LlmapiOpt,
+    MaxTokensOpt,
+    NumDraftTokensOpt,
+    PromptOpt,
+    SpecArg,
+    UrlOpt,
+    engines_dir,
+    handle_errors,
+    with_device,
+)
+from trtspec.cli.options import from_flags
 from trtspec.cli.output import emit
 from trtspec.errors import EXIT_INTERRUPTED
+from trtspec.spec import load_spec
 from trtspec.speculative.llmapi import TENSORRT_LLM
 
+Opt = typer.Option
+OutOpt = Annotated[Path | None, Opt("--out", help="Folder for bench.json and plots (default .trtspec/bench/<name>).")]
+PromptsFileOpt = Annotated[Path | None, Opt("--prompts-file", help='JSONL file of {"prompt": ...}.')]
+SweepOpt = Annotated[
+    str | None, Opt("--sweep", help="Draft lengths to sweep, e.g. 1-8 or 2,4,6; 'none' to skip (default 1-8; none for llmapi).")
+]
+ConcurrencyOpt = Annotated[
+    str | None, Opt("--concurrency", "-c", help="Concurrency levels (default 1,2,4 in process; 1,2,4,8 with --url).")
+]
+RoundsOpt = Annotated[int, Opt("--rounds", help="Repeat the interleaved main comparison.")]
+MethodsOpt = Annotated[
+    str | None,
+    Opt(
+        "--methods",
+        help="Also compare drafting methods over the same target, e.g. eagle3,draft_target,ngram (in process; target-only is always included).",
+    ),
+]
+MethodsPromptsOpt = Annotated[
+    list[Path] | None,
+    Opt(
+        "--methods-prompts",
+        help="A JSONL prompt set to compare --methods on, reported as its own set (repeatable; default: the bench's prompts), e.g. the two sets trtspec ships: trtspec/bench/prompts.jsonl (chat) and trtspec/bench/repeat_prompts.jsonl (text that repeats), in its install folder.",
+    ),
+]
+DraftFromOpt = Annotated[
+    Path | None,
+    Opt(
+        "--draft-from",
+        help="A built spec with the same target weights whose draft (engine or EAGLE-3 head) supplies a method this spec lacks.",
+    ),
+]
+ScheduleOpt = Annotated[
+    bool,
+    Opt(
+        "--schedule",
+        help="Also measure tokens/s for each --sweep k and target-only at each --concurrency, and recommend a load-aware schedule (speculative.schedule; TensorRT-LLM and vLLM shapes too).",
+    ),
+]
+TreesOpt = Annotated[
+    bool,
+    Opt(
+        "--trees",
+        help="Also measure acceptance per draft-tree node (a wide probe tree) and the verify cost of n nodes, and recommend a tree or a chain by expected tokens per second, timed against the best chain (in process; methods draft_target and eagle3).",
+    ),
+]
+NeighboursOpt = Annotated[
+    int,
+    Opt("--neighbour", help="Measure beside N busy processes (one core each), as on a shared machine; the machine line says so."),
+]
 
-@handle_errors
-@declared(BenchOptions)
-def bench(
-    spec: SpecArg,
-    opts: BenchOptions,
-    output: OutputOpt = None,
-    out: Annotated[
-        Path | None, typer.Option("--out", help="Folder for bench.json and plots (default .trtspec/bench/<name>).")
-    ] = None,
-    as_json: JsonOpt = False,
-    json_file: JsonFileOpt = None,
-    llmapi_impl: LlmapiOpt = TENSORRT_LLM,
-    device: DeviceOpt = None,
-) -> None:
-    """Measure speculative vs target-only on SPEC's pair, prompts and load.
+HELP = """Measure speculative vs target-only on SPEC's pair, prompts and load.
 
     Reports tokens/s, TTFT, ITL, latency p50/p95, acceptance (rate, mean acceptance length,
     per position), the cost ratio c and the analytic speedup bound with efficiency, a k sweep
@@ -53,13 +104,42 @@ def bench(
         --methods-prompts trtspec/bench/repeat_prompts.jsonl
       trtspec bench engine_specs/smollm2-135m-eagle3.yaml --trees --sweep none \\
         -c 1
-    """
+"""
+
+
+@handle_errors
+def bench(
+    ctx: typer.Context,
+    spec: SpecArg,
+    prompts: PromptOpt = None,
+    prompts_file: PromptsFileOpt = None,
+    max_tokens: MaxTokensOpt = None,
+    num_draft_tokens: NumDraftTokensOpt = None,
+    sweep: SweepOpt = None,
+    concurrency: ConcurrencyOpt = None,
+    rounds: RoundsOpt = 1,
+    url: UrlOpt = None,
+    methods: MethodsOpt = None,
+    methods_prompts: MethodsPromptsOpt = None,
+    draft_from: DraftFromOpt = None,
+    schedule: ScheduleOpt = False,
+    trees: TreesOpt = False,
+    neighbours: NeighboursOpt = 0,
+    engines: EnginesOpt = None,
+    output: EnginesOldNameOpt = None,
+    out: OutOpt = None,
+    as_json: JsonOpt = False,
+    json_file: JsonFileOpt = None,
+    llmapi_impl: LlmapiOpt = TENSORRT_LLM,
+    device: DeviceOpt = None,
+) -> None:
     from trtspec.bench import plot, render, run
 
-    loaded, opts = for_run(spec, device, opts, llmapi_impl)
+    opts = from_flags(BenchOptions, ctx)
+    loaded = with_device(load_spec(spec), device)
     with console.err.status("benchmarking") as status:
         report, interrupted = run.run(
-            loaded, loaded.output_dir(output), opts, progress=lambda s: status.update(f"benchmarking: {s}")
+            loaded, engines_dir(loaded, engines, output), opts, progress=lambda s: status.update(f"benchmarking: {s}")
         )
     emit(report, lambda o: render.render(report, o), as_json=as_json, json_file=json_file)
     for f in plot.write_outputs(report, out or Path(".trtspec") / "bench" / loaded.spec.name):

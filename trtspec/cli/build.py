@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated
+
 import typer
 
-from trtspec.cli.common import AllowPickleOpt, DeviceOpt, JsonFileOpt, JsonOpt, OutputOpt, SpecArg, handle_errors, with_device
+from trtspec.cli.common import AllowPickleOpt, DeviceOpt, JsonFileOpt, JsonOpt, SpecArg, handle_errors, with_device
 from trtspec.cli.output import emit
 from trtspec.engines import build as builder
 from trtspec.spec import load_spec
+
+Opt = typer.Option
+OutputOpt = Annotated[
+    Path | None, Opt("--output", "-o", help="Where to write the engines (default: the spec's output_dir, else engines/<name>).")
+]
+ForceOpt = Annotated[bool, Opt("--force", help="Rebuild even if the engines are up to date.")]
+DryRunOpt = Annotated[bool, Opt("--dry-run", help="Print the plan; write nothing.")]
 
 
 @handle_errors
 def build(
     spec: SpecArg,
     output: OutputOpt = None,
-    force: bool = typer.Option(False, "--force", help="Rebuild even if the engines are up to date."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; write nothing."),
+    force: ForceOpt = False,
+    dry_run: DryRunOpt = False,
     allow_pickle: AllowPickleOpt = False,
     device: DeviceOpt = None,
     as_json: JsonOpt = False,

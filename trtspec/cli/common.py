@@ -8,25 +8,21 @@ import functools
 import os
 import traceback
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import Annotated
 
 import typer
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from trtspec import console
 from trtspec.device import check_name as check_device_name
 from trtspec.errors import EXIT_INTERRUPTED, RequestError, TrtspecError
-from trtspec.spec import EngineSpec, LoadedSpec, load_spec
+from trtspec.spec import EngineSpec, LoadedSpec
 from trtspec.triton.client import URL_HELP
 
 SpecArg = Annotated[Path, typer.Argument(help="Engine spec YAML (engine_specs/*.yaml).", show_default=False)]
 AllowPickleOpt = Annotated[
     bool,
     typer.Option("--allow-pickle", help="Also load pickle weights (.bin/.pt). Pickle can run code: only for trusted sources."),
-]
-OutputOpt = Annotated[  # bench's, until it reads --engines
-    Path | None,
-    typer.Option("--output", "-o", help="Engine folder (default: the spec's output_dir, else engines/<name>)."),
 ]
 EnginesOpt = Annotated[
     Path | None,
@@ -65,6 +61,7 @@ NumDraftTokensOpt = Annotated[
         "--num-draft-tokens", "-k", help="Draft length k each request sends (default: the spec's default_draft_tokens)."
     ),
 ]
+MaxTokensOpt = Annotated[int | None, typer.Option("--max-tokens", help="Tokens per prompt (default: verify.max_tokens).")]
 UrlOpt = Annotated[str | None, typer.Option("--url", help=URL_HELP)]
 PidFileOpt = Annotated[Path, typer.Option("--pid-file", help="The pid file of a server started with `trtspec serve --detach`.")]
 MetricsPortOpt = Annotated[
@@ -103,15 +100,6 @@ def with_device(loaded: LoadedSpec, device: str | None) -> LoadedSpec:
         reasons = "; ".join(str(err["msg"]).removeprefix("Value error, ") for err in e.errors())
         raise RequestError(f"--device {name}: {reasons}") from None
     return LoadedSpec(spec=spec, path=loaded.path)
-
-
-M = TypeVar("M", bound=BaseModel)
-
-
-def for_run(spec: Path, device: str | None, opts: M, llmapi_impl: str) -> tuple[LoadedSpec, M]:
-    """What a command that runs a spec's pair starts from (verify, bench): the spec with
-    --device applied, and the command's options with --llmapi in them."""
-    return with_device(load_spec(spec), device), opts.model_copy(update={"llmapi_impl": llmapi_impl})
 
 
 def handle_errors(fn):

@@ -12,28 +12,34 @@ from trtspec.cli.common import EnginesOpt, handle_errors
 from trtspec.triton.client import parse_url
 from trtspec.triton.server import launch
 
+Opt = typer.Option
+TargetArg = Annotated[
+    Path, typer.Argument(help="Engine spec YAML or the model repository `trtspec serve` serves.", show_default=False)
+]
+# the front's upstream: always a served deployment (verify's and bench's --url is optional)
+UrlOpt = Annotated[str, Opt("--url", help="The Triton deployment's gRPC HOST:PORT.")]
+HostOpt = Annotated[
+    str, Opt("--host", help="Address to bind. Without --api-key(s) anyone who reaches it may call: keep it on loopback.")
+]
+PortOpt = Annotated[int, Opt("--port", min=1, max=65535, help="HTTP port of the API.")]
+ApiKeysOpt = Annotated[
+    Path | None,
+    Opt(
+        "--api-keys",
+        help="YAML/JSON file mapping API key -> tenant; each tenant its own suffix cache scope. Re-read when it changes.",
+    ),
+]
+ApiKeyOpt = Annotated[str | None, Opt("--api-key", help="One API key (tenant 'default'); prefer --api-keys: argv is visible.")]
+
 
 @handle_errors
 def openai(
-    target: Annotated[
-        Path, typer.Argument(help="Engine spec YAML or the model repository `trtspec serve` serves.", show_default=False)
-    ],
-    url: Annotated[str, typer.Option("--url", help="The Triton deployment's gRPC HOST:PORT.")] = "127.0.0.1:8001",
-    host: Annotated[
-        str,
-        typer.Option("--host", help="Address to bind. Without --api-key(s) anyone who reaches it may call: keep it on loopback."),
-    ] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", min=1, max=65535, help="HTTP port of the API.")] = 8080,
-    api_keys: Annotated[
-        Path | None,
-        typer.Option(
-            "--api-keys",
-            help="YAML/JSON file mapping API key -> tenant; each tenant its own suffix cache scope. Re-read when it changes.",
-        ),
-    ] = None,
-    api_key: Annotated[
-        str | None, typer.Option("--api-key", help="One API key (tenant 'default'); prefer --api-keys: argv is visible.")
-    ] = None,
+    target: TargetArg,
+    url: UrlOpt = "127.0.0.1:8001",
+    host: HostOpt = "127.0.0.1",
+    port: PortOpt = 8080,
+    api_keys: ApiKeysOpt = None,
+    api_key: ApiKeyOpt = None,
     engines: EnginesOpt = None,
 ) -> None:
     """Serve /v1/models, /v1/completions and /v1/chat/completions (SSE streaming) for a

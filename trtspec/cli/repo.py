@@ -13,13 +13,15 @@ from trtspec.spec import load_spec
 from trtspec.speculative.llmapi import TENSORRT_LLM
 from trtspec.triton.repository.writer import write_repository
 
+OutputOpt = Annotated[
+    Path | None, typer.Option("--output", "-o", help="Repository folder (default: serve.repo_dir, else model_repo/<name>).")
+]
+
 
 @handle_errors
 def repo(
     spec: SpecArg,
-    output: Annotated[
-        Path | None, typer.Option("--output", "-o", help="Repository folder (default: serve.repo_dir, else model_repo/<name>).")
-    ] = None,
+    output: OutputOpt = None,
     engines: EnginesOpt = None,
     llmapi_impl: LlmapiOpt = TENSORRT_LLM,
 ) -> None:

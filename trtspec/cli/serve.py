@@ -9,10 +9,26 @@ from typing import Annotated
 import typer
 
 from trtspec import console
-from trtspec.cli.common import EnginesOpt, LlmapiOpt, handle_errors
+from trtspec.cli.common import EnginesOpt, LlmapiOpt, MetricsPortOpt, PidFileOpt, handle_errors
 from trtspec.speculative.llmapi import TENSORRT_LLM
 from trtspec.triton.server import launch
 from trtspec.triton.server.install import CACHE_ENV, SERVER_GLIBC_ENV
+
+Opt = typer.Option
+TargetArg = Annotated[
+    Path,
+    typer.Argument(help="Engine spec YAML (its repository is written first) or a model repository folder.", show_default=False),
+]
+HostOpt = Annotated[str | None, Opt("--host", help="Address to bind (default: serve.host, 127.0.0.1). The server has no auth.")]
+HttpPortOpt = Annotated[int | None, Opt("--http-port", min=1, max=65535, help="Default: serve.http_port (8000).")]
+GrpcPortOpt = Annotated[int | None, Opt("--grpc-port", min=1, max=65535, help="Default: serve.grpc_port (8001).")]
+RepoOpt = Annotated[Path | None, Opt("--repo", help="Where to write the repository (SPEC only).")]
+TimeoutOpt = Annotated[float, Opt("--timeout", min=1, help="Seconds to wait for readiness.")]
+DryRunOpt = Annotated[bool, Opt("--dry-run", help="Print the command and environment; start nothing.")]
+DetachOpt = Annotated[bool, Opt("--detach", help="Return once ready; the server keeps running (stop it with `trtspec stop`).")]
+LogFileOpt = Annotated[
+    Path | None, Opt("--log-file", help="Server log (default: beside the pid file when detached, else a temp file).")
+]
 
 
 def _print_dry_run(server, t) -> None:
@@ -40,35 +56,18 @@ def _run_attached(server, timeout: float, log_file: Path | None, endpoints: str)
 
 @handle_errors
 def serve(
-    target: Annotated[
-        Path,
-        typer.Argument(
-            help="Engine spec YAML (its repository is written first) or a model repository folder.", show_default=False
-        ),
-    ],
-    host: Annotated[
-        str | None, typer.Option("--host", help="Address to bind (default: serve.host, 127.0.0.1). The server has no auth.")
-    ] = None,
-    http_port: Annotated[
-        int | None, typer.Option("--http-port", min=1, max=65535, help="Default: serve.http_port (8000).")
-    ] = None,
-    grpc_port: Annotated[
-        int | None, typer.Option("--grpc-port", min=1, max=65535, help="Default: serve.grpc_port (8001).")
-    ] = None,
-    metrics_port: Annotated[
-        int | None, typer.Option("--metrics-port", min=1, max=65535, help="Default: serve.metrics_port (8002).")
-    ] = None,
+    target: TargetArg,
+    host: HostOpt = None,
+    http_port: HttpPortOpt = None,
+    grpc_port: GrpcPortOpt = None,
+    metrics_port: MetricsPortOpt = None,
     engines: EnginesOpt = None,
-    repo_dir: Annotated[Path | None, typer.Option("--repo", help="Where to write the repository (SPEC only).")] = None,
-    timeout: Annotated[float, typer.Option("--timeout", min=1, help="Seconds to wait for readiness.")] = 300.0,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command and environment; start nothing.")] = False,
-    detach: Annotated[
-        bool, typer.Option("--detach", help="Return once ready; the server keeps running (stop it with `trtspec stop`).")
-    ] = False,
-    pid_file: Annotated[Path, typer.Option("--pid-file", help="Detached server's pid file.")] = launch.DEFAULT_PID_FILE,
-    log_file: Annotated[
-        Path | None, typer.Option("--log-file", help="Server log (default: beside the pid file when detached, else a temp file).")
-    ] = None,
+    repo_dir: RepoOpt = None,
+    timeout: TimeoutOpt = 300.0,
+    dry_run: DryRunOpt = False,
+    detach: DetachOpt = False,
+    pid_file: PidFileOpt = launch.DEFAULT_PID_FILE,
+    log_file: LogFileOpt = None,
     llmapi_impl: LlmapiOpt = TENSORRT_LLM,
 ) -> None:
     """Serve SPEC (or a written REPO) on tritonserver and wait until every model is ready.

@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from trtspec import console
-from trtspec.cli.common import handle_errors
+from trtspec.cli.common import PidFileOpt, handle_errors
 from trtspec.triton.server.detached import stop_detached
 from trtspec.triton.server.launch import DEFAULT_PID_FILE
+
+TimeoutOpt = Annotated[float, typer.Option("--timeout", min=1, help="Seconds before SIGKILL.")]
 
 
 @handle_errors
 def stop(
-    pid_file: Annotated[Path, typer.Option("--pid-file", help="Pid file written by `serve --detach`.")] = DEFAULT_PID_FILE,
-    timeout: Annotated[float, typer.Option("--timeout", min=1, help="Seconds before SIGKILL.")] = 30.0,
+    pid_file: PidFileOpt = DEFAULT_PID_FILE,
+    timeout: TimeoutOpt = 30.0,
 ) -> None:
     """Stop a detached server and every stub process; remove its pid file.
 

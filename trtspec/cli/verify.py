@@ -16,6 +16,7 @@ from trtspec.cli.common import (
     JsonFileOpt,
     JsonOpt,
     LlmapiOpt,
+    MaxTokensOpt,
     NumDraftTokensOpt,
     PromptOpt,
     SpecArg,
@@ -32,7 +33,6 @@ from trtspec.speculative.llmapi import TENSORRT_LLM
 from trtspec.verify.run import VerifyOptions, run
 
 Opt = typer.Option
-MaxTokensOpt = Annotated[int | None, Opt("--max-tokens", help="Tokens per prompt (default: verify.max_tokens).")]
 StreamOpt = Annotated[bool, Opt("--stream", help="With --url: take the speculative path from the streaming endpoint.")]
 FailOnOpt = Annotated[
     str,
