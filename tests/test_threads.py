@@ -160,7 +160,7 @@ def test_the_engine_runs_each_forward_under_the_governor(built, monkeypatch):
     class Recorder:
         current = 1
 
-        def forward(self, key):
+        def forward(self, key, compiles=None):
             import contextlib
 
             seen.append(key[1:])
@@ -237,3 +237,30 @@ def test_the_governor_never_probes_beyond_the_cgroup_quota(tmp_path, monkeypatch
     (root / "kubepods.slice" / "pod-a" / "cri-b" / "cpu.max").write_text("300000 100000\n")
     monkeypatch.setattr(threads, "_governor", None)
     assert max(threads.governor().counts) == 3
+
+
+def test_work_in_turn_runs_each_forward_at_that_count_and_records_none():
+    """A load compiles its programs at each count (engine.warm_programs): a forward inside
+    in_turn must run at the count being warmed, not at the governor's own choice, or the
+    other count's program is first compiled in the middle of a request."""
+    m = Machine()
+    gov = make(m)
+    ran = [(count, m.run(gov, key=("warm", count))) for count in gov.in_turn()]
+    assert ran == [(2, 2), (1, 1)]
+    assert not gov.times and gov.forced is None
+    assert m.run(gov) == 2  # afterwards the governor chooses again
+
+
+def test_a_forward_that_compiled_a_program_is_not_recorded():
+    """The first forward of a compiled kind at a count includes its compile (seconds): recorded,
+    it would keep that count off for minutes while the median carries it."""
+    m = Machine()
+    gov = make(m)
+    compiled = [0]
+    with gov.forward("decode", lambda: compiled[0]):
+        m.now += 12.0
+        compiled[0] += 1  # this forward compiled its program
+    assert (2, "decode") not in gov.times
+    for _ in range(3):
+        m.run(gov)
+    assert gov.current == 2 and gov.switches == 0

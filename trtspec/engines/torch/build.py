@@ -68,7 +68,10 @@ def compile_for_this_machine(role: str, folder: Path) -> None:
     if key in manifest.programs:
         return
     with console.step(f"{role}: compiling the step for this machine ({machine})"):
-        engine = TorchEngine.load(folder, slots=1)
+        # two slots: the slot count is then a dynamic size, and the programs compiled here are the
+        # ones every later load finds in inductor's cache, a server's at each thread count
+        engine = TorchEngine.load(folder, slots=2)
+        engine.warm_programs()
         choice = engine.programs
         record = {"machine": machine, "one": choice.one, "many": choice.many, "source": choice.source, "reason": choice.reason}
         record["compile_seconds"] = round(float(sum(engine.program.compiled_kinds.values())), 1) if engine.program else 0.0

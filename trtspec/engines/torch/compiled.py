@@ -55,6 +55,11 @@ from trtspec.engines.torch.model import ByRows, DecoderLM, KVCache, StepInputs, 
 from trtspec.engines.torch.quant import WeightOnlyLinear
 from trtspec.files import write_json_atomic
 
+# Inductor's code cache under trtspec's, set before anything imports inductor's config: that
+# import writes its own default (a folder under /tmp, gone at the next boot or pod restart)
+# into the environment. A user's own TORCHINDUCTOR_CACHE_DIR wins.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+
 COMPILE_ENV = "TRTSPEC_COMPILE"  # auto (default): measured | 1: compiled, unmeasured | 0: eager
 CACHE_FILE = "programs.json"
 PROGRAMS_VERSION = "2"  # bumped when what a program runs changes: cached choices are measured again
@@ -151,6 +156,12 @@ class StepTensors:
             self.write_tok,
         )
 
+    def normalised(self) -> StepTensors:
+        """Every tensor an inference tensor, whether the caller built it inside inference mode
+        or not: a program's guards tell the two apart, and a server's callers do both (the
+        EAGLE-3 drafter steps inside inference mode), so each would compile the step again."""
+        return StepTensors(*(_inference(t) for t in self.tensors()))
+
     def mark_dynamic(self) -> None:
         """Sizes that vary from step to step, marked dynamic so that they never recompile (a
         size of 1 stays a kind of its own: one row, one new token)."""
@@ -165,6 +176,13 @@ class StepTensors:
         for t in (self.write_slot, self.write_pos, self.write_row, self.write_tok):
             if t.shape[0] > 1:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
+def _inference(t: torch.Tensor) -> torch.Tensor:
+    if t.is_inference():
+        return t
+    with torch.inference_mode():
+        return t.clone()
 
 
 def _streamed(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
@@ -194,6 +212,7 @@ class StepProgram:
         self._compiled = torch.compile(self._hidden, fullgraph=True, dynamic=False)
         self._compiled_head = torch.compile(self._head, fullgraph=True, dynamic=False)
         self.compiled_kinds: dict[tuple[bool, bool, bool], float] = {}  # kind -> seconds its first call took
+        self._caches: set[int] = set()  # the KV caches whose slot count is marked dynamic
 
     def register(self) -> None:
         """Point this program's Linear names at the model's current modules."""
@@ -271,8 +290,13 @@ class StepProgram:
         captured: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """As DecoderLM.hidden_states, through the compiled program of the step's kind."""
-        t = StepTensors.of(step)
+        t = StepTensors.of(step).normalised()
         t.mark_dynamic()
+        if id(cache) not in self._caches:  # any slot count from 2 up is one program: a server's
+            self._caches.add(id(cache))  # engines hold more slots than a one-shot command's
+            for layer in (*cache.k, *cache.v):
+                if layer.shape[0] > 1:
+                    torch._dynamo.maybe_mark_dynamic(layer, 0)
         kind = (t.tokens.shape[0] > 1, t.tokens.shape[1] > 1, bool(capture))
         started = time.perf_counter()
         with warnings.catch_warnings():
@@ -290,11 +314,19 @@ class StepProgram:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """As DecoderLM.logits: float32 logits [rows, vocab] of final hidden states [rows, hidden]."""
+        hidden = _inference(hidden)  # rows joined outside inference mode are not (see normalised)
         if hidden.shape[0] > 1:
             torch._dynamo.maybe_mark_dynamic(hidden, 0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return self._compiled_head(hidden)
+
+
+def compiles() -> int:
+    """How many programs this process has compiled so far (each guarded variant counts)."""
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["total"]
 
 
 def _configure() -> None:
@@ -308,7 +340,6 @@ def _configure() -> None:
 
     # Compile in this process: no pool of compile workers forked from a server's model process.
     inductor_config.compile_threads = 1
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
 
 
 # -- choosing: eager or compiled, per machine -----------------------------------------------------

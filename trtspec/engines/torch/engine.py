@@ -29,6 +29,7 @@ from trtspec.engines.torch.compiled import (
     StepProgram,
     choose_program,
     compile_failure,
+    compiles,
     program_timer,
     streamed_weights,
 )
@@ -294,13 +295,16 @@ class TorchEngine:
 
     def warm_programs(self) -> None:
         """Compile now every kind of step a server meets (one row or several, of one token or
-        several), so that no request waits for a compile."""
+        several) at each thread count the governor compares (a program is compiled for one
+        count: its loops split work by it), so that no request waits for a compile."""
         if self.program is None:
             return
-        for rows in range(1, min(self.max_batch_size, 2) + 1):
-            for n in (1, 2):
-                self.run([ForwardItem([1 + i] * (n + 1), n) for i in range(rows)])
-        self.forget_prefixes()
+        for _ in threads.governor().in_turn():
+            for rows in range(1, min(self.max_batch_size, 2) + 1):
+                # two new tokens a row (a prefill or a verify), then one on top (a decode step)
+                self.run([ForwardItem([1 + i] * 2, 2) for i in range(rows)])
+                self.run([ForwardItem([1 + i] * 3, 1) for i in range(rows)])
+                self.forget_prefixes()
 
     def warm_matmuls(self) -> int:
         """Every packed matmul shape a forward can meet, made at each thread count the governor
@@ -484,7 +488,8 @@ class TorchEngine:
         # The thread count for this shape (rows, new tokens, keys attended), chosen from measured
         # forwards: fewer threads while a neighbour holds a core (threads.py).
         shape = (id(self), len(items), max(news).bit_length(), max(len(it.tokens) for it in items).bit_length())
-        with threads.governor().forward(shape) if self.device.type == "cpu" else contextlib.nullcontext():
+        governed = threads.governor().forward(shape, compiles) if self.device.type == "cpu" else contextlib.nullcontext()
+        with governed:
             for group in forward_groups(news, self.forward_rows):
                 rows = self._forward([items[i] for i in group], [assigned[i] for i in group], [starts[i] for i in group])
                 for i, hidden in zip(group, rows):

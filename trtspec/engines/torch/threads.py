@@ -147,6 +147,7 @@ class Governor:
         self.applied: int | None = None
         self.switches = 0  # how often the chosen count changed (reported by bench)
         self.holds = 0  # open held() blocks: every forward at the full count, untimed
+        self.forced: int | None = None  # inside in_turn(): every forward at this count, untimed
         self._lock = threading.Lock()
 
     def _time(self, n: int, key: Hashable) -> float | None:
@@ -162,6 +163,8 @@ class Governor:
         if len(self.counts) == 1:
             return self.current
         with self._lock:
+            if self.forced is not None:
+                return self.forced
             if self.holds:
                 return self.counts[0]
             untried = [n for n in self.counts if (n, key) not in self.times]
@@ -180,7 +183,7 @@ class Governor:
     def record(self, n: int, key: Hashable, seconds: float) -> None:
         """A forward of shape ``key`` took ``seconds`` with ``n`` threads; maybe change the count."""
         with self._lock:
-            if self.holds:  # a held forward is no measurement of the count the governor runs
+            if self.holds or self.forced is not None:  # no measurement of the count the governor runs
                 return
             self.times[(n, key)].append(seconds)
             self.tried[(n, key)] = self.clock()
@@ -199,24 +202,34 @@ class Governor:
                 self.next_probe = self.clock() + PROBE_MIN
 
     @contextlib.contextmanager
-    def forward(self, key: Hashable) -> Iterator[int]:
-        """Run one forward of shape ``key`` under the chosen count; its time is recorded."""
+    def forward(self, key: Hashable, compiles: Callable[[], int] | None = None) -> Iterator[int]:
+        """Run one forward of shape ``key`` under the chosen count; its time is recorded, unless
+        ``compiles`` (a count of compiles so far) moved while it ran: a forward that compiled a
+        program is no measure of the count (one such time would keep a count off for minutes)."""
         n = self.pick(key)
         if n != self.applied:
             self.set_threads(n)
             self.applied = n
+        before = compiles() if compiles else 0
         start = self.clock()
         yield n
-        self.record(n, key, self.clock() - start)
+        if not compiles or compiles() == before:
+            self.record(n, key, self.clock() - start)
 
     def in_turn(self) -> Iterator[int]:
         """Set each count the governor compares in turn, for untimed work that must meet every
-        one of them (the engines' matmul shapes at load: model.py warm_matmuls)."""
-        for n in self.counts:
+        one of them (the engines' matmul shapes and compiled programs at load): forwards inside
+        run at that count and are not recorded."""
+        try:
+            for n in self.counts:
+                with self._lock:
+                    self.set_threads(n)
+                    self.applied = n
+                    self.forced = n
+                yield n
+        finally:
             with self._lock:
-                self.set_threads(n)
-                self.applied = n
-            yield n
+                self.forced = None
 
     @contextlib.contextmanager
     def held(self) -> Iterator[int]:
@@ -257,7 +270,7 @@ class _Fixed:
         torch.set_num_threads(n)
 
     @contextlib.contextmanager
-    def forward(self, key: Hashable) -> Iterator[int]:
+    def forward(self, key: Hashable, compiles: Callable[[], int] | None = None) -> Iterator[int]:
         yield self.current
 
     @contextlib.contextmanager
