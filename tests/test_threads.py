@@ -248,6 +248,7 @@ def test_work_in_turn_runs_each_forward_at_that_count_and_records_none():
     ran = [(count, m.run(gov, key=("warm", count))) for count in gov.in_turn()]
     assert ran == [(2, 2), (1, 1)]
     assert not gov.times and gov.forced is None
+    assert m.applied[-1] == 2  # the pool is back at the governor's count (torch.get_num_threads)
     assert m.run(gov) == 2  # afterwards the governor chooses again
 
 

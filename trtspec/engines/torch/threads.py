@@ -227,9 +227,11 @@ class Governor:
                     self.applied = n
                     self.forced = n
                 yield n
-        finally:
+        finally:  # back to the count the governor runs
             with self._lock:
                 self.forced = None
+                self.set_threads(self.current)
+                self.applied = self.current
 
     @contextlib.contextmanager
     def held(self) -> Iterator[int]:
