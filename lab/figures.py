@@ -2,7 +2,7 @@
 
     python -m lab.figures            # rewrite every figure block of README.md, docs/performance.md and lab/RECORDS.md (make figures)
     python -m lab.figures --check    # exit 1 and name each block that differs from what the results give
-    python -m lab.figures --record NAME --from lab/results/SPEC/bench.json --command "trtspec bench ..."
+    python -m lab.figures --record NAME --from .trtspec/bench/SPEC/bench.json --command "trtspec bench ..."
                                        # a run's own JSON as the result file lab/results/NAME.json
 
 A figure block in a document is a marked region:
@@ -220,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block differs from the results")
     ap.add_argument("--record", metavar="NAME", help="write lab/results/NAME.json from --from's JSON, then stop")
-    ap.add_argument("--from", dest="source", type=Path, help="with --record: the run's JSON (e.g. lab/results/SPEC/bench.json)")
+    ap.add_argument(
+        "--from", dest="source", type=Path, help="with --record: the run's JSON (e.g. .trtspec/bench/SPEC/bench.json)"
+    )
     ap.add_argument("--command", help="with --record: the command that produced it")
     ap.add_argument("--machine", help="with --record: the machine line, where the JSON carries none")
     ap.add_argument("--results", type=Path, default=RESULTS, help="with --record: the folder to write NAME.json in")
