@@ -2,24 +2,184 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
 from trtspec.cli.common import AllowPickleOpt, DeviceOpt, JsonFileOpt, JsonOpt, SpecArg, handle_errors, with_device
-from trtspec.cli.options import declared
+from trtspec.cli.options import from_flags
 from trtspec.cli.output import emit
 from trtspec.distill.options import DistillOptions
 from trtspec.spec import load_spec
 
+# The recipe's flags (trtspec/recipe.py: a flag given overrides the spec's distill: key) and the
+# run's own (trtspec/distill/options.py), validated into DistillOptions.
+Opt = typer.Option
+PromptsOpt = Annotated[Path | None, Opt("--prompts", help='JSONL prompts ({"prompt": ...} per line); default: the shipped set.')]
+EvalPromptsOpt = Annotated[
+    Path | None,
+    Opt(
+        "--eval-prompts",
+        help="JSONL prompts scored as unseen beside the spec's verify prompts (never trained on), e.g. the chat set trtspec ships, trtspec/bench/prompts.jsonl in its install folder.",
+    ),
+]
+CorpusOpt = Annotated[
+    Path | None,
+    Opt(
+        "--corpus",
+        help="Your own conversations, trained on without generation: OpenAI messages JSONL or ShareGPT JSON; assistant turns are the response positions, labels are the target's own tokens.",
+    ),
+]
+MaxTokensOpt = Annotated[int, Opt("--max-tokens", help="Target response length per prompt.")]
+SamplesPerPromptOpt = Annotated[
+    int,
+    Opt(
+        "--samples-per-prompt",
+        help="Training responses per prompt: the greedy one plus N-1 sampled ones (more contexts; labels stay the target's greedy tokens). Held-out prompts keep their greedy response only.",
+    ),
+]
+BranchesPerPromptOpt = Annotated[
+    int,
+    Opt(
+        "--branches-per-prompt", help="Sampled continuations per training prompt from a random point inside its greedy response."
+    ),
+]
+TemperatureOpt = Annotated[float, Opt("--temperature", help="Temperature of the sampled responses (top-p 0.95).")]
+LayerIdsOpt = Annotated[
+    str | None,
+    Opt("--layers", help="Target layer ids the head reads (default or none: {1, L//2-1, L-2}: the latest vLLM can name)."),
+]
+DraftVocabOpt = Annotated[int, Opt("--draft-vocab", help="Draft vocabulary size (the target's most frequent outputs).")]
+AnchorOpt = Annotated[
+    bool, Opt("--anchor/--no-anchor", help="Start the head as the target's own next-token predictor (copy of its last layer).")
+]
+TrainLmHeadOpt = Annotated[bool, Opt("--train-lm-head", help="Train the LM head too (default: the target's, frozen).")]
+MaxStepsOpt = Annotated[int, Opt("--max-steps", help="Training steps at most.")]
+TimeBudgetOpt = Annotated[
+    str | None,
+    Opt(
+        "--time-budget",
+        help="Stop training when the run (data included) reaches this: 600, 10m, 1h (none: no budget); no head when it is reached before the first step.",
+    ),
+]
+SeedOpt = Annotated[int, Opt("--seed", help="Seed of the split, the initialisation and the batches.")]
+BatchSizeOpt = Annotated[int, Opt("--batch-size", help="Sequences per training step.")]
+LrOpt = Annotated[float, Opt("--lr", help="AdamW learning rate.")]
+WeightDecayOpt = Annotated[float, Opt("--weight-decay", help="AdamW weight decay.")]
+ScheduleOpt = Annotated[str, Opt("--schedule", help="cosine: warmup then cosine decay; constant. One of: cosine, constant.")]
+LabelsOpt = Annotated[
+    str,
+    Opt(
+        "--labels",
+        help="soft: train on the target's distribution (its top-32 logits over the draft vocabulary), more signal per captured token; hard: on its greedy token. One of: soft, hard.",
+    ),
+]
+LossOpt = Annotated[
+    str,
+    Opt(
+        "--loss",
+        help="kl: cross-entropy to the target's distribution (KL up to a constant); lk: -log of the acceptance rate sum_x min(p_x, q_x) over the same top-32 (LK losses, arXiv 2602.23881). Soft labels only: with --labels hard the two are the same loss. One of: kl, lk.",
+    ),
+]
+LabelTemperatureOpt = Annotated[
+    float,
+    Opt(
+        "--label-temperature",
+        help="Soft labels with --loss kl: the target's and the head's logits both divided by T and the loss scaled by T^2 (distillation's temperature); above 1 the runner-ups weigh more. 1: the plain KL.",
+    ),
+]
+AllPositionsOpt = Annotated[
+    bool, Opt("--all-positions", help="Also train on prompt and template positions (default: response positions only).")
+]
+TttStepsOpt = Annotated[
+    int | None,
+    Opt("--ttt-steps", help="Unrolled drafting steps trained per position (training-time test); default: the k the spec drafts."),
+]
+StepDecayOpt = Annotated[float, Opt("--step-decay", help="Loss weight of unrolled step j: DECAY^j (1: equal weights).")]
+TttPhaseOpt = Annotated[
+    float,
+    Opt(
+        "--ttt-phase",
+        help="Fraction of --max-steps that train the first draft step alone before every unrolled step (the depth-1 head first).",
+    ),
+]
+TttReachOpt = Annotated[
+    bool,
+    Opt(
+        "--ttt-reach",
+        help="Weight each position of unrolled step j >= 1 by the head's own probability (not trained through) that the chain's earlier drafts there are the target's tokens: deeper steps learn where the runtime reaches them.",
+    ),
+]
+FeatureNoiseOpt = Annotated[
+    float, Opt("--feature-noise", help="Uniform noise in [-A, A] added to the target's features while training.")
+]
+DropoutOpt = Annotated[
+    float,
+    Opt(
+        "--dropout",
+        help="Dropout on the head's fused input and on its attention output while training (a head trained for several passes over a small capture learns it by heart).",
+    ),
+]
+StartDecayOpt = Annotated[
+    float,
+    Opt(
+        "--start-decay",
+        help="Pull the trained weights back toward the head's start (with --anchor: the target's own layer) by lr x this each step, as AdamW's weight decay pulls toward zero (L2-SP); 0: no pull.",
+    ),
+]
+EmaOpt = Annotated[
+    float,
+    Opt(
+        "--ema",
+        help="Keep a running average of the trained weights, avg = D x avg + (1 - D) x weights after every step, and evaluate and write the average instead of the last weights (0: the last weights).",
+    ),
+]
+NormsOpt = Annotated[
+    bool,
+    Opt(
+        "--norms",
+        help="EAGLE-3.1's norms (speculators' default): the fused features normed before fc, the hidden-normed state as the residual, the normed output fed back. vLLM and TensorRT-LLM read them; SGLang does not, so off by default (docs/codesign.md).",
+    ),
+]
+EvalEveryOpt = Annotated[int, Opt("--eval-every", help="Held-out evaluation and checkpoint every N steps.")]
+ScalingOpt = Annotated[
+    str,
+    Opt(
+        "--scaling",
+        help="Also train on these fractions of the data (e.g. 0.125,0.25,0.5; steps in proportion) and plot unseen-prompt acceptance against training tokens (data-scaling.png in the head folder; none: no curve).",
+    ),
+]
+OutputOpt = Annotated[Path | None, Opt("--output", "-o", help="Head folder (default: the spec's draft.path).")]
+ForceOpt = Annotated[bool, Opt("--force", help="Replace an existing head folder.")]
+ResumeOpt = Annotated[bool, Opt("--resume", help="Continue from the last checkpoint of an interrupted run.")]
+GenBatchOpt = Annotated[
+    int | None,
+    Opt(
+        "--gen-batch",
+        help="Sequences generated at once (one decode step reads the weights once for all); default: on a CPU the fastest batch measured on the machine, on CUDA as many as fit in the free GPU memory (docs/codesign.md).",
+    ),
+]
+FromCaptureOpt = Annotated[
+    Path | None, Opt("--from-capture", help="A serve.capture folder: continue --init's head on the requests captured there.")
+]
+InitOpt = Annotated[Path | None, Opt("--init", help="The head to continue from (with --from-capture); it is only read.")]
+ReplayOpt = Annotated[
+    float,
+    Opt(
+        "--replay",
+        help="With --from-capture: the share of training sequences from the head's original data (so it does not forget).",
+    ),
+]
+CaptureHeldOutOpt = Annotated[
+    float,
+    Opt(
+        "--capture-held-out",
+        help="With --from-capture: the share of captured requests, the newest, held out (never trained on) to score both heads.",
+    ),
+]
 
-@handle_errors
-@declared(DistillOptions)
-def distill(
-    spec: SpecArg,
-    opts: DistillOptions,
-    allow_pickle: AllowPickleOpt = False,
-    device: DeviceOpt = None,
-    as_json: JsonOpt = False,
-    json_file: JsonFileOpt = None,
-) -> None:
-    """Train an EAGLE-3 head for SPEC's target and write it at the spec's draft.path.
+HELP = """Train an EAGLE-3 head for SPEC's target and write it at the spec's draft.path.
 
     Data are the target's own responses to the prompts (10% held out, never trained on),
     captured as they are generated, plus --corpus conversations. The spec's verify prompts
@@ -44,11 +204,63 @@ def distill(
     (docs/capture.md), --replay of the training sequences from HEAD's original data; the newest
     --capture-held-out of the captured requests are never trained on, and both heads are scored
     side by side on them and on the spec's verify prompts (acceptance at k=1).
-    """
+"""
+
+
+@handle_errors
+def distill(
+    ctx: typer.Context,
+    spec: SpecArg,
+    prompts: PromptsOpt = None,
+    eval_prompts: EvalPromptsOpt = None,
+    corpus: CorpusOpt = None,
+    max_tokens: MaxTokensOpt = 128,
+    samples_per_prompt: SamplesPerPromptOpt = 1,
+    branches_per_prompt: BranchesPerPromptOpt = 0,
+    temperature: TemperatureOpt = 0.8,
+    layer_ids: LayerIdsOpt = None,
+    draft_vocab: DraftVocabOpt = 8192,
+    anchor: AnchorOpt = True,
+    train_lm_head: TrainLmHeadOpt = False,
+    max_steps: MaxStepsOpt = 2000,
+    time_budget: TimeBudgetOpt = None,
+    seed: SeedOpt = 0,
+    batch_size: BatchSizeOpt = 8,
+    lr: LrOpt = 0.001,
+    weight_decay: WeightDecayOpt = 0.0,
+    schedule: ScheduleOpt = "cosine",
+    labels: LabelsOpt = "soft",
+    loss: LossOpt = "kl",
+    label_temperature: LabelTemperatureOpt = 1.0,
+    all_positions: AllPositionsOpt = False,
+    ttt_steps: TttStepsOpt = None,
+    step_decay: StepDecayOpt = 0.5,
+    ttt_phase: TttPhaseOpt = 0.0,
+    ttt_reach: TttReachOpt = False,
+    feature_noise: FeatureNoiseOpt = 0.0,
+    dropout: DropoutOpt = 0.0,
+    start_decay: StartDecayOpt = 0.0,
+    ema: EmaOpt = 0.0,
+    norms: NormsOpt = False,
+    eval_every: EvalEveryOpt = 50,
+    scaling: ScalingOpt = (),
+    output: OutputOpt = None,
+    force: ForceOpt = False,
+    resume: ResumeOpt = False,
+    gen_batch: GenBatchOpt = None,
+    from_capture: FromCaptureOpt = None,
+    init: InitOpt = None,
+    replay: ReplayOpt = 0.5,
+    capture_held_out: CaptureHeldOutOpt = 0.2,
+    allow_pickle: AllowPickleOpt = False,
+    device: DeviceOpt = None,
+    as_json: JsonOpt = False,
+    json_file: JsonFileOpt = None,
+) -> None:
     from trtspec.distill.refine import refine
     from trtspec.distill.run import distill as run
 
+    opts = from_flags(DistillOptions, ctx)
     loaded = with_device(load_spec(spec), device)
-    opts = opts.model_copy(update={"allow_pickle": allow_pickle})
     result = refine(loaded, opts) if opts.from_capture or opts.init else run(loaded, opts)
     emit(result, lambda out: out.print(result.summary()), as_json=as_json, json_file=json_file)

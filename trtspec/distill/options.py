@@ -1,6 +1,6 @@
-"""What `trtspec distill` is asked, each option declared once: the head recipe
-(trtspec/recipe.py, also the spec's ``distill:`` block) plus the settings of one run. The
-command's flags are built from the flagged fields (trtspec/cli/options.py)."""
+"""What `trtspec distill` is asked: the head recipe (trtspec/recipe.py, also the spec's
+``distill:`` block) plus the settings of one run, each value's type, default and bounds once
+(the command's flags, trtspec/cli/distill.py, are validated into it)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from typing import Annotated
 from pydantic import Field
 
 from trtspec.errors import SpecError
-from trtspec.flags import Flag
 from trtspec.recipe import RECIPE_FIELDS, DistillRecipe
 from trtspec.spec import LoadedSpec
 
@@ -21,33 +20,16 @@ class DistillOptions(DistillRecipe):
     """The recipe and how this run goes: where the head goes, whether it replaces one or
     resumes a run, how many sequences are generated at once. None of these shape the head."""
 
-    output: Annotated[Path | None, Flag("Head folder (default: the spec's draft.path).", short="-o")] = None
-    force: Annotated[bool, Flag("Replace an existing head folder.")] = False
-    resume: Annotated[bool, Flag("Continue from the last checkpoint of an interrupted run.")] = False
-    gen_batch: Annotated[
-        int | None,
-        Field(ge=1, le=GEN_BATCH_MAX),
-        Flag(
-            "Sequences generated at once (one decode step reads the weights once for all); default: on a CPU the "
-            "fastest batch measured on the machine, on CUDA as many as fit in the free GPU memory (docs/codesign.md)."
-        ),
-    ] = None  # None: distill/run.generation_rows
+    output: Path | None = None
+    force: bool = False
+    resume: bool = False
+    gen_batch: Annotated[int | None, Field(ge=1, le=GEN_BATCH_MAX)] = None  # None: distill/run.generation_rows
     allow_pickle: bool = False  # the command's --allow-pickle (cli/common.py)
     # Continuing a head on served traffic (distill/refine.py, docs/capture.md).
-    from_capture: Annotated[
-        Path | None, Flag("A serve.capture folder: continue --init's head on the requests captured there.")
-    ] = None
-    init: Annotated[Path | None, Flag("The head to continue from (with --from-capture); it is only read.")] = None
-    replay: Annotated[
-        float,
-        Field(ge=0, lt=1),
-        Flag("With --from-capture: the share of training sequences from the head's original data (so it does not forget)."),
-    ] = 0.5
-    capture_held_out: Annotated[
-        float,
-        Field(gt=0, lt=1),
-        Flag("With --from-capture: the share of captured requests, the newest, held out (never trained on) to score both heads."),
-    ] = 0.2
+    from_capture: Path | None = None
+    init: Path | None = None
+    replay: Annotated[float, Field(ge=0, lt=1)] = 0.5
+    capture_held_out: Annotated[float, Field(gt=0, lt=1)] = 0.2
 
 
 # Where a recipe value came from, as the head's manifest records it.
