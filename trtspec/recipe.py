@@ -123,9 +123,8 @@ class DistillRecipe(BaseModel):
         return self
 
     def conflict(self) -> str | None:
-        """What makes these settings contradict each other, or None. The validator runs it on a
-        recipe built at once; distill's options run it again once the command's flags and the
-        spec's block are merged (a copy is not validated)."""
+        """What makes these settings contradict each other, or None (the model validator's
+        check; distill's options are validated again once the flags and the spec's block merge)."""
         if self.label_temperature != 1.0 and (self.labels != "soft" or self.loss != "kl"):
             return (
                 f"label_temperature {self.label_temperature:g} softens soft labels under the KL; it needs labels soft "

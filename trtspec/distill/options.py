@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from trtspec.errors import SpecError
 from trtspec.recipe import RECIPE_FIELDS, DistillRecipe
@@ -51,9 +51,12 @@ def resolve(loaded: LoadedSpec, opts: DistillOptions) -> tuple[DistillOptions, d
             sources[name] = SPEC
         else:
             sources[name] = DEFAULT
-    merged = opts.model_copy(update=update)
-    if problem := merged.conflict():  # the flags and the spec's block together
-        raise SpecError(f"{loaded.path}: distill: {problem}")
+    given = {name: getattr(opts, name) for name in opts.model_fields_set}
+    try:  # validated whole: the flags and the spec's block together may contradict each other
+        merged = DistillOptions.model_validate({**given, **update})
+    except ValidationError as e:
+        problems = "; ".join(str(err["msg"]).removeprefix("Value error, ") for err in e.errors())
+        raise SpecError(f"{loaded.path}: distill: {problems}") from None
     return merged, sources
 
 
