@@ -93,12 +93,18 @@ def with_device(loaded: LoadedSpec, device: str | None) -> LoadedSpec:
             f"--device applies to backend: torch; {loaded.path.name} is backend {loaded.spec.backend} "
             "(TensorRT-LLM picks its GPUs with gpu_device_ids): drop --device"
         )
-    values = {k: getattr(loaded.spec, k) for k in loaded.spec.model_fields_set}
-    try:  # validated again: the spec's rules on the device hold for --device too
-        spec = EngineSpec.model_validate({**values, "device": name})
+    return spec_with(loaded, f"--device {name}", device=name)
+
+
+def spec_with(loaded: LoadedSpec, flag: str, **values) -> LoadedSpec:
+    """The spec with a flag's ``values`` in place, validated again by the spec's own rules (they
+    hold for a flag as for the YAML); a refusal is RequestError naming ``flag``."""
+    given = {k: getattr(loaded.spec, k) for k in loaded.spec.model_fields_set}
+    try:
+        spec = EngineSpec.model_validate({**given, **values})
     except ValidationError as e:
         reasons = "; ".join(str(err["msg"]).removeprefix("Value error, ") for err in e.errors())
-        raise RequestError(f"--device {name}: {reasons}") from None
+        raise RequestError(f"{flag}: {reasons}") from None
     return LoadedSpec(spec=spec, path=loaded.path)
 
 

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from trtspec.cli.common import EnginesOpt, JsonFileOpt, JsonOpt, SpecArg, handle_errors
+from trtspec.cli.common import EnginesOpt, JsonFileOpt, JsonOpt, MetricsPortOpt, SpecArg, handle_errors, spec_with
 from trtspec.cli.output import emit
 from trtspec.errors import RequestError
 from trtspec.spec import LoadedSpec, load_spec
@@ -17,7 +17,6 @@ UrlOpt = Annotated[str, Opt("--url", help="The running deployment's gRPC endpoin
 HeadOpt = Annotated[Path | None, Opt("--head", help="The new head (`distill --from-capture -o NEW`).")]
 MarginOpt = Annotated[float, Opt("--margin", min=0.0, max=1.0, help="How much higher NEW's k=1 acceptance must be.")]
 RollbackOpt = Annotated[bool, Opt("--rollback", help="Put back the head that served before the live one.")]
-MetricsPortOpt = Annotated[int | None, Opt("--metrics-port", min=1, max=65535, help="Default: serve.metrics_port.")]
 EveryOpt = Annotated[str | None, Opt("--every", help="Loop: capture -> distill --from-capture -> refresh, every DURATION.")]
 RoundsOpt = Annotated[int | None, Opt("--rounds", min=1, help="With --every: stop after N rounds.")]
 MaxStepsOpt = Annotated[int | None, Opt("--max-steps", min=1, help="With --every: each round's training steps.")]
@@ -91,7 +90,7 @@ def _loaded(spec: Path, engines: Path | None) -> LoadedSpec:
     loaded = load_spec(spec)
     if engines is None:
         return loaded
-    return LoadedSpec(spec=loaded.spec.model_copy(update={"output_dir": str(engines.resolve())}), path=loaded.path)
+    return spec_with(loaded, "--engines", output_dir=str(engines.resolve()))
 
 
 def _identical(loaded: LoadedSpec, url: str) -> bool:
