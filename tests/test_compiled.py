@@ -165,3 +165,24 @@ def test_a_compile_that_fails_while_serving_turns_the_engine_eager_and_the_step_
     assert torch.equal(out, reference.run([ForwardItem(seq, 2)])[0])
     (again,) = eng.run([ForwardItem(seq + [5], 1)])  # eager from now on, the cache consistent
     assert torch.equal(again, reference.run([ForwardItem(seq + [5], 1)])[0])
+
+
+def test_a_warmed_engine_compiles_nothing_while_it_serves_at_any_count(folder):
+    """A server's engine compiles every kind at every thread count the governor compares at
+    load; afterwards no step at either count compiles (a compile in a request's path stalls it
+    for seconds), and a load's first forward that did compile moved the count the governor
+    reads to leave such a forward untimed."""
+    from trtspec.engines.torch import threads
+
+    engine = _load(folder, "target", "1", slots=2)
+    before = compiled.compiles()
+    engine.warm_programs()
+    assert compiled.compiles() > before
+    assert engine.program.counts == set(threads.governor().counts)
+    warmed = compiled.compiles()
+    for _ in threads.governor().in_turn():
+        for rows in (1, 2):
+            engine.forget_prefixes()
+            engine.run([ForwardItem(_seq(5, i), 5) for i in range(rows)])
+            engine.run([ForwardItem(_seq(5, i) + [7], 1) for i in range(rows)])
+    assert compiled.compiles() == warmed

@@ -160,7 +160,7 @@ def test_the_engine_runs_each_forward_under_the_governor(built, monkeypatch):
     class Recorder:
         current = 1
 
-        def forward(self, key, compiles=None):
+        def forward(self, key, compiles=None, allowed=None):
             import contextlib
 
             seen.append(key[1:])
@@ -265,3 +265,18 @@ def test_a_forward_that_compiled_a_program_is_not_recorded():
     for _ in range(3):
         m.run(gov)
     assert gov.current == 2 and gov.switches == 0
+
+
+def test_a_forward_runs_only_at_the_counts_it_is_allowed():
+    """A compiled program exists for the counts it was compiled at: the governor neither tries
+    a shape at another count nor probes one (that forward would compile in the middle of a
+    request), and with both counts allowed it tries each as before."""
+    m = Machine()
+    gov = make(m)
+    only_two = []
+    for _ in range(40):
+        with gov.forward("decode", allowed={2}) as n:
+            m.now += m.COST[(n, m.neighbour)]
+        only_two.append(n)
+    assert set(only_two) == {2}
+    assert m.run(gov, key="other") == 2 and m.run(gov, key="other") == 1  # unrestricted: tried at each

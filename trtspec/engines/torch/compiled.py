@@ -213,6 +213,7 @@ class StepProgram:
         self._compiled_head = torch.compile(self._head, fullgraph=True, dynamic=False)
         self.compiled_kinds: dict[tuple[bool, bool, bool], float] = {}  # kind -> seconds its first call took
         self._caches: set[int] = set()  # the KV caches whose slot count is marked dynamic
+        self.counts: set[int] = set()  # the thread counts its programs have run at (each compiled for one)
 
     def register(self) -> None:
         """Point this program's Linear names at the model's current modules."""
@@ -304,6 +305,7 @@ class StepProgram:
             hidden, layers = self._compiled(*t.tensors(), cache.k, cache.v, cos_table, sin_table, tuple(capture))
         if kind not in self.compiled_kinds:
             self.compiled_kinds[kind] = time.perf_counter() - started
+        self.counts.add(torch.get_num_threads())
         if captured is not None:
             captured.extend(layers)
         return hidden
@@ -326,7 +328,7 @@ def compiles() -> int:
     """How many programs this process has compiled so far (each guarded variant counts)."""
     from torch._dynamo.utils import counters
 
-    return counters["frames"]["total"]
+    return counters["stats"]["unique_graphs"]
 
 
 def _configure() -> None:

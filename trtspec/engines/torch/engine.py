@@ -488,7 +488,10 @@ class TorchEngine:
         # The thread count for this shape (rows, new tokens, keys attended), chosen from measured
         # forwards: fewer threads while a neighbour holds a core (threads.py).
         shape = (id(self), len(items), max(news).bit_length(), max(len(it.tokens) for it in items).bit_length())
-        governed = threads.governor().forward(shape, compiles) if self.device.type == "cpu" else contextlib.nullcontext()
+        # a compiled program runs only at the counts it was compiled for: another count would
+        # compile in the middle of a request (a load compiles every count: warm_programs)
+        allowed = self.program.counts if self.program is not None and self.program.counts else None
+        governed = threads.governor().forward(shape, compiles, allowed) if self.device.type == "cpu" else contextlib.nullcontext()
         with governed:
             for group in forward_groups(news, self.forward_rows):
                 rows = self._forward([items[i] for i in group], [assigned[i] for i in group], [starts[i] for i in group])

@@ -34,7 +34,7 @@ import statistics
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Collection, Hashable, Iterator
 from pathlib import Path
 
 import torch
@@ -158,8 +158,9 @@ class Governor:
             return None
         return statistics.median(seen) if n == self.current else seen[-1]
 
-    def pick(self, key: Hashable) -> int:
-        """The thread count this forward of shape ``key`` runs with."""
+    def pick(self, key: Hashable, allowed: Collection[int] | None = None) -> int:
+        """The thread count this forward of shape ``key`` runs with: one of ``allowed`` (None:
+        any) where it can be, the counts a compiled program exists for (compiled.py)."""
         if len(self.counts) == 1:
             return self.current
         with self._lock:
@@ -167,16 +168,19 @@ class Governor:
                 return self.forced
             if self.holds:
                 return self.counts[0]
-            untried = [n for n in self.counts if (n, key) not in self.times]
+            counts = [n for n in self.counts if allowed is None or n in allowed] or [self.current]
+            if self.current not in counts:
+                return counts[0]
+            untried = [n for n in counts if (n, key) not in self.times]
             if self.current in untried:
                 return self.current
             if untried:  # a shape seen only at some counts: try it at the next once
                 return untried[0]
             now = self.clock()
-            if now >= self.next_probe:  # a probe: the other count this shape ran longest ago
+            others = [n for n in counts if n != self.current]
+            if others and now >= self.next_probe:  # a probe: the other count this shape ran longest ago
                 self.next_probe = now + self.backoff
                 self.backoff = min(self.backoff * 2, PROBE_MAX)
-                others = [n for n in self.counts if n != self.current]
                 return min(others, key=lambda n: self.tried.get((n, key), 0.0))
             return self.current
 
@@ -202,11 +206,14 @@ class Governor:
                 self.next_probe = self.clock() + PROBE_MIN
 
     @contextlib.contextmanager
-    def forward(self, key: Hashable, compiles: Callable[[], int] | None = None) -> Iterator[int]:
-        """Run one forward of shape ``key`` under the chosen count; its time is recorded, unless
-        ``compiles`` (a count of compiles so far) moved while it ran: a forward that compiled a
-        program is no measure of the count (one such time would keep a count off for minutes)."""
-        n = self.pick(key)
+    def forward(
+        self, key: Hashable, compiles: Callable[[], int] | None = None, allowed: Collection[int] | None = None
+    ) -> Iterator[int]:
+        """Run one forward of shape ``key`` under the chosen count (one of ``allowed``, see pick);
+        its time is recorded, unless ``compiles`` (a count of compiles so far) moved while it ran:
+        a forward that compiled a program is no measure of the count (one such time would keep a
+        count off for minutes)."""
+        n = self.pick(key, allowed)
         if n != self.applied:
             self.set_threads(n)
             self.applied = n
@@ -269,10 +276,13 @@ class _Fixed:
 
     def __init__(self, n: int):
         self.current = n
+        self.counts = [n]
         torch.set_num_threads(n)
 
     @contextlib.contextmanager
-    def forward(self, key: Hashable, compiles: Callable[[], int] | None = None) -> Iterator[int]:
+    def forward(
+        self, key: Hashable, compiles: Callable[[], int] | None = None, allowed: Collection[int] | None = None
+    ) -> Iterator[int]:
         yield self.current
 
     @contextlib.contextmanager
