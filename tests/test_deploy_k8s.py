@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from trtspec.cli.app import app
 from trtspec.cli.options import validated
 from trtspec.deploy import schemas
+from trtspec.deploy.cron import check_schedule
 from trtspec.deploy.k8s import (
     ACTIVE_METRIC,
     ENGINES_DIR,
@@ -26,10 +27,10 @@ from trtspec.deploy.k8s import (
     HEALTH_READY,
     QUEUE_METRIC,
     RUN_AS,
-    plan_manifests,
 )
 from trtspec.deploy.options import DEFAULT_KUBE_VERSION, K8sOptions
 from trtspec.deploy.output import NO_SCHEMA, rendered_files
+from trtspec.deploy.plan import plan_manifests
 from trtspec.errors import TrtspecError
 from trtspec.layout import BLS_MODEL as BLS
 from trtspec.layout import BLS_STREAMING_MODEL as BLS_STREAMING
@@ -622,3 +623,155 @@ def test_every_init_container_has_a_cpu_limit_and_the_build_step_the_pods_thread
     image = plan(spec_file(tmp_path, "torch"), engines_from="image", engines_image="reg/eng:1").manifests["deployment.yaml"]
     (copy_step,) = image["spec"]["template"]["spec"]["initContainers"]
     assert copy_step["resources"]["limits"]["cpu"] == copy_step["resources"]["requests"]["cpu"]
+
+
+# --- serve.capture: the co-design loop's claim and refresh CronJob ----------------------------
+
+CAPTURE = {
+    "speculative": {"method": "eagle3", "max_draft_len": 4, "default_draft_tokens": 2},
+    "serve": {"capture": {"dir": "captured", "max_gb": 1, "sample": 0.5}},
+}
+LOOP_FILES = {"pvc-loop.yaml", "cronjob-refresh.yaml", "networkpolicy-refresh.yaml"}
+ONE_REPLICA = {"hpa": False}
+
+
+def capture_plan(tmp_path: Path, **options):
+    return plan(spec_file(tmp_path, "torch", **copy.deepcopy(CAPTURE)), **{**ONE_REPLICA, **options})
+
+
+def job_pod(p) -> dict:
+    return p.manifests["cronjob-refresh.yaml"]["spec"]["jobTemplate"]["spec"]["template"]
+
+
+def env_of(c: dict) -> dict:
+    return {e["name"]: e.get("value") for e in c["env"]}
+
+
+def test_without_capture_there_is_no_loop(tmp_path):
+    p = plan(spec_file(tmp_path, "torch"))
+    assert not LOOP_FILES & set(p.manifests)
+    assert "TRTSPEC_HEAD_CONTROL" not in env_of(container(p))
+    assert "loop" not in {m["name"] for m in container(p)["volumeMounts"]}
+    spec = yaml.safe_load(p.manifests["configmap.yaml"]["data"]["spec.yaml"])
+    assert "capture" not in spec.get("serve", {})
+
+
+@pytest.mark.parametrize("version", _versions())
+@pytest.mark.parametrize("mode", MODES[:2], ids=["pvc", "image"])
+def test_the_loop_manifests_pass_the_schemas_and_parse_back(tmp_path, mode, version):
+    p = capture_plan(tmp_path, kube_version=version, **mode)
+    assert LOOP_FILES <= set(p.manifests["kustomization.yaml"]["resources"])
+    files = rendered_files(p, version)  # validates every object, parses every file back
+    kinds = {f: yaml.safe_load(files[f])["kind"] for f in LOOP_FILES}
+    assert kinds == {
+        "pvc-loop.yaml": "PersistentVolumeClaim",
+        "cronjob-refresh.yaml": "CronJob",
+        "networkpolicy-refresh.yaml": "NetworkPolicy",
+    }
+    broken = copy.deepcopy(p.manifests["cronjob-refresh.yaml"])
+    broken["spec"]["concurrency"] = "Forbid"
+    with pytest.raises(schemas.ManifestInvalid, match="'concurrency' was unexpected"):
+        schemas.validate(broken, version)
+
+
+def test_capture_dir_and_control_file_lie_on_the_volume_the_server_and_the_job_share(tmp_path):
+    p = capture_plan(tmp_path)
+    claim = p.manifests["pvc-loop.yaml"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"] and claim["spec"]["resources"]["requests"]["storage"] == "20Gi"
+    pods = [p.manifests["deployment.yaml"]["spec"]["template"]["spec"], job_pod(p)["spec"]]
+    for pod in pods:
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "loop"]
+        assert volume["persistentVolumeClaim"] == {"claimName": claim["metadata"]["name"]}
+        (c,) = pod["containers"]
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == "loop"]
+        assert mount == {"name": "loop", "mountPath": "/var/lib/trtspec-loop"}  # writable
+        assert env_of(c)["TRTSPEC_HEAD_CONTROL"] == "/var/lib/trtspec-loop/eagle3_head.json"
+    # the spec the pods read keeps its captured requests on that volume, not in the ConfigMap
+    text = p.manifests["configmap.yaml"]["data"]["spec.yaml"]
+    mounted = tmp_path / "etc-trtspec" / "spec.yaml"
+    mounted.parent.mkdir()
+    mounted.write_text(text)
+    assert load_spec(mounted).capture_dir() == Path("/var/lib/trtspec-loop/capture")
+    command = job_pod(p)["spec"]["containers"][0]["command"]
+    assert command[command.index("--refresh-dir") + 1] == "/var/lib/trtspec-loop/refresh"  # heads the server loads
+
+
+def test_the_cronjob_runs_one_refresh_round_at_low_priority_without_the_admin_key(tmp_path):
+    p = capture_plan(tmp_path, refresh_schedule="15 3 * * *", refresh_cpu="2", refresh_memory="6Gi")
+    cron = p.manifests["cronjob-refresh.yaml"]["spec"]
+    assert cron["schedule"] == "15 3 * * *" and cron["concurrencyPolicy"] == "Forbid"
+    assert cron["jobTemplate"]["spec"]["backoffLimit"] == 0
+    pod = job_pod(p)["spec"]
+    (c,) = pod["containers"]
+    assert c["image"] == container(p)["image"]
+    assert c["command"][:5] == ["nice", "-n", "19", "trtspec", "refresh"]
+    args = c["command"][5:]
+    assert args[args.index("--url") + 1] == f"{p.name}:{named_port(container(p), 'grpc')}"  # the Service
+    assert args[args.index("--rounds") + 1] == "1" and args[args.index("--engines") + 1] == ENGINES_DIR
+    assert c["resources"] == {"requests": {"cpu": "2", "memory": "6Gi"}, "limits": {"cpu": "2", "memory": "6Gi"}}
+    assert env_of(c)["TRTSPEC_THREADS"] == "2"
+    assert "admin-key" not in {v["name"] for v in pod["volumes"]} and "TRTSPEC_ADMIN_KEY_FILE" not in env_of(c)
+    assert pod["restartPolicy"] == "Never" and pod["automountServiceAccountToken"] is False
+    # the Service and the server's policy select the server's labels; the job's pod has other ones
+    labels = job_pod(p)["metadata"]["labels"]
+    assert not p.manifests["service.yaml"]["spec"]["selector"].items() <= labels.items()
+    default = capture_plan(tmp_path).manifests["cronjob-refresh.yaml"]["spec"]["schedule"]
+    assert default == "0 */6 * * *"
+
+
+def test_the_job_reaches_the_servers_grpc_and_metrics_and_nothing_else_inside(tmp_path):
+    p = capture_plan(tmp_path)
+    server = p.manifests["deployment.yaml"]["spec"]["selector"]["matchLabels"]
+    job = job_pod(p)["metadata"]["labels"]
+    ports = [{"protocol": "TCP", "port": named_port(container(p), n)} for n in ("grpc", "metrics")]
+    ingress = p.manifests["networkpolicy.yaml"]["spec"]["ingress"]
+    assert {"from": [{"podSelector": {"matchLabels": job}}], "ports": ports} in ingress
+    policy = p.manifests["networkpolicy-refresh.yaml"]["spec"]
+    assert policy["podSelector"]["matchLabels"] == job and policy["ingress"] == []
+    dns, to_server, hub = policy["egress"]
+    assert to_server == {"to": [{"podSelector": {"matchLabels": server}}], "ports": ports}
+    assert hub["ports"] == [{"protocol": "TCP", "port": 443}] and "10.0.0.0/8" in hub["to"][0]["ipBlock"]["except"]
+    assert "networkpolicy-refresh.yaml" not in capture_plan(tmp_path, network_policy=False).manifests
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--refresh-schedule", "61 * * * *"], "--refresh-schedule: '61 * * * *': minute '61' is not a cron field"),
+        (["--refresh-schedule", "0 3 * *"], "has 4 fields, a cron schedule has 5"),
+        (["--refresh-schedule", "@often"], "'@often' is not a cron macro"),
+        (["--refresh-schedule", "CRON_TZ=UTC 0 3 * * *"], "a time zone in the schedule is refused by Kubernetes"),
+        (["--refresh-cpu", "0m"], "--refresh-cpu: '0m' is no CPU at all"),
+        ([], "swaps the head of one server"),  # the default HPA may scale to 4
+        (["--no-hpa", "--min-replicas", "2"], "deploy one replica (--no-hpa --min-replicas 1)"),
+        (["--no-hpa", "--engines-from", "build"], "use --engines-from pvc or image"),
+    ],
+)
+def test_a_bad_loop_is_one_error_exit_2_nothing_written(tmp_path, args, message):
+    out = tmp_path / "k8s"
+    spec = spec_file(tmp_path, "torch", **copy.deepcopy(CAPTURE))
+    r = runner.invoke(app, ["deploy", "k8s", str(spec), "--out", str(out), *args])
+    assert r.exit_code == 2, r.output
+    assert r.output.startswith("Error: ") and message in r.output and r.output.count("\n") == 1, r.output
+    assert not out.exists()
+
+
+def test_the_loop_needs_the_target_from_the_hub_and_a_schedule_needs_capture(tmp_path):
+    local = spec_file(tmp_path, "torch", target={"repo": None, "revision": None, "path": "weights/t"}, **CAPTURE)
+    with pytest.raises(TrtspecError, match="builds its own target engine from the checkpoint"):
+        plan(local, **ONE_REPLICA)
+    with pytest.raises(TrtspecError, match="the spec has no serve.capture"):
+        plan(spec_file(tmp_path, "torch"), refresh_schedule="0 3 * * *")
+
+
+@pytest.mark.parametrize("schedule", ["0 3 * * *", "*/15 * * * *", "0 0-23/2 1,15 JAN-MAR MON-FRI", "@hourly", "5 4 * * 7"])
+def test_cron_schedules_kubernetes_runs_are_accepted(schedule):
+    assert check_schedule(schedule) == schedule
+
+
+@pytest.mark.parametrize(
+    "schedule", ["*/0 * * * *", "5-1 * * * *", "0 0 0 * *", "0 24 * * *", "0 0 * 13 *", "x * * * *", "* * * * * *"]
+)
+def test_cron_schedules_kubernetes_refuses_are_refused(schedule):
+    with pytest.raises(ValueError, match="write five fields"):
+        check_schedule(schedule)

@@ -24,8 +24,9 @@ import numpy as np
 import pytest
 from conftest import processes_mentioning, write_spec
 
-from trtspec.deploy.k8s import ACTIVE_METRIC, ADMIN_KEY_FILE, ENGINES_DIR, QUEUE_METRIC, REPO_DIR, SPEC_DIR, plan_manifests
+from trtspec.deploy.k8s import ACTIVE_METRIC, ADMIN_KEY_FILE, ENGINES_DIR, QUEUE_METRIC, REPO_DIR, SPEC_DIR
 from trtspec.deploy.options import K8sOptions
+from trtspec.deploy.plan import plan_manifests
 from trtspec.errors import ServerError
 from trtspec.layout import BLS_MODEL as BLS
 from trtspec.spec import load_spec

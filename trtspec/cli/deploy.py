@@ -66,12 +66,26 @@ GpusPerNodeOpt = Annotated[int, Opt("--gpus-per-node", help="GPUs a node offers;
 StartupSecondsOpt = Annotated[
     int | None, Opt("--startup-seconds", help="Startup probe budget (default: sized from the engines).")
 ]
+RefreshScheduleOpt = Annotated[
+    str | None,
+    Opt(
+        "--refresh-schedule",
+        help="With serve.capture: when the refresh CronJob runs a round (cron, e.g. '0 3 * * *'; default every 6 hours).",
+    ),
+]
+RefreshCpuOpt = Annotated[str, Opt("--refresh-cpu", help="CPU request and limit of the refresh job's pod.")]
+RefreshMemoryOpt = Annotated[str, Opt("--refresh-memory", help="Memory request and limit of the refresh job's pod.")]
+LoopSizeOpt = Annotated[
+    str, Opt("--loop-size", help="With serve.capture: size of the ReadWriteMany claim the server and the job share.")
+]
 
 HELP = """Write Kubernetes manifests (kustomize-ready) that serve SPEC on Triton.
 
     Deployment (StatefulSet with --engines-from build), Service (HTTP, gRPC, metrics),
     probes on /v2/health/ready and /v2/health/live, HPA, PodDisruptionBudget, a NetworkPolicy
-    (HTTP/gRPC from --clients-label pods, metrics from Prometheus), the spec as a ConfigMap; nvidia.com/gpu from the spec's GPU counts for trtllm specs. Every manifest is
+    (HTTP/gRPC from --clients-label pods, metrics from Prometheus), the spec as a ConfigMap; nvidia.com/gpu from the spec's GPU counts for trtllm specs.
+    With serve.capture in the spec: a claim shared with a CronJob that runs one `trtspec refresh`
+    round per --refresh-schedule (one replica only). Every manifest is
     validated against the Kubernetes schemas of --kube-version before anything is written.
 
     Examples:
@@ -115,6 +129,10 @@ def k8s(
     metrics_namespace: MetricsNamespaceOpt = "monitoring",
     gpus_per_node: GpusPerNodeOpt = 8,
     startup_seconds: StartupSecondsOpt = None,
+    refresh_schedule: RefreshScheduleOpt = None,
+    refresh_cpu: RefreshCpuOpt = "1",
+    refresh_memory: RefreshMemoryOpt = "8Gi",
+    loop_size: LoopSizeOpt = "20Gi",
     out: OutOpt = None,
     engines: EnginesOpt = None,
     force: ForceOpt = False,

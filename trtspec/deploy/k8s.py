@@ -6,19 +6,18 @@ SIGTERM. Everything the manifests say about the server comes from the spec: port
 (serve.*_port), GPUs (tp_size x pp_size and gpu_device_ids of every TensorRT-LLM engine), the
 endpoint models the autoscaler watches, and the batch size its queue target defaults to.
 
-plan_manifests() returns {file name: manifest}; trtspec.deploy.output renders, validates,
-parses back and writes them. Bad input raises TrtspecError (exit 2) before anything exists.
+trtspec.deploy.plan assembles them into {file name: manifest}; trtspec.deploy.output renders,
+validates, parses back and writes them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 from trtspec import __version__
-from trtspec.deploy.checks import check_build_sources, check_ports, object_name, pod_gpus, startup_budget
+from trtspec.deploy import loop
 from trtspec.deploy.options import DEFAULT_MEMORY, K8sOptions, default_image, thread_count
 from trtspec.layout import BLS_MODEL, BLS_STREAMING_MODEL
 from trtspec.machine import THREADS_ENV
@@ -49,18 +48,6 @@ GPU_RESOURCE = "nvidia.com/gpu"
 COMPONENT = "app.kubernetes.io/component"
 
 
-@dataclass(frozen=True)
-class Plan:
-    """Manifests by file name, plus the figures a user wants to see before applying them."""
-
-    manifests: dict[str, dict]
-    name: str
-    workload: str  # Deployment | StatefulSet
-    gpus: int
-    startup_seconds: int
-    startup_basis: str  # how startup_seconds was sized
-
-
 # --------------------------------------------------------------------------------------------
 # Builders: one function per object
 # --------------------------------------------------------------------------------------------
@@ -84,7 +71,7 @@ def config_map(name: str, loaded: LoadedSpec) -> dict:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(name, "-spec"),
-        "data": {"spec.yaml": loaded.path.read_text(encoding="utf-8")},
+        "data": {"spec.yaml": loop.spec_text(loaded)},
     }
 
 
@@ -95,6 +82,16 @@ def _security_context() -> dict:
         "privileged": False,
         "runAsNonRoot": True,
         "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def pod_security_context() -> dict:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS,
+        "runAsGroup": RUN_AS,
+        "fsGroup": RUN_AS,  # volumes (claims included) writable by the pod's group
+        "seccompProfile": {"type": "RuntimeDefault"},
     }
 
 
@@ -147,7 +144,9 @@ def server_container(name: str, loaded: LoadedSpec, options: K8sOptions, gpus: i
             {"name": "grpc", "containerPort": s.grpc_port, "protocol": "TCP"},
             {"name": "metrics", "containerPort": s.metrics_port, "protocol": "TCP"},
         ],
-        "env": _env(*_thread_env(options, loaded.spec.backend), {"name": ADMIN_KEY_FILE_ENV, "value": ADMIN_KEY_FILE}),
+        "env": _env(
+            *_thread_env(options, loaded.spec.backend), {"name": ADMIN_KEY_FILE_ENV, "value": ADMIN_KEY_FILE}, *_loop_env(loaded)
+        ),
         "resources": _resources(options, loaded.spec.backend, gpus),
         "startupProbe": _http_probe(HEALTH_READY, STARTUP_PERIOD_S, math.ceil(startup_s / STARTUP_PERIOD_S)),
         "readinessProbe": _http_probe(HEALTH_READY, 5, 3),
@@ -160,8 +159,14 @@ def server_container(name: str, loaded: LoadedSpec, options: K8sOptions, gpus: i
             {"name": "tmp", "mountPath": "/tmp"},
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "admin-key", "mountPath": ADMIN_KEY_DIR, "readOnly": True},
+            *([loop.mount()] if loop.enabled(loaded) else []),
         ],
     }
+
+
+def _loop_env(loaded: LoadedSpec) -> list[dict]:
+    """With capture on: the head control file on the volume the refresh job writes it on."""
+    return [loop.control_env()] if loop.enabled(loaded) else []
 
 
 def _engines_mount(options: K8sOptions) -> dict:
@@ -256,18 +261,14 @@ def pod_template(name: str, loaded: LoadedSpec, options: K8sOptions, gpus: int, 
     elif options.engines_from == "image":
         volumes.append({"name": "engines", "emptyDir": {"sizeLimit": options.storage_size}})
     # build: the StatefulSet's volumeClaimTemplate supplies "engines"
+    if loop.enabled(loaded):
+        volumes.append(loop.volume(name))
     pod: dict = {
         "automountServiceAccountToken": False,  # the server never talks to the API server
         "enableServiceLinks": False,
         # serve forwards SIGTERM; Triton drains in-flight requests (--exit-timeout-secs 30).
         "terminationGracePeriodSeconds": 60,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS,
-            "runAsGroup": RUN_AS,
-            "fsGroup": RUN_AS,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security_context(),
         "containers": [server_container(name, loaded, options, gpus, startup_s)],
         "volumes": volumes,
     }
@@ -424,12 +425,17 @@ HTTPS_PORT = 443
 PRIVATE_RANGES = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "169.254.0.0/16", "100.64.0.0/10")
 
 
+def dns_egress() -> dict:
+    return {"ports": [{"protocol": p, "port": DNS_PORT} for p in ("UDP", "TCP")]}
+
+
+def hub_egress() -> dict:
+    public = {"ipBlock": {"cidr": "0.0.0.0/0", "except": list(PRIVATE_RANGES)}}
+    return {"to": [public], "ports": [{"protocol": "TCP", "port": HTTPS_PORT}]}
+
+
 def _egress(options: K8sOptions) -> list[dict]:
-    rules: list[dict] = [{"ports": [{"protocol": p, "port": DNS_PORT} for p in ("UDP", "TCP")]}]
-    if options.engines_from == "build":
-        public = {"ipBlock": {"cidr": "0.0.0.0/0", "except": list(PRIVATE_RANGES)}}
-        rules.append({"to": [public], "ports": [{"protocol": "TCP", "port": HTTPS_PORT}]})
-    return rules
+    return [dns_egress(), hub_egress()] if options.engines_from == "build" else [dns_egress()]
 
 
 def network_policy(name: str, loaded: LoadedSpec, options: K8sOptions) -> dict:
@@ -453,10 +459,21 @@ def network_policy(name: str, loaded: LoadedSpec, options: K8sOptions) -> dict:
                     "ports": [tcp(s.http_port), tcp(s.grpc_port)],
                 },
                 {"from": [_peers(options.metrics_label, options.metrics_namespace)], "ports": [tcp(s.metrics_port)]},
+                *_refresh_ingress(name, loaded),
             ],
             "egress": _egress(options),
         },
     }
+
+
+def _refresh_ingress(name: str, loaded: LoadedSpec) -> list[dict]:
+    """With capture on, the refresh job's pod reaches gRPC (refresh, verify) and the metrics
+    port (the swap's check); it carries the refresh job's labels, not the server's."""
+    if not loop.enabled(loaded):
+        return []
+    s = loaded.spec.serve
+    job = {"podSelector": {"matchLabels": loop.job_labels(name)}}
+    return [{"from": [job], "ports": [{"protocol": "TCP", "port": p} for p in (s.grpc_port, s.metrics_port)]}]
 
 
 def kustomization(files: list[str], namespace: str | None) -> dict:
@@ -465,41 +482,3 @@ def kustomization(files: list[str], namespace: str | None) -> dict:
         doc["namespace"] = namespace
     doc["resources"] = files
     return doc
-
-
-# --------------------------------------------------------------------------------------------
-# The plan
-# --------------------------------------------------------------------------------------------
-
-
-def plan_manifests(loaded: LoadedSpec, options: K8sOptions, engines_dir: Path | None = None) -> Plan:
-    """Every manifest for ``loaded`` under ``options``; TrtspecError (exit 2) on bad input.
-
-    ``engines_dir`` (a local engine folder, if any) only sizes the startup probe.
-    """
-    from trtspec.deploy.schemas import check_version
-
-    check_version(options.kube_version)
-    check_ports(loaded)
-    name = object_name(loaded, options)
-    gpus = pod_gpus(loaded, options)
-    if options.engines_from == "build":
-        check_build_sources(loaded)
-    startup_s, basis = startup_budget(loaded, options, engines_dir)
-    work = workload(name, loaded, options, gpus, startup_s)
-    manifests = {
-        "configmap.yaml": config_map(name, loaded),
-        f"{work['kind'].lower()}.yaml": work,
-        "service.yaml": service(name, loaded),
-    }
-    if work["kind"] == "StatefulSet":
-        manifests["service-headless.yaml"] = service(name, loaded, headless=True)
-    if options.hpa:
-        manifests["hpa.yaml"] = autoscaler(name, loaded, options, work["kind"])
-    manifests["pdb.yaml"] = disruption_budget(name)
-    if options.network_policy:
-        manifests["networkpolicy.yaml"] = network_policy(name, loaded, options)
-    if options.service_monitor:
-        manifests["servicemonitor.yaml"] = service_monitor(name)
-    manifests["kustomization.yaml"] = kustomization(list(manifests), options.namespace)
-    return Plan(manifests, name, work["kind"], gpus, startup_s, basis)

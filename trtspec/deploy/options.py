@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trtspec import __version__
+from trtspec.deploy.cron import check_schedule
 
 DEFAULT_KUBE_VERSION = "1.33"
 # Kubernetes quantities as users write them ("500m", "2", "8Gi", "1.5G").
@@ -114,13 +115,24 @@ class K8sOptions(BaseModel):
     metrics_namespace: str = "monitoring"
     gpus_per_node: Annotated[int, Field(ge=1, le=64)] = 8
     startup_seconds: Annotated[int | None, Field(ge=10, le=86400)] = None
+    # The co-design loop (a spec with serve.capture only): the refresh CronJob's schedule
+    # (cron; default every six hours), its pod's resources, the claim the server and it share.
+    refresh_schedule: str | None = None
+    refresh_cpu: Quantity = "1"
+    refresh_memory: Quantity = "8Gi"
+    loop_size: Quantity = "20Gi"
 
-    @field_validator("memory", "shm_size", "storage_size", "scratch_size", "tmp_size")
+    @field_validator("memory", "shm_size", "storage_size", "scratch_size", "tmp_size", "refresh_memory", "loop_size")
     @classmethod
     def _is_quantity(cls, v: str | None) -> str | None:
         return v if v is None else _quantity(v)
 
-    @field_validator("cpu", "cpu_limit")
+    @field_validator("refresh_schedule")
+    @classmethod
+    def _is_schedule(cls, v: str | None) -> str | None:
+        return v if v is None else check_schedule(v)
+
+    @field_validator("cpu", "cpu_limit", "refresh_cpu")
     @classmethod
     def _is_cpu(cls, v: str | None) -> str | None:
         if v is not None and cpu_cores(v) <= 0:

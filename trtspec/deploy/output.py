@@ -14,8 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from trtspec.deploy.k8s import Plan, plan_manifests
 from trtspec.deploy.options import K8sOptions
+from trtspec.deploy.plan import Plan, plan_manifests
 from trtspec.deploy.schemas import validate_all
 from trtspec.errors import TrtspecError
 from trtspec.files import swap_into_place
