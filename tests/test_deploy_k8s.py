@@ -712,6 +712,14 @@ def test_the_cronjob_runs_one_refresh_round_at_low_priority_without_the_admin_ke
     assert env_of(c)["TRTSPEC_THREADS"] == "2"
     assert "admin-key" not in {v["name"] for v in pod["volumes"]} and "TRTSPEC_ADMIN_KEY_FILE" not in env_of(c)
     assert pod["restartPolicy"] == "Never" and pod["automountServiceAccountToken"] is False
+    # distill writes its data beside the head it continues (the served head engine, at first):
+    # the job works on its own copy of the engines, the claim stays read-only
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert "emptyDir" in volumes["engines"] and volumes["engines-claim"]["persistentVolumeClaim"]["readOnly"] is True
+    (copy_in,) = pod["initContainers"]
+    assert copy_in["command"] == ["cp", "-R", "/models/engines-claim/.", f"{ENGINES_DIR}/"]
+    image_mode = job_pod(capture_plan(tmp_path, engines_from="image", engines_image="registry/engines:1"))["spec"]
+    assert image_mode["initContainers"][0]["image"] == "registry/engines:1" and "engines-claim" not in str(image_mode)
     # the Service and the server's policy select the server's labels; the job's pod has other ones
     labels = job_pod(p)["metadata"]["labels"]
     assert not p.manifests["service.yaml"]["spec"]["selector"].items() <= labels.items()

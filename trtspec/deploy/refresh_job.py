@@ -31,6 +31,7 @@ from trtspec.spec import LoadedSpec
 
 ROUND_DEADLINE_S = 4 * 3600  # a round stuck longer is ended; the next schedule starts afresh
 NICE = "19"
+CLAIM_DIR = "/models/engines-claim"  # pvc mode: the served claim, read-only, copied from
 
 
 def loop_claim(name: str, options: K8sOptions) -> dict:
@@ -69,7 +70,7 @@ def refresh_container(name: str, loaded: LoadedSpec, options: K8sOptions) -> dic
         "securityContext": _security_context(),
         "volumeMounts": [
             {"name": "spec", "mountPath": SPEC_DIR, "readOnly": True},
-            {"name": "engines", "mountPath": ENGINES_DIR, "readOnly": True},
+            {"name": "engines", "mountPath": ENGINES_DIR},  # a copy: distill writes beside the head
             loop.mount(),
             {"name": "scratch", "mountPath": SCRATCH_DIR},
             {"name": "tmp", "mountPath": "/tmp"},
@@ -78,18 +79,38 @@ def refresh_container(name: str, loaded: LoadedSpec, options: K8sOptions) -> dic
 
 
 def _job_volumes(name: str, options: K8sOptions) -> list[dict]:
+    claim = []
     if options.engines_from == "pvc":
         engines = {"persistentVolumeClaim": {"claimName": options.pvc or f"{name}-engines", "readOnly": True}}
-    else:  # image: the init container copies them in (build mode is refused: loop._check_loop)
-        engines = {"emptyDir": {"sizeLimit": options.storage_size}}
+        claim = [{"name": "engines-claim", **engines}]
     return [
         {"name": "spec", "configMap": {"name": f"{name}-spec"}},
-        {"name": "engines", **engines},
+        *claim,
+        # The engines, copied in (build mode is refused: loop._check_loop): the first round
+        # continues the served head engine, and distill keeps its data beside the head it continues.
+        {"name": "engines", "emptyDir": {"sizeLimit": options.storage_size}},
         loop.volume(name),
         # distill --from-capture's own target engine and training data live here for a round.
         {"name": "scratch", "emptyDir": {"sizeLimit": options.storage_size}},
         {"name": "tmp", "emptyDir": {"sizeLimit": options.tmp_size}},
     ]
+
+
+def _claim_copy(loaded: LoadedSpec, options: K8sOptions) -> dict:
+    """pvc mode: the claim's engines (mounted read-only) copied into the job's own volume."""
+    limits = {"cpu": "500m", "memory": "256Mi"}
+    return {
+        "name": "engines",
+        "image": options.image or default_image(loaded.spec.backend),
+        "imagePullPolicy": options.image_pull_policy,
+        "command": ["cp", "-R", f"{CLAIM_DIR}/.", f"{ENGINES_DIR}/"],
+        "resources": {"requests": dict(limits), "limits": limits},
+        "securityContext": _security_context(),
+        "volumeMounts": [
+            {"name": "engines-claim", "mountPath": CLAIM_DIR, "readOnly": True},
+            {"name": "engines", "mountPath": ENGINES_DIR},
+        ],
+    }
 
 
 def refresh_pod(name: str, loaded: LoadedSpec, options: K8sOptions) -> dict:
@@ -101,9 +122,7 @@ def refresh_pod(name: str, loaded: LoadedSpec, options: K8sOptions) -> dict:
         "containers": [refresh_container(name, loaded, options)],
         "volumes": _job_volumes(name, options),
     }
-    inits = init_containers(name, loaded, options, 0)
-    if inits:
-        pod["initContainers"] = inits
+    pod["initContainers"] = init_containers(name, loaded, options, 0) or [_claim_copy(loaded, options)]
     return {"metadata": {"labels": loop.job_labels(name)}, "spec": pod}
 
 
