@@ -381,4 +381,5 @@ def test_a_served_engine_makes_every_matmul_shape_at_load_and_a_one_shot_load_do
     }
     with pytest.raises(RuntimeError, match="stop after the load"):
         engine_model.TritonPythonModel().initialize({"model_config": json.dumps(config), "model_name": "tensorrt_llm"})
-    assert asked == {"folder": tmp_path, "slots": 4, "warm": True, "compiled": False}  # served engines run eager
+    # served engines compile where measured faster (warm also compiles every kind at each count)
+    assert asked == {"folder": tmp_path, "slots": 4, "warm": True, "compiled": True}
