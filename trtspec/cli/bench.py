@@ -21,14 +21,12 @@ from trtspec.cli.common import (
     PromptOpt,
     SpecArg,
     UrlOpt,
-    engines_dir,
     handle_errors,
-    with_device,
+    spec_and_engines,
 )
 from trtspec.cli.options import from_flags
 from trtspec.cli.output import emit
 from trtspec.errors import EXIT_INTERRUPTED
-from trtspec.spec import load_spec
 from trtspec.speculative.llmapi import TENSORRT_LLM
 
 Opt = typer.Option
@@ -136,11 +134,9 @@ def bench(
     from trtspec.bench import plot, render, run
 
     opts = from_flags(BenchOptions, ctx)
-    loaded = with_device(load_spec(spec), device)
+    loaded, engines_folder = spec_and_engines(spec, device, engines, output)
     with console.err.status("benchmarking") as status:
-        report, interrupted = run.run(
-            loaded, engines_dir(loaded, engines, output), opts, progress=lambda s: status.update(f"benchmarking: {s}")
-        )
+        report, interrupted = run.run(loaded, engines_folder, opts, progress=lambda s: status.update(f"benchmarking: {s}"))
     emit(report, lambda o: render.render(report, o), as_json=as_json, json_file=json_file)
     for f in plot.write_outputs(report, out or Path(".trtspec") / "bench" / loaded.spec.name):
         console.info(f"wrote {f}")

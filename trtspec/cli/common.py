@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from trtspec import console
 from trtspec.device import check_name as check_device_name
 from trtspec.errors import EXIT_INTERRUPTED, RequestError, TrtspecError
-from trtspec.spec import EngineSpec, LoadedSpec
+from trtspec.spec import EngineSpec, LoadedSpec, load_spec
 from trtspec.triton.client import URL_HELP
 
 SpecArg = Annotated[Path, typer.Argument(help="Engine spec YAML (engine_specs/*.yaml).", show_default=False)]
@@ -68,6 +68,13 @@ MetricsPortOpt = Annotated[
     int | None,
     typer.Option("--metrics-port", min=1, max=65535, help="Triton's metrics port (default: serve.metrics_port, 8002)."),
 ]
+
+
+def spec_and_engines(spec: Path, device: str | None, engines: Path | None, old_name: Path | None) -> tuple[LoadedSpec, Path]:
+    """What a command that runs a spec's built engines (verify, bench) loads: the spec with
+    --device in place, and its engine folder (--engines, or its old name -o/--output)."""
+    loaded = with_device(load_spec(spec), device)
+    return loaded, engines_dir(loaded, engines, old_name)
 
 
 def engines_dir(loaded: LoadedSpec, engines: Path | None, old_name: Path | None) -> Path:

@@ -21,14 +21,12 @@ from trtspec.cli.common import (
     PromptOpt,
     SpecArg,
     UrlOpt,
-    engines_dir,
     handle_errors,
-    with_device,
+    spec_and_engines,
 )
 from trtspec.cli.options import from_flags
 from trtspec.cli.output import emit
 from trtspec.errors import EXIT_DIVERGED, EXIT_OK
-from trtspec.spec import load_spec
 from trtspec.speculative.llmapi import TENSORRT_LLM
 from trtspec.verify.run import VerifyOptions, run
 
@@ -148,10 +146,10 @@ def verify(
     device: DeviceOpt = None,
 ) -> None:
     opts = from_flags(VerifyOptions, ctx)  # help: HELP, registered in app.py
-    loaded = with_device(load_spec(spec), device)
+    loaded, engines_folder = spec_and_engines(spec, device, engines, output)
     bars = _Bars()
     try:
-        outcome = run(loaded, engines_dir(loaded, engines, output), opts, progress=bars.update)
+        outcome = run(loaded, engines_folder, opts, progress=bars.update)
     finally:
         bars.close()
     emit(outcome, outcome.render, as_json=as_json, json_file=json_file)
