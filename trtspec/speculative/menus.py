@@ -5,13 +5,13 @@ each keep one AdaptivePolicy (its measured costs span batches) and build a Menu 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from trtspec.spec import FREE_METHODS, MODEL_METHODS, SuffixSpec
 from trtspec.speculative.adaptive import AdaptivePolicy, AdaptiveSettings
 from trtspec.speculative.capabilities import Drafter
 from trtspec.speculative.drafters import make_drafter
 from trtspec.speculative.loop import Menu
-from trtspec.speculative.metrics import SourceCounts
 from trtspec.speculative.suffix import ResponseCache
 
 AUTO = "auto"
@@ -35,26 +35,23 @@ def make_menu(
     method: str,
     policy: AdaptivePolicy,
     *,
-    max_ngram: int = 3,
-    min_ngram: int = 1,
     draft_model: Drafter | None = None,
     suffix: SuffixSpec | None = None,
     cache: ResponseCache | None = None,
-    sources: SourceCounts | None = None,
+    **same: Any,
 ) -> Menu:
     """The Menu of ``policy``'s methods. Method auto: each drafter alone (suffix settings and
     cache go to suffix, the draft model to draft_target); one adaptive method: its drafter as
-    make_drafter builds it (suffix layered on a model draft included)."""
+    make_drafter builds it (suffix layered on a model draft included). ``same``: make_drafter's
+    other keywords (max_ngram, min_ngram, sources), declared there, the same for every method."""
     drafters = {}
     for name in policy.settings.methods:
         own_suffix = suffix if method != AUTO or name == "suffix" else None
         drafters[name] = make_drafter(
             name,
-            max_ngram=max_ngram,
-            min_ngram=min_ngram,
             draft_model=draft_model if name in MODEL_METHODS else None,
             suffix=own_suffix,
             cache=cache if own_suffix is not None else None,
-            sources=sources,
+            **same,
         )
     return Menu(drafters, policy)
