@@ -43,6 +43,11 @@ _NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")  # whole name: used with ful
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    def _exactly_one(self, first: str, second: str, message: str) -> None:
+        """ValueError(``message``) unless exactly one of the fields ``first`` and ``second`` is given."""
+        if (getattr(self, first) is None) == (getattr(self, second) is None):
+            raise ValueError(message)
+
 
 class BuildLimits(_Strict):
     """Shapes the engines are built for; requests beyond them are refused."""
@@ -80,8 +85,9 @@ class ModelSpec(_Strict):
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
-        if (self.repo is None) == (self.path is None):
-            raise ValueError("give exactly one source: `repo` (a Hub repo id, with `revision`) or `path` (a local folder)")
+        self._exactly_one(
+            "repo", "path", "give exactly one source: `repo` (a Hub repo id, with `revision`) or `path` (a local folder)"
+        )
         if self.repo is not None:
             if not self.revision:
                 raise ValueError(
@@ -129,11 +135,12 @@ class SwitchOffSpec(_Strict):
 
     @model_validator(mode="after")
     def _one_threshold(self) -> SwitchOffSpec:
-        if (self.min_acceptance_length is None) == (self.min_acceptance_rate is None):
-            raise ValueError(
-                "give one threshold: min_acceptance_length (mean tokens per target forward of finished "
-                "requests) or min_acceptance_rate (accepted / drafted tokens per step; TensorRT-LLM 1.3+)"
-            )
+        self._exactly_one(
+            "min_acceptance_length",
+            "min_acceptance_rate",
+            "give one threshold: min_acceptance_length (mean tokens per target forward of finished "
+            "requests) or min_acceptance_rate (accepted / drafted tokens per step; TensorRT-LLM 1.3+)",
+        )
         return self
 
 
@@ -255,11 +262,11 @@ class TreeSpec(_Strict):
 
     @model_validator(mode="after")
     def _one_shape(self) -> TreeSpec:
-        if (self.choices is None) == (self.dynamic is None):
-            raise ValueError(
-                "give exactly one shape: `choices` (a static tree, e.g. [[0], [1], [0, 0]]) or "
-                "`dynamic` (e.g. {top_k: 4, nodes: 8})"
-            )
+        self._exactly_one(
+            "choices",
+            "dynamic",
+            "give exactly one shape: `choices` (a static tree, e.g. [[0], [1], [0, 0]]) or `dynamic` (e.g. {top_k: 4, nodes: 8})",
+        )
         return self
 
     @property
