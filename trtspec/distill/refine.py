@@ -15,7 +15,7 @@ import hashlib
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,13 +43,7 @@ class RefineResult:
     held_requests: list[str] = field(default_factory=list)  # the captured requests never trained on
 
     def to_dict(self) -> dict:
-        return {
-            "head": str(self.head),
-            "steps": self.steps,
-            "old": self.old,
-            "new": self.new,
-            "held_requests": self.held_requests,
-        }
+        return {**asdict(self), "head": str(self.head)}
 
     def summary(self) -> str:
         rows = [f"{'acceptance at k=1':<34}{'old head':>10}{'new head':>10}"]
