@@ -27,7 +27,6 @@ from trtspec.cli.common import (
 from trtspec.cli.options import from_flags
 from trtspec.cli.output import emit
 from trtspec.errors import EXIT_INTERRUPTED
-from trtspec.speculative.llmapi import TENSORRT_LLM
 
 Opt = typer.Option
 OutOpt = Annotated[Path | None, Opt("--out", help="Folder for bench.json and plots (default .trtspec/bench/<name>).")]
@@ -105,30 +104,34 @@ HELP = """Measure speculative vs target-only on SPEC's pair, prompts and load.
 """
 
 
+# An option that names a BenchOptions field defaults to the field's default, declared there once.
+DEFAULTS = BenchOptions()
+
+
 @handle_errors
 def bench(
     ctx: typer.Context,
     spec: SpecArg,
-    prompts: PromptOpt = None,
-    prompts_file: PromptsFileOpt = None,
-    max_tokens: MaxTokensOpt = None,
-    num_draft_tokens: NumDraftTokensOpt = None,
-    sweep: SweepOpt = None,
-    concurrency: ConcurrencyOpt = None,
-    rounds: RoundsOpt = 1,
-    url: UrlOpt = None,
-    methods: MethodsOpt = None,
-    methods_prompts: MethodsPromptsOpt = None,
-    draft_from: DraftFromOpt = None,
-    schedule: ScheduleOpt = False,
-    trees: TreesOpt = False,
-    neighbours: NeighboursOpt = 0,
+    prompts: PromptOpt = DEFAULTS.prompts,
+    prompts_file: PromptsFileOpt = DEFAULTS.prompts_file,
+    max_tokens: MaxTokensOpt = DEFAULTS.max_tokens,
+    num_draft_tokens: NumDraftTokensOpt = DEFAULTS.num_draft_tokens,
+    sweep: SweepOpt = DEFAULTS.sweep,
+    concurrency: ConcurrencyOpt = DEFAULTS.concurrency,
+    rounds: RoundsOpt = DEFAULTS.rounds,
+    url: UrlOpt = DEFAULTS.url,
+    methods: MethodsOpt = DEFAULTS.methods,
+    methods_prompts: MethodsPromptsOpt = DEFAULTS.methods_prompts,
+    draft_from: DraftFromOpt = DEFAULTS.draft_from,
+    schedule: ScheduleOpt = DEFAULTS.schedule,
+    trees: TreesOpt = DEFAULTS.trees,
+    neighbours: NeighboursOpt = DEFAULTS.neighbours,
     engines: EnginesOpt = None,
     output: EnginesOldNameOpt = None,
     out: OutOpt = None,
     as_json: JsonOpt = False,
     json_file: JsonFileOpt = None,
-    llmapi_impl: LlmapiOpt = TENSORRT_LLM,
+    llmapi_impl: LlmapiOpt = DEFAULTS.llmapi_impl,
     device: DeviceOpt = None,
 ) -> None:
     from trtspec.bench import plot, render, run

@@ -10,7 +10,7 @@ import typer
 from trtspec import console
 from trtspec.cli.common import EnginesOpt, SpecArg, handle_errors
 from trtspec.cli.options import from_flags
-from trtspec.deploy.options import DEFAULT_KUBE_VERSION, K8sOptions
+from trtspec.deploy.options import K8sOptions
 from trtspec.deploy.output import deploy_k8s, dry_run_text
 from trtspec.spec import load_spec
 
@@ -98,41 +98,45 @@ HELP = """Write Kubernetes manifests (kustomize-ready) that serve SPEC on Triton
 """
 
 
+# An option that names a K8sOptions field defaults to the field's default, declared there once.
+DEFAULTS = K8sOptions()
+
+
 @app.command("k8s", help=HELP)
 @handle_errors
 def k8s(
     ctx: typer.Context,
     spec: SpecArg,
-    kube_version: KubeVersionOpt = DEFAULT_KUBE_VERSION,
-    name: NameOpt = None,
-    namespace: NamespaceOpt = None,
-    image: ImageOpt = None,
-    engines_from: EnginesFromOpt = "pvc",
-    pvc: PvcOpt = None,
-    engines_image: EnginesImageOpt = None,
-    storage_size: StorageSizeOpt = "50Gi",
-    storage_class: StorageClassOpt = None,
-    hpa: HpaOpt = True,
-    min_replicas: MinReplicasOpt = 1,
-    max_replicas: MaxReplicasOpt = 4,
-    queue_target: QueueTargetOpt = None,
-    cpu_target: CpuTargetOpt = 80,
-    service_monitor: ServiceMonitorOpt = False,
-    cpu: CpuOpt = None,
-    cpu_limit: CpuLimitOpt = None,
-    memory: MemoryOpt = None,
-    shm_size: ShmSizeOpt = "1Gi",
-    network_policy: NetworkPolicyOpt = True,
-    clients_label: ClientsLabelOpt = "app.kubernetes.io/component=trtspec-front",
-    clients_namespace: ClientsNamespaceOpt = None,
-    metrics_label: MetricsLabelOpt = "app.kubernetes.io/name=prometheus",
-    metrics_namespace: MetricsNamespaceOpt = "monitoring",
-    gpus_per_node: GpusPerNodeOpt = 8,
-    startup_seconds: StartupSecondsOpt = None,
-    refresh_schedule: RefreshScheduleOpt = None,
-    refresh_cpu: RefreshCpuOpt = "1",
-    refresh_memory: RefreshMemoryOpt = "8Gi",
-    loop_size: LoopSizeOpt = "20Gi",
+    kube_version: KubeVersionOpt = DEFAULTS.kube_version,
+    name: NameOpt = DEFAULTS.name,
+    namespace: NamespaceOpt = DEFAULTS.namespace,
+    image: ImageOpt = DEFAULTS.image,
+    engines_from: EnginesFromOpt = DEFAULTS.engines_from,
+    pvc: PvcOpt = DEFAULTS.pvc,
+    engines_image: EnginesImageOpt = DEFAULTS.engines_image,
+    storage_size: StorageSizeOpt = DEFAULTS.storage_size,
+    storage_class: StorageClassOpt = DEFAULTS.storage_class,
+    hpa: HpaOpt = DEFAULTS.hpa,
+    min_replicas: MinReplicasOpt = DEFAULTS.min_replicas,
+    max_replicas: MaxReplicasOpt = DEFAULTS.max_replicas,
+    queue_target: QueueTargetOpt = DEFAULTS.queue_target,
+    cpu_target: CpuTargetOpt = DEFAULTS.cpu_target,
+    service_monitor: ServiceMonitorOpt = DEFAULTS.service_monitor,
+    cpu: CpuOpt = DEFAULTS.cpu,
+    cpu_limit: CpuLimitOpt = DEFAULTS.cpu_limit,
+    memory: MemoryOpt = DEFAULTS.memory,
+    shm_size: ShmSizeOpt = DEFAULTS.shm_size,
+    network_policy: NetworkPolicyOpt = DEFAULTS.network_policy,
+    clients_label: ClientsLabelOpt = DEFAULTS.clients_label,
+    clients_namespace: ClientsNamespaceOpt = DEFAULTS.clients_namespace,
+    metrics_label: MetricsLabelOpt = DEFAULTS.metrics_label,
+    metrics_namespace: MetricsNamespaceOpt = DEFAULTS.metrics_namespace,
+    gpus_per_node: GpusPerNodeOpt = DEFAULTS.gpus_per_node,
+    startup_seconds: StartupSecondsOpt = DEFAULTS.startup_seconds,
+    refresh_schedule: RefreshScheduleOpt = DEFAULTS.refresh_schedule,
+    refresh_cpu: RefreshCpuOpt = DEFAULTS.refresh_cpu,
+    refresh_memory: RefreshMemoryOpt = DEFAULTS.refresh_memory,
+    loop_size: LoopSizeOpt = DEFAULTS.loop_size,
     out: OutOpt = None,
     engines: EnginesOpt = None,
     force: ForceOpt = False,

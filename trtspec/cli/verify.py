@@ -27,7 +27,6 @@ from trtspec.cli.common import (
 from trtspec.cli.options import from_flags
 from trtspec.cli.output import emit
 from trtspec.errors import EXIT_DIVERGED, EXIT_OK
-from trtspec.speculative.llmapi import TENSORRT_LLM
 from trtspec.verify.run import VerifyOptions, run
 
 Opt = typer.Option
@@ -117,32 +116,36 @@ HELP = """Prove greedy speculative outputs are token-identical to target-only ou
 """
 
 
+# An option that names a VerifyOptions field defaults to the field's default, declared there once.
+DEFAULTS = VerifyOptions()
+
+
 @handle_errors
 def verify(
     ctx: typer.Context,
     spec: SpecArg,
-    prompts: PromptOpt = None,
-    max_tokens: MaxTokensOpt = None,
-    num_draft_tokens: NumDraftTokensOpt = None,
-    url: UrlOpt = None,
-    stream: StreamOpt = False,
-    fail_on: FailOnOpt = "any",
-    baseline: BaselineOpt = None,
-    max_acceptance_drop: MaxDropOpt = None,
-    min_acceptance_length: MinLengthOpt = None,
-    samples: SamplingOpt = None,
-    temperature: TemperatureOpt = None,
-    top_k: TopKOpt = None,
-    top_p: TopPOpt = None,
-    seed: SeedOpt = None,
-    tie_epsilon: TieEpsilonOpt = None,
-    html_file: HtmlOpt = None,
+    prompts: PromptOpt = DEFAULTS.prompts,
+    max_tokens: MaxTokensOpt = DEFAULTS.max_tokens,
+    num_draft_tokens: NumDraftTokensOpt = DEFAULTS.num_draft_tokens,
+    url: UrlOpt = DEFAULTS.url,
+    stream: StreamOpt = DEFAULTS.stream,
+    fail_on: FailOnOpt = DEFAULTS.fail_on,
+    baseline: BaselineOpt = DEFAULTS.baseline,
+    max_acceptance_drop: MaxDropOpt = DEFAULTS.max_acceptance_drop,
+    min_acceptance_length: MinLengthOpt = DEFAULTS.min_acceptance_length,
+    samples: SamplingOpt = DEFAULTS.samples,
+    temperature: TemperatureOpt = DEFAULTS.temperature,
+    top_k: TopKOpt = DEFAULTS.top_k,
+    top_p: TopPOpt = DEFAULTS.top_p,
+    seed: SeedOpt = DEFAULTS.seed,
+    tie_epsilon: TieEpsilonOpt = DEFAULTS.tie_epsilon,
+    html_file: HtmlOpt = DEFAULTS.html_file,
     engines: EnginesOpt = None,
     output: EnginesOldNameOpt = None,
     as_json: JsonOpt = False,
     json_file: JsonFileOpt = None,
     junit_file: JunitOpt = None,
-    llmapi_impl: LlmapiOpt = TENSORRT_LLM,
+    llmapi_impl: LlmapiOpt = DEFAULTS.llmapi_impl,
     device: DeviceOpt = None,
 ) -> None:
     opts = from_flags(VerifyOptions, ctx)  # help: HELP, registered in app.py
