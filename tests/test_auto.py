@@ -192,11 +192,7 @@ def test_the_choice_changes_within_a_request_as_its_text_does():
     clock = Clock()
     m = Recording(menu(clock, {"draft_target": ModelDraft(clock, switching), "ngram": NgramDrafter()}))
     (res,) = generate([GenerationRequest([1, 2, 3], 90, 5)], m, TimedVerifier(clock, switching))
-    expected, ctx = [], [1, 2, 3]
-    for _ in range(90):
-        expected.append(switching(ctx))
-        ctx.append(expected[-1])
-    assert res.output_ids == expected
+    assert res.output_ids == reference(90, target=switching)
     names = [d for d, _ in m.seen]
     early, late = names[2:8], names[-8:]
     assert early.count("ngram") >= 5, m.seen
@@ -216,11 +212,7 @@ def test_speculation_turns_off_where_it_loses_and_comes_back():
 
     m = Recording(menu(clock, {"ngram": Wrong()}, probe_every=4))
     (res,) = generate([GenerationRequest([1, 2, 3], 120, 5)], m, TimedVerifier(clock, phases, base=0.010, per_token=0.004))
-    expected, ctx = [], [1, 2, 3]
-    for _ in range(120):
-        expected.append(phases(ctx))
-        ctx.append(expected[-1])
-    assert res.output_ids == expected
+    assert res.output_ids == reference(120, target=phases)
     ks = [k for _, k in m.seen]
     off = [i for i, k in enumerate(ks) if k == 0]
     assert len(off) >= 10  # it turned off ...

@@ -74,10 +74,11 @@ def run(drafter, k, max_tokens=40, end_ids=frozenset(), stops=(), prompt=(1, 2, 
     return generate([req], drafter, OracleVerifier())[0]
 
 
-def reference(max_tokens=40, prompt=(1, 2, 3)):
+def reference(max_tokens=40, prompt=(1, 2, 3), target=oracle):
+    """The greedy output of ``target`` (a context's next token) after ``prompt``."""
     seq, out = list(prompt), []
     for _ in range(max_tokens):
-        out.append(oracle(seq))
+        out.append(target(seq))
         seq.append(out[-1])
     return out
 
