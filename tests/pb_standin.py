@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import types
+from functools import partialmethod
 
 import numpy as np
 
@@ -140,23 +141,16 @@ class InferenceRequest:
 
 
 class Logger:
-    lines: list[tuple[str, str]] = []
+    lines: list[tuple[str, str]] = []  # (level, message), one per call
 
     @classmethod
-    def log_error(cls, message):
-        cls.lines.append(("error", message))
+    def _log(cls, level: str, message) -> None:
+        cls.lines.append((level, message))
 
-    @classmethod
-    def log_warn(cls, message):
-        cls.lines.append(("warn", message))
-
-    @classmethod
-    def log_info(cls, message):
-        cls.lines.append(("info", message))
-
-    @classmethod
-    def log_verbose(cls, message):
-        cls.lines.append(("verbose", message))
+    log_error = partialmethod(_log, "error")
+    log_warn = partialmethod(_log, "warn")
+    log_info = partialmethod(_log, "info")
+    log_verbose = partialmethod(_log, "verbose")
 
 
 def module() -> types.ModuleType:
