@@ -160,14 +160,21 @@ def test_unsupported_family(tmp_path):
     )
 
 
-def test_quantization_not_supported_by_family():
+def model_check_error(role: str, model_type: str, layers: int, **model) -> TrtspecError:
+    """check_model's refusal of trtllm-1gpu.yaml with ``model`` set on ``role``'s model, whose
+    checkpoint config is a ``model_type`` of ``layers`` layers (32 heads, 8 KV heads)."""
     spec = load_spec(SPECS / "trtllm-1gpu.yaml").spec
-    spec = spec.model_copy(update={"target": spec.target.model_copy(update={"quantization": "int4_awq"})})
-    mixtral = SimpleNamespace(model_type="mixtral", num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=32)
+    spec = spec.model_copy(update={role: getattr(spec, role).model_copy(update=model)})
+    cfg = SimpleNamespace(model_type=model_type, num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=layers)
     with pytest.raises(TrtspecError) as info:
-        check_model(spec, "target", mixtral)
-    assert info.value.exit_code == 2
-    assert str(info.value) == (
+        check_model(spec, role, cfg)
+    return info.value
+
+
+def test_quantization_not_supported_by_family():
+    err = model_check_error("target", "mixtral", 32, quantization="int4_awq")
+    assert err.exit_code == 2
+    assert str(err) == (
         "target.quantization: 'int4_awq' is not supported for the mixtral family in "
         "TensorRT-LLM 1.2.1 (supported: none, fp8, int8_wo); choose one of those"
     )
@@ -261,11 +268,7 @@ def test_ngram_is_refused_by_the_engine_runtime(tmp_path):
 
 
 def test_gguf_is_refused():
-    spec = load_spec(SPECS / "trtllm-1gpu.yaml").spec
-    spec = spec.model_copy(update={"draft": spec.draft.model_copy(update={"gguf_file": "m.gguf"})})
-    cfg = SimpleNamespace(model_type="llama", num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=16)
-    with pytest.raises(TrtspecError, match=r"^draft.gguf_file: backend trtllm converts"):
-        check_model(spec, "draft", cfg)
+    assert str(model_check_error("draft", "llama", 16, gguf_file="m.gguf")).startswith("draft.gguf_file: backend trtllm converts")
 
 
 # -- CLI ---------------------------------------------------------------------------------------
