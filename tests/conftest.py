@@ -199,3 +199,22 @@ def unrolled_as(full: list):
     ``full`` ([B, T, vocab] each), read at the positions a caller asks for (``at``) as the real
     one returns them."""
     return lambda *a, at=None, **kw: full if at is None else [x[m] for x, m in zip(full, at)]
+
+
+def endpoint_params(**fields):
+    """A speculative endpoint's EngineEndpointParams (what the repository hands the backend):
+    small made-up shapes, ``fields`` in place of any of them, for tests of what the parameters
+    carry and read back."""
+    from trtspec.triton.backend.params import EngineEndpointParams
+
+    basics = {
+        "mode": "speculative",
+        "method": "draft_target",
+        "default_draft_tokens": 4,
+        "max_input_len": 8,
+        "max_seq_len": 16,
+        "max_draft_len": 4,
+        "vocab_size": 10,
+        "tokenizer_dir": "/t",
+    }
+    return EngineEndpointParams(**{**basics, **fields})

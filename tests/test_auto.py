@@ -327,20 +327,12 @@ def test_triton_orchestrator_chooses_per_request_streams_batches_and_counts(buil
 
 
 def test_endpoint_params_carry_the_adaptive_methods(tmp_path):
+    from conftest import endpoint_params
+
     from trtspec.triton.backend.params import EngineEndpointParams, load_aware
 
     spec = _load(tmp_path, AUTO).speculative
-    params = EngineEndpointParams(
-        mode="speculative",
-        method="auto",
-        default_draft_tokens=4,
-        max_input_len=8,
-        max_seq_len=16,
-        max_draft_len=4,
-        vocab_size=10,
-        tokenizer_dir="/t",
-        **load_aware(spec),
-    )
+    params = endpoint_params(method="auto", **load_aware(spec))
     back = EngineEndpointParams.from_params(params.to_params())
     settings = back.settings(decoupled=False, max_batch_size=2)
     assert settings.adaptive_methods == ("draft_target", "suffix", "ngram") and settings.probe_every == 16

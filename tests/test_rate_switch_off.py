@@ -11,7 +11,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import serve_tiny, write_spec
+from conftest import endpoint_params, serve_tiny, write_spec
 
 from trtspec.spec import SwitchOffSpec, load_spec
 
@@ -46,7 +46,7 @@ def test_the_endpoints_parameters_carry_the_rate_to_the_orchestrator(tmp_path, t
 
     loaded = load_spec(write_spec(tmp_path, tiny_ckpts, **backend, **RATE_OFF))
     fields = load_aware(loaded.spec.speculative)
-    params = EngineEndpointParams(**_endpoint_basics(), mode="speculative", **fields).to_params()
+    params = endpoint_params(**fields).to_params()
     assert json.loads(params["switch_off"]) == {"window": 1, "min_acceptance_rate": 1.0}
     back = EngineEndpointParams.from_params(params)
     assert back.switch_off == SwitchOffSpec(window=1, min_acceptance_rate=1.0) and back.to_params() == params
@@ -59,22 +59,10 @@ def test_a_written_length_switch_off_still_reads_back_as_the_length():
     reads back as that threshold, counted per finished request."""
     from trtspec.triton.backend.params import EngineEndpointParams
 
-    params = {**EngineEndpointParams(**_endpoint_basics(), mode="speculative").to_params()}
+    params = {**endpoint_params().to_params()}
     params["switch_off"] = json.dumps({"window": 16, "min_acceptance_length": 1.3})
     policy = EngineEndpointParams.from_params(params).settings(decoupled=False, max_batch_size=4).load_policy()
     assert not policy.switch.per_step and (policy.switch.window, policy.switch.threshold) == (16, 1.3)
-
-
-def _endpoint_basics() -> dict:
-    return {
-        "method": "draft_target",
-        "default_draft_tokens": 4,
-        "max_input_len": 64,
-        "max_seq_len": 128,
-        "max_draft_len": 4,
-        "vocab_size": 256,
-        "tokenizer_dir": "/nonexistent",
-    }
 
 
 @pytest.fixture(scope="module")

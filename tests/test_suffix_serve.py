@@ -168,25 +168,15 @@ def test_orchestrator_layers_suffix_on_the_draft_model(built):
 
 
 def test_suffix_settings_round_trip_through_config_parameters(tmp_path, tiny_ckpts):
-    from conftest import write_spec
+    from conftest import endpoint_params, write_spec
 
     from trtspec.spec import load_spec
     from trtspec.triton.repository.writer import plan_repository
 
     sx = SuffixSpec(max_depth=16, cache_responses=3, threshold=5)
-    base = dict(
-        mode="speculative",
-        method="eagle3",
-        default_draft_tokens=4,
-        max_input_len=8,
-        max_seq_len=16,
-        max_draft_len=4,
-        vocab_size=10,
-        tokenizer_dir="t",
-    )
-    params = EngineEndpointParams(**base, suffix=sx).to_params()
+    params = endpoint_params(method="eagle3", suffix=sx).to_params()
     assert EngineEndpointParams.from_params(params).suffix == sx
-    assert EngineEndpointParams.from_params(EngineEndpointParams(**base).to_params()).suffix is None
+    assert EngineEndpointParams.from_params(endpoint_params(method="eagle3").to_params()).suffix is None
     # The repository writer hands the spec's suffix settings to the speculative endpoints only.
     loaded = load_spec(write_spec(tmp_path, tiny_ckpts, None, **{"speculative.method": "suffix"}))
     from trtspec.engines.build import build
