@@ -169,9 +169,9 @@ def serve_built(loaded, folder: Path, backend_cache: Path):
         server.stop()
 
 
-def serve_app(app, log_level: str = "warning"):
-    """An ASGI app on uvicorn at 127.0.0.1 (a free port), as a generator for fixtures: yields the
-    port once the server has started, stops it after."""
+def serve_app(app, log_level: str = "warning", **options):
+    """An ASGI app on uvicorn at 127.0.0.1 (a free port; ``options`` uvicorn.Config's), as a
+    generator for fixtures: yields the port once the server has started, stops it after."""
     import threading
     import time
 
@@ -180,7 +180,7 @@ def serve_app(app, log_level: str = "warning"):
     from trtspec.triton.server.process import free_ports
 
     (port,) = free_ports(1)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level, **options))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

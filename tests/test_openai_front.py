@@ -10,6 +10,7 @@ import json
 import re
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -492,3 +493,22 @@ def test_capture_false_keeps_the_request_out_of_serve_capture(oai, scripted):
     sent = [{t.name(): t for t in TritonText._inputs(g, False)} for g in scripted.calls]
     assert "capture" not in sent[0] and scripted.calls[0].capture is True  # the deployment's choice
     assert sent[1]["capture"].datatype() == "BOOL" and scripted.calls[1].capture is False
+
+
+def test_trtspec_openai_serves_the_front_with_its_connection_bounds(monkeypatch):
+    """`trtspec openai`'s uvicorn gets the bounded h11 protocol (head deadline, connection
+    cap: tests/test_hostile_requests.py shows them at work) and no websockets."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    from trtspec.openai import run
+    from trtspec.openai.connections import ConnectionBounds
+
+    served = []
+    monkeypatch.setattr(run, "make_app", lambda repo_dir, url, keys: "the app")
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.append((app, options)))
+    run.run(Path("repo"), "127.0.0.1:8001")
+    run.run(Path("repo"), "127.0.0.1:8001", max_connections=7)
+    (app, default), (_, seven) = served
+    assert app == "the app" and default["ws"] == seven["ws"] == "none"
+    assert issubclass(default["http"], H11Protocol) and default["http"].limits == ConnectionBounds()
+    assert seven["http"].limits == ConnectionBounds(max_connections=7) and seven["http"] is not default["http"]

@@ -30,6 +30,15 @@ ApiKeysOpt = Annotated[
     ),
 ]
 ApiKeyOpt = Annotated[str | None, Opt("--api-key", help="One API key (tenant 'default'); prefer --api-keys: argv is visible.")]
+MaxConnectionsOpt = Annotated[
+    int | None,
+    Opt(
+        "--max-connections",
+        min=1,
+        help="Most HTTP connections held at once (default 512); past it a new one closes the longest idle or slow one.",
+        show_default=False,
+    ),
+]
 
 
 @handle_errors
@@ -40,6 +49,7 @@ def openai(
     port: PortOpt = 8080,
     api_keys: ApiKeysOpt = None,
     api_key: ApiKeyOpt = None,
+    max_connections: MaxConnectionsOpt = None,
     engines: EnginesOpt = None,
 ) -> None:
     """Serve /v1/models, /v1/completions and /v1/chat/completions (SSE streaming) for a
@@ -52,6 +62,10 @@ def openai(
     Every /v1 request needs `Authorization: Bearer <key>` when --api-keys or --api-key is
     given (401 otherwise); the key's tenant is the request's suffix cache scope, which `user`
     narrows inside it. Without keys the deployment is single-tenant.
+
+    A request's head must arrive within 10 s of its connection's start (or of the previous
+    answer); at --max-connections a new connection closes the one that has waited longest
+    for a head.
 
     Examples:
       trtspec serve engine_specs/smollm2-135m-cpu.yaml --detach
@@ -69,4 +83,4 @@ def openai(
     t = launch.serve_target(target, engines, write=False)
     url = parse_url(url)
     console.err.print(f"OpenAI API on http://{host}:{port}/v1 -> Triton gRPC {url}; Ctrl-C to stop")
-    run(t.repo_dir, url, host, port, keys)
+    run(t.repo_dir, url, host, port, keys, max_connections)

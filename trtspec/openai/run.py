@@ -1,5 +1,5 @@
 """Run the OpenAI front: find the deployment's tokenizer and limits, build the app, serve it
-with uvicorn (loopback unless told otherwise)."""
+with uvicorn (loopback unless told otherwise), its connections bounded (connections.py)."""
 
 from __future__ import annotations
 
@@ -75,7 +75,19 @@ def make_app(repo_dir: Path, url: str, keys: ApiKeys | None = None):
     return create_app(TritonText(url, caller_key=key), AutoTokenizer.from_pretrained(tok_dir), settings, keys)
 
 
-def run(repo_dir: Path, url: str, host: str = "127.0.0.1", port: int = 8080, keys: ApiKeys | None = None) -> None:
+def run(
+    repo_dir: Path,
+    url: str,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    keys: ApiKeys | None = None,
+    max_connections: int | None = None,
+) -> None:
+    """Serve until interrupted, the connections bounded (ConnectionBounds; ``max_connections``
+    None: its default)."""
     import uvicorn
 
-    uvicorn.run(make_app(repo_dir, url, keys), host=host, port=port, log_level="warning")
+    from trtspec.openai.connections import ConnectionBounds, server_options
+
+    bounds = ConnectionBounds() if max_connections is None else ConnectionBounds(max_connections=max_connections)
+    uvicorn.run(make_app(repo_dir, url, keys), host=host, port=port, log_level="warning", **server_options(bounds))
