@@ -4,13 +4,19 @@ wrong (a client that leaves mid-stream: its request ends once, as cancelled), an
 the server is ready and answers an ordinary request exactly as target-only decoding does.
 
 gRPC (the BLS endpoint): a huge input, a wrong data type, out-of-range values, a missing
-tensor, text that is not UTF-8, a wrong shape. HTTP (the OpenAI front): a partial body from a
-client that stalls (slow loris), a JSON body over the limit, a stream the client drops."""
+tensor, text that is not UTF-8, a wrong shape. HTTP (the OpenAI front, served with the
+connection bounds `trtspec openai` serves it with): a partial body from a client that stalls
+(slow loris), a head that dribbles in, a flood of slow clients and connections over the cap, a
+JSON body over the limit, a stream the client drops, a request without an API key whose body
+never ends."""
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import re
+import select
 import socket
 import time
 import urllib.request
@@ -27,25 +33,57 @@ from trtspec.layout import BLS_MODEL  # noqa: E402
 
 PROMPT = "The quick brown fox"
 BODY_TIMEOUT_S = 2.0  # the front's body deadline in this test (default 30 s)
+HEAD_TIMEOUT_S = 2.0  # the front's head deadline in this test (default 10 s)
+CAP = 4  # the capped front's connection cap (default 512)
+API_KEY = "sk-hostile-0123456789abcdef"
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_ckpts):
     """(server, in-process Deployment, OpenAI front's base URL)."""
     pytest.importorskip("uvicorn")
+    for server, dep in serve_tiny(tmp_path_factory, tiny_ckpts, "hostile-nine"):
+        for front in _serve_front(server, head_timeout_s=HEAD_TIMEOUT_S, body_timeout_s=BODY_TIMEOUT_S):
+            yield server, dep, front
+
+
+@pytest.fixture
+def capped(stack):
+    """(server, Deployment, base URL of a front on the same server holding at most CAP
+    connections, its head and body deadlines far away)."""
+    server, dep, _ = stack
+    for front in _serve_front(server, max_connections=CAP, head_timeout_s=60, body_timeout_s=60):
+        yield server, dep, front
+
+
+@pytest.fixture
+def keyed(stack):
+    """(server, Deployment, base URL of a front on the same server that needs API_KEY, its
+    body limit 64 KiB: a refused body is drained up to 1 MiB)."""
+    from trtspec.openai.keys import ApiKeys
+
+    server, dep, _ = stack
+    for front in _serve_front(server, keys=ApiKeys.single(API_KEY), max_body_bytes=64 * 1024):
+        yield server, dep, front
+
+
+def _serve_front(server, keys=None, max_connections: int = 512, head_timeout_s: float = 10.0, **settings):
+    """The OpenAI front on ``server`` as `trtspec openai` serves it (its connection bounds
+    included), ``settings`` FrontSettings'; a generator for fixtures yielding its base URL."""
     from transformers import AutoTokenizer
 
     from trtspec.openai.app import create_app
+    from trtspec.openai.connections import ConnectionBounds, server_options
     from trtspec.openai.run import caller_key, front_settings
     from trtspec.openai.triton import TritonText
 
-    for server, dep in serve_tiny(tmp_path_factory, tiny_ckpts, "hostile-nine"):
-        settings, tok_dir = front_settings(server.command.model_repository)
-        key = caller_key(server.grpc_endpoint, None, settings.suffix_scopes)
-        backend = TritonText(server.grpc_endpoint, caller_key=key)
-        app = create_app(backend, AutoTokenizer.from_pretrained(tok_dir), replace(settings, body_timeout_s=BODY_TIMEOUT_S))
-        for port in serve_app(app, log_level="critical"):
-            yield server, dep, f"http://127.0.0.1:{port}"
+    found, tok_dir = front_settings(server.command.model_repository)
+    key = caller_key(server.grpc_endpoint, keys, found.suffix_scopes)
+    backend = TritonText(server.grpc_endpoint, caller_key=key)
+    app = create_app(backend, AutoTokenizer.from_pretrained(tok_dir), replace(found, **settings), keys)
+    bounds = ConnectionBounds(head_timeout_s=head_timeout_s, max_connections=max_connections)
+    for port in serve_app(app, log_level="critical", **server_options(bounds)):
+        yield f"http://127.0.0.1:{port}"
 
 
 # ---------------------------------------------------------------------------------- gRPC
@@ -185,6 +223,169 @@ def test_a_client_that_drops_its_stream_ends_its_request_once_as_cancelled(stack
     time.sleep(1)
     assert _finished(server, "cancelled") - before == 1  # once, not again later
     _still_healthy(server, dep)
+
+
+def test_a_head_that_dribbles_in_gets_one_408_and_its_connection_closed(stack):
+    """Slow loris on the headers: a header byte every 0.25 s, never the blank line that ends
+    them. One 408 after the head deadline, the connection closed; the front still answers."""
+    server, dep, front = stack
+    started, answer = time.monotonic(), b""
+    with _connect(front, 0.25) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: front\r\nX-Slow: ")
+        while time.monotonic() - started < HEAD_TIMEOUT_S + 30:
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                with contextlib.suppress(OSError):  # closed meanwhile: the next recv says so
+                    sock.sendall(b"a")
+                continue
+            if not chunk:
+                break
+            answer += chunk
+    elapsed = time.monotonic() - started
+    status, error = _one_response(answer)
+    assert status == 408 and error["code"] == "request_timeout"
+    assert "the request head did not arrive whole within 2 s" in error["message"]
+    assert HEAD_TIMEOUT_S <= elapsed < HEAD_TIMEOUT_S + 20
+    _front_answers(front, dep)
+    _still_healthy(server, dep)
+
+
+def test_a_flood_of_slow_clients_cannot_crowd_out_an_ordinary_request(capped):
+    """3 x CAP clients each send part of a head and stall. The front holds at most CAP
+    connections: each new one closes the one that has waited longest for its head, at once (the
+    head deadline is 60 s here) and without a byte, so an ordinary request is answered."""
+    server, dep, front = capped
+    slow = []
+    try:
+        for _ in range(3 * CAP):
+            slow.append(_connect(front, 10))
+            slow[-1].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: fr")
+        closed = [_closed_silently(sock, 10 if i < 2 * CAP else 0.5) for i, sock in enumerate(slow)]
+        assert closed == [True] * (2 * CAP) + [False] * CAP
+        _front_answers(front, dep)  # the first of its two connections closes the longest waiting
+        closed = [_closed_silently(sock, 10 if i == 0 else 0.5) for i, sock in enumerate(slow[2 * CAP :])]
+        assert closed == [True] + [False] * (CAP - 1)
+    finally:
+        for sock in slow:
+            sock.close()
+    _still_healthy(server, dep)
+
+
+def test_over_the_cap_with_every_connection_inside_a_request_a_new_one_is_closed_at_once(capped):
+    """CAP clients are inside requests (head in, body arriving): a further connection is closed
+    at once without a byte, those CAP keep theirs, and once they leave the front answers."""
+    server, dep, front = capped
+    busy = []
+    try:
+        for _ in range(CAP):
+            busy.append(_connect(front, 10))
+            busy[-1].sendall(_post_head(100) + b'{"model": ')
+        time.sleep(1)  # their heads are read
+        with _connect(front, 10) as extra:
+            assert _closed_silently(extra, 10)
+        assert [_closed_silently(sock, 0.2) for sock in busy] == [False] * CAP
+    finally:
+        for sock in busy:
+            sock.close()
+    time.sleep(1)  # the front sees them leave
+    _front_answers(front, dep)
+    _still_healthy(server, dep)
+
+
+def test_a_request_without_a_key_is_read_only_to_the_drain_bound_then_401_and_closed(keyed):
+    """No API key, a body declared 1 TiB and streamed on without end: one 401 in OpenAI's shape
+    (the key it sent never echoed), the body read and dropped only up to the drain bound (16 x
+    the 64 KiB limit), then the connection closed; the front answers a keyed request after."""
+    server, dep, front = keyed
+    wrong = "sk-wrong-" + "f" * 24
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: front\r\nAuthorization: Bearer {wrong}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {1 << 40}\r\n\r\n"
+    ).encode()
+    sent, answer, closed = 0, b"", False
+    with _connect(front, 30) as sock:
+        sock.sendall(head)
+        while sent < 128 << 20 and not closed:  # unbounded, it would take all 128 MiB
+            try:
+                if select.select([sock], [], [], 0)[0]:
+                    chunk = sock.recv(65536)
+                    answer, closed = answer + chunk, not chunk
+                else:
+                    sock.sendall(b" " * 65536)
+                    sent += 65536
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+        answer += _rest(sock)  # the 401 may still be arriving when the send fails
+    assert closed and sent <= 32 << 20, sent  # 1 MiB drained, the rest in the sockets' buffers
+    status, error = _one_response(answer)
+    assert status == 401 and error["code"] == "invalid_api_key"
+    assert b"\r\nconnection: close\r\n" in answer.lower() and wrong.encode() not in answer
+    _front_answers(front, dep, key=API_KEY)
+    _still_healthy(server, dep)
+
+
+def test_a_request_without_a_key_whose_body_arrives_gets_401_and_its_connection_serves_the_next(keyed):
+    """A keep-alive client: its unauthenticated request's body is read whole, so the 401 leaves
+    the connection open and in step, and the client's next (keyed) request on it is answered."""
+    server, dep, front = keyed
+    host, port = front.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    body = json.dumps({"model": dep.spec.name, "prompt": PROMPT, "max_tokens": 8}).encode()
+    try:
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json", "Authorization": "Bearer sk-x"})
+        first = conn.getresponse()
+        assert first.status == 401 and json.loads(first.read())["error"]["code"] == "invalid_api_key"
+        assert not first.will_close
+        sock = conn.sock
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+        second = conn.getresponse()
+        assert conn.sock is sock and second.status == 200 and json.loads(second.read())["choices"][0]["text"]
+    finally:
+        conn.close()
+    _still_healthy(server, dep)
+
+
+def _connect(front: str, timeout: float) -> socket.socket:
+    host, port = front.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=timeout)
+
+
+def _rest(sock: socket.socket) -> bytes:
+    """What the server sent on ``sock`` that is not read yet, up to its close or reset."""
+    sock.settimeout(10)
+    rest = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            rest += chunk
+    return rest
+
+
+def _closed_silently(sock: socket.socket, wait: float) -> bool:
+    """True: the server closed ``sock`` without sending a byte; False: still open ``wait`` s on."""
+    sock.settimeout(wait)
+    try:
+        data = sock.recv(65536)
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+    assert data == b"", data
+    return True
+
+
+def _front_answers(front: str, dep, key: str | None = None) -> None:
+    """An ordinary completion through the front is answered, the speculative model's text
+    equal to the target-only model's (one connection each)."""
+    texts = []
+    for model in (dep.spec.name, dep.spec.name + "-target-only"):
+        body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 8}).encode()
+        headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+        request = urllib.request.Request(front + "/v1/completions", data=body, headers=headers)
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=120) as r:
+            assert r.status == 200
+            texts.append(json.loads(r.read())["choices"][0]["text"])
+    assert texts[0] and texts[0] == texts[1], texts
 
 
 # ---------------------------------------------------------------------------------- health

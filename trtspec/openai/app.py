@@ -144,8 +144,8 @@ def create_app(backend: TritonText, tokenizer, settings: FrontSettings, keys: Ap
     app = FastAPI(title="trtspec OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     front = _Front(backend, tokenizer, settings)
     app.add_middleware(BodyLimit, limit=settings.body_limit, timeout=settings.body_timeout_s)
-    if keys is not None:  # outermost: a request without a key is refused before its body is read
-        app.add_middleware(RequireKey, keys=keys)
+    if keys is not None:  # outermost: a request without a key is refused before its body is parsed
+        app.add_middleware(RequireKey, keys=keys, limit=settings.body_limit)
 
     _error_handlers(app)
 
@@ -244,19 +244,23 @@ class BodyLimit:
         )
 
 
-async def _drain(receive, budget: int) -> None:
+async def _drain(receive, budget: int) -> bool:
     """Read and drop what the client still sends of its body: at most ``budget`` bytes, for at
-    most _DRAIN_S seconds."""
+    most _DRAIN_S seconds. True where the body ended within them (the connection can take the
+    next request)."""
     loop = asyncio.get_running_loop()
     deadline, dropped = loop.time() + _DRAIN_S, 0
     while dropped <= budget:
         try:
             message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
         except TimeoutError:
-            return
-        if message["type"] != "http.request" or not message.get("more_body", False):
-            return
+            return False
+        if message["type"] != "http.request":
+            return False
+        if not message.get("more_body", False):
+            return True
         dropped += len(message.get("body", b""))
+    return False
 
 
 async def _refuse(send, err: ApiError) -> None:
@@ -268,11 +272,14 @@ async def _refuse(send, err: ApiError) -> None:
 
 class RequireKey:
     """ASGI middleware: every /v1 request carries a valid API key (``Authorization: Bearer
-    KEY``) or is answered 401 in OpenAI's error shape before its body is read; the key's tenant
-    goes to the routes as ``request.state.tenant``. /health stays open (a probe needs no key)."""
+    KEY``) or is answered 401 in OpenAI's error shape, its body never kept: what the client
+    sends of it is read and dropped first as a refused body's (``limit`` * _DRAIN_FACTOR bytes,
+    _DRAIN_S), and where it did not end within that the connection is closed after the answer.
+    The key's tenant goes to the routes as ``request.state.tenant``. /health stays open (a
+    probe needs no key)."""
 
-    def __init__(self, app, keys: ApiKeys):
-        self.app, self.keys = app, keys
+    def __init__(self, app, keys: ApiKeys, limit: int):
+        self.app, self.keys, self.limit = app, keys, limit
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope["path"].startswith("/v1") or scope.get("method") == "OPTIONS":
@@ -284,8 +291,11 @@ class RequireKey:
                 "the request has no valid API key; send `Authorization: Bearer <key>` with a key this server was given",
                 code="invalid_api_key",
             )
+            whole = await _drain(receive, self.limit * _DRAIN_FACTOR)
             response = error_response(err)
             response.headers["WWW-Authenticate"] = "Bearer"
+            if not whole:
+                response.headers["Connection"] = "close"
             return await response({"type": "http"}, None, send)
         scope.setdefault("state", {})["tenant"] = tenant
         return await self.app(scope, receive, send)
