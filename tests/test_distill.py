@@ -56,6 +56,21 @@ def small_opts(folder: Path, **kw) -> DistillOptions:
     return DistillOptions(**base)
 
 
+def spy_training_steps(monkeypatch, pick) -> list:
+    """What ``pick(args, kwargs)`` takes from each training step's ttt_loss call (the trainer's
+    own loss still runs), in step order."""
+    import trtspec.distill.ttt as ttt
+
+    seen, real = [], ttt.ttt_loss
+
+    def spy(*a, **kw):
+        seen.append(pick(a, kw))
+        return real(*a, **kw)
+
+    monkeypatch.setattr("trtspec.distill.trainer.ttt_loss", spy)
+    return seen
+
+
 def test_resume_after_an_interrupt_equals_an_uninterrupted_run(tmp_path, tiny_ckpts):
     straight = distill(load_spec(eagle_spec(tmp_path / "a", tiny_ckpts["target"])), small_opts(tmp_path / "a"))
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import unrolled_as
-from test_distill import eagle_spec, small_opts
+from test_distill import eagle_spec, small_opts, spy_training_steps
 
 import trtspec.distill.ttt as train
 from trtspec.distill.run import distill
@@ -132,14 +132,7 @@ def test_start_decay_pulls_the_trained_weights_back_to_where_they_started(tmp_pa
 def test_the_depth_1_phase_trains_the_first_step_alone_then_every_step(tmp_path, tiny_ckpts, monkeypatch):
     """--ttt-phase 0.5 of 6 steps with 3 unrolled steps: steps 0-2 train depth 1, 3-5 depth 3;
     the run is deterministic with noise on, and the head reports top-1/2/3 recall per depth."""
-    depths = []
-    real = train.ttt_loss
-
-    def spy(head, embed, batch, steps, *a, **kw):
-        depths.append(steps)
-        return real(head, embed, batch, steps, *a, **kw)
-
-    monkeypatch.setattr("trtspec.distill.trainer.ttt_loss", spy)
+    depths = spy_training_steps(monkeypatch, lambda a, kw: a[3])  # ttt_loss(head, embed, batch, steps, ...)
     runs = []
     for name in ("a", "b"):
         depths.clear()

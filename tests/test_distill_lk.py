@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import unrolled_as
-from test_distill import eagle_spec, small_opts
+from test_distill import eagle_spec, small_opts, spy_training_steps
 
 import trtspec.distill.ttt as train
 from trtspec.distill.run import distill
@@ -131,14 +131,7 @@ def test_kl_stays_the_default_loss_and_hard_labels_ignore_the_choice(logits):
 def test_distill_trains_with_the_chosen_loss_and_records_it(tmp_path, tiny_ckpts, monkeypatch):
     """The default run's every training step uses kl; --loss lk reaches every step's loss and
     the head's manifest recipe, and trains to a finite loss."""
-    seen = []
-    real = train.ttt_loss
-
-    def spy(*a, **kw):
-        seen.append(kw.get("loss"))
-        return real(*a, **kw)
-
-    monkeypatch.setattr("trtspec.distill.trainer.ttt_loss", spy)
+    seen = spy_training_steps(monkeypatch, lambda a, kw: kw.get("loss"))
     spec = load_spec(eagle_spec(tmp_path / "a", tiny_ckpts["target"]))
     distill(spec, small_opts(tmp_path / "a"))
     assert seen == ["kl"] * 6

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import unrolled_as
-from test_distill import eagle_spec, small_opts
+from test_distill import eagle_spec, small_opts, spy_training_steps
 
 import trtspec.distill.ttt as train
 from trtspec.distill.run import distill
@@ -102,14 +102,7 @@ def test_the_reach_weighted_loss_ignores_a_dead_chain_and_weights_the_rest(monke
 
 def test_distill_trains_with_reach_and_records_it(tmp_path, tiny_ckpts, monkeypatch):
     """--ttt-reach reaches every training step's loss and the head's manifest recipe."""
-    seen = []
-    real = train.ttt_loss
-
-    def spy(*a, **kw):
-        seen.append(kw.get("reach"))
-        return real(*a, **kw)
-
-    monkeypatch.setattr("trtspec.distill.trainer.ttt_loss", spy)
+    seen = spy_training_steps(monkeypatch, lambda a, kw: kw.get("reach"))
     spec = load_spec(eagle_spec(tmp_path, tiny_ckpts["target"]))
     result = distill(spec, small_opts(tmp_path, ttt_steps=2, ttt_reach=True))
     assert seen == [True] * 6
