@@ -56,6 +56,25 @@ def small_opts(folder: Path, **kw) -> DistillOptions:
     return DistillOptions(**base)
 
 
+def interrupted_distill(monkeypatch, loaded, folder: Path, at_batch: int) -> list[int]:
+    """Distill ``loaded`` (small_opts in ``folder``) with Ctrl-C as data generation starts its
+    ``at_batch``-th batch; the sizes of the batches it was asked for, that one included."""
+    import trtspec.distill.data as data
+
+    real, calls = data.generate, []
+
+    def generate_then_interrupt(*args, **kwargs):
+        calls.append(len(args[0]))
+        if len(calls) == at_batch:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(data, "generate", generate_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        distill(loaded, small_opts(folder))
+    return calls
+
+
 def spy_training_steps(monkeypatch, pick) -> list:
     """What ``pick(args, kwargs)`` takes from each training step's ttt_loss call (the trainer's
     own loss still runs), in step order."""
@@ -112,17 +131,8 @@ def test_an_interrupt_while_generating_keeps_the_finished_responses(tmp_path, ti
     straight = distill(load_spec(eagle_spec(tmp_path / "a", tiny_ckpts["target"])), small_opts(tmp_path / "a"))
     b = tmp_path / "b"
     loaded = load_spec(eagle_spec(b, tiny_ckpts["target"]))
-    real, calls = data.generate, []
-
-    def generate_then_interrupt(*args, **kwargs):
-        calls.append(len(args[0]))
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(data, "generate", generate_then_interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        distill(loaded, small_opts(b))
+    real = data.generate
+    calls = interrupted_distill(monkeypatch, loaded, b, at_batch=2)
     (parts,) = (b / ".head.distill").glob("parts-*")
     kept = calls[0]
     (survived,) = (parts / "responses").iterdir()  # the first batch, named by its requests

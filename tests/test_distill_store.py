@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_distill import eagle_spec, small_opts
+from test_distill import eagle_spec, interrupted_distill, small_opts
 
 import trtspec.distill.run as distill_mod
 import trtspec.distill.trainer as trainer_mod
@@ -133,22 +133,10 @@ def test_an_interrupted_capture_leaves_no_store(tmp_path, tiny_ckpts, monkeypatc
     """Ctrl-C while the store is being written: no index, no features file, no partial file;
     the batches generated so far survive, and the rerun trains the head an uninterrupted run
     trains."""
-    import trtspec.distill.data as data
-
     distill(load_spec(eagle_spec(tmp_path / "a", tiny_ckpts["target"])), small_opts(tmp_path / "a"))
     b = tmp_path / "b"
     loaded = load_spec(eagle_spec(b, tiny_ckpts["target"]))
-    real, calls = data.generate, []
-
-    def generate_then_interrupt(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(data, "generate", generate_then_interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        distill(loaded, small_opts(b))
+    interrupted_distill(monkeypatch, loaded, b, at_batch=3)
     work = b / ".head.distill"
     assert len(list(work.glob("parts-*/responses/part-*"))) == 2  # the finished batches survive
     assert not list(work.glob("data-*")) and not list(work.glob("*features-*"))
