@@ -217,23 +217,6 @@ def test_eagle3_head_states_follow_each_branch(eagle_tree):
 # ------------------------------------------------------------------------------ sampling
 
 
-class MarkovTreeVerifier:
-    """The exactly known Markov target (trtspec/testing/markov_pair.py), scoring chains and trees."""
-
-    def verify(self, contexts, drafts, want_logits=None, context_phase=None, trees=None):
-        from trtspec.speculative.loop import Verdict
-        from trtspec.testing.markov_pair import TARGET
-
-        out = []
-        for j, (ctx, d) in enumerate(zip(contexts, drafts)):
-            parents = trees[j] if trees is not None and trees[j] is not None else tuple(range(-1, len(d) - 1))
-            assert len(parents) == len(d)
-            prev = [ctx[-1]] + list(d)  # row 0 after the context, row i + 1 after node i (its token)
-            logits = TARGET[prev]  # [len(d) + 1, V]
-            out.append(Verdict(torch.argmax(logits, -1).tolist(), None, logits))
-        return out
-
-
 class MarkovTreeDrafter(Drafter):
     """Trees of the Markov draft's top candidates (point masses to the sampler)."""
 
@@ -262,7 +245,7 @@ SAMPLED_TREE = StaticTree.of([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0
 def tree_joint_counts(n: int, params, shape=SAMPLED_TREE, T=3):
     from trtspec.speculative.loop import GenerationRequest, generate
     from trtspec.speculative.sampling import SamplingParams
-    from trtspec.testing.markov_pair import V
+    from trtspec.testing.markov_pair import MarkovVerifier, V
 
     reqs = [
         GenerationRequest(
@@ -271,7 +254,7 @@ def tree_joint_counts(n: int, params, shape=SAMPLED_TREE, T=3):
         for i in range(n)
     ]
     counts = torch.zeros((V,) * T, dtype=torch.float64)
-    results = generate(reqs, MarkovTreeDrafter(), MarkovTreeVerifier())
+    results = generate(reqs, MarkovTreeDrafter(), MarkovVerifier())
     for res in results:
         counts[tuple(res.output_ids)] += 1
     return counts, results
@@ -392,10 +375,11 @@ def test_the_load_schedule_shrinks_trees_and_switches_them_off():
     from trtspec.speculative.loop import Batch, GenerationRequest
     from trtspec.speculative.sampling import SamplingParams
     from trtspec.speculative.schedule import LoadPolicy
+    from trtspec.testing.markov_pair import MarkovVerifier
 
     def drafted_per_row(active: int) -> list[int]:
         policy = LoadPolicy.of({1: 8, 2: 2, 3: 0}, None)
-        batch = Batch(MarkovTreeDrafter(), MarkovTreeVerifier(), policy=policy)
+        batch = Batch(MarkovTreeDrafter(), MarkovVerifier(), policy=policy)
         for i in range(active):
             batch.add(GenerationRequest([0], 8, 3, sampling=SamplingParams(seed=i), tree=SAMPLED_TREE))
         batch.step()  # the first step drafts nothing (prefill)

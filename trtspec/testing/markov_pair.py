@@ -30,9 +30,14 @@ DRAFT = markov(1, 1.5)  # a different distribution: rejections matter
 
 
 class MarkovVerifier:
-    def verify(self, contexts, drafts, want_logits=None, context_phase=None):
+    """The exact target, scoring chains and draft trees alike: a position's logits depend only on
+    the token before it, which for node i of a tree is node i itself, whatever its parent."""
+
+    def verify(self, contexts, drafts, want_logits=None, context_phase=None, trees=None):
         out = []
-        for ctx, d in zip(contexts, drafts):
+        for j, (ctx, d) in enumerate(zip(contexts, drafts)):
+            if trees is not None and trees[j] is not None:
+                assert len(trees[j]) == len(d), "a tree's parents name each of its nodes"
             prev = [ctx[-1]] + list(d)  # the token before each scored position
             logits = TARGET[prev]  # [len(d) + 1, V]
             out.append(Verdict(torch.argmax(logits, -1).tolist(), None, logits))
