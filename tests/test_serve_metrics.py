@@ -242,26 +242,12 @@ def _grpc_inputs(request: dict[str, np.ndarray]):
     return tensors
 
 
-def _listening_addresses(port: int) -> set[str]:
-    """Local IPv4/IPv6 addresses with a socket LISTENing on ``port`` (from /proc/net)."""
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = open(table).read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            local, state = line.split()[1], line.split()[3]
-            addr, hexport = local.split(":")
-            if state == "0A" and int(hexport, 16) == port:  # 0A = LISTEN
-                found.add(addr)
-    return found
-
-
 def test_metrics_port_listens_on_loopback_only(metrics_server):
     assert f"--metrics-address={metrics_server.host}" in metrics_server.argv()
     # 0100007F = 127.0.0.1 in /proc/net/tcp's little-endian hex: nothing listens on 0.0.0.0.
-    assert _listening_addresses(metrics_server.command.metrics_port) == {"0100007F"}
+    from trtspec.triton.backend.callers import listening_sockets
+
+    assert {address for address, _ in listening_sockets(metrics_server.command.metrics_port)} == {"0100007F"}
 
 
 def test_served_metrics_add_up_to_the_responses_perf_metrics(metrics_server):

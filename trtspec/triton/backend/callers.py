@@ -140,9 +140,10 @@ def key_for_port(port: int, folder: Path = SHM) -> str | None:
     return None
 
 
-def _listening_pids(port: int) -> list[int]:
-    """The processes of this user listening on TCP ``port`` (Linux /proc)."""
-    inodes = set()
+def listening_sockets(port: int) -> list[tuple[str, str]]:
+    """Each TCP socket LISTENing on ``port`` (Linux /proc/net/tcp and tcp6): its local address
+    as /proc writes it (little-endian hex, 0100007F is 127.0.0.1) and its inode."""
+    found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             lines = Path(table).read_text().splitlines()[1:]
@@ -150,8 +151,16 @@ def _listening_pids(port: int) -> list[int]:
             continue
         for line in lines:
             fields = line.split()
-            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(f"socket:[{fields[9]}]")
+            if len(fields) > 9 and fields[3] == "0A":  # 0A = LISTEN
+                address, hex_port = fields[1].rsplit(":", 1)
+                if int(hex_port, 16) == port:
+                    found.append((address, fields[9]))
+    return found
+
+
+def _listening_pids(port: int) -> list[int]:
+    """The processes of this user listening on TCP ``port`` (Linux /proc)."""
+    inodes = {f"socket:[{inode}]" for _, inode in listening_sockets(port)}
     pids = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
