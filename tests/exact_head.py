@@ -92,6 +92,24 @@ def make_exact_head(target_folder: Path, out: Path) -> Path:
     return Path(out)
 
 
+def serve_exact_eagle3(tmp_path_factory, tiny_ckpts, name: str, **overrides):
+    """A real tritonserver serving method eagle3 with a bigram target and its exact head (spec
+    overrides as write_spec's), as a generator for fixtures: yields (loaded spec, in-process
+    Deployment of the same engines, server, repository), stops the server after. Skips where
+    no tritonserver can be installed."""
+    from conftest import require_tritonserver, serve_built, write_spec
+
+    from trtspec.spec import load_spec
+
+    require_tritonserver()
+    root = tmp_path_factory.mktemp(name)
+    target = make_bigram_target(root / "target", tiny_ckpts["target"])
+    ckpts = {"target": target, "head": make_exact_head(target, root / "head")}
+    loaded = load_spec(write_spec(root / "spec", ckpts, "head", **{"speculative.method": "eagle3", **overrides}))
+    for server, deployment, repo in serve_built(loaded, root, root / "backend-cache"):
+        yield loaded, deployment, server, repo
+
+
 def _bigram_of(target_folder: Path) -> torch.Tensor:
     """g as the target holds it: column a of a one-hot target's lm_head is e_{g(a)}."""
     from safetensors.torch import load_file

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs the serve extra: pip install 'trtspec[serve]'")
-from conftest import require_tritonserver, serve_built, write_spec  # noqa: E402
 
 from trtspec.layout import BLS_MODEL, CONTROL_MODEL, TARGET_MODEL  # noqa: E402
 from trtspec.speculative.capture import read_capture  # noqa: E402
@@ -20,21 +19,10 @@ PROMPTS = ["The quick brown fox", "def fibonacci(n):", "SELECT name FROM"]
 
 @pytest.fixture(scope="module")
 def captured_served(tmp_path_factory, tiny_ckpts):
-    from exact_head import make_bigram_target, make_exact_head
+    from exact_head import serve_exact_eagle3
 
-    from trtspec.spec import load_spec
-
-    require_tritonserver()
-    root = tmp_path_factory.mktemp("capture-serve")
-    target = make_bigram_target(root / "target", tiny_ckpts["target"])
-    head = make_exact_head(target, root / "head")
     capture = {"dir": "captured", "max_gb": 1, "sample": 1.0}
-    spec = write_spec(
-        root / "spec", {"target": target, "head": head}, "head", **{"speculative.method": "eagle3", "serve.capture": capture}
-    )
-    loaded = load_spec(spec)
-    for server, deployment, repo in serve_built(loaded, root, root / "backend-cache"):
-        yield loaded, deployment, server, repo
+    yield from serve_exact_eagle3(tmp_path_factory, tiny_ckpts, "capture-serve", **{"serve.capture": capture})
 
 
 def _inputs(prompt: str, capture: bool | None):

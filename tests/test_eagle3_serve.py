@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs the serve extra: pip install 'trtspec[serve]'")
-from conftest import require_tritonserver, serve_built, write_spec  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from trtspec.cli.app import app  # noqa: E402
@@ -21,17 +20,9 @@ PROMPTS = ["The quick brown fox", "def fibonacci(n):"]
 
 @pytest.fixture(scope="module")
 def eagle_served(tmp_path_factory, tiny_ckpts):
-    from exact_head import make_bigram_target, make_exact_head
+    from exact_head import serve_exact_eagle3
 
-    from trtspec.spec import load_spec
-
-    require_tritonserver()
-    root = tmp_path_factory.mktemp("eagle-serve")
-    target = make_bigram_target(root / "target", tiny_ckpts["target"])
-    head = make_exact_head(target, root / "head")
-    loaded = load_spec(write_spec(root / "spec", {"target": target, "head": head}, "head", **{"speculative.method": "eagle3"}))
-    for server, deployment, repo in serve_built(loaded, root, root / "backend-cache"):
-        yield loaded, deployment, server, repo
+    yield from serve_exact_eagle3(tmp_path_factory, tiny_ckpts, "eagle-serve")
 
 
 def _bls(prompt: str, k: int, max_tokens: int = 30):
