@@ -127,3 +127,17 @@ def test_device_is_validated_with_the_spec_it_joins():
         "--device cuda: target.quantization: int4_wo runs PyTorch's CPU weight-only kernels; "
         "set device: cpu (not cuda) or quantization: none"
     )
+
+
+@pytest.mark.parametrize("command", ["verify", "bench"])
+def test_verify_and_bench_load_the_engine_folder_of_either_name(tmp_path, tiny_ckpts, command):
+    """Through the command: -o/--output is the folder the engines are looked for in (a note on
+    stderr says it is --engines now); both names at once are refused before anything runs."""
+    from conftest import write_spec
+
+    spec, old = str(write_spec(tmp_path, tiny_ckpts)), tmp_path / "old-name"
+    r = runner.invoke(app, [command, spec, "-o", str(old)])
+    stderr = r.stderr.replace("\n", "")
+    assert r.exit_code == 2 and "under its old name; use --engines" in stderr and str(old / "target") in stderr, r.stderr
+    r = runner.invoke(app, [command, spec, "--engines", str(tmp_path / "e"), "-o", str(old)])
+    assert r.exit_code == 2 and "give the engine folder once: --engines DIR" in r.stderr
