@@ -13,15 +13,19 @@ from trtspec.engines.torch import kernels
 from trtspec.engines.torch.engine import TorchEngine
 from trtspec.engines.torch.kernels import choose_kernels
 from trtspec.engines.torch.model import OneDnnLinear
+from trtspec.engines.torch.native import PanelLinear
 from trtspec.runtime import Deployment
 
 PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Summarise the following text in one sentence."]
 
 
 def _layout_of(model) -> str:
-    body = [c for m in model.model.modules() for c in m.children() if isinstance(c, nn.Linear | OneDnnLinear)]
+    body = [c for m in model.model.modules() for c in m.children() if isinstance(c, nn.Linear | OneDnnLinear | PanelLinear)]
     kinds = {type(c) for c in body}
     assert len(kinds) == 1, f"mixed layouts in the layers: {kinds}"
+    if kinds == {PanelLinear}:
+        assert isinstance(model.lm_head, PanelLinear), "panel layers with another LM head: no such layout"
+        return "panel"
     packed_head = isinstance(model.lm_head, OneDnnLinear)
     if kinds == {OneDnnLinear}:
         assert packed_head, "packed layers with a dense LM head: no such layout"
@@ -60,14 +64,16 @@ def _fake_timer(faster: str, calls: list[str]):
     return make
 
 
-@pytest.mark.parametrize("faster", ["dense", "onednn", "head"])
+@pytest.mark.parametrize("faster", ["dense", "onednn", "head", "panel"])
 def test_selection_measures_every_layout_and_keeps_the_fastest(dense_engine, tmp_path, monkeypatch, faster):
+    if kernels.candidates(dense_engine.model) != kernels.LAYOUTS:
+        pytest.skip("the panel kernel cannot be built here (no C++ compiler)")
     calls: list[str] = []
     monkeypatch.setattr(kernels, "step_timer", _fake_timer(faster, calls))
     choice = _choose(dense_engine, tmp_path)
     assert (choice.layout, choice.source) == (faster, "measured")
     assert set(calls) == set(kernels.LAYOUTS)  # all were timed, on the real model
-    assert calls.count("dense") == calls.count("onednn") == calls.count("head")
+    assert calls.count("dense") == calls.count("onednn") == calls.count("head") == calls.count("panel")
     assert choice.sizes == (1, 2, 3, 4)  # a decode step and every verify size up to verify_tokens=4
     assert choice.seconds == pytest.approx({name: 0.004 if name == faster else 0.012 for name in kernels.LAYOUTS})
     assert choice.steps == {name: [0.001 if name == faster else 0.003] * 4 for name in kernels.LAYOUTS}
@@ -108,7 +114,7 @@ def test_a_damaged_cache_is_measured_again_and_rewritten(dense_engine, tmp_path,
     assert json.loads((tmp_path / kernels.CACHE_FILE).read_text())[choice.key]["layout"] == "dense"
 
 
-@pytest.mark.parametrize(("env", "layout"), [("0", "dense"), ("1", "onednn"), ("head", "head")])
+@pytest.mark.parametrize(("env", "layout"), [("0", "dense"), ("1", "onednn"), ("head", "head"), ("panel", "panel")])
 def test_the_environment_can_force_a_layout_without_measuring(dense_engine, tmp_path, monkeypatch, env, layout):
     monkeypatch.setattr(kernels, "step_timer", lambda *a: pytest.fail("measured despite TRTSPEC_ONEDNN"))
     monkeypatch.setenv("TRTSPEC_ONEDNN", env)
@@ -149,7 +155,7 @@ def test_every_layout_decodes_the_same_greedy_tokens(built, monkeypatch):
     """Target-only and speculative, every prompt: identical token ids whichever kernels run."""
     dep = built()
     outs = {}
-    for env, layout in (("0", "dense"), ("1", "onednn"), ("head", "head")):
+    for env, layout in (("0", "dense"), ("1", "onednn"), ("head", "head"), ("panel", "panel")):
         monkeypatch.setenv("TRTSPEC_ONEDNN", env)
         d = Deployment(dep.loaded, dep.loaded.output_dir())
         assert d.target.kernels.layout == layout and _layout_of(d.target.model) == layout
@@ -158,7 +164,7 @@ def test_every_layout_decodes_the_same_greedy_tokens(built, monkeypatch):
             [r.output_ids for r in d.generate(reqs, speculative=False)],
             [r.output_ids for r in d.generate(reqs, speculative=True)],
         )
-    assert outs["dense"] == outs["onednn"] == outs["head"]
+    assert outs["dense"] == outs["onednn"] == outs["head"] == outs["panel"]
     assert all(len(ids) > 0 for ids in outs["dense"][0])
 
 
@@ -186,7 +192,7 @@ def test_bfloat16_engines_choose_too_and_every_layout_decodes_the_same_tokens(bu
     calls: list[str] = []
     monkeypatch.setattr(kernels, "step_timer", _fake_timer("onednn", calls))
     choice = _choose(engine, tmp_path)
-    assert (choice.layout, choice.source) == ("onednn", "measured") and set(calls) == set(kernels.LAYOUTS)
+    assert (choice.layout, choice.source) == ("onednn", "measured") and set(calls) == set(kernels.LAYOUTS) - {"panel"}
 
 
 @pytest.mark.parametrize("env", ["", "1", "head"])
@@ -351,9 +357,16 @@ def test_an_engine_sized_to_short_data_is_measured_within_its_positions(built, t
 
 
 def _head_layout(head) -> str:
-    body = [c for m in (head.fc, *head.midlayer.modules()) for c in (m, *m.children()) if isinstance(c, nn.Linear | OneDnnLinear)]
+    body = [
+        c
+        for m in (head.fc, *head.midlayer.modules())
+        for c in (m, *m.children())
+        if isinstance(c, nn.Linear | OneDnnLinear | PanelLinear)
+    ]
     kinds = {type(c) for c in body}
     assert len(kinds) == 1, f"mixed layouts in the head's layer: {kinds}"
+    if kinds == {PanelLinear}:
+        return "panel"
     packed_head = isinstance(head.lm_head, OneDnnLinear)
     return "onednn" if kinds == {OneDnnLinear} else "head" if packed_head else "dense"
 
@@ -430,7 +443,7 @@ def test_a_heads_layout_is_measured_by_timing_head_steps_and_cached_under_its_ow
     monkeypatch.setattr(eagle3_head, "head_step_timer", fake)
     first = _head_engine(head, target, tmp_path, monkeypatch)
     assert (first.kernels.layout, first.kernels.source) == ("head", "measured")
-    assert set(calls) == set(kernels.LAYOUTS) and _head_layout(first.head) == "head"
+    assert set(calls) == set(kernels.candidates(head)) and _head_layout(first.head) == "head"
     key = json.loads(first.kernels.key)
     assert key["model"] == "eagle3-head" and key != json.loads(kernels.choice_key(target.model, 4))
     measured = len(calls)

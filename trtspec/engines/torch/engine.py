@@ -33,7 +33,7 @@ from trtspec.engines.torch.compiled import (
     program_timer,
     streamed_weights,
 )
-from trtspec.engines.torch.kernels import KernelChoice, choice_key, choose_kernels, timed_sizes
+from trtspec.engines.torch.kernels import KernelChoice, choice_key, choose_kernels, one_row_form, timed_sizes
 from trtspec.engines.torch.model import TREE_ROWS, DecoderConfig, DecoderLM, KVCache, StepInputs, rope_tables, tree_layout
 from trtspec.errors import EngineError, RequestError
 from trtspec.tokens import check_token_ids
@@ -263,6 +263,10 @@ class TorchEngine:
         if uses_cpu_kernels(device):
             streamed = streamed_weights(model)  # before the kernel choice re-lays them
             engine.kernels = choose_kernels(model, engine.cos, engine.sin, verify_tokens=manifest.max_draft_len + 1)
+            if one_row_form(engine.kernels) == "panel":
+                # the panel kernel streams a one-row step's weights itself, and then a decode step
+                # and a verify step add each row's products alike: no streamed copies
+                streamed = {}
             if compiled:
                 engine.choose_program(streamed)
             else:

@@ -4,6 +4,11 @@ Candidates (the weights and the arithmetic are the same; the greedy tokens are i
   dense    PyTorch's own linear on the row-major weight (what transformers runs)
   onednn   the weight re-laid once in oneDNN's blocked format, run by mkldnn_linear
   head     only the LM head re-laid for oneDNN; the layers' Linears stay dense
+  panel    float32 weights re-laid in panels for trtspec's own kernel (native.py), compiled for
+           this CPU at first use: it streams each weight once per call for up to a dozen rows
+           and adds each row's products in the same order however many rows run, so a decode
+           step's and a verify step's Linears agree bit for bit. Where it cannot be built it is
+           not a candidate.
 
 Which is faster depends on the CPU, and on the shape: on a 2-core AVX-512 EPYC onednn made a SmolLM2 decode
 step 38 -> 31 ms; on an AVX2-only CPU the engine with onednn was slower than transformers
@@ -35,7 +40,7 @@ An EAGLE-3 head's Linears are chosen the same way (choose_layout, with the head'
 step timed and its own key: eagle3_head.choose_head_kernels); what each layout costs a head
 step: lab/head_step.py, lab/RECORDS.md#the-demos-co-designed-pair-quiet.
 
-``TRTSPEC_ONEDNN=0`` forces dense, ``=1`` onednn and ``=head`` head (no measurement). float16, other dtypes,
+``TRTSPEC_ONEDNN=0`` forces dense, ``=1`` onednn, ``=head`` head and ``=panel`` panel (no measurement). float16, other dtypes,
 a torch without oneDNN, or a failed measurement use dense, the transformers kernels.
 
 A weight-only quantized engine (the spec's ``quantization: int8_wo | int4_wo``) has one kernel
@@ -62,24 +67,26 @@ from torch import nn
 
 from trtspec.cache import cache_root
 from trtspec.engines.torch.model import PACKABLE, ByRows, DecoderLM, KVCache, OneDnnLinear, StepInputs
+from trtspec.engines.torch.native import PanelLinear, QuantPanelLinear, panel_kernel
 from trtspec.engines.torch.quant import WeightOnlyLinear
 from trtspec.files import write_json_atomic
 from trtspec.machine import cpu_name
 
-LAYOUTS = ("dense", "onednn", "head")
+LAYOUTS = ("dense", "onednn", "head", "panel")
 # What the layouts run; bumped when that changes, so cached choices are measured again.
 # 2: q/k/v and gate/up fused; onednn = weights reordered without a batch hint, run by
 # _linear_pointwise (1: float32 as mkldnn tensors through mkldnn_linear).
 # 3: a layout per shape (one row | more rows) when that is faster; seconds per step kind.
 # 4: every step size of timed_sizes timed; the split's row threshold measured, not fixed at 2.
-KERNELS_VERSION = "4"
+# 5: the panel layout.
+KERNELS_VERSION = "5"
 ROUNDS = 7
 SPLIT_GAIN = 0.95  # a split choice must save 5% of the best single layout's decode + verify
 MAX_SPLIT_BYTES = 1 << 30  # ... and its second copy of the Linears that differ fit in 1 GiB
 MIN_ROUNDS = 3  # fewer when every sample of one layout beats every sample of the other
 PREFILL = 32  # context before the timed steps: a short prompt, as in decoding
 CACHE_FILE = "kernels.json"
-FORCED = {"0": "dense", "1": "onednn", "head": "head"}  # TRTSPEC_ONEDNN values
+FORCED = {"0": "dense", "1": "onednn", "head": "head", "panel": "panel"}  # TRTSPEC_ONEDNN values
 # Environment variables that cap the instruction sets the kernels may use: part of the key.
 ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
 
@@ -120,7 +127,8 @@ def machine_key() -> str:
     parts = cpu_signature() | {
         "threads": str(torch.get_num_threads()),
         "torch": torch.__version__,
-        "layouts": ",".join(LAYOUTS),  # a choice made among fewer candidates is measured again
+        # a choice made among fewer candidates is measured again
+        "layouts": ",".join(LAYOUTS) + ("" if panel_kernel() is not None else " (no panel kernel)"),
         "kernels": KERNELS_VERSION,  # a choice made with other kernels behind a layout, too
     }
     return json.dumps(parts, sort_keys=True)
@@ -165,44 +173,74 @@ def timed_sizes(verify_tokens: int) -> tuple[int, ...]:
     return tuple(n for n in sorted({1, 2, 3, 4, 6, verify_tokens}) if n <= max(verify_tokens, 1))
 
 
-def _packs(layout: str, is_head: bool) -> bool:
-    return layout == "onednn" or (layout == "head" and is_head)
+def _form(layout: str, is_head: bool) -> str:
+    """Which form of a Linear ``layout`` runs: dense, packed (oneDNN) or panel."""
+    if layout == "onednn" or (layout == "head" and is_head):
+        return "packed"
+    return "panel" if layout == "panel" else "dense"
+
+
+def candidates(model: nn.Module) -> tuple[str, ...]:
+    """The layouts that can run ``model`` here: the panel kernel takes float32 weights and
+    weight-only quantized ones, where it could be built; a quantized model has no oneDNN form
+    ("dense" then means PyTorch's weight-only kernels)."""
+    quantized = any(isinstance(m, WeightOnlyLinear) for m in model.modules())
+    weight = getattr(model.lm_head, "weight", None)
+    panel = (quantized or (weight is not None and weight.dtype == torch.float32)) and panel_kernel() is not None
+    if quantized:
+        return ("dense", "panel") if panel else ("dense",)
+    onednn = _onednn_possible(model)
+    return tuple(name for name in LAYOUTS if (name != "panel" or panel) and (name in ("dense", "panel") or onednn))
+
+
+def _panel_form(linear: nn.Module) -> nn.Module:
+    return QuantPanelLinear(linear) if isinstance(linear, WeightOnlyLinear) else PanelLinear(linear)
+
+
+def _nbytes(linear: nn.Module) -> int:
+    return sum(t.nbytes for t in linear.parameters())
 
 
 class _Layouts:
-    """Both forms of every Linear, so measurement can switch between the layouts; ``keep``
-    leaves the model on one choice and drops the weights it does not use."""
+    """Every form of every Linear the ``layouts`` need, so measurement can switch between
+    them; ``keep`` leaves the model on one choice and drops the weights it does not use."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, layouts: tuple[str, ...]):
         self.places = [
             (module, name, child)
             for module in list(model.modules())
             for name, child in list(module.named_children())
-            if isinstance(child, nn.Linear)
+            if isinstance(child, nn.Linear | WeightOnlyLinear)
         ]
-        self.packed = [OneDnnLinear(child) for _, _, child in self.places]
         self.head = model.lm_head
+        needed = {_form(layout, is_head) for layout in layouts for is_head in (False, True)}
+        self.forms: dict[str, list[nn.Module]] = {"dense": [child for _, _, child in self.places]}
+        if "packed" in needed:
+            self.forms["packed"] = [OneDnnLinear(child) for _, _, child in self.places]
+        if "panel" in needed:
+            self.forms["panel"] = [_panel_form(child) for _, _, child in self.places]
+        for linear in self.forms["dense"]:  # PyTorch's weight-only kernels re-lay their codes now
+            if isinstance(linear, WeightOnlyLinear):
+                linear.pack()
 
     def use(self, choice: str) -> None:
         one, many, threshold = split(choice)
-        for (module, name, dense), packed in zip(self.places, self.packed):
+        for i, (module, name, dense) in enumerate(self.places):
             is_head = dense is self.head
-            first = packed if _packs(one, is_head) else dense
-            second = packed if _packs(many, is_head) else dense
+            first = self.forms[_form(one, is_head)][i]
+            second = self.forms[_form(many, is_head)][i]
             setattr(module, name, first if first is second else ByRows(first, second, threshold))
 
     def extra_bytes(self, choice: str) -> int:
         """Weight bytes held twice under ``choice`` (the Linears kept in both forms)."""
         one, many, _ = split(choice)
         return sum(
-            dense.weight.nbytes
-            for _, _, dense in self.places
-            if _packs(one, dense is self.head) != _packs(many, dense is self.head)
+            _nbytes(dense) for _, _, dense in self.places if _form(one, dense is self.head) != _form(many, dense is self.head)
         )
 
     def keep(self, choice: str) -> None:
         self.use(choice)
-        self.places, self.packed = [], []
+        self.places, self.forms = [], {}
 
 
 # -- measuring --------------------------------------------------------------------------------
@@ -243,14 +281,15 @@ def measure_layouts(
     """Time every layout on ``model`` (a module with Linears and an ``lm_head``) with
     ``timed`` (seconds of a step of each of ``sizes`` tokens), interleaved; returns (the
     choice, summed median seconds per layout, median seconds per layout and size)."""
-    layouts = _Layouts(model)
-    samples: dict[str, list[list[float]]] = {name: [] for name in LAYOUTS}
+    names = candidates(model)
+    layouts = _Layouts(model, names)
+    samples: dict[str, list[list[float]]] = {name: [] for name in names}
     try:
-        for layout in LAYOUTS:  # warm-up: first calls pay for allocation and kernel setup
+        for layout in names:  # warm-up: first calls pay for allocation and kernel setup
             layouts.use(layout)
             timed()
         for r in range(ROUNDS):
-            for layout in LAYOUTS[r % len(LAYOUTS) :] + LAYOUTS[: r % len(LAYOUTS)]:  # rotated each round
+            for layout in names[r % len(names) :] + names[: r % len(names)]:  # rotated each round
                 layouts.use(layout)
                 samples[layout].append(timed())
             if r + 1 >= MIN_ROUNDS and _separated(samples):
@@ -262,7 +301,7 @@ def measure_layouts(
     # every layout and split judged by the sum of those medians.
     steps = {name: [statistics.median(col) for col in zip(*s)] for name, s in samples.items()}
     seconds = {name: sum(medians) for name, medians in steps.items()}
-    best = min(LAYOUTS, key=lambda name: (seconds[name], name != "dense"))  # a tie keeps dense
+    best = min(names, key=lambda name: (seconds[name], name != "dense"))  # a tie keeps dense
     split_choice, cost = _best_split(steps, sizes)
     if split_choice and cost < SPLIT_GAIN * seconds[best] and layouts.extra_bytes(split_choice) <= MAX_SPLIT_BYTES:
         best = split_choice
@@ -274,8 +313,8 @@ def _best_split(steps: dict[str, list[float]], sizes: tuple[int, ...]) -> tuple[
     """The split (one layout below a row threshold, another from it) whose steps of ``sizes``
     sum lowest, and that sum; (None, inf) when there is only one size."""
     best: tuple[str | None, float] = (None, float("inf"))
-    for one in LAYOUTS:
-        for many in LAYOUTS:
+    for one in steps:
+        for many in steps:
             for t in sizes[1:] if one != many else ():
                 cost = sum(steps[one if n < t else many][i] for i, n in enumerate(sizes))
                 if cost < best[1]:
@@ -302,19 +341,46 @@ def choose_kernels(
     """Put ``model`` on the faster layout for this machine and say how it was chosen."""
     quantized = weight_only_linears(model)
     if quantized:
-        for linear in quantized:
-            linear.pack()
-        schemes = sorted({linear.scheme for linear in quantized})
-        return KernelChoice(
-            # under int4_wo the LM head is int8_wo (quant.scheme_of): the layers' scheme names the engine
-            "int4_wo" if "int4_wo" in schemes else schemes[0],
-            "quantized",
-            reason=f"weight-only quantized Linears ({', '.join(schemes)}): PyTorch's weight-only CPU kernels",
-        )
+        return _choose_quantized(model, quantized, cos, sin, verify_tokens, cache_dir)
     sizes = timed_sizes(verify_tokens)
     return choose_layout(
         model, choice_key(model, verify_tokens), sizes, lambda: step_timer(model, cos, sin, sizes), _apply, cache_dir
     )
+
+
+def _choose_quantized(
+    model: DecoderLM, quantized: list[WeightOnlyLinear], cos, sin, verify_tokens: int, cache_dir: Path | None
+) -> KernelChoice:
+    """A weight-only quantized engine: PyTorch's weight-only kernels, or the panel kernel's
+    where it is built and measures faster (TRTSPEC_ONEDNN=panel forces it, any other value
+    PyTorch's)."""
+    schemes = sorted({linear.scheme for linear in quantized})
+    # under int4_wo the LM head is int8_wo (quant.scheme_of): the layers' scheme names the engine
+    scheme = "int4_wo" if "int4_wo" in schemes else schemes[0]
+    forced = os.environ.get("TRTSPEC_ONEDNN", "").strip()
+    if "panel" not in candidates(model) or (forced in FORCED and forced != "panel"):
+        for linear in quantized:
+            linear.pack()
+        why = f"TRTSPEC_ONEDNN={forced}" if forced in FORCED else "the panel kernel is not built here"
+        return KernelChoice(
+            scheme, "quantized", reason=f"weight-only quantized Linears ({', '.join(schemes)}): PyTorch's kernels ({why})"
+        )
+    sizes = timed_sizes(verify_tokens)
+    choice = choose_layout(
+        model, choice_key(model, verify_tokens), sizes, lambda: step_timer(model, cos, sin, sizes), apply_layout, cache_dir
+    )
+    choice.reason = choice.reason or f"weight-only quantized Linears ({', '.join(schemes)})"
+    choice.layout = scheme if choice.layout == "dense" else f"{scheme}:{choice.layout}"
+    return choice
+
+
+def one_row_form(choice: KernelChoice) -> str:
+    """The layout a one-row step runs under ``choice`` (a quantized engine's ``int4_wo:panel``: panel)."""
+    layout = choice.layout.partition(":")[2] or choice.layout
+    try:
+        return split(layout)[0]
+    except ValueError:
+        return layout
 
 
 def choose_layout(
@@ -332,11 +398,13 @@ def choose_layout(
     forced = os.environ.get("TRTSPEC_ONEDNN", "").strip()
     if forced in FORCED:
         layout = FORCED[forced]
-        if layout != "dense" and not _onednn_possible(model):
+        if layout == "panel" and layout not in candidates(model):
+            return KernelChoice("dense", "fallback", reason=f"TRTSPEC_ONEDNN={forced} but the panel kernel cannot run this model")
+        if layout not in ("dense", "panel") and not _onednn_possible(model):
             return KernelChoice("dense", "fallback", reason=f"TRTSPEC_ONEDNN={forced} but oneDNN cannot run this model")
         apply(model, layout)
         return KernelChoice(layout, "forced", reason=f"TRTSPEC_ONEDNN={forced}")
-    if not _onednn_possible(model):
+    if candidates(model) == ("dense",):
         return KernelChoice(
             "dense",
             "fallback",
@@ -388,15 +456,16 @@ def weight_only_linears(model: DecoderLM) -> list[WeightOnlyLinear]:
 def _apply(model: DecoderLM, layout: str) -> None:
     """Put a freshly loaded (dense) model on ``layout`` without measuring (a single layout
     packs only the Linears it runs: no transient second copy of the others)."""
-    if "|" in layout:
-        apply_layout(model, layout)
-    elif layout != "dense":
+    if layout in ("onednn", "head"):
         model.pack_linears_for_onednn(head_only=layout == "head")
+    elif layout != "dense":
+        apply_layout(model, layout)
 
 
 def apply_layout(model: nn.Module, layout: str) -> None:
     """Put any module with Linears and an ``lm_head`` (dense) on ``layout`` without measuring."""
-    _Layouts(model).keep(layout)
+    one, many, _ = split(layout)
+    _Layouts(model, (one, many)).keep(layout)
 
 
 def _onednn_possible(model: nn.Module) -> bool:

@@ -1,0 +1,90 @@
+"""trtspec's own panel kernel (engines/torch/native.py): the same products as PyTorch's Linear,
+and each row's result bit-identical however many rows run beside it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from trtspec.engines.torch import native
+
+pytestmark = pytest.mark.skipif(native.panel_kernel() is None, reason="no C++ compiler: the panel kernel cannot be built")
+
+
+@pytest.mark.parametrize(("out", "inp", "bias"), [(96, 64, False), (100, 37, True), (3, 5, True), (960, 576, False)])
+def test_the_panel_kernel_computes_the_linear_and_each_row_alone_equals_it_in_any_batch(out, inp, bias):
+    torch.manual_seed(out + inp)
+    linear = nn.Linear(inp, out, bias=bias)
+    panel = native.PanelLinear(linear)
+    for rows in (1, 2, 3, 7, 12, 13, 25):  # one chunk, several, uneven ones, a ragged last panel
+        x = torch.randn(rows, inp)
+        got = panel(x)
+        torch.testing.assert_close(got, linear(x).detach(), rtol=1e-5, atol=1e-5)
+        for r in range(rows):
+            assert torch.equal(panel(x[r : r + 1])[0], got[r])  # bit for bit, alone or beside others
+
+
+def test_the_panel_linear_keeps_leading_dimensions_and_takes_no_rows():
+    linear = nn.Linear(40, 70)
+    panel = native.PanelLinear(linear)
+    x = torch.randn(2, 3, 40)
+    torch.testing.assert_close(panel(x), linear(x).detach(), rtol=1e-5, atol=1e-5)
+    assert panel(torch.randn(0, 40)).shape == (0, 70)
+
+
+def test_the_kernel_refuses_inputs_that_do_not_match_its_panels():
+    panel = native.PanelLinear(nn.Linear(40, 70))
+    with pytest.raises(RuntimeError, match="does not match the panels"):
+        panel(torch.randn(2, 41))
+    with pytest.raises(RuntimeError, match="float32"):
+        panel(torch.randn(2, 40, dtype=torch.float64))
+
+
+def test_without_a_compiler_the_kernel_is_unavailable_and_says_so_once(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("TRTSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(native, "SOURCE", tmp_path / "panels.cpp")  # a new build key: nothing cached
+    (tmp_path / "panels.cpp").write_text(
+        native.Path(native.__file__).with_name("csrc").joinpath("panels.cpp").read_text() + "\n// another build\n"
+    )
+    native.panel_kernel.cache_clear()
+    try:
+        assert native.panel_kernel() is None
+        assert native.panel_kernel() is None
+        err = capsys.readouterr().err
+        assert err.count("the panel kernel is unavailable") == 1
+    finally:
+        native.panel_kernel.cache_clear()
+
+
+def test_turned_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    native.panel_kernel.cache_clear()
+    try:
+        assert native.panel_kernel() is None
+    finally:
+        monkeypatch.delenv(native.DISABLE_ENV)
+        native.panel_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("scheme", ["int8_wo", "int4_wo"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_panels_compute_the_dequantized_linear_and_each_row_alone_equals_it(scheme, dtype):
+    from trtspec.engines.torch.quant import WeightOnlyLinear, quantize
+
+    torch.manual_seed(7)
+    for out, inp in ((96, 64), (100, 96), (960, 576)):
+        stored = quantize(torch.randn(out, inp) * 0.05, scheme).cast(dtype)
+        bias = torch.randn(out).to(dtype)
+        module = WeightOnlyLinear(stored, bias, dtype)
+        panel = native.QuantPanelLinear(module)
+        reference = stored.dequantize()  # [out, in] float32: the weights the codes stand for
+        for rows in (1, 2, 4, 5, 9):  # one chunk of rows, several, uneven ones
+            x = torch.randn(rows, inp).to(dtype)
+            got = panel(x)
+            assert got.dtype == dtype and got.shape == (rows, out)
+            expected = x.float() @ reference.T + bias.float()
+            torch.testing.assert_close(got.float(), expected, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3)
+            for r in range(rows):
+                assert torch.equal(panel(x[r : r + 1])[0], got[r])

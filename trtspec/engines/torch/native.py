@@ -1,0 +1,135 @@
+"""trtspec's own CPU kernel for float32 Linears, compiled for this machine at first use.
+
+Why: a decode or verify step of a small model reads every weight once and does little
+arithmetic on it, so a step's Linears can run at the memory's speed whatever the number of
+rows up to a dozen. PyTorch's dense kernel reads a weight once per row, oneDNN's re-laid
+weights pay a fixed cost per call that dominates small matrices, and inductor's generated
+loops read the weight once per row. The panel kernel (csrc/panels.cpp) streams each weight
+once per call: the weight is re-laid at load into panels of 32 outputs by all inputs, and
+every input row's products are added in the same order, so a row's result is bit-identical
+whether it runs alone or in a verify step.
+
+The source is compiled with the machine's own instruction set (``-march=native``) by
+torch.utils.cpp_extension into ``$TRTSPEC_CACHE/native/<key>``, the key made of the source, the
+CPU's flags and the torch version; a second process loads the built library in milliseconds.
+Where no C++ compiler exists or the build fails, ``panel_kernel()`` returns None and the
+kernel choice (kernels.py) measures the other layouts, saying why once.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from trtspec.cache import cache_root
+
+SOURCE = Path(__file__).with_name("csrc") / "panels.cpp"
+DISABLE_ENV = "TRTSPEC_NATIVE"  # 0: never build or use the panel kernel
+
+
+def _flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "flags":
+                return " ".join(sorted(value.split()))
+    except OSError:
+        pass
+    return ""
+
+
+def build_key() -> str:
+    """What the built library depends on: its source, this CPU's flags, torch's version."""
+    parts = [SOURCE.read_bytes(), _flags().encode(), torch.__version__.encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+@functools.cache
+def panel_kernel() -> ModuleType | None:
+    """The compiled panel kernel, built here the first time; None where it cannot be (said once)."""
+    if os.environ.get(DISABLE_ENV, "").strip() == "0":
+        return None
+    folder = cache_root() / "native" / build_key()
+    try:
+        from torch.utils.cpp_extension import load
+
+        folder.mkdir(parents=True, exist_ok=True)
+        return load(
+            name=f"trtspec_panels_{build_key()}",
+            sources=[str(SOURCE)],
+            # -fopenmp: ATen's parallel_for is OpenMP inlined here (without it, one thread)
+            extra_cflags=["-O3", "-march=native", "-std=c++20", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
+            verbose=False,
+        )
+    except Exception as err:  # no compiler, no headers, a read-only cache: the other layouts remain
+        print(
+            f"trtspec: the panel kernel is unavailable ({type(err).__name__}: {_first_line(err)}); "
+            "measuring PyTorch's and oneDNN's kernels only",
+            file=sys.stderr,
+        )
+        return None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0][:200] if text else ""
+
+
+class PanelLinear(nn.Module):
+    """A float32 Linear run by the panel kernel: its weight re-laid once into panels (the dense
+    weight is not kept), its bias as it is."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        kernel = panel_kernel()
+        if kernel is None:
+            raise RuntimeError("the panel kernel is not available on this machine")
+        w = linear.weight.detach()
+        self.panels = kernel.pack(w.float().contiguous())  # [ceil(out / 32), in, 32]
+        self.bias = linear.bias.detach() if linear.bias is not None else None
+        self.in_features, self.out_features, self.dtype = w.shape[1], w.shape[0], w.dtype
+        self._linear = kernel.linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [rows, in]
+        out = self._linear(flat, self.panels, self.bias, self.out_features)  # [rows, out]
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class QuantPanelLinear(nn.Module):
+    """A weight-only quantized Linear (quant.WeightOnlyLinear's stored codes) run by the panel
+    kernel: int8 codes with a scale per output, or int4 codes with a scale and a min per
+    output and group of 32 inputs (kept in bfloat16 when stored so, else float32). Activations
+    run in float32 inside; the output comes back in the engine's dtype."""
+
+    def __init__(self, linear: nn.Module):
+        super().__init__()
+        kernel = panel_kernel()
+        if kernel is None:
+            raise RuntimeError("the panel kernel is not available on this machine")
+        from trtspec.engines.torch.quant import unpack_int4
+
+        stored = linear.stored()
+        self.scheme, self.dtype = stored.scheme, linear.dtype
+        self.out_features, self.in_features = stored.shape
+        self.bias = linear.bias.detach().float() if linear.bias is not None else None
+        if stored.scheme == "int8_wo":
+            self.tensors = tuple(kernel.pack_q8(stored.qweight, stored.scales))
+            self._linear = kernel.linear_q8
+        else:
+            self.tensors = tuple(kernel.pack_q4(unpack_int4(stored.qweight), stored.scales, stored.mins))
+            self._linear = kernel.linear_q4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).float()  # [rows, in]
+        out = self._linear(flat, *self.tensors, self.bias, self.out_features)  # [rows, out] float32
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
