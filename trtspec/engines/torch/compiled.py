@@ -52,6 +52,7 @@ from torch import nn
 
 from trtspec.cache import cache_root
 from trtspec.engines.torch.model import ByRows, DecoderLM, KVCache, StepInputs, _rotate_half
+from trtspec.engines.torch.native import PanelLinear, QuantPanelLinear
 from trtspec.engines.torch.quant import WeightOnlyLinear
 from trtspec.files import write_json_atomic
 
@@ -62,7 +63,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
 
 COMPILE_ENV = "TRTSPEC_COMPILE"  # auto (default): measured | 1: compiled, unmeasured | 0: eager
 CACHE_FILE = "programs.json"
-PROGRAMS_VERSION = "3"  # bumped when what a program runs changes: cached choices are measured again
+PROGRAMS_VERSION = "4"  # bumped when what a program runs changes: cached choices are measured again
 ROUNDS = 5
 STREAMED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -230,8 +231,8 @@ class StepProgram:
         if x.shape[0] == 1 and name in self.streamed:  # a static size inside a program
             return _streamed(x, self.streamed[name])
         module = _LINEARS[f"{self.key}/{name}"][0]
-        if isinstance(module, WeightOnlyLinear):  # PyTorch's own kernel: called from the program, no Python
-            return module(x)
+        if isinstance(module, WeightOnlyLinear | PanelLinear | QuantPanelLinear):
+            return module(x)  # an operator (PyTorch's, the panel kernel's): called from the program, no Python
         return torch.ops.trtspec.linear(x, f"{self.key}/{name}")
 
     def _hidden(

@@ -51,18 +51,24 @@ def build_key() -> str:
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
+_LOADED: dict[str, ModuleType] = {}  # build key -> the library, loaded once a process (its operators with it)
+
+
 @functools.cache
 def panel_kernel() -> ModuleType | None:
     """The compiled panel kernel, built here the first time; None where it cannot be (said once)."""
     if os.environ.get(DISABLE_ENV, "").strip() == "0":
         return None
-    folder = cache_root() / "native" / build_key()
+    key = build_key()
+    if key in _LOADED:
+        return _LOADED[key]
+    folder = cache_root() / "native" / key
     try:
         from torch.utils.cpp_extension import load
 
         folder.mkdir(parents=True, exist_ok=True)
-        return load(
-            name=f"trtspec_panels_{build_key()}",
+        module = load(
+            name=f"trtspec_panels_{key}",
             sources=[str(SOURCE)],
             # -fopenmp: ATen's parallel_for is OpenMP inlined here (without it, one thread)
             extra_cflags=["-O3", "-march=native", "-std=c++20", "-fopenmp"],
@@ -70,6 +76,9 @@ def panel_kernel() -> ModuleType | None:
             build_directory=str(folder),
             verbose=False,
         )
+        _register_shapes()
+        _LOADED[key] = module
+        return module
     except Exception as err:  # no compiler, no headers, a read-only cache: the other layouts remain
         print(
             f"trtspec: the panel kernel is unavailable ({type(err).__name__}: {_first_line(err)}); "
@@ -77,6 +86,16 @@ def panel_kernel() -> ModuleType | None:
             file=sys.stderr,
         )
         return None
+
+
+def _register_shapes() -> None:
+    """What the operators return, for torch.compile's tracing (the library defines them in C++)."""
+    for name in ("linear", "linear_q8", "linear_q4"):
+
+        def fake(x: torch.Tensor, *args) -> torch.Tensor:
+            return x.new_empty((x.shape[0], args[-1]))  # [rows, n]
+
+        torch.library.register_fake(f"trtspec_native::{name}")(fake)
 
 
 def _first_line(err: BaseException) -> str:
@@ -97,11 +116,10 @@ class PanelLinear(nn.Module):
         self.panels = kernel.pack(w.float().contiguous())  # [ceil(out / 32), in, 32]
         self.bias = linear.bias.detach() if linear.bias is not None else None
         self.in_features, self.out_features, self.dtype = w.shape[1], w.shape[0], w.dtype
-        self._linear = kernel.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [rows, in]
-        out = self._linear(flat, self.panels, self.bias, self.out_features)  # [rows, out]
+        out = torch.ops.trtspec_native.linear(flat, self.panels, self.bias, self.out_features)  # [rows, out]
         return out.view(*x.shape[:-1], self.out_features)
 
 
@@ -123,13 +141,16 @@ class QuantPanelLinear(nn.Module):
         self.out_features, self.in_features = stored.shape
         self.bias = linear.bias.detach().float() if linear.bias is not None else None
         if stored.scheme == "int8_wo":
-            self.tensors = tuple(kernel.pack_q8(stored.qweight, stored.scales))
-            self._linear = kernel.linear_q8
+            self.codes, self.scales = kernel.pack_q8(stored.qweight, stored.scales)
+            self.mins = None
         else:
-            self.tensors = tuple(kernel.pack_q4(unpack_int4(stored.qweight), stored.scales, stored.mins))
-            self._linear = kernel.linear_q4
+            self.codes, self.scales, self.mins = kernel.pack_q4(unpack_int4(stored.qweight), stored.scales, stored.mins)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).float()  # [rows, in]
-        out = self._linear(flat, *self.tensors, self.bias, self.out_features)  # [rows, out] float32
+        ops = torch.ops.trtspec_native
+        if self.mins is None:
+            out = ops.linear_q8(flat, self.codes, self.scales, self.bias, self.out_features)  # [rows, out] float32
+        else:
+            out = ops.linear_q4(flat, self.codes, self.scales, self.mins, self.bias, self.out_features)
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)

@@ -305,6 +305,19 @@ torch::Tensor linear_q4(torch::Tensor x, torch::Tensor panels, torch::Tensor sca
 
 int64_t panel_width() { return P; }
 
+// As torch operators too, so a compiled step calls them from its graph with no Python in between.
+TORCH_LIBRARY(trtspec_native, m) {
+  m.def("linear(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor");
+  m.def("linear_q8(Tensor x, Tensor panels, Tensor scales, Tensor? bias, int n) -> Tensor");
+  m.def("linear_q4(Tensor x, Tensor panels, Tensor scales, Tensor mins, Tensor? bias, int n) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(trtspec_native, CPU, m) {
+  m.impl("linear", &linear);
+  m.impl("linear_q8", &linear_q8);
+  m.impl("linear_q4", &linear_q4);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack);
   m.def("linear", &linear);
