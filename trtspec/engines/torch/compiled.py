@@ -63,7 +63,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
 
 COMPILE_ENV = "TRTSPEC_COMPILE"  # auto (default): measured | 1: compiled, unmeasured | 0: eager
 CACHE_FILE = "programs.json"
-PROGRAMS_VERSION = "4"  # bumped when what a program runs changes: cached choices are measured again
+PROGRAMS_VERSION = "5"  # bumped when what a program runs changes: cached choices are measured again
 ROUNDS = 5
 STREAMED_DTYPES = (torch.float32, torch.bfloat16)
 
