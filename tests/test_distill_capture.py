@@ -76,6 +76,30 @@ def test_a_head_continued_on_captured_traffic_is_scored_beside_the_old_one(serve
     assert (root / "head" / "model.safetensors").read_bytes() != (root / "head2" / "model.safetensors").read_bytes()
 
 
+def test_the_verify_prompts_figure_is_the_specs_verify_prompts_alone(served, tmp_path):
+    """A head whose recipe has eval prompts: its unseen prompts are the verify prompts and
+    those; the verify figure is over the verify prompts alone, the unseen one over both."""
+    import shutil
+
+    root, spec, loaded = served
+    init = tmp_path / "head"
+    shutil.copytree(root / "head", init)
+    extra = tmp_path / "eval.jsonl"
+    extra.write_text('{"prompt": "Name two rivers."}\n{"prompt": "Count to five."}\n')
+    path = init / "trtspec-head.json"
+    manifest = json.loads(path.read_text())
+    manifest["recipe"]["eval_prompts"] = str(extra)
+    path.write_text(json.dumps(manifest))
+    args = ["--from-capture", str(loaded.capture_dir()), "--init", str(init), "-o", str(tmp_path / "new")]
+    r = _refine(spec, *args, "--max-steps", "2", "--capture-held-out", "0.25", "--json", "--prompts", str(root / "prompts.jsonl"))
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout[r.stdout.index("{") :])
+    n = len(loaded.verify_prompts())
+    for head in ("old", "new"):
+        assert out[head]["verify_prompts_n"] == n and out[head]["unseen_prompts_n"] == n + 2
+        assert 0.0 <= out[head]["verify_prompts"] <= 1.0 and 0.0 <= out[head]["unseen_prompts"] <= 1.0
+
+
 def test_the_held_out_and_verify_prompts_are_never_trained_on(served):
     from trtspec.distill.refine import split_captured
 

@@ -38,7 +38,7 @@ from trtspec.speculative.capture import Captured, read_capture
 class RefineResult:
     head: Path
     steps: int
-    old: dict  # acceptance at k=1: {"held_out_captured": x, "verify_prompts": y}
+    old: dict  # acceptance at k=1: {"held_out_captured": x, "verify_prompts": y, "unseen_prompts": z}
     new: dict
     held_requests: list[str] = field(default_factory=list)  # the captured requests never trained on
 
@@ -47,7 +47,10 @@ class RefineResult:
 
     def summary(self) -> str:
         rows = [f"{'acceptance at k=1':<34}{'old head':>10}{'new head':>10}"]
-        for key, label in (("held_out_captured", "held-out captured requests"), ("verify_prompts", "spec's verify prompts")):
+        sets = [("held_out_captured", "held-out captured requests"), ("verify_prompts", "spec's verify prompts")]
+        if self.old["unseen_prompts_n"] > self.old["verify_prompts_n"]:  # the recipe's eval prompts too
+            sets.append(("unseen_prompts", "verify + eval prompts"))
+        for key, label in sets:
             name = f"{label} ({self.old[key + '_n']})"
             rows.append(f"{name:<34}{_fmt(self.old[key]):>10}{_fmt(self.new[key]):>10}")
         return f"wrote {self.head} ({self.steps} steps)\n" + "\n".join(rows)
@@ -88,8 +91,9 @@ def refine(loaded: LoadedSpec, opts: DistillOptions, on_step=None) -> RefineResu
             raise TrtspecError(
                 f"the time budget ({opts.time_budget:g} s) was spent before the first training step; no head written"
             )
-        new = figures(trainer, held_s, data.unseen)
-        old = figures(Trainer(old_head, target, draft_ids, opts, steps, data.store), held_s, data.unseen)
+        n_verify = len(dict.fromkeys(loaded.verify_prompts()))  # data.unseen: the verify prompts, then eval's
+        new = figures(trainer, held_s, data.unseen, n_verify)
+        old = figures(Trainer(old_head, target, draft_ids, opts, steps, data.store), held_s, data.unseen, n_verify)
     held_ids = [c.record.get("request_id", c.path.name) for c in held_c]
     manifest = _manifest(init, opts, step, steps, stopped_by, old, new, held_ids, len(train_s), len(replayed))
     save_head(out, head, config, manifest)
@@ -211,8 +215,10 @@ def read_head(init: Path, num_layers: int, layer_ids: tuple[int, ...], vocab: in
     return head, json.loads((init / "config.json").read_text(encoding="utf-8")), draft_ids
 
 
-def figures(trainer: Trainer, held: list[Sample], unseen: list[Sample]) -> dict:
-    """Acceptance at k=1 (the first draft kept, as distill scores heads) on both sets."""
+def figures(trainer: Trainer, held: list[Sample], unseen: list[Sample], n_verify: int) -> dict:
+    """Acceptance at k=1 (the first draft kept, as distill scores heads) on the held-out
+    captured requests, on the spec's verify prompts (the first ``n_verify`` of ``unseen``) and
+    on every unseen prompt (the verify prompts and the recipe's eval prompts)."""
 
     def k1(samples: list[Sample]) -> float | None:
         if not samples:
@@ -223,8 +229,10 @@ def figures(trainer: Trainer, held: list[Sample], unseen: list[Sample]) -> dict:
     return {
         "held_out_captured": k1(held),
         "held_out_captured_n": len(held),
-        "verify_prompts": k1(unseen),
-        "verify_prompts_n": len(unseen),
+        "verify_prompts": k1(unseen[:n_verify]),
+        "verify_prompts_n": len(unseen[:n_verify]),
+        "unseen_prompts": k1(unseen),
+        "unseen_prompts_n": len(unseen),
     }
 
 

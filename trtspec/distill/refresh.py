@@ -136,7 +136,7 @@ def measure(loaded: LoadedSpec, live: Path, new: Path) -> tuple[float, float]:
     for path in (live, new):
         head, _, draft_ids = read_head(path, hf.num_hidden_layers, layer_ids, engine.vocab_size)
         trainer = Trainer(head, target, draft_ids, DistillOptions(), 1, None)
-        scores.append(figures(trainer, held, [])["held_out_captured"] or 0.0)
+        scores.append(figures(trainer, held, [], 0)["held_out_captured"] or 0.0)
     return scores[0], scores[1]
 
 
