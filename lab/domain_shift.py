@@ -18,8 +18,8 @@ with capture on and one `distill --from-capture`.
 3. `trtspec distill old.yaml --from-capture DIR --init HEAD -o NEW --max-steps N
    --capture-held-out F`, in a process of its own; its CPU time (user + system, from wait4) is
    recorded. Its report: k=1 acceptance of the old and new heads on the held-out captured
-   requests and on the unseen chat prompts (the spec's verify prompts and its recipe's
-   eval prompts, trtspec/bench/prompts.jsonl), teacher-forced as distill scores heads.
+   requests, on the spec's verify prompts and on every unseen chat prompt (those and the head
+   recipe's eval prompts, trtspec/bench/prompts.jsonl), teacher-forced as distill scores heads.
 4. Live acceptance, as served (the loop's accepted / drafted at k=1, greedy): the old head's
    from step 2 on the held-out requests, then both heads on the same held-out prompts, on the
    code prompts of lab/auto_mixed_prompts.jsonl (written by others, never served: the "far"
