@@ -3,13 +3,23 @@ and each row's result bit-identical however many rows run beside it."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
+from trtspec.cache import cache_root
 from trtspec.engines.torch import native
 
-pytestmark = pytest.mark.skipif(native.panel_kernel() is None, reason="no C++ compiler: the panel kernel cannot be built")
+
+@pytest.fixture(autouse=True)
+def _kernel():
+    """The kernel, built (once a session) in the session's cache; skipped where it cannot be."""
+    if native.panel_kernel() is None:
+        pytest.skip("no C++ compiler: the panel kernel cannot be built")
 
 
 @pytest.mark.parametrize(("out", "inp", "bias"), [(96, 64, False), (100, 37, True), (3, 5, True), (960, 576, False)])
@@ -88,3 +98,24 @@ def test_quantized_panels_compute_the_dequantized_linear_and_each_row_alone_equa
             torch.testing.assert_close(got.float(), expected, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3)
             for r in range(rows):
                 assert torch.equal(panel(x[r : r + 1])[0], got[r])
+
+
+def _loads_in_a_new_process() -> subprocess.CompletedProcess:
+    code = "from trtspec.engines.torch.native import panel_kernel; assert panel_kernel() is not None"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_a_build_killed_midway_stalls_no_later_load():
+    """torch's build lock left behind by a killed build made every later load wait for ever
+    (a served engine model never became ready); a library that does not import is built again."""
+    folder = cache_root() / "native" / native.build_key()
+    assert Path(native.panel_kernel().__file__).parent == folder  # built in the session's cache
+    (folder / "lock").write_text("")  # as a build killed while holding it leaves it
+    assert _loads_in_a_new_process().returncode == 0  # no wait on it (the built library is imported)
+    library = folder / f"trtspec_panels_{native.build_key()}.so"
+    torn = library.with_suffix(".torn")  # a new file: this process still maps the whole one
+    torn.write_bytes(library.read_bytes()[:4096])  # as a build killed while linking leaves it
+    torn.replace(library)
+    done = _loads_in_a_new_process()
+    assert done.returncode == 0, done.stderr
+    assert library.stat().st_size > 4096 and not (folder / "lock").exists()  # built again, whole

@@ -173,3 +173,20 @@ class FileRecord(BaseModel):
 
 def file_record(path: Path) -> FileRecord:
     return FileRecord(sha256=sha256_file(path), bytes=path.stat().st_size)
+
+
+@contextmanager
+def exclusive_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` (POSIX flock, released when its process ends, however it
+    ends); without one (no fcntl, an unwritable folder), no lock."""
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a")  # noqa: SIM115 (held across the yield)
+    except (ImportError, OSError):
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield

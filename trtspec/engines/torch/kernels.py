@@ -58,7 +58,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,7 +69,7 @@ from trtspec.cache import cache_root
 from trtspec.engines.torch.model import PACKABLE, ByRows, DecoderLM, KVCache, OneDnnLinear, StepInputs
 from trtspec.engines.torch.native import PanelLinear, QuantPanelLinear, panel_kernel
 from trtspec.engines.torch.quant import WeightOnlyLinear
-from trtspec.files import write_json_atomic
+from trtspec.files import exclusive_lock, write_json_atomic
 from trtspec.machine import cpu_name
 
 LAYOUTS = ("dense", "onednn", "head", "panel")
@@ -421,7 +421,7 @@ def choose_layout(
 
 def _measured_or_cached(model: nn.Module, key: str, sizes: tuple[int, ...], make_timer, apply, path: Path) -> KernelChoice:
     """This machine's cached choice for ``key`` applied, or one measured now and cached."""
-    with _locked(path):
+    with exclusive_lock(path.with_suffix(".lock")):
         cached = _read(path).get(key)
         if cached is not None and _valid(str(cached.get("layout"))):
             apply(model, cached["layout"])
@@ -494,19 +494,3 @@ def _read(path: Path) -> dict:
     except (OSError, ValueError):
         return {}  # missing or damaged: measured again and rewritten
     return data if isinstance(data, dict) else {}
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """An exclusive lock beside the cache file (POSIX); without one, measure unlocked."""
-    try:
-        import fcntl
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(path.with_suffix(".lock"), "a")  # noqa: SIM115 (held across the yield)
-    except (ImportError, OSError):
-        yield
-        return
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        yield

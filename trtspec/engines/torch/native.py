@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from trtspec.cache import cache_root
+from trtspec.files import exclusive_lock, sha256_file, write_text_atomic
 
 SOURCE = Path(__file__).with_name("csrc") / "panels.cpp"
 DISABLE_ENV = "TRTSPEC_NATIVE"  # 0: never build or use the panel kernel
@@ -63,19 +64,10 @@ def panel_kernel() -> ModuleType | None:
     if key in _LOADED:
         return _LOADED[key]
     folder = cache_root() / "native" / key
+    name = f"trtspec_panels_{key}"
     try:
-        from torch.utils.cpp_extension import load
-
-        folder.mkdir(parents=True, exist_ok=True)
-        module = load(
-            name=f"trtspec_panels_{key}",
-            sources=[str(SOURCE)],
-            # -fopenmp: ATen's parallel_for is OpenMP inlined here (without it, one thread)
-            extra_cflags=["-O3", "-march=native", "-std=c++20", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(folder),
-            verbose=False,
-        )
+        with exclusive_lock(folder / "trtspec.lock"):  # one builder a machine; released if it dies
+            module = _import_or_build(name, folder)
         _register_shapes()
         _LOADED[key] = module
         return module
@@ -86,6 +78,50 @@ def panel_kernel() -> ModuleType | None:
             file=sys.stderr,
         )
         return None
+
+
+def _import_or_build(name: str, folder: Path) -> ModuleType:
+    """The library built before (its folder is named by its source, CPU and torch, so it is
+    current), or built now. A library is imported only when its digest is the one recorded when
+    its build finished: a build killed while linking leaves a torn file, which would crash
+    the process that maps it, and is built again."""
+    library, record = folder / f"{name}.so", folder / "built.sha256"
+    if library.is_file() and record.is_file() and record.read_text().strip() == sha256_file(library):
+        return _import(name, library)
+    record.unlink(missing_ok=True)
+    library.unlink(missing_ok=True)
+    module = _build(name, folder)
+    write_text_atomic(record, sha256_file(library) + "\n")
+    return module
+
+
+def _build(name: str, folder: Path) -> ModuleType:
+    """Compile the source into ``folder`` and import it (torch's cpp_extension, with ninja)."""
+    from torch.utils.cpp_extension import load
+
+    # torch's own lock file, left behind by a build that was killed: every later build would
+    # wait on it for ever. Under our lock no other trtspec process is building here.
+    (folder / "lock").unlink(missing_ok=True)
+    return load(
+        name=name,
+        sources=[str(SOURCE)],
+        # -fopenmp: ATen's parallel_for is OpenMP inlined here (without it, one thread)
+        extra_cflags=["-O3", "-march=native", "-std=c++20", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(folder),
+        verbose=False,
+    )
+
+
+def _import(name: str, library: Path) -> ModuleType:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _register_shapes() -> None:
