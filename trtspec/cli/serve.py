@@ -63,7 +63,7 @@ def serve(
     metrics_port: MetricsPortOpt = None,
     engines: EnginesOpt = None,
     repo_dir: RepoOpt = None,
-    timeout: TimeoutOpt = 600.0,
+    timeout: TimeoutOpt = 900.0,
     dry_run: DryRunOpt = False,
     detach: DetachOpt = False,
     pid_file: PidFileOpt = launch.DEFAULT_PID_FILE,
