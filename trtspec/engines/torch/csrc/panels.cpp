@@ -197,97 +197,100 @@ void check_panels(const torch::Tensor& panels, int64_t N, int64_t width) {
   TORCH_CHECK(panels.size(0) * P >= N && N > (panels.size(0) - 1) * P, "linear: N does not match the panels");
 }
 
+// [N, K] -> [ceil(N / P), K, P]: rows padded with zeros to whole panels, each panel's k-th row
+// its P outputs' k-th weights
+torch::Tensor by_panels(const torch::Tensor& t) {
+  const int64_t N = t.size(0), K = t.size(1), panels = (N + P - 1) / P;
+  auto padded = torch::zeros({panels * P, K}, t.options());
+  padded.narrow(0, 0, N).copy_(t);
+  return padded.view({panels, P, K}).transpose(1, 2).contiguous();
+}
+
+// What every call starts with: the checked inputs and its output [R, N]
+struct Call {
+  torch::Tensor x, bias_keep, out;
+  const float* bias;
+  int64_t K;
+};
+
+Call begin(const torch::Tensor& x, const torch::Tensor& panels, const c10::optional<torch::Tensor>& bias, int64_t N,
+           int64_t width) {
+  check_panels(panels, N, width);
+  Call c;
+  c.x = input_of(x, panels.size(1));
+  c.bias = bias_of(bias, N, c.bias_keep);
+  c.out = torch::empty({x.size(0), N}, x.options());
+  c.K = c.x.size(1);
+  return c;
+}
+
 }  // namespace
 
 // [N, K] float32 -> [ceil(N / P), K, P] float32 panels, zero-padded
 torch::Tensor pack(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32, "pack: a 2-D float32 weight");
-  const int64_t N = weight.size(0), K = weight.size(1), panels = (N + P - 1) / P;
-  auto padded = torch::zeros({panels * P, K}, weight.options());
-  padded.narrow(0, 0, N).copy_(weight);
-  return padded.view({panels, P, K}).transpose(1, 2).contiguous();
+  return by_panels(weight);
 }
 
 // x [R, K] float32, panels from pack, bias [N] or None -> [R, N]
 torch::Tensor linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t N) {
-  check_panels(panels, N, P);
-  auto xc = input_of(x, panels.size(1));
-  torch::Tensor keep;
-  const float* b = bias_of(bias, N, keep);
-  auto out = torch::empty({x.size(0), N}, x.options());
-  const int64_t K = xc.size(1);
-  const float *xp = xc.data_ptr<float>(), *w = panels.data_ptr<float>();
-  float* o = out.data_ptr<float>();
+  auto c = begin(x, panels, bias, N, P);
+  const int64_t K = c.K;
+  const float *xp = c.x.data_ptr<float>(), *w = panels.data_ptr<float>();
+  float* o = c.out.data_ptr<float>();
   each_panel<ROWS>(x.size(0), N, [&]<int R>(int64_t r0, int64_t p) {
-    chunk<R>(xp + r0 * K, K, w + p * K * P, b, o + r0 * N, N, p * P);
+    chunk<R>(xp + r0 * K, K, w + p * K * P, c.bias, o + r0 * N, N, p * P);
   });
-  return out;
+  return c.out;
 }
 
 // [N, K] int8 codes, [N] scales -> ([ceil(N / P), K, P] int8 panels, [ceil(N / P) * P] float32 scales)
 std::vector<torch::Tensor> pack_q8(torch::Tensor codes, torch::Tensor scales) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kInt8, "pack_q8: 2-D int8 codes");
-  const int64_t N = codes.size(0), K = codes.size(1), panels = (N + P - 1) / P;
-  auto padded = torch::zeros({panels * P, K}, codes.options());
-  padded.narrow(0, 0, N).copy_(codes);
+  const int64_t N = codes.size(0), panels = (N + P - 1) / P;
   auto s = torch::ones({panels * P}, scales.options().dtype(torch::kFloat32));
   s.narrow(0, 0, N).copy_(scales.reshape({N}));
-  return {padded.view({panels, P, K}).transpose(1, 2).contiguous(), s};
+  return {by_panels(codes), s};
 }
 
 torch::Tensor linear_q8(torch::Tensor x, torch::Tensor panels, torch::Tensor scales, c10::optional<torch::Tensor> bias,
                         int64_t N) {
-  check_panels(panels, N, P);
   TORCH_CHECK(panels.scalar_type() == torch::kInt8 && scales.numel() == panels.size(0) * P, "linear_q8: bad panels");
-  auto xc = input_of(x, panels.size(1));
-  torch::Tensor keep;
-  const float* b = bias_of(bias, N, keep);
-  auto out = torch::empty({x.size(0), N}, x.options());
-  const int64_t K = xc.size(1);
-  const float *xp = xc.data_ptr<float>(), *sp = scales.data_ptr<float>();
+  auto c = begin(x, panels, bias, N, P);
+  const int64_t K = c.K;
+  const float *xp = c.x.data_ptr<float>(), *sp = scales.data_ptr<float>(), *b = c.bias;
   const int8_t* w = panels.data_ptr<int8_t>();
-  float* o = out.data_ptr<float>();
+  float* o = c.out.data_ptr<float>();
   each_panel<ROWS>(x.size(0), N, [&]<int R>(int64_t r0, int64_t p) {
     chunk_q8<R>(xp + r0 * K, K, w + p * K * P, sp + p * P, b, o + r0 * N, N, p * P);
   });
-  return out;
+  return c.out;
 }
 
 // codes [N, K] (uint8, 0..15), scales and mins [N, K / GROUP] ->
 // ([ceil(N / P), K, P / 2] uint8, [ceil(N / P), K / GROUP, P] scales (bfloat16 or float32), the same for mins)
 std::vector<torch::Tensor> pack_q4(torch::Tensor codes, torch::Tensor scales, torch::Tensor mins) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kUInt8, "pack_q4: 2-D uint8 codes");
-  const int64_t N = codes.size(0), K = codes.size(1), panels = (N + P - 1) / P;
+  const int64_t K = codes.size(1);
   TORCH_CHECK(K % GROUP == 0, "pack_q4: in_features must be a multiple of 32");
-  auto padded = torch::zeros({panels * P, K}, codes.options());
-  padded.narrow(0, 0, N).copy_(codes);
-  auto byk = padded.view({panels, P, K}).transpose(1, 2);  // [panels, K, P]
+  auto byk = by_panels(codes);  // [panels, K, P]
   auto lo = byk.narrow(2, 0, P / 2), hi = byk.narrow(2, P / 2, P / 2);
   auto packed = lo.bitwise_or(hi.bitwise_left_shift(4)).contiguous();  // [panels, K, P / 2]
   // bfloat16 scales stay bfloat16 (half the bytes); any other dtype is widened to float32
   const auto dtype = scales.scalar_type() == torch::kBFloat16 ? torch::kBFloat16 : torch::kFloat32;
-  auto per_group = [&](const torch::Tensor& t) {
-    auto f = torch::zeros({panels * P, K / GROUP}, t.options().dtype(dtype));
-    f.narrow(0, 0, N).copy_(t);
-    return f.view({panels, P, K / GROUP}).transpose(1, 2).contiguous();  // [panels, K / GROUP, P]
-  };
-  return {packed, per_group(scales), per_group(mins)};
+  return {packed, by_panels(scales.to(dtype)), by_panels(mins.to(dtype))};  // [panels, K / GROUP, P] each
 }
 
 torch::Tensor linear_q4(torch::Tensor x, torch::Tensor panels, torch::Tensor scales, torch::Tensor mins,
                         c10::optional<torch::Tensor> bias, int64_t N) {
-  check_panels(panels, N, P / 2);
   TORCH_CHECK(panels.scalar_type() == torch::kUInt8 && scales.sizes() == mins.sizes(), "linear_q4: bad panels");
-  auto xc = input_of(x, panels.size(1));
-  const int64_t K = xc.size(1), groups = K / GROUP;
+  auto c = begin(x, panels, bias, N, P / 2);
+  const int64_t K = c.K, groups = K / GROUP;
   TORCH_CHECK(scales.dim() == 3 && scales.size(1) == groups && scales.size(2) == P, "linear_q4: scales do not match");
-  torch::Tensor keep;
-  const float* b = bias_of(bias, N, keep);
-  auto xsum = xc.view({x.size(0), groups, GROUP}).sum(-1).contiguous();  // [R, groups]
-  auto out = torch::empty({x.size(0), N}, x.options());
-  const float *xp = xc.data_ptr<float>(), *xs = xsum.data_ptr<float>();
+  auto xsum = c.x.view({x.size(0), groups, GROUP}).sum(-1).contiguous();  // [R, groups]
+  const float *xp = c.x.data_ptr<float>(), *xs = xsum.data_ptr<float>(), *b = c.bias;
   const uint8_t* w = panels.data_ptr<uint8_t>();
-  float* o = out.data_ptr<float>();
+  float* o = c.out.data_ptr<float>();
   auto run = [&](const auto* sp, const auto* mp) {
     each_panel<ROWS_Q4>(x.size(0), N, [&]<int R>(int64_t r0, int64_t p) {
       chunk_q4<R>(xp + r0 * K, xs + r0 * groups, K, w + p * K * (P / 2), sp + p * groups * P, mp + p * groups * P, b,
@@ -300,7 +303,7 @@ torch::Tensor linear_q4(torch::Tensor x, torch::Tensor panels, torch::Tensor sca
     TORCH_CHECK(scales.scalar_type() == torch::kFloat32, "linear_q4: scales must be bfloat16 or float32");
     run(scales.data_ptr<float>(), mins.data_ptr<float>());
   }
-  return out;
+  return c.out;
 }
 
 int64_t panel_width() { return P; }
