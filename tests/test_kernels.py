@@ -450,3 +450,23 @@ def test_a_heads_layout_is_measured_by_timing_head_steps_and_cached_under_its_ow
     second = _head_engine(head, target, tmp_path, monkeypatch)
     assert (second.kernels.layout, second.kernels.source, len(calls)) == ("head", "cached", measured)
     assert _head_layout(second.head) == "head"
+
+
+def test_a_quantized_model_never_takes_the_cached_choice_of_a_float_model_of_its_shape(dense_engine, tmp_path):
+    """The choice key names the quantization, and a cached layout the model cannot run (oneDNN's
+    for weight-only Linears) is measured again, not applied."""
+    from trtspec.engines.torch.quant import WeightOnlyLinear, quantize
+
+    model = dense_engine.model
+    float_key = kernels.choice_key(model, 4)
+    (tmp_path / kernels.CACHE_FILE).write_text(json.dumps({float_key: {"layout": "onednn"}}))
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                bias = child.bias.detach() if child.bias is not None else None
+                setattr(module, name, WeightOnlyLinear(quantize(child.weight, "int8_wo"), bias, torch.float32))
+    choice = _choose(dense_engine, tmp_path)
+    assert choice.layout.partition(":")[0] == "int8_wo"
+    assert choice.source in ("measured", "quantized") and choice.key != float_key
+    assert not kernels._valid("onednn", kernels.candidates(model))
+    assert not [m for m in model.modules() if isinstance(m, OneDnnLinear)]

@@ -367,11 +367,21 @@ def _choose_quantized(
         )
     sizes = timed_sizes(verify_tokens)
     choice = choose_layout(
-        model, choice_key(model, verify_tokens), sizes, lambda: step_timer(model, cos, sin, sizes), apply_layout, cache_dir
+        model,
+        quantized_key(model, verify_tokens, schemes),
+        sizes,
+        lambda: step_timer(model, cos, sin, sizes),
+        apply_layout,
+        cache_dir,
     )
     choice.reason = choice.reason or f"weight-only quantized Linears ({', '.join(schemes)})"
     choice.layout = scheme if choice.layout == "dense" else f"{scheme}:{choice.layout}"
     return choice
+
+
+def quantized_key(model: DecoderLM, verify_tokens: int, schemes: list[str]) -> str:
+    """choice_key with the schemes: a float model of the same shape has other layouts."""
+    return json.dumps(json.loads(choice_key(model, verify_tokens)) | {"quantization": "+".join(schemes)}, sort_keys=True)
 
 
 def one_row_form(choice: KernelChoice) -> str:
@@ -423,7 +433,7 @@ def _measured_or_cached(model: nn.Module, key: str, sizes: tuple[int, ...], make
     """This machine's cached choice for ``key`` applied, or one measured now and cached."""
     with exclusive_lock(path.with_suffix(".lock")):
         cached = _read(path).get(key)
-        if cached is not None and _valid(str(cached.get("layout"))):
+        if cached is not None and _valid(str(cached.get("layout")), candidates(model)):
             apply(model, cached["layout"])
             seconds, steps = dict(cached.get("seconds", {})), dict(cached.get("steps", {}))
             return KernelChoice(cached["layout"], "cached", seconds, key, steps=steps, sizes=sizes)
@@ -441,10 +451,11 @@ def _measured_or_cached(model: nn.Module, key: str, sizes: tuple[int, ...], make
         return KernelChoice(best, "measured", seconds, key, steps=steps, sizes=sizes)
 
 
-def _valid(choice: str) -> bool:
-    """A cached choice this code can apply (a hand-edited or foreign cache is measured again)."""
+def _valid(choice: str, layouts: tuple[str, ...]) -> bool:
+    """A cached choice this code can apply to a model with these candidate ``layouts`` (a
+    hand-edited or foreign cache is measured again)."""
     try:
-        return all(part in LAYOUTS for part in split(choice)[:2])
+        return all(part in layouts for part in split(choice)[:2])
     except ValueError:
         return False
 
