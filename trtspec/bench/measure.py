@@ -179,6 +179,29 @@ class Costs:
         """Verifying k+1 tokens in units of one target decode step."""
         return self.verify_step / self.target_step
 
+    def to_dict(self) -> dict:
+        return {
+            **asdict(self),
+            "cost_ratio": self.cost_ratio,
+            "verify_cost": self.verify_cost,
+            "step_bytes": self.step_bytes,
+            "achieved_gbps": self.achieved_gbps,
+            "floor_step": self.floor_step,
+            "of_copy_bandwidth": self.of_copy_bandwidth,
+        }
+
+
+@dataclass
+class ContextPoint:
+    """bench --context-sweep: the step costs with ``context`` tokens already in the KV cache
+    (costs.kv_bytes: the K/V a target decode step then reads; no verify_by_k)."""
+
+    context: int
+    costs: Costs
+
+    def to_dict(self) -> dict:
+        return {"context": self.context, **self.costs.to_dict()}
+
 
 @dataclass
 class SweepPoint:
@@ -213,6 +236,7 @@ class BenchReport:
     methods: list[dict] = field(default_factory=list)  # bench --methods: bench/methods.py rows
     grid: list[GridPoint] = field(default_factory=list)  # bench --schedule: k x concurrency
     trees: dict | None = None  # bench --trees: bench/trees.py TreeBench.to_dict()
+    context_sweep: list[ContextPoint] = field(default_factory=list)  # bench --context-sweep (bench/context.py)
     max_batch_size: int = 1  # of the deployment (the last range of vLLM's schedule shape)
     complete: bool = False
 
@@ -280,17 +304,7 @@ class BenchReport:
             "speculative": self.speculative.to_dict() if self.speculative else None,
             "speedup": self.speedup,
             "metrics": self.metrics.to_dict(),
-            "costs": None
-            if self.costs is None
-            else {
-                **asdict(self.costs),
-                "cost_ratio": self.costs.cost_ratio,
-                "verify_cost": self.costs.verify_cost,
-                "step_bytes": self.costs.step_bytes,
-                "achieved_gbps": self.costs.achieved_gbps,
-                "floor_step": self.costs.floor_step,
-                "of_copy_bandwidth": self.costs.of_copy_bandwidth,
-            },
+            "costs": None if self.costs is None else self.costs.to_dict(),
             "expected_tokens_per_forward_iid": expected_tokens_per_forward(self.metrics.acceptance_rate, self.k),
             "bound": self.bound,
             "efficiency": self.efficiency,
@@ -305,6 +319,7 @@ class BenchReport:
             "grid": [asdict(p) for p in self.grid],
             "schedule": self.schedule,
             "trees": self.trees,
+            "context_sweep": [p.to_dict() for p in self.context_sweep],
         }
 
 
@@ -470,6 +485,11 @@ class InProcessBench:
         return timings, time.perf_counter() - start_all
 
 
+# Fresh tokens after the measured context, new each repeat, that forward_seconds and head_step
+# run (untimed) before the timed forward, so no repeat reuses the last one's timed positions.
+TAIL = 4
+
+
 def measure_engine_costs(deployment, prompt: str, k: int, repeats: int = 7) -> Costs:
     """Median times of: one target decode step, one draft decode step, one target forward
     over k+1 new tokens — each after a cached context, as in generation."""
@@ -478,18 +498,22 @@ def measure_engine_costs(deployment, prompt: str, k: int, repeats: int = 7) -> C
     verify_step = forward_seconds(deployment.target, ctx, k + 1, repeats)
     draft_step = forward_seconds(deployment.draft, ctx, 1, repeats) if deployment.draft is not None else None
     if getattr(deployment, "head", None) is not None:
-        draft_step = _head_step(deployment, ctx, k, repeats)
-    weights, kv = deployment.target.step_bytes(len(ctx) + 4)  # the timed step's context: ctx + 4
+        draft_step = head_step(deployment, ctx, k, repeats)
+    weights, kv = deployment.target.step_bytes(len(ctx) + TAIL)  # the timed step's context: ctx + its tail
     verify_by_k = {
         str(n): forward_seconds(deployment.target, ctx, n + 1, max(3, repeats // 2)) / target_step
         for n in range(1, getattr(getattr(deployment.target, "manifest", None), "max_draft_len", k) + 1)
     }
-    paths = {
+    return Costs(target_step, draft_step, verify_step, k, weights, kv, measure_bandwidth(), verify_by_k, step_paths(deployment))
+
+
+def step_paths(deployment) -> dict[str, str]:
+    """Per engine role, which path (eager or compiled) runs its one-row and its wider steps."""
+    return {
         role: engine.programs.summary()
         for role, engine in (("target", deployment.target), ("draft", deployment.draft))
         if engine is not None and hasattr(engine, "programs")
     }
-    return Costs(target_step, draft_step, verify_step, k, weights, kv, measure_bandwidth(), verify_by_k, paths)
 
 
 def forward_seconds(engine, ctx: list[int], n_new: int, repeats: int, tree: bool = False) -> float:
@@ -500,7 +524,7 @@ def forward_seconds(engine, ctx: list[int], n_new: int, repeats: int, tree: bool
 
     times = []
     for r in range(repeats):
-        base = ctx + [(7 * r + j) % 100 + 10 for j in range(4)]  # a fresh tail per repeat
+        base = ctx + [(7 * r + j) % 100 + 10 for j in range(TAIL)]  # a fresh tail per repeat
         engine.run([ForwardItem(base, 1)])  # context is cached now
         seq = base + [(11 * r + j) % 100 + 10 for j in range(n_new)]
         # Two branches: node i's parent is node i - 2 (the first two are the root's children).
@@ -511,15 +535,16 @@ def forward_seconds(engine, ctx: list[int], n_new: int, repeats: int, tree: bool
     return statistics.median(times)
 
 
-def _head_step(deployment, ctx: list[int], k: int, repeats: int) -> float:
+def head_step(deployment, ctx: list[int], k: int, repeats: int) -> float:
     """Median seconds per drafted token of an EAGLE-3 head (feature fetch included): k chained
-    head steps after a context the target and the head have both seen."""
+    head steps after a context the target and the head have both seen (``ctx`` and a fresh
+    tail of TAIL tokens per repeat)."""
     from trtspec.engines.torch.engine import ForwardItem
 
     drafter = deployment.drafter()
     times = []
     for r in range(repeats):
-        base = ctx + [(13 * r + j) % 100 + 10 for j in range(4)]
+        base = ctx + [(13 * r + j) % 100 + 10 for j in range(TAIL)]
         deployment.target.run([ForwardItem(base, 1)])  # the target's features for every position
         drafter.propose([base[:-1]], [1])  # the head has caught up on the context
         t0 = time.perf_counter()

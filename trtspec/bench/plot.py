@@ -31,6 +31,7 @@ def plot(report: BenchReport, out_dir: Path) -> list[Path]:
         (report.concurrency, _plot_concurrency, "concurrency.png"),
         (report.methods, _plot_methods, "methods.png"),
         (report.grid, _plot_schedule, "schedule.png"),
+        (report.context_sweep, _plot_context, "context.png"),
     )
     files = []
     for data, draw, name in figures:
@@ -113,6 +114,27 @@ def _plot_schedule(report: BenchReport, fig, ax) -> None:
     ax.set_ylabel("aggregate tokens/s")
     ax.legend(fontsize=8)
     ax.set_title(f"{report.spec_name}: k x concurrency (recommended {report.schedule['spec']['schedule']})", fontsize=9)
+
+
+def _plot_context(report: BenchReport, fig, ax) -> None:
+    """Step ms by context length (left axis): target decode step, verify of k+1 tokens, draft
+    step; the cost ratio c (right axis)."""
+    points = report.context_sweep
+    ns, k = [p.context for p in points], points[0].costs.k
+    ax.plot(ns, [p.costs.target_step * 1e3 for p in points], "o-", label="target step")
+    ax.plot(ns, [p.costs.verify_step * 1e3 for p in points], "^-", label=f"verify {k + 1} tokens")
+    drafted = [p for p in points if p.costs.draft_step is not None]
+    if drafted:
+        ax.plot([p.context for p in drafted], [p.costs.draft_step * 1e3 for p in drafted], "s-", label="draft step")
+        ax2 = ax.twinx()
+        ax2.plot([p.context for p in drafted], [p.costs.cost_ratio for p in drafted], "x--", color="tab:red", label="c")
+        ax2.set_ylabel("c = draft step / target step")
+        ax2.set_ylim(0, max(1.05, max(p.costs.cost_ratio for p in drafted) * 1.1))
+    ax.set_xlabel("context (tokens in the KV cache)")
+    ax.set_ylabel("step (ms)")
+    ax.set_ylim(bottom=0)
+    fig.legend(loc="upper left", bbox_to_anchor=(0.12, 0.9), fontsize=8)
+    ax.set_title(f"{report.spec_name}: step cost vs context ({report.machine.split(',')[0]})", fontsize=9)
 
 
 def _save(fig, path: Path) -> Path:

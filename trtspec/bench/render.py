@@ -39,6 +39,8 @@ def render(report: BenchReport, console) -> None:
         _render_grid(report, console)
     if report.trees:
         _render_trees(report.trees, console)
+    if report.context_sweep:
+        _render_context(report, console)
     if not report.complete:
         console.print("[yellow]interrupted: partial results[/yellow]")
 
@@ -115,6 +117,31 @@ def _render_methods(report: BenchReport, console) -> None:
             "yes" if r["identical_to_target_only"] else f"NO (prompts {r['mismatched_prompts']})",
         )
     console.print(mt)
+
+
+def _render_context(report: BenchReport, console) -> None:
+    """bench --context-sweep: each step's cost with L tokens cached, one row per L."""
+    from rich.table import Table
+
+    k = report.context_sweep[0].costs.k
+    t = Table(title=f"step costs by context length (tokens in the KV cache; verify of {k + 1} tokens)")
+    for col in ("context", "target ms", "draft ms", "c", f"verify {k + 1} ms", "verify (steps)", "MB a step", "of floor"):
+        t.add_column(col)
+    for p in report.context_sweep:
+        c = p.costs
+        t.add_row(
+            str(p.context),
+            f"{c.target_step * 1e3:.1f}",
+            "-" if c.draft_step is None else f"{c.draft_step * 1e3:.1f}",
+            "-" if c.draft_step is None else f"{c.cost_ratio:.3f}",
+            f"{c.verify_step * 1e3:.1f}",
+            f"{c.verify_cost:.2f}",
+            "-" if c.step_bytes is None else f"{c.step_bytes / 1e6:.1f}",
+            "-" if c.of_copy_bandwidth is None else f"{c.of_copy_bandwidth:.2f}",
+        )
+    console.print(t)
+    for role, path in report.context_sweep[-1].costs.paths.items():
+        console.print(f"{role} steps (context sweep): {path}")
 
 
 def _render_trees(trees: dict, console) -> None:

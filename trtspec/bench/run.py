@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from trtspec import console, machine
 from trtspec.bench import measure as m
+from trtspec.bench.context import check_contexts, context_points
 from trtspec.bench.neighbour import busy_neighbours
 from trtspec.errors import RequestError
 from trtspec.spec import LoadedSpec
@@ -54,6 +55,8 @@ class BenchOptions(BaseModel):
     schedule: bool = False
     trees: bool = False
     neighbours: Annotated[int, Field(ge=0)] = 0
+    # context lengths at which to time each role's steps (bench/context.py); [] or None: none
+    context_sweep: list[int] | None = None
     llmapi_impl: str = TENSORRT_LLM  # trtllm.runtime llmapi in process: the library or DOUBLE
     # Filled by for_spec: the prompt sets --methods compares on, (name, prompts), and the spec
     # --draft-from names.
@@ -65,10 +68,17 @@ class BenchOptions(BaseModel):
     def _url(cls, v: str | None) -> str | None:
         return parse_url(v)
 
-    @field_validator("sweep", "concurrency", mode="before")
+    @field_validator("sweep", "concurrency", "context_sweep", mode="before")
     @classmethod
     def _ints(cls, v, info):
-        return int_list(v, "--" + info.field_name) if isinstance(v, str) else v
+        return int_list(v, "--" + info.field_name.replace("_", "-")) if isinstance(v, str) else v
+
+    @field_validator("context_sweep")
+    @classmethod
+    def _increasing(cls, v: list[int] | None) -> list[int] | None:
+        if v and (v[0] < 1 or any(b <= a for a, b in zip(v, v[1:]))):
+            raise ValueError(f"context lengths must be positive and increasing, e.g. 64,256,1024; got {','.join(map(str, v))}")
+        return v
 
     @field_validator("methods", mode="before")
     @classmethod
@@ -95,6 +105,8 @@ class BenchOptions(BaseModel):
             raise RequestError(
                 "--methods compares drafters over one target in process; drop --url (a served repository runs one method)"
             )
+        if self.context_sweep:
+            raise RequestError("--context-sweep times each engine's steps in process; drop --url")
         return self
 
     def for_spec(self, loaded: LoadedSpec) -> BenchOptions:
@@ -127,12 +139,14 @@ def run(
         raise RequestError("no prompts: add verify.prompts to the spec or pass --prompt/--prompts-file")
     opts = opts.model_copy(update={"num_draft_tokens": spec_num_draft_tokens(opts.num_draft_tokens, loaded.spec)})
     m.validate_args(opts.num_draft_tokens, opts.sweep, opts.concurrency, loaded.spec.speculative.max_draft_len)
+    head = loaded.spec.speculative.model_draft == "eagle3"
+    check_contexts(opts.context_sweep or [], loaded.spec.build.max_seq_len, opts.num_draft_tokens, head)
     if loaded.spec.backend == "trtllm" and loaded.spec.trtllm.runtime == "llmapi" and not opts.url:
         return _run_llmapi(loaded, engines_dir, opts, progress)
     if opts.url:
         from trtspec.bench.grpc import GrpcBench, measure_grpc_costs
 
-        backend = GrpcBench(opts.url, loaded.spec.verify.chat_template)
+        backend, dep = GrpcBench(opts.url, loaded.spec.verify.chat_template), None
         url = opts.url
         measure_costs, mode = (lambda k: measure_grpc_costs(url, k)), f"grpc://{url}"
     else:
@@ -169,15 +183,25 @@ def run(
                 sweep_backend=None if opts.url else sweeper,
                 grid=opts.schedule,
             )
-            if methods is not None:
-                _compare(dep, methods, opts, report, progress)
-            if opts.trees:
-                from trtspec.bench.trees import measure_trees
-
-                report.trees = measure_trees(dep, opts.prompts, opts.max_tokens, True, opts.rounds, progress).to_dict()
+            _in_process_extras(dep, methods, opts, report, progress)
     except KeyboardInterrupt:
         return report, True
     return report, False
+
+
+def _in_process_extras(dep, methods, opts: BenchOptions, report: m.BenchReport, progress) -> None:
+    """What --methods, --trees and --context-sweep add after the main comparison (in process)."""
+    if methods is not None:
+        _compare(dep, methods, opts, report, progress)
+    if opts.trees:
+        from trtspec.bench.trees import measure_trees
+
+        report.trees = measure_trees(dep, opts.prompts, opts.max_tokens, True, opts.rounds, progress).to_dict()
+    if opts.context_sweep:
+        bandwidth = report.costs.bandwidth if report.costs else None
+        ids, say = dep.encode(opts.prompts[0]), progress or (lambda s: None)
+        for point in context_points(dep, ids, opts.context_sweep, opts.num_draft_tokens, bandwidth, say):
+            report.context_sweep.append(point)  # one by one: an interruption keeps those measured
 
 
 def _compare(dep, methods, opts: BenchOptions, report: m.BenchReport, progress) -> None:
@@ -198,10 +222,10 @@ def _run_llmapi(loaded: LoadedSpec, engines_dir: Path, opts: BenchOptions, progr
     from trtspec.runtime import LlmapiDeployment
 
     k = loaded.spec.speculative.max_draft_len
-    if opts.sweep or opts.methods or opts.draft_spec or opts.trees:
+    if opts.sweep or opts.methods or opts.draft_spec or opts.trees or opts.context_sweep:
         raise RequestError(
             "an llmapi build drafts a fixed k (speculative_config.max_draft_len) and one method: "
-            "pass --sweep none and no --methods/--draft-from/--trees"
+            "pass --sweep none and no --methods/--draft-from/--trees/--context-sweep"
         )
     if opts.num_draft_tokens != k:
         raise RequestError(

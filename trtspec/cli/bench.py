@@ -73,6 +73,13 @@ TreesOpt = Annotated[
         help="Also measure acceptance per draft-tree node (a wide probe tree) and the verify cost of n nodes, and recommend a tree or a chain by expected tokens per second, timed against the best chain (in process; methods draft_target and eagle3).",
     ),
 ]
+ContextSweepOpt = Annotated[
+    str | None,
+    Opt(
+        "--context-sweep",
+        help="Also time each role's one-row decode step and the verify of k+1 tokens with this many tokens in the KV cache, e.g. 64,256,512,1024 (increasing, each at most max_seq_len minus what a step needs; in process): step ms and c by context, in the report and context.png.",
+    ),
+]
 NeighboursOpt = Annotated[
     int,
     Opt("--neighbour", help="Measure beside N busy processes (one core each), as on a shared machine; the machine line says so."),
@@ -82,10 +89,11 @@ HELP = """Measure speculative vs target-only on SPEC's pair, prompts and load.
 
     Reports tokens/s, TTFT, ITL, latency p50/p95, acceptance (rate, mean acceptance length,
     per position), the cost ratio c and the analytic speedup bound with efficiency, a k sweep
-    with a recommended k, and concurrency scaling. Writes bench.json and PNG plots. Ctrl-C
-    keeps what was measured so far. An llmapi spec runs in process through the LLM API
-    (--llmapi): tokens/s, TTFT, latency, whole-request acceptance and concurrency; no step
-    costs and no sweep (the LLM API exposes neither; its draft length is fixed at build).
+    with a recommended k, and concurrency scaling (--context-sweep: the step costs by context
+    length). Writes bench.json and PNG plots. Ctrl-C keeps what was measured so far. An
+    llmapi spec runs in process through the LLM API (--llmapi): tokens/s, TTFT, latency,
+    whole-request acceptance and concurrency; no step costs and no sweep (the LLM API exposes
+    neither; its draft length is fixed at build).
 
     Examples:
       trtspec bench engine_specs/smollm2-135m-cpu.yaml
@@ -101,6 +109,8 @@ HELP = """Measure speculative vs target-only on SPEC's pair, prompts and load.
         --methods-prompts trtspec/bench/repeat_prompts.jsonl
       trtspec bench engine_specs/smollm2-135m-eagle3.yaml --trees --sweep none \\
         -c 1
+      trtspec bench engine_specs/smollm2-135m-cpu.yaml --sweep none -c 1 \\
+        --context-sweep 64,256,512,1024
 """
 
 
@@ -125,6 +135,7 @@ def bench(
     draft_from: DraftFromOpt = DEFAULTS.draft_from,
     schedule: ScheduleOpt = DEFAULTS.schedule,
     trees: TreesOpt = DEFAULTS.trees,
+    context_sweep: ContextSweepOpt = DEFAULTS.context_sweep,
     neighbours: NeighboursOpt = DEFAULTS.neighbours,
     engines: EnginesOpt = None,
     output: EnginesOldNameOpt = None,
