@@ -89,7 +89,7 @@ class Deployment:
         or ``method``'s over the same engines with ``suffix`` drafting and no cache (bench:
         requests kept apart), a Menu of ``policy``'s methods when one is given."""
         s = self.spec.speculative
-        model = engine_drafter(self.target, self.draft, self.head)
+        model = engine_drafter(self.target, self.draft, self.head, s.draft_kv)
         if method is None:
             method, suffix, cache, policy = s.method, s.suffix_drafting, self.suffix_cache, self.adaptive
         else:

@@ -28,6 +28,9 @@ Method = Literal["draft_target", "eagle3", "ngram", "suffix", "auto"]
 DrafterMethod = Literal["draft_target", "eagle3", "ngram", "suffix"]  # one drafter each
 MODEL_METHODS = ("draft_target", "eagle3")  # drafted by a model (the spec's `draft`)
 FREE_METHODS = ("ngram", "suffix")  # drafted from the text itself, at no model cost
+# Where a model draft's K/V for the context comes from: "target" (a draft whose cache has the
+# target's shape takes the target's, in process), "own" (the draft computes it).
+DraftKv = Literal["target", "own"]
 # TensorRT-LLM's quantization names; each backend gives a value its own meaning (docs/trtllm.md,
 # docs/quantization.md). int8_wo / int4_wo: weights in 8 / 4 bits, activations in the dtype.
 Quantization = Literal["none", "fp8", "int4_awq", "int8_wo", "int4_wo"]
@@ -314,6 +317,11 @@ class SpeculativeSpec(_Strict):
     # k per request per step within [1, max_draft_len] from measured acceptance and costs
     # (speculative/adaptive.py), under the schedule's cap; method auto always adapts.
     adaptive: bool = False
+    # A model draft whose K/V cache has the target's shape (layers, KV heads, head_dim, RoPE: a
+    # self-draft, e.g. the same model quantized) takes the target's K/V for the context the target
+    # computed (a prompt's prefill) instead of computing it again: "target"; "own": the draft
+    # computes its own. In process only; Triton's engine models are separate processes (own).
+    draft_kv: DraftKv = "target"
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -645,7 +653,8 @@ class EngineSpec(_Strict):
         }
         if self.backend == "trtllm" and self.trtllm.runtime == "llmapi":
             payload["trtllm"] = self.trtllm.model_dump(mode="json")
-            payload["speculative"] = self.speculative.model_dump(mode="json")
+            # draft_kv is trtspec's in-process choice: no part of a TensorRT-LLM build
+            payload["speculative"] = self.speculative.model_dump(mode="json", exclude={"draft_kv"})
         blob = json.dumps(payload, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()
 

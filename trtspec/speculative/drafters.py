@@ -17,7 +17,7 @@ import torch
 
 from trtspec.engines.torch.engine import ForwardItem, RunFn, TorchEngine
 from trtspec.errors import EngineError
-from trtspec.spec import SuffixSpec
+from trtspec.spec import DraftKv, SuffixSpec
 from trtspec.speculative.capabilities import Capabilities, Drafter
 from trtspec.speculative.loop import SHARED_SCOPE
 from trtspec.speculative.metrics import SourceCounts
@@ -195,12 +195,31 @@ def _point_masses(tokens: list[int]) -> torch.Tensor:
     return q
 
 
-def engine_drafter(target: TorchEngine, draft: TorchEngine | None = None, head=None) -> Drafter | None:
+def adopting_run(draft: TorchEngine, target: TorchEngine) -> RunFn:
+    """The draft engine's run, after it adopts the target's K/V (TorchEngine.adopt) for each
+    sequence whose context the target holds more than max_draft_len + 1 tokens more of: a
+    prompt the target prefilled, or found in its prefix cache. The gap a draft and verify leave
+    (at most max_draft_len + 1 tokens) the draft computes itself, over its own K/V."""
+    gap = draft.pool.rollback
+
+    def run(items: list[ForwardItem]) -> list[torch.Tensor]:
+        draft.adopt(target, [it.tokens[: len(it.tokens) - len(it.tree or ())] for it in items], gap)
+        return draft.run(items)
+
+    return run
+
+
+def engine_drafter(
+    target: TorchEngine, draft: TorchEngine | None = None, head=None, draft_kv: DraftKv = "target"
+) -> Drafter | None:
     """The draft engine's greedy drafter (never past the target's vocabulary), or EAGLE-3's
     ``head`` (engines.torch.eagle3_head.HeadEngine) reading the target's captured features; None
-    without either (method ngram)."""
+    without either (method ngram). ``draft_kv`` "target": a draft whose K/V cache has the
+    target's shape (a self-draft) takes the target's K/V for the context (adopting_run); "own",
+    or any other draft: it computes its own."""
     if draft is not None:
-        return ModelDrafter(draft.run, min(draft.vocab_size, target.vocab_size))
+        adopts = draft_kv == "target" and draft.kv_mismatch(target) is None
+        return ModelDrafter(adopting_run(draft, target) if adopts else draft.run, min(draft.vocab_size, target.vocab_size))
     if head is not None:
         from trtspec.speculative.eagle3_drafter import Eagle3Drafter, engine_features
 

@@ -160,6 +160,16 @@ class SlotPool:
         self.trees[slot] = tree
         self.last_used[slot] = time.monotonic()
 
+    def holds(self, seq: list[int], n: int) -> bool:
+        """Some slot holds at least the first ``n`` tokens of ``seq`` (one list comparison a slot)."""
+        return n <= 0 or any(len(cached) >= n and cached[:n] == seq[:n] for cached in self.tokens)
+
+    def longest_prefix(self, seq: list[int]) -> tuple[int, int]:
+        """(slot, length) of the longest prefix of ``seq`` a slot holds (length 0: none)."""
+        lengths = [common_prefix_len(seq, cached) for cached in self.tokens]
+        best = max(range(len(lengths)), key=lengths.__getitem__)
+        return best, lengths[best]
+
     def tree_path(self, slot: int, seq: list[int]) -> list[int]:
         """The nodes of the slot's pending tree that ``seq`` follows past the slot's tokens
         (empty when the slot holds no tree or ``seq`` does not continue its tokens)."""
@@ -396,6 +406,55 @@ class TorchEngine:
             self.features[dst, :n] = self.features[src : src + 1, :n]
         for d in dst.tolist():
             self.pool.commit(d, self.pool.tokens[src][:n])
+
+    def kv_mismatch(self, source: TorchEngine) -> str | None:
+        """Why this engine cannot take ``source``'s K/V (adopt), or None where it can: the same
+        cache per layer (layers, KV heads, head_dim) and the same RoPE tables (keys are cached
+        rotated). Captured features are not adopted: an engine that captures them cannot."""
+        if source is self:
+            return "an engine does not adopt its own K/V"
+        if self.capture:
+            return "this engine captures features (an EAGLE-3 target), which adopting would leave stale"
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            mine, theirs = getattr(self.config, name), getattr(source.config, name)
+            if mine != theirs:
+                return f"{name} {mine} differs from the source's {theirs}"
+        n = min(len(self.cos), len(source.cos))
+        for a, b in ((self.cos, source.cos), (self.sin, source.sin)):
+            if not torch.equal(a[:n], b[:n].to(a.device)):
+                return "the RoPE tables differ (rope_theta or scaling)"
+        return None
+
+    def adopt(self, source: TorchEngine, seqs: list[list[int]], min_gain: int = 0) -> list[int]:
+        """Take ``source``'s K/V for the longest prefix of each of ``seqs`` that a source slot
+        holds, where that prefix is more than ``min_gain`` tokens longer than what this engine
+        could reuse itself: rows [0, n) of every layer are copied (converted to this cache's
+        dtype) into the slot run() gives the sequence, which then computes only the rest. Per
+        sequence, the tokens adopted (0: none). Call only where kv_mismatch(source) is None."""
+        if source is self:
+            raise EngineError("an engine does not adopt its own K/V")
+        if not seqs or len(seqs) > self.max_batch_size:  # run() refuses the batch, with its reason
+            return [0] * len(seqs)
+        first, second = sorted((self._lock, source._lock), key=id)  # one order: no deadlock
+        with first, second:
+            if all(self.pool.holds(seq, len(seq) - min_gain) for seq in seqs):  # a decode step's usual case
+                return [0] * len(seqs)
+            if any(t is not None for t in self.pool.trees):
+                self._settle_trees(seqs)  # what this engine reuses along its own draft tree
+            adopted = []
+            for seq, (slot, own) in zip(seqs, self.pool.assign(seqs)):
+                src, n = source.pool.longest_prefix(seq)
+                n = min(n, self.max_seq_len)
+                if n - own <= min_gain:
+                    adopted.append(0)
+                    continue
+                self.pool.truncate(slot, 0)  # until every row is copied the slot holds nothing
+                for mine, theirs in ((self.cache.k, source.cache.k), (self.cache.v, source.cache.v)):
+                    for dst, src_rows in zip(mine, theirs):  # each [slots, kv_heads, max_seq, head_dim]
+                        dst[slot, :, :n].copy_(src_rows[src, :, :n])
+                self.pool.commit(slot, seq[:n])
+                adopted.append(n)
+            return adopted
 
     def run(self, items: list[ForwardItem]) -> list[torch.Tensor]:
         """Logits [n_logits, vocab] (float32) for the last n_logits positions of each item."""

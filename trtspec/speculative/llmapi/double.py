@@ -293,7 +293,8 @@ class LLM:
             method,
             max_ngram=max_ngram,
             min_ngram=1,
-            draft_model=engine_drafter(self.target, self.draft, self.head),
+            # TensorRT-LLM's draft model computes its own K/V: so does the double's
+            draft_model=engine_drafter(self.target, self.draft, self.head, draft_kv="own"),
             suffix=self._suffix,
             cache=self._suffix_cache,
         )
