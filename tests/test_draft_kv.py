@@ -173,3 +173,39 @@ def test_a_bad_draft_kv_is_refused_with_one_clear_error(tmp_path, tiny_ckpts):
     assert str(e.value).splitlines() == [
         f"{tmp_path / 'spec.yaml'}: speculative.draft_kv: Input should be 'target' or 'own' (got 'shared')"
     ]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--draft-kv", "own"], None),
+        (["--draft-kv", "shared"], "Error: --draft-kv shared: Input should be 'target' or 'own'"),
+        (
+            ["--draft-kv", "own", "--url", "127.0.0.1:8001"],
+            "Error: --draft-kv applies in process; a served deployment's draft runs in its own engine model and "
+            "computes its own K/V: drop --draft-kv or --url",
+        ),
+    ],
+)
+def test_bench_draft_kv_replaces_the_specs_in_process_and_refuses_what_it_cannot(
+    tmp_path, tiny_ckpts, monkeypatch, args, message
+):
+    from typer.testing import CliRunner
+
+    from trtspec.cli.app import app
+    from trtspec.errors import RuntimeFailure
+
+    seen = []
+
+    def run(loaded, engines, opts, progress):  # what bench's run is handed, then stop
+        seen.append(loaded.spec.speculative.draft_kv)
+        raise RuntimeFailure("stopped by the test")
+
+    monkeypatch.setattr("trtspec.bench.run.run", run)
+    spec = write_spec(tmp_path, tiny_ckpts, **{"speculative.draft_kv": "target"})
+    r = CliRunner().invoke(app, ["bench", str(spec), *args])
+    if message is None:
+        assert r.exit_code == 3 and seen == ["own"] and "stopped by the test" in r.output
+    else:
+        assert r.exit_code == 2 and seen == []
+        assert " ".join(r.output.split()) == message

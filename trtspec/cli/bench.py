@@ -23,10 +23,12 @@ from trtspec.cli.common import (
     UrlOpt,
     handle_errors,
     spec_and_engines,
+    spec_with,
 )
 from trtspec.cli.options import from_flags
 from trtspec.cli.output import emit
-from trtspec.errors import EXIT_INTERRUPTED
+from trtspec.errors import EXIT_INTERRUPTED, RequestError
+from trtspec.spec import LoadedSpec
 
 Opt = typer.Option
 OutOpt = Annotated[Path | None, Opt("--out", help="Folder for bench.json and plots (default .trtspec/bench/<name>).")]
@@ -80,6 +82,13 @@ ContextSweepOpt = Annotated[
         help="Also time each role's one-row decode step and the verify of k+1 tokens with this many tokens in the KV cache, e.g. 64,256,512,1024 (increasing, each at most max_seq_len minus what a step needs; in process): step ms and c by context, in the report and context.png.",
     ),
 ]
+DraftKvOpt = Annotated[
+    str | None,
+    Opt(
+        "--draft-kv",
+        help="In place of the spec's speculative.draft_kv: target (a self-draft takes the target's K/V for the prompt) or own (the draft prefills it itself); run both on long prompts to see what adopting saves (in process).",
+    ),
+]
 NeighboursOpt = Annotated[
     int,
     Opt("--neighbour", help="Measure beside N busy processes (one core each), as on a shared machine; the machine line says so."),
@@ -111,6 +120,8 @@ HELP = """Measure speculative vs target-only on SPEC's pair, prompts and load.
         -c 1
       trtspec bench engine_specs/smollm2-135m-cpu.yaml --sweep none -c 1 \\
         --context-sweep 64,256,512,1024
+      trtspec bench engine_specs/smollm2-135m-cpu.yaml --sweep none -c 1 \\
+        --prompts-file lab/long_prompt.jsonl --draft-kv own
 """
 
 
@@ -137,6 +148,7 @@ def bench(
     trees: TreesOpt = DEFAULTS.trees,
     context_sweep: ContextSweepOpt = DEFAULTS.context_sweep,
     neighbours: NeighboursOpt = DEFAULTS.neighbours,
+    draft_kv: DraftKvOpt = None,
     engines: EnginesOpt = None,
     output: EnginesOldNameOpt = None,
     out: OutOpt = None,
@@ -149,6 +161,8 @@ def bench(
 
     opts = from_flags(BenchOptions, ctx)
     loaded, engines_folder = spec_and_engines(spec, device, engines, output)
+    if draft_kv is not None:
+        loaded = with_draft_kv(loaded, draft_kv, opts.url)
     with console.err.status("benchmarking") as status:
         report, interrupted = run.run(loaded, engines_folder, opts, progress=lambda s: status.update(f"benchmarking: {s}"))
     emit(report, lambda o: render.render(report, o), as_json=as_json, json_file=json_file)
@@ -156,3 +170,15 @@ def bench(
         console.info(f"wrote {f}")
     if interrupted:
         raise typer.Exit(EXIT_INTERRUPTED)
+
+
+def with_draft_kv(loaded: LoadedSpec, value: str, url: str | None) -> LoadedSpec:
+    """The spec with --draft-kv in place of its speculative.draft_kv (the spec's own rules
+    refuse a bad value, exit 2); refused with --url: a served draft computes its own K/V."""
+    if url is not None:
+        raise RequestError(
+            "--draft-kv applies in process; a served deployment's draft runs in its own engine model "
+            "and computes its own K/V: drop --draft-kv or --url"
+        )
+    speculative = loaded.spec.speculative.model_dump(exclude_unset=True) | {"draft_kv": value}
+    return spec_with(loaded, f"--draft-kv {value}", speculative=speculative)
