@@ -116,6 +116,25 @@ def test_recommend_and_break_even_from_a_grid():
         "num_speculative_tokens": 4,
         "num_speculative_tokens_per_batch_size": [[1, 3, 4], [4, 7, 2], [8, 16, 0]],
     }
+    # served with a batch of 4, no step runs 8 sequences: the point measured there is left out
+    assert recommend(grid, max_batch_size=4).to_mapping() == {1: 4, 4: 2}
+    assert recommend(grid, max_batch_size=8).to_mapping() == {1: 4, 4: 2, 8: 0}
+    with pytest.raises(ValueError, match=r"no grid point at a concurrency <= max_batch_size \(2\); measure -c 1,2"):
+        recommend([p for p in grid if p.concurrency == 4], max_batch_size=2)
+
+
+@pytest.mark.parametrize("schedule, warned", [({1: 4, 4: 0}, False), ({1: 4, 2: 2, 8: 0, 16: 0}, True)])
+def test_check_warns_of_a_schedule_threshold_above_the_batch(tmp_path, tiny_ckpts, schedule, warned):
+    """No step runs more than build.max_batch_size sequences (served, the rest wait uncounted;
+    TensorRT-LLM and vLLM alike), so a threshold above it never fires: check names it."""
+    spec = write_spec(tmp_path, tiny_ckpts, **{"speculative.schedule": schedule})
+    r = runner.invoke(app, ["check", str(spec)])
+    assert r.exit_code == 0, r.output
+    line = "warning: speculative.schedule: threshold 8, 16 is above build.max_batch_size (4) and never fires served"
+    assert (line in " ".join(r.output.split())) == warned
+    r = runner.invoke(app, ["check", str(spec), "--json"])
+    warnings = json.loads(r.stdout)["warnings"]
+    assert len(warnings) == int(warned) and (not warned or "lower it to <= 4 or raise build.max_batch_size" in warnings[0])
 
 
 @pytest.mark.parametrize(
@@ -236,3 +255,5 @@ def test_bench_schedule_measures_the_grid_and_recommends(tmp_path, tiny_ckpts):
     assert (out / "schedule.png").stat().st_size > 0
     refused = runner.invoke(app, ["bench", str(spec), "--schedule", "--url", "127.0.0.1:1"])
     assert refused.exit_code == 2 and "--schedule measures the k x concurrency grid in process" in refused.output
+    above = runner.invoke(app, ["bench", str(spec), "--schedule", "-c", "8", "--out", str(out)])
+    assert above.exit_code == 2 and "--schedule recommends from concurrencies <= build.max_batch_size (4)" in above.output

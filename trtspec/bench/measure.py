@@ -246,8 +246,10 @@ class BenchReport:
         with the break-even acceptance length per concurrency at its k."""
         if not self.grid:
             return None
-        sched = recommend(self.grid)
+        sched = recommend(self.grid, self.max_batch_size)
         out: dict = {"spec": {"schedule": sched.to_mapping()}, "break_even": []}
+        # measured as one batch in process; served, a batch of max_batch_size with the rest waiting
+        out["above_max_batch_size"] = sorted({p.concurrency for p in self.grid if p.concurrency > self.max_batch_size})
         for c in sorted({p.concurrency for p in self.grid}):
             k = sched.k_for(c)
             ks = [p.k for p in self.grid if p.concurrency == c and p.k > 0]

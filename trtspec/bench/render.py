@@ -208,6 +208,11 @@ def _render_grid(report: BenchReport, console) -> None:
     console.print(gt)
     sched = report.schedule
     console.print(f"recommended schedule (speculative.schedule): {sched['spec']['schedule']}")
+    if sched["above_max_batch_size"]:
+        console.print(
+            f"  left out: concurrency {', '.join(map(str, sched['above_max_batch_size']))} (above build.max_batch_size "
+            f"{report.max_batch_size}: served, a batch of {report.max_batch_size} runs and the rest wait, so no step runs that many)"
+        )
     for row in sched["break_even"]:
         be = row["break_even_acceptance_length"]
         console.print(

@@ -139,6 +139,7 @@ def run(
         raise RequestError("no prompts: add verify.prompts to the spec or pass --prompt/--prompts-file")
     opts = opts.model_copy(update={"num_draft_tokens": spec_num_draft_tokens(opts.num_draft_tokens, loaded.spec)})
     m.validate_args(opts.num_draft_tokens, opts.sweep, opts.concurrency, loaded.spec.speculative.max_draft_len)
+    _check_grid(opts, loaded.spec.build.max_batch_size)
     head = loaded.spec.speculative.model_draft == "eagle3"
     check_contexts(opts.context_sweep or [], loaded.spec.build.max_seq_len, opts.num_draft_tokens, head)
     if loaded.spec.backend == "trtllm" and loaded.spec.trtllm.runtime == "llmapi" and not opts.url:
@@ -187,6 +188,14 @@ def run(
     except KeyboardInterrupt:
         return report, True
     return report, False
+
+
+def _check_grid(opts: BenchOptions, batch: int) -> None:
+    """--schedule recommends from the concurrencies a served batch can run (schedule.recommend)."""
+    if opts.schedule and not any(c <= batch for c in opts.concurrency):
+        raise RequestError(
+            f"--schedule recommends from concurrencies <= build.max_batch_size ({batch}); add one, e.g. -c 1,2,{batch}"
+        )
 
 
 def _in_process_extras(dep, methods, opts: BenchOptions, report: m.BenchReport, progress) -> None:

@@ -31,9 +31,10 @@ class CheckReport:
     # The same draft on vLLM and SGLang (engines/exports.py), per engine: its settings, or why
     # it cannot express this draft; empty for drafts without a model (n-gram, suffix).
     elsewhere: dict = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # settings that build but do not do what they say
 
     def to_dict(self) -> dict:
-        return {"spec": self.spec, "ok": True, "models": self.models, "elsewhere": self.elsewhere}
+        return {"spec": self.spec, "ok": True, "models": self.models, "elsewhere": self.elsewhere, "warnings": self.warnings}
 
     def render(self, out) -> None:
         from rich.table import Table
@@ -54,6 +55,8 @@ class CheckReport:
                 + (f" ({r['quantization']} saves {saved / 2**20:.0f} MiB)" if saved is not None else ""),
             )
         out.print(table)
+        for w in self.warnings:
+            out.print(f"warning: {w}", soft_wrap=True)
         out.print(
             f"OK: method {self.method}, max_draft_len {self.max_draft_len}"
             + (
@@ -96,6 +99,7 @@ def check(loaded: LoadedSpec, allow_pickle: bool = False) -> CheckReport:
         checkpoints = resolve_pair(loaded, allow_pickle)
         backend = backend_for(spec.backend)
     report = CheckReport(spec.name, spec.backend, spec.speculative.method, spec.speculative.max_draft_len)
+    report.warnings = schedule_warnings(spec.speculative.schedule, spec.limits("target").max_batch_size)
     eagle3 = spec.speculative.model_draft == "eagle3"
     report.paired = "draft" in checkpoints and not eagle3
     for role, ckpt in checkpoints.items():
@@ -134,6 +138,19 @@ def check(loaded: LoadedSpec, allow_pickle: bool = False) -> CheckReport:
         target, draft = str(checkpoints["target"].folder), str(checkpoints["draft"].folder)
         report.elsewhere = _elsewhere(spec.speculative, target, draft, spec.limits("target").max_batch_size)
     return report
+
+
+def schedule_warnings(schedule: dict[int, int] | None, max_batch_size: int) -> list[str]:
+    """A schedule threshold no step can reach: served, an instance runs at most max_batch_size
+    sequences (the rest wait for a place and are not counted), as TensorRT-LLM and vLLM do."""
+    dead = sorted(n for n in schedule or {} if n > max_batch_size)
+    if not dead:
+        return []
+    return [
+        f"speculative.schedule: threshold {', '.join(map(str, dead))} is above build.max_batch_size ({max_batch_size}) "
+        f"and never fires served: no step runs more than {max_batch_size} sequences (requests beyond them wait for a "
+        f"place and are not counted, as in TensorRT-LLM and vLLM); lower it to <= {max_batch_size} or raise build.max_batch_size"
+    ]
 
 
 def _elsewhere(s, target: str, draft: str, max_batch_size: int) -> dict:

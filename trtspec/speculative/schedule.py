@@ -8,6 +8,16 @@ target token, and speculation stops paying. A schedule maps the number of active
 to a draft length (0: speculation off at that load); the one loop caps every sequence's k by
 it before each step.
 
+"Active sequences" are the sequences one step runs: the unfinished sequences of the loop's
+batch (every prompt x num_return_sequences is one). In process that is every sequence of the
+call; served, each endpoint instance keeps one batch of at most build.max_batch_size sequences
+(its engines' KV-cache places), and requests beyond it wait in the scheduler's queue without
+counting: waiting changes no step's cost, so a full batch with a queue behind it is the same
+load as a full batch alone. TensorRT-LLM counts the same way (its executor's active requests,
+at most its max batch size), and vLLM keys on the batch size. A threshold above
+max_batch_size therefore never fires served (`trtspec check` warns of it), and ``recommend``
+leaves out concurrencies above it: a grid point there measured a batch no served instance runs.
+
 ``DraftSchedule`` is the spec's `speculative.schedule` ({min active sequences: k}, thresholds
 as TensorRT-LLM's ``draft_len_schedule``); ``AcceptanceSwitch`` is `speculative.switch_off`
 (rolling mean acceptance length over the last N finished requests, or rolling mean acceptance
@@ -160,15 +170,23 @@ class GridPoint:
     mean_acceptance_length: float  # 1.0 for k = 0
 
 
-def recommend(grid: list[GridPoint]) -> DraftSchedule:
+def recommend(grid: list[GridPoint], max_batch_size: int | None = None) -> DraftSchedule:
     """Per measured concurrency the k with the highest tokens/s (0 when target-only wins);
-    the thresholds are the measured concurrencies, so the schedule says nothing beyond them."""
+    the thresholds are the measured concurrencies, so the schedule says nothing beyond them.
+    With ``max_batch_size``, concurrencies above it are left out: in process they ran as one
+    batch, which no served instance runs (it runs max_batch_size, the rest wait)."""
     best: dict[int, GridPoint] = {}
     for p in grid:
+        if max_batch_size is not None and p.concurrency > max_batch_size:
+            continue
         if p.concurrency not in best or p.tokens_per_s > best[p.concurrency].tokens_per_s:
             best[p.concurrency] = p
     if not best:
-        raise ValueError("no grid points measured")
+        raise ValueError(
+            "no grid points measured"
+            if not grid
+            else f"no grid point at a concurrency <= max_batch_size ({max_batch_size}); measure -c 1,2,...,{max_batch_size}"
+        )
     ks = {c: best[c].k for c in sorted(best)}
     first = min(ks)
     if first != 1:
