@@ -18,13 +18,36 @@ from trtspec.speculative.loop import Batch
 SCHEDULE = {1: 4, 2: 0}  # drafting off from two active sequences
 
 
-def test_the_demo_spec_ships_the_schedule_its_committed_bench_grid_recommends():
+def test_every_shipped_schedule_threshold_can_fire():
+    """A step runs at most build.max_batch_size sequences (served, requests beyond them wait
+    uncounted), so a threshold above it would never turn drafting down."""
     from trtspec.spec import load_spec
 
-    result = json.loads((ROOT / "lab" / "results" / "xeon-schedule-grid.json").read_text())
-    assert result["values"]["spec"] == "smollm2-135m-cpu"
-    recommended = {int(n): k for n, k in result["values"]["schedule"]["spec"]["schedule"].items()}
-    assert load_spec(ROOT / "engine_specs" / "smollm2-135m-cpu.yaml").spec.speculative.schedule == recommended
+    scheduled = 0
+    for path in sorted((ROOT / "engine_specs").glob("*.yaml")):
+        spec = load_spec(path).spec
+        if spec.speculative.schedule:
+            scheduled += 1
+            assert max(spec.speculative.schedule) <= spec.limits("target").max_batch_size, path.name
+    assert scheduled > 0
+
+
+def test_the_demo_schedule_is_what_its_committed_served_panel_measured():
+    """k = 5 where drafting won served (1 and 2 clients), target-only at a full batch, where
+    target-only with every batch full (twice the batch of clients, so requests always wait)
+    beat drafting 5 at a full batch (a batch's worth of clients, and twice that)."""
+    from trtspec.spec import load_spec
+    from trtspec.speculative.schedule import DraftSchedule
+
+    spec = load_spec(ROOT / "engine_specs" / "smollm2-135m-cpu.yaml").spec
+    batch = spec.build.max_batch_size
+    panel = json.loads((ROOT / "lab" / "results" / "served-panel-epyc.json").read_text())["values"]
+    tps = {p["concurrency"]: (p["target"]["tokens_per_s"], p["speculative"]["tokens_per_s"]) for p in panel["concurrency"]}
+    schedule = DraftSchedule.from_mapping(spec.speculative.schedule)
+    assert panel["spec"] == spec.name and panel["k"] == spec.speculative.default_draft_tokens == 5
+    for c in (1, 2):
+        assert schedule.k_for(c) == 5 and tps[c][1] > tps[c][0]
+    assert schedule.k_for(batch) == 0 and tps[2 * batch][0] > max(tps[batch][1], tps[2 * batch][1])
 
 
 def _run(batch: Batch, requests) -> list:
@@ -107,3 +130,96 @@ def test_a_sequence_that_drafted_then_ran_undrafted_under_load_drafts_from_its_w
     for context, k, draft in seen:
         dep.forget_prefixes()
         assert fresh.propose([context], [k]) == [draft], len(context)
+
+
+# -- served: the speculative endpoint's scheduler over the engine models (as test_scheduler) --
+
+
+def _served(dep, schedule: dict[int, int], log: list | None = None):
+    from test_triton_cores import _call, _cores, settings_for
+
+    from trtspec.triton.backend.orchestrator_core import Orchestrator
+    from trtspec.triton.backend.scheduler import Scheduler
+
+    settings = settings_for(dep, decoupled=False, schedule=tuple(sorted(schedule.items())))
+    orch = Orchestrator(settings, _call(_cores(dep), log), dep.tokenizer, dep.end_ids)
+    return Scheduler(orch, max_active=dep.limits.max_batch_size, max_queue=16)
+
+
+def _alone(scheduler, prompt: str, max_tokens: int) -> tuple[list[int], tuple]:
+    """One request with nothing else running: its output ids and acceptance counts."""
+    from test_scheduler import ListReply
+    from test_triton_cores import _request
+
+    from trtspec.speculative.metrics import metrics_from_json
+
+    reply = ListReply()
+    scheduler.submit(_request(prompt, max_tokens=max_tokens), reply)
+    while scheduler.busy:
+        assert scheduler.step().sequences == 1
+    m = metrics_from_json(reply.sent[-1][0]["perf_metrics_json"][0, 0].decode())
+    return reply.ids(), (m.drafted, m.accepted, m.target_forwards, m.mean_acceptance_length)
+
+
+def _burst(scheduler, prompts: list[str], log: list | None = None) -> list:
+    """Submit every prompt at once, each for its own number of tokens (MAX_TOKENS8: a batch
+    runs, the rest wait, and the last ones end apart) and step until all are answered; per
+    step its StepStats and, with ``log``, the engine models it called."""
+    from test_scheduler import ListReply
+    from test_triton_cores import _request
+
+    replies = [ListReply() for _ in prompts]
+    for prompt, reply, n in zip(prompts, replies, MAX_TOKENS8):
+        scheduler.submit(_request(prompt, max_tokens=n), reply)
+    steps = []
+    while scheduler.busy:
+        if log is not None:
+            log.clear()
+        stats = scheduler.step()
+        steps.append((stats, [model for model, _ in log] if log is not None else None))
+    assert all(r.finished and r.error is None for r in replies)
+    return steps
+
+
+PROMPTS8 = [f"{p} {i}" for i, p in enumerate(["The quick brown fox", "def fibonacci(n):"] * 4)]
+MAX_TOKENS8 = [24, 12, 20, 16, 28, 36, 44, 52]
+
+
+def test_served_a_full_batch_drafts_nothing_and_each_step_is_one_target_call(built):
+    """Eight requests on a batch of 4 under {1: 4, 4: 0}: while four run (four more waiting,
+    then being admitted) no step drafts, and such a step calls the target engine once and the
+    draft never, as target-only's decode step does; with fewer running, drafting comes back."""
+    dep = built()
+    assert dep.limits.max_batch_size == 4
+    log: list = []
+    steps = _burst(_served(dep, {1: 4, 4: 0}, log), PROMPTS8, log)
+    full = [(s, called) for s, called in steps if s.sequences == 4]
+    assert full and any(s.queued > 0 for s, _ in full)  # requests waited behind a full batch
+    for s, called in full:
+        assert (s.drafted, s.draft_len, called) == (0, 0, ["tensorrt_llm"])
+    assert any(s.drafted > 0 for s, _ in steps if s.sequences < 4)  # the tail drafts again
+
+
+def test_served_waiting_requests_do_not_count_as_load(built):
+    """A threshold above the batch never fires, however many wait: {1: 4, 5: 0} drafts at a
+    full batch with four more requests queued behind it."""
+    dep = built()
+    steps = _burst(_served(dep, {1: 4, 5: 0}), PROMPTS8)
+    assert any(s.drafted > 0 and s.sequences == 4 and s.queued > 0 for s, _ in steps)
+
+
+def test_served_after_a_full_batch_a_request_drafts_and_accepts_as_it_did_at_low_load(built):
+    """The served endpoint, one scheduler (one Batch, the same engine models) throughout: a
+    request alone, then a burst under which the schedule ({1: 4, 2: 0}) turns drafting off,
+    then the same request alone again drafts and accepts exactly as it did before, and as on
+    a fresh endpoint."""
+    dep = built()
+    scheduler = _served(dep, {1: 4, 2: 0})
+    low_ids, low = _alone(scheduler, PROMPTS8[0], 32)
+    assert low[0] > 0 and low[1] > 0  # alone, it drafts and some is kept
+    steps = _burst(scheduler, PROMPTS8)
+    loaded = [s for s, _ in steps if s.sequences >= 2]
+    assert any(s.sequences == 4 for s in loaded) and all(s.drafted == 0 for s in loaded)
+    again_ids, again = _alone(scheduler, PROMPTS8[0], 32)
+    assert (again_ids, again) == (low_ids, low)
+    assert _alone(_served(dep, {1: 4, 2: 0}), PROMPTS8[0], 32) == (low_ids, low)
