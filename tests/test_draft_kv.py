@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import write_spec
 
-from trtspec.engines.torch.engine import ForwardItem
+from trtspec.engines.torch.engine import ForwardItem, SlotPool
 from trtspec.errors import SpecError
 from trtspec.spec import load_spec
 from trtspec.speculative.drafters import engine_drafter
@@ -54,6 +54,15 @@ def test_adopt_copies_the_targets_rows_converted_and_the_draft_computes_only_the
     assert dep.draft.adopt(dep.target, [seq + [18]]) == [0]  # the draft holds all the target does
 
 
+def test_the_pool_is_sure_of_a_reuse_only_where_assign_would_continue_the_slot():
+    pool = SlotPool(2, rollback=3)
+    pool.commit(0, list(range(10)))
+    assert pool.continues(list(range(8)), 7) and pool.assign([list(range(8))]) == [(0, 8)]
+    # 5 of its 10 tokens: not that sequence coming back, so it goes to the free slot, reusing nothing
+    assert not pool.continues(list(range(5)), 4) and pool.assign([list(range(5))]) == [(1, 0)]
+    assert not pool.continues([0, 1, 2, 99], 4) and pool.continues([5], 0)
+
+
 def test_a_float32_self_draft_after_adoption_scores_as_after_its_own_prefill(built):
     dep = built("same", **{"speculative.draft_kv": "target"})
     ids = _prefilled(dep, PROMPTS[2])
@@ -91,6 +100,22 @@ def test_the_drafter_adopts_the_prompt_once_and_computes_each_step_itself(built,
     (more,) = drafter.propose([ids + [17] + draft], [3])  # a step's gap: the draft's own K/V
     assert len(more) == 3
     assert calls == ([[len(ids)], [0], [0], [0]] if draft_kv == "target" else [])
+
+
+def test_sampled_drafts_compute_their_own_kv_so_a_seed_draws_alike_whatever_came_first(built, monkeypatch):
+    from trtspec.speculative.sampling import SamplingParams
+
+    dep = built("same", **INT4_SELF)
+    calls = _spied(monkeypatch, dep.draft)
+    ids = _prefilled(dep, PROMPTS[0])
+    drafter = engine_drafter(dep.target, dep.draft)
+    params = SamplingParams(temperature=0.8, seed=7)
+    (first,) = drafter.propose_sampled([ids + [17]], [3], [params], [params.generator()])
+    assert calls == [] and dep.draft.last_use[0][0] == len(ids) + 2  # it prefilled the prompt itself
+    dep.draft.forget_prefixes()
+    dep.draft.run([ForwardItem(ids, 1)])  # the draft computed the prompt first this time
+    (again,) = drafter.propose_sampled([ids + [17]], [3], [params], [params.generator()])
+    assert again[0] == first[0] and torch.equal(again[1], first[1])
 
 
 @pytest.mark.parametrize("draft_kv", ["target", "own"])
@@ -148,7 +173,7 @@ def test_a_draft_whose_cache_differs_from_the_targets_never_adopts(tmp_path, tin
     dep = Deployment(loaded, loaded.output_dir())
     assert dep.draft.kv_mismatch(dep.target) == reason
     drafter = dep.drafter()
-    assert drafter.run == dep.draft.run  # the draft's own run: nothing adopted
+    assert drafter.adopt is None  # paired without adopting
     ids = _prefilled(dep, PROMPTS[0])
     drafter.propose([ids + [17]], [1])
     assert dep.draft.last_use[0][0] == 0  # it prefilled the prompt itself

@@ -36,10 +36,19 @@ class ModelDrafter(Drafter):
     # the requests' penalties, bans and bias shape the drafts too; sampled drafts; trees
     capabilities = Capabilities(mirrors_processing=True, samples=True, trees=True)
 
-    def __init__(self, run: RunFn, vocab_limit: int | None = None):
+    def __init__(self, run: RunFn, vocab_limit: int | None = None, adopt: Callable[[list[ForwardItem]], object] | None = None):
         self.run = run
         # Draft rows beyond the target's vocabulary (embedding padding) are never proposed.
         self.vocab_limit = vocab_limit
+        # Called before each greedy draft call (kv_adopter): the draft takes the target's K/V
+        # where it lacks much of a context. Sampled drafts compute their own, so a seed draws the
+        # same tokens whichever engine computed the prompt first.
+        self.adopt = adopt
+
+    def _run(self, items: list[ForwardItem], adopting: bool) -> list[torch.Tensor]:
+        if adopting and self.adopt is not None:
+            self.adopt(items)
+        return self.run(items)
 
     def _next_logits(self, row: torch.Tensor, rules: RowRules | None, tokens: list[int], drafted: int) -> torch.Tensor:
         """The draft's logits [1, vocab_limit] for the next token, processed as the target's."""
@@ -49,7 +58,7 @@ class ModelDrafter(Drafter):
     def propose(
         self, contexts: Sequence[list[int]], draft_lens: Sequence[int], rules: Sequence[RowRules | None] | None = None
     ) -> list[list[int]]:
-        return self._draft(contexts, draft_lens, rules, lambda i, x: int(torch.argmax(x[0])))
+        return self._draft(contexts, draft_lens, rules, lambda i, x: int(torch.argmax(x[0])), adopting=True)
 
     def propose_sampled(self, contexts, draft_lens, params, gens, rules=None) -> list[tuple[list[int], torch.Tensor]]:
         """Drafts drawn from the draft's warped distribution, with those distributions
@@ -63,7 +72,7 @@ class ModelDrafter(Drafter):
             dists[i].append(q)
             return draw(q, gens[i])
 
-        drafts = self._draft(contexts, draft_lens, rules, pick)
+        drafts = self._draft(contexts, draft_lens, rules, pick, adopting=False)
         return [(d, torch.stack(q) if q else torch.zeros(0)) for d, q in zip(drafts, dists)]
 
     def propose_tree(self, contexts: Sequence[list[int]], shapes: Sequence[TreeShape]) -> list[DraftTree]:
@@ -80,17 +89,17 @@ class ModelDrafter(Drafter):
                     items.append(ForwardItem(ctx, 1))
                 else:
                     items.append(ForwardItem(ctx + tokens, len(frontier), tuple(parents)))
-            for i, logits in zip(live, self.run(items)):  # each [len(frontier), vocab]
+            for i, logits in zip(live, self._run(items, adopting=True)):  # each [len(frontier), vocab]
                 growths[i].grow(top_candidates(logits[:, : self.vocab_limit], growths[i].width))
         return [g.tree() for g in growths]
 
-    def _draft(self, contexts, draft_lens, rules, pick: Callable[[int, torch.Tensor], int]) -> list[list[int]]:
+    def _draft(self, contexts, draft_lens, rules, pick: Callable[[int, torch.Tensor], int], adopting: bool) -> list[list[int]]:
         """k single-token steps; ``pick(i, logits [1, vocab_limit])`` chooses row i's next token."""
         drafts: list[list[int]] = [[] for _ in contexts]
         rules = rules or [None] * len(contexts)
         for step in range(max(draft_lens, default=0)):
             live = [i for i, k in enumerate(draft_lens) if k > step]
-            logits = self.run([ForwardItem(list(contexts[i]) + drafts[i], 1) for i in live])
+            logits = self._run([ForwardItem(list(contexts[i]) + drafts[i], 1) for i in live], adopting)
             for i, row in zip(live, logits):
                 drafts[i].append(pick(i, self._next_logits(row, rules[i], list(contexts[i]) + drafts[i], step)))
         return drafts
@@ -195,18 +204,13 @@ def _point_masses(tokens: list[int]) -> torch.Tensor:
     return q
 
 
-def adopting_run(draft: TorchEngine, target: TorchEngine) -> RunFn:
-    """The draft engine's run, after it adopts the target's K/V (TorchEngine.adopt) for each
+def kv_adopter(draft: TorchEngine, target: TorchEngine) -> Callable[[list[ForwardItem]], object]:
+    """Before a draft call: the draft adopts the target's K/V (TorchEngine.adopt) for each
     sequence whose context the target holds more than max_draft_len + 1 tokens more of: a
     prompt the target prefilled, or found in its prefix cache. The gap a draft and verify leave
     (at most max_draft_len + 1 tokens) the draft computes itself, over its own K/V."""
     gap = draft.pool.rollback
-
-    def run(items: list[ForwardItem]) -> list[torch.Tensor]:
-        draft.adopt(target, [it.tokens[: len(it.tokens) - len(it.tree or ())] for it in items], gap)
-        return draft.run(items)
-
-    return run
+    return lambda items: draft.adopt(target, [it.tokens[: len(it.tokens) - len(it.tree or ())] for it in items], gap)
 
 
 def engine_drafter(
@@ -215,11 +219,11 @@ def engine_drafter(
     """The draft engine's greedy drafter (never past the target's vocabulary), or EAGLE-3's
     ``head`` (engines.torch.eagle3_head.HeadEngine) reading the target's captured features; None
     without either (method ngram). ``draft_kv`` "target": a draft whose K/V cache has the
-    target's shape (a self-draft) takes the target's K/V for the context (adopting_run); "own",
-    or any other draft: it computes its own."""
+    target's shape (a self-draft) takes the target's K/V for the context of its greedy drafts
+    (kv_adopter); "own", or any other draft: it computes its own."""
     if draft is not None:
-        adopts = draft_kv == "target" and draft.kv_mismatch(target) is None
-        return ModelDrafter(adopting_run(draft, target) if adopts else draft.run, min(draft.vocab_size, target.vocab_size))
+        adopt = kv_adopter(draft, target) if draft_kv == "target" and draft.kv_mismatch(target) is None else None
+        return ModelDrafter(draft.run, min(draft.vocab_size, target.vocab_size), adopt)
     if head is not None:
         from trtspec.speculative.eagle3_drafter import Eagle3Drafter, engine_features
 

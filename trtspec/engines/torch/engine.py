@@ -160,9 +160,11 @@ class SlotPool:
         self.trees[slot] = tree
         self.last_used[slot] = time.monotonic()
 
-    def holds(self, seq: list[int], n: int) -> bool:
-        """Some slot holds at least the first ``n`` tokens of ``seq`` (one list comparison a slot)."""
-        return n <= 0 or any(len(cached) >= n and cached[:n] == seq[:n] for cached in self.tokens)
+    def continues(self, seq: list[int], n: int) -> bool:
+        """``seq`` reuses at least its first ``n`` tokens here for sure: a slot holds them and at
+        most ``rollback`` tokens more, so assign gives it that slot or a longer one (one list
+        comparison a slot, no walk token by token)."""
+        return n <= 0 or any(n <= len(cached) <= n + self.rollback and cached[:n] == seq[:n] for cached in self.tokens)
 
     def longest_prefix(self, seq: list[int]) -> tuple[int, int]:
         """(slot, length) of the longest prefix of ``seq`` a slot holds (length 0: none)."""
@@ -437,7 +439,7 @@ class TorchEngine:
             return [0] * len(seqs)
         first, second = sorted((self._lock, source._lock), key=id)  # one order: no deadlock
         with first, second:
-            if all(self.pool.holds(seq, len(seq) - min_gain) for seq in seqs):  # a decode step's usual case
+            if all(self.pool.continues(seq, len(seq) - min_gain) for seq in seqs):  # a decode step's usual case
                 return [0] * len(seqs)
             if any(t is not None for t in self.pool.trees):
                 self._settle_trees(seqs)  # what this engine reuses along its own draft tree
