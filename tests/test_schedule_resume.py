@@ -8,8 +8,6 @@ endpoint's scheduler keeps one Batch for its lifetime (triton/backend/scheduler.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from conftest import ROOT, write_spec
 
@@ -30,24 +28,6 @@ def test_every_shipped_schedule_threshold_can_fire():
             scheduled += 1
             assert max(spec.speculative.schedule) <= spec.limits("target").max_batch_size, path.name
     assert scheduled > 0
-
-
-def test_the_demo_schedule_is_what_its_committed_served_panel_measured():
-    """k = 5 where drafting won served (1 and 2 clients), target-only at a full batch, where
-    target-only with every batch full (twice the batch of clients, so requests always wait)
-    beat drafting 5 at a full batch (a batch's worth of clients, and twice that)."""
-    from trtspec.spec import load_spec
-    from trtspec.speculative.schedule import DraftSchedule
-
-    spec = load_spec(ROOT / "engine_specs" / "smollm2-135m-cpu.yaml").spec
-    batch = spec.build.max_batch_size
-    panel = json.loads((ROOT / "lab" / "results" / "served-panel-epyc.json").read_text())["values"]
-    tps = {p["concurrency"]: (p["target"]["tokens_per_s"], p["speculative"]["tokens_per_s"]) for p in panel["concurrency"]}
-    schedule = DraftSchedule.from_mapping(spec.speculative.schedule)
-    assert panel["spec"] == spec.name and panel["k"] == spec.speculative.default_draft_tokens == 5
-    for c in (1, 2):
-        assert schedule.k_for(c) == 5 and tps[c][1] > tps[c][0]
-    assert schedule.k_for(batch) == 0 and tps[2 * batch][0] > max(tps[batch][1], tps[2 * batch][1])
 
 
 def _run(batch: Batch, requests) -> list:
