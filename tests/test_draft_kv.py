@@ -121,8 +121,12 @@ def test_sampled_drafts_compute_their_own_kv_so_a_seed_draws_alike_whatever_came
 @pytest.mark.parametrize("draft_kv", ["target", "own"])
 @pytest.mark.parametrize(
     "overrides",
-    [INT4_SELF, {"speculative.tree.dynamic.top_k": 2, "speculative.tree.dynamic.nodes": 10}],
-    ids=["int4-draft", "tree"],
+    [
+        INT4_SELF,
+        {"speculative.tree.dynamic.top_k": 2, "speculative.tree.dynamic.nodes": 10},
+        {"speculative.suffix.threshold": 2},  # suffix drafting layered on the model's
+    ],
+    ids=["int4-draft", "tree", "layered"],
 )
 def test_greedy_output_is_token_identical_to_target_only_with_and_without_adoption(built, monkeypatch, draft_kv, overrides):
     dep = built("draft", **overrides, **{"speculative.draft_kv": draft_kv})
