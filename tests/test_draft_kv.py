@@ -108,7 +108,7 @@ def test_sampled_drafts_compute_their_own_kv_so_a_seed_draws_alike_whatever_came
     dep = built("same", **INT4_SELF)
     calls = _spied(monkeypatch, dep.draft)
     ids = _prefilled(dep, PROMPTS[0])
-    drafter = engine_drafter(dep.target, dep.draft)
+    drafter = engine_drafter(dep.target, dep.draft, draft_kv="target")
     params = SamplingParams(temperature=0.8, seed=7)
     (first,) = drafter.propose_sampled([ids + [17]], [3], [params], [params.generator()])
     assert calls == [] and dep.draft.last_use[0][0] == len(ids) + 2  # it prefilled the prompt itself
@@ -196,6 +196,7 @@ def test_an_engine_that_captures_features_never_adopts(built):
 
 
 def test_a_bad_draft_kv_is_refused_with_one_clear_error(tmp_path, tiny_ckpts):
+    assert load_spec(write_spec(tmp_path / "default", tiny_ckpts)).spec.speculative.draft_kv == "own"  # as served
     with pytest.raises(SpecError) as e:
         load_spec(write_spec(tmp_path, tiny_ckpts, **{"speculative.draft_kv": "shared"}))
     assert e.value.exit_code == 2

@@ -317,11 +317,12 @@ class SpeculativeSpec(_Strict):
     # k per request per step within [1, max_draft_len] from measured acceptance and costs
     # (speculative/adaptive.py), under the schedule's cap; method auto always adapts.
     adaptive: bool = False
-    # A model draft whose K/V cache has the target's shape (layers, KV heads, head_dim, RoPE: a
-    # self-draft, e.g. the same model quantized) takes the target's K/V for the context the target
-    # computed (a prompt's prefill) instead of computing it again: "target"; "own": the draft
-    # computes its own. In process only; Triton's engine models are separate processes (own).
-    draft_kv: DraftKv = "target"
+    # "target": a model draft whose K/V cache has the target's shape (layers, KV heads, head_dim,
+    # RoPE: a self-draft, e.g. the same model quantized) takes the target's K/V for the context the
+    # target computed (a prompt's prefill) instead of computing it again, in process only (Triton's
+    # engine models are separate processes). "own": the draft computes its own, in process as
+    # served, so both count the same acceptance.
+    draft_kv: DraftKv = "own"
 
     @property
     def methods(self) -> tuple[str, ...]:

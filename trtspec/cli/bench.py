@@ -121,7 +121,7 @@ HELP = """Measure speculative vs target-only on SPEC's pair, prompts and load.
       trtspec bench engine_specs/smollm2-135m-cpu.yaml --sweep none -c 1 \\
         --context-sweep 64,256,512,1024
       trtspec bench engine_specs/smollm2-135m-cpu.yaml --sweep none -c 1 \\
-        --prompts-file lab/long_prompt.jsonl --draft-kv own
+        --prompts-file long_prompts.jsonl --draft-kv target
 """
 
 

@@ -213,9 +213,7 @@ def kv_adopter(draft: TorchEngine, target: TorchEngine) -> Callable[[list[Forwar
     return lambda items: draft.adopt(target, [it.tokens[: len(it.tokens) - len(it.tree or ())] for it in items], gap)
 
 
-def engine_drafter(
-    target: TorchEngine, draft: TorchEngine | None = None, head=None, draft_kv: DraftKv = "target"
-) -> Drafter | None:
+def engine_drafter(target: TorchEngine, draft: TorchEngine | None = None, head=None, draft_kv: DraftKv = "own") -> Drafter | None:
     """The draft engine's greedy drafter (never past the target's vocabulary), or EAGLE-3's
     ``head`` (engines.torch.eagle3_head.HeadEngine) reading the target's captured features; None
     without either (method ngram). ``draft_kv`` "target": a draft whose K/V cache has the
