@@ -31,6 +31,19 @@ def _isolated_cache(tmp_path_factory):
             os.environ[k] = v
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _quiet_machine():
+    """Measured choices in this process see a quiet machine: the suite's own neighbours would
+    otherwise make a measured kernel or program choice provisional and a later load measure it
+    again (contention.py). Tests of that install their own sampler over this one."""
+    from trtspec.engines.torch import contention
+
+    saved = contention.snapshot
+    contention.snapshot = lambda: None
+    yield
+    contention.snapshot = saved
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpts(tmp_path_factory) -> dict[str, Path]:
     from trtspec.testing.tiny import make_tiny_pair

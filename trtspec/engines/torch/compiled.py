@@ -28,7 +28,8 @@ Inductor keeps compiled code under ``$TRTSPEC_CACHE/inductor``; a process that m
 again compiles it from there in seconds.
 
 Chosen by measurement (``choose_program``): eager against compiled for a one-row step and for
-the verify steps, per machine, cached like the kernel choice; where compiling fails (no C++
+the verify steps, per machine, cached like the kernel choice (provisional when measured on a
+busy machine, contention.py); where compiling fails (no C++
 compiler, an unsupported op) the engine runs eager and says so in one line.
 """
 
@@ -51,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trtspec.cache import cache_root
+from trtspec.engines.torch import contention
 from trtspec.engines.torch.model import ByRows, DecoderLM, KVCache, StepInputs, _rotate_half
 from trtspec.engines.torch.native import PanelLinear, QuantPanelLinear
 from trtspec.engines.torch.quant import WeightOnlyLinear
@@ -358,6 +360,7 @@ class ProgramChoice:
     source: str  # measured | cached | forced | fallback
     reason: str = ""
     seconds: dict[str, dict[str, float]] = field(default_factory=dict)  # path -> step kind -> median seconds
+    others_busy: float | None = None  # other processes' share of the cores while measured (contention.py)
 
     def path(self, rows: int) -> str:
         return self.one if rows == 1 else self.many
@@ -465,25 +468,32 @@ def choose_program(key: str, measure: Callable[[], dict[str, dict[str, float]]],
         return ProgramChoice("compiled", "compiled", "forced", f"{COMPILE_ENV}=1")
     path = (cache_dir or cache_root()) / CACHE_FILE
     full_key = json.dumps(json.loads(key) | {"programs": PROGRAMS_VERSION}, sort_keys=True)
+    what = f"the compiled-or-eager choice for {contention.describe(key)}"
     cached = _read(path).get(full_key)
-    if isinstance(cached, dict) and {cached.get("one"), cached.get("many")} <= {"eager", "compiled"}:
-        return ProgramChoice(cached["one"], cached["many"], "cached", seconds=dict(cached.get("seconds", {})))
+    if not (isinstance(cached, dict) and {cached.get("one"), cached.get("many")} <= {"eager", "compiled"}):
+        cached = None
+    if cached is not None and contention.stands(cached, what):
+        seconds = dict(cached.get("seconds", {}))
+        return ProgramChoice(cached["one"], cached["many"], "cached", seconds=seconds, others_busy=cached.get("others_busy"))
     try:
-        seconds = measure()
+        with contention.Watch() as watch:  # how busy the other processes kept the cores meanwhile
+            seconds = measure()
     except Exception as err:  # never fail a load over a speed choice
         reason = compile_failure(err)
         return ProgramChoice("eager", "eager", "fallback", reason)
     one, many = decide(seconds)
-    entries = _read(path)
-    entries[full_key] = {
-        "one": one,
-        "many": many,
-        "seconds": seconds,
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    with contextlib.suppress(OSError):  # a read-only cache: measured again next time
-        write_json_atomic(path, entries)
-    return ProgramChoice(one, many, "measured", seconds=seconds)
+    if contention.replaces(cached, watch.others, what):
+        entries = _read(path)
+        entries[full_key] = {
+            "one": one,
+            "many": many,
+            "seconds": seconds,
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "others_busy": watch.others,
+        }
+        with contextlib.suppress(OSError):  # a read-only cache: measured again next time
+            write_json_atomic(path, entries)
+    return ProgramChoice(one, many, "measured", seconds=seconds, others_busy=watch.others)
 
 
 def compile_failure(err: BaseException) -> str:

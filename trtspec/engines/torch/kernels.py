@@ -30,7 +30,9 @@ tokens ran 37 / 44 / 49 / 67 / 82 ms dense and 56 / 53 / 60 / 52 / 61 ms onednn:
 best up to 3 rows, onednn from 4 (a split at 2 rows would make k=1's 2-token verify 20% dearer). The choice is cached per machine in ``$TRTSPEC_CACHE/kernels.json`` under a key made
 of the CPU (model name, ISA flags, ATen's CPU capability, ISA caps set in the environment),
 the thread count, the torch version and the model's shape, so each machine measures each
-model shape once; engines loading at the same time (Triton's stubs) measure one after another
+model shape once (once quiet: a choice measured while other processes kept the cores busy is
+provisional and measured again at a quiet load, contention.py; ``TRTSPEC_REMEASURE=1`` measures
+again at any load); engines loading at the same time (Triton's stubs) measure one after another
 under a file lock, not on top of each other.
 
 bfloat16 engines (the demo's draft) choose the same way: on a CPU with AMX the reordered bf16
@@ -66,6 +68,7 @@ import torch
 from torch import nn
 
 from trtspec.cache import cache_root
+from trtspec.engines.torch import contention
 from trtspec.engines.torch.model import PACKABLE, ByRows, DecoderLM, KVCache, OneDnnLinear, StepInputs
 from trtspec.engines.torch.native import PanelLinear, QuantPanelLinear, panel_kernel
 from trtspec.engines.torch.quant import WeightOnlyLinear
@@ -102,6 +105,8 @@ class KernelChoice:
     reason: str = ""  # for forced / fallback
     steps: dict[str, list[float]] = field(default_factory=dict)  # per layout: seconds of a step of each size
     sizes: tuple[int, ...] = ()  # the step sizes (tokens) ``steps`` lists
+    # other processes' share of the cores while it was measured (contention.py); None: unknown
+    others_busy: float | None = None
 
 
 def cpu_signature() -> dict[str, str]:
@@ -431,24 +436,31 @@ def choose_layout(
 
 def _measured_or_cached(model: nn.Module, key: str, sizes: tuple[int, ...], make_timer, apply, path: Path) -> KernelChoice:
     """This machine's cached choice for ``key`` applied, or one measured now and cached."""
+    what = f"the kernel choice for {contention.describe(key)}"
     with exclusive_lock(path.with_suffix(".lock")):
         cached = _read(path).get(key)
-        if cached is not None and _valid(str(cached.get("layout")), candidates(model)):
+        if not (isinstance(cached, dict) and _valid(str(cached.get("layout")), candidates(model))):
+            cached = None
+        if cached is not None and contention.stands(cached, what):
             apply(model, cached["layout"])
             seconds, steps = dict(cached.get("seconds", {})), dict(cached.get("steps", {}))
-            return KernelChoice(cached["layout"], "cached", seconds, key, steps=steps, sizes=sizes)
-        best, seconds, steps = measure_layouts(model, make_timer(), sizes)
-        entries = _read(path)
-        entries[key] = {
-            "layout": best,
-            "seconds": seconds,
-            "steps": steps,
-            "sizes": list(sizes),
-            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
-        with contextlib.suppress(OSError):  # a read-only cache: measure again next time
-            write_json_atomic(path, entries)
-        return KernelChoice(best, "measured", seconds, key, steps=steps, sizes=sizes)
+            others = cached.get("others_busy")
+            return KernelChoice(cached["layout"], "cached", seconds, key, steps=steps, sizes=sizes, others_busy=others)
+        with contention.Watch() as watch:  # how busy the other processes kept the cores meanwhile
+            best, seconds, steps = measure_layouts(model, make_timer(), sizes)
+        if contention.replaces(cached, watch.others, what):
+            entries = _read(path)
+            entries[key] = {
+                "layout": best,
+                "seconds": seconds,
+                "steps": steps,
+                "sizes": list(sizes),
+                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "others_busy": watch.others,
+            }
+            with contextlib.suppress(OSError):  # a read-only cache: measure again next time
+                write_json_atomic(path, entries)
+        return KernelChoice(best, "measured", seconds, key, steps=steps, sizes=sizes, others_busy=watch.others)
 
 
 def _valid(choice: str, layouts: tuple[str, ...]) -> bool:
