@@ -12,6 +12,11 @@ for EOS, stop sequences and max_tokens. A sequence's first step drafts nothing: 
 token comes from the target's prefill, at target-only speed, and the drafter joins on the
 next step.
 
+A step in which no sequence drafts (the load cap or switch_off at 0, or requests asking for no
+drafts) may ask the target for a chunk of up to DECODE_CHUNK tokens per sequence in one call
+(``Batch(decode_chunk=...)``, the served speculative endpoints): the tokens go through the
+same accept step and rules, so only the number of calls changes.
+
 A step is three stages with plain data between them: ``propose`` (the drafter's one call)
 returns a Proposal, ``score`` (the target's one forward) returns a Verdict per row, and
 ``accept`` turns each verdict into a Decision (``decide``, a pure function) that is appended
@@ -73,7 +78,7 @@ class Verdict:
     logits: torch.Tensor | None = None  # [len(draft) + 1, vocab]: what requests that need logits decide from
     # True when target_ids past the first disagreement are the target's own greedy
     # continuation (TensorRT-LLM's draft_tokens_external keeps decoding to
-    # request_output_len after a rejection): those tokens are kept, not discarded.
+    # request_output_len after a rejection; a decode chunk): those tokens are kept, not discarded.
     continued: bool = False
     # The target engine's KV-cache blocks (new, reused, total) for this context, when it
     # reports them: the loop keeps those of a sequence's first forward (its context phase).
@@ -82,6 +87,23 @@ class Verdict:
 
 # One row's draft tree as parent indices (speculative/tree.py); None: the draft is a chain.
 TreeRows = Sequence[tuple[int, ...] | None]
+
+# The most tokens the target decodes per sequence in one call when no sequence of a step drafts
+# (Batch's decode_chunk, which the served speculative endpoints set): speculation off (the
+# load cap or switch_off at 0, or every request's num_draft_tokens 0) then costs one engine
+# request per chunk instead of one per token, as the target-only endpoint's decode does. It
+# bounds how late the loop sees a load change: a request that arrives, or one that ends at EOS
+# or a stop, waits at most a chunk (max_tokens ends fall on a chunk's end, see decode_chunks).
+DECODE_CHUNK = 8
+
+
+@dataclass(frozen=True)
+class DecodeChunk:
+    """One row the target decodes greedily for several tokens in one call: up to ``tokens``
+    tokens after its context, stopping after one of ``end_ids``."""
+
+    tokens: int
+    end_ids: frozenset[int]
 
 
 class VerifyAsks(TypedDict, total=False):
@@ -97,6 +119,11 @@ class VerifyAsks(TypedDict, total=False):
     # Per row the parents of its draft tree's nodes (drafts[j] holds their tokens in node
     # order), or None for a chain; passed only when some row drafted a tree that is not a chain.
     trees: TreeRows
+    # Per row a decode chunk: no row drafts, and each row's Verdict is the target's greedy
+    # continuation of its context, up to chunk.tokens tokens ending after an end id, with
+    # ``continued`` True. Passed only by a Batch built with decode_chunk > 1 (its verifier
+    # decodes chunks); a verifier that answers one token instead stays correct.
+    decode_chunks: Sequence[DecodeChunk]
 
 
 class Verifier(Protocol):
@@ -147,8 +174,9 @@ class GenerationResult:
     log_probs: list[float] = field(default_factory=list)  # per output token, when asked
     generation_logits: list[torch.Tensor] = field(default_factory=list)  # per output token [vocab], when asked
     kv_blocks: tuple[int, int, int] | None = None  # the target's context-phase KV blocks, if reported
-    # Per target forward: (len(output_ids) when it began, drafts it scored). Verdicts replay
-    # the forward that produced a divergent token with exactly this shape.
+    # Per target forward: (len(output_ids) when it began, drafts it scored); each further token
+    # of a decode chunk (or of a target that kept decoding) is a forward of its own with none.
+    # Verdicts replay the forward that produced a divergent token with exactly this shape.
     steps: list[tuple[int, int]] = field(default_factory=list)
     # Per target forward that scored a draft tree (not a chain): its index in ``steps`` -> the
     # tree's parents and its accepted nodes, so a verdict can replay that forward's shape.
@@ -245,6 +273,8 @@ class Proposal:
     trees: list[DraftTree] | None = None
     # Adaptive speculation: per row the policy's choice (None: no choice, e.g. a first step).
     choices: list[Choice | None] | None = None
+    # No row drafts and the target decodes several tokens per row in one call (Batch.decode_chunks).
+    chunks: list[DecodeChunk] | None = None
 
     def tree(self, j: int) -> DraftTree:
         return self.trees[j] if self.trees is not None else DraftTree.chain(self.drafts[j])
@@ -277,8 +307,8 @@ class StepReport:
     # loop drafts less near max_tokens or nothing on a sequence's first step: what monitoring shows.
     num_draft_tokens: int = 0
     accepted_each: list[int] = field(default_factory=list)  # per sequence that drafted
-    # Further forwards of a target that kept decoding past a rejection (Verdict.continued):
-    # each yielded one token, as SpecMetrics counts them.
+    # Further forwards of a target that kept decoding past a rejection, or the further tokens
+    # of a decode chunk (Verdict.continued): each yielded one token, as SpecMetrics counts them.
     extra_forwards: int = 0
     emitted: dict[int, list[int]] = field(default_factory=dict)  # key -> tokens appended this step
     # Adaptive speculation: the policy's choice per sequence it chose for ("drafter:k").
@@ -294,10 +324,19 @@ class Batch:
     A sequence's first step drafts nothing: its first token comes from the target's prefill
     alone (time to first token at target speed), and the drafter catches up on the next
     step. The target still decides every token, so outputs are unchanged.
+
+    ``decode_chunk`` > 1 (a verifier that answers VerifyAsks' decode_chunks): a step in which
+    no sequence drafts asks the target for up to that many tokens per sequence in one call
+    (``decode_chunks``); the tokens are appended under the same EOS, stop and max_tokens rules.
     """
 
     def __init__(
-        self, drafter: Drafter, verifier: Verifier, on_step: StepCallback | None = None, policy: LoadPolicy | None = None
+        self,
+        drafter: Drafter,
+        verifier: Verifier,
+        on_step: StepCallback | None = None,
+        policy: LoadPolicy | None = None,
+        decode_chunk: int = 1,
     ):
         if not isinstance(drafter, (Drafter, Menu)):
             raise TypeError(
@@ -309,6 +348,7 @@ class Batch:
         self.verifier = verifier
         self.on_step = on_step
         self.policy = policy  # load-aware draft-length cap and acceptance switch-off (schedule.py)
+        self.decode_chunk = decode_chunk  # the most tokens per sequence of a step that drafts nothing
         self.requests: dict[int, GenerationRequest] = {}
         self.results: dict[int, GenerationResult] = {}
         self.gens: dict[int, torch.Generator] = {}  # sampled requests' random streams
@@ -364,7 +404,8 @@ class Batch:
         clock = self.menu.policy.costs.clock
         start = clock()
         verdicts = self.score(proposal)
-        if all(self.results[i].steps for i in proposal.keys):  # a prefill's forward is no decode step's cost
+        # a prefill's forward is no decode step's cost, nor is a decode chunk's several forwards
+        if proposal.chunks is None and all(self.results[i].steps for i in proposal.keys):
             self.menu.policy.costs.verified(sum(len(d) + 1 for d in proposal.drafts), clock() - start)
         return self.accept(proposal, verdicts)
 
@@ -374,6 +415,9 @@ class Batch:
         contexts = [requests[i].prompt_ids + results[i].output_ids for i in active]
         cap = self.policy.cap(len(active)) if self.policy is not None else None
         draft_lens = self.draft_lens(active, cap)
+        chunks = self.decode_chunks(active, draft_lens)
+        if chunks is not None:  # nobody drafts: the drafter is not asked
+            return Proposal(active, contexts, draft_lens, [[] for _ in active], [None] * len(active), cap, chunks=chunks)
         if self.menu is not None:
             return self._propose_chosen(active, contexts, draft_lens, cap)
         drafts: list[list[int]] = [[] for _ in active]
@@ -416,6 +460,23 @@ class Batch:
             n = 0 if not res.steps else max(0, min(req.num_draft_tokens, left))
             lens.append(n if cap is None else min(n, cap))
         return lens
+
+    def decode_chunks(self, active: list[int], draft_lens: list[int]) -> list[DecodeChunk] | None:
+        """Per sequence its decode chunk, when the target may decode several tokens for each in
+        one call: no sequence drafts this step (the load cap, switch_off, or its request's
+        num_draft_tokens at 0; adaptive speculation's own "off" choices are made per step and
+        keep one token), each is past its first step (whose first token is the prefill's) and
+        is decided from the target's greedy ids (sampling, logits processing, log probs and
+        generation logits need the target's logits at every token). Every sequence gets the
+        same length, never past the fewest tokens any has left, so one that ends at max_tokens
+        ends with the chunk and the next step sees the lower load. None: one token each."""
+        if self.decode_chunk <= 1 or any(draft_lens):
+            return None
+        requests, results = self.requests, self.results
+        if any(not results[i].steps or requests[i].needs_logits for i in active):
+            return None
+        n = min(self.decode_chunk, *(requests[i].max_tokens - len(results[i].output_ids) for i in active))
+        return [DecodeChunk(n, requests[i].end_ids) for i in active] if n > 1 else None
 
     def _propose_chosen(self, active: list[int], contexts, ceilings: list[int], cap: int | None) -> Proposal:
         """Adaptive speculation: the free drafters offer, the policy picks (drafter, k) per row
@@ -510,6 +571,8 @@ class Batch:
         trees = [None if t.is_chain else t.parents for t in (proposal.tree(j) for j in range(len(proposal.keys)))]
         if any(t is not None for t in trees):
             asks["trees"] = trees
+        if proposal.chunks is not None:
+            asks["decode_chunks"] = proposal.chunks
         return self.verifier.verify(proposal.contexts, proposal.drafts, **asks)
 
     def accept(self, proposal: Proposal, verdicts: list[Verdict]) -> StepReport:
@@ -546,7 +609,11 @@ class Batch:
             res.metrics.record_step(0, 0)
         if not res.steps:
             res.kv_blocks = verdict.kv_blocks
-        res.steps.append((len(res.output_ids), len(draft)))
+        start = len(res.output_ids)
+        res.steps.append((start, len(draft)))
+        # the further forwards (a decode chunk's, or a target's that kept decoding): one token each
+        first = start + len(decision.tokens) - decision.extra
+        res.steps += [(first + e, 0) for e in range(decision.extra)]
         emitted = _emit(req, res, decision.tokens, decision.margins, decision.log_probs, decision.logit_rows)
         report.drafted += len(draft)
         report.extra_forwards += decision.extra

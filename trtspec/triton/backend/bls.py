@@ -32,7 +32,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from trtspec.speculative.capabilities import Capabilities, Drafter
-from trtspec.speculative.loop import GenerationRequest, GenerationResult, TokenRows, Verdict, VerifyAsks, finish
+from trtspec.speculative.loop import (
+    DecodeChunk,
+    GenerationRequest,
+    GenerationResult,
+    TokenRows,
+    Verdict,
+    VerifyAsks,
+    finish,
+)
 from trtspec.speculative.processing import RowRules
 from trtspec.speculative.tree import Candidates, DraftTree, TreeGrowth, TreeShape
 from trtspec.triton.backend import log
@@ -340,6 +348,7 @@ class BlsVerifier:
     # tokens are the target's own greedy ones and are kept (as upstream's BLS does).
     continued: bool = False
     kv_blocks: bool = False  # ask return_perf_metrics for the kv_cache_* block counts
+    eos_id: int | None = None  # the end id a decode chunk's request names, when the row has it
 
     def verify(self, contexts: TokenRows, drafts: TokenRows, **asks: Unpack[VerifyAsks]) -> list[Verdict]:
         """``want_logits``: rows that sample; their request asks the engine model for
@@ -348,8 +357,12 @@ class BlsVerifier:
         (the loop keeps a sequence's first ones), so later steps pay nothing for them.
         ``trees``: per row the parents of its draft tree (None: a chain); a tree's rows go in
         a request of their own (draft_tree_parents), answered with the target's token after
-        every node."""
+        every node. ``decode_chunks``: no row drafts; ONE decode request (BlsDecoder, the
+        target-only endpoint's) answers every row with up to its chunk's tokens."""
         want_logits, context_phase = asks.get("want_logits"), asks.get("context_phase")
+        chunks = asks.get("decode_chunks")
+        if chunks is not None:
+            return self._decode(contexts, chunks, context_phase)
         verdicts: list[Verdict | None] = [None] * len(contexts)
         trees = asks.get("trees") or [None] * len(drafts)
         by_len: dict[tuple[int, bool], list[int]] = {}
@@ -390,6 +403,13 @@ class BlsVerifier:
                     ids[r], margins[r] if margins else None, logits[r], continued=self.continued, kv_blocks=blocks[r]
                 )
         return verdicts  # type: ignore[return-value]
+
+    def _decode(self, contexts: TokenRows, chunks: Sequence[DecodeChunk], context_phase) -> list[Verdict]:
+        """Each row's greedy continuation as a verdict the loop keeps whole (``continued``)."""
+        decoder = BlsDecoder(self.call, self.model, self.eos_id, self.want_margins, self.pad_id)
+        perf = [self.kv_blocks and context_phase is not None and bool(context_phase[r]) for r in range(len(contexts))]
+        decoded = decoder.tokens(contexts, [c.tokens for c in chunks], [c.end_ids for c in chunks], perf)
+        return [Verdict(d.ids, d.margins, continued=True, kv_blocks=d.kv_blocks) for d in decoded]
 
 
 KV_BLOCK_OUTPUTS = ["kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks"]
@@ -458,9 +478,21 @@ class BlsKeeper:
         return bool(np.asarray(out["capture_kept"]).reshape(-1)[0])
 
 
+@dataclass
+class Decoded:
+    """One row of a decode request: the target's greedy tokens after its context (its end id
+    last when it stopped there), their margins when asked, its context phase's KV blocks."""
+
+    ids: list[int]
+    margins: list[float] | None
+    kv_blocks: tuple[int, int, int] | None
+
+
 @dataclass(eq=False)
 class BlsDecoder:
-    """Target-only: one request per prompt for all its tokens (request_output_len = max_tokens)."""
+    """Greedy decoding of several tokens per row in ONE engine request (no drafts,
+    request_output_len = the tokens wanted): the target-only endpoint's answers (a whole
+    answer per prompt) and the speculative endpoints' decode chunks (BlsVerifier)."""
 
     call: EngineCall
     model: str
@@ -470,39 +502,55 @@ class BlsDecoder:
     kv_blocks: bool = False
 
     def decode(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Target-only: one request for every prompt's whole answer (request_output_len = max_tokens)."""
         results: list[GenerationResult | None] = [None] * len(requests)
         live = [i for i, r in enumerate(requests) if r.max_tokens > 0]
         for i in set(range(len(requests))) - set(live):
             results[i] = finish(requests[i], [])
         if live:
-            inputs = sequence_inputs([requests[i].prompt_ids for i in live], self.pad_id)
-            inputs["request_output_len"] = _column([requests[i].max_tokens for i in live], np.int32)
-            inputs["exclude_input_in_output"] = _column([True] * len(live), np.bool_)
-            # The engine stops at one end_id; other EOS ids and stop sequences end the answer
-            # in finish(), which applies the loop's rules to the returned tokens.
-            inputs["end_id"] = _column([self._end_id(requests[i]) for i in live], np.int32)
-            names = ["output_ids", "sequence_length"] + (KV_BLOCK_OUTPUTS if self.kv_blocks else [])
-            if self.kv_blocks:
-                inputs["return_perf_metrics"] = _column([True] * len(live), np.bool_)
-            if self.want_margins:
-                inputs["return_margins"] = _column([True] * len(live), np.bool_)
-                names.append("output_margins")
-            out = self.call(self.model, inputs, names)
-            ids = generated(out, len(live))
-            blocks = kv_blocks_of(out, len(live))
-            margins = None
-            if self.want_margins:
-                m = np.asarray(out["output_margins"]).reshape(len(live), -1)
-                margins = [m[r, : len(ids[r])].tolist() for r in range(len(live))]
-            for r, i in enumerate(live):
-                results[i] = finish(requests[i], ids[r], margins[r] if margins else None)
-                results[i].kv_blocks = blocks[r]
+            rows = [requests[i] for i in live]
+            decoded = self.tokens(
+                [r.prompt_ids for r in rows],
+                [r.max_tokens for r in rows],
+                [r.end_ids for r in rows],
+                [self.kv_blocks] * len(rows),
+            )
+            for i, d in zip(live, decoded):
+                results[i] = finish(requests[i], d.ids, d.margins)
+                results[i].kv_blocks = d.kv_blocks
         return results  # type: ignore[return-value]
 
-    def _end_id(self, req: GenerationRequest) -> int:
-        if self.eos_id is not None and self.eos_id in req.end_ids:
+    def tokens(
+        self, contexts: TokenRows, lengths: Sequence[int], end_ids: Sequence[frozenset[int]], perf: Sequence[bool]
+    ) -> list[Decoded]:
+        """Up to lengths[r] greedy tokens after each context, in one request; ``perf``: rows
+        whose context phase's KV blocks are asked for (return_perf_metrics)."""
+        inputs = sequence_inputs(contexts, self.pad_id)
+        inputs["request_output_len"] = _column(lengths, np.int32)
+        inputs["exclude_input_in_output"] = _column([True] * len(contexts), np.bool_)
+        # The engine stops at one end_id; the row's other end ids and its stop sequences end
+        # it in the loop's rules (finish, or the loop's accept step) over the returned tokens.
+        inputs["end_id"] = _column([self._end_id(e) for e in end_ids], np.int32)
+        names = ["output_ids", "sequence_length"]
+        if any(perf):
+            inputs["return_perf_metrics"] = _column(perf, np.bool_)
+            names += KV_BLOCK_OUTPUTS
+        if self.want_margins:
+            inputs["return_margins"] = _column([True] * len(contexts), np.bool_)
+            names.append("output_margins")
+        out = self.call(self.model, inputs, names)
+        ids = generated(out, len(contexts))
+        blocks = kv_blocks_of(out, len(contexts))
+        margins: list[list[float] | None] = [None] * len(contexts)
+        if self.want_margins:
+            m = np.asarray(out["output_margins"]).reshape(len(contexts), -1)
+            margins = [m[r, : len(ids[r])].tolist() for r in range(len(contexts))]
+        return [Decoded(i, m, b) for i, m, b in zip(ids, margins, blocks)]
+
+    def _end_id(self, end_ids: frozenset[int]) -> int:
+        if self.eos_id is not None and self.eos_id in end_ids:
             return self.eos_id
-        return min(req.end_ids) if req.end_ids else -1
+        return min(end_ids) if end_ids else -1
 
 
 def split_rows(call_many: EngineCallMany) -> EngineCall:

@@ -66,8 +66,8 @@ class StepCounts:
     accepted: int  # of those, accepted by the target
     accepted_each: list[int] = field(default_factory=list)  # per sequence that drafted
     draft_len: int = 0  # the largest draft length a sequence got this step (0: nobody drafted)
-    # Further forwards of a target that kept decoding past a rejection (Verdict.continued):
-    # each yielded one token, as SpecMetrics counts them.
+    # Further forwards of a target that kept decoding past a rejection, or the further tokens
+    # of a decode chunk (Verdict.continued): each yielded one token, as SpecMetrics counts them.
     extra_forwards: int = 0
 
 

@@ -25,8 +25,9 @@ features trtspec does not implement are refused there by name). Implemented, bat
   (all SpecMetrics counts); with return_margins: output_margins FP32 [b, T]; with
   return_log_probs: output_log_probs FP32 [b, 1, G], cum_log_probs FP32 [b, 1]; with
   return_generation_logits: generation_logits FP32 [b, 1, G, vocab].
-Streaming (decoupled model): one response per loop step with that step's new tokens and text,
-the last one flagged final; with return_perf_metrics every response carries the counts so far.
+Streaming (decoupled model): one response per loop step with that step's new tokens and text
+(a step that drafts nothing may decode a chunk of several tokens, loop.DECODE_CHUNK), the last
+one flagged final; with return_perf_metrics every response carries the counts so far.
 Several prompts or num_return_sequences on a decoupled model: one response stream per row,
 tagged batch_index / sequence_index, as upstream's.
 """
@@ -48,7 +49,7 @@ from trtspec.spec import CaptureSpec, SuffixSpec, SwitchOffSpec
 from trtspec.speculative.adaptive import AdaptivePolicy
 from trtspec.speculative.capture import wanted
 from trtspec.speculative.drafters import make_drafter, response_cache
-from trtspec.speculative.loop import SHARED_SCOPE, Batch, GenerationRequest, GenerationResult, NoDrafter
+from trtspec.speculative.loop import DECODE_CHUNK, SHARED_SCOPE, Batch, GenerationRequest, GenerationResult, NoDrafter
 from trtspec.speculative.menus import adaptive_policy, make_menu
 from trtspec.speculative.metrics import SourceCounts
 from trtspec.speculative.processing import Processing
@@ -484,13 +485,21 @@ class Orchestrator:
 
     def verifier(self, margins: bool) -> BlsVerifier:
         return BlsVerifier(
-            self.call, self.s.target_model, margins, continued=self.s.target_continues, kv_blocks=self.s.kv_blocks_supported
+            self.call,
+            self.s.target_model,
+            margins,
+            continued=self.s.target_continues,
+            kv_blocks=self.s.kv_blocks_supported,
+            eos_id=self.tokenizer.eos_token_id,
         )
 
     def new_batch(self) -> Batch:
         """A loop Batch for this endpoint. Margins come back whenever the engine gives them
-        (requests that want them join a batch already running)."""
-        return Batch(self.drafter(), self.verifier(self.s.margins_supported), policy=self.policy)
+        (requests that want them join a batch already running). A speculative endpoint's steps
+        that draft nothing decode DECODE_CHUNK tokens per engine request (loop.Batch); the
+        target-only control's scheduled requests (streaming, sampling) keep one per step."""
+        chunk = DECODE_CHUNK if self.s.mode == "speculative" else 1
+        return Batch(self.drafter(), self.verifier(self.s.margins_supported), policy=self.policy, decode_chunk=chunk)
 
     def run(self, requests: Sequence[Mapping[str, np.ndarray]], send: Sender | None = None) -> list[dict | Exception | None]:
         """Answer every request, here and now (the control endpoint; tests). Unary: returns

@@ -115,7 +115,7 @@ class StepStats:
     accepted_each: list[int] = field(default_factory=list)  # per sequence that drafted
     draft_len: int = 0  # the largest draft length a sequence got this step (0: nobody drafted)
     num_draft_tokens: int = 0  # the largest num_draft_tokens of the step's requests (the configured k)
-    extra_forwards: int = 0  # further one-token forwards of a target that kept decoding
+    extra_forwards: int = 0  # further one-token forwards: a target that kept decoding, a decode chunk
     chosen: list[str] = field(default_factory=list)  # adaptive: the policy's "drafter:k" per sequence
     queued: int = 0  # requests waiting for a place after this step's admissions
     held: int = 0  # sequences holding a place after the step (0 when idle)
