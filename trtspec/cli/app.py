@@ -7,7 +7,7 @@ import inspect
 import typer
 
 from trtspec import __version__
-from trtspec.cli import bench, build, check, deploy, distill, openai_front, refresh, repo, serve, stop, verify
+from trtspec.cli import bench, build, check, choices, deploy, distill, openai_front, refresh, repo, serve, stop, verify
 
 app = typer.Typer(
     name="trtspec",
@@ -29,6 +29,7 @@ app.command("bench", help=bench.HELP)(bench.bench)
 app.command("distill", help=distill.HELP)(distill.distill)
 app.command("openai")(openai_front.openai)
 app.command("refresh")(refresh.refresh)
+app.command("choices")(choices.choices)
 app.add_typer(deploy.app, name="deploy")
 
 
