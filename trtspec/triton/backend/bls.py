@@ -378,24 +378,15 @@ class BlsVerifier:
                 inputs["draft_input_ids"] = np.array([drafts[i] for i in rows], dtype=np.int32)
             if is_tree:
                 inputs["draft_tree_parents"] = np.array([trees[i] for i in rows], dtype=np.int32)
-            names = ["output_ids", "sequence_length"]
             perf_rows = [bool(context_phase[i]) for i in rows] if self.kv_blocks and context_phase is not None else []
-            if any(perf_rows):
-                inputs["return_perf_metrics"] = _column(perf_rows, np.bool_)
-                names += KV_BLOCK_OUTPUTS
-            if self.want_margins:
-                inputs["return_margins"] = _column([True] * len(rows), np.bool_)
-                names.append("output_margins")
+            names = _outputs(inputs, len(rows), perf_rows, self.want_margins)
             logits_rows = [bool(want_logits[i]) for i in rows] if want_logits is not None else []
             if any(logits_rows):
                 inputs["return_generation_logits"] = _column(logits_rows, np.bool_)
                 names.append("generation_logits")
             out = self.call(self.model, inputs, names)
             ids = generated(out, len(rows))
-            margins = None
-            if self.want_margins:
-                m = np.asarray(out["output_margins"]).reshape(len(rows), -1)
-                margins = [m[r, : len(ids[r])].tolist() for r in range(len(rows))]
+            margins = _margins_of(out, ids) if self.want_margins else None
             logits = _generation_logits(out, len(rows), d_len + 1) if any(logits_rows) else [None] * len(rows)
             blocks = kv_blocks_of(out, len(rows))
             for r, i in enumerate(rows):
@@ -413,6 +404,25 @@ class BlsVerifier:
 
 
 KV_BLOCK_OUTPUTS = ["kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks"]
+
+
+def _outputs(inputs: dict[str, np.ndarray], rows: int, perf: Sequence[bool], margins: bool) -> list[str]:
+    """The outputs a target request reads, its asks added to ``inputs``: the tokens, the
+    kv_cache_* counts of the rows in ``perf`` (return_perf_metrics), the margins when asked."""
+    names = ["output_ids", "sequence_length"]
+    if any(perf):
+        inputs["return_perf_metrics"] = _column(perf, np.bool_)
+        names += KV_BLOCK_OUTPUTS
+    if margins:
+        inputs["return_margins"] = _column([True] * rows, np.bool_)
+        names.append("output_margins")
+    return names
+
+
+def _margins_of(out: Mapping[str, np.ndarray], ids: list[list[int]]) -> list[list[float]]:
+    """output_margins [b, 1, G] -> per row the margins of its tokens."""
+    m = np.asarray(out["output_margins"]).reshape(len(ids), -1)
+    return [m[r, : len(ids[r])].tolist() for r in range(len(ids))]
 
 
 def kv_blocks_of(out: Mapping[str, np.ndarray], rows: int) -> list[tuple[int, int, int] | None]:
@@ -531,20 +541,10 @@ class BlsDecoder:
         # The engine stops at one end_id; the row's other end ids and its stop sequences end
         # it in the loop's rules (finish, or the loop's accept step) over the returned tokens.
         inputs["end_id"] = _column([self._end_id(e) for e in end_ids], np.int32)
-        names = ["output_ids", "sequence_length"]
-        if any(perf):
-            inputs["return_perf_metrics"] = _column(perf, np.bool_)
-            names += KV_BLOCK_OUTPUTS
-        if self.want_margins:
-            inputs["return_margins"] = _column([True] * len(contexts), np.bool_)
-            names.append("output_margins")
-        out = self.call(self.model, inputs, names)
+        out = self.call(self.model, inputs, _outputs(inputs, len(contexts), perf, self.want_margins))
         ids = generated(out, len(contexts))
         blocks = kv_blocks_of(out, len(contexts))
-        margins: list[list[float] | None] = [None] * len(contexts)
-        if self.want_margins:
-            m = np.asarray(out["output_margins"]).reshape(len(contexts), -1)
-            margins = [m[r, : len(ids[r])].tolist() for r in range(len(contexts))]
+        margins: list[list[float]] | list[None] = _margins_of(out, ids) if self.want_margins else [None] * len(contexts)
         return [Decoded(i, m, b) for i, m, b in zip(ids, margins, blocks)]
 
     def _end_id(self, end_ids: frozenset[int]) -> int:
