@@ -70,6 +70,21 @@ def _record(tmp_path, name: str, key: str) -> dict:
     return json.loads((tmp_path / name).read_text())[key]
 
 
+def _provisional_then_again(two_layouts, machine, tmp_path, monkeypatch, probed: float, measured: float):
+    """The first layout chosen with others at 0.83 of the CPUs; then a fresh engine's load that
+    probes the machine at ``probed`` and, if it measures, finds the second layout faster with
+    others at ``measured``. Returns (the first choice, the second, the second engine, the
+    second load's timer calls)."""
+    engine, fresh, noise, best = two_layouts
+    monkeypatch.setattr(kernels, "step_timer", _timer(noise, [], machine, 0.83))
+    first = _choose(engine, tmp_path)
+    calls: list[str] = []
+    monkeypatch.setattr(kernels, "step_timer", _timer(best, calls, machine, measured))
+    machine.level = probed
+    again = fresh()
+    return first, _choose(again, tmp_path), again, calls
+
+
 def test_others_busy_is_the_other_processes_share_of_this_processes_cores(tmp_path, monkeypatch):
     stat = tmp_path / "stat"
     monkeypatch.setattr(contention, "PROC_STAT", stat)
@@ -107,14 +122,8 @@ def test_a_kernel_choice_measured_on_a_busy_machine_is_provisional(two_layouts, 
 def test_a_provisional_kernel_choice_is_measured_again_on_a_quiet_machine_and_replaced(
     two_layouts, machine, tmp_path, monkeypatch, capsys
 ):
-    engine, fresh, noise, best = two_layouts
-    monkeypatch.setattr(kernels, "step_timer", _timer(noise, [], machine, 0.83))
-    first = _choose(engine, tmp_path)
-    calls: list[str] = []
-    monkeypatch.setattr(kernels, "step_timer", _timer(best, calls, machine, 0.0))
-    machine.level = 0.0
-    again = fresh()
-    second = _choose(again, tmp_path)
+    _, fresh, _, best = two_layouts
+    first, second, again, calls = _provisional_then_again(two_layouts, machine, tmp_path, monkeypatch, 0.0, 0.0)
     assert (second.layout, second.source, second.others_busy) == (best, "measured", 0.0) and calls
     assert _layout_of(again.model) == best
     assert _record(tmp_path, kernels.CACHE_FILE, first.key) | {"measured_at": ""} == {
@@ -135,15 +144,9 @@ def test_a_provisional_kernel_choice_is_measured_again_on_a_quiet_machine_and_re
 def test_a_provisional_kernel_choice_is_reused_without_measuring_while_the_machine_stays_busy(
     two_layouts, machine, tmp_path, monkeypatch, capsys
 ):
-    engine, fresh, noise, best = two_layouts
-    monkeypatch.setattr(kernels, "step_timer", _timer(noise, [], machine, 0.83))
-    _choose(engine, tmp_path)
-    capsys.readouterr()
-    calls: list[str] = []
-    monkeypatch.setattr(kernels, "step_timer", _timer(best, calls, machine, 0.6))
-    machine.level = 0.6  # the probe finds the machine still busy
-    again = fresh()
-    second = _choose(again, tmp_path)
+    noise = two_layouts[2]
+    # the probe finds the machine still busy
+    _, second, again, calls = _provisional_then_again(two_layouts, machine, tmp_path, monkeypatch, 0.6, 0.6)
     assert (second.layout, second.source, second.others_busy, calls) == (noise, "cached", 0.83, [])
     assert _layout_of(again.model) == noise
     assert "measured on a busy machine (others 0.83 of the CPUs) and is still busy; using it" in capsys.readouterr().err
@@ -152,12 +155,9 @@ def test_a_provisional_kernel_choice_is_reused_without_measuring_while_the_machi
 def test_a_measurement_again_that_is_itself_contended_leaves_the_provisional_record(
     two_layouts, machine, tmp_path, monkeypatch, capsys
 ):
-    engine, fresh, noise, other = two_layouts
-    monkeypatch.setattr(kernels, "step_timer", _timer(noise, [], machine, 0.83))
-    first = _choose(engine, tmp_path)
-    monkeypatch.setattr(kernels, "step_timer", _timer(other, [], machine, 0.9))  # a neighbour arrives mid-measurement
-    machine.level = 0.0  # quiet when probed
-    second = _choose(fresh(), tmp_path)
+    noise, other = two_layouts[2:]
+    # quiet when probed; a neighbour arrives while it measures
+    first, second, _, _ = _provisional_then_again(two_layouts, machine, tmp_path, monkeypatch, 0.0, 0.9)
     assert (second.layout, second.source, second.others_busy) == (other, "measured", 0.9)
     record = _record(tmp_path, kernels.CACHE_FILE, first.key)
     assert (record["layout"], record["others_busy"]) == (noise, 0.83)

@@ -76,10 +76,7 @@ def cached_choices(folder: Path | None = None) -> ChoicesReport:
     folder = folder or cache_root()
     report = ChoicesReport(folder)
     for kind, name in FILES.items():
-        data = {}
-        with contextlib.suppress(OSError, ValueError):
-            data = json.loads((folder / name).read_text())
-        for key, record in data.items() if isinstance(data, dict) else ():
+        for key, record in contention.records(folder / name).items():
             if isinstance(record, dict):
                 report.choices.append(_entry(kind, key, record))
     return report

@@ -56,7 +56,6 @@ from trtspec.engines.torch import contention
 from trtspec.engines.torch.model import ByRows, DecoderLM, KVCache, StepInputs, _rotate_half
 from trtspec.engines.torch.native import PanelLinear, QuantPanelLinear
 from trtspec.engines.torch.quant import WeightOnlyLinear
-from trtspec.files import write_json_atomic
 
 # Inductor's code cache under trtspec's, set before anything imports inductor's config: that
 # import writes its own default (a folder under /tmp, gone at the next boot or pod restart)
@@ -469,7 +468,7 @@ def choose_program(key: str, measure: Callable[[], dict[str, dict[str, float]]],
     path = (cache_dir or cache_root()) / CACHE_FILE
     full_key = json.dumps(json.loads(key) | {"programs": PROGRAMS_VERSION}, sort_keys=True)
     what = f"the compiled-or-eager choice for {contention.describe(key)}"
-    cached = _read(path).get(full_key)
+    cached = contention.records(path).get(full_key)
     if not (isinstance(cached, dict) and {cached.get("one"), cached.get("many")} <= {"eager", "compiled"}):
         cached = None
     if cached is not None and contention.stands(cached, what):
@@ -483,16 +482,7 @@ def choose_program(key: str, measure: Callable[[], dict[str, dict[str, float]]],
         return ProgramChoice("eager", "eager", "fallback", reason)
     one, many = decide(seconds)
     if contention.replaces(cached, watch.others, what):
-        entries = _read(path)
-        entries[full_key] = {
-            "one": one,
-            "many": many,
-            "seconds": seconds,
-            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "others_busy": watch.others,
-        }
-        with contextlib.suppress(OSError):  # a read-only cache: measured again next time
-            write_json_atomic(path, entries)
+        contention.store(path, full_key, {"one": one, "many": many, "seconds": seconds}, watch.others)
     return ProgramChoice(one, many, "measured", seconds=seconds, others_busy=watch.others)
 
 
@@ -511,11 +501,3 @@ def machine_record() -> tuple[str, str]:
 
     key = hashlib.sha256(f"{machine_key()}|{PROGRAMS_VERSION}".encode()).hexdigest()[:16]
     return key, f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-
-
-def _read(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}

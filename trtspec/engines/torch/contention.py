@@ -22,12 +22,15 @@ choice again at this load and writes the new records, whatever the machine's sta
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from trtspec.files import write_json_atomic
 
 # Others' share of this process's cores above which a measurement is provisional. Background
 # daemons stay below a few hundredths; one busy neighbour thread on the 2-core machines trtspec
@@ -145,6 +148,26 @@ def replaces(previous: object, others: float | None, what: str) -> bool:
         return False
     _say(f"{what} was measured on a busy machine (others {others:.2f} of the CPUs): provisional, measured again at a quiet load")
     return True
+
+
+def records(path: Path) -> dict:
+    """The cached records in ``path`` (kernels.json, programs.json); a missing or damaged file
+    has none: its choices are measured again and the file rewritten."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def store(path: Path, key: str, record: dict, others: float | None) -> None:
+    """Cache ``record`` under ``key`` in ``path``, stamped with when it was measured and how busy
+    other processes kept the cores meanwhile (``others``). A read-only cache keeps nothing:
+    the choice is measured again next time."""
+    entries = records(path)
+    entries[key] = record | {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "others_busy": others}
+    with contextlib.suppress(OSError):
+        write_json_atomic(path, entries)
 
 
 def _say(message: str) -> None:

@@ -72,7 +72,7 @@ from trtspec.engines.torch import contention
 from trtspec.engines.torch.model import PACKABLE, ByRows, DecoderLM, KVCache, OneDnnLinear, StepInputs
 from trtspec.engines.torch.native import PanelLinear, QuantPanelLinear, panel_kernel
 from trtspec.engines.torch.quant import WeightOnlyLinear
-from trtspec.files import exclusive_lock, write_json_atomic
+from trtspec.files import exclusive_lock
 from trtspec.machine import cpu_name
 
 LAYOUTS = ("dense", "onednn", "head", "panel")
@@ -438,7 +438,7 @@ def _measured_or_cached(model: nn.Module, key: str, sizes: tuple[int, ...], make
     """This machine's cached choice for ``key`` applied, or one measured now and cached."""
     what = f"the kernel choice for {contention.describe(key)}"
     with exclusive_lock(path.with_suffix(".lock")):
-        cached = _read(path).get(key)
+        cached = contention.records(path).get(key)
         if not (isinstance(cached, dict) and _valid(str(cached.get("layout")), candidates(model))):
             cached = None
         if cached is not None and contention.stands(cached, what):
@@ -449,17 +449,8 @@ def _measured_or_cached(model: nn.Module, key: str, sizes: tuple[int, ...], make
         with contention.Watch() as watch:  # how busy the other processes kept the cores meanwhile
             best, seconds, steps = measure_layouts(model, make_timer(), sizes)
         if contention.replaces(cached, watch.others, what):
-            entries = _read(path)
-            entries[key] = {
-                "layout": best,
-                "seconds": seconds,
-                "steps": steps,
-                "sizes": list(sizes),
-                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "others_busy": watch.others,
-            }
-            with contextlib.suppress(OSError):  # a read-only cache: measure again next time
-                write_json_atomic(path, entries)
+            record = {"layout": best, "seconds": seconds, "steps": steps, "sizes": list(sizes)}
+            contention.store(path, key, record, watch.others)
         return KernelChoice(best, "measured", seconds, key, steps=steps, sizes=sizes, others_busy=watch.others)
 
 
@@ -509,11 +500,3 @@ def _bf16_reorder_works() -> bool:
     except RuntimeError:
         return False
     return True
-
-
-def _read(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}  # missing or damaged: measured again and rewritten
-    return data if isinstance(data, dict) else {}
