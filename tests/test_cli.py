@@ -179,6 +179,13 @@ def test_openai_refuses_what_is_not_a_deployment_exit_2(tmp_path, spec_file):
     assert r.exit_code == 2 and "--url takes HOST:PORT" in r.stderr
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "121", "nan", "inf"])
+def test_openai_refuses_a_head_timeout_out_of_range_exit_2(spec_file, value):
+    r = runner.invoke(app, ["openai", str(spec_file), "--head-timeout", value])
+    assert r.exit_code == 2
+    assert r.stderr.strip().splitlines() == [f"Error: --head-timeout takes seconds above 0 and at most 120, not {float(value):g}"]
+
+
 # ----------------------------------------------------------------------- trtspec stop
 
 

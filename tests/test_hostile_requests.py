@@ -18,6 +18,8 @@ import json
 import re
 import select
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
 from dataclasses import replace
@@ -30,6 +32,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs the serve ex
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from trtspec.layout import BLS_MODEL  # noqa: E402
+from trtspec.triton.server.process import free_ports  # noqa: E402
 
 PROMPT = "The quick brown fox"
 BODY_TIMEOUT_S = 2.0  # the front's body deadline in this test (default 30 s)
@@ -249,6 +252,44 @@ def test_a_head_that_dribbles_in_gets_one_408_and_its_connection_closed(stack):
     assert HEAD_TIMEOUT_S <= elapsed < HEAD_TIMEOUT_S + 20
     _front_answers(front, dep)
     _still_healthy(server, dep)
+
+
+def test_trtspec_openai_head_timeout_sets_the_head_deadline(stack):
+    """`trtspec openai --head-timeout 0.5`, served as a process: part of a head, then nothing,
+    gets one 408 about 0.5 s on (not the 10 s default) and its connection closed."""
+    server, dep, _ = stack
+    (port,) = free_ports(1)
+    cmd = [sys.executable, "-m", "trtspec", "openai", str(server.command.model_repository)]
+    cmd += ["--url", server.grpc_endpoint, "--port", str(port), "--head-timeout", "0.5"]
+    front = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_front(front, proc)
+        with _connect(front, 30) as sock:
+            started = time.monotonic()
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: front\r\nX-Stalled: ")
+            answer = _rest(sock)
+            elapsed = time.monotonic() - started
+        status, error = _one_response(answer)
+        assert status == 408 and error["code"] == "request_timeout"
+        assert "the request head did not arrive whole within 0.5 s" in error["message"]
+        assert 0.5 <= elapsed < 5, elapsed
+        _front_answers(front, dep)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _wait_for_front(front: str, proc: subprocess.Popen) -> None:
+    """Until ``front`` answers /v1/models (``proc`` serving it)."""
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, f"trtspec openai exited {proc.returncode}: {proc.stderr.read()}"
+        assert time.monotonic() < deadline, "trtspec openai did not start"
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(front + "/v1/models", timeout=5):
+                return
+        time.sleep(0.2)
 
 
 def test_a_flood_of_slow_clients_cannot_crowd_out_an_ordinary_request(capped):

@@ -508,7 +508,9 @@ def test_trtspec_openai_serves_the_front_with_its_connection_bounds(monkeypatch)
     monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.append((app, options)))
     run.run(Path("repo"), "127.0.0.1:8001")
     run.run(Path("repo"), "127.0.0.1:8001", max_connections=7)
-    (app, default), (_, seven) = served
+    run.run(Path("repo"), "127.0.0.1:8001", head_timeout_s=0.5)
+    (app, default), (_, seven), (_, brief) = served
     assert app == "the app" and default["ws"] == seven["ws"] == "none"
     assert issubclass(default["http"], H11Protocol) and default["http"].limits == ConnectionBounds()
     assert seven["http"].limits == ConnectionBounds(max_connections=7) and seven["http"] is not default["http"]
+    assert brief["http"].limits == ConnectionBounds(head_timeout_s=0.5)

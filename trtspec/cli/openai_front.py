@@ -39,6 +39,17 @@ MaxConnectionsOpt = Annotated[
         show_default=False,
     ),
 ]
+# a head is at most 16 KiB (h11's limit): a client that needs longer than this is a slow loris
+HEAD_TIMEOUT_MAX_S = 120.0
+HeadTimeoutOpt = Annotated[
+    float | None,
+    Opt(
+        "--head-timeout",
+        metavar="SECONDS",
+        help="Most seconds a request's head may take to arrive whole (default 10); then 408, or a silent close if none came.",
+        show_default=False,
+    ),
+]
 
 
 @handle_errors
@@ -50,6 +61,7 @@ def openai(
     api_keys: ApiKeysOpt = None,
     api_key: ApiKeyOpt = None,
     max_connections: MaxConnectionsOpt = None,
+    head_timeout: HeadTimeoutOpt = None,
     engines: EnginesOpt = None,
 ) -> None:
     """Serve /v1/models, /v1/completions and /v1/chat/completions (SSE streaming) for a
@@ -63,8 +75,8 @@ def openai(
     given (401 otherwise); the key's tenant is the request's suffix cache scope, which `user`
     narrows inside it. Without keys the deployment is single-tenant.
 
-    A request's head must arrive within 10 s of its connection's start (or of the previous
-    answer); at --max-connections a new connection closes the one that has waited longest
+    A request's head must arrive within --head-timeout (10 s) of its connection's start (or of
+    the previous answer); at --max-connections a new connection closes the one that has waited longest
     for a head.
 
     Examples:
@@ -79,8 +91,10 @@ def openai(
 
     if api_keys is not None and api_key is not None:
         raise SpecError("give --api-keys FILE or --api-key KEY, not both")
+    if head_timeout is not None and not 0 < head_timeout <= HEAD_TIMEOUT_MAX_S:
+        raise SpecError(f"--head-timeout takes seconds above 0 and at most {HEAD_TIMEOUT_MAX_S:g}, not {head_timeout:g}")
     keys = ApiKeys.from_file(api_keys) if api_keys is not None else ApiKeys.single(api_key) if api_key is not None else None
     t = launch.serve_target(target, engines, write=False)
     url = parse_url(url)
     console.err.print(f"OpenAI API on http://{host}:{port}/v1 -> Triton gRPC {url}; Ctrl-C to stop")
-    run(t.repo_dir, url, host, port, keys, max_connections)
+    run(t.repo_dir, url, host, port, keys, max_connections, head_timeout)

@@ -82,12 +82,14 @@ def run(
     port: int = 8080,
     keys: ApiKeys | None = None,
     max_connections: int | None = None,
+    head_timeout_s: float | None = None,
 ) -> None:
     """Serve until interrupted, the connections bounded (ConnectionBounds; ``max_connections``
-    None: its default)."""
+    or ``head_timeout_s`` None: its default)."""
     import uvicorn
 
     from trtspec.openai.connections import ConnectionBounds, server_options
 
-    bounds = ConnectionBounds() if max_connections is None else ConnectionBounds(max_connections=max_connections)
+    given = {"max_connections": max_connections, "head_timeout_s": head_timeout_s}
+    bounds = ConnectionBounds(**{name: value for name, value in given.items() if value is not None})
     uvicorn.run(make_app(repo_dir, url, keys), host=host, port=port, log_level="warning", **server_options(bounds))
