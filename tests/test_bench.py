@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from trtspec.bench import measure as b
 from trtspec.bench.plot import write_outputs
-from trtspec.bench.render import floor_line
+from trtspec.bench.render import floor_line, path_lines
 from trtspec.cli.app import app
 from trtspec.machine import description
 
@@ -75,6 +75,38 @@ def test_the_floor_line_holds_the_step_against_the_copy_bandwidth():
     line = floor_line(c)
     assert "0.510 GB" in line and "20.4 GB/s" in line and "25.0 GB/s" in line and "20.4 ms: 0.82 of the floor" in line
     assert b.Costs(0.02, None, 0.03, 3).of_copy_bandwidth is None  # measured over gRPC: no bytes
+
+
+def test_the_paths_lines_say_which_choices_a_busy_machine_measured():
+    """A role whose kernel or program choice was measured with others above BUSY of the CPUs
+    gets "provisional" on its one paths line, with the figures; bench.json keeps every figure."""
+    from types import SimpleNamespace
+
+    from trtspec.engines.torch.compiled import ProgramChoice
+    from trtspec.engines.torch.kernels import KernelChoice
+
+    def engine(kernels_busy, programs_busy):
+        return SimpleNamespace(
+            kernels=KernelChoice("dense", "cached", others_busy=kernels_busy),
+            programs=ProgramChoice("compiled", "eager", "cached", others_busy=programs_busy),
+        )
+
+    dep = SimpleNamespace(target=engine(0.02, 0.83), draft=engine(None, 0.1))
+    c = b.Costs(0.02, 0.01, 0.03, 3, paths=b.step_paths(dep), paths_busy=b.step_busy(dep))
+    target, draft = path_lines(c, "steps")
+    assert target == (
+        "target steps: one row compiled, more rows eager (cached); provisional: measured on a busy machine "
+        "(others programs 0.83 of the CPUs); `trtspec choices` shows them, TRTSPEC_REMEASURE=1 measures again"
+    )
+    assert draft == "draft steps: one row compiled, more rows eager (cached)"
+    saved = json.loads(json.dumps(c.to_dict()))
+    assert saved["paths_busy"] == {"target": {"kernels": 0.02, "programs": 0.83}, "draft": {"kernels": None, "programs": 0.1}}
+    dep.draft = engine(0.5, 0.3)
+    c = b.Costs(0.02, 0.01, 0.03, 3, paths=b.step_paths(dep), paths_busy=b.step_busy(dep))
+    assert path_lines(c, "steps (context sweep)")[1].startswith(
+        "draft steps (context sweep): one row compiled, more rows eager (cached); provisional: measured on a busy "
+        "machine (others kernels 0.50, programs 0.30 of the CPUs)"
+    )
 
 
 def test_latency_percentiles():

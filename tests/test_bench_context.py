@@ -32,7 +32,7 @@ def test_the_sweep_times_each_role_at_each_context_length(built):
         assert c.target_step > 0 and c.draft_step > 0 and c.verify_step > 0 and c.k == 3
         assert c.cost_ratio == c.draft_step / c.target_step and c.verify_cost == c.verify_step / c.target_step
         assert (c.weight_bytes, c.kv_bytes) == dep.target.step_bytes(p.context)  # the K/V of exactly this context
-        assert set(c.paths) == {"target", "draft"}
+        assert set(c.paths) == set(c.paths_busy) == {"target", "draft"}
         row = p.to_dict()
         assert ROW_KEYS <= set(row) and row["context"] == p.context and row["of_copy_bandwidth"] is None
 

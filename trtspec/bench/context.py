@@ -19,7 +19,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from trtspec.bench.measure import TAIL, Bandwidth, ContextPoint, Costs, head_step, step_paths
+from trtspec.bench.measure import TAIL, Bandwidth, ContextPoint, Costs, head_step, step_busy, step_paths
 from trtspec.errors import RequestError, RuntimeFailure
 
 REPEATS = 7  # timed steps per context length and kind (the median is kept)
@@ -68,7 +68,7 @@ def context_costs(dep, ctx: list[int], k: int, bandwidth: Bandwidth | None, repe
     if dep.head is not None:
         draft_step = head_step(dep, ctx, k, repeats)
     weights, kv = dep.target.step_bytes(len(ctx))
-    return Costs(target_step, draft_step, verify_step, k, weights, kv, bandwidth, {}, step_paths(dep))
+    return Costs(target_step, draft_step, verify_step, k, weights, kv, bandwidth, {}, step_paths(dep), step_busy(dep))
 
 
 def step_seconds(engine, ctx: list[int], n_new: int, repeats: int) -> float:

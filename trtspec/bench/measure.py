@@ -144,6 +144,9 @@ class Costs:
     verify_by_k: dict[str, float] = field(default_factory=dict)
     # Per engine: which path ran its steps, eager or compiled, by kind (one row | more rows).
     paths: dict[str, str] = field(default_factory=dict)
+    # Per engine: how busy other processes kept the CPUs while each of its choices was measured
+    # ("kernels", "programs": 0..1; None unknown); above contention.BUSY the choice is provisional.
+    paths_busy: dict[str, dict[str, float | None]] = field(default_factory=dict)
 
     @property
     def step_bytes(self) -> int | None:
@@ -506,16 +509,28 @@ def measure_engine_costs(deployment, prompt: str, k: int, repeats: int = 7) -> C
         str(n): forward_seconds(deployment.target, ctx, n + 1, max(3, repeats // 2)) / target_step
         for n in range(1, getattr(getattr(deployment.target, "manifest", None), "max_draft_len", k) + 1)
     }
-    return Costs(target_step, draft_step, verify_step, k, weights, kv, measure_bandwidth(), verify_by_k, step_paths(deployment))
+    paths, busy = step_paths(deployment), step_busy(deployment)
+    return Costs(target_step, draft_step, verify_step, k, weights, kv, measure_bandwidth(), verify_by_k, paths, busy)
 
 
 def step_paths(deployment) -> dict[str, str]:
     """Per engine role, which path (eager or compiled) runs its one-row and its wider steps."""
+    return {role: engine.programs.summary() for role, engine in _chosen(deployment)}
+
+
+def step_busy(deployment) -> dict[str, dict[str, float | None]]:
+    """Per engine role, how busy the machine was when its kernel and its eager-or-compiled
+    choices were measured (the choices' ``others_busy``), for the roles step_paths lists."""
     return {
-        role: engine.programs.summary()
-        for role, engine in (("target", deployment.target), ("draft", deployment.draft))
-        if engine is not None and hasattr(engine, "programs")
+        role: {"kernels": getattr(engine.kernels, "others_busy", None), "programs": engine.programs.others_busy}
+        for role, engine in _chosen(deployment)
     }
+
+
+def _chosen(deployment) -> list[tuple[str, object]]:
+    """(role, engine) for each engine of ``deployment`` that chose its paths (the torch engines)."""
+    engines = (("target", deployment.target), ("draft", deployment.draft))
+    return [(role, engine) for role, engine in engines if engine is not None and hasattr(engine, "programs")]
 
 
 def forward_seconds(engine, ctx: list[int], n_new: int, repeats: int, tree: bool = False) -> float:

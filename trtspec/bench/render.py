@@ -4,6 +4,7 @@ sweep, concurrency, methods and schedule-grid tables (rich)."""
 from __future__ import annotations
 
 from trtspec.bench.measure import BenchReport, Costs
+from trtspec.engines.torch.contention import contended
 
 
 def render(report: BenchReport, console) -> None:
@@ -56,8 +57,8 @@ def _render_costs(report: BenchReport, console) -> None:
     )
     if c.step_bytes is not None and c.bandwidth is not None:
         console.print(floor_line(c))
-    for role, path in c.paths.items():
-        console.print(f"{role} steps: {path}")
+    for line in path_lines(c, "steps"):
+        console.print(line)
     if c.verify_by_k:
         console.print("verify cost by k (target decode steps): " + ", ".join(f"{k}: {v:.2f}" for k, v in c.verify_by_k.items()))
 
@@ -140,8 +141,8 @@ def _render_context(report: BenchReport, console) -> None:
             "-" if c.of_copy_bandwidth is None else f"{c.of_copy_bandwidth:.2f}",
         )
     console.print(t)
-    for role, path in report.context_sweep[-1].costs.paths.items():
-        console.print(f"{role} steps (context sweep): {path}")
+    for line in path_lines(report.context_sweep[-1].costs, "steps (context sweep)"):
+        console.print(line)
 
 
 def _render_trees(trees: dict, console) -> None:
@@ -236,6 +237,25 @@ def floor_line(c: Costs) -> str:
         f"KV {(c.kv_bytes or 0) / 1e6:.1f} MB) in {c.target_step * 1e3:.1f} ms = {c.achieved_gbps:.1f} GB/s | this "
         f"machine copies {bw.copy_gbps:.1f} GB/s (reads {bw.read_gbps:.1f}; {bw.threads} threads), so the floor step "
         f"is {c.floor_step * 1e3:.1f} ms: {c.of_copy_bandwidth:.2f} of the floor"
+    )
+
+
+def path_lines(c: Costs, label: str) -> list[str]:
+    """One line per engine role: which path (eager or compiled) ran its steps, and whether its
+    choices are provisional (measured on a busy machine)."""
+    return [f"{role} {label}: {path}{_busy_note(c.paths_busy.get(role))}" for role, path in c.paths.items()]
+
+
+def _busy_note(busy: dict[str, float | None] | None) -> str:
+    """For a role's paths line: which of its choices (kernels, programs) were measured on a busy
+    machine, so are provisional and its step times may not be this machine's quiet ones; "" if none."""
+    busy = {what: others for what, others in (busy or {}).items() if contended(others)}
+    if not busy:
+        return ""
+    others = ", ".join(f"{what} {value:.2f}" for what, value in busy.items())
+    return (
+        f"; provisional: measured on a busy machine (others {others} of the CPUs); "
+        "`trtspec choices` shows them, TRTSPEC_REMEASURE=1 measures again"
     )
 
 
