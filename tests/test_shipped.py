@@ -9,7 +9,8 @@ from pathlib import Path
 import trtspec
 
 PACKAGE = Path(trtspec.__file__).parent
-DEVELOPMENT_PATHS = re.compile(r"/work/|/root/|/home/|shared/reference")
+# A checkout, a home folder (~/.pyenv/... is one), or a reference folder outside the repository.
+DEVELOPMENT_PATHS = re.compile(r"/work/|/root/|/home/|~/\.pyenv|shared/reference")
 
 
 def test_no_development_machine_path_in_shipped_files():
