@@ -4,6 +4,8 @@ would), and an example line is shown whole, never cut."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import typer.main
 from typer.testing import CliRunner
@@ -85,3 +87,11 @@ def test_the_check_catches_an_early_break():
     assert _early_breaks(["replayed in both forward shapes and", "classed numerical or algorithmic."]) == [
         "replayed in both forward shapes and"
     ]
+
+
+def test_each_command_is_listed_by_one_sentence():
+    """`trtspec --help` lists each command by its help's first paragraph: one sentence, the
+    rest of the help below it (a first paragraph of several sentences fills the list)."""
+    for name, (_, command) in COMMANDS.items():
+        first = reflowed(command.help or "").split("\n\n")[0]
+        assert not re.search(r"[.;:] [A-Z$]", first.rstrip(".")), f"{name}: {first}"
