@@ -5,8 +5,9 @@ num_draft_tokens 0), the served scheduler's loop asks the target engine model fo
 loop.DECODE_CHUNK tokens per sequence in ONE request (the target-only endpoint's decode,
 bls.BlsDecoder) instead of one request per token, and runs its usual EOS / stop / max_tokens
 rules over them: outputs stay the target-only ones, a load change is seen within a chunk, and a
-request cancelled while a chunk runs is answered once. The scheduler runs over the tiny
-engines in process (as tests/test_schedule_resume.py)."""
+request cancelled while a chunk runs is answered once. While the batch is saturated (full, with
+a request waiting for a place) a chunk runs up to loop.SATURATED_CHUNK tokens instead. The
+scheduler runs over the tiny engines in process (as tests/test_schedule_resume.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import numpy as np
 from test_scheduler import ListReply, _target_only
 from test_triton_cores import PROMPTS, _request
 
-from trtspec.speculative.loop import DECODE_CHUNK
+from trtspec.speculative.loop import DECODE_CHUNK, SATURATED_CHUNK
 from trtspec.speculative.metrics import metrics_from_json
 from trtspec.triton.backend.scheduler import Cancelled
 
@@ -197,3 +198,124 @@ def test_a_request_cancelled_during_a_chunk_is_answered_once(built):
     assert not any(final for _, final in gone.sent)
     assert sum(s.cancelled for s, _, _ in steps) == 1
     assert [r.ids() for r in others] == [_target_only(dep, PROMPTS[(i + 1) % 3], 24) for i in range(3)]
+
+
+def _shape(steps) -> list[tuple[int, int, int]]:
+    """Per step (sequences, tokens each sequence got from the target, target requests)."""
+    return [(s.sequences, 1 + s.extra_forwards // max(s.sequences, 1), len(target)) for s, target, _ in steps]
+
+
+def test_a_saturated_batch_decodes_up_to_the_fewest_tokens_left_in_one_target_request(built):
+    """A full batch with a fifth request waiting for a place: nobody can join until one ends,
+    and whoever ends is replaced, so each step that drafts nothing decodes up to the fewest
+    tokens any sequence has left, at most SATURATED_CHUNK, in ONE target request (64 then 15
+    here, not 8s). Once nobody waits, chunks are DECODE_CHUNK again. A stream gets a chunk's
+    tokens in one response; every answer is target-only's and every forward is counted."""
+    dep = built()
+    assert (DECODE_CHUNK, SATURATED_CHUNK, dep.limits.max_batch_size) == (8, 64, 4)
+    plan = [(PROMPTS[0], 80), (PROMPTS[1], 90), (PROMPTS[2], 100), (PROMPTS[0] + " again", 100), (PROMPTS[1] + " again", 20)]
+    plain = [_target_only(dep, prompt, n) for prompt, n in plan]
+    assert [len(ids) for ids in plain] == [n for _, n in plan]  # no EOS: max_tokens ends each
+    scheduler, calls = _logged(dep, FULL)
+    replies = [ListReply() for _ in plan]
+    for i, ((prompt, n), reply) in enumerate(zip(plan, replies)):
+        scheduler.submit(_request(prompt, max_tokens=n, **({"stream": True} if i == 1 else {})), reply)
+    steps = _step_all(scheduler, calls)
+    assert [r.error for r in replies] == [None] * 5 and all(r.refused == 0 for r in replies)
+    # prefill; 64 (the bound); 15 (the first to end ends with it); the fifth's first token; 8 (nobody waits)
+    assert _shape(steps)[:5] == [(4, 1, 1), (4, SATURATED_CHUNK, 1), (4, 15, 1), (4, 1, 1), (4, DECODE_CHUNK, 1)]
+    assert [s.queued for s, _, _ in steps[:3]] == [1, 1, 1] and steps[3][0].queued == 0
+    saturated = steps[1][1][0]
+    assert _is_chunk(saturated) and int(np.asarray(saturated["request_output_len"]).max()) == SATURATED_CHUNK
+    assert all(models == ["tensorrt_llm"] for _, _, models in steps[:5])  # the draft is never asked
+    assert [r.ids() for r in replies] == plain
+    assert [t["output_ids"].shape[1] for t, _ in replies[1].sent[:3]] == [1, SATURATED_CHUNK, 15]
+    m = _metrics(replies[0])
+    assert (m.drafted, m.target_forwards, m.tokens) == (0, 80, 80)
+
+
+def test_a_stop_word_inside_a_saturated_chunk_is_seen_at_its_end_and_the_waiting_request_joins_next(built):
+    """A request ends at a stop word in the middle of a saturated chunk: its answer is cut
+    there (target-only's, finish_reason stop) when the chunk ends, the chunk's tokens past the
+    stop are counted, and the request waiting for its place joins at the very next step."""
+    dep = built()
+    plain = _target_only(dep, PROMPTS[1], 60)
+    assert len(plain) == 60
+    word, at = _stop_word(dep, plain, 10, 30)  # inside the saturated chunk of tokens 1..59
+    scheduler, calls = _logged(dep, FULL)
+    first = ListReply()
+    scheduler.submit(_request(PROMPTS[1], max_tokens=60, stop_words=word.encode()), first)
+    others = [ListReply() for _ in range(3)]
+    for i, reply in enumerate(others):
+        scheduler.submit(_request(PROMPTS[(i + 2) % 3] + f" {i}", max_tokens=100), reply)
+    late = ListReply()
+    scheduler.submit(_request(PROMPTS[2], max_tokens=24), late)
+    steps = _step_all(scheduler, calls)
+    stopped = next(n for n, (s, _, _) in enumerate(steps) if ("stop", at + 1) in s.ended)
+    assert stopped == 1 and _shape(steps)[1] == (4, 59, 1)  # one chunk to the fewest left (59)
+    assert steps[2][0].sequences == 4 and steps[2][0].queued == 0  # the fifth joined next
+    assert first.ids() == plain[: at + 1] and first.sent[-1][0]["finish_reason"][0, 0] == b"stop"
+    m = _metrics(first)
+    assert m.drafted == 0 and m.target_forwards == 60 > at + 1
+    assert late.ids() == _target_only(dep, PROMPTS[2], 24)
+    assert [r.ids() for r in others] == [_target_only(dep, PROMPTS[(i + 2) % 3] + f" {i}", 100) for i in range(3)]
+
+
+def test_a_request_cancelled_during_a_saturated_chunk_is_answered_once_at_its_end(built):
+    """A streamed request cancelled while a saturated chunk runs gets one answer, Cancelled,
+    at the next step (within SATURATED_CHUNK forwards), and the request waiting for a place
+    takes its place there; everyone else answers as target-only."""
+    dep = built()
+    gone = ListReply()
+    long_chunks: list[int] = []
+
+    def cancel(inputs):
+        if _is_chunk(inputs) and int(np.asarray(inputs["request_output_len"]).max()) > DECODE_CHUNK:
+            long_chunks.append(int(np.asarray(inputs["request_output_len"]).max()))
+            gone.cancel()
+
+    scheduler, calls = _logged(dep, FULL, cancel)
+    scheduler.submit(_request(PROMPTS[0], max_tokens=100, stream=True), gone)
+    others = [ListReply() for _ in range(3)]
+    for i, reply in enumerate(others):
+        scheduler.submit(_request(PROMPTS[(i + 1) % 3], max_tokens=40), reply)
+    late = ListReply()
+    scheduler.submit(_request(PROMPTS[1] + " again", max_tokens=24), late)
+    steps = _step_all(scheduler, calls)
+    assert long_chunks[0] == 39  # the fewest tokens left (the others' 39), under SATURATED_CHUNK
+    assert isinstance(gone.error, Cancelled) and gone.refused == 0 and not any(final for _, final in gone.sent)
+    assert [s.cancelled for s, _, _ in steps[:3]] == [0, 0, 1]  # dropped when the chunk ended
+    assert steps[2][0].sequences == 1 and late.error is None  # the others ended with the chunk; it joined
+    assert [r.ids() for r in others] == [_target_only(dep, PROMPTS[(i + 1) % 3], 40) for i in range(3)]
+    assert late.ids() == _target_only(dep, PROMPTS[1] + " again", 24)
+
+
+def test_a_batch_is_saturated_only_while_a_waiting_request_cannot_fit_and_may_join_later():
+    """The scheduler's word to the loop (Batch.saturated), for rows of a batch of 4: full with
+    one waiting, or one place free with a two-row request first in line: saturated. Nobody
+    waiting, a waiting request that fits (it joins at the next admission), or a renewal due
+    (nobody joins, the batch drains): not."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from trtspec.triton.backend.scheduler import Scheduler, _Job
+
+    class Due:
+        def __init__(self, due):
+            self.is_due = due
+
+        def due(self):
+            return self.is_due
+
+        def apply(self):
+            pass
+
+    def saturated(running: int, waiting: list[int], due: bool = False) -> bool:
+        scheduler = Scheduler(SimpleNamespace(new_batch=lambda: None), max_active=4, max_queue=8, renewal=Due(due))
+        scheduler.active = [_Job([None] * running, ListReply(), keys=list(range(running)))] if running else []
+        scheduler.waiting = deque(_Job([None] * rows, ListReply()) for rows in waiting)
+        return scheduler._saturated()
+
+    assert saturated(4, [1]) and saturated(4, [1, 2]) and saturated(3, [2])
+    assert not saturated(4, []) and not saturated(3, [1]) and not saturated(2, [2])
+    assert not saturated(4, [1], due=True)

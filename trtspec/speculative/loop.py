@@ -14,8 +14,10 @@ next step.
 
 A step in which no sequence drafts (the load cap or switch_off at 0, or requests asking for no
 drafts) may ask the target for a chunk of up to DECODE_CHUNK tokens per sequence in one call
-(``Batch(decode_chunk=...)``, the served speculative endpoints): the tokens go through the
-same accept step and rules, so only the number of calls changes.
+(``Batch(decode_chunk=...)``, the served speculative endpoints), or up to SATURATED_CHUNK while
+the caller says the batch is saturated (``Batch.saturated``: nobody can join before a sequence
+leaves, and a request waits for the place): the tokens go through the same accept step and
+rules, so only the number of calls changes.
 
 A step is three stages with plain data between them: ``propose`` (the drafter's one call)
 returns a Proposal, ``score`` (the target's one forward) returns a Verdict per row, and
@@ -95,6 +97,12 @@ TreeRows = Sequence[tuple[int, ...] | None]
 # bounds how late the loop sees a load change: a request that arrives, or one that ends at EOS
 # or a stop, waits at most a chunk (max_tokens ends fall on a chunk's end, see decode_chunks).
 DECODE_CHUNK = 8
+# The most tokens per sequence of a decode chunk while the batch is saturated (Batch.saturated,
+# which the served scheduler sets before each step: no queued request fits before a running
+# sequence leaves, and one waits to take its place). The load then cannot fall until a sequence
+# ends, and whoever ends is replaced, so a longer chunk changes no step's draft length; it only
+# makes an end at EOS or a stop, a cancel or a timeout wait up to this many forwards to be seen.
+SATURATED_CHUNK = 64
 
 
 @dataclass(frozen=True)
@@ -327,7 +335,9 @@ class Batch:
 
     ``decode_chunk`` > 1 (a verifier that answers VerifyAsks' decode_chunks): a step in which
     no sequence drafts asks the target for up to that many tokens per sequence in one call
-    (``decode_chunks``); the tokens are appended under the same EOS, stop and max_tokens rules.
+    (``decode_chunks``), or up to ``saturated_chunk`` while ``saturated`` is True (the caller's
+    word, renewed before each step, that no request can join before a sequence leaves and one
+    waits to take its place); the tokens are appended under the same EOS, stop and max_tokens rules.
     """
 
     def __init__(
@@ -337,6 +347,7 @@ class Batch:
         on_step: StepCallback | None = None,
         policy: LoadPolicy | None = None,
         decode_chunk: int = 1,
+        saturated_chunk: int | None = None,
     ):
         if not isinstance(drafter, (Drafter, Menu)):
             raise TypeError(
@@ -349,6 +360,9 @@ class Batch:
         self.on_step = on_step
         self.policy = policy  # load-aware draft-length cap and acceptance switch-off (schedule.py)
         self.decode_chunk = decode_chunk  # the most tokens per sequence of a step that drafts nothing
+        # ... while ``saturated`` (None: decode_chunk); the caller sets ``saturated`` before a step
+        self.saturated_chunk = decode_chunk if saturated_chunk is None else saturated_chunk
+        self.saturated = False
         self.requests: dict[int, GenerationRequest] = {}
         self.results: dict[int, GenerationResult] = {}
         self.gens: dict[int, torch.Generator] = {}  # sampled requests' random streams
@@ -468,14 +482,16 @@ class Batch:
         keep one token), each is past its first step (whose first token is the prefill's) and
         is decided from the target's greedy ids (sampling, logits processing, log probs and
         generation logits need the target's logits at every token). Every sequence gets the
-        same length, never past the fewest tokens any has left, so one that ends at max_tokens
-        ends with the chunk and the next step sees the lower load. None: one token each."""
+        same length: at most decode_chunk, or saturated_chunk while the batch is ``saturated``,
+        and never past the fewest tokens any has left, so one that ends at max_tokens ends with
+        the chunk and the next step sees the lower load. None: one token each."""
         if self.decode_chunk <= 1 or any(draft_lens):
             return None
         requests, results = self.requests, self.results
         if any(not results[i].steps or requests[i].needs_logits for i in active):
             return None
-        n = min(self.decode_chunk, *(requests[i].max_tokens - len(results[i].output_ids) for i in active))
+        most = self.saturated_chunk if self.saturated else self.decode_chunk
+        n = min(most, *(requests[i].max_tokens - len(results[i].output_ids) for i in active))
         return [DecodeChunk(n, requests[i].end_ids) for i in active] if n > 1 else None
 
     def _propose_chosen(self, active: list[int], contexts, ceilings: list[int], cap: int | None) -> Proposal:

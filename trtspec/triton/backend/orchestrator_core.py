@@ -26,8 +26,9 @@ features trtspec does not implement are refused there by name). Implemented, bat
   return_log_probs: output_log_probs FP32 [b, 1, G], cum_log_probs FP32 [b, 1]; with
   return_generation_logits: generation_logits FP32 [b, 1, G, vocab].
 Streaming (decoupled model): one response per loop step with that step's new tokens and text
-(a step that drafts nothing may decode a chunk of several tokens, loop.DECODE_CHUNK), the last
-one flagged final; with return_perf_metrics every response carries the counts so far.
+(a step that drafts nothing may decode a chunk of several tokens: up to loop.DECODE_CHUNK, or
+loop.SATURATED_CHUNK while the batch is full and requests wait, all in that one response), the
+last one flagged final; with return_perf_metrics every response carries the counts so far.
 Several prompts or num_return_sequences on a decoupled model: one response stream per row,
 tagged batch_index / sequence_index, as upstream's.
 """
@@ -49,7 +50,15 @@ from trtspec.spec import CaptureSpec, SuffixSpec, SwitchOffSpec
 from trtspec.speculative.adaptive import AdaptivePolicy
 from trtspec.speculative.capture import wanted
 from trtspec.speculative.drafters import make_drafter, response_cache
-from trtspec.speculative.loop import DECODE_CHUNK, SHARED_SCOPE, Batch, GenerationRequest, GenerationResult, NoDrafter
+from trtspec.speculative.loop import (
+    DECODE_CHUNK,
+    SATURATED_CHUNK,
+    SHARED_SCOPE,
+    Batch,
+    GenerationRequest,
+    GenerationResult,
+    NoDrafter,
+)
 from trtspec.speculative.menus import adaptive_policy, make_menu
 from trtspec.speculative.metrics import SourceCounts
 from trtspec.speculative.processing import Processing
@@ -496,10 +505,17 @@ class Orchestrator:
     def new_batch(self) -> Batch:
         """A loop Batch for this endpoint. Margins come back whenever the engine gives them
         (requests that want them join a batch already running). A speculative endpoint's steps
-        that draft nothing decode DECODE_CHUNK tokens per engine request (loop.Batch); the
-        target-only control's scheduled requests (streaming, sampling) keep one per step."""
-        chunk = DECODE_CHUNK if self.s.mode == "speculative" else 1
-        return Batch(self.drafter(), self.verifier(self.s.margins_supported), policy=self.policy, decode_chunk=chunk)
+        that draft nothing decode up to DECODE_CHUNK tokens per engine request, SATURATED_CHUNK
+        while the scheduler finds the batch saturated (loop.Batch); the target-only control's
+        scheduled requests (streaming, sampling) keep one per step."""
+        chunk, saturated = (DECODE_CHUNK, SATURATED_CHUNK) if self.s.mode == "speculative" else (1, 1)
+        return Batch(
+            self.drafter(),
+            self.verifier(self.s.margins_supported),
+            policy=self.policy,
+            decode_chunk=chunk,
+            saturated_chunk=saturated,
+        )
 
     def run(self, requests: Sequence[Mapping[str, np.ndarray]], send: Sender | None = None) -> list[dict | Exception | None]:
         """Answer every request, here and now (the control endpoint; tests). Unary: returns

@@ -9,6 +9,12 @@ active sequence, streams that step's tokens, and answers each request the moment
 row ends. So a request never waits for another request's generation to end, only for the
 step in progress. A full queue answers at once with UNAVAILABLE.
 
+Before each step it tells the batch whether it is saturated (``Batch.saturated``): a request
+waits whose rows do not fit until a running sequence leaves. A step that drafts nothing then
+decodes a longer chunk (loop.SATURATED_CHUNK forwards at most, instead of loop.DECODE_CHUNK):
+the load cannot fall, since whoever leaves is replaced, so only how soon an end at EOS or a
+stop, a cancel or a timeout is seen (and the waiting request admitted) changes, within that bound.
+
 Every request it took gets at most one final answer, and exactly one while its sender works:
 a failed answer (packing or a non-final send raised) is answered with that error, and only a
 client that is gone (cancelled, or its sender refuses the error too) counts as a cancel. A
@@ -292,6 +298,7 @@ class Scheduler:
         self._drop_cancelled(stats)
         self._admit_or_renew()
         if self.batch.active:
+            self.batch.saturated = self._saturated()
             try:
                 report = self.batch.step()
             except Exception as err:  # an engine failure fails the running requests, not the server
@@ -321,6 +328,13 @@ class Scheduler:
             except Exception as err:  # monitoring must never fail the requests it watches
                 log.error(f"the step observer (metrics) raised {type(err).__name__}: {err}; the requests go on")
         return stats
+
+    def _saturated(self) -> bool:
+        """No queued request can join before a running sequence leaves, and one waits to take
+        its place. Not while a renewal is due: nobody joins then, so the load only falls."""
+        with self._cv:
+            room = self.max_active - sum(len(j.keys) for j in self.active)
+            return bool(self.waiting) and len(self.waiting[0].rows) > room and not self._renewal_due()
 
     def _drop_cancelled(self, stats: StepStats) -> None:
         now = time.monotonic_ns()
