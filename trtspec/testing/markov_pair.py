@@ -47,14 +47,14 @@ class MarkovVerifier:
 class MarkovDrafter(Drafter):
     capabilities = Capabilities(samples=True)
 
-    def propose(self, contexts, ks):
-        return [[int(torch.argmax(DRAFT[c[-1]]))] * k for c, k in zip(contexts, ks)]
+    def propose(self, contexts, draft_lens):
+        return [[int(torch.argmax(DRAFT[c[-1]]))] * n for c, n in zip(contexts, draft_lens)]
 
-    def propose_sampled(self, contexts, ks, params, gens):
+    def propose_sampled(self, contexts, draft_lens, params, gens):
         out = []
-        for ctx, k, prm, g in zip(contexts, ks, params, gens):
+        for ctx, n, prm, g in zip(contexts, draft_lens, params, gens):
             tok, toks, qs = ctx[-1], [], []
-            for _ in range(k):
+            for _ in range(n):
                 q = warp(DRAFT[tok].unsqueeze(0), prm)[0]
                 tok = int(torch.multinomial(q, 1, generator=g))
                 toks.append(tok)
