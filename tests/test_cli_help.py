@@ -95,3 +95,20 @@ def test_each_command_is_listed_by_one_sentence():
     for name, (_, command) in COMMANDS.items():
         first = reflowed(command.help or "").split("\n\n")[0]
         assert not re.search(r"[.;:] [A-Z$]", first.rstrip(".")), f"{name}: {first}"
+
+
+def _cut_words(output: str) -> list[str]:
+    """The words an 80-column help shows cut (rich ends a word too wide for its column with …)."""
+    return [m[1] for m in re.finditer(r"([^\s│]*)…", output)]
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_no_option_help_word_is_cut_at_80_columns(name, monkeypatch):
+    """An option's help reads whole at 80 columns: no word of it is cut. Only a default value
+    wider than the help column may be (a Kubernetes label: Typer shows defaults as they are)."""
+    path, command = COMMANDS[name]
+    monkeypatch.setenv("COLUMNS", str(COLUMNS))
+    output = CliRunner().invoke(app, [*path, "--help"], terminal_width=COLUMNS).output
+    defaults = [str(p.default) for p in command.params if isinstance(p.default, str)]
+    cut = [w for w in _cut_words(output) if not any(d.startswith(w) and len(d) > len(w) for d in defaults)]
+    assert cut == [], f"{name}: option help cut at 80 columns: {cut}"

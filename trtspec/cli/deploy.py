@@ -28,7 +28,7 @@ NameOpt = Annotated[str | None, Opt("--name", help="Object names (default: the s
 NamespaceOpt = Annotated[str | None, Opt("--namespace", "-n", help="Namespace set in kustomization.yaml (default: kubectl's).")]
 ImageOpt = Annotated[
     str | None,
-    Opt("--image", help="Server image (default: trtspec-cpu:<version> or trtspec-trtllm:<version>, built from docker/)."),
+    Opt("--image", help="Server image (default: trtspec-cpu or trtspec-trtllm, tagged with this version, built from docker/)."),
 ]
 EnginesFromOpt = Annotated[
     str,
@@ -41,7 +41,7 @@ PvcOpt = Annotated[str | None, Opt("--pvc", help="Claim with the engines (defaul
 EnginesImageOpt = Annotated[str | None, Opt("--engines-image", help="Image holding the built engines under /engines.")]
 StorageSizeOpt = Annotated[str, Opt("--storage-size", help="Per-pod claim size in build mode.")]
 StorageClassOpt = Annotated[str | None, Opt("--storage-class", help="StorageClass of that claim.")]
-HpaOpt = Annotated[bool, Opt("--hpa/--no-hpa", help="HorizontalPodAutoscaler on queue depth with a CPU fallback.")]
+HpaOpt = Annotated[bool, Opt("--hpa/--no-hpa", help="Autoscale on queue depth, with a CPU fallback (an HPA).")]
 MinReplicasOpt = Annotated[int, Opt("--min-replicas", help="Autoscaler floor; the replica count with --no-hpa.")]
 MaxReplicasOpt = Annotated[int, Opt("--max-replicas", help="Autoscaler ceiling.")]
 QueueTargetOpt = Annotated[

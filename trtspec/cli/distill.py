@@ -21,7 +21,7 @@ EvalPromptsOpt = Annotated[
     Path | None,
     Opt(
         "--eval-prompts",
-        help="JSONL prompts scored as unseen beside the spec's verify prompts (never trained on), e.g. the chat set trtspec ships, trtspec/bench/prompts.jsonl in its install folder.",
+        help="JSONL prompts scored as unseen beside the spec's verify prompts (never trained on), e.g. the chat set trtspec ships: prompts.jsonl in the trtspec/bench folder of its install.",
     ),
 ]
 CorpusOpt = Annotated[
