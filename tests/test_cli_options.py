@@ -141,3 +141,30 @@ def test_verify_and_bench_load_the_engine_folder_of_either_name(tmp_path, tiny_c
     assert r.exit_code == 2 and "under its old name; use --engines" in stderr and str(old / "target") in stderr, r.stderr
     r = runner.invoke(app, [command, spec, "--engines", str(tmp_path / "e"), "-o", str(old)])
     assert r.exit_code == 2 and "give the engine folder once: --engines DIR" in r.stderr
+
+
+def _callbacks(typer_app: typer.Typer):
+    """Every function Typer builds a command line from: the commands, the sub-apps' and the
+    root callback."""
+    if typer_app.registered_callback is not None:
+        yield typer_app.registered_callback.callback
+    for info in typer_app.registered_commands:
+        yield info.callback
+    for group in typer_app.registered_groups:
+        yield from _callbacks(group.typer_instance)
+
+
+def test_every_option_is_an_annotated_alias_not_an_inline_default():
+    """No parameter declares its option inline (``x: bool = typer.Option(...)``): each names a
+    typed alias, its default a plain value."""
+    import inspect
+
+    from typer.models import ParameterInfo
+
+    inline = [
+        f"{fn.__module__}.{fn.__name__}({name})"
+        for fn in _callbacks(app)
+        for name, p in inspect.signature(fn).parameters.items()
+        if isinstance(p.default, ParameterInfo)
+    ]
+    assert inline == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from typing import Annotated
 
 import typer
 
@@ -65,10 +66,11 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+VersionOpt = Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")]
+
+
 @app.callback()
-def _root(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
-) -> None:
+def _root(version: VersionOpt = False) -> None:
     pass
 
 
