@@ -152,3 +152,49 @@ def test_a_drafter_left_untried_is_measured_again():
     picks = [p.choose(s, {"draft_target": 5, "ngram": 5}, ceiling=5, active=1) for _ in range(12)]
     ngram = [i for i, c in enumerate(picks) if c.drafter == "ngram"]
     assert ngram == [5, 11] and all(picks[i].probe for i in ngram)  # after 5 steps untried, not every step
+
+
+def test_a_free_drafters_offer_is_measured_against_the_steps_tokens_without_being_sent():
+    """shadow: the step's tokens (accepted drafts, then the target's own) are the target's, so
+    an unsent free offer is checked as far as they reach; a model draft never is (it was not drafted)."""
+    p = policy()
+    s = p.new_request()
+    p.shadow(s, "ngram", [7, 8, 9, 4], known=[7, 8, 1])  # two agree, the third is the target's other token
+    assert (s.acceptance["ngram"].accepted, s.acceptance["ngram"].tried) == (2, 3)
+    p.shadow(s, "suffix", [7, 8, 9, 4], known=[7, 8])  # agrees as far as known: no rejection counted
+    assert (s.acceptance["suffix"].accepted, s.acceptance["suffix"].tried) == (2, 2)
+    p.shadow(s, "draft_target", [7, 8], known=[7, 8])
+    assert s.acceptance["draft_target"].tried == 0
+    assert p.deployment["ngram"].tried == 3 and p.deployment["suffix"].tried == 2
+
+
+def test_a_free_drafter_measured_every_step_is_never_probed():
+    """The stale-drafter and off re-probes are for drafters nothing measured: a free drafter
+    checked on every step (shadow) keeps losing to the model without a probe step."""
+    p = policy(methods=("draft_target", "ngram"), probe_every=5)
+    costs(p, base=0.030, per_token=0.0005)
+    s = p.new_request()
+    feed(p, s, "draft_target", 5, 5, times=6)
+    picks = []
+    for _ in range(12):
+        picks.append(p.choose(s, {"draft_target": 5, "ngram": 5}, ceiling=5, active=1))
+        p.observe(s, "draft_target", 5, 5)
+        p.shadow(s, "ngram", [1, 2, 3, 4, 5], known=[9, 9, 9, 9, 9, 9])
+    assert [c.drafter for c in picks] == ["draft_target"] * 12 and not any(c.probe for c in picks)
+
+
+def test_off_re_probes_only_a_drafter_nothing_measured():
+    """Off with the model and n-gram offering: the n-gram's offers are measured each step (and
+    rejected), so the re-probe after probe_every steps off tries the model, not the n-gram."""
+    p = policy(methods=("draft_target", "ngram"), probe_every=4)
+    costs(p, base=0.010, per_token=0.004)  # compute-bound: poor drafts lose
+    p.costs.drafted("draft_target", 1, 1, 0.004)
+    s = p.new_request()
+    feed(p, s, "draft_target", 5, 0, times=8)
+    picks = []
+    for _ in range(8):
+        picks.append(p.choose(s, {"draft_target": 5, "ngram": 5}, ceiling=5, active=1))
+        p.shadow(s, "ngram", [1, 2, 3, 4, 5], known=[9])
+    probes = [c for c in picks if c.probe]
+    assert [c.k for c in picks].count(0) >= 6 and probes
+    assert all(c.drafter == "draft_target" for c in probes)

@@ -201,7 +201,8 @@ def test_the_choice_changes_within_a_request_as_its_text_does():
 
 def test_speculation_turns_off_where_it_loses_and_comes_back():
     """Adaptive n-gram on a compute-bound target: free text rejects every draft, so it turns
-    off (re-probing with one token); when the text repeats again it drafts again."""
+    off; its offers are still checked against each step's token (no probe step is spent on
+    them), so when the text repeats again it drafts again."""
     clock = Clock()
     phases = lambda ctx: oracle(ctx) if len(ctx) - 3 < 60 else CYCLE[(len(ctx) - 3) % len(CYCLE)]  # noqa: E731
 
@@ -216,10 +217,22 @@ def test_speculation_turns_off_where_it_loses_and_comes_back():
     ks = [k for _, k in m.seen]
     off = [i for i, k in enumerate(ks) if k == 0]
     assert len(off) >= 10  # it turned off ...
-    probes = [i for i in range(off[0], off[-1]) if ks[i] == 1]
-    assert probes  # ... re-probing while off ...
+    assert all(k == 0 for k in ks[off[0] : off[-1]])  # ... measured its offers without a probe step ...
     assert max(ks[off[-1] + 1 :]) >= 3  # ... and came back once the text repeated
     assert res.metrics.choices.get("off:0", 0) == len(off)
+
+
+def test_free_offers_the_step_did_not_send_are_measured_and_never_probed():
+    """Free text with a good model draft: the n-gram's offers are checked against each step's
+    tokens without being sent, so it is measured on every step (its acceptance is known and
+    poor) and never takes a step from the model as a probe; the output stays the target's."""
+    clock = Clock()
+    m = Recording(menu(clock, {"draft_target": ModelDraft(clock, miss=50), "ngram": NgramDrafter()}, probe_every=4))
+    (res,) = generate([GenerationRequest([1, 2, 3], 80, 5)], m, TimedVerifier(clock))
+    assert res.output_ids == reference(80)
+    assert all(d == "draft_target" for d, _ in m.seen), m.seen
+    assert m.policy.deployment["ngram"].tried >= 3  # measured, though never sent
+    assert m.policy.acceptance(m.policy.new_request(), "ngram") < 0.5
 
 
 def test_target_only_and_auto_agree_on_a_batch_that_grows_and_shrinks():

@@ -24,9 +24,14 @@ rejection), started from the deployment's running acceptance of the drafter. ``c
 drafters that cost nothing (n-gram, suffix: they offer a draft of what they found, and are used
 where it pays); the model draft's is a running mean of measured seconds per draft step per row.
 
-Coming back: a request whose choice is "off" (k = 0) re-probes every ``probe_every`` steps
-with one draft token from its most promising drafter, and any drafter left untried that long
-is tried once, so acceptance is measured, never assumed from stale counts. The load enters
+Measured without being sent: a free drafter's offer that the step did not send is checked
+against the step's tokens (the accepted drafts and the target's own are the target's greedy
+continuation), as far as they reach (``shadow``), on every step of a greedy request, off ones
+included. Coming back: a request whose choice is "off" (k = 0) re-probes every
+``probe_every`` steps with one draft token from its most promising drafter that nothing
+measured since, and any drafter left untried and unmeasured that long is tried once (the
+model draft; free drafters of sampled requests), so acceptance is measured, never assumed
+from stale counts. The load enters
 only through ``active`` at each choice and the fitted costs, never through stored state, so
 when the load falls the next choice is the low-load one.
 """
@@ -35,7 +40,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 OFF = "off"  # the name of the choice that drafts nothing (k = 0)
@@ -181,14 +186,16 @@ class AdaptivePolicy:
         return tokens / seconds if seconds > 0 else tokens * 1e12  # nothing measured yet: tokens decide
 
     def _probe(self, state: RequestState, best: Choice, offers: Mapping[str, int], ceiling: int, active: int, fit) -> Choice:
-        """Re-probe after ``probe_every`` steps off, or try a drafter left untried that long."""
+        """Re-probe after ``probe_every`` steps off, or try a drafter left untried that long. A
+        free drafter measured on the last step without being sent (``shadow``) needs neither."""
         every = self.settings.probe_every
         offering = [m for m in self.settings.methods if min(ceiling, offers.get(m, 0)) > 0]
         state.off_steps = state.off_steps + 1 if best.k == 0 else 0
         stale = [m for m in offering if m != best.drafter and state.since_tried[m] >= every]
-        if best.k == 0 and state.off_steps >= every and offering:
+        unmeasured = [m for m in offering if state.since_tried[m] > 0]
+        if best.k == 0 and state.off_steps >= every and unmeasured:
             state.off_steps = 0
-            name = max(offering, key=lambda m: self.acceptance(state, m))
+            name = max(unmeasured, key=lambda m: self.acceptance(state, m))
             best = Choice(name, 1, probe=True)
         elif stale:
             name = stale[0]
@@ -205,6 +212,19 @@ class AdaptivePolicy:
             return
         state.acceptance[drafter].add(drafted, accepted, self.settings.decay)
         self.deployment[drafter].add(drafted, accepted, 0.99)
+
+    def shadow(self, state: RequestState, drafter: str, offer: Sequence[int], known: Sequence[int]) -> None:
+        """What the target would have accepted of a free ``drafter``'s ``offer`` that this step did
+        not send: ``known`` is the step's tokens (the accepted drafts, then the target's own), so
+        the offer is checked position by position as far as they reach; an offer agreeing with all
+        of them counts only those positions, none beyond as rejected. A drafter checked this way
+        (an empty offer included: it would have drafted nothing) needs no probe."""
+        if drafter not in self.settings.free:
+            return
+        state.since_tried[drafter] = 0
+        reach = min(len(offer), len(known))
+        agreed = next((n for n in range(reach) if offer[n] != known[n]), reach)
+        self.observe(state, drafter, reach, agreed)
 
     def timed(self) -> float:
         return self.costs.clock()

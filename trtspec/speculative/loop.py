@@ -281,6 +281,9 @@ class Proposal:
     trees: list[DraftTree] | None = None
     # Adaptive speculation: per row the policy's choice (None: no choice, e.g. a first step).
     choices: list[Choice | None] | None = None
+    # ... and per row what each free drafter offered (cut to the row's ceiling), sent or not: the
+    # accept step's tokens tell the policy how much of every offer the target would have accepted.
+    offers: list[dict[str, list[int]]] | None = None
     # No row drafts and the target decodes several tokens per row in one call (Batch.decode_chunks).
     chunks: list[DecodeChunk] | None = None
 
@@ -523,9 +526,11 @@ class Batch:
             if name not in menu.free:
                 self._draft_picked(name, [j for j in rows if choices[j].drafter == name], active, contexts, choices, drafts, qs)
         draft_lens = [c.k for c in choices]
-        return Proposal(
-            active, contexts, draft_lens, drafts, qs, cap, choices=[c if j in offers else None for j, c in enumerate(choices)]
-        )
+        chosen = [c if j in offers else None for j, c in enumerate(choices)]
+        shown: list[dict[str, list[int]]] = [{} for _ in active]
+        for r, j in enumerate(rows):
+            shown[j] = {name: offered[name][0][r][: ceilings[j]] for name in offered}
+        return Proposal(active, contexts, draft_lens, drafts, qs, cap, choices=chosen, offers=shown)
 
     def _draft_picked(self, name: str, picked: list[int], active, contexts, choices, drafts, qs) -> None:
         """The model drafter ``name``'s drafts for the rows ``picked`` for it, timed."""
@@ -604,13 +609,25 @@ class Batch:
                 req, len(res.output_ids), proposal.contexts[j], draft, proposal.qs[j], verdicts[j], self.gens.get(i), tree
             )
             if proposal.choices is not None and (c := proposal.choices[j]) is not None:
-                self.menu.policy.observe(self.states[i], c.drafter, len(draft), decision.accepted)
+                self._observe(i, c, proposal.offers[j] if proposal.offers else {}, draft, decision)
                 res.metrics.record_choice(choice_key(c.drafter, c.k))
                 report.chosen.append(choice_key(c.drafter, c.k))
             self._record(i, tree, verdicts[j], decision, report)
         if self.policy is not None:
             self.policy.stepped(report.drafted, report.accepted)
         return report
+
+    def _observe(self, key: int, choice: Choice, offers: dict[str, list[int]], draft: list[int], decision: Decision) -> None:
+        """Tell the policy what the target accepted of the chosen draft, and, for a greedy request,
+        how much of each free drafter's offer it would have accepted: the step's tokens are the
+        target's own, so an offer is checked against them without being sent (sampled tokens
+        are draws, not the target's answer to the offer)."""
+        policy, state = self.menu.policy, self.states[key]
+        policy.observe(state, choice.drafter, len(draft), decision.accepted)
+        if self.requests[key].sampling is None:
+            for name, offer in offers.items():
+                if name != choice.drafter:
+                    policy.shadow(state, name, offer, decision.tokens)
 
     def _record(self, key: int, tree: DraftTree, verdict: Verdict, decision: Decision, report: StepReport) -> None:
         """Append one row's decision to its result, metrics and the step's report; tell on_step."""
