@@ -91,13 +91,19 @@ def replay(runs: list[dict], factory, k: int) -> dict:
     }
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def replay_arguments(description: str, max_tokens: int, k: int) -> argparse.ArgumentParser:
+    """The arguments of every replay script: a spec, its prompt sets, tokens per prompt, k, --json."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("spec")
     ap.add_argument("--prompts", type=Path, action="append", required=True, help="JSONL prompt set (repeatable)")
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--k", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=max_tokens)
+    ap.add_argument("--k", type=int, default=k)
     ap.add_argument("--json", type=Path, default=None)
+    return ap
+
+
+def main() -> int:
+    ap = replay_arguments(__doc__.split("\n\n")[0], 128, 16)
     ap.add_argument(
         "--recorded", type=Path, default=None, help="JSON of recorded outputs per set: read if it exists, else written"
     )

@@ -29,7 +29,6 @@ the recorded one.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 from collections import Counter
@@ -37,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lab._common import command_line, write_result
-from lab.acceptance_replay import record
+from lab.acceptance_replay import record, replay_arguments
 from trtspec.spec import FREE_METHODS, SuffixSpec, load_spec, read_prompts
 from trtspec.speculative.adaptive import AdaptivePolicy, AdaptiveSettings
 from trtspec.speculative.capabilities import Drafter
@@ -204,16 +203,11 @@ def summarise(rows: dict[str, dict]) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("spec")
-    ap.add_argument("--prompts", type=Path, action="append", required=True, help="JSONL prompt set (repeatable)")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--k", type=int, default=5)
+    ap = replay_arguments(__doc__.split("\n\n")[0], 64, 5)
     ap.add_argument("--costs", type=Path, required=True, help="a `trtspec bench` result file whose costs the model uses")
     ap.add_argument("--c", type=float, default=None, help="draft step / target step (default: the file's cost_ratio)")
     ap.add_argument("--verify", choices=("measured", "flat"), default="measured", help="verify cost by k: the file's, or T")
     ap.add_argument("--recorded", type=Path, default=None, help="JSON of recorded outputs and drafts: read if it exists")
-    ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     from trtspec.runtime import Deployment
 
