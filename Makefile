@@ -92,7 +92,7 @@ bench-eagle3: install weights/smollm2-135m-eagle3-head
 
 # The documents' figures: each figure block of README.md, docs/performance.md and lab/RECORDS.md is its template in
 # lab/figures.md filled from a committed result file, lab/results/NAME.json (command, machine,
-# time, values). tests/test_figures.py (make test) fails when a block differs from its result.
+# time, values). lab/tests/test_figures.py (make test) fails when a block differs from its result.
 figures:
 	$(PY) -m lab.figures
 	$(PY) -m lab.plot_heads

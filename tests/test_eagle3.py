@@ -506,21 +506,3 @@ def test_bench_methods_refuses_what_it_cannot_compare(eagle_deploy, built, tmp_p
     assert r.exit_code == 2 and "target weights differ" in r.output
     r = runner.invoke(app, [*base, "--methods", "medusa"])
     assert r.exit_code == 2 and "unknown method 'medusa'" in r.output
-
-
-def test_peers_on_an_eagle3_spec_add_hf_assisted_with_the_pair_draft(eagle_deploy, built):
-    """lab/peers_bench.py --draft-from: an eagle3 spec gets our eagle3 and draft_target paths and
-    transformers' assisted generation with the draft_target spec's draft, on the same target."""
-    from lab.peers import encode_prompts, measure, peer_paths
-
-    dep = eagle_deploy("random")
-    pair = built("draft")
-    paths, settings = peer_paths(dep, pair.loaded)
-    keys = [p.key for p in paths]
-    assert keys[:4] == ["ours_target", "ours_eagle3", "ours_draft_target", "ours_ngram"]
-    assert {"hf_target", "hf_assisted", "hf_prompt_lookup"} <= set(keys) and "assisted" in settings
-    m = measure(paths, encode_prompts(dep, [("The quick brown fox", "chat")]), max_tokens=8)
-    runs = m.runs[0]
-    for key in ("ours_eagle3", "ours_draft_target", "ours_ngram", "hf_target", "hf_assisted"):
-        assert runs[key].identical, (key, runs[key].first_difference)
-    assert runs["ours_eagle3"].metrics.drafted > 0 and runs["ours_draft_target"].metrics.drafted > 0

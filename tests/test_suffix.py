@@ -561,24 +561,6 @@ def test_llmapi_build_and_double_run_suffix(tmp_path, tiny_ckpts):
     assert second.total_accepted_draft_tokens > 0
 
 
-def test_vllm_suffix_config_against_the_inventory(tmp_path, tiny_ckpts):
-    from vllm_fields import unknown_fields
-
-    from lab.peers import vllm_suffix
-
-    cfg = vllm_suffix(SuffixSpec(max_depth=32, spec_factor=2.0, min_token_prob=0.05, cache_responses=10))
-    assert cfg == {
-        "method": "suffix",
-        "suffix_decoding_max_tree_depth": 32,
-        "suffix_decoding_max_cached_requests": 10,
-        "suffix_decoding_max_spec_factor": 2.0,
-        "suffix_decoding_min_token_prob": 0.05,
-    }
-    assert unknown_fields(cfg | {"num_speculative_tokens": 8}) == []
-    assert unknown_fields({"method": "suffix", "suffix_max_depth": 3}) == ["suffix_max_depth"]
-    assert unknown_fields({"method": "sa"}) == ["method=sa"]
-
-
 # ---------------------------------------------------------------- bench --methods, two prompt sets
 
 
@@ -625,18 +607,3 @@ def test_load_aware_schedule_caps_suffix_drafts():
     assert longest == 2  # two sequences at once: the schedule's k
     assert all(r.output_ids == greedy(NoDrafter(), [1, 2, 3], 40).output_ids for r in results)
     assert max(len(h) for h in [r.metrics.histogram for r in results]) <= 3 and results[0].metrics.accepted > 0
-
-
-def test_acceptance_replay_counts_what_the_loop_counts_against_the_target():
-    """lab/acceptance_replay.py answers drafts from recorded target-only outputs: its counts
-    equal those of the loop run against the target itself."""
-    from lab import acceptance_replay as mod
-
-    prompts = [[1, 2, 3], [5, 11, 12, 13, 9]]
-    runs = [
-        {"prompt_ids": p, "output_ids": greedy(NoDrafter(), p, 40).output_ids, "end": None, "finish": "length"} for p in prompts
-    ]
-    row = mod.replay(runs, lambda: SuffixDrafter(SuffixSpec()), 8)
-    real = [greedy(SuffixDrafter(SuffixSpec()), p, 40, k=8).metrics for p in prompts]
-    assert (row["drafted"], row["accepted"]) == (sum(m.drafted for m in real), sum(m.accepted for m in real)) != (0, 0)
-    assert row["tokens_per_forward"] == round(sum(m.tokens for m in real) / sum(m.target_forwards for m in real), 3)

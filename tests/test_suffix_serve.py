@@ -352,14 +352,3 @@ def test_served_scopes_unary_and_streamed_with_target_only_tokens(served):
     front = {callers.CALLER_PARAMETER: callers.key_path(server.pid).read_text().strip()}
     with pytest.raises(Exception, match="suffix_cache_scope is 300 bytes, more than 256"):
         client.infer(BLS_MODEL, bad, parameters=front)
-
-
-def test_peer_paths_of_a_suffix_spec_run_ours_identical(built):
-    from lab.peers import trtspec_paths
-
-    dep = built(None, **{"speculative.method": "suffix", "speculative.max_draft_len": 8})
-    paths = {p.key: p for p in trtspec_paths(dep)}
-    assert list(paths) == ["ours_target", "ours_suffix", "ours_ngram"]
-    ids = dep.encode(PROMPTS[0])
-    target, suffix = paths["ours_target"].run(ids, 24), paths["ours_suffix"].run(ids, 24)
-    assert suffix.output_ids == target.output_ids and suffix.metrics is not None
