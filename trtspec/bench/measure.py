@@ -182,16 +182,11 @@ class Costs:
         """Verifying k+1 tokens in units of one target decode step."""
         return self.verify_step / self.target_step
 
+    # What the report carries beside the measured fields: the figures derived from them.
+    DERIVED = ("cost_ratio", "verify_cost", "step_bytes", "achieved_gbps", "floor_step", "of_copy_bandwidth")
+
     def to_dict(self) -> dict:
-        return {
-            **asdict(self),
-            "cost_ratio": self.cost_ratio,
-            "verify_cost": self.verify_cost,
-            "step_bytes": self.step_bytes,
-            "achieved_gbps": self.achieved_gbps,
-            "floor_step": self.floor_step,
-            "of_copy_bandwidth": self.of_copy_bandwidth,
-        }
+        return asdict(self) | {name: getattr(self, name) for name in self.DERIVED}
 
 
 @dataclass
