@@ -215,12 +215,16 @@ def main() -> int:
     costs = Costs.from_bench(args.costs, args.c, args.verify == "flat")
     cache = json.loads(args.recorded.read_text()) if args.recorded and args.recorded.exists() else {}
     sets, memo = cache.setdefault("sets", {}), cache.setdefault("drafts", {})
+    known = cache.setdefault("prompts", {})  # prompt text -> its recorded run (a mixed set reuses its parts')
     for path in args.prompts:
-        if path.stem not in sets:
-            runs = record(loaded, read_prompts(path, "--prompts"), args.max_tokens)
-            sets[path.stem] = [r | {"max_tokens": args.max_tokens} for r in runs]
+        prompts = read_prompts(path, "--prompts")
+        new = [p for p in dict.fromkeys(prompts) if p not in known]
+        if new:
+            for p, r in zip(new, record(loaded, new, args.max_tokens)):
+                known[p] = r | {"max_tokens": args.max_tokens}
             if args.recorded:  # kept at once: recording is the slow part
                 args.recorded.write_text(json.dumps(cache) + "\n")
+        sets[path.stem] = [known[p] for p in prompts]
     dep = Deployment(loaded, loaded.output_dir())
     clock = ModelClock()
     free = frozenset(m for m in METHODS if m in FREE_METHODS)
@@ -229,14 +233,18 @@ def main() -> int:
     result = {"costs": costs.__dict__, "sets": {}}
     for path in args.prompts:
         runs = sets[path.stem]
-        rows = {name: replay_method(name, runs, make, k, costs, clock) for name, (make, k) in made.items()}
+        rows = {}
+        for name, (make, k) in made.items():
+            rows[name] = replay_method(name, runs, make, k, costs, clock)
+            if args.recorded:  # the drafts so far
+                args.recorded.write_text(json.dumps(cache) + "\n")
         summarise(rows)
         result["sets"][path.stem] = {"prompts": len(runs), "methods": rows}
         for name, row in rows.items():
             extra = f"  {row['of_best_fixed']:.3f}x best fixed" if "of_best_fixed" in row else ""
-            print(f"{path.stem:22s} {name:16s} {row['modelled_tokens_per_s']:7.2f} tok/s  {row['speedup']:.3f}x{extra}")
-    if args.recorded:
-        args.recorded.write_text(json.dumps(cache) + "\n")
+            print(
+                f"{path.stem:22s} {name:16s} {row['modelled_tokens_per_s']:7.2f} tok/s  {row['speedup']:.3f}x{extra}", flush=True
+            )
     if args.json:
         write_result(args.json, command_line("auto_replay.py"), result)
     return 0
