@@ -125,21 +125,29 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
+# An EAGLE-3 trainer's own environment, in folder $(1): our CPU torch pin, the trainer's packages
+# ($(2)_NO_DEPS) without their dependencies, then the packages its imports need ($(2)_DEPS).
+define trainer_venv
+	python3 -m venv $(1)
+	$(1)/bin/pip install -q $(TORCH_PIN)
+	$(1)/bin/pip install -q --no-deps $($(2)_NO_DEPS)
+	$(1)/bin/pip install -q $($(2)_DEPS)
+	touch $(1)/.installed
+endef
+
 # speculators (vLLM project), the EAGLE-3 trainer users pick: its own environment, run as a
 # command by lab/distill_peers.py (lab/speculators_cpu.py inside it). torch is our CPU pin;
 # speculators and hs-connectors come without their dependencies (torchvision and torchaudio,
 # which it does not import, would pull CUDA wheels), then the packages its imports need, in the
 # ranges its metadata states.
 SPECULATORS_VENV ?= .venv-speculators
+SPECULATORS_NO_DEPS = 'speculators==0.9.0' 'hs-connectors==0.9.0'
+SPECULATORS_DEPS = click 'datasets>=4.0.0,<=5.1.0' httpx huggingface-hub 'loguru>=0.7.2,<=0.7.3' \
+  'numpy>=2.0.0,<=2.5.4' protobuf psutil 'pydantic>=2.0.0' 'pydantic-settings>=2.0.0' rich safetensors \
+  'tqdm>=4.66.3,<=4.70.1' 'transformers>=5.0.0,<=5.19.0' 'typer>=0.12.0' aiohttp 'openai>=2.0.0'
 speculators: $(SPECULATORS_VENV)/.installed
 $(SPECULATORS_VENV)/.installed:
-	python3 -m venv $(SPECULATORS_VENV)
-	$(SPECULATORS_VENV)/bin/pip install -q $(TORCH_PIN)
-	$(SPECULATORS_VENV)/bin/pip install -q --no-deps 'speculators==0.9.0' 'hs-connectors==0.9.0'
-	$(SPECULATORS_VENV)/bin/pip install -q click 'datasets>=4.0.0,<=5.1.0' httpx huggingface-hub 'loguru>=0.7.2,<=0.7.3' \
-	  'numpy>=2.0.0,<=2.5.4' protobuf psutil 'pydantic>=2.0.0' 'pydantic-settings>=2.0.0' rich safetensors \
-	  'tqdm>=4.66.3,<=4.70.1' 'transformers>=5.0.0,<=5.19.0' 'typer>=0.12.0' aiohttp 'openai>=2.0.0'
-	touch $@
+	$(call trainer_venv,$(SPECULATORS_VENV),SPECULATORS)
 
 # SpecForge (SGLang project), the other EAGLE-3 trainer users pick: its own environment, run as a
 # command by lab/distill_peers.py (lab/specforge_cpu.py inside it). torch is our CPU pin;
@@ -147,14 +155,11 @@ $(SPECULATORS_VENV)/.installed:
 # sglang, which needs CUDA-only packages; offline training imports neither), then the packages
 # its imports need, transformers at its pin.
 SPECFORGE_VENV ?= .venv-specforge
+SPECFORGE_NO_DEPS = 'specforge==0.2.0' yunchang
+SPECFORGE_DEPS = 'transformers==5.8.1' accelerate datasets huggingface-hub numpy psutil pydantic pyyaml safetensors tqdm
 specforge: $(SPECFORGE_VENV)/.installed
 $(SPECFORGE_VENV)/.installed:
-	python3 -m venv $(SPECFORGE_VENV)
-	$(SPECFORGE_VENV)/bin/pip install -q $(TORCH_PIN)
-	$(SPECFORGE_VENV)/bin/pip install -q --no-deps 'specforge==0.2.0' yunchang
-	$(SPECFORGE_VENV)/bin/pip install -q 'transformers==5.8.1' accelerate datasets huggingface-hub numpy psutil pydantic pyyaml \
-	  safetensors tqdm
-	touch $@
+	$(call trainer_venv,$(SPECFORGE_VENV),SPECFORGE)
 
 # make demo's head beside speculators' and SpecForge's heads trained on the same captured responses,
 # layers and draft vocabulary, all scored on the same unseen prompts through trtspec and vLLM
