@@ -45,6 +45,7 @@ from trtspec.speculative.loop import GenerationRequest, NoDrafter, Verdict, gene
 from trtspec.speculative.menus import make_menu
 
 METHODS = ("draft_target", "suffix", "ngram")  # bench's auto over a draft_target spec chooses among these
+NAMES = ("target-only", *METHODS, "auto")  # what is replayed (--methods; target-only: the base of every speedup)
 
 
 @dataclass(frozen=True)
@@ -198,7 +199,7 @@ def summarise(rows: dict[str, dict]) -> None:
     fixed = [r["modelled_tokens_per_s"] for n, r in rows.items() if n != "target-only" and not n.startswith("auto")]
     for name, row in rows.items():
         row["speedup"] = round(row["modelled_tokens_per_s"] / base, 3)
-        if name.startswith("auto"):
+        if name.startswith("auto") and fixed:
             row["of_best_fixed"] = round(row["modelled_tokens_per_s"] / max(fixed), 3)
 
 
@@ -207,6 +208,12 @@ def main() -> int:
     ap.add_argument("--costs", type=Path, required=True, help="a `trtspec bench` result file whose costs the model uses")
     ap.add_argument("--c", type=float, default=None, help="draft step / target step (default: the file's cost_ratio)")
     ap.add_argument("--verify", choices=("measured", "flat"), default="measured", help="verify cost by k: the file's, or T")
+    ap.add_argument(
+        "--methods",
+        type=lambda v: v.split(","),
+        default=list(NAMES),
+        help="a subset of " + ",".join(NAMES) + " (target-only always)",
+    )
     ap.add_argument("--recorded", type=Path, default=None, help="JSON of recorded outputs and drafts: read if it exists")
     args = ap.parse_args()
     from trtspec.runtime import Deployment
@@ -229,7 +236,11 @@ def main() -> int:
     clock = ModelClock()
     free = frozenset(m for m in METHODS if m in FREE_METHODS)
     policy = AdaptivePolicy(AdaptiveSettings(METHODS, free, args.k), clock=clock)  # one for every set, as bench's
-    made = factories(dep, loaded.spec, args.k, costs, clock, memo, policy)
+    made = {
+        n: f
+        for n, f in factories(dep, loaded.spec, args.k, costs, clock, memo, policy).items()
+        if n.split()[0] in (*args.methods, "target-only")
+    }
     result = {"costs": costs.__dict__, "sets": {}}
     for path in args.prompts:
         runs = sets[path.stem]
