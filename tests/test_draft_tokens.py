@@ -84,3 +84,26 @@ def test_a_k_beyond_the_bound_is_refused_alike_in_verify_and_bench(built):
         assert (
             r.exit_code == 2 and "num_draft_tokens must be in 0..8 (max_draft_len the engines were built for); got 9" in r.stderr
         )
+
+
+def _grpc_backend(params: dict[str, str], num_draft_tokens: int | None = None):
+    """A GrpcBackend whose server's tensorrt_llm_bls config has ``params`` (no server)."""
+    from types import SimpleNamespace
+
+    from trtspec.triton.client import GrpcBackend
+
+    backend = GrpcBackend.__new__(GrpcBackend)
+    backend.url, backend.num_draft_tokens, backend._error = "127.0.0.1:1", num_draft_tokens, RuntimeError
+    config = SimpleNamespace(parameters={k: SimpleNamespace(string_value=v) for k, v in params.items()})
+    backend.client = SimpleNamespace(get_model_config=lambda model, client_timeout=None: SimpleNamespace(config=config))
+    return backend
+
+
+def test_over_grpc_the_reported_draft_length_is_the_served_endpoints():
+    """verify and bench --url report the k the served endpoint decides: the one sent, else its
+    own default_draft_tokens parameter (never the local spec's); a server whose config names
+    none is refused with the fix."""
+    assert _grpc_backend({"default_draft_tokens": "3"}).decided_draft_tokens() == 3
+    assert _grpc_backend({"default_draft_tokens": "3"}, num_draft_tokens=5).decided_draft_tokens() == 5
+    with pytest.raises(RequestError, match="names no default_draft_tokens in its config; serve a repository"):
+        _grpc_backend({}).decided_draft_tokens()

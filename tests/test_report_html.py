@@ -255,6 +255,9 @@ class ServedLike:
     def token_text(self, tok):
         return self.inner.token_text(tok)
 
+    def decided_draft_tokens(self):
+        return self.inner.decided_draft_tokens()
+
 
 @needs_browser
 def test_served_run_is_unclassified_and_says_what_is_missing(built, tmp_path, monkeypatch):

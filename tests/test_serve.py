@@ -825,6 +825,23 @@ def test_verify_sampling_over_the_server_draws_from_the_target_distribution(serv
     assert "consistent with the target's distribution" in result.output
 
 
+@pytest.mark.server
+def test_verify_and_bench_url_report_the_served_default_draft_length(served, deployment, tiny_ckpts, tmp_path):
+    """With no -k, the served endpoint drafts its own default_draft_tokens (a parameter of its
+    config), and verify and bench report that one, not the local spec's."""
+    loaded, _ = deployment
+    served_k = loaded.spec.speculative.default_draft_tokens
+    local = write_spec(tmp_path, tiny_ckpts, **{"speculative.default_draft_tokens": served_k + 1})
+    common = ["--url", served.grpc_endpoint, "--engines", str(loaded.output_dir()), "-p", PROMPTS[0], "--max-tokens", "8"]
+    result = CliRunner().invoke(app, ["verify", str(local), *common, "--json-file", str(tmp_path / "v.json")])
+    assert result.exit_code == 0, result.output
+    verified = json.loads((tmp_path / "v.json").read_text())
+    assert verified["num_draft_tokens"] == served_k and len(verified["metrics"]["per_position_rate"]) == served_k
+    result = CliRunner().invoke(app, ["bench", str(local), *common, "--sweep", "none", "-c", "1", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "bench.json").read_text())["k"] == served_k
+
+
 def test_verify_url_unreachable_is_one_clear_error(deployment):
     loaded, _ = deployment
     (port,) = free_ports(1)

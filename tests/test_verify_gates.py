@@ -141,6 +141,16 @@ def test_incomparable_baseline_exit_2(spec_file, baseline, args, message):
     assert message in r.stderr
 
 
+def test_a_baseline_of_another_k_than_the_deployment_decided_exit_2(spec_file, baseline, tmp_path):
+    """Without -k, the baseline's k is held against the one the deployment decided (its
+    default_draft_tokens, 4), read back from the run."""
+    other = tmp_path / "k3.json"
+    other.write_text(json.dumps(json.loads(baseline.read_text()) | {"num_draft_tokens": 3}))
+    r = runner.invoke(app, ["verify", str(spec_file), "--baseline", str(other), "--max-acceptance-drop", "5%"])
+    assert r.exit_code == 2, r.output
+    assert "was measured with another num draft tokens (3; this run: 4)" in r.stderr
+
+
 def test_baseline_of_another_spec_exit_2(spec_file, tmp_path):
     other = tmp_path / "other.json"
     other.write_text(

@@ -22,8 +22,14 @@ class GrpcBench:
     def __init__(self, url: str, chat_template: bool = True):
         self.url = url
         self.chat_template = chat_template
-        probe = GrpcBackend(url, chat_template=chat_template)
-        self.streaming = probe._ready(BLS_STREAMING_MODEL)
+        self.probe = GrpcBackend(url, chat_template=chat_template)
+        self.streaming = self.probe._ready(BLS_STREAMING_MODEL)
+
+    def decided_draft_tokens(self, num_draft_tokens: int | None) -> int:
+        """The k the served speculative endpoint drafts for requests sending ``num_draft_tokens``
+        (None: its own default_draft_tokens; GrpcBackend.decided_draft_tokens)."""
+        self.probe.num_draft_tokens = num_draft_tokens
+        return self.probe.decided_draft_tokens()
 
     def run_batch(self, prompts, max_tokens, speculative, k, concurrency):
         from concurrent.futures import ThreadPoolExecutor

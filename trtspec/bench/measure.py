@@ -323,8 +323,9 @@ class BenchReport:
         }
 
 
-def validate_args(k: int, ks: Sequence[int], concurrency: Sequence[int], max_k: int) -> None:
-    for value in [k, *ks]:
+def validate_args(k: int | None, ks: Sequence[int], concurrency: Sequence[int], max_k: int) -> None:
+    """The draft lengths (k None: not asked yet) in 1..max_k and the concurrencies in 1..256."""
+    for value in [*([] if k is None else [k]), *ks]:
         if not 1 <= value <= max_k:
             raise RequestError(f"draft length {value} is out of range; use 1..{max_k} (max_draft_len of the engines)")
     for c in concurrency:

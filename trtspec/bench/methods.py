@@ -159,20 +159,19 @@ class MethodSet:
     forget: Callable[[], None]
 
 
-def method_set(dep, methods: Sequence[str], k: int, other=None, other_k: int | None = None) -> MethodSet:
+def method_set(dep, methods: Sequence[str], k: int, other=None) -> MethodSet:
     """The drafters for ``methods`` over ``dep``'s target (the verifier of every method).
 
     A method is the spec's own draft alone (its draft engine or EAGLE-3 head), ``ngram``
     (prompt lookup with the spec's n-gram sizes), ``suffix`` (the spec's suffix settings or
     the defaults), the method of ``other`` (a LoadedSpec with the same target weights, e.g.
     the draft_target demo beside the eagle3 one: only its draft engine or head is loaded, next
-    to ``dep``'s target), or one of those model drafts with suffix drafting layered on
+    to ``dep``'s target, drafting its spec's default_draft_tokens), or one of those model drafts with suffix drafting layered on
     (``eagle3+suffix``). RequestError names a method that has no source.
     """
     from trtspec.errors import RequestError
     from trtspec.spec import SuffixSpec
     from trtspec.speculative.drafters import make_drafter
-    from trtspec.speculative.requests import spec_num_draft_tokens
 
     s = dep.spec.speculative
     sx = s.suffix_drafting or SuffixSpec()  # the spec's suffix settings, else the defaults
@@ -196,7 +195,7 @@ def method_set(dep, methods: Sequence[str], k: int, other=None, other_k: int | N
         elif name == "suffix":
             drafters[f"suffix k={k}"] = (lambda: make_drafter("suffix", suffix=sx), k)
         elif other is not None and base == other.spec.speculative.method:
-            kk = spec_num_draft_tokens(other_k, other.spec)
+            kk = other.spec.speculative.default_draft_tokens  # held within its max_draft_len by the spec
             drafters[f"{name} k={kk}"] = (
                 (lambda b=base, x=layered: make_drafter(b, draft_model=extra(), suffix=x)) if layer else extra,
                 kk,

@@ -16,7 +16,6 @@ from trtspec.bench.neighbour import busy_neighbours
 from trtspec.errors import RequestError
 from trtspec.spec import LoadedSpec
 from trtspec.speculative.llmapi import DOUBLE, TENSORRT_LLM
-from trtspec.speculative.requests import spec_num_draft_tokens
 from trtspec.triton.client import parse_url
 
 
@@ -137,29 +136,20 @@ def run(
     opts = opts.for_spec(loaded)
     if not opts.prompts:
         raise RequestError("no prompts: add verify.prompts to the spec or pass --prompt/--prompts-file")
-    opts = opts.model_copy(update={"num_draft_tokens": spec_num_draft_tokens(opts.num_draft_tokens, loaded.spec)})
-    m.validate_args(opts.num_draft_tokens, opts.sweep, opts.concurrency, loaded.spec.speculative.max_draft_len)
+    max_draft_len = loaded.spec.speculative.max_draft_len
+    m.validate_args(None, opts.sweep, opts.concurrency, max_draft_len)  # k: once the deployment decided it
     _check_grid(opts, loaded.spec.build.max_batch_size)
-    head = loaded.spec.speculative.model_draft == "eagle3"
-    check_contexts(opts.context_sweep or [], loaded.spec.build.max_seq_len, opts.num_draft_tokens, head)
+    if opts.context_sweep:  # in process (refused with --url), before the engines load: the k the
+        # deployment will decide is -k, else the default_draft_tokens of the spec it is loaded from
+        asked = opts.num_draft_tokens
+        k = loaded.spec.speculative.default_draft_tokens if asked is None else asked
+        check_contexts(opts.context_sweep, loaded.spec.build.max_seq_len, k, loaded.spec.speculative.model_draft == "eagle3")
     if loaded.spec.backend == "trtllm" and loaded.spec.trtllm.runtime == "llmapi" and not opts.url:
         return _run_llmapi(loaded, engines_dir, opts, progress)
-    if opts.url:
-        from trtspec.bench.grpc import GrpcBench, measure_grpc_costs
-
-        backend, dep = GrpcBench(opts.url, loaded.spec.verify.chat_template), None
-        url = opts.url
-        measure_costs, mode = (lambda k: measure_grpc_costs(url, k)), f"grpc://{url}"
-    else:
-        from trtspec.runtime import Deployment
-
-        with console.step("loading engines"):
-            slots = max([*opts.concurrency, 1]) if opts.concurrency else None
-            dep = Deployment(loaded, engines_dir, slots=slots)
-        backend = m.InProcessBench(dep)
-        sweeper = m.InProcessBench(dep, use_schedule=False)
-        first = opts.prompts[0]
-        measure_costs, mode = (lambda k: m.measure_engine_costs(dep, first, k)), "in-process"
+    backend, sweeper, dep, measure_costs, mode, k = _open(loaded, engines_dir, opts)
+    # From here on, k is the draft length the deployment decided for the bench's requests.
+    m.validate_args(k, [], [], max_draft_len)
+    opts = opts.model_copy(update={"num_draft_tokens": k})
     described = machine.description()
     if opts.neighbours:
         described += f"; {opts.neighbours} busy neighbour process{'es' if opts.neighbours > 1 else ''}"
@@ -181,13 +171,36 @@ def run(
                 measure_costs,
                 progress=progress,
                 rounds=opts.rounds,
-                sweep_backend=None if opts.url else sweeper,
+                sweep_backend=sweeper,
                 grid=opts.schedule,
             )
             _in_process_extras(dep, methods, opts, report, progress)
     except KeyboardInterrupt:
         return report, True
     return report, False
+
+
+def _open(loaded: LoadedSpec, engines_dir: Path, opts: BenchOptions):
+    """The bench's backends, the deployment in process (None over --url), the step-cost
+    measurement, the mode line, and num_draft_tokens as the deployment decided it for the
+    bench's requests (-k, else its default: in process the request rules', over --url the
+    served endpoint's own)."""
+    if opts.url:
+        from trtspec.bench.grpc import GrpcBench, measure_grpc_costs
+
+        backend = GrpcBench(opts.url, loaded.spec.verify.chat_template)
+        url = opts.url
+        k = backend.decided_draft_tokens(opts.num_draft_tokens)
+        return backend, None, None, (lambda k: measure_grpc_costs(url, k)), f"grpc://{url}", k
+    from trtspec.runtime import Deployment
+
+    with console.step("loading engines"):
+        slots = max([*opts.concurrency, 1]) if opts.concurrency else None
+        dep = Deployment(loaded, engines_dir, slots=slots)
+    first = opts.prompts[0]
+    k = dep.request(dep.encode(first), opts.max_tokens, opts.num_draft_tokens).num_draft_tokens
+    backend, sweeper = m.InProcessBench(dep), m.InProcessBench(dep, use_schedule=False)
+    return backend, sweeper, dep, (lambda k: m.measure_engine_costs(dep, first, k)), "in-process", k
 
 
 def _check_grid(opts: BenchOptions, batch: int) -> None:
@@ -236,7 +249,7 @@ def _run_llmapi(loaded: LoadedSpec, engines_dir: Path, opts: BenchOptions, progr
             "an llmapi build drafts a fixed k (speculative_config.max_draft_len) and one method: "
             "pass --sweep none and no --methods/--draft-from/--trees/--context-sweep"
         )
-    if opts.num_draft_tokens != k:
+    if opts.num_draft_tokens not in (None, k):  # none asked: the build's k, all the LLM API drafts
         raise RequestError(
             f"-k {opts.num_draft_tokens}: this llmapi build drafts {k} (speculative.max_draft_len); pass -k {k} or rebuild"
         )

@@ -67,20 +67,15 @@ def decide_num_draft_tokens(num_draft_tokens: int | None, default: int, max_draf
     sent, else the deployment's default_draft_tokens (the spec field; inside the orchestrator,
     the Triton parameter written from it); RequestError outside 0..max_draft_len; 0 where the
     endpoint ``drafts`` nothing (checked all the same). make_request calls it for every
-    request; verify and bench call it (spec_num_draft_tokens) to name the draft length of
-    their reports before a request runs. The loop drafts at most this many per step
-    (loop.Batch.draft_lens); a draft tree request's nodes come from its shape, and its
-    num_draft_tokens 0 turns drafting off."""
+    request, in process and in the served orchestrator, and nothing else does: verify and
+    bench report the draft length their requests were given here (the in-process request,
+    the served endpoint's default_draft_tokens parameter). The loop drafts at most this many
+    per step (loop.Batch.draft_lens); a draft tree request's nodes come from its shape, and
+    its num_draft_tokens 0 turns drafting off."""
     n = default if num_draft_tokens is None else num_draft_tokens
     if not 0 <= n <= max_draft_len:
         raise RequestError(f"num_draft_tokens must be in 0..{max_draft_len} (max_draft_len the engines were built for); got {n}")
     return n if drafts else 0
-
-
-def spec_num_draft_tokens(num_draft_tokens: int | None, spec: EngineSpec) -> int:
-    """:func:`decide_num_draft_tokens` for a deployment of ``spec`` (its speculative block's
-    default and bound)."""
-    return decide_num_draft_tokens(num_draft_tokens, spec.speculative.default_draft_tokens, spec.speculative.max_draft_len)
 
 
 def make_request(

@@ -177,6 +177,23 @@ class GrpcBackend:
             return f"<id {token_id}>"
         return self.tokenizer.decode([token_id])
 
+    def decided_draft_tokens(self) -> int:
+        """The num_draft_tokens the served speculative endpoint decides for these requests: the
+        one they send (it refuses one beyond its bound), else its own default_draft_tokens, a
+        parameter of its model config."""
+        if self.num_draft_tokens is not None:
+            return self.num_draft_tokens
+        try:
+            params = self.client.get_model_config(BLS_MODEL, client_timeout=10).config.parameters
+        except self._error as err:
+            raise RequestError(f"the server at {self.url} did not give {BLS_MODEL}'s config ({_first_line(err)})") from None
+        if "default_draft_tokens" not in params or not params["default_draft_tokens"].string_value.isdigit():
+            raise RequestError(
+                f"{BLS_MODEL} at {self.url} names no default_draft_tokens in its config; serve a repository "
+                "written by this trtspec (`trtspec serve SPEC`) or pass -k K"
+            )
+        return int(params["default_draft_tokens"].string_value)
+
 
 def _first_line(err: Exception) -> str:
     text = str(err).strip()

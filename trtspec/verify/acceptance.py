@@ -64,7 +64,9 @@ _SAME = ("spec", "prompt_set_sha256", "num_draft_tokens", "max_tokens")
 
 def load_baseline(path: Path, current: dict) -> dict:
     """A previous report comparable with ``current`` (an identity() dict, checked before the
-    run); else RequestError naming what differs and how to get a comparable baseline."""
+    run; a None value, num_draft_tokens before the deployment decided it, is checked after it
+    by :func:`check_same`); else RequestError naming what differs and how to get a comparable
+    baseline."""
     try:
         base = json.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -78,8 +80,15 @@ def load_baseline(path: Path, current: dict) -> dict:
             f"--baseline {path} is not a trtspec verify report with acceptance figures (or predates them); "
             "write one with `trtspec verify SPEC --json previous.json`"
         )
+    check_same(path, base, current)
+    return base
+
+
+def check_same(path: Path, base: dict, current: dict) -> None:
+    """RequestError naming the first of ``current``'s known identity values (not None) that
+    the baseline report ``base`` (read from ``path``) does not share."""
     for key in _SAME:
-        if base[key] != current[key]:
+        if current[key] is not None and base[key] != current[key]:
             what = "prompt set" if key == "prompt_set_sha256" else key.replace("_", " ")
             mine, theirs = current[key], base[key]
             if key == "prompt_set_sha256":
@@ -89,7 +98,6 @@ def load_baseline(path: Path, current: dict) -> dict:
                 "acceptance figures only compare on the same spec, prompts, k and max_tokens — "
                 "re-run the baseline with the same options"
             )
-    return base
 
 
 def _prompt_set(report: dict) -> str:

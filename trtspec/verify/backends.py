@@ -28,12 +28,14 @@ class InProcessBackend:
     ):
         self.dep = deployment
         self.chat_template = chat_template
-        self.num_draft_tokens = num_draft_tokens
+        self.num_draft_tokens = num_draft_tokens  # as asked; None: the deployment's default
+        self.decided: int | None = None  # as the request rules decided it (decided_draft_tokens)
         self.epsilon = epsilon if epsilon is not None else DEFAULT_EPSILON[deployment.target.manifest.dtype]
 
     def run(self, prompt: str, max_tokens: int, speculative: bool) -> PathRun:
         ids = self.dep.encode(prompt, self.chat_template)
         req = self.dep.request(ids, max_tokens, self.num_draft_tokens)
+        self.decided = req.num_draft_tokens
         self.dep.forget_prefixes()  # neither path may reuse the other's prefill of this prompt
         start = time.perf_counter()
         (res,) = self.dep.generate([req], speculative=speculative)
@@ -42,6 +44,9 @@ class InProcessBackend:
 
     def token_text(self, token_id: int) -> str:
         return self.dep.tokenizer.decode([token_id])
+
+    def decided_draft_tokens(self) -> int | None:
+        return self.decided
 
     def classify(self, target: PathRun, spec: PathRun, div: Divergence) -> DivergenceVerdict:
         steps = spec.steps or []
@@ -77,6 +82,10 @@ class LlmapiBackend:
 
     def token_text(self, token_id: int) -> str:
         return self.dep.tokenizer.decode([token_id])
+
+    def decided_draft_tokens(self) -> int:
+        """The LLM API drafts the build's max_draft_len (the spec holds default_draft_tokens to it)."""
+        return self.dep.spec.speculative.max_draft_len
 
 
 def open_backend(

@@ -25,6 +25,12 @@ class VerifyBackend(Protocol):
 
     def token_text(self, token_id: int) -> str: ...
 
+    def decided_draft_tokens(self) -> int | None:
+        """The num_draft_tokens the deployment decided for the speculative path's requests (the
+        request rules' decide_num_draft_tokens, in this process or in the served endpoint);
+        None until it is known (in process: until a request was made)."""
+        ...
+
     # Optional: classify(target, spec, div) -> DivergenceVerdict (verify/verdicts.py). A backend
     # without it (gRPC: the served endpoints return neither step boundaries nor logits)
     # leaves divergences unclassified, which fail under every --fail-on.
@@ -80,7 +86,7 @@ class VerifyReport:
     max_tokens: int
     results: list[PromptResult]
     prompt_set: str = "prompts"  # where the prompts came from, for gate messages
-    num_draft_tokens: int | None = None  # k the speculative path was asked for
+    num_draft_tokens: int | None = None  # k the speculative path drafted, as its deployment decided it
 
     @property
     def identical(self) -> bool:
@@ -181,9 +187,9 @@ def run_verify(
     mode: str = "in-process",
     progress=None,
     prompt_set: str = "prompts",
-    num_draft_tokens: int | None = None,
 ) -> VerifyReport:
-    """Compare both paths on every prompt; ``progress(i, n)`` is called after each."""
+    """Compare both paths on every prompt; ``progress(i, n)`` is called after each. The
+    report's num_draft_tokens is the one the backend's deployment decided."""
     # Warm-up (untimed): first calls pay allocation and lazy-initialisation costs.
     backend.run(prompts[0], min(max_tokens, 4), speculative=False)
     backend.run(prompts[0], min(max_tokens, 4), speculative=True)
@@ -218,4 +224,4 @@ def run_verify(
         )
         if progress:
             progress(i + 1, len(prompts))
-    return VerifyReport(spec_name, mode, max_tokens, results, prompt_set, num_draft_tokens)
+    return VerifyReport(spec_name, mode, max_tokens, results, prompt_set, backend.decided_draft_tokens())

@@ -14,11 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from trtspec.errors import RequestError
 from trtspec.spec import LoadedSpec
 from trtspec.speculative.llmapi import TENSORRT_LLM
-from trtspec.speculative.requests import spec_num_draft_tokens
 from trtspec.speculative.sampling import SamplingParams
 from trtspec.triton.client import parse_url
 from trtspec.verify import html_report
-from trtspec.verify.acceptance import GateResult, identity, load_baseline, parse_fraction
+from trtspec.verify.acceptance import GateResult, check_same, identity, load_baseline, parse_fraction
 from trtspec.verify.acceptance import check as check_acceptance
 from trtspec.verify.backends import open_backend
 from trtspec.verify.identity import VerifyReport, run_verify
@@ -143,14 +142,14 @@ def run(loaded: LoadedSpec, engines_dir: Path, opts: VerifyOptions, progress: Pr
         raise RequestError(f"--html {html} is a folder; give a file path (e.g. {html / 'report.html'})")
     if opts.samples is not None:
         check_sample_count(opts.samples, len(prompts))
-    num_draft_tokens = spec_num_draft_tokens(opts.num_draft_tokens, loaded.spec)
     prompt_set = _prompt_set_name(loaded, opts.prompts)
-    # A baseline that cannot compare is refused before minutes of generation, not after.
+    # A baseline that cannot compare is refused before minutes of generation, not after (its k
+    # too when -k names it; the deployment's default once the deployment has decided it).
     base = None
     if opts.baseline is not None:
-        base = load_baseline(opts.baseline, identity(loaded.spec.name, prompts, prompt_set, num_draft_tokens, n_tokens))
-    # The backends get num_draft_tokens as asked (None: the deployment's default, filled in by the request
-    # rules in process, by the orchestrator over --url; the LLM API takes none).
+        base = load_baseline(opts.baseline, identity(loaded.spec.name, prompts, prompt_set, opts.num_draft_tokens, n_tokens))
+    # The backends get num_draft_tokens as asked (None: the deployment's default, decided by the request
+    # rules in process, by the served endpoint over --url; the LLM API takes none) and say what was decided.
     backend, mode = open_backend(
         loaded, engines_dir, opts.url, opts.stream, opts.num_draft_tokens, opts.tie_epsilon, opts.llmapi_impl
     )
@@ -163,8 +162,9 @@ def run(loaded: LoadedSpec, engines_dir: Path, opts: VerifyOptions, progress: Pr
         mode=mode,
         progress=lambda i, n: tick("verifying prompts", i, n),
         prompt_set=prompt_set,
-        num_draft_tokens=num_draft_tokens,
     )
+    if base is not None:  # the baseline's k against the one the deployment decided
+        check_same(opts.baseline, base, identity(loaded.spec.name, prompts, prompt_set, report.num_draft_tokens, n_tokens))
     gate = None
     if opts.baseline is not None or opts.min_acceptance_length is not None:
         gate = check_acceptance(report.to_dict(), base, drop, opts.min_acceptance_length)
