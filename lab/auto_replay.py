@@ -23,6 +23,10 @@ file's `costs`, in target steps T = costs.target_step seconds) for every call th
   one draft model step                c x T (costs.cost_ratio, or --c); n-gram and suffix: 0
 
 and method auto's policy reads that clock, so it learns exactly the costs it is scored with.
+``--synthetic-draft A`` replaces the draft model with one right at each position with
+probability A (no model runs: seconds instead of the real draft's minutes, for comparing policy
+changes; its misses are independent, the real draft's are not). ``--methods auto`` replays
+target-only and auto alone (the fixed methods do not change with the policy).
 Modelled tokens/s = output tokens / modelled seconds. Every replayed output is checked against
 the recorded one.
 """
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,8 +115,7 @@ class ModelledTarget:
         return [self._verdict(ctx, draft) for ctx, draft in zip(contexts, drafts)]
 
     def _verdict(self, ctx, draft) -> Verdict:
-        run = next(r for n in range(len(ctx), 0, -1) if (r := self.runs.get(tuple(ctx[:n]))) is not None)
-        after = run["output_ids"] + ([run["end"]] if run["end"] is not None else [])
+        run, after = _recorded(self.runs, ctx)
         i, ids = len(ctx) - len(run["prompt_ids"]), []
         for j, tok in enumerate([*draft, None]):
             if i + j >= len(after):
@@ -123,6 +127,31 @@ class ModelledTarget:
             if tok is None or tok != after[i + j]:
                 break
         return Verdict(ids)
+
+
+def _recorded(runs: dict[tuple, dict], ctx) -> tuple[dict, list[int]]:
+    """The recorded run whose prompt ``ctx`` continues, and its tokens after the prompt (the end id last)."""
+    run = next(r for n in range(len(ctx), 0, -1) if (r := runs.get(tuple(ctx[:n]))) is not None)
+    return run, run["output_ids"] + ([run["end"]] if run["end"] is not None else [])
+
+
+class SyntheticDraft(Drafter):
+    """--synthetic-draft A: a stand-in for the draft model that drafts the target's recorded token
+    at each position with probability A (drawn once per prompt and position, so every replay
+    sees the same draft) and another token otherwise: no model runs, for a quick comparison."""
+
+    def __init__(self, runs: list[dict], rate: float):
+        self.runs, self.rate = {tuple(r["prompt_ids"]): r for r in runs}, rate
+
+    def propose(self, contexts, draft_lens) -> list[list[int]]:
+        out = []
+        for ctx, k in zip(contexts, draft_lens):
+            run, after = _recorded(self.runs, ctx)
+            start, key = len(ctx) - len(run["prompt_ids"]), _key(run["prompt_ids"])
+            true = [after[p] if p < len(after) else 0 for p in range(start, start + k)]
+            hits = [random.Random(f"{key}:{p}").random() < self.rate for p in range(start, start + k)]
+            out.append([t if hit else t + 1 for t, hit in zip(true, hits)])
+        return out
 
 
 class MemoDraft(Drafter):
@@ -171,12 +200,10 @@ def replay_method(name: str, runs: list[dict], make, k: int, costs: Costs, clock
     return row | ({"choices": dict(sorted(choices.items()))} if choices else {})
 
 
-def factories(dep, spec, k: int, costs: Costs, clock: ModelClock, memo: dict, policy: AdaptivePolicy):
-    """Method name -> (make(counts) -> a fresh drafter, k), as bench's method_set builds them."""
-    from trtspec.speculative.drafters import engine_drafter
-
+def factories(model: Drafter, spec, k: int, costs: Costs, clock: ModelClock, memo: dict, policy: AdaptivePolicy):
+    """Method name -> (make(counts) -> a fresh drafter, k), as bench's method_set builds them;
+    ``model``: the draft model's greedy drafter."""
     s = spec.speculative
-    model = engine_drafter(dep.target, dep.draft, None, "own")
     ngram = dict(max_ngram=s.max_ngram, min_ngram=s.min_ngram)
     sx = s.suffix_drafting or SuffixSpec()
     return {
@@ -214,6 +241,7 @@ def main() -> int:
         default=list(NAMES),
         help="a subset of " + ",".join(NAMES) + " (target-only always)",
     )
+    ap.add_argument("--synthetic-draft", type=float, default=None, help="A: no draft model, a draft right with probability A")
     ap.add_argument("--recorded", type=Path, default=None, help="JSON of recorded outputs and drafts: read if it exists")
     args = ap.parse_args()
     from trtspec.runtime import Deployment
@@ -232,13 +260,19 @@ def main() -> int:
             if args.recorded:  # kept at once: recording is the slow part
                 args.recorded.write_text(json.dumps(cache) + "\n")
         sets[path.stem] = [known[p] for p in prompts]
-    dep = Deployment(loaded, loaded.output_dir())
+    if args.synthetic_draft is None:
+        from trtspec.speculative.drafters import engine_drafter
+
+        dep = Deployment(loaded, loaded.output_dir())
+        model = engine_drafter(dep.target, dep.draft, None, "own")
+    else:
+        model, memo = SyntheticDraft(list(known.values()), args.synthetic_draft), {}
     clock = ModelClock()
     free = frozenset(m for m in METHODS if m in FREE_METHODS)
     policy = AdaptivePolicy(AdaptiveSettings(METHODS, free, args.k), clock=clock)  # one for every set, as bench's
     made = {
         n: f
-        for n, f in factories(dep, loaded.spec, args.k, costs, clock, memo, policy).items()
+        for n, f in factories(model, loaded.spec, args.k, costs, clock, memo, policy).items()
         if n.split()[0] in (*args.methods, "target-only")
     }
     result = {"costs": costs.__dict__, "sets": {}}

@@ -56,3 +56,13 @@ def test_a_recording_too_short_for_the_request_is_an_error_and_past_an_eos_the_e
     ended = RUN | {"end": 0, "max_tokens": 16}  # stopped at EOS: drafts past it are answered with the end
     row = replay_method("draft", [ended], lambda counts: Perfect(), 5, COSTS, ModelClock())
     assert row["tokens"] == 6
+
+
+def test_a_synthetic_draft_is_right_with_its_probability_the_same_on_every_replay():
+    from lab.auto_replay import SyntheticDraft
+
+    ctx = [1, 2, 3, 5]  # one token out: the draft continues with 6 7 8 ...
+    assert SyntheticDraft([RUN], 1.0).propose([ctx], [4]) == [[6, 7, 8, 9]]
+    assert all(a != b for a, b in zip(SyntheticDraft([RUN], 0.0).propose([ctx], [4])[0], [6, 7, 8, 9]))
+    half = SyntheticDraft([RUN], 0.5)
+    assert half.propose([ctx], [5]) == half.propose([ctx], [5])
