@@ -198,3 +198,16 @@ def test_off_re_probes_only_a_drafter_nothing_measured():
     probes = [c for c in picks if c.probe]
     assert [c.k for c in picks].count(0) >= 6 and probes
     assert all(c.drafter == "draft_target" for c in probes)
+
+
+def test_a_draft_call_that_caught_up_on_a_prompt_does_not_read_as_the_draft_cost():
+    # a request's first model draft also forwards its prompt: one call ~20x a step's time per
+    # step; the cost the policy weighs k against stays the steps' own (a running mean read 0.0575)
+    m = CostModel(FREE)
+    for _ in range(10):
+        m.drafted("draft_target", 5, 1, 0.05)
+    m.drafted("draft_target", 1, 1, 0.2)
+    assert m.draft_cost("draft_target") == pytest.approx(0.01)
+    for _ in range(20):  # a lasting change in the step's cost is followed within the window
+        m.drafted("draft_target", 5, 1, 0.1)
+    assert m.draft_cost("draft_target") == pytest.approx(0.02)

@@ -183,7 +183,7 @@ def test_auto_output_is_target_greedy_and_its_choices_are_counted():
         assert res.output_ids == reference(40, (1, 2, 3 + i))
         assert sum(res.metrics.choices.values()) == res.metrics.target_forwards - 1  # every step but the prefill's
         assert res.metrics.drafted > 0
-    assert m.policy.deployment["draft_target"].tried > 0 and m.policy.costs.draft_step["draft_target"] > 0
+    assert m.policy.deployment["draft_target"].tried > 0 and m.policy.costs.draft_cost("draft_target") > 0
 
 
 def test_the_choice_changes_within_a_request_as_its_text_does():

@@ -38,12 +38,14 @@ when the load falls the next choice is the low-load one.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 OFF = "off"  # the name of the choice that drafts nothing (k = 0)
+DRAFT_CALLS = 15  # recent model-draft calls whose median per-step time is the draft cost
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,10 @@ class CostModel:
         self.clock = clock
         self.free = free
         self.samples: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens scored, seconds)
-        self.draft_step: dict[str, float] = {}  # drafter -> seconds per draft step per row
+        # drafter -> seconds per draft step per row of its recent calls; the cost is their median,
+        # so a call that also caught the draft up on a prompt (tens of positions in one forward,
+        # once a request) does not read as every step's cost
+        self.draft_steps: dict[str, deque[float]] = {}
 
     def verified(self, tokens: int, seconds: float) -> None:
         """One target forward that scored ``tokens`` positions (rows + drafts) in ``seconds``."""
@@ -110,9 +115,7 @@ class CostModel:
         """The drafter's call: ``steps`` draft steps over ``rows`` sequences in ``seconds``."""
         if drafter in self.free or steps <= 0 or rows <= 0:
             return
-        per = seconds / steps / rows
-        old = self.draft_step.get(drafter)
-        self.draft_step[drafter] = per if old is None else 0.75 * old + 0.25 * per
+        self.draft_steps.setdefault(drafter, deque(maxlen=DRAFT_CALLS)).append(seconds / steps / rows)
 
     def fit(self) -> tuple[float, float]:
         """(base seconds, seconds per token) of a forward, by least squares; a per-token cost
@@ -131,7 +134,8 @@ class CostModel:
         return base, slope
 
     def draft_cost(self, drafter: str) -> float:
-        return 0.0 if drafter in self.free else self.draft_step.get(drafter, 0.0)
+        recent = self.draft_steps.get(drafter)
+        return 0.0 if drafter in self.free or not recent else statistics.median(recent)
 
 
 @dataclass
