@@ -141,11 +141,18 @@ def test_incomparable_baseline_exit_2(spec_file, baseline, args, message):
     assert message in r.stderr
 
 
-def test_a_baseline_of_another_k_than_the_deployment_decided_exit_2(spec_file, baseline, tmp_path):
-    """Without -k, the baseline's k is held against the one the deployment decided (its
-    default_draft_tokens, 4), read back from the run."""
+def test_a_baseline_of_another_k_than_the_deployment_decided_exit_2(spec_file, baseline, tmp_path, monkeypatch):
+    """Without -k, the baseline's k is held against the one the deployment decides (its
+    default_draft_tokens, 4), asked of the deployment before any prompt is generated."""
+    import trtspec.verify.run as verify_run
+
     other = tmp_path / "k3.json"
     other.write_text(json.dumps(json.loads(baseline.read_text()) | {"num_draft_tokens": 3}))
+
+    def generated(*args, **kwargs):
+        raise AssertionError("the baseline was refused only after generating")
+
+    monkeypatch.setattr(verify_run, "run_verify", generated)
     r = runner.invoke(app, ["verify", str(spec_file), "--baseline", str(other), "--max-acceptance-drop", "5%"])
     assert r.exit_code == 2, r.output
     assert "was measured with another num draft tokens (3; this run: 4)" in r.stderr

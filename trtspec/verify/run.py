@@ -144,7 +144,7 @@ def run(loaded: LoadedSpec, engines_dir: Path, opts: VerifyOptions, progress: Pr
         check_sample_count(opts.samples, len(prompts))
     prompt_set = _prompt_set_name(loaded, opts.prompts)
     # A baseline that cannot compare is refused before minutes of generation, not after (its k
-    # too when -k names it; the deployment's default once the deployment has decided it).
+    # too when -k names it; else once the deployment has said what it decides, still before the run).
     base = None
     if opts.baseline is not None:
         base = load_baseline(opts.baseline, identity(loaded.spec.name, prompts, prompt_set, opts.num_draft_tokens, n_tokens))
@@ -153,6 +153,8 @@ def run(loaded: LoadedSpec, engines_dir: Path, opts: VerifyOptions, progress: Pr
     backend, mode = open_backend(
         loaded, engines_dir, opts.url, opts.stream, opts.num_draft_tokens, opts.tie_epsilon, opts.llmapi_impl
     )
+    if base is not None:  # the baseline's k against the one the deployment decides
+        check_same(opts.baseline, base, identity(loaded.spec.name, prompts, prompt_set, backend.decided_draft_tokens(), n_tokens))
     tick("verifying prompts", 0, len(prompts))
     report = run_verify(
         backend,
@@ -163,8 +165,6 @@ def run(loaded: LoadedSpec, engines_dir: Path, opts: VerifyOptions, progress: Pr
         progress=lambda i, n: tick("verifying prompts", i, n),
         prompt_set=prompt_set,
     )
-    if base is not None:  # the baseline's k against the one the deployment decided
-        check_same(opts.baseline, base, identity(loaded.spec.name, prompts, prompt_set, report.num_draft_tokens, n_tokens))
     gate = None
     if opts.baseline is not None or opts.min_acceptance_length is not None:
         gate = check_acceptance(report.to_dict(), base, drop, opts.min_acceptance_length)
