@@ -321,7 +321,7 @@ class Scheduler:
                 self._answer(report.emitted, stats)
         with self._cv:
             stats.queued = len(self.waiting)
-            stats.held = sum(len(j.keys) for j in self.active)
+            stats.held = self._held()
         if self.observe is not None:
             try:
                 self.observe(stats)
@@ -329,11 +329,15 @@ class Scheduler:
                 log.error(f"the step observer (metrics) raised {type(err).__name__}: {err}; the requests go on")
         return stats
 
+    def _held(self) -> int:
+        """Rows the running requests still hold in the batch."""
+        return sum(len(j.keys) for j in self.active)
+
     def _saturated(self) -> bool:
         """No queued request can join before a running sequence leaves, and one waits to take
         its place. Not while a renewal is due: nobody joins then, so the load only falls."""
         with self._cv:
-            room = self.max_active - sum(len(j.keys) for j in self.active)
+            room = self.max_active - self._held()
             return bool(self.waiting) and len(self.waiting[0].rows) > room and not self._renewal_due()
 
     def _drop_cancelled(self, stats: StepStats) -> None:
@@ -367,7 +371,7 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Queued requests join the batch in arrival order while all their rows fit."""
-        room = self.max_active - sum(len(j.keys) for j in self.active)
+        room = self.max_active - self._held()
         while True:
             with self._cv:
                 if self.waiting and len(self.waiting[0].rows) > self.max_active:
