@@ -106,6 +106,11 @@ class Deployment:
         use = self.spec.verify.chat_template if chat_template is None else chat_template
         return encode_prompt(self.tokenizer, prompt, use)
 
+    def decided_draft_tokens(self, num_draft_tokens: int | None) -> int:
+        """The num_draft_tokens this deployment's requests get when ``num_draft_tokens`` is asked
+        (None: its default), as the request rules decide it for a one-token request."""
+        return self.request([0], 1, num_draft_tokens).num_draft_tokens
+
     def request(
         self,
         prompt_ids: list[int],

@@ -198,7 +198,7 @@ def _open(loaded: LoadedSpec, engines_dir: Path, opts: BenchOptions):
         slots = max([*opts.concurrency, 1]) if opts.concurrency else None
         dep = Deployment(loaded, engines_dir, slots=slots)
     first = opts.prompts[0]
-    k = dep.request(dep.encode(first), opts.max_tokens, opts.num_draft_tokens).num_draft_tokens
+    k = dep.decided_draft_tokens(opts.num_draft_tokens)
     backend, sweeper = m.InProcessBench(dep), m.InProcessBench(dep, use_schedule=False)
     return backend, sweeper, dep, (lambda k: m.measure_engine_costs(dep, first, k)), "in-process", k
 

@@ -46,8 +46,8 @@ class InProcessBackend:
         return self.dep.tokenizer.decode([token_id])
 
     def decided_draft_tokens(self) -> int | None:
-        if self.decided is None:  # before the run: a one-token request, made by the same rules
-            self.decided = self.dep.request([0], 1, self.num_draft_tokens).num_draft_tokens
+        if self.decided is None:  # asked before the run
+            self.decided = self.dep.decided_draft_tokens(self.num_draft_tokens)
         return self.decided
 
     def classify(self, target: PathRun, spec: PathRun, div: Divergence) -> DivergenceVerdict:
