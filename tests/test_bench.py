@@ -23,6 +23,31 @@ def spec_file(tmp_path_factory, tiny_ckpts):
     return built_spec(tmp_path_factory, tiny_ckpts, "bench", **{"verify.max_tokens": 12})
 
 
+class _Recorder:
+    """A BenchBackend that records each call (prompts, tokens, speculative, concurrency)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def run_batch(self, prompts, max_tokens, speculative, k, concurrency):
+        self.calls.append((len(prompts), max_tokens, speculative, concurrency))
+        return [b.RequestTiming(tokens=max_tokens, ttft=0.01, latency=0.1) for _ in prompts], 0.1
+
+
+@pytest.mark.parametrize("grid", [False, True])
+def test_every_concurrency_is_warmed_on_both_paths_before_it_is_timed(grid):
+    """The first batch of several rows compiles the engine's several-row programs: a timed
+    concurrency point whose shape no warm-up met would charge that to whichever path ran first."""
+    rec = _Recorder()
+    report = b.BenchReport("fake", "in-process", "machine", 2, 32, 3)
+    b.run_bench(rec, report, PROMPTS, [], [] if grid else [1, 4], None, grid=grid)
+    if grid:
+        b.run_grid(rec, report, PROMPTS, [2], [4], lambda s: None)
+    timed = [i for i, (n, tokens, _, c) in enumerate(rec.calls) if c == 4 and tokens == 32]
+    warm = [(spec, n) for n, tokens, spec, c in rec.calls[: timed[0]] if c == 4 and tokens == 8]
+    assert sorted(warm) == [(False, 4), (True, 4)]
+
+
 def test_run_bench_fills_every_section(built, tmp_path):
     dep = built("same")  # draft == target: every draft accepted
     report = b.BenchReport("tiny", "in-process", description(), len(PROMPTS), 12, 3)
