@@ -144,9 +144,23 @@ def test_verify_unbuilt_engines_exit_2(tmp_path, tiny_ckpts):
     assert "does not exist; run `trtspec build SPEC`" in r.stderr
 
 
-def test_verify_k_beyond_max_draft_len_exit_2(spec_file):
-    r = runner.invoke(app, ["verify", str(spec_file), "-k", "9", "-p", "hi"])
-    assert r.exit_code == 2 and "num_draft_tokens must be in 0..8" in r.stderr
+@pytest.mark.parametrize("cmd", ["verify", "bench"])
+def test_k_beyond_max_draft_len_is_refused_before_any_engine_loads(spec_file, cmd, monkeypatch):
+    """-k is checked against the spec's max_draft_len (8 here) before the engines load, which
+    takes a minute on a real pair: the loader fails the test if it is called."""
+    from trtspec.runtime import Deployment
+
+    def load(*args, **kwargs):
+        raise AssertionError("the engines were loaded before -k was checked")
+
+    monkeypatch.setattr(Deployment, "__init__", load)
+    r = runner.invoke(app, [cmd, str(spec_file), "-k", "9", "-p", "hi"])
+    assert r.exit_code == 2, r.output
+    said = " ".join(r.stderr.split())  # one line, however rich wraps it
+    assert said == (
+        "Error: -k/--num-draft-tokens 9 is outside 0..8 (spec.yaml's speculative.max_draft_len); "
+        "pass -k 0..8, or rebuild with a larger max_draft_len"
+    )
 
 
 def test_json_means_stdout_and_json_file_means_a_file_for_every_reporting_command(spec_file, tmp_path):

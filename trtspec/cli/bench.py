@@ -160,7 +160,7 @@ def bench(
     from trtspec.bench import plot, render, run
 
     opts = from_flags(BenchOptions, ctx)
-    loaded, engines_folder = spec_and_engines(spec, device, engines, output)
+    loaded, engines_folder = spec_and_engines(spec, device, engines, output, num_draft_tokens, url)
     if draft_kv is not None:
         loaded = with_draft_kv(loaded, draft_kv, opts.url)
     with console.err.status("benchmarking") as status:

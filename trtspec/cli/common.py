@@ -17,6 +17,7 @@ from trtspec import console
 from trtspec.device import check_name as check_device_name
 from trtspec.errors import EXIT_INTERRUPTED, RequestError, TrtspecError
 from trtspec.spec import EngineSpec, LoadedSpec, load_spec
+from trtspec.speculative.requests import decide_num_draft_tokens
 from trtspec.triton.client import URL_HELP
 
 SpecArg = Annotated[Path, typer.Argument(help="Engine spec YAML (engine_specs/*.yaml).", show_default=False)]
@@ -70,11 +71,31 @@ MetricsPortOpt = Annotated[
 ]
 
 
-def spec_and_engines(spec: Path, device: str | None, engines: Path | None, old_name: Path | None) -> tuple[LoadedSpec, Path]:
+def spec_and_engines(
+    spec: Path, device: str | None, engines: Path | None, old_name: Path | None, num_draft_tokens: int | None, url: str | None
+) -> tuple[LoadedSpec, Path]:
     """What a command that runs a spec's built engines (verify, bench) loads: the spec with
-    --device in place, and its engine folder (--engines, or its old name -o/--output)."""
+    --device in place, and its engine folder (--engines, or its old name -o/--output). In
+    process, -k is checked against the spec before any engine loads (a minute on a real pair);
+    over --url the served deployment's bound is the one that holds, checked there."""
     loaded = with_device(load_spec(spec), device)
+    if url is None:
+        check_draft_tokens(loaded, num_draft_tokens)
     return loaded, engines_dir(loaded, engines, old_name)
+
+
+def check_draft_tokens(loaded: LoadedSpec, num_draft_tokens: int | None) -> None:
+    """-k/--num-draft-tokens against the spec's speculative.max_draft_len (the bound the
+    engines are built for), by the request rules' own decision; RequestError (exit 2) naming
+    the range and the fix."""
+    s = loaded.spec.speculative
+    try:
+        decide_num_draft_tokens(num_draft_tokens, s.default_draft_tokens, s.max_draft_len)
+    except RequestError:
+        raise RequestError(
+            f"-k/--num-draft-tokens {num_draft_tokens} is outside 0..{s.max_draft_len} ({loaded.path.name}'s "
+            f"speculative.max_draft_len); pass -k 0..{s.max_draft_len}, or rebuild with a larger max_draft_len"
+        ) from None
 
 
 def engines_dir(loaded: LoadedSpec, engines: Path | None, old_name: Path | None) -> Path:

@@ -149,7 +149,7 @@ def verify(
     device: DeviceOpt = None,
 ) -> None:
     opts = from_flags(VerifyOptions, ctx)  # help: HELP, registered in app.py
-    loaded, engines_folder = spec_and_engines(spec, device, engines, output)
+    loaded, engines_folder = spec_and_engines(spec, device, engines, output, num_draft_tokens, url)
     bars = _Bars()
     try:
         outcome = run(loaded, engines_folder, opts, progress=bars.update)
