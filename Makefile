@@ -57,7 +57,7 @@ define codesign_pair
 	$(TRTSPEC) verify $(1) --json-file .trtspec/$(2)-verify.json
 	$(TRTSPEC) build $(DEMO_SPEC)
 	$(TRTSPEC) bench $(1) --methods eagle3,draft_target,ngram --draft-from $(DEMO_SPEC) \
-	  --sweep none -c 1 --max-tokens 64 --out .trtspec/$(2)-bench
+	  --sweep none -c 1 --max-tokens 64 -o .trtspec/$(2)-bench
 endef
 
 # make demo's head: the shipped prompts' greedy responses and one sampled response each, cut at
@@ -87,7 +87,7 @@ bench-eagle3: install weights/smollm2-135m-eagle3-head
 	$(TRTSPEC) build $(EAGLE3_SPEC)
 	$(TRTSPEC) build $(DEMO_SPEC)
 	$(TRTSPEC) bench $(EAGLE3_SPEC) --methods eagle3,draft_target,ngram --draft-from $(DEMO_SPEC) \
-	  --sweep 1-6 -c 1,2,4 --rounds 2 --out lab/results/smollm2-135m-eagle3
+	  --sweep 1-6 -c 1,2,4 --rounds 2 -o lab/results/smollm2-135m-eagle3
 	$(PY) -m lab.peers_bench --spec $(EAGLE3_SPEC) --draft-from $(DEMO_SPEC) --repeats 2 --out lab/results/peers-eagle3.md
 
 # The documents' figures: each figure block of README.md, docs/performance.md and lab/RECORDS.md is its template in

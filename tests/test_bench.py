@@ -143,7 +143,7 @@ def test_latency_percentiles():
 
 
 def test_cli_bench_writes_report(spec_file, tmp_path):
-    r = runner.invoke(app, ["bench", str(spec_file), "--sweep", "1-2", "-c", "1,2", "--out", str(tmp_path)])
+    r = runner.invoke(app, ["bench", str(spec_file), "--sweep", "1-2", "-c", "1,2", "-o", str(tmp_path)])
     assert r.exit_code == 0, r.output
     assert "speedup" in r.stdout and "recommended k" in r.stdout and "efficiency" in r.stdout
     assert "memory floor: a decode step moves" in r.stdout and "of the floor" in r.stdout
@@ -153,7 +153,7 @@ def test_cli_bench_writes_report(spec_file, tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["-k", "9"], "num_draft_tokens must be in 0..8 (max_draft_len the engines were built for); got 9"),
+        (["-k", "9"], "-k/--num-draft-tokens 9 is outside 0..8"),
         (["-k", "0"], "draft length 0 is out of range; use 1..8"),
         (["--sweep", "0-3"], "draft length 0 is out of range"),
         (["-c", "0"], "concurrency 0 is out of range; use 1..256"),
@@ -182,7 +182,7 @@ def test_interrupted_bench_keeps_partial_results(spec_file, tmp_path, monkeypatc
         return real(backend, report, prompts, ks, levels, costs, progress2, rounds, **kw)
 
     monkeypatch.setattr(b, "run_bench", interrupt_in_sweep)
-    r = runner.invoke(app, ["bench", str(spec_file), "--out", str(tmp_path)])
+    r = runner.invoke(app, ["bench", str(spec_file), "-o", str(tmp_path)])
     assert r.exit_code == 130
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["complete"] is False
@@ -210,7 +210,7 @@ def test_busy_neighbours_burn_a_core_each_and_stop_with_the_block():
 
 def test_cli_bench_neighbour_runs_beside_busy_processes_and_says_so(spec_file, tmp_path):
     r = runner.invoke(
-        app, ["bench", str(spec_file), "--sweep", "none", "-c", "1", "--neighbour", "1", "--json", "--out", str(tmp_path)]
+        app, ["bench", str(spec_file), "--sweep", "none", "-c", "1", "--neighbour", "1", "--json", "-o", str(tmp_path)]
     )
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "bench.json").read_text())["machine"].endswith("; 1 busy neighbour process")

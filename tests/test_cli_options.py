@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from trtspec.bench.run import BenchOptions
 from trtspec.cli.app import app
-from trtspec.cli.common import engines_dir, with_device
+from trtspec.cli.common import output_folder, with_device
 from trtspec.cli.options import from_flags
 from trtspec.deploy.options import K8sOptions
 from trtspec.distill.options import DistillOptions
@@ -102,18 +102,38 @@ def test_a_verify_option_refused_by_the_model_names_the_flag_as_typed(tmp_path):
     assert r.exit_code == 2 and "Error: --fail-on: Input should be 'any' or 'algorithmic'" in r.stderr
 
 
-def test_the_engine_folder_is_engines_and_its_old_name_still_reads(tmp_path, capsys):
-    loaded = LoadedSpec(
-        spec=EngineSpec.model_validate({"name": "p", "target": {"path": "t"}, "draft": {"path": "d"}}), path=tmp_path / "p.yaml"
-    )
-    assert engines_dir(loaded, tmp_path / "e", None) == (tmp_path / "e").resolve()
-    assert engines_dir(loaded, None, tmp_path / "old") == (tmp_path / "old").resolve()
-    with pytest.raises(RequestError, match="give the engine folder once: --engines DIR"):
-        engines_dir(loaded, tmp_path / "e", tmp_path / "old")
-    for path in (("verify",), ("bench",)):
+def test_output_is_what_a_command_writes_and_out_its_old_name(capsys):
+    """One name per meaning: -o/--output is the folder or file a command writes, in every
+    command that writes one; --engines is the engine folder a command reads; bench's and
+    deploy k8s's old --out still reads, hidden, and says the new name."""
+    writers = {("build",), ("repo",), ("distill",), ("bench",), ("deploy", "k8s")}
+    for path in writers:
         options = {p.name: p for p in _command(path).params}
-        assert options["engines"].opts == ["--engines"] and not options["engines"].hidden
-        assert options["output"].hidden and sorted(options["output"].opts) == ["--output", "-o"]
+        assert sorted(options["output"].opts) == ["--output", "-o"] and not options["output"].hidden, path
+    for path in (("verify",), ("bench",), ("repo",), ("serve",), ("refresh",), ("openai",), ("deploy", "k8s")):
+        assert {p.name: p for p in _command(path).params}["engines"].opts == ["--engines"], path
+    for path in (("bench",), ("deploy", "k8s")):
+        old = {p.name: p for p in _command(path).params}["old_output"]
+        assert old.opts == ["--out"] and old.hidden, path
+    flags = {o for p in _command(("verify",)).params for o in p.opts}
+    assert not flags & {"-o", "--output", "--out"}  # verify writes no folder: its files are --json-file, --html, --junit
+    assert output_folder(Path("a"), None) == Path("a")
+    assert output_folder(None, Path("b")) == Path("b")
+    assert "--out is the old name of -o/--output; use -o/--output" in capsys.readouterr().err
+    with pytest.raises(RequestError, match="give the output folder once: -o/--output DIR"):
+        output_folder(Path("a"), Path("b"))
+
+
+def test_bench_refuses_an_output_folder_holding_engines_before_anything_runs(tmp_path, tiny_ckpts):
+    """bench once read its engine folder from -o: a folder of built engines given there is
+    refused, not filled with a report."""
+    from conftest import write_spec
+
+    spec = str(write_spec(tmp_path, tiny_ckpts))
+    (tmp_path / "built" / "target").mkdir(parents=True)
+    r = runner.invoke(app, ["bench", spec, "-o", str(tmp_path / "built")])
+    said = " ".join(r.stderr.split())
+    assert r.exit_code == 2 and "holds built engines: name the engines with --engines" in said, r.stderr
 
 
 def test_device_is_validated_with_the_spec_it_joins():
@@ -127,20 +147,6 @@ def test_device_is_validated_with_the_spec_it_joins():
         "--device cuda: target.quantization: int4_wo runs PyTorch's CPU weight-only kernels; "
         "set device: cpu (not cuda) or quantization: none"
     )
-
-
-@pytest.mark.parametrize("command", ["verify", "bench"])
-def test_verify_and_bench_load_the_engine_folder_of_either_name(tmp_path, tiny_ckpts, command):
-    """Through the command: -o/--output is the folder the engines are looked for in (a note on
-    stderr says it is --engines now); both names at once are refused before anything runs."""
-    from conftest import write_spec
-
-    spec, old = str(write_spec(tmp_path, tiny_ckpts)), tmp_path / "old-name"
-    r = runner.invoke(app, [command, spec, "-o", str(old)])
-    stderr = r.stderr.replace("\n", "")
-    assert r.exit_code == 2 and "under its old name; use --engines" in stderr and str(old / "target") in stderr, r.stderr
-    r = runner.invoke(app, [command, spec, "--engines", str(tmp_path / "e"), "-o", str(old)])
-    assert r.exit_code == 2 and "give the engine folder once: --engines DIR" in r.stderr
 
 
 def _callbacks(typer_app: typer.Typer):

@@ -343,7 +343,7 @@ def test_pvc_mode_mounts_the_claim_read_only(tmp_path):
 
 def test_dry_run_prints_every_manifest_and_writes_nothing(tmp_path):
     out = tmp_path / "k8s"
-    r = runner.invoke(app, ["deploy", "k8s", str(spec_file(tmp_path, "torch")), "--out", str(out), "--dry-run"])
+    r = runner.invoke(app, ["deploy", "k8s", str(spec_file(tmp_path, "torch")), "-o", str(out), "--dry-run"])
     assert r.exit_code == 0, r.output
     docs = [d for d in yaml.safe_load_all(r.stdout) if d]
     assert [d["kind"] for d in docs] == [
@@ -361,7 +361,7 @@ def test_dry_run_prints_every_manifest_and_writes_nothing(tmp_path):
 def test_write_then_force(tmp_path):
     spec = spec_file(tmp_path, "torch")
     out = tmp_path / "k8s"
-    r = runner.invoke(app, ["deploy", "k8s", str(spec), "--out", str(out)])
+    r = runner.invoke(app, ["deploy", "k8s", str(spec), "-o", str(out)])
     assert r.exit_code == 0, r.output
     written = sorted(p.name for p in out.iterdir())
     kustomization = yaml.safe_load((out / "kustomization.yaml").read_text())
@@ -370,11 +370,11 @@ def test_write_then_force(tmp_path):
     assert {n: yaml.safe_load((out / n).read_text()) for n in written} == expected
 
     before = (out / "deployment.yaml").read_text()
-    r = runner.invoke(app, ["deploy", "k8s", str(spec), "--out", str(out), "--max-replicas", "9"])
+    r = runner.invoke(app, ["deploy", "k8s", str(spec), "-o", str(out), "--max-replicas", "9"])
     assert r.exit_code == 2 and "pass --force" in r.output
     assert (out / "deployment.yaml").read_text() == before
 
-    r = runner.invoke(app, ["deploy", "k8s", str(spec), "--out", str(out), "--max-replicas", "9", "--force", "--no-hpa"])
+    r = runner.invoke(app, ["deploy", "k8s", str(spec), "-o", str(out), "--max-replicas", "9", "--force", "--no-hpa"])
     assert r.exit_code == 0, r.output
     assert not (out / "hpa.yaml").exists()  # replaced whole: no stale manifest left behind
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
@@ -392,7 +392,7 @@ def test_an_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
         return real(self, *a, **k)
 
     monkeypatch.setattr(Path, "write_text", failing)
-    r = runner.invoke(app, ["deploy", "k8s", str(spec_file(tmp_path, "torch")), "--out", str(out)])
+    r = runner.invoke(app, ["deploy", "k8s", str(spec_file(tmp_path, "torch")), "-o", str(out)])
     assert r.exit_code != 0 and len(calls) == 3
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["pair.yaml"]
 
@@ -417,7 +417,7 @@ def test_an_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
 def test_bad_input_one_message_exit_2_nothing_written(tmp_path, spec_sections, args, message):
     out = tmp_path / "k8s"
     spec = spec_file(tmp_path, **spec_sections)
-    r = runner.invoke(app, ["deploy", "k8s", str(spec), "--out", str(out), *args])
+    r = runner.invoke(app, ["deploy", "k8s", str(spec), "-o", str(out), *args])
     assert r.exit_code == 2, r.output
     assert r.output.startswith("Error: ") and message in r.output and "Traceback" not in r.output
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["pair.yaml"]
@@ -436,7 +436,7 @@ def test_each_deployment_option_is_a_k8s_options_field_with_its_default():
         assert options[name].default == field.default, name
     assert options["hpa"].secondary_opts == ["--no-hpa"] and options["namespace"].opts == ["--namespace", "-n"]
     # the command's own options (where to write) are not options of the deployment
-    assert {"out", "engines", "force", "dry_run", "spec"} == set(options) - set(fields)
+    assert {"output", "old_output", "engines", "force", "dry_run", "spec"} == set(options) - set(fields)
 
 
 def test_spec_name_that_cannot_be_an_object_name_needs_name(tmp_path):
@@ -758,7 +758,7 @@ def test_the_job_reaches_the_servers_grpc_and_metrics_and_nothing_else_inside(tm
 def test_a_bad_loop_is_one_error_exit_2_nothing_written(tmp_path, args, message):
     out = tmp_path / "k8s"
     spec = spec_file(tmp_path, "torch", **copy.deepcopy(CAPTURE))
-    r = runner.invoke(app, ["deploy", "k8s", str(spec), "--out", str(out), *args])
+    r = runner.invoke(app, ["deploy", "k8s", str(spec), "-o", str(out), *args])
     assert r.exit_code == 2, r.output
     assert r.output.startswith("Error: ") and message in r.output and r.output.count("\n") == 1, r.output
     assert not out.exists()

@@ -11,27 +11,29 @@ from trtspec import console
 from trtspec.bench.run import BenchOptions
 from trtspec.cli.common import (
     DeviceOpt,
-    EnginesOldNameOpt,
     EnginesOpt,
     JsonFileOpt,
     JsonOpt,
     LlmapiOpt,
     MaxTokensOpt,
     NumDraftTokensOpt,
+    OldOutputOpt,
     PromptOpt,
     SpecArg,
     UrlOpt,
     handle_errors,
+    output_folder,
     spec_and_engines,
     spec_with,
 )
 from trtspec.cli.options import from_flags
 from trtspec.cli.output import emit
 from trtspec.errors import EXIT_INTERRUPTED, RequestError
+from trtspec.layout import engine_folder
 from trtspec.spec import LoadedSpec
 
 Opt = typer.Option
-OutOpt = Annotated[Path | None, Opt("--out", help="Folder for bench.json and plots (default .trtspec/bench/<name>).")]
+OutputOpt = Annotated[Path | None, Opt("--output", "-o", help="Folder for bench.json and plots (default .trtspec/bench/<name>).")]
 PromptsFileOpt = Annotated[Path | None, Opt("--prompts-file", help='JSONL file of {"prompt": ...}.')]
 SweepOpt = Annotated[
     str | None, Opt("--sweep", help="Draft lengths to sweep, e.g. 1-8 or 2,4,6; 'none' to skip (default 1-8; none for llmapi).")
@@ -150,8 +152,8 @@ def bench(
     neighbours: NeighboursOpt = DEFAULTS.neighbours,
     draft_kv: DraftKvOpt = None,
     engines: EnginesOpt = None,
-    output: EnginesOldNameOpt = None,
-    out: OutOpt = None,
+    output: OutputOpt = None,
+    old_output: OldOutputOpt = None,
     as_json: JsonOpt = False,
     json_file: JsonFileOpt = None,
     llmapi_impl: LlmapiOpt = DEFAULTS.llmapi_impl,
@@ -160,16 +162,28 @@ def bench(
     from trtspec.bench import plot, render, run
 
     opts = from_flags(BenchOptions, ctx)
-    loaded, engines_folder = spec_and_engines(spec, device, engines, output, num_draft_tokens, url)
+    folder = report_folder(output_folder(output, old_output))
+    loaded, engines_folder = spec_and_engines(spec, device, engines, num_draft_tokens, url)
     if draft_kv is not None:
         loaded = with_draft_kv(loaded, draft_kv, opts.url)
     with console.err.status("benchmarking") as status:
         report, interrupted = run.run(loaded, engines_folder, opts, progress=lambda s: status.update(f"benchmarking: {s}"))
     emit(report, lambda o: render.render(report, o), as_json=as_json, json_file=json_file)
-    for f in plot.write_outputs(report, out or Path(".trtspec") / "bench" / loaded.spec.name):
+    for f in plot.write_outputs(report, folder or Path(".trtspec") / "bench" / loaded.spec.name):
         console.info(f"wrote {f}")
     if interrupted:
         raise typer.Exit(EXIT_INTERRUPTED)
+
+
+def report_folder(folder: Path | None) -> Path | None:
+    """-o/--output, refused where it holds built engines: bench once read its engine folder
+    there, and writing bench.json and plots into it would mix a report into the engines."""
+    if folder is not None and engine_folder(folder, "target").is_dir():
+        raise RequestError(
+            f"-o/--output is the folder for bench.json and plots, and {folder} holds built engines: "
+            f"name the engines with --engines {folder} and the report folder with -o"
+        )
+    return folder
 
 
 def with_draft_kv(loaded: LoadedSpec, value: str, url: str | None) -> LoadedSpec:

@@ -29,11 +29,9 @@ EnginesOpt = Annotated[
     Path | None,
     typer.Option("--engines", help="Engine folder (default: the spec's output_dir, else engines/<name>)."),
 ]
-# verify and bench named their engine folder -o/--output, the name of what a command writes
-# (build, repo, distill): still read there, hidden, and said to be --engines.
-EnginesOldNameOpt = Annotated[
-    Path | None, typer.Option("--output", "-o", hidden=True, help="Deprecated name of --engines.", show_default=False)
-]
+# -o/--output names what a command writes (build, repo, distill, bench, deploy k8s); bench and
+# deploy k8s called it --out, still read there, hidden, and said to be -o/--output.
+OldOutputOpt = Annotated[Path | None, typer.Option("--out", hidden=True, help="Old name of -o/--output.", show_default=False)]
 LlmapiOpt = Annotated[
     str,
     typer.Option(
@@ -72,16 +70,26 @@ MetricsPortOpt = Annotated[
 
 
 def spec_and_engines(
-    spec: Path, device: str | None, engines: Path | None, old_name: Path | None, num_draft_tokens: int | None, url: str | None
+    spec: Path, device: str | None, engines: Path | None, num_draft_tokens: int | None, url: str | None
 ) -> tuple[LoadedSpec, Path]:
     """What a command that runs a spec's built engines (verify, bench) loads: the spec with
-    --device in place, and its engine folder (--engines, or its old name -o/--output). In
-    process, -k is checked against the spec before any engine loads (a minute on a real pair);
-    over --url the served deployment's bound is the one that holds, checked there."""
+    --device in place, and its engine folder (--engines). In process, -k is checked against
+    the spec before any engine loads (a minute on a real pair); over --url the served
+    deployment's bound is the one that holds, checked there."""
     loaded = with_device(load_spec(spec), device)
     if url is None:
         check_draft_tokens(loaded, num_draft_tokens)
-    return loaded, engines_dir(loaded, engines, old_name)
+    return loaded, loaded.output_dir(engines)
+
+
+def output_folder(output: Path | None, old_name: Path | None) -> Path | None:
+    """The folder of -o/--output, or of its old name --out (said once on stderr)."""
+    if old_name is None:
+        return output
+    if output is not None:
+        raise RequestError("give the output folder once: -o/--output DIR (--out is its old name)")
+    console.err.print("--out is the old name of -o/--output; use -o/--output", markup=False)
+    return old_name
 
 
 def check_draft_tokens(loaded: LoadedSpec, num_draft_tokens: int | None) -> None:

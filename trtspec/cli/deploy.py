@@ -1,4 +1,4 @@
-"""`trtspec deploy k8s SPEC --out DIR`: Kubernetes manifests for the spec's deployment."""
+"""`trtspec deploy k8s SPEC -o DIR`: Kubernetes manifests for the spec's deployment."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from trtspec import console
-from trtspec.cli.common import EnginesOpt, SpecArg, handle_errors
+from trtspec.cli.common import EnginesOpt, OldOutputOpt, SpecArg, handle_errors, output_folder
 from trtspec.cli.options import from_flags
 from trtspec.deploy.options import K8sOptions
 from trtspec.deploy.output import deploy_k8s, dry_run_text
@@ -17,10 +17,10 @@ from trtspec.spec import load_spec
 app = typer.Typer(help="Generate deployment artefacts from a spec.", no_args_is_help=True)
 
 Opt = typer.Option
-OutOpt = Annotated[
-    Path | None, Opt("--out", "-o", help="Folder for the manifests and kustomization.yaml (replaced whole with --force).")
+OutputOpt = Annotated[
+    Path | None, Opt("--output", "-o", help="Folder for the manifests and kustomization.yaml (replaced whole with --force).")
 ]
-ForceOpt = Annotated[bool, Opt("--force", help="Replace an existing --out folder.")]
+ForceOpt = Annotated[bool, Opt("--force", help="Replace an existing -o/--output folder.")]
 DryRunOpt = Annotated[bool, Opt("--dry-run", help="Print the manifests; write nothing.")]
 # How the deployment runs on the cluster: K8sOptions' fields, validated into it.
 KubeVersionOpt = Annotated[str, Opt("--kube-version", help="Kubernetes version whose schemas the manifests must pass.")]
@@ -89,7 +89,7 @@ HELP = """Write Kubernetes manifests (kustomize-ready) that serve SPEC on Triton
     validated against the Kubernetes schemas of --kube-version before anything is written.
 
     Examples:
-      trtspec deploy k8s engine_specs/smollm2-135m-cpu.yaml --out deploy/smollm2 \\
+      trtspec deploy k8s engine_specs/smollm2-135m-cpu.yaml -o deploy/smollm2 \\
         && kubectl apply -k deploy/smollm2
       trtspec deploy k8s engine_specs/llama3.1-8b-instruct-trtllm.yaml --dry-run \\
         --max-replicas 8
@@ -137,14 +137,17 @@ def k8s(
     refresh_cpu: RefreshCpuOpt = DEFAULTS.refresh_cpu,
     refresh_memory: RefreshMemoryOpt = DEFAULTS.refresh_memory,
     loop_size: LoopSizeOpt = DEFAULTS.loop_size,
-    out: OutOpt = None,
+    output: OutputOpt = None,
+    old_output: OldOutputOpt = None,
     engines: EnginesOpt = None,
     force: ForceOpt = False,
     dry_run: DryRunOpt = False,
 ) -> None:
     options = from_flags(K8sOptions, ctx)
     loaded = load_spec(spec)
-    plan, files, written = deploy_k8s(loaded, options, out, force=force, dry_run=dry_run, engines_dir=loaded.output_dir(engines))
+    plan, files, written = deploy_k8s(
+        loaded, options, output_folder(output, old_output), force=force, dry_run=dry_run, engines_dir=loaded.output_dir(engines)
+    )
     summary = (
         f"{plan.workload} {plan.name}: {len(files)} files, valid for Kubernetes {options.kube_version}; "
         f"GPUs per pod {plan.gpus}; startup probe {plan.startup_seconds}s ({plan.startup_basis})"

@@ -11,7 +11,6 @@ from rich.progress import Progress
 from trtspec import console
 from trtspec.cli.common import (
     DeviceOpt,
-    EnginesOldNameOpt,
     EnginesOpt,
     JsonFileOpt,
     JsonOpt,
@@ -141,7 +140,6 @@ def verify(
     tie_epsilon: TieEpsilonOpt = DEFAULTS.tie_epsilon,
     html_file: HtmlOpt = DEFAULTS.html_file,
     engines: EnginesOpt = None,
-    output: EnginesOldNameOpt = None,
     as_json: JsonOpt = False,
     json_file: JsonFileOpt = None,
     junit_file: JunitOpt = None,
@@ -149,7 +147,7 @@ def verify(
     device: DeviceOpt = None,
 ) -> None:
     opts = from_flags(VerifyOptions, ctx)  # help: HELP, registered in app.py
-    loaded, engines_folder = spec_and_engines(spec, device, engines, output, num_draft_tokens, url)
+    loaded, engines_folder = spec_and_engines(spec, device, engines, num_draft_tokens, url)
     bars = _Bars()
     try:
         outcome = run(loaded, engines_folder, opts, progress=bars.update)

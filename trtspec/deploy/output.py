@@ -64,9 +64,9 @@ def write_folder(files: dict[str, str], out: Path, force: bool = False) -> Path:
     """Write ``files`` as the folder ``out``; an existing folder needs ``force`` and is replaced whole."""
     out = Path(out).expanduser().resolve()
     if out.exists() and not out.is_dir():
-        raise TrtspecError(f"{out} exists and is not a folder; choose another --out")
+        raise TrtspecError(f"{out} exists and is not a folder; choose another -o/--output")
     if out.exists() and any(out.iterdir()) and not force:
-        raise TrtspecError(f"{out} already exists and is not empty; pass --force to replace it, or choose another --out")
+        raise TrtspecError(f"{out} already exists and is not empty; pass --force to replace it, or choose another -o/--output")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -95,5 +95,5 @@ def deploy_k8s(
     if dry_run:
         return plan, files, None
     if out is None:
-        raise TrtspecError("--out is required unless --dry-run: the folder to write the manifests to")
+        raise TrtspecError("-o/--output is required unless --dry-run: the folder to write the manifests to")
     return plan, files, write_folder(files, out, force)
