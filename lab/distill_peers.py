@@ -28,7 +28,7 @@ HEAD is a head `trtspec distill SPEC` wrote; its manifest names the data it was 
    named in the record's "hyperparameters"); SpecForge's head is then written by its own
    `specforge export --to sglang`;
 3. scores every head on the same unseen prompts (the spec's verify prompts and HEAD's
-   --eval-prompts, never trained on) through vLLM (.venv-vllm: lab/vllm_peer.py) at
+   --eval-prompts, never trained on) through vLLM (.venv-vllm: trtspec/testing/vllm_peer.py) at
    k = 1 and k = 3 (speculators' head both as it wrote it and converted to trtspec's layout:
    the converted folder must load and give the same acceptance), and through trtspec: HEAD's
    figures from its manifest, the peers' heads by the same code that wrote them (distill's
@@ -37,7 +37,7 @@ HEAD is a head `trtspec distill SPEC` wrote; its manifest names the data it was 
    (``speculators_to_trtspec``, ``specforge_to_trtspec``). HEAD is scored again the same way
    and must give its manifest's figures: the check that the path is the one distill used.
 
-The converters live here, not in ``trtspec check``/``build``: only this comparison needs the
+The converters (trtspec/testing/peer_heads.py) are not in ``trtspec check``/``build``: only this comparison needs the
 trainers' own layouts (speculators' ``layers.0.*`` names, nested ``transformer_layer_config``,
 copy of the target's embeddings and ``t2d``; SpecForge's ``t2d`` and its config without
 trtspec's keys); the product keeps one head format, the one TensorRT-LLM, vLLM and SGLang
@@ -62,11 +62,11 @@ import time
 from pathlib import Path
 
 from lab._common import ROOT, command_line
+from trtspec.testing.peer_heads import LAYER_KEYS, specforge_to_trtspec, speculators_to_trtspec
 
 SPECULATORS_PY = ROOT / ".venv-speculators" / "bin" / "python"
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 SPECULATORS_CPU = ROOT / "lab" / "speculators_cpu.py"
-VLLM_PEER = ROOT / "lab" / "vllm_peer.py"
 EXPORT_ROWS = 64  # sequences captured per batch of the export
 RESULT = ROOT / "lab" / "results" / "distill-peers.json"
 SPECFORGE_PY = ROOT / ".venv-specforge" / "bin" / "python"
@@ -461,7 +461,7 @@ def _last_checkpoint(save: Path) -> Path:
 
 def score_vllm(python: Path, target: str, head: Path, exported: dict, k: int, max_tokens: int, log: Path) -> dict:
     """Acceptance of ``head`` in vLLM on the unseen prompts, greedy, k drafts per step."""
-    from lab.peers import VllmWorker, vllm_env
+    from trtspec.testing.vllm_worker import PEER_SCRIPT, VllmWorker, vllm_env
 
     load = {
         "model": target,
@@ -471,7 +471,7 @@ def score_vllm(python: Path, target: str, head: Path, exported: dict, k: int, ma
         "enable_prefix_caching": False,
         "speculative": {"method": "eagle3", "model": str(head), "num_speculative_tokens": k},
     }
-    worker = VllmWorker(python, VLLM_PEER, load, vllm_env(1), log)
+    worker = VllmWorker(python, PEER_SCRIPT, load, vllm_env(1), log)
     total = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": [0] * k}
     try:
         for ids in exported["unseen_prompt_ids"]:  # one at a time: the counters are per call
@@ -494,128 +494,6 @@ def score_vllm(python: Path, target: str, head: Path, exported: dict, k: int, ma
         "per_position": [round(a / n, 3) if n else 0.0 for a, n in zip(total["accepted_per_pos"], alive)],
         "counters": total,
     }
-
-
-# speculators' tensors with no place in a trtspec head: the target's own embeddings (a head
-# shares the target's), the target-to-draft mask (d2t carries the same map), the verifier's copies.
-SPECULATORS_DROPPED = ("embed_tokens.weight", "t2d", "verifier_lm_head.weight", "verifier_norm.weight")
-LAYER_KEYS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "hidden_act",
-    "rms_norm_eps",
-    "max_position_embeddings",
-    "rope_parameters",
-    "rope_theta",
-    "vocab_size",
-    "bos_token_id",
-    "eos_token_id",
-)
-
-
-def speculators_to_trtspec(src: Path, dst: Path) -> Path:
-    """speculators' EAGLE-3 checkpoint folder ``src`` written as a trtspec head folder ``dst``
-    (engines/eagle3_checkpoint.py's layout): ``layers.0.*`` -> ``midlayer.*``, the layer's
-    config flattened to Llama keys, the same aux layer ids (both count a layer's input) and the
-    norm flags and their tensors carried as they are. Returns ``dst``."""
-    from safetensors.torch import load_file
-
-    from trtspec.engines.eagle3_checkpoint import NORM_FLAGS
-
-    try:
-        cfg = json.loads((src / "config.json").read_text(encoding="utf-8"))
-        layer = cfg["transformer_layer_config"]
-        files = sorted(src.glob("*.safetensors"))
-    except (OSError, ValueError, KeyError) as e:
-        raise SystemExit(f"{src} is not a speculators checkpoint folder ({e})") from e
-    if cfg.get("speculators_model_type") != "eagle3" or not files:
-        raise SystemExit(f"{src} is not a speculators EAGLE-3 checkpoint (speculators_model_type eagle3, safetensors)")
-    if int(layer.get("num_hidden_layers", 1)) != 1:
-        raise SystemExit(f"{src}: {layer['num_hidden_layers']} draft layers; trtspec runs one-layer EAGLE-3 heads")
-    state = {}
-    for f in files:
-        state |= load_file(str(f))
-    state = {
-        ("midlayer." + k[len("layers.0.") :] if k.startswith("layers.0.") else k): v
-        for k, v in state.items()
-        if k not in SPECULATORS_DROPPED
-    }
-    norms = {k: bool(cfg.get(k, False)) for k in NORM_FLAGS}
-    # the window speculators trained under; trtspec's head attends to the whole context
-    origin = {"speculators": {"source": str(src), "sliding_window": layer.get("sliding_window")}}
-    return _write_head(dst, state, layer, cfg, cfg["eagle_aux_hidden_state_layer_ids"], norms | origin)
-
-
-def _write_head(dst: Path, state: dict, layer: dict, cfg: dict, ids, extra: dict) -> Path:
-    """A one-layer head in trtspec's layout: ``state`` as model.safetensors and a config of the
-    Llama keys of ``layer``, ``cfg``'s draft vocabulary and target width, the aux layer ``ids``
-    and ``extra`` (norm flags, where it came from). Returns ``dst``."""
-    from safetensors.torch import save_file
-
-    from trtspec.engines.eagle3_checkpoint import HEAD_ARCHITECTURE
-
-    config = {
-        "architectures": [HEAD_ARCHITECTURE],
-        "model_type": "llama",
-        **{k: layer[k] for k in LAYER_KEYS if k in layer},
-        "num_hidden_layers": 1,
-        "draft_vocab_size": cfg["draft_vocab_size"],
-        "target_hidden_size": cfg.get("target_hidden_size") or layer["hidden_size"],
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "eagle_aux_hidden_state_layer_ids": [int(i) for i in ids],
-        **extra,
-    }
-    dst.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    return dst
-
-
-def specforge_to_trtspec(src: Path, dst: Path) -> Path:
-    """The folder ``specforge export --to sglang`` wrote (``src``) as a trtspec head folder ``dst``:
-    the tensor names are already the ones trtspec reads (``midlayer.*``, ``fc``, ``norm``,
-    ``lm_head``, ``d2t``; ``fc_norm.{i}`` where its config sets fc_norm); ``t2d`` (d2t carries
-    the same map) and any embeddings are dropped, the config gets the keys trtspec checks.
-    SpecForge's own ``norm_output`` (true by default) is the usual norm before the LM head, not
-    the EAGLE-3.1 flag of that name; a head trained without it is refused. Returns ``dst``."""
-    from safetensors.torch import load_file
-
-    from trtspec.engines.eagle3_checkpoint import HEAD_ARCHITECTURE
-
-    try:
-        cfg = json.loads((src / "config.json").read_text(encoding="utf-8"))
-        files = sorted(src.glob("*.safetensors"))
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"{src} is not a SpecForge export folder ({e}); pass the folder `specforge export` wrote") from e
-    if cfg.get("architectures") != [HEAD_ARCHITECTURE] or not files:
-        raise SystemExit(f"{src} is not a SpecForge EAGLE-3 export ({HEAD_ARCHITECTURE} config and safetensors)")
-    if int(cfg.get("num_hidden_layers", 1)) != 1:
-        raise SystemExit(f"{src}: {cfg['num_hidden_layers']} draft layers; trtspec runs one-layer EAGLE-3 heads")
-    if cfg.get("norm_output", True) is not True:
-        raise SystemExit(f"{src}: trained with norm_output false (no norm before the LM head); trtspec's head always applies it")
-    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if not ids:
-        raise SystemExit(
-            f"{src}/config.json names no eagle_aux_hidden_state_layer_ids; put the layers it was trained on in its draft config"
-        )
-    state = {}
-    for f in files:
-        state |= load_file(str(f))
-    state = {k: v for k, v in state.items() if k != "t2d" and "embed" not in k}
-    if "d2t" in state:
-        state["d2t"] = state["d2t"].long()
-    norms = {
-        "norm_before_fc": False,
-        "fc_norm": bool(cfg.get("fc_norm", False)),
-        "norm_before_residual": False,
-        "norm_output": False,
-    }
-    return _write_head(dst, state, cfg, cfg, ids, norms | {"specforge": {"source": str(src)}})
 
 
 def load_head(folder: Path, target_hf, dtype=None):

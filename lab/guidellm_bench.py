@@ -120,7 +120,7 @@ def vllm_configs(loaded, k: int) -> list[tuple[str, dict | None]]:
 def vllm_server(python: str, folder: Path, name: str, speculative: dict | None, max_len: int, seqs: int, log):
     """vLLM's OpenAI server on a free loopback port, serving ``folder`` as ``name``: yields its
     base URL (…/v1) once /v1/models answers; stopped (and waited for) after."""
-    from lab.peers import vllm_env
+    from trtspec.testing.vllm_worker import vllm_env
     from trtspec.triton.server.process import free_ports
 
     (port,) = free_ports(1)

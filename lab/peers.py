@@ -11,7 +11,7 @@ Paths (greedy, the same prompt ids and max_tokens for all):
                        (constant schedule, confidence early-stop off): the same rule as ours
   hf_assisted_default  generate(assistant_model=draft) with transformers' own defaults
   hf_prompt_lookup     generate(prompt_lookup_num_tokens=k, max_matching_ngram_size=max_ngram)
-  vllm_target          vLLM's CPU build (its own environment, lab/vllm_peer.py as a subprocess
+  vllm_target          vLLM's CPU build (its own environment, trtspec/testing/vllm_peer.py as a subprocess
                        speaking JSON) on the spec's target engine folder, dtype = the target's
   vllm_eagle3          vLLM with the spec's EAGLE-3 head folder (method eagle3), k drafts
   vllm_draft_target    vLLM with the spec's draft engine folder (or --draft-from's; method
@@ -50,9 +50,7 @@ in an order rotated per prompt so machine noise hits all paths alike.
 from __future__ import annotations
 
 import copy
-import json
 import os
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -61,11 +59,12 @@ from pathlib import Path
 import torch
 
 from trtspec import machine
-from trtspec.errors import EngineError, SpecError
+from trtspec.errors import SpecError
 from trtspec.runtime import Deployment
 from trtspec.spec import read_prompt_rows
 from trtspec.speculative.loop import generate
 from trtspec.speculative.metrics import SpecMetrics
+from trtspec.testing.vllm_worker import VllmWorker, vllm_env
 
 KINDS = ("chat", "code", "rewrite")
 REFERENCE = "ours_target"
@@ -308,81 +307,6 @@ def peer_paths(dep: Deployment, draft_from=None) -> tuple[list[PeerPath], dict]:
 
 
 # ---- vLLM: its own environment, a subprocess speaking JSON ------------------------------
-
-
-class VllmWorker:
-    """One lab/vllm_peer.py process holding one vLLM ``LLM`` (see that file for the protocol).
-
-    vLLM lives in its own environment (`make vllm`: .venv-vllm) and is never imported here.
-    Its log goes to ``log``; an error names that file."""
-
-    def __init__(self, python: Path, script: Path, load: dict, env: dict[str, str], log: Path):
-        self.log = Path(log)
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "a", encoding="utf-8") as err:
-            self.proc = subprocess.Popen(
-                [str(python), str(script)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=err,
-                text=True,
-                env=env,
-            )
-        try:
-            self.info = self.call({"op": "load"} | load)
-        except BaseException:
-            self.close()
-            raise
-
-    def call(self, request: dict) -> dict:
-        try:
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            self.proc.stdin.flush()
-            line = self.proc.stdout.readline()
-        except (BrokenPipeError, OSError):
-            line = ""
-        if not line:
-            try:
-                code = self.proc.wait(timeout=30)  # its stdout closed: it is exiting
-            except subprocess.TimeoutExpired:
-                code = None
-            raise EngineError(f"the vLLM peer exited (code {code}){self._last_log_line()}; see its log {self.log}")
-        answer = json.loads(line)
-        if not answer.get("ok"):
-            raise EngineError(f"vLLM peer: {answer.get('error')}; see its log {self.log}")
-        return answer
-
-    def _last_log_line(self) -> str:
-        try:
-            lines = [x for x in self.log.read_text(encoding="utf-8", errors="replace").splitlines() if x.strip()]
-        except OSError:
-            return ""
-        return f": {lines[-1].strip()[:300]}" if lines else ""
-
-    def close(self) -> None:
-        """Ask the process to quit; stop it if it does not within 30 s."""
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
-            if stream:
-                stream.close()
-
-
-def vllm_env(kv_cache_gib: int) -> dict[str, str]:
-    """The worker's environment: the engine in its process, a KV cache sized for a bench (vLLM's
-    CPU default would take GiBs per process), OMP_NUM_THREADS removed. With the engine in the
-    worker's own process vLLM 0.32 neither binds its OpenMP threads nor cuts torch to one thread,
-    so its threads spin-wait against any other job: on a shared 2-core machine its decode steps
-    took seconds. Where acceptance alone is scored beside other work, OMP_WAIT_POLICY=PASSIVE in
-    the caller's environment (kept here) stops the spinning; it gave identical acceptance counts."""
-    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
-    return env | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
 
 
 def vllm_metrics(spec: dict, k: int) -> SpecMetrics:

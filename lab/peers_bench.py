@@ -10,7 +10,7 @@
 Build the spec's engines first (`trtspec build SPEC`). Progress goes to stderr; the markdown
 tables (one per concurrency) go to stdout and to --out, with the full measurements as JSON
 (same name, .json) and a plot of tokens/s (.png) beside it. --vllm adds vLLM's paths: vLLM runs
-in its own environment, one lab/vllm_peer.py process per path, its log in --out's name with
+in its own environment, one trtspec/testing/vllm_peer.py process per path, its log in --out's name with
 .vllm.log. Ctrl-C stops the run and still writes the prompts measured so far. The paths and
 every definition are in lab/peers.py; the table, JSON and plot in lab/peers_report.py.
 """
@@ -28,8 +28,7 @@ from trtspec.errors import EXIT_INTERRUPTED, RequestError, TrtspecError
 from trtspec.files import write_text_atomic
 from trtspec.runtime import Deployment
 from trtspec.spec import load_spec
-
-VLLM_PEER = ROOT / "lab" / "vllm_peer.py"
+from trtspec.testing.vllm_worker import PEER_SCRIPT
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -116,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.vllm is not None:
             log = args.out.with_suffix(".vllm.log")
             more, vllm, close = vllm_paths(
-                dep, args.vllm, VLLM_PEER, log, draft_from, args.vllm_kv_gib, max(args.concurrency), progress, args.paths
+                dep, args.vllm, PEER_SCRIPT, log, draft_from, args.vllm_kv_gib, max(args.concurrency), progress, args.paths
             )
             paths += more
         if args.paths is not None:

@@ -45,8 +45,9 @@ def main() -> int:
 
     import tritonclient.grpc as grpcclient
 
-    from lab.server_memory import compact, growth, total, tree_memory
+    from lab.server_memory import compact, growth, total
     from trtspec.spec import load_spec
+    from trtspec.testing.process_memory import tree_memory
     from trtspec.triton.request import infer_inputs
 
     loaded = load_spec(args.spec)

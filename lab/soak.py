@@ -308,8 +308,9 @@ def main() -> int:
     global ANSWER_TIMEOUT
     ANSWER_TIMEOUT = args.answer_timeout
 
-    from lab.server_memory import compact, growth, layout_growth, total, tree_layout, tree_memory
+    from lab.server_memory import compact, growth, layout_growth, total, tree_layout
     from trtspec.spec import load_spec
+    from trtspec.testing.process_memory import tree_memory
 
     loaded = load_spec(args.spec)
     prompts = loaded.verify_prompts()

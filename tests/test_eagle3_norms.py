@@ -3,7 +3,7 @@ norm_before_residual, norm_output), run by trtspec's head and scored by distill'
 as a reference of speculators' forward written here from its source
 (speculators 0.9.0 models/eagle3/core.py and model_definitions.py: read, not imported; its
 package lives in .venv-speculators, not in this environment), on a speculators-layout
-checkpoint converted by lab/distill_peers.py. Plain heads keep their exact path; a config
+checkpoint converted by trtspec/testing/peer_heads.py. Plain heads keep their exact path; a config
 and weights that disagree on a norm are refused by the checkpoint check."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from safetensors.torch import load_file, save_file
 from test_eagle3 import DRAFT_IDS, runner
 from typer.testing import Result
 
-from lab import distill_peers
 from trtspec.cli.app import app
+from trtspec.testing.peer_heads import LAYER_KEYS, speculators_to_trtspec
 
 NORMS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
 FLAG_SETS = {
@@ -74,7 +74,7 @@ def speculators_checkpoint(target: Path, out: Path, flags: dict, seed: int = 0) 
         state["input_norm.weight"] = norm(n * h)
     if flags.get("fc_norm"):
         state |= {f"fc_norm.{i}.weight": norm(h) for i in range(n)}
-    layer = {k: v for k, v in hf.to_dict().items() if k in distill_peers.LAYER_KEYS}
+    layer = {k: v for k, v in hf.to_dict().items() if k in LAYER_KEYS}
     config = {
         "architectures": ["Eagle3DraftModel"],
         "speculators_model_type": "eagle3",
@@ -190,7 +190,7 @@ class _Heads(dict):
 
         root = self.factory.mktemp(f"norms-{name}")
         src = speculators_checkpoint(self.target, root / "speculators", FLAG_SETS[name])
-        head = distill_peers.speculators_to_trtspec(src, root / "head")
+        head = speculators_to_trtspec(src, root / "head")
         loaded = load_spec(write_spec(root, {"target": self.target, "head": head}, "head", **{"speculative.method": "eagle3"}))
         build(loaded, loaded.output_dir())
         self[name] = (Reference(src, AutoConfig.from_pretrained(self.target)), head, Deployment(loaded, loaded.output_dir()))

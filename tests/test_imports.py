@@ -89,3 +89,20 @@ def test_the_lab_is_a_package_the_product_never_imports():
     contracts = config["tool"]["importlinter"]["contracts"]
     assert any(c.get("source_modules") == ["trtspec"] and c.get("forbidden_modules") == ["lab"] for c in contracts)
     assert "lab" in config["tool"]["importlinter"]["root_packages"]
+
+
+def test_no_product_test_imports_the_lab():
+    """The product's tests (tests/) check the product: what they share with the lab lives in
+    trtspec/testing, and a test of a lab script is the lab's (lab/tests)."""
+    tests = PACKAGE.parent / "tests"
+    borrowed = []
+    for path in sorted(tests.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            borrowed += [f"{path.name}:{node.lineno}: {n}" for n in names if n.split(".")[0] == "lab"]
+    assert borrowed == []

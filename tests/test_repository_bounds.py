@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from conftest import serve_tiny
 
-from lab.server_memory import tree_memory
 from trtspec.errors import ServerError
 from trtspec.layout import BLS_MODEL, CONTROL_MODEL, ENGINE_MODELS, TARGET_MODEL
+from trtspec.testing.process_memory import tree_memory
 from trtspec.triton.backend.contract import UNSERVED_INPUTS
 from trtspec.triton.backend.params import EngineEndpointParams
 from trtspec.triton.repository import pbtxt

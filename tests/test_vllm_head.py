@@ -4,7 +4,7 @@ target loads in vLLM unchanged, and vLLM drafts with it as trtspec does.
     make test-vllm          # creates .venv-vllm (make vllm) and runs this file
 
 vLLM runs in its own environment (TRTSPEC_VLLM_PYTHON, default .venv-vllm/bin/python), as the
-peers bench runs it: lab/vllm_peer.py in a subprocess speaking JSON. Skipped where that
+peers bench runs it: trtspec/testing/vllm_peer.py in a subprocess speaking JSON. Skipped where that
 environment or vLLM in it is missing.
 
 The target is the tiny-model factory's recipe (its tokenizer, a seeded random Llama) with two
@@ -29,12 +29,11 @@ from conftest import ROOT, write_spec
 from test_distill import PROMPTS as DISTILL_PROMPTS
 from typer.testing import CliRunner
 
-from lab.peers import VllmWorker, vllm_env
+from trtspec.testing.vllm_worker import PEER_SCRIPT, VllmWorker, vllm_env
 
 pytestmark = pytest.mark.vllm
 
 VLLM_PYTHON = Path(os.environ.get("TRTSPEC_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
-VLLM_PEER = ROOT / "lab" / "vllm_peer.py"
 K = 2
 MAX_TOKENS = 32
 TOLERANCE = 0.03
@@ -138,7 +137,7 @@ def vllm_runs(dep, head: Path, prompt_ids, log: Path):
         "enable_prefix_caching": False,
         "speculative": {"method": "eagle3", "model": str(head), "num_speculative_tokens": K},
     }
-    worker = VllmWorker(VLLM_PYTHON, VLLM_PEER, load, vllm_env(1), log)
+    worker = VllmWorker(VLLM_PYTHON, PEER_SCRIPT, load, vllm_env(1), log)
     try:
         out = []
         for ids in prompt_ids:

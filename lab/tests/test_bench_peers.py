@@ -17,7 +17,6 @@ from lab.peers import (
     Generation,
     PeerPath,
     Prompt,
-    VllmWorker,
     _vllm_run,
     encode_prompts,
     measure,
@@ -26,6 +25,7 @@ from lab.peers import (
 )
 from lab.peers_report import render_markdown, summarise
 from trtspec.errors import EngineError
+from trtspec.testing.vllm_worker import VllmWorker
 
 ROWS = [("The quick brown fox", "chat"), ("Rewrite: Triton serves models over HTTP and gRPC.", "rewrite")]
 

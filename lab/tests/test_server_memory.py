@@ -9,6 +9,7 @@ import sys
 import time
 
 from lab import server_memory as memory
+from trtspec.testing.process_memory import tree_memory
 from trtspec.triton.server.procgroup import descendants
 
 # A child that, once told, grows its heap by 64 MiB and maps and touches 16 MiB of /dev/shm.
@@ -41,14 +42,14 @@ def test_memory_growth_is_measured_per_process_and_names_the_one_that_grew(tmp_p
     parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD, str(go), str(done)])
     try:
         deadline = time.monotonic() + 30
-        while len(memory.tree_memory(parent.pid)) < 2 and time.monotonic() < deadline:
+        while len(tree_memory(parent.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        start = memory.tree_memory(parent.pid)
+        start = tree_memory(parent.pid)
         assert len(start) == 2 and all(m["pss"] > 0 and m["rss_anon"] > 0 for m in start.values())
         go.touch()
         while not done.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        end = memory.tree_memory(parent.pid)
+        end = tree_memory(parent.pid)
     finally:
         for pid in descendants(parent.pid):
             os.kill(pid, signal.SIGKILL)

@@ -1,7 +1,7 @@
 """vLLM as a peer: one LLM in this process, driven by JSON lines. Runs inside vLLM's own
 environment (`make vllm` creates .venv-vllm); trtspec never imports vLLM, it starts this file:
 
-    .venv-vllm/bin/python -m lab.vllm_peer        # reads requests on stdin, answers on stdout
+    .venv-vllm/bin/python trtspec/testing/vllm_peer.py   # reads requests on stdin, answers on stdout
 
 One JSON object per line each way; every answer has "ok" (and "error" when false):
   {"op": "load", "model": DIR, "dtype": "float32", "speculative": null | {...vLLM's speculative_config},
@@ -18,7 +18,8 @@ on the way out); all prompts of one request go to one llm.generate call (the con
 without a speculative config. vLLM logs to stdout by default, so the answers go to the
 process's original stdout and everything else (fd 1 included) to stderr.
 
-Only the standard library and vLLM: this file must not import trtspec.
+Only the standard library and vLLM: this file must not import trtspec (vllm_worker.py starts it
+by its path, in vLLM's environment).
 """
 
 from __future__ import annotations
