@@ -91,7 +91,7 @@ def test_the_eagle3_heads_step_is_timed_at_each_context(tmp_path_factory, tiny_c
 def test_cli_context_sweep_reports_a_row_per_length_and_plots_them(spec_file, tmp_path):
     from PIL import Image
 
-    args = ["bench", str(spec_file), "--sweep", "none", "-c", "1", "--context-sweep", "16,64", "--out", str(tmp_path)]
+    args = ["bench", str(spec_file), "--sweep", "none", "-c", "1", "--context-sweep", "16,64", "-o", str(tmp_path)]
     r = runner.invoke(app, args)
     assert r.exit_code == 0, r.output
     assert "step costs by context length" in r.stdout and "target steps (context sweep):" in r.stdout

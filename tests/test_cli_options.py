@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from trtspec.bench.run import BenchOptions
 from trtspec.cli.app import app
-from trtspec.cli.common import output_folder, with_device
+from trtspec.cli.common import with_device
 from trtspec.cli.options import from_flags
 from trtspec.deploy.options import K8sOptions
 from trtspec.distill.options import DistillOptions
@@ -102,26 +102,21 @@ def test_a_verify_option_refused_by_the_model_names_the_flag_as_typed(tmp_path):
     assert r.exit_code == 2 and "Error: --fail-on: Input should be 'any' or 'algorithmic'" in r.stderr
 
 
-def test_output_is_what_a_command_writes_and_out_its_old_name(capsys):
-    """One name per meaning: -o/--output is the folder or file a command writes, in every
-    command that writes one; --engines is the engine folder a command reads; bench's and
-    deploy k8s's old --out still reads, hidden, and says the new name."""
+def test_output_is_what_a_command_writes_and_engines_what_it_reads():
+    """One name per meaning: -o/--output is the folder a command writes, in every command that
+    writes one; --engines is the engine folder a command reads. bench's and deploy k8s's old
+    --out is gone: click refuses it (exit 2) and names --output."""
     writers = {("build",), ("repo",), ("distill",), ("bench",), ("deploy", "k8s")}
     for path in writers:
         options = {p.name: p for p in _command(path).params}
         assert sorted(options["output"].opts) == ["--output", "-o"] and not options["output"].hidden, path
     for path in (("verify",), ("bench",), ("repo",), ("serve",), ("refresh",), ("openai",), ("deploy", "k8s")):
         assert {p.name: p for p in _command(path).params}["engines"].opts == ["--engines"], path
-    for path in (("bench",), ("deploy", "k8s")):
-        old = {p.name: p for p in _command(path).params}["old_output"]
-        assert old.opts == ["--out"] and old.hidden, path
     flags = {o for p in _command(("verify",)).params for o in p.opts}
     assert not flags & {"-o", "--output", "--out"}  # verify writes no folder: its files are --json-file, --html, --junit
-    assert output_folder(Path("a"), None) == Path("a")
-    assert output_folder(None, Path("b")) == Path("b")
-    assert "--out is the old name of -o/--output; use -o/--output" in capsys.readouterr().err
-    with pytest.raises(RequestError, match="give the output folder once: -o/--output DIR"):
-        output_folder(Path("a"), Path("b"))
+    for command in (["bench", "spec.yaml"], ["deploy", "k8s", "spec.yaml"]):
+        r = runner.invoke(app, [*command, "--out", "x"])
+        assert r.exit_code == 2 and "No such option: --out" in r.output and "--output" in r.output
 
 
 def test_bench_refuses_an_output_folder_holding_engines_before_anything_runs(tmp_path, tiny_ckpts):

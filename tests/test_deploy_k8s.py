@@ -436,7 +436,7 @@ def test_each_deployment_option_is_a_k8s_options_field_with_its_default():
         assert options[name].default == field.default, name
     assert options["hpa"].secondary_opts == ["--no-hpa"] and options["namespace"].opts == ["--namespace", "-n"]
     # the command's own options (where to write) are not options of the deployment
-    assert {"output", "old_output", "engines", "force", "dry_run", "spec"} == set(options) - set(fields)
+    assert {"output", "engines", "force", "dry_run", "spec"} == set(options) - set(fields)
 
 
 def test_spec_name_that_cannot_be_an_object_name_needs_name(tmp_path):

@@ -464,7 +464,7 @@ def test_verify_and_bench_commands_on_an_eagle3_spec(eagle_deploy, tmp_path):
             "none",
             "-c",
             "1",
-            "--out",
+            "-o",
             str(tmp_path / "bench"),
             "--json-file",
             str(bench),
@@ -481,7 +481,7 @@ def test_bench_methods_compares_eagle3_draft_target_ngram_on_one_target(eagle_de
     pair = built("draft")  # the tiny draft_target spec, same target checkpoint
     bench = tmp_path / "bench.json"
     args = ["bench", str(dep.loaded.path), "-p", "The quick brown fox", "-p", "Pack my box", "--max-tokens", "12"]
-    args += ["--sweep", "none", "-c", "1", "--out", str(tmp_path / "out"), "--json-file", str(bench)]
+    args += ["--sweep", "none", "-c", "1", "-o", str(tmp_path / "out"), "--json-file", str(bench)]
     r = runner.invoke(app, [*args, "--methods", "eagle3,draft_target,ngram", "--draft-from", str(pair.loaded.path)])
     assert r.exit_code == 0, r.output
     assert "drafting methods" in r.stdout
@@ -499,7 +499,7 @@ def test_bench_methods_refuses_what_it_cannot_compare(eagle_deploy, built, tmp_p
     dep = eagle_deploy("exact", target="bigram-target")  # another target's weights
     pair = built("draft")
     base = ["bench", str(dep.loaded.path), "-p", "x y", "--max-tokens", "4", "--sweep", "none", "-c", "1"]
-    base += ["--out", str(tmp_path)]
+    base += ["-o", str(tmp_path)]
     r = runner.invoke(app, [*base, "--methods", "eagle3,draft_target"])
     assert r.exit_code == 2 and "--draft-from" in r.output
     r = runner.invoke(app, [*base, "--methods", "draft_target", "--draft-from", str(pair.loaded.path)])

@@ -473,7 +473,7 @@ def test_bench_in_process_through_the_double(llmapi_built, tmp_path):
     TTFT is real), whole-request acceptance, concurrency; a sweep is refused with the fix."""
     out = tmp_path / "bench.json"
     args = ["bench", str(llmapi_built.path), "--llmapi", "double", "-p", PROMPTS[0], "-p", PROMPTS[1], "--max-tokens", "12"]
-    r = CliRunner().invoke(app, [*args, "-c", "1,2", "--out", str(tmp_path / "o"), "--json-file", str(out)])
+    r = CliRunner().invoke(app, [*args, "-c", "1,2", "-o", str(tmp_path / "o"), "--json-file", str(out)])
     assert r.exit_code == 0, r.output
     data = json.loads(out.read_text())
     assert data["mode"] == "in-process (llmapi conformance double, not TensorRT-LLM)" and data["complete"]

@@ -243,7 +243,7 @@ def test_bench_schedule_measures_the_grid_and_recommends(tmp_path, tiny_ckpts):
     assert runner.invoke(app, ["build", str(spec)]).exit_code == 0
     out = tmp_path / "bench"
     grid = "--schedule --sweep 1,3 -c 1,2 --max-tokens 8".split()
-    r = runner.invoke(app, ["bench", str(spec), *grid, "-p", "The quick brown fox", "--out", str(out)])
+    r = runner.invoke(app, ["bench", str(spec), *grid, "-p", "The quick brown fox", "-o", str(out)])
     assert r.exit_code == 0, r.output
     report = json.loads((out / "bench.json").read_text())
     cells = {(p["concurrency"], p["k"]) for p in report["grid"]}
@@ -255,5 +255,5 @@ def test_bench_schedule_measures_the_grid_and_recommends(tmp_path, tiny_ckpts):
     assert (out / "schedule.png").stat().st_size > 0
     refused = runner.invoke(app, ["bench", str(spec), "--schedule", "--url", "127.0.0.1:1"])
     assert refused.exit_code == 2 and "--schedule measures the k x concurrency grid in process" in refused.output
-    above = runner.invoke(app, ["bench", str(spec), "--schedule", "-c", "8", "--out", str(out)])
+    above = runner.invoke(app, ["bench", str(spec), "--schedule", "-c", "8", "-o", str(out)])
     assert above.exit_code == 2 and "--schedule recommends from concurrencies <= build.max_batch_size (4)" in above.output

@@ -837,7 +837,7 @@ def test_verify_and_bench_url_report_the_served_default_draft_length(served, dep
     assert result.exit_code == 0, result.output
     verified = json.loads((tmp_path / "v.json").read_text())
     assert verified["num_draft_tokens"] == served_k and len(verified["metrics"]["per_position_rate"]) == served_k
-    result = CliRunner().invoke(app, ["bench", str(local), *common, "--sweep", "none", "-c", "1", "--out", str(tmp_path)])
+    result = CliRunner().invoke(app, ["bench", str(local), *common, "--sweep", "none", "-c", "1", "-o", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "bench.json").read_text())["k"] == served_k
 
@@ -853,9 +853,7 @@ def test_verify_url_unreachable_is_one_clear_error(deployment):
 
 def test_bench_url_measures_served_repository(served, deployment, tmp_path):
     loaded, _ = deployment
-    result = CliRunner().invoke(
-        app, _over_url("bench", loaded, served, 8) + ["--sweep", "2", "-c", "1,2", "--out", str(tmp_path)]
-    )
+    result = CliRunner().invoke(app, _over_url("bench", loaded, served, 8) + ["--sweep", "2", "-c", "1,2", "-o", str(tmp_path)])
     assert result.exit_code == 0, result.output
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["complete"] and data["mode"] == f"grpc://{served.grpc_endpoint}"
@@ -874,7 +872,7 @@ def test_bench_url_without_a_readable_caller_key_measures_all_but_step_costs(ser
     monkeypatch.setattr(callers, "local_keys", lambda folder=callers.SHM: [])
     loaded, _ = deployment
     args = ["bench", str(loaded.path), "--url", served.grpc_endpoint, "-p", PROMPTS[0], "--max-tokens", "8"]
-    result = CliRunner().invoke(app, [*args, "--sweep", "none", "-c", "1", "--out", str(tmp_path)])
+    result = CliRunner().invoke(app, [*args, "--sweep", "none", "-c", "1", "-o", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert "step costs not measured" in result.output
     data = json.loads((tmp_path / "bench.json").read_text())

@@ -576,7 +576,7 @@ def test_bench_methods_reports_each_prompt_set_with_suffix_and_layered_rows(buil
     chat.write_text(json.dumps({"prompt": "The quick brown fox"}) + "\n")
     repeat.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in TINY_PROMPTS[1:]))
     out = tmp_path / "bench.json"
-    args = ["bench", str(dep.loaded.path), "--max-tokens", "16", "--sweep", "none", "-c", "1", "--out", str(tmp_path / "o")]
+    args = ["bench", str(dep.loaded.path), "--max-tokens", "16", "--sweep", "none", "-c", "1", "-o", str(tmp_path / "o")]
     args += ["--methods", "suffix,draft_target,draft_target+suffix,ngram", "--json-file", str(out)]
     r = CliRunner().invoke(app, [*args, "--methods-prompts", str(chat), "--methods-prompts", str(repeat)])
     assert r.exit_code == 0, r.output

@@ -463,7 +463,7 @@ def test_cli_bench_trees_prints_the_recommendation_and_writes_it(tree_dep, tmp_p
 
     spec = tree_dep.loaded.path
     args = ["bench", str(spec), "--trees", "--sweep", "none", "-c", "1", "--max-tokens", "12", "-p", PROMPTS[0]]
-    r = CliRunner().invoke(app, [*args, "--out", str(tmp_path)])
+    r = CliRunner().invoke(app, [*args, "-o", str(tmp_path)])
     assert r.exit_code == 0, r.output
     assert "draft trees: probe of 64 nodes" in r.stdout and "recommended" in r.stdout
     trees = json.loads((tmp_path / "bench.json").read_text())["trees"]

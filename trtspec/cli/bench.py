@@ -17,12 +17,10 @@ from trtspec.cli.common import (
     LlmapiOpt,
     MaxTokensOpt,
     NumDraftTokensOpt,
-    OldOutputOpt,
     PromptOpt,
     SpecArg,
     UrlOpt,
     handle_errors,
-    output_folder,
     spec_and_engines,
     spec_with,
 )
@@ -153,7 +151,6 @@ def bench(
     draft_kv: DraftKvOpt = None,
     engines: EnginesOpt = None,
     output: OutputOpt = None,
-    old_output: OldOutputOpt = None,
     as_json: JsonOpt = False,
     json_file: JsonFileOpt = None,
     llmapi_impl: LlmapiOpt = DEFAULTS.llmapi_impl,
@@ -162,7 +159,7 @@ def bench(
     from trtspec.bench import plot, render, run
 
     opts = from_flags(BenchOptions, ctx)
-    folder = report_folder(output_folder(output, old_output))
+    folder = report_folder(output)
     loaded, engines_folder = spec_and_engines(spec, device, engines, num_draft_tokens, url)
     if draft_kv is not None:
         loaded = with_draft_kv(loaded, draft_kv, opts.url)

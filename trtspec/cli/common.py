@@ -29,9 +29,6 @@ EnginesOpt = Annotated[
     Path | None,
     typer.Option("--engines", help="Engine folder (default: the spec's output_dir, else engines/<name>)."),
 ]
-# -o/--output names what a command writes (build, repo, distill, bench, deploy k8s); bench and
-# deploy k8s called it --out, still read there, hidden, and said to be -o/--output.
-OldOutputOpt = Annotated[Path | None, typer.Option("--out", hidden=True, help="Old name of -o/--output.", show_default=False)]
 LlmapiOpt = Annotated[
     str,
     typer.Option(
@@ -80,16 +77,6 @@ def spec_and_engines(
     if url is None:
         check_draft_tokens(loaded, num_draft_tokens)
     return loaded, loaded.output_dir(engines)
-
-
-def output_folder(output: Path | None, old_name: Path | None) -> Path | None:
-    """The folder of -o/--output, or of its old name --out (said once on stderr)."""
-    if old_name is None:
-        return output
-    if output is not None:
-        raise RequestError("give the output folder once: -o/--output DIR (--out is its old name)")
-    console.err.print("--out is the old name of -o/--output; use -o/--output", markup=False)
-    return old_name
 
 
 def check_draft_tokens(loaded: LoadedSpec, num_draft_tokens: int | None) -> None:

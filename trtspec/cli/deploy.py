@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from trtspec import console
-from trtspec.cli.common import EnginesOpt, OldOutputOpt, SpecArg, handle_errors, output_folder
+from trtspec.cli.common import EnginesOpt, SpecArg, handle_errors
 from trtspec.cli.options import from_flags
 from trtspec.deploy.options import K8sOptions
 from trtspec.deploy.output import deploy_k8s, dry_run_text
@@ -138,7 +138,6 @@ def k8s(
     refresh_memory: RefreshMemoryOpt = DEFAULTS.refresh_memory,
     loop_size: LoopSizeOpt = DEFAULTS.loop_size,
     output: OutputOpt = None,
-    old_output: OldOutputOpt = None,
     engines: EnginesOpt = None,
     force: ForceOpt = False,
     dry_run: DryRunOpt = False,
@@ -146,7 +145,7 @@ def k8s(
     options = from_flags(K8sOptions, ctx)
     loaded = load_spec(spec)
     plan, files, written = deploy_k8s(
-        loaded, options, output_folder(output, old_output), force=force, dry_run=dry_run, engines_dir=loaded.output_dir(engines)
+        loaded, options, output, force=force, dry_run=dry_run, engines_dir=loaded.output_dir(engines)
     )
     summary = (
         f"{plan.workload} {plan.name}: {len(files)} files, valid for Kubernetes {options.kube_version}; "
