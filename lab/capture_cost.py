@@ -3,7 +3,7 @@
     python -m lab.capture_cost --out lab/results/capture-cost.json   # make demo's eagle3 pair, -c 1,4
 
 One deployment in process (trtspec.runtime.Deployment) of make demo's eagle3 spec with
-serve.capture on (sample 1: every request kept, the most capture can cost), into a temporary
+serve.capture on (--sample 1, the default: every request kept, the most capture can cost), into a temporary
 folder removed afterwards. The requests are the first --prompts of
 lab/domain_shift_prompts.jsonl, --max-tokens each. Per concurrency and round, the whole set runs
 once with every request allowing capture and once with every request opting out (the
@@ -40,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("-c", "--concurrency", default="1,4")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--sample", type=float, default=1.0, help="serve.capture's sample: the share of requests kept")
     ap.add_argument("--out", type=Path, default=ROOT / "lab" / "results" / "capture-cost.json")
     return ap.parse_args(argv)
 
@@ -89,10 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         folder = work / "captured"
         spec = write_spec(work, args.spec, "capture-cost", _head(args.spec), folder, 4)
+        _set_sample(spec, args.sample)
         run_cli(["build", str(spec)], work / "build.log")
         dep = deployment(spec, 4)
         values = measure(dep, prompts, args, folder)
-        values |= {"prompts": len(prompts), "max_tokens": args.max_tokens, "rounds": args.rounds, "sample": 1.0}
+        values |= {"prompts": len(prompts), "max_tokens": args.max_tokens, "rounds": args.rounds, "sample": args.sample}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     write_result(args.out, command_line(__file__, argv), values)
@@ -108,6 +110,14 @@ def _head(spec: Path) -> Path:
 
     data = yaml.safe_load(spec.read_text(encoding="utf-8"))
     return (spec.parent / data["draft"]["path"]).resolve()
+
+
+def _set_sample(spec: Path, share: float) -> None:
+    import yaml
+
+    data = yaml.safe_load(spec.read_text(encoding="utf-8"))
+    data["serve"]["capture"]["sample"] = share
+    spec.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
 
 
 if __name__ == "__main__":
