@@ -128,7 +128,7 @@ def unrolled_logits(
     nothing else. ``dropout``: the fused input and each step's attention output dropped at
     that rate (masks from ``gen``, drawn at the full [B, T] shape either way: the same masks)."""
     b, t = batch.tokens.shape
-    dtype = head.fc.weight.dtype
+    dtype = head.norm.weight.dtype  # the head's own: a served head's Linears may be re-laid by the kernel choice
     nxt = torch.cat([batch.tokens[:, 1:], torch.zeros_like(batch.tokens[:, :1])], dim=1)  # x_{t+1}
     with torch.no_grad():  # the target's embeddings are frozen: no [vocab, hidden] gradient
         embeds = embed(nxt).to(dtype)  # [B, T, hidden]
