@@ -168,6 +168,10 @@ class StepInputs:
     mask: torch.Tensor | None  # [b, 1, q, S] bool, True = may attend; None: attend to all S
     rows: list[tuple[int, int, int]]  # per row: (slot, first position, real tokens)
     span: int  # S: keys attended (max position + 1)
+    # One row from position 0 with the plain causal mask (a prompt's first prefill chunk): the
+    # attention kernel skips the masked half instead of reading the mask; the same result bit
+    # for bit. Set by the engine, which alone knows the mask has no tree and no window.
+    causal: bool = False
     # Derived once per step (not per layer), for batches of 2+ rows:
     first_slot: int | None = field(init=False, default=None)  # rows sit in consecutive slots from here
     writes: tuple[torch.Tensor, ...] | None = field(init=False, default=None)  # see __post_init__
@@ -304,7 +308,12 @@ class Attention(nn.Module):
             keys = k_cache[:, :, : step.span].index_select(0, step.slots)  # [b, kv_heads, S, head_dim]
             values = v_cache[:, :, : step.span].index_select(0, step.slots)
         out = F.scaled_dot_product_attention(
-            xq, keys, values, attn_mask=step.mask, enable_gqa=cfg.num_heads != cfg.num_kv_heads
+            xq,
+            keys,
+            values,
+            attn_mask=None if step.causal else step.mask,
+            is_causal=step.causal,
+            enable_gqa=cfg.num_heads != cfg.num_kv_heads,
         )  # [b, heads, q, head_dim]
         return self.o_proj(out.transpose(1, 2).reshape(b, q, cfg.num_heads * cfg.head_dim))
 
