@@ -661,6 +661,8 @@ class TorchEngine:
                 allowed[row, first : first + q, :before] = ctx
                 allowed[row, first : first + q, before : before + n] = seen
             mask = allowed.unsqueeze(1)  # [b, 1, q, S]
+        # One row from position 0, no tree, no window reached: its mask is exactly causal
+        causal = mask is not None and b == 1 and not trees and starts[0] == 0 and (window is None or span <= window)
         return StepInputs(
             tokens=tokens,
             positions=positions,
@@ -668,4 +670,5 @@ class TorchEngine:
             mask=mask,
             rows=rows,
             span=span,
+            causal=causal,
         )
