@@ -154,7 +154,7 @@ def test_decide_keeps_the_faster_path_per_kind():
     assert compiled.decide(seconds) == ("compiled", "compiled")
 
 
-def test_a_compile_that_fails_while_serving_turns_the_engine_eager_and_the_step_still_answers(folder):
+def test_a_compile_that_fails_while_serving_turns_the_engine_eager_and_the_step_still_answers(folder, monkeypatch):
     eng = _load(folder, "target", "1", slots=1)
     reference = _load(folder, "target", "0", slots=1)
     seq = _seq(10, 4)
@@ -162,7 +162,8 @@ def test_a_compile_that_fails_while_serving_turns_the_engine_eager_and_the_step_
     def broken(*args, **kwargs):
         raise RuntimeError("BackendCompilerFailed: the C++ compiler went away")
 
-    eng.program._compiled = broken
+    eng.program._compiled = broken  # torch.compile's path, and the saved programs' (saved.py)
+    monkeypatch.setattr(eng.program.saved, "_compile", broken)
     (out,) = eng.run([ForwardItem(seq, 2)])
     assert eng.program is None and eng.programs.source == "fallback"
     assert "the C++ compiler went away" in eng.programs.reason

@@ -24,8 +24,10 @@ verdicts class any token that rounding flips as numerical.
 Programs: one per kind of step, compiled the first time it is met: one row or several, one new
 token or several, with or without captured layers. Tokens per row, rows (from two), keys
 attended and K/V written are dynamic sizes, so a growing context never compiles again.
-Inductor keeps compiled code under ``$TRTSPEC_CACHE/inductor``; a process that meets a kind
-again compiles it from there in seconds.
+Each program is saved when compiled (saved.py, under ``$TRTSPEC_CACHE/programs``) and a process
+that meets that kind again on the same machine, torch, code and weights loads it in about a
+second instead of tracing the step again (inductor's own cache, ``$TRTSPEC_CACHE/inductor``,
+spares only the C++ compile); a program torch cannot save is compiled in process as before.
 
 Chosen by measurement (``choose_program``): eager against compiled for a one-row step and for
 the verify steps, per machine, cached like the kernel choice (provisional when measured on a
@@ -52,10 +54,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from trtspec.cache import cache_root
-from trtspec.engines.torch import contention
-from trtspec.engines.torch.model import ByRows, DecoderLM, KVCache, StepInputs, _rotate_half
+from trtspec.engines.torch import contention, saved
+from trtspec.engines.torch.model import ByRows, DecoderLM, KVCache, StepInputs
 from trtspec.engines.torch.native import PanelLinear, QuantPanelLinear
 from trtspec.engines.torch.quant import WeightOnlyLinear
+from trtspec.engines.torch.saved import SavedPrograms, unmark
 
 # Inductor's code cache under trtspec's, set before anything imports inductor's config: that
 # import writes its own default (a folder under /tmp, gone at the next boot or pod restart)
@@ -203,26 +206,64 @@ class StepProgram:
     """DecoderLM.hidden_states as compiled programs: ``hidden_states`` takes the same StepInputs
     and cache and returns the same final-norm hidden states (and captured layers)."""
 
-    def __init__(self, model: DecoderLM, role: str, streamed: dict[str, nn.Module] | None = None):
+    def __init__(self, model: DecoderLM, role: str, streamed: dict[str, nn.Module] | None = None, saved_in: Path | None = None):
         self.model = model
         # The names its Linears are called by: the same in every process that loads the same
         # engines in the same order, so inductor's cache finds the compiled code again.
         self.key = f"{role}-{_created.setdefault(role, 0)}"
         _created[role] += 1
         self.streamed = dict(streamed or {})  # program name -> the Linear a one-row step streams
+        # rotate_half's signs as an input of the program, not made inside it: a tensor made in
+        # inference mode within the traced code puts the mode switch into the graph, and AOT
+        # autograd's cache refuses such a graph (every process then lowered it again)
+        d, device = model.cfg.head_dim, model.model.embed_tokens.weight.device
+        with torch.inference_mode():  # as every input (StepTensors.normalised)
+            self.signs = torch.cat((-torch.ones(d // 2), torch.ones(d - d // 2))).to(device)
+        self.logits_dtype = torch.float32
         self.register()
         self._compiled = torch.compile(self._hidden, fullgraph=True, dynamic=False)
         self._compiled_head = torch.compile(self._head, fullgraph=True, dynamic=False)
         self.compiled_kinds: dict[tuple[bool, bool, bool], float] = {}  # kind -> seconds its first call took
-        self._caches: set[int] = set()  # the KV caches whose slot count is marked dynamic
+        # programs saved for the next process (saved.py), under saved_in; None: torch.compile only
+        self.saved = SavedPrograms(saved_in, self._external) if saved_in is not None else None
         self.counts: set[int] = set()  # the thread counts its programs have run at (each compiled for one)
 
     def register(self) -> None:
         """Point this program's Linear names at the model's current modules."""
-        for i, parts in enumerate(_layer_linears(self.model)):
-            for role, m in parts.items():
-                _LINEARS[f"{self.key}/{i}.{role}"] = (m, _out_features(m))
-        _LINEARS[f"{self.key}/lm_head"] = (self.model.lm_head, _out_features(self.model.lm_head))
+        named = [(f"{i}.{role}", m) for i, parts in enumerate(_layer_linears(self.model)) for role, m in parts.items()]
+        # read by the traced code through self, not through the process-wide table: a saved
+        # program keeps the globals it reads, and the table holds every engine's modules
+        self.linears = dict([*named, ("lm_head", self.model.lm_head)])
+        for name, m in self.linears.items():
+            _LINEARS[f"{self.key}/{name}"] = (m, _out_features(m))
+
+    def __getstate__(self) -> dict[str, object]:
+        """What a saved program's guards keep of its program (torch pickles the traced code's
+        locals with them): the attributes the traced code reads, not the compiled programs."""
+        return {k: self.__dict__[k] for k in ("model", "key", "streamed", "signs", "linears", "logits_dtype")}
+
+    def _external(self) -> dict[str, object]:
+        """What a saved program refers to by name, bound to this process's objects on loading."""
+        modules = {f"module:{n}": m for n, m in self.model.named_modules()}
+        return modules | {f"streamed:{n}": m for n, m in self.streamed.items()} | {"program": self}
+
+    def _call(self, name: str, fn: Callable, compiled: Callable, args: tuple, mark: Callable[[], None]):
+        """``fn(*args)`` as a compiled program: the saved one (loaded, or compiled now and saved),
+        else torch.compile's ``compiled``. ``mark`` marks the sizes of ``args`` that are dynamic."""
+        name = f"{self.key}.{name}-t{torch.get_num_threads()}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # inductor's notes on the code it traces are not the user's concern
+            program = self.saved.find(name, fn.__func__, (self, *args), mark) if self.saved is not None else None
+            if program is not None:
+                return program(self, *args)
+            mark()
+            try:
+                out = compiled(*args)
+            finally:  # marks only while tracing: a saved program refuses marked inputs
+                unmark(args)
+            if self.saved is not None:
+                self.saved.said(name)
+            return out
 
     def close(self) -> None:
         for name in [n for n in _LINEARS if n.startswith(f"{self.key}/")]:
@@ -231,7 +272,7 @@ class StepProgram:
     def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
         if x.shape[0] == 1 and name in self.streamed:  # a static size inside a program
             return _streamed(x, self.streamed[name])
-        module = _LINEARS[f"{self.key}/{name}"][0]
+        module = self.linears[name]
         if isinstance(module, WeightOnlyLinear | PanelLinear | QuantPanelLinear):
             return module(x)  # an operator (PyTorch's, the panel kernel's): called from the program, no Python
         return torch.ops.trtspec.linear(x, f"{self.key}/{name}")
@@ -263,7 +304,7 @@ class StepProgram:
         for i, layer in enumerate(self.model.model.layers):
             qkv = self._lin(layer.input_layernorm(x).reshape(b * q, -1), f"{i}.qkv").view(b, q, h + 2 * kv, d).transpose(1, 2)
             qk = qkv[:, : h + kv]  # [b, h + kv, q, d]: queries and keys rotated together
-            qk = qk * cos + _rotate_half(qk) * sin
+            qk = qk * cos + qk.roll(d // 2, -1) * self.signs.to(qk.dtype) * sin  # model.py's _rotate_half
             xq, xk, xv = qk[:, :h], qk[:, h:], qkv[:, h + kv :]
             # only the real tokens' K/V is written (padding never clobbers a position)
             k_cache[i][write_slot, :, write_pos] = xk.transpose(1, 2)[write_row, write_tok]  # [n, kv, d]
@@ -294,17 +335,19 @@ class StepProgram:
     ) -> torch.Tensor:
         """As DecoderLM.hidden_states, through the compiled program of the step's kind."""
         t = StepTensors.of(step).normalised()
-        t.mark_dynamic()
-        if id(cache) not in self._caches:  # any slot count from 2 up is one program: a server's
-            self._caches.add(id(cache))  # engines hold more slots than a one-shot command's
-            for layer in (*cache.k, *cache.v):
-                if layer.shape[0] > 1:
-                    torch._dynamo.maybe_mark_dynamic(layer, 0)
         kind = (t.tokens.shape[0] > 1, t.tokens.shape[1] > 1, bool(capture))
+
+        def mark() -> None:
+            t.mark_dynamic()
+            for layer in (*cache.k, *cache.v):  # any slot count from 2 up is one program: a
+                if layer.shape[0] > 1:  # server's engines hold more slots than a one-shot command's
+                    torch._dynamo.maybe_mark_dynamic(layer, 0)
+
+        slots = int(cache.k[0].shape[0] > 1)  # a one-slot cache (a timing's) is a program of its own
+        name = f"hidden-{int(kind[0])}{int(kind[1])}{slots}-c{'.'.join(map(str, capture)) or 'none'}"
+        args = (*t.tensors(), cache.k, cache.v, cos_table, sin_table, tuple(capture))
         started = time.perf_counter()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # inductor's notes on the code it traces are not the user's concern
-            hidden, layers = self._compiled(*t.tensors(), cache.k, cache.v, cos_table, sin_table, tuple(capture))
+        hidden, layers = self._call(name, self._hidden, self._compiled, args, mark)
         if kind not in self.compiled_kinds:
             self.compiled_kinds[kind] = time.perf_counter() - started
         self.counts.add(torch.get_num_threads())
@@ -313,24 +356,29 @@ class StepProgram:
         return hidden
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._lin(hidden, "lm_head").float()
+        # .float() read through a guarded attribute: torch's saved guards drop a module's unread
+        # attributes by identity (PanelLinear.dtype), and float32 itself then reads back as missing
+        return self._lin(hidden, "lm_head").to(self.logits_dtype)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """As DecoderLM.logits: float32 logits [rows, vocab] of final hidden states [rows, hidden]."""
         hidden = _inference(hidden)  # rows joined outside inference mode are not (see normalised)
-        if hidden.shape[0] > 1:
-            torch._dynamo.maybe_mark_dynamic(hidden, 0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return self._compiled_head(hidden)
+        rows = hidden.shape[0] > 1
+
+        def mark() -> None:
+            if rows:
+                torch._dynamo.maybe_mark_dynamic(hidden, 0)
+
+        return self._call(f"head-{int(rows)}", self._head, self._compiled_head, (hidden,), mark)
 
 
 def compiles() -> int:
-    """How many programs this process has compiled so far (each guarded variant counts)."""
+    """How many programs this process has compiled or loaded from disk so far (each guarded
+    variant counts): a forward that made one took seconds longer than a step."""
     from torch._dynamo.utils import counters
 
-    return counters["stats"]["unique_graphs"]
+    return counters["stats"]["unique_graphs"] + saved.loads
 
 
 def _configure() -> None:
@@ -491,6 +539,14 @@ def compile_failure(err: BaseException) -> str:
     inner = getattr(err, "inner_exception", None) or err.__cause__ or err
     lines = [line.strip() for line in str(inner).splitlines() if line.strip()]
     return f"compiling failed ({type(inner).__name__}: {lines[0][:200] if lines else ''})"
+
+
+def saved_folder(choice: str, weights: str) -> Path:
+    """Where the programs of an engine are saved (saved.py): a folder per digest of everything
+    they depend on: this machine and its threads, torch and the kernels (``choice``, the kernel
+    choice's key and layout), the weights (their digest) and trtspec's traced code."""
+    parts = [choice, weights, PROGRAMS_VERSION, saved.code_digest(), saved.FORMAT]
+    return cache_root() / "programs" / hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 
 def machine_record() -> tuple[str, str]:

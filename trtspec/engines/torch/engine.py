@@ -31,6 +31,7 @@ from trtspec.engines.torch.compiled import (
     compile_failure,
     compiles,
     program_timer,
+    saved_folder,
     streamed_weights,
 )
 from trtspec.engines.torch.kernels import KernelChoice, choice_key, choose_kernels, one_row_form, timed_sizes
@@ -297,7 +298,9 @@ class TorchEngine:
         machine (cached per machine); ``streamed``: the Linears a one-row step may stream."""
         verify_tokens = self.manifest.max_draft_len + 1
         key = json.dumps(json.loads(choice_key(self.model, verify_tokens)) | {"layout": self.kernels.layout}, sort_keys=True)
-        program = StepProgram(self.model, self.manifest.role, streamed)
+        weights = self.manifest.files.get(WEIGHTS)
+        saved_in = saved_folder(key + ",".join(sorted(streamed)), weights.sha256 if weights else "unknown")
+        program = StepProgram(self.model, self.manifest.role, streamed, saved_in)
         sizes = timed_sizes(verify_tokens)
         self.programs = choose_program(key, program_timer(self.model, program, self.cos, self.sin, sizes))
         if self.programs.one != "compiled":

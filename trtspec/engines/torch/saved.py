@@ -1,0 +1,170 @@
+"""Compiled step programs saved to disk, so that the next process loads them instead of tracing.
+
+Why: torch.compile keeps the C++ it generates in inductor's cache, but a new process still
+traces the whole step again (dynamo over every layer, then AOT autograd): 20-50 s a kind of
+step on a 2-core CPU before its first token. torch's ahead-of-time precompile
+(``torch.compile(...).aot_compile``) returns the traced program with its guards, which
+``torch.compiler.load_compiled_function`` reads back in about a second.
+
+What is saved: the program's bytecode, its guards and inductor's compiled graph; never a weight.
+Every tensor the program reads (weights, packed kernel layouts, the KV cache) is an input read
+from the live engine at each call, and the Linear modules it names are bound to this process's
+modules by name on loading (``external``).
+
+Where: ``$TRTSPEC_CACHE/programs/<key>/<name>.bin``, ``key`` a digest of everything a program
+depends on (the machine, torch, trtspec's traced code, the weights, the kernel choice); ``name``
+the kind of step and the thread count. A file holds every variant met of that name (a variant per
+set of guards: e.g. a one-slot KV cache and a many-slot one). Written atomically; a file that does
+not load (torn, another torch, another version of this format) is compiled again and replaced,
+said in one line on stderr.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pickle
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = "trtspec-programs-1"
+# what torch's dim markings leave on a tensor: a program loaded from disk guards that its inputs
+# carry none (their state when it was traced is not saved), so marks live only while tracing
+_MARKS = (
+    "_dynamo_dynamic_indices",
+    "_dynamo_weak_dynamic_indices",
+    "_dynamo_unbacked_indices",
+    "_dynamo_strict_unbacked_indices",
+    "_dynamo_static_indices",
+    "_dynamo_hint_overrides",
+    "_has_dynamo_dim_marking",
+)
+# the trtspec sources a program traces: an edit to any of them makes every saved program stale
+_TRACED = ("compiled.py", "model.py", "native.py", "quant.py")
+
+loads = 0  # programs loaded from disk in this process (compiled.compiles counts them too)
+
+
+def code_digest() -> str:
+    """A digest of the trtspec code a program is traced from."""
+    here = Path(__file__).parent
+    h = hashlib.sha256()
+    for name in _TRACED:
+        h.update((here / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _tensors(v)
+
+
+def unmark(args: tuple) -> None:
+    """Remove every dynamic-size marking from the tensors in ``args`` (lists included)."""
+    for t in _tensors(args):
+        for attr in _MARKS:
+            if attr in t.__dict__:
+                delattr(t, attr)
+
+
+class SavedPrograms:
+    """The saved programs of one StepProgram: ``find`` returns the program for a call's arguments,
+    loaded from disk or compiled now (and saved), or None where this call cannot have one (then
+    the caller runs its torch.compile'd function, as a process without saved programs does)."""
+
+    def __init__(self, folder: Path, external: Callable[[], dict[str, Any]]):
+        self.folder = folder
+        self.external = external  # key -> object bound by name, not saved (modules, the program)
+        self.variants: dict[str, list[Any]] = {}  # name -> AOTCompiledFunction, loaded or compiled
+        self.refused: dict[str, str] = {}  # name -> why it cannot be saved: torch.compile's path
+        self.unsaid: set[str] = set()  # refused names not yet said (said once compiled: said())
+
+    def find(self, name: str, fn: Callable, args: tuple, mark: Callable[[], None]) -> Callable | None:
+        """The program ``name`` whose guards accept ``args`` (``fn``'s arguments). ``mark`` marks
+        the dynamic sizes of ``args`` for a trace."""
+        if name in self.refused:
+            return None
+        if name not in self.variants:
+            self.variants[name] = self._load(name)
+        for program in self.variants[name]:
+            if program.guard_check(*args):
+                return program.fn
+        try:
+            program = self._compile(fn, args, mark)
+        except Exception as err:  # a program torch cannot save (an op, a guard): compiled as before
+            self.refused[name] = _first_line(err)
+            self.unsaid.add(name)
+            return None
+        self.variants[name].append(program)
+        self._save(name)
+        return program.fn
+
+    def said(self, name: str) -> None:
+        """Say once why ``name`` is compiled in this process only, once torch.compile's path
+        compiled it (where that fails too, the engine's own line says why it runs eager)."""
+        if name in self.unsaid:
+            self.unsaid.discard(name)
+            print(f"trtspec: the {name} step is compiled in this process only: {self.refused[name]}", file=sys.stderr)
+
+    def _compile(self, fn: Callable, args: tuple, mark: Callable[[], None]) -> Any:
+        mark()
+        try:
+            program = torch.compile(fn, fullgraph=True, dynamic=False).aot_compile((args, {}))
+        finally:
+            unmark(args)
+        data = program.serialize(program, self.external()).serialized_data
+        # the program run is the one read back, as the next process will read it
+        program = self._read(data)
+        if not program.guard_check(*args):
+            raise RuntimeError("the program read back refuses the arguments it was traced with")
+        return program
+
+    def _read(self, data: bytes) -> Any:
+        return torch.compiler.load_compiled_function(io.BytesIO(data), external_data=self.external())
+
+    def _load(self, name: str) -> list[Any]:
+        path = self.folder / f"{name}.bin"
+        if not path.exists():
+            return []
+        try:
+            stored = pickle.loads(path.read_bytes())
+            if not (isinstance(stored, dict) and stored.get("format") == FORMAT):
+                raise ValueError(f"not a {FORMAT} file")
+            programs = [self._read(data) for data in stored["variants"]]
+        except Exception as err:  # torn, foreign or stale: compiled again and replaced
+            print(
+                f"trtspec: the saved {name} step at {path} does not load ({_first_line(err)}); compiling it again",
+                file=sys.stderr,
+            )
+            return []
+        global loads
+        loads += len(programs)
+        return programs
+
+    def _save(self, name: str) -> None:
+        data = [p.serialize(p, self.external()).serialized_data for p in self.variants[name]]
+        blob = pickle.dumps({"format": FORMAT, "variants": data})
+        tmp = None
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.folder, prefix=f".{name}.", delete=False) as tmp:
+                tmp.write(blob)
+            os.replace(tmp.name, self.folder / f"{name}.bin")
+        except OSError as err:
+            if tmp is not None:
+                Path(tmp.name).unlink(missing_ok=True)  # a read-only cache: the next process compiles it too
+            print(f"trtspec: the {name} step could not be saved ({err}); the next process compiles it again", file=sys.stderr)
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[0][:200] if lines else ''}"
