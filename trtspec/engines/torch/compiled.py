@@ -22,7 +22,8 @@ to float rounding (the fused loops and the streamed sums add in another order); 
 verdicts class any token that rounding flips as numerical.
 
 Programs: one per kind of step, compiled the first time it is met: one row or several, one new
-token or several, with or without captured layers. Tokens per row, rows (from two), keys
+token or several, with or without captured layers, and a prompt's first chunk (one row from
+position 0, whose attention is causal: the kernel skips the masked half). Tokens per row, rows (from two), keys
 attended and K/V written are dynamic sizes, so a growing context never compiles again.
 Each program is saved when compiled (saved.py, under ``$TRTSPEC_CACHE/programs``) and a process
 that meets that kind again on the same machine, torch, code and weights loads it in about a
@@ -223,7 +224,7 @@ class StepProgram:
         self.register()
         self._compiled = torch.compile(self._hidden, fullgraph=True, dynamic=False)
         self._compiled_head = torch.compile(self._head, fullgraph=True, dynamic=False)
-        self.compiled_kinds: dict[tuple[bool, bool, bool], float] = {}  # kind -> seconds its first call took
+        self.compiled_kinds: dict[tuple[bool, bool, bool, bool], float] = {}  # kind -> seconds its first call took
         # programs saved for the next process (saved.py), under saved_in; None: torch.compile only
         self.saved = SavedPrograms(saved_in, self._external) if saved_in is not None else None
         self.counts: set[int] = set()  # the thread counts its programs have run at (each compiled for one)
@@ -292,6 +293,7 @@ class StepProgram:
         cos_table,
         sin_table,
         capture,
+        causal,
     ):
         cfg = self.model.cfg
         h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -314,7 +316,10 @@ class StepProgram:
             # in float32 whatever the cache holds (the gather widens as it copies): the CPU's
             # bfloat16 attention kernel cost the demo's 4-bit draft more than its weights at a
             # 900-token context (a one-row step 41 -> 17 ms)
-            out = F.scaled_dot_product_attention(xq.float(), keys.float(), values.float(), attn_mask=mask, enable_gqa=h != kv)
+            # causal (StepInputs.causal: the mask is exactly causal): the kernel skips the masked half
+            out = F.scaled_dot_product_attention(
+                xq.float(), keys.float(), values.float(), attn_mask=None if causal else mask, is_causal=causal, enable_gqa=h != kv
+            )
             out = out.to(x.dtype)  # [b, h, q, d]
             x = x + self._lin(out.transpose(1, 2).reshape(b * q, h * d), f"{i}.o").view(b, q, -1)
             gate, up = self._lin(layer.post_attention_layernorm(x).reshape(b * q, -1), f"{i}.gate_up").chunk(2, -1)
@@ -335,7 +340,7 @@ class StepProgram:
     ) -> torch.Tensor:
         """As DecoderLM.hidden_states, through the compiled program of the step's kind."""
         t = StepTensors.of(step).normalised()
-        kind = (t.tokens.shape[0] > 1, t.tokens.shape[1] > 1, bool(capture))
+        kind = (t.tokens.shape[0] > 1, t.tokens.shape[1] > 1, bool(capture), step.causal)
 
         def mark() -> None:
             t.mark_dynamic()
@@ -344,8 +349,8 @@ class StepProgram:
                     torch._dynamo.maybe_mark_dynamic(layer, 0)
 
         slots = int(cache.k[0].shape[0] > 1)  # a one-slot cache (a timing's) is a program of its own
-        name = f"hidden-{int(kind[0])}{int(kind[1])}{slots}-c{'.'.join(map(str, capture)) or 'none'}"
-        args = (*t.tensors(), cache.k, cache.v, cos_table, sin_table, tuple(capture))
+        name = f"hidden-{int(kind[0])}{int(kind[1])}{slots}-c{'.'.join(map(str, capture)) or 'none'}{'-causal' * step.causal}"
+        args = (*t.tensors(), cache.k, cache.v, cos_table, sin_table, tuple(capture), step.causal)
         started = time.perf_counter()
         hidden, layers = self._call(name, self._hidden, self._compiled, args, mark)
         if kind not in self.compiled_kinds:

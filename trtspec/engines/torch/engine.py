@@ -320,9 +320,11 @@ class TorchEngine:
             return
         for _ in threads.governor().in_turn():
             for rows in range(1, min(self.max_batch_size, 2) + 1):
-                # two new tokens a row (a prefill or a verify), then one on top (a decode step)
+                # two new tokens a row (a prefill: one row's first chunk is causal), one on top
+                # (a decode step), then two more (a verify step, or a prefill's later chunk)
                 self.run([ForwardItem([1 + i] * 2, 2) for i in range(rows)])
                 self.run([ForwardItem([1 + i] * 3, 1) for i in range(rows)])
+                self.run([ForwardItem([1 + i] * 5, 2) for i in range(rows)])
                 self.forget_prefixes()
 
     def warm_matmuls(self) -> int:
