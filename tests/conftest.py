@@ -231,3 +231,20 @@ def endpoint_params(**fields):
         "tokenizer_dir": "/t",
     }
     return EngineEndpointParams(**{**basics, **fields})
+
+
+def load_engine(folder: Path, role: str, mode: str, **kw):
+    """The engine ``folder/role`` loaded with TRTSPEC_COMPILE=``mode`` (0 eager, 1 every step
+    compiled), the variable restored afterwards."""
+    from trtspec.engines.torch import compiled
+    from trtspec.engines.torch.engine import TorchEngine
+
+    saved = os.environ.get(compiled.COMPILE_ENV)
+    os.environ[compiled.COMPILE_ENV] = mode
+    try:
+        return TorchEngine.load(folder / role, **kw)
+    finally:
+        if saved is None:
+            os.environ.pop(compiled.COMPILE_ENV, None)
+        else:
+            os.environ[compiled.COMPILE_ENV] = saved

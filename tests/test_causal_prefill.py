@@ -6,32 +6,20 @@ and compiled."""
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
+from conftest import load_engine
 
-from trtspec.engines.torch import compiled
-from trtspec.engines.torch.engine import ForwardItem, TorchEngine
+from trtspec.engines.torch.engine import ForwardItem
 from trtspec.engines.torch.model import KVCache
 
 
 @pytest.fixture(scope="module")
 def engines(built):
     """The tiny target twice: eager, and every step compiled."""
-    folder = built("same").target.folder
-    saved = os.environ.get(compiled.COMPILE_ENV)
-    try:
-        loaded = []
-        for mode in ("0", "1"):
-            os.environ[compiled.COMPILE_ENV] = mode
-            loaded.append(TorchEngine.load(folder))
-        return loaded
-    finally:
-        if saved is None:
-            os.environ.pop(compiled.COMPILE_ENV, None)
-        else:
-            os.environ[compiled.COMPILE_ENV] = saved
+    folder = built("same").target.folder.parent
+    return [load_engine(folder, "target", mode) for mode in ("0", "1")]
 
 
 @pytest.fixture(scope="module")

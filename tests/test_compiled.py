@@ -4,31 +4,18 @@ failed compile that leaves the engine eager with its reason."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from conftest import load_engine as _load
 
 from trtspec.engines.torch import compiled
-from trtspec.engines.torch.engine import ForwardItem, TorchEngine
+from trtspec.engines.torch.engine import ForwardItem
 from trtspec.engines.torch.kernels import one_row_form
 
 
 @pytest.fixture(scope="module")
 def folder(built):
     return built("same").target.folder.parent
-
-
-def _load(folder, role, mode, **kw) -> TorchEngine:
-    saved = os.environ.get(compiled.COMPILE_ENV)
-    os.environ[compiled.COMPILE_ENV] = mode
-    try:
-        return TorchEngine.load(folder / role, **kw)
-    finally:
-        if saved is None:
-            os.environ.pop(compiled.COMPILE_ENV, None)
-        else:
-            os.environ[compiled.COMPILE_ENV] = saved
 
 
 @pytest.fixture(scope="module")
