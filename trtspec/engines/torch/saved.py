@@ -23,15 +23,15 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
 import pickle
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from trtspec.files import write_bytes_atomic
 
 FORMAT = "trtspec-programs-1"
 # what torch's dim markings leave on a tensor: a program loaded from disk guards that its inputs
@@ -153,15 +153,9 @@ class SavedPrograms:
     def _save(self, name: str) -> None:
         data = [p.serialize(p, self.external()).serialized_data for p in self.variants[name]]
         blob = pickle.dumps({"format": FORMAT, "variants": data})
-        tmp = None
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=self.folder, prefix=f".{name}.", delete=False) as tmp:
-                tmp.write(blob)
-            os.replace(tmp.name, self.folder / f"{name}.bin")
-        except OSError as err:
-            if tmp is not None:
-                Path(tmp.name).unlink(missing_ok=True)  # a read-only cache: the next process compiles it too
+            write_bytes_atomic(self.folder / f"{name}.bin", blob)
+        except OSError as err:  # a read-only cache: the next process compiles it too
             print(f"trtspec: the {name} step could not be saved ({err}); the next process compiles it again", file=sys.stderr)
 
 
