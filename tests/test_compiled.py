@@ -76,17 +76,27 @@ def test_a_ragged_batch_and_a_tree_match_eager(pair):
     _same(fast.run([tree])[0], eager.run([tree])[0])
 
 
-def test_captured_layers_match_eager(pair):
+def test_captured_layers_and_labels_match_eager(pair):
     eager, fast = pair
     seq = _seq(12, 3)
+    labels = []
     for eng in pair:
         eng.capture_features((0, 1))
+        eng.capture_labels(8)
         eng.run([ForwardItem(seq, 1)])
-        eng.run([ForwardItem(seq + [9], 1)])  # a one-row step keeps its features too
+        (last,) = eng.run([ForwardItem(seq + [9], 1)])  # a one-row step keeps its features too
+        ids, logits = eng.labels_of(seq + [9], 0, 13)
+        top = torch.topk(last, 8, dim=-1)  # the labels are those of the logits the step returned
+        assert torch.equal(ids[12:], top.indices) and torch.equal(logits[12:], top.values)
+        assert (ids[:11] == -1).all() and (ids[11:] >= 0).all()  # only the positions scored
+        labels.append((ids, logits))
     torch.testing.assert_close(fast.features_of(seq + [9], 0, 13), eager.features_of(seq + [9], 0, 13), rtol=1e-4, atol=1e-4)
+    (fast_ids, fast_logits), (eager_ids, eager_logits) = labels[1], labels[0]
+    torch.testing.assert_close(fast_logits, eager_logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(fast_ids[:, 0], eager_ids[:, 0])
     for eng in pair:
         eng.capture = ()
-        eng.features = None
+        eng.features = eng.labels = None
 
 
 @pytest.mark.parametrize("method", ["draft_target", "ngram"])

@@ -35,6 +35,7 @@ from trtspec.engines.torch.compiled import (
     streamed_weights,
 )
 from trtspec.engines.torch.kernels import KernelChoice, choice_key, choose_kernels, one_row_form, timed_sizes
+from trtspec.engines.torch.labels import LabelStore
 from trtspec.engines.torch.model import TREE_ROWS, DecoderConfig, DecoderLM, KVCache, StepInputs, rope_tables, tree_layout
 from trtspec.errors import EngineError, RequestError
 from trtspec.tokens import check_token_ids
@@ -230,6 +231,9 @@ class TorchEngine:
         # features of any cached prefix (capture_features turns it on).
         self.capture: tuple[int, ...] = ()
         self.features: torch.Tensor | None = None  # [slots, max_seq, len(capture) * hidden]
+        # serve.capture: the top-k logits of every position a run() computed logits for, kept
+        # per (slot, position) like the features (capture_labels turns it on; labels.py).
+        self.labels: LabelStore | None = None
         self.kernels: KernelChoice | None = None  # how load() chose the Linear kernels
         # The whole step compiled (compiled.py), where load() measured it faster: per step kind.
         self.program: StepProgram | None = None
@@ -360,10 +364,33 @@ class TorchEngine:
         if self.features is None:
             raise EngineError("this engine does not capture features; call capture_features first")
         with self._lock:
-            self._settle_trees([tokens[:stop]])
-            for slot, cached in enumerate(self.pool.tokens):
-                if len(cached) >= stop and common_prefix_len(tokens[:stop], cached) >= stop:
-                    return self.features[slot, start:stop].clone()
+            slot = self._holding(tokens, stop)
+            return None if slot is None else self.features[slot, start:stop].clone()
+
+    def capture_labels(self, k: int) -> None:
+        """Keep the top ``k`` logits (ids and values) of every position a run() computes logits
+        for from now on, per (slot, position) like the features (labels_of reads them)."""
+        with self._lock:
+            self.labels = LabelStore(self.max_batch_size, self.max_seq_len + TREE_ROWS, min(k, self.vocab_size))
+
+    def labels_of(self, tokens: list[int], start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(top ids [stop - start, k] int64, their logits [stop - start, k] float32) of positions
+        start..stop-1 of ``tokens`` as the runs that computed them left them (ids -1: a position
+        whose logits no run computed since its slot last held it), if a slot holds a prefix of
+        ``tokens`` at least ``stop`` long (else None)."""
+        if self.labels is None:
+            raise EngineError("this engine keeps no labels; call capture_labels first")
+        with self._lock:
+            slot = self._holding(tokens, stop)
+            return None if slot is None else self.labels.read(slot, start, stop)
+
+    def _holding(self, tokens: list[int], stop: int) -> int | None:
+        """The slot holding the first ``stop`` of ``tokens`` (a pending draft tree's path settled
+        first), or None. Call with the lock held."""
+        self._settle_trees([tokens[:stop]])
+        for slot, cached in enumerate(self.pool.tokens):
+            if len(cached) >= stop and common_prefix_len(tokens[:stop], cached) >= stop:
+                return slot
         return None
 
     def forget_prefixes(self) -> None:
@@ -411,6 +438,8 @@ class TorchEngine:
             self.cache.v[layer][dst, :, :n] = self.cache.v[layer][src : src + 1, :, :n]
         if self.features is not None:
             self.features[dst, :n] = self.features[src : src + 1, :n]
+        if self.labels is not None:
+            self.labels.copy(src, dst, n)
         for d in dst.tolist():
             self.pool.commit(d, self.pool.tokens[src][:n])
 
@@ -530,6 +559,8 @@ class TorchEngine:
                     v[slot, :, dst] = v[slot, :, src]
                 if self.features is not None:
                     self.features[slot, dst] = self.features[slot, src]
+                if self.labels is not None:
+                    self.labels.move(slot, src, dst)
                 self.pool.commit(slot, seq[: held + len(path)])
                 break
 
@@ -551,8 +582,10 @@ class TorchEngine:
             )
         # K/V beyond each start is about to be overwritten: until the forward succeeds the slot
         # holds only the prefix, so a failed forward never leaves half-written K/V reusable.
-        for (slot, _), start in zip(assigned, starts):
+        for it, (slot, _), start in zip(items, assigned, starts):
             self.pool.truncate(slot, start)
+            if self.labels is not None:  # rows computed again hold no label until their logits are kept
+                self.labels.forget(slot, start, len(it.tokens))
         news = [len(it.tokens) - start for it, start in zip(items, starts)]
         wanted: list[torch.Tensor] = [torch.empty(0)] * len(items)  # per item, its hidden rows that need logits
         # The thread count for this shape (rows, new tokens, keys attended), chosen from measured
@@ -570,9 +603,12 @@ class TorchEngine:
             # Every row's positions that need logits go through the LM head in ONE call: the
             # head (vocab x hidden, the largest weight) is then read once a step, not once per row.
             heads = wanted[0] if len(wanted) == 1 else torch.cat(wanted)  # [rows, hidden]
-            logits = self._compiled_or_eager(
-                heads.shape[0], lambda forward: forward.logits(heads)
-            ).cpu()  # where the loop reads it
+            logits = self._compiled_or_eager(heads.shape[0], lambda forward: forward.logits(heads))
+        if self.labels is not None:  # serve.capture: each item's rows that got logits
+            self.labels.keep(
+                [(slot, len(it.tokens) - it.n_logits, it.n_logits) for it, (slot, _) in zip(items, assigned)], logits
+            )
+        logits = logits.cpu()  # where the loop reads it
         self.forwards += 1
         out = list(logits.split([it.n_logits for it in items]))  # per item [n_logits, vocab]
         for it, (slot, _) in zip(items, assigned):
