@@ -211,3 +211,122 @@ def test_a_draft_call_that_caught_up_on_a_prompt_does_not_read_as_the_draft_cost
     for _ in range(20):  # a lasting change in the step's cost is followed within the window
         m.drafted("draft_target", 5, 1, 0.1)
     assert m.draft_cost("draft_target") == pytest.approx(0.02)
+
+
+# ---------------------------------------------------------------- what the batch gets per second
+
+# A verify of 8 x (k + 1) tokens at k = 1 costs 1.6x a one-token-per-row step of 8 rows
+# (base + 16 x per_token = 1.6 x (base + 8 x per_token)); a draft step costs the same at 1 and 8 rows.
+BASE, PER_TOKEN, STEP = 0.030, 0.005625, 0.012
+
+
+def batch_costs(p: AdaptivePolicy, base=BASE, per_token=PER_TOKEN, step=STEP, rows=(1, 8)) -> None:
+    costs(p, base, per_token, spread=(1, 2, 8, 16))
+    for n in rows:
+        for _ in range(3):
+            p.costs.drafted("draft_target", 1, n, step)
+
+
+def accepting(p: AdaptivePolicy, s, a: float, drafter="draft_target") -> None:
+    """The request's (and the deployment's) acceptance of ``drafter`` is ``a``."""
+    s.acceptance[drafter] = Acceptance(1000 * a, 1000)
+    p.deployment[drafter] = Acceptance(1000 * a, 1000)
+
+
+def step(p: AdaptivePolicy, states, offers=None, ceiling=5) -> list[Choice]:
+    """One step of the loop's choices: per row, then settled for the batch."""
+    n = len(states)
+    per_row = [p.choose(s, offers or {"draft_target": ceiling}, ceiling, n) for s in states]
+    return p.settle(states, per_row)
+
+
+def test_a_draft_step_is_kept_by_rows_drafted_median_per_entry_interpolated_between():
+    m = CostModel(FREE)
+    m.drafted("draft_target", 2, 1, 0.020)  # 0.010 a step over 1 row
+    m.drafted("draft_target", 1, 1, 0.500)  # a prompt catch-up: one call, not the median
+    m.drafted("draft_target", 1, 1, 0.010)
+    m.drafted("draft_target", 4, 8, 0.080)  # 0.020 a step over 8 rows
+    assert m.draft_step("draft_target", 1) == pytest.approx(0.010)
+    assert m.draft_step("draft_target", 8) == pytest.approx(0.020)
+    assert m.draft_step("draft_target", 4) == pytest.approx(0.010 + 0.010 * 3 / 7)  # between 1 and 8 rows
+    assert m.draft_step("draft_target", 16) == pytest.approx(0.020)  # beyond the largest measured: the nearest
+    assert m.draft_cost("draft_target", 8) == pytest.approx(0.0025)  # shared by 8 rows
+    assert m.draft_step("ngram", 8) == 0.0 and CostModel(FREE).draft_step("draft_target", 2) == 0.0
+
+
+def test_eight_rows_whose_drafts_do_not_pay_for_the_batchs_wait_draft_nothing():
+    """Acceptance 0.7 on every row: at 8 rows a draft step and the wider verify cost the batch
+    more than the drafts it accepts (off); the same request alone drafts (next test)."""
+    p = policy(methods=("draft_target",))
+    batch_costs(p)
+    states = [p.new_request() for _ in range(8)]
+    for s in states:
+        accepting(p, s, 0.7)
+    assert step(p, states) == [Choice(OFF, 0)] * 8
+
+
+def test_the_same_costs_at_one_row_draft():
+    p = policy(methods=("draft_target",))
+    batch_costs(p)
+    s = p.new_request()
+    accepting(p, s, 0.7)
+    (c,) = step(p, [s])
+    assert c.drafter == "draft_target" and c.k >= 1
+
+
+def test_a_model_draft_step_measured_on_lone_calls_is_shared_when_eight_rows_draft():
+    """The draft step was only measured over 1 row (lone probes): 8 rows drafting together wait
+    for ONE call of that cost, not 8 (a per-row price read it as 8x and turned drafting off)."""
+    p = policy(methods=("draft_target",))
+    batch_costs(p, per_token=0.000511, step=0.005, rows=(1,))
+    states = [p.new_request() for _ in range(8)]
+    for s in states:
+        accepting(p, s, 0.7)
+    choices = step(p, states)
+    assert all(c.drafter == "draft_target" and c.k >= 1 for c in choices), choices
+
+
+def lone_drafter(p: AdaptivePolicy, rows: int):
+    """Row 0's drafts are good (0.9), every other row's are always rejected (0)."""
+    states = [p.new_request() for _ in range(rows)]
+    accepting(p, states[0], 0.9)
+    for s in states[1:]:
+        s.acceptance["draft_target"] = Acceptance(0, 1000)
+    return states
+
+
+def test_one_row_drafting_among_eight_is_charged_the_whole_batchs_wait():
+    """Its own share of a step says drafting pays (the step measured over 8 rows, 1/8 each),
+    but the draft call it alone needs delays all 8 rows: the batch turns it off."""
+    p = policy(methods=("draft_target",))
+    batch_costs(p, per_token=0.000511, step=0.020, rows=(8,))
+    states = lone_drafter(p, 8)
+    assert p.choose(states[0], {"draft_target": 5}, 5, 8).k > 0  # priced alone, it drafts
+    states = lone_drafter(p, 8)
+    assert step(p, states) == [Choice(OFF, 0)] * 8
+    assert states[0].off_steps == 1  # counted as off for its request
+
+
+def test_a_request_the_batch_turned_off_drafts_again_once_the_load_falls():
+    p = policy(methods=("draft_target",), probe_every=4)
+    batch_costs(p, per_token=0.000511, step=0.020, rows=(8,))
+    states = lone_drafter(p, 8)
+    at_eight = [step(p, states) for _ in range(12)]
+    assert [c[0].k for c in at_eight].count(0) >= 8
+    assert all(any(c.probe for c in cs[1:]) for cs in at_eight if cs[0].k)  # only in a call that runs anyway
+    first = step(p, states[:1])  # the other 7 finished
+    assert first[0].drafter == "draft_target" and first[0].k >= 1
+    assert all(step(p, states[:1])[0].k >= 1 for _ in range(4))
+
+
+def test_a_probe_is_kept_and_a_row_that_pays_shares_its_call():
+    """Row 1 re-probes (k = 1, kept whatever it costs); the call runs anyway, so row 0's good
+    draft rides along, capped at the probe's one step where a longer one would not pay."""
+    p = policy(methods=("draft_target",), probe_every=2)
+    batch_costs(p, per_token=0.000511, step=0.020, rows=(8,))
+    states = lone_drafter(p, 8)
+    first = step(p, states)
+    assert first == [Choice(OFF, 0)] * 8
+    second = step(p, states)  # every row but row 0 is due a probe (2 steps off)
+    assert all(c == Choice("draft_target", 1, probe=True) for c in second[1:]), second
+    assert second[0] == Choice("draft_target", 1)

@@ -1,28 +1,37 @@
 """Speculation that tunes itself: per request and per step, which drafter and how many tokens.
 
 The loop asks ``AdaptivePolicy.choose`` before each step for every sequence that may draft,
-and tells it afterwards what the target accepted (``observe``) and what the step cost
-(``CostModel.verified`` / ``drafted``, seconds from the loop's own clock around the target's
-forward and the drafter's call). Nothing here drafts or verifies: the accept step stays the
-loop's, so every choice is lossless.
+then ``settle`` for the step's choices together, and tells it afterwards what the target
+accepted (``observe``) and what the step cost (``CostModel.verified`` / ``drafted``, seconds
+from the loop's own clock around the target's forward and the drafter's call). Nothing here
+drafts or verifies: the accept step stays the loop's, so every choice is lossless.
 
-The choice maximises expected tokens per second of this sequence's share of the step:
+Per sequence (``choose``), the (drafter, k) with the best expected tokens per second of its
+share of a step in which every active sequence drafts as it does:
 
   E(a, k)      = (1 - a^(k+1)) / (1 - a)        tokens per target forward for a per-token
                                                   acceptance a and k drafts (k + 1 when a = 1)
-  cost(d, k)   = k * c_d + verify(k)            seconds: k draft steps of drafter d, then its
-                                                  share of the target's forward
+  cost(d, k)   = k * step(d, active) / active + verify(k)
+                                                  seconds: k draft steps of drafter d shared by
+                                                  the active rows, then its share of the forward
   verify(k)    = base / active + per_token * (k + 1)
                                                   the target's forward, fitted online as
                                                   seconds = base + per_token * tokens scored
                                                   over the last ``cost_window`` steps
   target-only  = 1 / verify(0)                   the rate every choice must beat (k = 0)
 
+Per batch (``settle``, pricing.py): a draft call and the verify delay every sequence, so the
+step's choices are priced together, by the batch's expected tokens per second, against the
+model draft's k capped, every row off, and the drafting rows dropped whose expected tokens do
+not pay for the wait they impose on the batch; the best plan is sent. ``step(d, rows)`` is a
+draft step's measured seconds by the number of rows drafted (not a cost per row: a step over 8
+rows costs about what one over 1 row does on a memory-bound CPU).
+
 ``a`` is the request's own recent acceptance of that drafter: decayed counts (``decay`` per
 observation) of accepted drafts over tried positions (a chain stops being tried at its first
-rejection), started from the deployment's running acceptance of the drafter. ``c_d`` is 0 for
-drafters that cost nothing (n-gram, suffix: they offer a draft of what they found, and are used
-where it pays); the model draft's is a running mean of measured seconds per draft step per row.
+rejection), started from the deployment's running acceptance of the drafter. Drafters that cost
+nothing (n-gram, suffix: they offer a draft of what they found, and are used where it pays) have
+no draft step, only their verify positions.
 
 Measured without being sent: a free drafter's offer that the step did not send is checked
 against the step's tokens (the accepted drafts and the target's own are the target's greedy
@@ -31,21 +40,21 @@ included. Coming back: a request whose choice is "off" (k = 0) re-probes every
 ``probe_every`` steps with one draft token from its most promising drafter that nothing
 measured since, and any drafter left untried and unmeasured that long is tried once (the
 model draft; free drafters of sampled requests), so acceptance is measured, never assumed
-from stale counts. The load enters
-only through ``active`` at each choice and the fitted costs, never through stored state, so
-when the load falls the next choice is the low-load one.
+from stale counts; ``settle`` never drops a probe. A request that the batch turned off keeps
+its own choice, so it drafts again on the first step at which the batch's price says it pays.
+The load enters only through the rows of each step and the fitted costs, never through stored
+state, so when the load falls the next choice is the low-load one.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from trtspec.speculative.pricing import CostModel, Row, expected_tokens, settle
+
 OFF = "off"  # the name of the choice that drafts nothing (k = 0)
-DRAFT_CALLS = 15  # recent model-draft calls whose median per-step time is the draft cost
 
 
 @dataclass(frozen=True)
@@ -69,13 +78,6 @@ class Choice:
     probe: bool = False  # a re-probe, not the best expected rate
 
 
-def expected_tokens(a: float, k: int) -> float:
-    """Tokens per target forward for a per-token acceptance ``a`` and ``k`` drafts."""
-    if a >= 1.0:
-        return float(k + 1)
-    return (1 - a ** (k + 1)) / (1 - a)
-
-
 @dataclass
 class Acceptance:
     """Decayed counts of accepted drafts and tried positions; ``rate`` = accepted / tried."""
@@ -93,51 +95,6 @@ class Acceptance:
         return (self.accepted + prior * weight) / (self.tried + weight)
 
 
-class CostModel:
-    """The engine's measured costs, learned online. ``clock`` is injectable so tests are
-    deterministic; the loop times its own calls with it."""
-
-    def __init__(self, free: frozenset[str], window: int = 64, clock: Callable[[], float] = time.perf_counter):
-        self.clock = clock
-        self.free = free
-        self.samples: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens scored, seconds)
-        # drafter -> seconds per draft step per row of its recent calls; the cost is their median,
-        # so a call that also caught the draft up on a prompt (tens of positions in one forward,
-        # once a request) does not read as every step's cost
-        self.draft_steps: dict[str, deque[float]] = {}
-
-    def verified(self, tokens: int, seconds: float) -> None:
-        """One target forward that scored ``tokens`` positions (rows + drafts) in ``seconds``."""
-        if tokens > 0 and seconds >= 0:
-            self.samples.append((tokens, seconds))
-
-    def drafted(self, drafter: str, steps: int, rows: int, seconds: float) -> None:
-        """The drafter's call: ``steps`` draft steps over ``rows`` sequences in ``seconds``."""
-        if drafter in self.free or steps <= 0 or rows <= 0:
-            return
-        self.draft_steps.setdefault(drafter, deque(maxlen=DRAFT_CALLS)).append(seconds / steps / rows)
-
-    def fit(self) -> tuple[float, float]:
-        """(base seconds, seconds per token) of a forward, by least squares; a per-token cost
-        that no spread of token counts has measured yet is 0 (speculation looks free until a
-        step measures it)."""
-        if not self.samples:
-            return 0.0, 0.0
-        n = len(self.samples)
-        mx = sum(t for t, _ in self.samples) / n
-        my = sum(s for _, s in self.samples) / n
-        sxx = sum((t - mx) ** 2 for t, _ in self.samples)
-        if sxx <= 0:
-            return my, 0.0
-        slope = max(0.0, sum((t - mx) * (s - my) for t, s in self.samples) / sxx)
-        base = max(0.0, my - slope * mx)
-        return base, slope
-
-    def draft_cost(self, drafter: str) -> float:
-        recent = self.draft_steps.get(drafter)
-        return 0.0 if drafter in self.free or not recent else statistics.median(recent)
-
-
 @dataclass
 class RequestState:
     """One request's recent acceptance per drafter and how long since each was tried."""
@@ -145,6 +102,8 @@ class RequestState:
     acceptance: dict[str, Acceptance] = field(default_factory=dict)
     since_tried: dict[str, int] = field(default_factory=dict)
     off_steps: int = 0  # consecutive choices of k = 0
+    # the counters before this step's choice: a choice that ``settle`` turns off counts as off
+    before: tuple[int, dict[str, int]] = (0, {})
 
 
 class AdaptivePolicy:
@@ -170,6 +129,7 @@ class AdaptivePolicy:
         (a free drafter: its draft's length; the model: the ceiling). OFF when none beats
         target-only, except for a due re-probe."""
         fit = self.costs.fit()
+        state.before = (state.off_steps, dict(state.since_tried))
         best, best_rate = Choice(OFF, 0), self._rate(state, None, 0, active, fit)
         for name in self.settings.methods:
             for k in range(1, min(ceiling, offers.get(name, 0)) + 1):
@@ -184,8 +144,9 @@ class AdaptivePolicy:
 
     def _rate(self, state: RequestState, drafter: str | None, k: int, active: int, fit: tuple[float, float]) -> float:
         base, per_token = fit
-        verify = base / max(active, 1) + per_token * (k + 1)
-        seconds = verify + (k * self.costs.draft_cost(drafter) if drafter else 0.0)
+        active = max(active, 1)
+        verify = base / active + per_token * (k + 1)
+        seconds = verify + (k * self.costs.draft_cost(drafter, active) if drafter else 0.0)
         tokens = expected_tokens(self.acceptance(state, drafter), k) if drafter else 1.0
         return tokens / seconds if seconds > 0 else tokens * 1e12  # nothing measured yet: tokens decide
 
@@ -209,6 +170,21 @@ class AdaptivePolicy:
         for m in self.settings.methods:
             state.since_tried[m] = 0 if m == best.drafter else state.since_tried[m] + 1
         return best
+
+    def settle(self, states: Sequence[RequestState], choices: Sequence[Choice]) -> list[Choice]:
+        """The step's choices, one per active row (``Choice(OFF, 0)`` where a row has none),
+        priced together (pricing.settle): a row the batch turns off counts as off for its
+        request, and keeps its own choice for the next step; a capped row drafts fewer."""
+        rows = [Row(c.drafter, c.k, self.acceptance(s, c.drafter) if c.k else 0.0, c.probe) for s, c in zip(states, choices)]
+        ks = settle(self.costs, rows, self.costs.fit())
+        out = []
+        for state, c, k in zip(states, choices, ks):
+            if k == 0 < c.k:
+                off, tried = state.before
+                state.off_steps = off + 1
+                state.since_tried[c.drafter] = tried.get(c.drafter, 0) + 1
+            out.append(c if k == c.k else Choice(c.drafter if k else OFF, k))
+        return out
 
     def observe(self, state: RequestState, drafter: str, drafted: int, accepted: int) -> None:
         """What the target accepted of ``drafter``'s draft for this request this step."""

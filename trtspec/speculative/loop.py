@@ -34,7 +34,8 @@ What a drafter can do besides ``propose`` is its declared Capabilities
 
 Adaptive speculation (method auto, or ``adaptive`` on one method): the drafter is a ``Menu`` of
 named drafters with an AdaptivePolicy (speculative/adaptive.py). Each step the drafters that
-cost nothing offer their drafts, the policy picks per sequence the drafter and k (0: no draft),
+cost nothing offer their drafts, the policy picks per sequence the drafter and k (0: no draft)
+and settles the step's choices together (a draft call and the verify delay the whole batch),
 the model draft is asked only for the sequences it was picked for, and the loop times the
 drafter's and the target's calls for the policy's costs. The accept step is the same, so the
 output is too.
@@ -499,7 +500,8 @@ class Batch:
 
     def _propose_chosen(self, active: list[int], contexts, ceilings: list[int], cap: int | None) -> Proposal:
         """Adaptive speculation: the free drafters offer, the policy picks (drafter, k) per row
-        within its ceiling, the picked model drafter drafts its rows (timed for the policy)."""
+        within its ceiling and then settles the rows' choices together by what the batch gets
+        per second, the picked model drafter drafts its rows (timed for the policy)."""
         menu, n = self.menu, len(active)
         rows = [j for j, k in enumerate(ceilings) if k > 0]
         rules = [self.requests[active[j]].rules(len(self.results[active[j]].output_ids)) for j in rows]
@@ -515,6 +517,7 @@ class Batch:
         choices = [Choice(OFF, 0)] * n
         for j in rows:
             choices[j] = menu.policy.choose(self.states[active[j]], offers[j], ceilings[j], n)
+        choices = menu.policy.settle([self.states[i] for i in active], choices)  # the batch waits for every draft
         drafts: list[list[int]] = [[] for _ in active]
         qs: list[torch.Tensor | None] = [None] * n
         for r, j in enumerate(rows):
