@@ -86,7 +86,7 @@ def test_trtllm_engine_runtime_refuses_adaptive_and_auto(tmp_path):
 
 from test_loop import OracleVerifier, oracle, reference  # noqa: E402
 
-from trtspec.speculative.adaptive import AdaptivePolicy, AdaptiveSettings  # noqa: E402
+from trtspec.speculative.adaptive import AdaptivePolicy, AdaptiveSettings, parse_choice_key  # noqa: E402
 from trtspec.speculative.capabilities import Drafter  # noqa: E402
 from trtspec.speculative.drafters import NgramDrafter  # noqa: E402
 from trtspec.speculative.loop import Batch, GenerationRequest, Menu, NoDrafter, Verdict, generate  # noqa: E402
@@ -248,6 +248,34 @@ def test_target_only_and_auto_agree_on_a_batch_that_grows_and_shrinks():
         b.out = [b.pop(k).output_ids for k in keys]
     assert batch.out == plain.out
     assert not batch.states  # no request's state outlives it
+
+
+def test_a_lone_model_draft_among_eight_rows_waits_for_a_call_that_runs_anyway():
+    """One request of 8 has a good model draft, the 7 others' drafts are always rejected. A
+    draft call costs the same over 1 row or 8, and all 8 wait for it: the good row drafts only
+    in a step whose call runs anyway (the others' re-probes), never alone; once the 7 finish,
+    it drafts on every step. Outputs stay the target's."""
+
+    class OnlyFirst(ModelDraft):  # request 0's prompt is [1, 2, 3]
+        def propose(self, contexts, ks):
+            out = super().propose(contexts, ks)
+            return [d if c[2] == 3 else [(t + 1) % 50 for t in d] for c, d in zip(contexts, out)]
+
+    clock = Clock()
+    m = menu(clock, {"draft_target": OnlyFirst(clock, miss=10, step=0.020)}, probe_every=4)
+    batch = Batch(m, TimedVerifier(clock, base=0.030, per_token=0.000511))
+    keys = [batch.add(GenerationRequest([1, 2, 3 + i], 90 if i == 0 else 40, 5)) for i in range(8)]
+    steps = []  # per step: (sequences, the k chosen for each row that chose)
+    while batch.active:
+        n = len(batch.active)
+        steps.append((n, [parse_choice_key(c)[1] for c in batch.step().chosen]))
+    loaded = [ks for n, ks in steps[3:] if n == 8 and len(ks) == 8]  # once the costs are measured
+    assert len(loaded) >= 20 and any(ks[0] == 0 for ks in loaded)
+    assert all(any(ks[1:]) for ks in loaded if ks[0])  # never a call for row 0 alone
+    alone = [ks[0] for n, ks in steps if n == 1]
+    assert alone[:4].count(0) < 4 and all(alone[4:-1])
+    outs = [batch.pop(k).output_ids for k in keys]
+    assert outs == [reference(90 if i == 0 else 40, (1, 2, 3 + i)) for i in range(8)]
 
 
 # ---------------------------------------------------------------- in process, tiny engines
