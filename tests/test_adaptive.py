@@ -330,3 +330,38 @@ def test_a_probe_is_kept_and_a_row_that_pays_shares_its_call():
     second = step(p, states)  # every row but row 0 is due a probe (2 steps off)
     assert all(c == Choice("draft_target", 1, probe=True) for c in second[1:]), second
     assert second[0] == Choice("draft_target", 1)
+
+
+def test_the_batchs_re_probes_of_the_model_draft_share_one_call_per_probe_period():
+    """8 requests off, due for a re-probe at different steps: each probe alone would make all 8
+    rows wait for a draft call on most steps; they wait for one call per ``probe_every`` steps
+    instead, and every request is still probed within twice that."""
+    p = policy(methods=("draft_target",), probe_every=8)
+    batch_costs(p)
+    states = [p.new_request() for _ in range(8)]
+    for j, s in enumerate(states):
+        s.acceptance["draft_target"] = Acceptance(0, 1000)
+        s.off_steps, s.since_tried["draft_target"] = j, j + 1
+    steps = [step(p, states) for _ in range(32)]
+    calls = [t for t, cs in enumerate(steps) if any(c.k for c in cs)]
+    assert all(c.k == 0 or c == Choice("draft_target", 1, probe=True) for cs in steps for c in cs)
+    assert len(calls) <= 32 // 8 + 1 and all(b - a >= 8 for a, b in zip(calls, calls[1:])), calls
+    for j in range(8):
+        probed = [t for t, cs in enumerate(steps) if cs[j].k]
+        assert probed and probed[0] < 16 and all(b - a <= 16 for a, b in zip(probed, probed[1:])), (j, probed)
+
+
+def test_a_deferred_probe_of_the_model_leaves_the_free_drafter_its_request_chose():
+    """A request drafting with the n-gram whose model draft is due a re-probe: when the batch's
+    model call is not due, the row keeps its n-gram draft rather than drafting nothing."""
+    p = policy(methods=("draft_target", "ngram"), probe_every=4)
+    batch_costs(p, step=0.050)
+    states = [p.new_request() for _ in range(8)]
+    for s in states:
+        accepting(p, s, 0.9, "ngram")
+        accepting(p, s, 0.2)
+    p.since_call["draft_target"] = 0  # the model just drafted for the batch
+    states[0].since_tried["draft_target"] = 4  # row 0's model draft is due a re-probe
+    first = step(p, states, offers={"draft_target": 5, "ngram": 3})
+    assert all(c.drafter == "ngram" and c.k >= 1 and not c.probe for c in first), first
+    assert states[0].since_tried["draft_target"] == 5  # still due: not measured

@@ -102,8 +102,9 @@ class RequestState:
     acceptance: dict[str, Acceptance] = field(default_factory=dict)
     since_tried: dict[str, int] = field(default_factory=dict)
     off_steps: int = 0  # consecutive choices of k = 0
-    # the counters before this step's choice: a choice that ``settle`` turns off counts as off
-    before: tuple[int, dict[str, int]] = (0, {})
+    # the counters before this step's choice, and its best choice before any probe: what
+    # ``settle`` restores when the batch replaces the choice
+    before: tuple[int, dict[str, int], Choice] = (0, {}, Choice(OFF, 0))
 
 
 class AdaptivePolicy:
@@ -114,6 +115,7 @@ class AdaptivePolicy:
         self.settings = settings
         self.costs = CostModel(settings.free, settings.cost_window, clock)
         self.deployment: dict[str, Acceptance] = {m: Acceptance() for m in settings.methods}
+        self.since_call: dict[str, int] = {}  # model drafter -> steps settled since its last call
 
     def new_request(self) -> RequestState:
         return RequestState({m: Acceptance() for m in self.settings.methods}, {m: 0 for m in self.settings.methods})
@@ -129,7 +131,6 @@ class AdaptivePolicy:
         (a free drafter: its draft's length; the model: the ceiling). OFF when none beats
         target-only, except for a due re-probe."""
         fit = self.costs.fit()
-        state.before = (state.off_steps, dict(state.since_tried))
         best, best_rate = Choice(OFF, 0), self._rate(state, None, 0, active, fit)
         for name in self.settings.methods:
             for k in range(1, min(ceiling, offers.get(name, 0)) + 1):
@@ -155,6 +156,7 @@ class AdaptivePolicy:
         free drafter measured on the last step without being sent (``shadow``) needs neither."""
         every = self.settings.probe_every
         offering = [m for m in self.settings.methods if min(ceiling, offers.get(m, 0)) > 0]
+        state.before = (state.off_steps, dict(state.since_tried), best)
         state.off_steps = state.off_steps + 1 if best.k == 0 else 0
         stale = [m for m in offering if m != best.drafter and state.since_tried[m] >= every]
         unmeasured = [m for m in offering if state.since_tried[m] > 0]
@@ -167,23 +169,57 @@ class AdaptivePolicy:
             most = min(ceiling, offers[name])
             k = max(range(1, most + 1), key=lambda k: self._rate(state, name, k, active, fit))
             best = Choice(name, k, probe=True)
-        for m in self.settings.methods:
-            state.since_tried[m] = 0 if m == best.drafter else state.since_tried[m] + 1
+        self._tried(state, best.drafter)
         return best
+
+    def _tried(self, state: RequestState, drafter: str) -> None:
+        for m in self.settings.methods:
+            state.since_tried[m] = 0 if m == drafter else state.since_tried[m] + 1
+
+    def _instead(self, state: RequestState, choice: Choice) -> Choice:
+        """This step's ``choice`` for ``state`` replaced by the batch: its counters as if the
+        request had chosen it (a row turned off counts as off; a probe deferred stays due)."""
+        off, tried, _ = state.before
+        state.off_steps = off + 1 if choice.k == 0 else 0
+        state.since_tried = dict(tried)
+        self._tried(state, choice.drafter)
+        return choice
 
     def settle(self, states: Sequence[RequestState], choices: Sequence[Choice]) -> list[Choice]:
         """The step's choices, one per active row (``Choice(OFF, 0)`` where a row has none),
-        priced together (pricing.settle): a row the batch turns off counts as off for its
-        request, and keeps its own choice for the next step; a capped row drafts fewer."""
+        priced together (pricing.settle) and their model-draft probes gated (``_gate``): a row
+        the batch turns off counts as off for its request and keeps its own choice for the next
+        step; a capped row drafts fewer; a deferred probe leaves its request's best choice."""
         rows = [Row(c.drafter, c.k, self.acceptance(s, c.drafter) if c.k else 0.0, c.probe) for s, c in zip(states, choices)]
-        ks = settle(self.costs, rows, self.costs.fit())
+        ks = self._gate(choices, settle(self.costs, rows, self.costs.fit()))
         out = []
         for state, c, k in zip(states, choices, ks):
-            if k == 0 < c.k:
-                off, tried = state.before
-                state.off_steps = off + 1
-                state.since_tried[c.drafter] = tried.get(c.drafter, 0) + 1
-            out.append(c if k == c.k else Choice(c.drafter if k else OFF, k))
+            if k == c.k:
+                out.append(c)
+            elif k:
+                out.append(Choice(c.drafter, k))
+            elif c.probe:
+                best = state.before[2]
+                out.append(self._instead(state, best if best.drafter in self.settings.free else Choice(OFF, 0)))
+            else:
+                out.append(self._instead(state, Choice(OFF, 0)))
+        return out
+
+    def _gate(self, choices: Sequence[Choice], ks: list[int]) -> list[int]:
+        """A model draft's call that only probes runs at most once per ``probe_every`` steps of
+        the batch, since every row waits for it: probes due sooner wait for it (each stays due),
+        so the batch's requests re-probe together in one call instead of one call each."""
+        every, out = self.settings.probe_every, list(ks)
+        for name in self.settings.methods:
+            if name in self.settings.free:
+                continue
+            self.since_call[name] = self.since_call.get(name, every - 1) + 1
+            rows = [j for j, k in enumerate(ks) if k and choices[j].drafter == name]
+            if rows and all(choices[j].probe for j in rows) and self.since_call[name] < every:
+                for j in rows:
+                    out[j] = 0
+            elif rows:
+                self.since_call[name] = 0
         return out
 
     def observe(self, state: RequestState, drafter: str, drafted: int, accepted: int) -> None:
