@@ -40,7 +40,9 @@ included. Coming back: a request whose choice is "off" (k = 0) re-probes every
 ``probe_every`` steps with one draft token from its most promising drafter that nothing
 measured since, and any drafter left untried and unmeasured that long is tried once (the
 model draft; free drafters of sampled requests), so acceptance is measured, never assumed
-from stale counts; ``settle`` never drops a probe. A request that the batch turned off keeps
+from stale counts; ``settle`` never drops a probe, but a model-draft call that would only
+probe runs at most once per ``probe_every`` steps of the batch (every row waits for it), so the
+requests due re-probe together in it. A request that the batch turned off keeps
 its own choice, so it drafts again on the first step at which the batch's price says it pays.
 The load enters only through the rows of each step and the fitted costs, never through stored
 state, so when the load falls the next choice is the low-load one.
