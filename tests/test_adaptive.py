@@ -365,3 +365,18 @@ def test_a_deferred_probe_of_the_model_leaves_the_free_drafter_its_request_chose
     first = step(p, states, offers={"draft_target": 5, "ngram": 3})
     assert all(c.drafter == "ngram" and c.k >= 1 and not c.probe for c in first), first
     assert states[0].since_tried["draft_target"] == 5  # still due: not measured
+
+
+def test_a_probe_not_due_for_the_batch_does_not_run_the_call_for_a_row_that_would_ride_along():
+    """Row 0's draft pays only in a call that runs anyway; row 1's re-probe is due but the
+    batch's model call is not: the probe waits, so no call runs for the two of them."""
+    p = policy(methods=("draft_target",), probe_every=4)
+    batch_costs(p, per_token=0.000511, step=0.020, rows=(8,))
+    states = lone_drafter(p, 8)
+    p.since_call["draft_target"] = 0  # the model just drafted for the batch
+    states[1].off_steps, states[1].since_tried["draft_target"] = 3, 4  # due on this step
+    assert step(p, states) == [Choice(OFF, 0)] * 8
+    assert states[1].off_steps == 4  # still due
+    p.since_call["draft_target"] = 3  # the batch's call is due now: the probe runs, row 0 rides along
+    choices = step(p, states)
+    assert choices[1] == Choice("draft_target", 1, probe=True) and choices[0].k == 1

@@ -189,40 +189,38 @@ class AdaptivePolicy:
 
     def settle(self, states: Sequence[RequestState], choices: Sequence[Choice]) -> list[Choice]:
         """The step's choices, one per active row (``Choice(OFF, 0)`` where a row has none),
-        priced together (pricing.settle) and their model-draft probes gated (``_gate``): a row
-        the batch turns off counts as off for its request and keeps its own choice for the next
-        step; a capped row drafts fewer; a deferred probe leaves its request's best choice."""
-        rows = [Row(c.drafter, c.k, self.acceptance(s, c.drafter) if c.k else 0.0, c.probe) for s, c in zip(states, choices)]
-        ks = self._gate(choices, settle(self.costs, rows, self.costs.fit()))
+        priced together (pricing.settle): a row the batch turns off counts as off for its
+        request and keeps its own choice for the next step; a capped row drafts fewer. A probe
+        of a model draft whose call is not due (``_closed``) is priced as its request's best
+        choice instead, and probes only if the call runs anyway (it stays due otherwise)."""
+        closed = self._closed()
+        held = [c.probe and c.drafter in closed for c in choices]
+        priced = [s.before[2] if h else c for s, c, h in zip(states, choices, held)]
+        rows = [Row(c.drafter, c.k, self.acceptance(s, c.drafter) if c.k else 0.0, c.probe) for s, c in zip(states, priced)]
+        ks = settle(self.costs, rows, self.costs.fit())
+        running = {c.drafter for c, k in zip(priced, ks) if k and c.drafter not in self.settings.free}
         out = []
-        for state, c, k in zip(states, choices, ks):
-            if k == c.k:
+        for state, c, p, k, h in zip(states, choices, priced, ks, held):
+            if h and c.drafter in running:
+                out.append(c)  # the call runs anyway: the probe rides along
+            elif k == p.k and not h:
                 out.append(c)
-            elif k:
+            elif k and not h:
                 out.append(Choice(c.drafter, k))
-            elif c.probe:
-                best = state.before[2]
-                out.append(self._instead(state, best if best.drafter in self.settings.free else Choice(OFF, 0)))
             else:
-                out.append(self._instead(state, Choice(OFF, 0)))
+                out.append(self._instead(state, Choice(p.drafter, k) if k else Choice(OFF, 0)))
+        self.since_call.update(dict.fromkeys(running, 0))
         return out
 
-    def _gate(self, choices: Sequence[Choice], ks: list[int]) -> list[int]:
-        """A model draft's call that only probes runs at most once per ``probe_every`` steps of
-        the batch, since every row waits for it: probes due sooner wait for it (each stays due),
-        so the batch's requests re-probe together in one call instead of one call each."""
-        every, out = self.settings.probe_every, list(ks)
+    def _closed(self) -> set[str]:
+        """The model drafters whose call may not run only to probe this step: every row waits
+        for a draft call, so the batch's re-probes of a model draft share one call per
+        ``probe_every`` steps, the requests due sooner waiting for it (each stays due)."""
+        every = self.settings.probe_every
         for name in self.settings.methods:
-            if name in self.settings.free:
-                continue
-            self.since_call[name] = self.since_call.get(name, every - 1) + 1
-            rows = [j for j, k in enumerate(ks) if k and choices[j].drafter == name]
-            if rows and all(choices[j].probe for j in rows) and self.since_call[name] < every:
-                for j in rows:
-                    out[j] = 0
-            elif rows:
-                self.since_call[name] = 0
-        return out
+            if name not in self.settings.free:
+                self.since_call[name] = self.since_call.get(name, every - 1) + 1
+        return {name for name, steps in self.since_call.items() if steps < every}
 
     def observe(self, state: RequestState, drafter: str, drafted: int, accepted: int) -> None:
         """What the target accepted of ``drafter``'s draft for this request this step."""
