@@ -114,14 +114,70 @@ def test_served_requests_are_kept_with_their_tokens_features_labels_and_tenant(d
     assert got["r1"].record["tenant"] == ""
 
 
-def test_the_features_kept_are_the_targets_own(deploy):
+def test_the_features_and_labels_kept_are_the_targets_own(deploy):
+    """Kept from the served steps, against one teacher-forced forward over the same tokens.
+    They differ by float32 rounding only: serving computed them in batched prefill, verify and
+    decode steps (several rows, a few positions each), the forward in one row of every
+    position, so the sums run in other orders. Features and logits agree within 1e-4; the ids
+    exactly, at every rank whose logit is more than 1e-3 from its neighbours' (not tied)."""
     from trtspec.distill.data import capture
 
     _clear(deploy)
-    reqs, results = _serve(deploy, [CaptureTag("f0")] + [CaptureTag(f"f{i}", allowed=False) for i in (1, 2, 3)])
-    kept = read_capture(deploy.capture.folder)[0].sample
-    again = capture(deploy.target, reqs[0].prompt_ids, results[0].output_ids[:-1])
-    assert torch.equal(kept.features, again.features) and torch.equal(kept.top_ids, again.top_ids)
+    reqs, results = _serve(deploy, [CaptureTag(f"f{i}") for i in range(4)])
+    kept = {c.record["request_id"]: c.sample for c in read_capture(deploy.capture.folder)}
+    for i, (req, res) in enumerate(zip(reqs, results)):
+        got, p = kept[f"f{i}"], len(req.prompt_ids) - 1
+        again = capture(deploy.target, req.prompt_ids, res.output_ids[:-1])
+        torch.testing.assert_close(got.features, again.features, rtol=1e-4, atol=1e-4)
+        # labelled where serving scored: after the prompt's last position and every response one
+        assert (got.top_ids[:p] == -1).all() and (got.labels[:p] == -1).all() and (got.top_logits[:p] == 0).all()
+        torch.testing.assert_close(got.top_logits[p:], again.top_logits[p:], rtol=1e-4, atol=1e-4)
+        gaps = again.top_logits[p:].diff(dim=-1).abs()  # [n, k - 1]
+        apart = torch.ones_like(again.top_ids[p:], dtype=torch.bool)
+        apart[:, 1:] &= gaps > 1e-3
+        apart[:, :-1] &= gaps > 1e-3
+        assert torch.equal(got.top_ids[p:][apart], again.top_ids[p:][apart])
+
+
+def test_distill_trains_and_scores_a_captured_part_where_a_fully_labelled_one_would(deploy):
+    """Distill reads labels only after response positions' predecessors (ttt.step_targets,
+    chain_in_response; agreement's walks end at the last one): exactly the positions serving
+    scored. The captured part's unlabelled prompt positions change no target of any step."""
+    from trtspec.distill.data import capture, collate
+    from trtspec.distill.ttt import step_targets
+
+    _clear(deploy)
+    reqs, results = _serve(deploy, [CaptureTag(f"d{i}") for i in range(4)])
+    kept = {c.record["request_id"]: c.sample for c in read_capture(deploy.capture.folder)}
+    got = [kept[f"d{i}"] for i in range(4)]
+    again = [capture(deploy.target, r.prompt_ids, res.output_ids[:-1]) for r, res in zip(reqs, results)]
+    a, b = collate(got, 10**6, soft=True), collate(again, 10**6, soft=True)
+    for ta, tb in zip(step_targets(a, 3), step_targets(b, 3)):
+        assert torch.equal(ta, tb) and bool((ta >= 0).any())
+        soft_next = torch.cat([a.top_ids[:, 1:, 0], torch.full_like(a.top_ids[:, :1, 0], -1)], dim=1)
+        assert (soft_next[ta >= 0] >= 0).all()  # the soft labels a scored position reads are there too
+
+
+def test_keeping_a_request_runs_no_forward(deploy, monkeypatch):
+    _clear(deploy)
+    reqs = [deploy.request(deploy.encode(p), 12, 3) for p in PROMPTS]
+    results = deploy.generate(reqs)
+    calls = []
+    run = deploy.target._run_locked
+    monkeypatch.setattr(deploy.target, "_run_locked", lambda items: calls.append(items) or run(items))
+    before = deploy.target.forwards
+    kept = deploy.keep(reqs, results, [CaptureTag(f"n{i}") for i in range(4)])
+    assert all(kept) and len(parts(deploy.capture.folder)) == 4
+    assert calls == [] and deploy.target.forwards == before
+
+
+def test_a_request_the_engine_no_longer_holds_is_not_kept(deploy):
+    _clear(deploy)
+    reqs = [deploy.request(deploy.encode(p), 8, 3) for p in PROMPTS]
+    results = deploy.generate(reqs)
+    deploy.target.forget_prefixes()  # its slots hold nothing now: neither features nor labels
+    assert deploy.keep(reqs, results, [CaptureTag(f"g{i}") for i in range(4)]) == [None] * 4
+    assert parts(deploy.capture.folder) == []
 
 
 def test_opted_out_and_excluded_tenants_are_never_kept(deploy):

@@ -81,4 +81,6 @@ def test_served_requests_are_kept_by_the_target_and_opted_out_ones_never(capture
         assert c.sample.tokens.tolist() == prompt_ids + output[:-1]
         assert c.sample.prompt_len == len(prompt_ids)
         assert c.sample.labels[len(prompt_ids) - 1 :].tolist() == output  # greedy: the target's own labels
+        # labels from the steps the engine model served (no second forward): none where no step scored
+        assert (c.sample.top_ids[: len(prompt_ids) - 1] == -1).all()
         assert c.record["tenant"] == "" and c.sample.features.shape[0] == len(prompt_ids) + len(output) - 1

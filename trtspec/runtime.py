@@ -79,8 +79,7 @@ class Deployment:
         # serve.capture (method eagle3 only, so the target keeps the features): None when off.
         self.capture = None
         if spec.serve.capture is not None:
-            t = self.target
-            self.capture = CaptureWriter(spec.serve.capture, loaded.capture_dir(), t.run, t.features_of)
+            self.capture = CaptureWriter(spec.serve.capture, loaded.capture_dir(), self.target)
 
     def drafter(
         self, method: str | None = None, suffix: SuffixSpec | None = None, policy: AdaptivePolicy | None = None

@@ -5,8 +5,9 @@ features already are (the engine serving method eagle3), in distill's part forma
 Which requests: off unless the spec sets serve.capture; then the sampled share, chosen by a
 hash of the request id (the same id is always chosen or always not, whatever process sees
 it), never one that opted out, never one of an excluded tenant. What: prompt + response
-tokens, the feature layers at every position and the target's top-k labels, scored by one
-teacher-forced forward after the request is answered. Where: one part per request, named
+tokens, the feature layers at every position and the target's top-k labels after the prompt's
+last position and every response position, all read from what the engine kept while it served
+the request (no second forward). Where: one part per request, named
 capture-<ns since epoch>-<digest>.safetensors, written to a temp name, fsynced, renamed; the
 folder is kept under max_gb by removing the oldest parts first.
 """
@@ -16,18 +17,16 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from trtspec.engines.torch.engine import ForwardItem, RunFn
+from trtspec.engines.torch.engine import TorchEngine
 from trtspec.spec import CaptureSpec
-from trtspec.speculative.parts import Sample, part_record, read_part, teacher_forced, write_part
+from trtspec.speculative.parts import SOFT_TOP_K, Sample, part_record, read_part, write_part
 
 PATTERN = "capture-*.safetensors"
-FeaturesOf = Callable[[list[int], int, int], "torch.Tensor | None"]
 
 
 def chosen(request_id: str, share: float) -> bool:
@@ -70,29 +69,28 @@ class Captured:
 
 
 class CaptureWriter:
-    """Keeps chosen requests in ``folder``; one per deployment (or Triton engine model)."""
+    """Keeps chosen requests in ``folder``; one per deployment (or Triton engine model), over
+    the target ``engine`` that serves them: it keeps their features (capture_features, turned
+    on by whoever loads the head) and, from now on, the top SOFT_TOP_K logits of every position
+    it scores (capture_labels)."""
 
-    def __init__(self, spec: CaptureSpec, folder: Path, run: RunFn, features_of: FeaturesOf, clock=time.time_ns):
+    def __init__(self, spec: CaptureSpec, folder: Path, engine: TorchEngine, clock=time.time_ns):
         self.spec = spec
         self.folder = Path(folder)
         self.max_bytes = int(spec.max_gb * 1e9)
-        self.run, self.features_of, self.clock = run, features_of, clock
+        engine.capture_labels(SOFT_TOP_K)
+        self.features_of, self.labels_of, self.clock = engine.features_of, engine.labels_of, clock
         self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)  # users' text: the owner's only
 
     def wants(self, request_id: str, scope: str | None, allowed: bool = True) -> bool:
         return wanted(self.spec, request_id, scope, allowed)
 
     def record(self, request_id: str, prompt_ids: list[int], output_ids: list[int], scope: str | None) -> Path | None:
-        """Score prompt + response with the target and keep it as one part; None when the
-        engine no longer holds the features (then nothing is written)."""
-        tokens = list(prompt_ids) + list(output_ids)[:-1]  # the last token was never fed back
-        if len(tokens) < 2 or not output_ids:
+        """Keep prompt + response as one part, from what the engine kept while serving it;
+        None when the engine no longer holds it (then nothing is written)."""
+        sample = self.sample_of(list(prompt_ids), list(output_ids))
+        if sample is None:
             return None
-        logits = self.run([ForwardItem(tokens, len(tokens))])[0]  # [T, vocab]
-        feats = self.features_of(tokens, 0, len(tokens))  # [T, n_layers * hidden]
-        if feats is None:
-            return None
-        sample = teacher_forced(tokens, len(prompt_ids), feats.cpu(), logits)
         now = self.clock()
         digest = hashlib.sha256(f"{request_id}:{now}:{os.getpid()}".encode()).hexdigest()[:12]
         path = self.folder / f"capture-{now:020d}-{digest}.safetensors"
@@ -100,6 +98,33 @@ class CaptureWriter:
         write_part(path, [sample], meta)
         bound(self.folder, self.max_bytes)
         return path
+
+    def sample_of(self, prompt_ids: list[int], output_ids: list[int]) -> Sample | None:
+        """The request as distill reads it: every fed position's features, and the target's
+        labels where serving computed them: after the prompt's last position (the prefill) and
+        after each response position (a decode or verify step); the prompt's other positions
+        are never trained on and get none (-1). None when a slot no longer holds the request,
+        or one of those positions has no label (its slot was computed again without logits)."""
+        tokens = prompt_ids + output_ids[:-1]  # the last token was never fed back
+        if len(tokens) < 2 or not output_ids or not prompt_ids:
+            return None
+        feats = self.features_of(tokens, 0, len(tokens))  # [T, n_layers * hidden]
+        labels = self.labels_of(tokens, 0, len(tokens))  # ([T, k], [T, k])
+        if feats is None or labels is None:
+            return None
+        top_ids, top_logits = labels
+        top_ids[: len(prompt_ids) - 1] = -1
+        top_logits[: len(prompt_ids) - 1] = 0.0
+        if bool((top_ids[len(prompt_ids) - 1 :, 0] < 0).any()):
+            return None
+        return Sample(
+            torch.tensor(tokens, dtype=torch.long),
+            len(prompt_ids),
+            feats.cpu(),
+            top_ids[:, 0].clone(),  # the target's greedy next token; -1 on the prompt before its last position
+            top_ids=top_ids,
+            top_logits=top_logits,
+        )
 
 
 def parts(folder: Path) -> list[Path]:

@@ -27,7 +27,7 @@ from trtspec.triton.backend.models import pb
 def capture_writer(text: str, engine: TorchEngine) -> CaptureWriter:
     """serve.capture's writer from the model parameter (JSON of its CaptureSpec, dir absolute)."""
     spec = CaptureSpec(**json.loads(text))
-    return CaptureWriter(spec, Path(spec.dir), engine.run, engine.features_of)
+    return CaptureWriter(spec, Path(spec.dir), engine)
 
 
 class TritonPythonModel:
