@@ -380,3 +380,23 @@ def test_a_probe_not_due_for_the_batch_does_not_run_the_call_for_a_row_that_woul
     p.since_call["draft_target"] = 3  # the batch's call is due now: the probe runs, row 0 rides along
     choices = step(p, states)
     assert choices[1] == Choice("draft_target", 1, probe=True) and choices[0].k == 1
+
+
+def test_a_model_draft_the_batch_drops_leaves_the_rows_their_free_drafters_draft():
+    """Each row's own share of a step with all 8 drafting picks the model draft, whose one call
+    the rows' few choices of it do not pay for; dropped, a row sends its n-gram draft (which pays
+    on its own price: no call, only its verify positions), not nothing."""
+    p = policy(methods=("draft_target", "ngram"))
+    batch_costs(p, per_token=0.000511, step=0.012, rows=(8,))
+    states = [p.new_request() for _ in range(8)]
+    for s in states[:2]:
+        accepting(p, s, 0.95)
+        accepting(p, s, 0.3, "ngram")
+    for s in states[2:]:
+        s.acceptance["draft_target"] = Acceptance(0, 1000)
+        accepting(p, s, 0.3, "ngram")
+    per_row = [p.choose(s, {"draft_target": 5, "ngram": 3}, 5, 8) for s in states]
+    assert [c.drafter for c in per_row[:2]] == ["draft_target"] * 2
+    sent = p.settle(states, per_row)
+    assert all(c.drafter == "ngram" and c.k >= 1 for c in sent), sent
+    assert states[0].since_tried["draft_target"] == 1 and states[0].off_steps == 0  # the model was not tried

@@ -107,6 +107,7 @@ class RequestState:
     # the counters before this step's choice, and its best choice before any probe: what
     # ``settle`` restores when the batch replaces the choice
     before: tuple[int, dict[str, int], Choice] = (0, {}, Choice(OFF, 0))
+    fallback: Choice = Choice(OFF, 0)  # this step's best free drafter's choice that beats target-only
 
 
 class AdaptivePolicy:
@@ -133,12 +134,16 @@ class AdaptivePolicy:
         (a free drafter: its draft's length; the model: the ceiling). OFF when none beats
         target-only, except for a due re-probe."""
         fit = self.costs.fit()
-        best, best_rate = Choice(OFF, 0), self._rate(state, None, 0, active, fit)
+        best = fallback = Choice(OFF, 0)
+        best_rate = free_rate = self._rate(state, None, 0, active, fit)
         for name in self.settings.methods:
             for k in range(1, min(ceiling, offers.get(name, 0)) + 1):
                 rate = self._rate(state, name, k, active, fit)
                 if rate > best_rate:
                     best, best_rate = Choice(name, k), rate
+                if name in self.settings.free and rate > free_rate:
+                    fallback, free_rate = Choice(name, k), rate
+        state.fallback = fallback
         return self._probe(state, best, offers, ceiling, active, fit)
 
     def rate(self, state: RequestState, drafter: str | None, k: int, active: int) -> float:
@@ -189,28 +194,38 @@ class AdaptivePolicy:
 
     def settle(self, states: Sequence[RequestState], choices: Sequence[Choice]) -> list[Choice]:
         """The step's choices, one per active row (``Choice(OFF, 0)`` where a row has none),
-        priced together (pricing.settle): a row the batch turns off counts as off for its
-        request and keeps its own choice for the next step; a capped row drafts fewer. A probe
-        of a model draft whose call is not due (``_closed``) is priced as its request's best
-        choice instead, and probes only if the call runs anyway (it stays due otherwise)."""
+        priced together (pricing.settle): a model-draft row the batch drops sends its request's
+        best free drafter's choice, or nothing (counted as off for its request, which keeps its
+        own choice for the next step); a capped row drafts fewer. A probe of a model draft whose
+        call is not due (``_closed``) is priced as its request's best choice instead, and probes
+        only if the call runs anyway (it stays due otherwise)."""
         closed = self._closed()
         held = [c.probe and c.drafter in closed for c in choices]
         priced = [s.before[2] if h else c for s, c, h in zip(states, choices, held)]
-        rows = [Row(c.drafter, c.k, self.acceptance(s, c.drafter) if c.k else 0.0, c.probe) for s, c in zip(states, priced)]
-        ks = settle(self.costs, rows, self.costs.fit())
-        running = {c.drafter for c, k in zip(priced, ks) if k and c.drafter not in self.settings.free}
+        sent = settle(self.costs, [self._row(s, c) for s, c in zip(states, priced)], self.costs.fit())
+        running = {d for d, k in sent if k and d not in self.settings.free}
         out = []
-        for state, c, p, k, h in zip(states, choices, priced, ks, held):
+        for state, c, h, (drafter, k) in zip(states, choices, held, sent):
             if h and c.drafter in running:
                 out.append(c)  # the call runs anyway: the probe rides along
-            elif k == p.k and not h:
+            elif not h and drafter == c.drafter and k == c.k:
                 out.append(c)
-            elif k and not h:
-                out.append(Choice(c.drafter, k))
+            elif not h and drafter == c.drafter and k:
+                out.append(Choice(drafter, k))
             else:
-                out.append(self._instead(state, Choice(p.drafter, k) if k else Choice(OFF, 0)))
+                out.append(self._instead(state, Choice(drafter, k) if k else Choice(OFF, 0)))
         self.since_call.update(dict.fromkeys(running, 0))
         return out
+
+    def _row(self, state: RequestState, choice: Choice) -> Row:
+        """``choice`` as the batch check prices it; a model draft's fallback is the request's
+        best free drafter's choice."""
+        if choice.k == 0:
+            return Row(OFF, 0, 0.0)
+        fb = state.fallback
+        model = choice.drafter not in self.settings.free
+        fallback = Row(fb.drafter, fb.k, self.acceptance(state, fb.drafter)) if model and fb.k else None
+        return Row(choice.drafter, choice.k, self.acceptance(state, choice.drafter), choice.probe, fallback)
 
     def _closed(self) -> set[str]:
         """The model drafters whose call may not run only to probe this step: every row waits

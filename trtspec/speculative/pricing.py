@@ -105,23 +105,43 @@ class Row:
     k: int  # drafts chosen (0: none)
     acceptance: float  # the request's acceptance of ``drafter``
     fixed: bool = False  # a probe: kept whatever it costs, so acceptance is measured
+    # what the row sends where the batch drops this choice: its best free drafter's choice
+    # (one that beats target-only on the row's own price), or None: nothing
+    fallback: Row | None = None
 
     def tokens(self, k: int) -> float:
         return expected_tokens(self.acceptance, k) if k > 0 else 1.0
 
+    @property
+    def instead(self) -> Row:
+        return self.fallback if self.fallback is not None else Row("", 0, 0.0)
+
 
 class Tally:
-    """A plan's expected tokens and seconds, updated as rows leave it (``drop``)."""
+    """A plan's expected tokens and seconds: per row what it sends, (Row, k); ``drop`` switches
+    a row to its fallback."""
 
-    def __init__(self, costs: CostModel, rows: Sequence[Row], ks: Sequence[int], fit: tuple[float, float]):
+    def __init__(self, costs: CostModel, plan: Sequence[tuple[Row, int]], fit: tuple[float, float]):
         self.costs, self.fit = costs, fit
-        self.tokens = sum(r.tokens(k) for r, k in zip(rows, ks))
-        self.width = sum(k + 1 for k in ks)  # positions the target scores
+        self.tokens, self.width = 0.0, 0  # expected tokens; positions the target scores
         self.calls: dict[str, Counter[int]] = {}  # model drafter -> its rows' k, counted
         self._steps: dict[tuple[str, int], float] = {}
-        for r, k in zip(rows, ks):
-            if k > 0 and r.drafter not in costs.free:
-                self.calls.setdefault(r.drafter, Counter())[k] += 1
+        for row, k in plan:
+            self.add(row, k, 1)
+
+    def add(self, row: Row, k: int, sign: int) -> None:
+        self.tokens += sign * row.tokens(k)
+        self.width += sign * (k + 1)
+        if k > 0 and row.drafter not in self.costs.free:
+            calls = self.calls.setdefault(row.drafter, Counter())
+            calls[k] += sign
+            if calls[k] == 0:
+                del calls[k]
+
+    def drop(self, row: Row, k: int, sign: int = 1) -> None:
+        """``row``, drafting ``k``, sends its fallback instead (sign -1: back again)."""
+        self.add(row, k, -sign)
+        self.add(row.instead, row.instead.k, sign)
 
     def step(self, drafter: str, rows: int) -> float:
         key = (drafter, rows)
@@ -138,58 +158,51 @@ class Tally:
         seconds = self.seconds()
         return self.tokens / seconds if seconds > 0 else self.tokens * 1e12  # nothing measured yet: tokens decide
 
-    def drop(self, row: Row, k: int) -> None:
-        """``row``, drafting ``k``, drafts nothing instead."""
-        self.tokens -= row.tokens(k) - 1
-        self.width -= k
-        calls = self.calls.get(row.drafter)
-        if calls is not None:
-            calls[k] -= 1
-            if calls[k] == 0:
-                del calls[k]
 
-    def undrop(self, row: Row, k: int) -> None:
-        self.tokens += row.tokens(k) - 1
-        self.width += k
-        if row.drafter in self.calls:
-            self.calls[row.drafter][k] += 1
-
-
-def settle(costs: CostModel, rows: Sequence[Row], fit: tuple[float, float]) -> list[int]:
-    """Per row the k the batch keeps (0: none): of the per-row choices as they are, with the
-    model drafters' k capped at each shorter length (0: no model draft), and each of those with
-    its drafting rows dropped one by one, the least paying first (the last: every row off but
-    the probes), the plan with the best expected tokens per second of the whole batch. Equal
-    rates keep the earlier plan, so the per-row choices stand unless something pays more."""
-    best_ks, best = [r.k for r in rows], -1.0
+def settle(costs: CostModel, rows: Sequence[Row], fit: tuple[float, float]) -> list[tuple[str, int]]:
+    """Per row the drafter and k the batch sends (k = 0: none): of the per-row choices as they
+    are, with the model drafters' k capped at each shorter length (0: their rows send their
+    fallbacks), and each of those with its rows dropped to their fallbacks one by one, the
+    least paying first (the last: every row off but the probes), the plan with the best
+    expected tokens per second of the whole batch. Equal rates keep the earlier plan, so the
+    per-row choices stand unless something pays more."""
+    best_plan, best = [(r, r.k) for r in rows], -1.0
     longest = max((r.k for r in rows if r.drafter not in costs.free), default=0)
     for cap in range(longest, -1, -1):
-        ks = [r.k if r.fixed or r.drafter in costs.free else min(r.k, cap) for r in rows]
-        rate, drops = _drops(costs, rows, ks, fit)
+        plan = [_capped(r, cap, costs.free) for r in rows]
+        rate, drops = _drops(costs, plan, fit)
         if rate > best:
-            best_ks, best = [0 if j in drops else k for j, k in enumerate(ks)], rate
-    return best_ks
+            best_plan, best = [(r.instead, r.instead.k) if j in drops else (r, k) for j, (r, k) in enumerate(plan)], rate
+    return [(r.drafter, k) for r, k in best_plan]
 
 
-def _drops(costs: CostModel, rows: Sequence[Row], ks: list[int], fit: tuple[float, float]) -> tuple[float, set[int]]:
-    """The best rate of the plan ``ks`` with its first n droppable rows dropped (n = 0, 1, ...),
-    least paying first: expected extra tokens per second the row adds, its own verify positions
-    and the draft-call time it alone imposes on the batch; and the rows that plan drops."""
-    tally = Tally(costs, rows, ks, fit)
-    droppable = [j for j, r in enumerate(rows) if ks[j] > 0 and not r.fixed]
-    start = tally.seconds()
+def _capped(row: Row, cap: int, free: frozenset[str]) -> tuple[Row, int]:
+    """What ``row`` sends with the model drafters' k capped at ``cap`` (0: its fallback)."""
+    if row.fixed or row.drafter in free or row.k <= cap:
+        return row, row.k
+    return (row, cap) if cap > 0 else (row.instead, row.instead.k)
+
+
+def _drops(costs: CostModel, plan: list[tuple[Row, int]], fit: tuple[float, float]) -> tuple[float, set[int]]:
+    """The best rate of ``plan`` with its first n droppable rows sent as their fallbacks
+    (n = 0, 1, ...), least paying first: the expected tokens a row adds beyond its fallback,
+    less what the seconds it adds (its verify positions, the draft-call time it alone imposes
+    on the batch) yield at the plan's rate; and the rows that plan drops."""
+    tally = Tally(costs, plan, fit)
+    droppable = [j for j, (r, k) in enumerate(plan) if k > 0 and not r.fixed]
+    start, rate = tally.seconds(), tally.rate()
 
     def pays(j: int) -> float:
-        tally.drop(rows[j], ks[j])
+        row, k = plan[j]
+        tally.drop(row, k)
         saved = start - tally.seconds()
-        tally.undrop(rows[j], ks[j])
-        gain = rows[j].tokens(ks[j]) - 1
-        return gain / saved if saved > 0 else float("inf")
+        tally.drop(row, k, -1)
+        return row.tokens(k) - row.instead.tokens(row.instead.k) - rate * saved
 
     order = sorted(droppable, key=pays)
-    best, best_n = tally.rate(), 0
+    best, best_n = rate, 0
     for n, j in enumerate(order, 1):
-        tally.drop(rows[j], ks[j])
-        if (rate := tally.rate()) > best:
-            best, best_n = rate, n
+        tally.drop(*plan[j])
+        if (now := tally.rate()) > best:
+            best, best_n = now, n
     return best, set(order[:best_n])
