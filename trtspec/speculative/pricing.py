@@ -6,7 +6,7 @@ for both, whichever rows drafted. A choice is therefore priced by what the batch
 second, from the loop's own timings:
 
   rate(plan) = sum_j E(a_j, k_j) / (draft + verify)        E = 1 for a row that drafts nothing
-  draft      = per model drafter d that drafts: max_j k_j over its rows x step(d, its rows)
+  draft      = sum over the model drafters d that draft: the longest k of d's rows x step(d, d's rows)
   verify     = base + per_token x sum_j (k_j + 1)           every row of the batch, drafting or not
   step(d, r) = seconds of one draft step of d over r rows: the median of its recent calls of r
                rows; between two measured row counts, interpolated; beyond them, the nearest
@@ -14,6 +14,10 @@ second, from the loop's own timings:
 A draft step's cost is not linear in its rows (on a memory-bound CPU one step over 8 rows costs
 about what a step over 1 row does), so it is kept by row count, never as a cost per row. Free
 drafters (n-gram, suffix) cost no draft call but widen the verify.
+
+``settle`` weighs the per-row choices against the same with the model draft's k capped, with no
+model draft, and each of those with rows dropped to their fallbacks (a model-draft row's best
+free drafter's choice, else nothing) one by one, least paying first, down to every row off.
 """
 
 from __future__ import annotations
