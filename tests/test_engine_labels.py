@@ -76,3 +76,19 @@ def test_labels_of_a_sequence_no_slot_holds_is_none_and_an_engine_without_labels
     eng.labels = None
     with pytest.raises(EngineError, match="capture_labels"):
         eng.labels_of(_seq(10, 5), 0, 10)
+
+
+def test_rows_adopted_from_another_engine_hold_no_label(eng):
+    from trtspec.engines.torch.engine import TorchEngine
+
+    source = TorchEngine.load(eng.folder, slots=2)
+    first = _seq(14, 7)
+    eng.run([ForwardItem(first, len(first))])  # every row of its slot labelled
+    (slot,) = eng.last_slots
+    eng.forget_prefixes()  # the slot is free again, its rows' labels those of ``first``
+    seq = _seq(12, 8)
+    source.run([ForwardItem(seq, 1)])
+    assert eng.kv_mismatch(source) is None and eng.adopt(source, [seq + [3]]) == [len(seq)]
+    assert eng.pool.tokens[slot] == seq  # adopted into the slot ``first`` left
+    ids, _ = eng.labels_of(seq, 0, len(seq))
+    assert (ids == -1).all()

@@ -485,6 +485,8 @@ class TorchEngine:
                     adopted.append(0)
                     continue
                 self.pool.truncate(slot, 0)  # until every row is copied the slot holds nothing
+                if self.labels is not None:  # adopted rows come without their logits
+                    self.labels.forget(slot, 0, n)
                 for mine, theirs in ((self.cache.k, source.cache.k), (self.cache.v, source.cache.v)):
                     for dst, src_rows in zip(mine, theirs):  # each [slots, kv_heads, max_seq, head_dim]
                         dst[slot, :, :n].copy_(src_rows[src, :, :n])
