@@ -92,3 +92,25 @@ def test_rows_adopted_from_another_engine_hold_no_label(eng):
     assert eng.pool.tokens[slot] == seq  # adopted into the slot ``first`` left
     ids, _ = eng.labels_of(seq, 0, len(seq))
     assert (ids == -1).all()
+
+
+def test_an_engine_keeping_only_wanted_labels_scores_no_other_row(eng, monkeypatch):
+    """capture_labels(every_row=False) (the in-process runtime): a step's rows of sequences that
+    start with a wanted prompt get labels; the others hold none and go through no top-k."""
+    import trtspec.engines.torch.labels as labels
+
+    eng.capture_labels(K, every_row=False)
+    kept, other = _seq(12, 9), _seq(12, 10)
+    rows = []
+    topk = labels.torch.topk
+    monkeypatch.setattr(labels.torch, "topk", lambda x, k, dim: rows.append(x.shape[0]) or topk(x, k, dim=dim))
+    eng.want_labels([kept])
+    eng.run([ForwardItem(kept, 1), ForwardItem(other, 1)])
+    (scored, _) = eng.run([ForwardItem(kept + [5, 6], 3), ForwardItem(other + [5, 6], 3)])
+    eng.want_labels([kept], wanted=False)  # no longer wanted: later steps label nothing
+    eng.run([ForwardItem(kept + [5, 6, 7], 1)])
+    assert rows == [1, 3] and eng.labels.prompts == {}  # only the wanted sequence's rows, while wanted
+    monkeypatch.setattr(labels.torch, "topk", topk)
+    ids, _ = eng.labels_of(kept + [5, 6], 0, len(kept) + 2)
+    assert torch.equal(ids[len(kept) - 1 :], _top(scored)[0])
+    assert (eng.labels_of(other + [5, 6], 0, len(other) + 2)[0] == -1).all()

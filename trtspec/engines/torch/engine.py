@@ -367,11 +367,21 @@ class TorchEngine:
             slot = self._holding(tokens, stop)
             return None if slot is None else self.features[slot, start:stop].clone()
 
-    def capture_labels(self, k: int) -> None:
+    def capture_labels(self, k: int, every_row: bool = True) -> None:
         """Keep the top ``k`` logits (ids and values) of every position a run() computes logits
-        for from now on, per (slot, position) like the features (labels_of reads them)."""
+        for from now on, per (slot, position) like the features (labels_of reads them).
+        ``every_row`` False: only those of sequences starting with a prompt want_labels named."""
         with self._lock:
-            self.labels = LabelStore(self.max_batch_size, self.max_seq_len + TREE_ROWS, min(k, self.vocab_size))
+            rows = self.max_seq_len + TREE_ROWS
+            self.labels = LabelStore(self.max_batch_size, rows, min(k, self.vocab_size), every_row)
+
+    def want_labels(self, prompts: list[list[int]], wanted: bool = True) -> None:
+        """Sequences starting with one of ``prompts`` get labels from now on; ``wanted`` False:
+        no longer (one call each way per prompt, as with a count; labels kept stay)."""
+        if self.labels is None:
+            raise EngineError("this engine keeps no labels; call capture_labels first")
+        with self._lock:
+            (self.labels.want if wanted else self.labels.unwant)(prompts)
 
     def labels_of(self, tokens: list[int], start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(top ids [stop - start, k] int64, their logits [stop - start, k] float32) of positions
@@ -607,9 +617,8 @@ class TorchEngine:
             heads = wanted[0] if len(wanted) == 1 else torch.cat(wanted)  # [rows, hidden]
             logits = self._compiled_or_eager(heads.shape[0], lambda forward: forward.logits(heads))
         if self.labels is not None:  # serve.capture: each item's rows that got logits
-            self.labels.keep(
-                [(slot, len(it.tokens) - it.n_logits, it.n_logits) for it, (slot, _) in zip(items, assigned)], logits
-            )
+            rows = [(slot, len(it.tokens) - it.n_logits, it.n_logits) for it, (slot, _) in zip(items, assigned)]
+            self.labels.keep(rows, logits, [it.tokens for it in items])
         logits = logits.cpu()  # where the loop reads it
         self.forwards += 1
         out = list(logits.split([it.n_logits for it in items]))  # per item [n_logits, vocab]
