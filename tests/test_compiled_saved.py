@@ -9,21 +9,24 @@ import os
 import pickle
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from trtspec.engines.torch import saved
 
-# One process: load the tiny draft and target compiled, run, on the target, a prefill, a decode step
-# and a two-row step; save the logits; print what it traced and loaded. argv: engine folder,
-# output file, "plain" (torch.compile's path: no saved programs) or "saved".
+# One process: load the tiny pair compiled (the other engine first), run, on the engine given, a
+# prefill, a decode step and a two-row step; save the logits; print what it traced and loaded.
+# argv: engine folder, output file, "plain" (torch.compile's path: no saved programs) or "saved".
 _RUN = """
 import json, sys, torch
 from pathlib import Path
 from trtspec.engines.torch import compiled, saved
 from trtspec.engines.torch.engine import ForwardItem, TorchEngine
-other = TorchEngine.load(Path(sys.argv[1]).parent / "draft", slots=1)  # its Linears named in the process too
+folder = Path(sys.argv[1])
+other = folder.parent / ("target" if folder.name == "draft" else "draft")
+other = TorchEngine.load(other, slots=1)  # its Linears named in the process too
 engine = TorchEngine.load(Path(sys.argv[1]), slots=2)
 if sys.argv[3] == "plain":
     engine.program.saved = None
@@ -41,13 +44,14 @@ def target(built):
     return built("same").target.folder
 
 
-def _run(target, tmp_path, mode: str, out: str) -> tuple[dict, list[str], list[torch.Tensor]]:
+def _run(target, tmp_path, mode: str, out: str, **extra: str) -> tuple[dict, list[str], list[torch.Tensor]]:
     env = os.environ | {
         "TRTSPEC_CACHE": str(tmp_path / "cache"),  # programs saved here, by this test only
         "TORCHINDUCTOR_CACHE_DIR": os.environ["TORCHINDUCTOR_CACHE_DIR"],  # the session's C++
         "TRTSPEC_COMPILE": "1",
         "TRTSPEC_THREADS": "1",  # one count: every process runs the same programs
     }
+    env |= extra
     r = subprocess.run(
         [sys.executable, "-c", _RUN, str(target), str(tmp_path / out), mode],
         env=env,
@@ -84,6 +88,26 @@ def test_a_second_process_loads_the_saved_programs_traces_nothing_and_answers_th
     assert third["traced"] == 1
     assert all(torch.equal(a, b) for a, b in zip(expected, after, strict=True))
     assert pickle.loads(torn.read_bytes())["format"] == saved.FORMAT
+
+
+@pytest.mark.parametrize("layout", ["0", "panel"])  # PyTorch's int4/int8 kernels; the panel kernel
+def test_a_bfloat16_quantized_engines_programs_are_saved_and_loaded(built, tmp_path, layout):
+    """The demo's draft's kind (int4 layers, an int8 LM head, bfloat16): every program, its LM
+    head's included, is saved and loaded. A quantized Linear kept its activation dtype as an
+    attribute the program does not read, and torch's saved guards then read every bfloat16 tensor
+    back as missing: the LM head programs were compiled in each process, said in one line."""
+    folder = built("draft", **{"draft.quantization": "int4_wo", "draft.dtype": "bfloat16"}).draft.folder
+    shared = Path(os.environ["TRTSPEC_CACHE"]) / "native"  # the panel kernel, built once a session
+    shared.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "native").symlink_to(shared, target_is_directory=True)
+    first, notes, got = _run(folder, tmp_path, "saved", "first.pt", TRTSPEC_ONEDNN=layout)
+    assert first["traced"] > 0 and not notes, notes
+    assert {f.name.split(".")[1].split("-t")[0] for f in _files(tmp_path)} >= {"head-0", "head-1"}
+    second, notes, again = _run(folder, tmp_path, "saved", "second.pt", TRTSPEC_ONEDNN=layout)
+    variants = sum(len(pickle.loads(f.read_bytes())["variants"]) for f in _files(tmp_path))
+    assert second == {"traced": 0, "loaded": variants} and not notes, (second, notes)
+    assert all(torch.equal(a, b) for a, b in zip(got, again, strict=True))
 
 
 def test_a_foreign_file_is_ignored_in_one_line(tmp_path, capsys):

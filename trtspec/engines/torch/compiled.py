@@ -220,7 +220,6 @@ class StepProgram:
         d, device = model.cfg.head_dim, model.model.embed_tokens.weight.device
         with torch.inference_mode():  # as every input (StepTensors.normalised)
             self.signs = torch.cat((-torch.ones(d // 2), torch.ones(d - d // 2))).to(device)
-        self.logits_dtype = torch.float32
         self.register()
         self._compiled = torch.compile(self._hidden, fullgraph=True, dynamic=False)
         self._compiled_head = torch.compile(self._head, fullgraph=True, dynamic=False)
@@ -241,7 +240,7 @@ class StepProgram:
     def __getstate__(self) -> dict[str, object]:
         """What a saved program's guards keep of its program (torch pickles the traced code's
         locals with them): the attributes the traced code reads, not the compiled programs."""
-        return {k: self.__dict__[k] for k in ("model", "key", "streamed", "signs", "linears", "logits_dtype")}
+        return {k: self.__dict__[k] for k in ("model", "key", "streamed", "signs", "linears")}
 
     def _external(self) -> dict[str, object]:
         """What a saved program refers to by name, bound to this process's objects on loading."""
@@ -361,9 +360,7 @@ class StepProgram:
         return hidden
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        # .float() read through a guarded attribute: torch's saved guards drop a module's unread
-        # attributes by identity (PanelLinear.dtype), and float32 itself then reads back as missing
-        return self._lin(hidden, "lm_head").to(self.logits_dtype)
+        return self._lin(hidden, "lm_head").float()
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -151,7 +151,12 @@ class PanelLinear(nn.Module):
         w = linear.weight.detach()
         self.panels = kernel.pack(w.float().contiguous())  # [ceil(out / 32), in, 32]
         self.bias = linear.bias.detach() if linear.bias is not None else None
-        self.in_features, self.out_features, self.dtype = w.shape[1], w.shape[0], w.dtype
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        self._dtype = str(w.dtype).removeprefix("torch.")  # by name, not a torch.dtype: see saved.py
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self._dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [rows, in]
@@ -173,7 +178,7 @@ class QuantPanelLinear(nn.Module):
         from trtspec.engines.torch.quant import unpack_int4
 
         stored = linear.stored()
-        self.scheme, self.dtype = stored.scheme, linear.dtype
+        self.scheme, self._dtype = stored.scheme, str(linear.dtype).removeprefix("torch.")  # by name: see saved.py
         self.out_features, self.in_features = stored.shape
         self.bias = linear.bias.detach().float() if linear.bias is not None else None
         if stored.scheme == "int8_wo":
@@ -181,6 +186,10 @@ class QuantPanelLinear(nn.Module):
             self.mins = None
         else:
             self.codes, self.scales, self.mins = kernel.pack_q4(unpack_int4(stored.qweight), stored.scales, stored.mins)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self._dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).float()  # [rows, in]

@@ -124,13 +124,20 @@ class WeightOnlyLinear(nn.Module):
         super().__init__()
         self.scheme = weight.scheme
         self.out_features, self.in_features = weight.shape
-        self.dtype = dtype
+        # the activations' dtype by name: a compiled program calls this module without reading
+        # it, and a torch.dtype held so could not be saved with the program (saved.py)
+        self._dtype = str(dtype).removeprefix("torch.")
         self.qweight = nn.Parameter(weight.qweight, requires_grad=False)
         self.scales = nn.Parameter(weight.scales, requires_grad=False)
         self.mins = nn.Parameter(weight.mins, requires_grad=False) if weight.mins is not None else None
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self._kernel_weight: torch.Tensor | None = None  # set by pack()
         self._kernel_scales: torch.Tensor | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype."""
+        return getattr(torch, self._dtype)
 
     @classmethod
     def empty(cls, scheme: str, out_features: int, in_features: int, bias: bool, dtype: torch.dtype) -> WeightOnlyLinear:

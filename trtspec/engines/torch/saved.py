@@ -11,6 +11,13 @@ Every tensor the program reads (weights, packed kernel layouts, the KV cache) is
 from the live engine at each call, and the Linear modules it names are bound to this process's
 modules by name on loading (``external``).
 
+What the modules a program calls directly may hold: no ``torch.dtype`` (nor another object shared
+process-wide) as an attribute the program does not read. torch saves a program's guards with the
+modules it calls, and replaces each such unread attribute by a placeholder matched by identity:
+a dtype left there (a quantized Linear's activation dtype) read back every tensor of that dtype in
+the guards as missing, and the program could not be saved (quant.py's and native.py's Linears
+keep their dtype by name).
+
 Where: ``$TRTSPEC_CACHE/programs/<key>/<name>.bin``, ``key`` a digest of everything a program
 depends on (the machine, torch, trtspec's traced code, the weights, the kernel choice); ``name``
 the kind of step and the thread count. A file holds every variant met of that name (a variant per
