@@ -9,6 +9,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,81 @@ def test_an_eager_engine_saves_nothing(target, tmp_path, monkeypatch):
     engine = TorchEngine.load(target, slots=1)
     engine.run([ForwardItem([1, 2, 3], 1)])
     assert engine.program is None and not (tmp_path / "programs").exists()
+
+
+# -- old program folders ---------------------------------------------------------------------------
+
+DAY = 86400
+
+
+def _folder(root: Path, name: str, days_unused: float, marker: bool = True) -> Path:
+    """A program folder last used ``days_unused`` ago (by its marker, or by its own time)."""
+    folder = root / name
+    folder.mkdir(parents=True)
+    (folder / "draft-0.head-0-t1.bin").write_bytes(b"x")
+    when = time.time() - days_unused * DAY
+    if marker:
+        (folder / saved.USED).touch()
+        os.utime(folder / saved.USED, (when, when))
+    os.utime(folder, (when, when))
+    return folder
+
+
+def test_folders_unused_for_keep_days_are_removed_and_nothing_else(tmp_path):
+    root, old = tmp_path / "programs", saved.KEEP_DAYS + 1
+    stale, legacy = _folder(root, "a" * 24, old), _folder(root, "b" * 24, old, marker=False)
+    recent = _folder(root, "c" * 24, old)
+    (recent / saved.USED).touch()  # read now by another process
+    kept, other = _folder(root, "d" * 24, old), _folder(root, "not-a-program-folder", old)
+    outside = _folder(tmp_path / "elsewhere", "e" * 24, old)
+    (root / ("f" * 24)).symlink_to(outside, target_is_directory=True)
+    leftover = _folder(root, ".removing-" + "9" * 24 + "-1", old)  # a pruner killed midway
+    assert sorted(saved.prune(root, keep=kept.name)) == [stale.name, legacy.name]
+    assert sorted(p.name for p in root.iterdir()) == sorted([recent.name, kept.name, other.name, "f" * 24, saved.LOCK])
+    assert (outside / "draft-0.head-0-t1.bin").exists() and not leftover.exists()
+    assert saved.prune(root, keep=kept.name, now=time.time() + (saved.KEEP_DAYS - 1) * DAY) == []
+    assert saved.prune(root, keep=kept.name, now=time.time() + (saved.KEEP_DAYS + 1) * DAY) == [recent.name]
+
+
+def test_a_folder_being_read_is_never_removed(tmp_path):
+    from trtspec.files import file_lock
+
+    root = tmp_path / "programs"
+    old = _folder(root, "a" * 24, saved.KEEP_DAYS + 1)
+    with file_lock(root / saved.LOCK, shared=True) as held:  # as a loading process holds it
+        assert held and saved.prune(root, keep="") == [] and old.exists()
+    assert saved.prune(root, keep="") == [old.name] and not old.exists()
+
+
+def test_a_folder_that_vanishes_while_pruned_is_passed_over(tmp_path, monkeypatch):
+    root = tmp_path / "programs"
+    gone, old = _folder(root, "a" * 24, saved.KEEP_DAYS + 1), _folder(root, "b" * 24, saved.KEEP_DAYS + 1)
+    rename = os.rename
+
+    def racing(src, dst):  # another pruner got there first
+        if Path(src).name == gone.name:
+            raise FileNotFoundError(src)
+        rename(src, dst)
+
+    monkeypatch.setattr(saved.os, "rename", racing)
+    assert saved.prune(root, keep="") == [old.name]
+
+
+class _Program:
+    """What _save reads of a program: its serialized bytes."""
+
+    @staticmethod
+    def serialize(program, external):
+        return type("Saved", (), {"serialized_data": b"program"})
+
+
+def test_reading_marks_a_folder_used_and_writing_prunes_its_old_siblings(tmp_path, monkeypatch):
+    root = tmp_path / "programs"
+    old, mine = _folder(root, "a" * 24, saved.KEEP_DAYS + 1), _folder(root, "b" * 24, saved.KEEP_DAYS + 1)
+    (mine / "x.bin").write_bytes(pickle.dumps({"format": saved.FORMAT, "variants": []}))
+    store = saved.SavedPrograms(mine, dict)
+    assert store._load("x") == [] and time.time() - saved.last_used(mine) < DAY  # read: used now
+    monkeypatch.setattr(saved, "_pruned", set())
+    store.variants["y"] = [_Program()]
+    store._save("y")
+    assert (mine / "y.bin").exists() and not old.exists() and mine.exists()

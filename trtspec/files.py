@@ -179,14 +179,28 @@ def file_record(path: Path) -> FileRecord:
 def exclusive_lock(path: Path) -> Iterator[None]:
     """An exclusive lock on ``path`` (POSIX flock, released when its process ends, however it
     ends); without one (no fcntl, an unwritable folder), no lock."""
+    with file_lock(path):
+        yield
+
+
+@contextmanager
+def file_lock(path: Path, *, shared: bool = False, wait: bool = True) -> Iterator[bool]:
+    """A POSIX flock on ``path`` for the block (released too when its process ends, however it
+    ends): exclusive, or ``shared`` (held by many processes at once, never beside an exclusive
+    one). Yields whether it is held: False without one (no fcntl, an unwritable folder) or, not
+    to ``wait``, where another process holds one that conflicts."""
     try:
         import fcntl
 
         path.parent.mkdir(parents=True, exist_ok=True)
         handle = open(path, "a")  # noqa: SIM115 (held across the yield)
     except (ImportError, OSError):
-        yield
+        yield False
         return
     with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
+        held = True
+        try:
+            fcntl.flock(handle, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            held = False
+        yield held

@@ -24,21 +24,33 @@ the kind of step and the thread count. A file holds every variant met of that na
 set of guards: e.g. a one-slot KV cache and a many-slot one). Written atomically; a file that does
 not load (torn, another torch, another version of this format) is compiled again and replaced,
 said in one line on stderr.
+
+Kept while used: a process that reads or writes a program touches its folder's ``used`` marker,
+and a process that writes a program removes, once, the sibling folders no process has used for
+KEEP_DAYS (``prune``): every change of machine, threads, torch, code or weights makes a new
+folder, and the old ones would stay for ever. Readers and writers share ``programs/.lock``; the
+pruner takes it alone or skips (never removing a folder being read), and moves each folder aside
+under a hidden name before removing it, so that a removal cut short is never read as programs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
+import os
 import pickle
+import re
+import shutil
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from trtspec.files import write_bytes_atomic
+from trtspec.files import file_lock, write_bytes_atomic
 
 FORMAT = "trtspec-programs-1"
 # what torch's dim markings leave on a tensor: a program loaded from disk guards that its inputs
@@ -57,6 +69,13 @@ _TRACED = ("compiled.py", "model.py", "native.py", "quant.py")
 
 MAX_VERIFIED = 1024  # call signatures remembered per engine before the memory starts again
 loads = 0  # programs loaded from disk in this process (compiled.compiles counts them too)
+
+KEEP_DAYS = 14  # a program folder no process has read or written for this long is removed (prune)
+USED = "used"  # the marker in a program folder, touched whenever a process reads or writes there
+LOCK = ".lock"  # in programs/: shared by readers and writers, held alone by the pruner
+_FOLDER = re.compile(r"[0-9a-f]{24}")  # a program folder's name (compiled.saved_folder's digest)
+_REMOVING = ".removing-"  # a folder moved aside to be removed
+_pruned: set[Path] = set()  # the programs/ folders this process has pruned (once each)
 
 
 def code_digest() -> str:
@@ -151,6 +170,13 @@ class SavedPrograms:
         path = self.folder / f"{name}.bin"
         if not path.exists():
             return []
+        with file_lock(self.folder.parent / LOCK, shared=True):  # never pruned while read
+            if not path.exists():  # pruned before the lock was had
+                return []
+            _mark_used(self.folder)
+            return self._read_file(name, path)
+
+    def _read_file(self, name: str, path: Path) -> list[Any]:
         try:
             stored = pickle.loads(path.read_bytes())
             if not (isinstance(stored, dict) and stored.get("format") == FORMAT):
@@ -170,9 +196,52 @@ class SavedPrograms:
         data = [p.serialize(p, self.external()).serialized_data for p in self.variants[name]]
         blob = pickle.dumps({"format": FORMAT, "variants": data})
         try:
-            write_bytes_atomic(self.folder / f"{name}.bin", blob)
+            with file_lock(self.folder.parent / LOCK, shared=True):  # never pruned while written
+                write_bytes_atomic(self.folder / f"{name}.bin", blob)
+                _mark_used(self.folder)
         except OSError as err:  # a read-only cache: the next process compiles it too
             print(f"trtspec: the {name} step could not be saved ({err}); the next process compiles it again", file=sys.stderr)
+            return
+        if self.folder.parent not in _pruned:
+            _pruned.add(self.folder.parent)
+            prune(self.folder.parent, self.folder.name)
+
+
+def _mark_used(folder: Path) -> None:
+    with contextlib.suppress(OSError):  # a read-only cache: nothing is pruned there either
+        (folder / USED).touch()
+
+
+def last_used(folder: Path) -> float:
+    """When a process last read or wrote a program in ``folder``: its marker's time, or the
+    folder's own where later (a program written into it); now where neither can be read."""
+    times = []
+    for path in (folder / USED, folder):
+        with contextlib.suppress(OSError):
+            times.append(path.stat().st_mtime)
+    return max(times, default=time.time())
+
+
+def prune(root: Path, keep: str, now: float | None = None) -> list[str]:
+    """Remove the program folders in ``root`` (``$TRTSPEC_CACHE/programs``) that no process has
+    used for KEEP_DAYS, ``keep`` aside; returns their names. Only while no process reads or writes
+    a program there (else nothing now: the next writer prunes); nothing but program folders (no
+    link, no other name) is touched, and one that vanishes meanwhile is passed over."""
+    now = time.time() if now is None else now
+    removed: list[str] = []
+    with contextlib.suppress(OSError), file_lock(root / LOCK, wait=False) as held:
+        for entry in os.scandir(root) if held else ():
+            if entry.name == keep or not _FOLDER.fullmatch(entry.name) or not entry.is_dir(follow_symlinks=False):
+                continue
+            if now - last_used(Path(entry.path)) >= KEEP_DAYS * 86400:
+                with contextlib.suppress(OSError):  # gone already, or a name taken: passed over
+                    os.rename(entry.path, root / f"{_REMOVING}{entry.name}-{os.getpid()}")
+                    removed.append(entry.name)
+    with contextlib.suppress(OSError):  # these, and any a pruner killed midway left
+        for entry in os.scandir(root):
+            if entry.name.startswith(_REMOVING) and entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+    return removed
 
 
 def signature(args: tuple) -> tuple:
