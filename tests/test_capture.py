@@ -38,7 +38,9 @@ def deploy(tmp_path_factory, tiny_ckpts):
 def _serve(dep, tags, scopes=None, max_tokens=12):
     scopes = scopes or [""] * len(tags)
     reqs = [dep.request(dep.encode(p), max_tokens, 3, suffix_scope=s) for p, s in zip(PROMPTS, scopes)]
-    return reqs, dep.generate(reqs, tags=tags)
+    results = dep.generate(reqs, tags=tags)
+    dep.capture.flush()  # the parts are written by the writer's thread
+    return reqs, results
 
 
 def _clear(dep):
@@ -161,12 +163,15 @@ def test_distill_trains_and_scores_a_captured_part_where_a_fully_labelled_one_wo
 def test_keeping_a_request_runs_no_forward(deploy, monkeypatch):
     _clear(deploy)
     reqs = [deploy.request(deploy.encode(p), 12, 3) for p in PROMPTS]
-    results = deploy.generate(reqs)
+    tags = [CaptureTag(f"n{i}") for i in range(4)]
+    with deploy.labelled(reqs, tags):  # the target keeps their labels, as generate(tags=...) has it
+        results = deploy.generate(reqs)
     calls = []
     run = deploy.target._run_locked
     monkeypatch.setattr(deploy.target, "_run_locked", lambda items: calls.append(items) or run(items))
     before = deploy.target.forwards
-    kept = deploy.keep(reqs, results, [CaptureTag(f"n{i}") for i in range(4)])
+    kept = deploy.keep(reqs, results, tags)
+    deploy.capture.flush()
     assert all(kept) and len(parts(deploy.capture.folder)) == 4
     assert calls == [] and deploy.target.forwards == before
 
@@ -174,9 +179,12 @@ def test_keeping_a_request_runs_no_forward(deploy, monkeypatch):
 def test_a_request_the_engine_no_longer_holds_is_not_kept(deploy):
     _clear(deploy)
     reqs = [deploy.request(deploy.encode(p), 8, 3) for p in PROMPTS]
-    results = deploy.generate(reqs)
+    tags = [CaptureTag(f"g{i}") for i in range(4)]
+    with deploy.labelled(reqs, tags):
+        results = deploy.generate(reqs)
     deploy.target.forget_prefixes()  # its slots hold nothing now: neither features nor labels
-    assert deploy.keep(reqs, results, [CaptureTag(f"g{i}") for i in range(4)]) == [None] * 4
+    assert deploy.keep(reqs, results, tags) == [None] * 4
+    deploy.capture.flush()
     assert parts(deploy.capture.folder) == []
 
 
@@ -185,6 +193,26 @@ def test_opted_out_and_excluded_tenants_are_never_kept(deploy):
     tags = [CaptureTag("a", allowed=False), CaptureTag("b"), CaptureTag("c"), CaptureTag("d", allowed=False)]
     _serve(deploy, tags, scopes=["", "acme", "acme/alice", "bob"])
     assert read_capture(deploy.capture.folder) == []
+
+
+def test_only_requests_capture_may_keep_are_labelled_while_served(deploy):
+    """The target labels the rows of the requests serve.capture may keep, and no other: an
+    opted-out one, an excluded tenant's and one served without tags hold no label after the
+    steps that served them; the kept one holds its own."""
+    _clear(deploy)
+    tags = [CaptureTag("k0"), CaptureTag("k1", allowed=False), CaptureTag("k2")]
+    reqs, results = _serve(deploy, tags, scopes=["", "", "acme/alice"])
+    untagged = deploy.request(deploy.encode(PROMPTS[3]), 8, 3)
+    (alone,) = deploy.generate([untagged])
+    served = [*zip(reqs, results), (untagged, alone)]
+    labelled = []
+    for r, res in served:
+        tokens = r.prompt_ids + res.output_ids[:-1]
+        ids, _ = deploy.target.labels_of(tokens, len(r.prompt_ids) - 1, len(tokens))  # what keeping one reads
+        labelled.append("all" if bool((ids >= 0).all()) else "none" if bool((ids == -1).all()) else "some")
+    assert labelled == ["all", "none", "none", "none"]
+    assert [c.record["request_id"] for c in read_capture(deploy.capture.folder)] == ["k0"]
+    assert deploy.target.labels.prompts == {}  # nothing is wanted once generate returned
 
 
 def test_requests_without_tags_are_never_kept(deploy):

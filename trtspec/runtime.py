@@ -6,7 +6,8 @@ only its drafter and verifier differ (they call engine models instead of engines
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -79,7 +80,8 @@ class Deployment:
         # serve.capture (method eagle3 only, so the target keeps the features): None when off.
         self.capture = None
         if spec.serve.capture is not None:
-            self.capture = CaptureWriter(spec.serve.capture, loaded.capture_dir(), self.target)
+            # labels only of the requests it may keep: generate knows them before it runs them
+            self.capture = CaptureWriter(spec.serve.capture, loaded.capture_dir(), self.target, every_row=False)
 
     def drafter(
         self, method: str | None = None, suffix: SuffixSpec | None = None, policy: AdaptivePolicy | None = None
@@ -151,16 +153,32 @@ class Deployment:
         id and capture flag, for serve.capture (None: none is captured)."""
         drafter = self.drafter() if speculative else NoDrafter()
         policy = self.policy if speculative and use_schedule else None
-        results = generate(requests, drafter, self.verifier(), on_step, policy)
-        if tags is not None:
-            self.keep(requests, results, tags)
+        with self.labelled(requests, tags):
+            results = generate(requests, drafter, self.verifier(), on_step, policy)
+            if tags is not None:
+                self.keep(requests, results, tags)
         return results
+
+    @contextlib.contextmanager
+    def labelled(self, requests: Sequence[GenerationRequest], tags: Sequence[CaptureTag] | None) -> Iterator[None]:
+        """While it lasts the target keeps the labels of the ``requests`` serve.capture may keep
+        (their tags allow it, docs/capture.md), and of no other: the rest pay no top-k."""
+        if self.capture is None or tags is None:
+            yield
+            return
+        rows = zip(requests, tags, strict=True)
+        prompts = [list(r.prompt_ids) for r, t in rows if self.capture.wants(t.request_id, r.suffix_scope, t.allowed)]
+        self.target.want_labels(prompts)
+        try:
+            yield
+        finally:
+            self.target.want_labels(prompts, wanted=False)
 
     def keep(
         self, requests: Sequence[GenerationRequest], results: Sequence[GenerationResult], tags: Sequence[CaptureTag]
     ) -> list:
         """Capture the answered ``requests`` that serve.capture wants (docs/capture.md): per
-        request, the part written, or None."""
+        request, the part its writer thread writes, or None (not kept)."""
         if self.capture is None:
             return [None] * len(requests)
         return [
@@ -169,6 +187,11 @@ class Deployment:
             else None
             for r, res, t in zip(requests, results, tags, strict=True)
         ]
+
+    def close(self) -> None:
+        """serve.capture's writer writes what it holds and stops (nothing else needs closing)."""
+        if self.capture is not None:
+            self.capture.close()
 
     def forget_prefixes(self) -> None:
         """Empty every engine's prefix cache. Timed comparisons call this before each run:

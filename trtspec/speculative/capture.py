@@ -9,24 +9,31 @@ tokens, the feature layers at every position and the target's top-k labels after
 last position and every response position, all read from what the engine kept while it served
 the request (no second forward). Where: one part per request, named
 capture-<ns since epoch>-<digest>.safetensors, written to a temp name, fsynced, renamed; the
-folder is kept under max_gb by removing the oldest parts first.
+folder is kept under max_gb by removing the oldest parts first. When: the serving thread only
+copies the request's features and labels out of the engine (its slot may serve another
+sequence next); a writer thread of its own serializes, hashes, writes and bounds, from a bounded
+queue (full: that request is not kept, and counted), drained by close().
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import queue
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from trtspec import console
 from trtspec.engines.torch.engine import TorchEngine
 from trtspec.spec import CaptureSpec
 from trtspec.speculative.parts import SOFT_TOP_K, Sample, part_record, read_part, write_part
 
 PATTERN = "capture-*.safetensors"
+QUEUE = 16  # parts a writer holds waiting for its thread; a request kept past them is dropped
 
 
 def chosen(request_id: str, share: float) -> bool:
@@ -71,33 +78,84 @@ class Captured:
 class CaptureWriter:
     """Keeps chosen requests in ``folder``; one per deployment (or Triton engine model), over
     the target ``engine`` that serves them: it keeps their features (capture_features, turned
-    on by whoever loads the head) and, from now on, the top SOFT_TOP_K logits of every position
-    it scores (capture_labels)."""
+    on by whoever loads the head) and, from now on, the top SOFT_TOP_K logits of the positions
+    it scores (capture_labels: of every sequence, or with ``every_row`` False only of those
+    whose prompt the caller wants, engine.want_labels). Parts are written by a thread of its
+    own from a queue of ``queue_size``; ``dropped`` counts the requests a full queue lost,
+    ``failed`` the writes that failed."""
 
-    def __init__(self, spec: CaptureSpec, folder: Path, engine: TorchEngine, clock=time.time_ns):
+    def __init__(
+        self,
+        spec: CaptureSpec,
+        folder: Path,
+        engine: TorchEngine,
+        clock=time.time_ns,
+        every_row: bool = True,
+        queue_size: int = QUEUE,
+    ):
         self.spec = spec
         self.folder = Path(folder)
         self.max_bytes = int(spec.max_gb * 1e9)
-        engine.capture_labels(SOFT_TOP_K)
+        engine.capture_labels(SOFT_TOP_K, every_row)
         self.features_of, self.labels_of, self.clock = engine.features_of, engine.labels_of, clock
         self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)  # users' text: the owner's only
+        self.dropped = self.failed = 0
+        self.closed = False
+        self.lock = threading.Lock()
+        self.pending: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.thread = threading.Thread(target=self._write_loop, name="trtspec-capture-writer", daemon=True)
+        self.thread.start()
 
     def wants(self, request_id: str, scope: str | None, allowed: bool = True) -> bool:
         return wanted(self.spec, request_id, scope, allowed)
 
     def record(self, request_id: str, prompt_ids: list[int], output_ids: list[int], scope: str | None) -> Path | None:
-        """Keep prompt + response as one part, from what the engine kept while serving it;
-        None when the engine no longer holds it (then nothing is written)."""
-        sample = self.sample_of(list(prompt_ids), list(output_ids))
+        """Keep prompt + response as one part, from what the engine kept while serving it: the
+        part this request will be written to by the writer thread; None when the engine no
+        longer holds it or the writer's queue is full (then nothing is written)."""
+        sample = self.sample_of(list(prompt_ids), list(output_ids))  # copied out now: the slot may be reused
         if sample is None:
             return None
         now = self.clock()
         digest = hashlib.sha256(f"{request_id}:{now}:{os.getpid()}".encode()).hexdigest()[:12]
         path = self.folder / f"capture-{now:020d}-{digest}.safetensors"
         meta = {"request_id": request_id, "tenant": tenant_of(scope), "scope": scope or "", "time_ns": now}
-        write_part(path, [sample], meta)
-        bound(self.folder, self.max_bytes)
+        with self.lock:
+            try:
+                if self.closed:
+                    raise queue.Full
+                self.pending.put_nowait((path, sample, meta))
+            except queue.Full:  # serving never waits for a write: this request is not kept
+                self.dropped += 1
+                return None
         return path
+
+    def flush(self) -> None:
+        """Wait until every part queued so far is written (or failed)."""
+        self.pending.join()
+
+    def close(self) -> None:
+        """Write what is queued, then stop the writer thread; later requests are not kept."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True  # no record() queues after this: the stop below is the last item
+        self.pending.put((None, None, None))
+        self.thread.join()
+
+    def _write_loop(self) -> None:
+        while True:
+            path, sample, meta = self.pending.get()
+            try:
+                if path is None:
+                    return
+                write_part(path, [sample], meta)
+                bound(self.folder, self.max_bytes)
+            except Exception as err:  # the answer is out; a write that fails loses only its part
+                self.failed += 1
+                console.info(f"serve.capture could not write {path.name}: {type(err).__name__}: {err}")
+            finally:
+                self.pending.task_done()
 
     def sample_of(self, prompt_ids: list[int], output_ids: list[int]) -> Sample | None:
         """The request as distill reads it: every fed position's features, and the target's

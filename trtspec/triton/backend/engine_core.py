@@ -501,11 +501,12 @@ def answer_features(inputs: Mapping[str, np.ndarray], features_of, limits: Limit
 def answer_capture(inputs: Mapping[str, np.ndarray], capture) -> dict[str, np.ndarray]:
     """serve.capture (trtspec extension): keep one answered request, from the features and
     labels this engine kept while it served its steps (speculative/capture.py's
-    CaptureWriter.record: no forward; capture_kept 0 once its slot holds another sequence).
+    CaptureWriter.record: no forward; capture_kept 0 once its slot holds another sequence, or
+    while the writer's queue is full).
 
     inputs   input_ids [1, T] (prompt + response), input_lengths [1, 1],
              capture_prompt_length [1, 1], capture_request_id and capture_scope BYTES [1, 1]
-    outputs  capture_kept [1, 1] INT32: 1 when a part was written
+    outputs  capture_kept [1, 1] INT32: 1 when its part was queued for the writer thread
     """
     if capture is None:
         raise RequestError("capture_request_id: this engine model keeps no requests (serve.capture is off)")

@@ -6,7 +6,8 @@ keeps its prefix KV cache between requests (re-sent sequences are not recomputed
 
 Config parameters: engine_dir, role, kv_cache_slots, max_draft_len, vocab_limit (optional),
 exclude_input_in_output, capture_layers (optional, eagle3: answer hidden_states_from requests),
-capture (optional, serve.capture as JSON: keep the answered requests the endpoints send).
+capture (optional, serve.capture as JSON: keep the answered requests the endpoints send; their
+parts are written on a thread of their own, drained when the model is unloaded).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class TritonPythonModel:
         if params.get("capture"):  # serve.capture: keep the answered requests the endpoints send
             capture = capture_writer(params["capture"], self.engine)
         self.core = EngineCore(self.engine.run, limits, vocab_limit, exclude, features_of, lambda: self.engine.last_use, capture)
+        self.capture = capture  # closed (its parts written) when the model is unloaded
         self.name = args["model_name"]
         self.key = callers.server_key()  # only the repository's own BLS models may call (callers.py)
         if self.key is None:  # fail closed: no caller can be told from the endpoints
@@ -72,3 +74,8 @@ class TritonPythonModel:
             a = next(answers) if ok else outside
             out.append(pb.error_response(a) if isinstance(a, Exception) else pb.response(a))
         return out
+
+    def finalize(self):
+        """Unload: serve.capture's writer writes the parts it holds, then stops."""
+        if self.capture is not None:
+            self.capture.close()
