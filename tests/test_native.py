@@ -119,3 +119,21 @@ def test_a_build_killed_midway_stalls_no_later_load():
     done = _loads_in_a_new_process()
     assert done.returncode == 0, done.stderr
     assert library.stat().st_size > 4096 and not (folder / "lock").exists()  # built again, whole
+
+
+def test_a_bfloat16_engines_int4_codes_run_in_k_pairs_where_the_cpu_has_avx512_bf16():
+    from trtspec.engines.torch.quant import WeightOnlyLinear, quantize
+
+    kernel = native.panel_kernel()
+    if not kernel.has_q4_bf16():
+        pytest.skip("this CPU has no AVX512-BF16: int4 runs on float32 activations")
+    torch.manual_seed(3)
+    stored = quantize(torch.randn(100, 96) * 0.05, "int4_wo").cast(torch.bfloat16)
+    paired = native.QuantPanelLinear(WeightOnlyLinear(stored, None, torch.bfloat16))
+    unpaired = native.QuantPanelLinear(WeightOnlyLinear(stored, None, torch.float32))
+    assert paired.codes.shape[-1] == native.PAIRED and unpaired.codes.shape[-1] != native.PAIRED
+    x = torch.randn(5, 96).to(torch.bfloat16)
+    got = torch.ops.trtspec_native.linear_q4_bf16(x, paired.codes, paired.scales, paired.mins, None, 100)
+    # the same exact products as the float32 path, summed in another order
+    float_path = torch.ops.trtspec_native.linear_q4(x.float(), unpaired.codes, paired.scales, paired.mins, None, 100)
+    torch.testing.assert_close(got, float_path, rtol=1e-5, atol=1e-6)

@@ -33,6 +33,7 @@ from trtspec.files import exclusive_lock, sha256_file, write_text_atomic
 
 SOURCE = Path(__file__).with_name("csrc") / "panels.cpp"
 DISABLE_ENV = "TRTSPEC_NATIVE"  # 0: never build or use the panel kernel
+PAIRED = 32  # bytes a k pair of int4 codes takes in a panel (pair_q4), against 16 a k unpaired
 
 
 def _flags() -> str:
@@ -126,10 +127,11 @@ def _import(name: str, library: Path) -> ModuleType:
 
 def _register_shapes() -> None:
     """What the operators return, for torch.compile's tracing (the library defines them in C++)."""
-    for name in ("linear", "linear_q8", "linear_q4"):
+    names = ("linear", "linear_q8", "linear_q4", "linear_q4_bf16")
+    for name in names if hasattr(torch.ops.trtspec_native, "linear_q4_bf16") else names[:-1]:
 
         def fake(x: torch.Tensor, *args) -> torch.Tensor:
-            return x.new_empty((x.shape[0], args[-1]))  # [rows, n]
+            return x.new_empty((x.shape[0], args[-1]), dtype=torch.float32)  # [rows, n]
 
         torch.library.register_fake(f"trtspec_native::{name}")(fake)
 
@@ -168,7 +170,10 @@ class QuantPanelLinear(nn.Module):
     """A weight-only quantized Linear (quant.WeightOnlyLinear's stored codes) run by the panel
     kernel: int8 codes with a scale per output, or int4 codes with a scale and a min per
     output and group of 32 inputs (kept in bfloat16 when stored so, else float32). Activations
-    run in float32 inside; the output comes back in the engine's dtype."""
+    run in float32 inside; the output comes back in the engine's dtype. A bfloat16 engine's int4
+    codes on a CPU with AVX512-BF16 are kept in k pairs (``pair_q4``) and run by
+    ``linear_q4_bf16`` on the bfloat16 activations as they are: the same products, half the
+    instructions (csrc/panels.cpp)."""
 
     def __init__(self, linear: nn.Module):
         super().__init__()
@@ -185,15 +190,21 @@ class QuantPanelLinear(nn.Module):
             self.codes, self.scales = kernel.pack_q8(stored.qweight, stored.scales)
             self.mins = None
         else:
-            self.codes, self.scales, self.mins = kernel.pack_q4(unpack_int4(stored.qweight), stored.scales, stored.mins)
+            codes, self.scales, self.mins = kernel.pack_q4(unpack_int4(stored.qweight), stored.scales, stored.mins)
+            paired = linear.dtype == torch.bfloat16 and kernel.has_q4_bf16()
+            self.codes = kernel.pair_q4(codes) if paired else codes  # [panels, in / 2, 32] or [panels, in, 16]
 
     @property
     def dtype(self) -> torch.dtype:
         return getattr(torch, self._dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).float()  # [rows, in]
         ops = torch.ops.trtspec_native
+        if self.mins is not None and self.codes.shape[-1] == PAIRED:  # a bfloat16 engine's activations
+            flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [rows, in]
+            out = ops.linear_q4_bf16(flat, self.codes, self.scales, self.mins, self.bias, self.out_features)
+            return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        flat = x.reshape(-1, x.shape[-1]).float()  # [rows, in]
         if self.mins is None:
             out = ops.linear_q8(flat, self.codes, self.scales, self.bias, self.out_features)  # [rows, out] float32
         else:

@@ -162,6 +162,12 @@ void chunk_q4(const float* x, const float* xsum, int64_t K, const uint8_t* codes
 // its pairs read as one 32-bit word. Each pair of codes becomes a bfloat16 pair by a table look-up
 // and one dot-product instruction adds both products exactly (bfloat16 products fit float32), so
 // a k pair costs seven vector instructions for 64 weights, where chunk_q4 spends fourteen.
+// How far ahead of the codes being read their next bytes are asked for: a panel's codes are a
+// few KiB, so the hardware's prefetcher alone waits at each panel's start. Streaming the demo
+// draft's 66 MB of int4 Linears, one row: 3.87 ms without, 3.17 ms at 4 KiB (1 KiB 3.19, 16 KiB
+// 3.55; a quiet 2-core EPYC, all within +-5%).
+constexpr int64_t PREFETCH_Q4 = 4096;
+
 template <int R, typename S>
 void chunk_q4_bf16(const uint16_t* x, const float* xsum, int64_t K, const uint8_t* codes, const S* scales,
                    const S* mins, const float* bias, float* out, int64_t N, int64_t n0) {
@@ -181,6 +187,7 @@ void chunk_q4_bf16(const uint16_t* x, const float* xsum, int64_t K, const uint8_
       for (int r = 0; r < R; r++)
         for (int j = 0; j < NB; j++) part[e][r][j] = _mm512_setzero_ps();
     for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k += 4) {
+      _mm_prefetch((const char*)(codes + k * (P / 2)) + PREFETCH_Q4, _MM_HINT_T0);
       for (int e = 0; e < 2; e++) {
         const int64_t kp = k + 2 * e;  // this pair's first k
         const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(codes + kp * (P / 2))));
