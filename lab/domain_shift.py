@@ -206,6 +206,7 @@ def capture_stage(args, rows: list[dict], far: list[dict]) -> dict:
     dep = deployment(old_spec, args.batch)
     runs = serve(dep, rows[: args.served + args.held], args.max_tokens, args.batch, capture=True)
     sets = serve_sets(dep, args, [], far)
+    dep.close()  # the capture writer's thread writes the parts it still holds
     return {"served": runs[: args.served], "held_out": runs[args.served :], "far": sets["far"], "verify": sets["verify"]}
 
 

@@ -49,6 +49,7 @@ def served(tmp_path_factory, tiny_ckpts):
     for n in range(0, len(TRAFFIC), 4):  # the tiny engine's batch
         reqs = [dep.request(dep.encode(p), 12, 3) for p in TRAFFIC[n : n + 4]]
         dep.generate(reqs, tags=[CaptureTag(f"t{i}") for i in range(n, n + len(reqs))])
+    dep.close()  # the writer's thread writes what it holds
     assert len(parts(loaded.capture_dir())) == len(TRAFFIC)
     return root, spec, loaded
 

@@ -177,8 +177,9 @@ class Deployment:
     def keep(
         self, requests: Sequence[GenerationRequest], results: Sequence[GenerationResult], tags: Sequence[CaptureTag]
     ) -> list:
-        """Capture the answered ``requests`` that serve.capture wants (docs/capture.md): per
-        request, the part its writer thread writes, or None (not kept)."""
+        """Capture the answered ``requests`` that serve.capture wants (docs/capture.md), from the
+        labels the target kept while they were served inside ``labelled`` (generate with tags
+        does both): per request, the part its writer thread writes, or None (not kept)."""
         if self.capture is None:
             return [None] * len(requests)
         return [
