@@ -135,7 +135,8 @@ def ensemble_config(step_model: str, batch: int) -> ModelConfig:
 # features it captured of positions hidden_states_from..input_length-1.
 EAGLE3_INPUTS = [_in("hidden_states_from", "TYPE_INT32")]
 # serve.capture (trtspec extension): an endpoint sends the target model each answered request
-# it chose (prompt + response); the target scores and keeps it (speculative/capture.py).
+# it chose (prompt + response); the target keeps it from the features and labels it kept while
+# serving it (speculative/capture.py).
 CAPTURE_INPUTS = [
     _in("capture_request_id", "TYPE_STRING"),
     _in("capture_scope", "TYPE_STRING"),
