@@ -117,3 +117,22 @@ def test_a_failed_write_loses_only_its_part(tmp_path, monkeypatch):
     w.record("r1", PROMPT, OUTPUT, "")
     w.close()
     assert w.failed == 1 and [c.record["request_id"] for c in read_capture(tmp_path)] == ["r1"]
+
+
+def test_unloading_the_target_engine_model_writes_the_queued_parts(tmp_path, held, monkeypatch):
+    import pb_standin
+
+    pb_standin.install(monkeypatch)
+    try:
+        from trtspec.triton.backend.models.engine_model import TritonPythonModel
+
+        started, release, _ = held
+        model = object.__new__(TritonPythonModel)
+        model.capture = _writer(tmp_path)
+        paths = [model.capture.record(f"r{i}", PROMPT, OUTPUT, "") for i in range(3)]
+        assert started.wait(30)
+        threading.Timer(0.2, release.set).start()
+        model.finalize()  # what Triton calls on unload
+        assert parts(tmp_path) == sorted(paths) and not model.capture.thread.is_alive()
+    finally:
+        pb_standin.forget()
