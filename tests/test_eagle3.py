@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -506,3 +507,25 @@ def test_bench_methods_refuses_what_it_cannot_compare(eagle_deploy, built, tmp_p
     assert r.exit_code == 2 and "target weights differ" in r.output
     r = runner.invoke(app, [*base, "--methods", "medusa"])
     assert r.exit_code == 2 and "unknown method 'medusa'" in r.output
+
+
+def test_compare_methods_times_no_methods_first_meeting_with_its_engine(eagle_deploy):
+    """A drafter's first call compiles or loads its engine's programs (tens of seconds where
+    none is saved): the comparison meets each method once untimed before it times any."""
+    from trtspec.bench.methods import compare_methods
+    from trtspec.speculative.drafters import NgramDrafter
+
+    first = []
+
+    class SlowFirst(NgramDrafter):
+        def propose(self, contexts, draft_lens):
+            if not first:
+                first.append(True)
+                time.sleep(1.0)  # a first meeting, as a compile is
+            return super().propose(contexts, draft_lens)
+
+    dep = eagle_deploy("exact", target="bigram-target")
+    reqs = [dep.request(dep.encode("The quick brown fox"), 12, 0)]
+    base, slow = compare_methods(dep.verifier(), {"ngram": (SlowFirst, 4)}, reqs, dep.forget_prefixes)
+    assert first and slow.tokens == base.tokens == 12  # the warm-up's tokens are not counted
+    assert slow.seconds < 1.0
