@@ -116,6 +116,24 @@ inline vec load_scales(const uint16_t* p, int j) {
 #endif
 }
 
+// A chunk's accumulators start at zero; each group of int4 inputs adds its two sets of sums
+// scaled, and its min times the rows' sums of that group's inputs (chunk_q4, chunk_q4_bf16)
+template <int R, int E>
+inline void zero(vec (&a)[E][R][NB]) {
+  for (int e = 0; e < E; e++)
+    for (int r = 0; r < R; r++)
+      for (int j = 0; j < NB; j++) a[e][r][j] = vec{};
+}
+
+template <int R, typename S>
+inline void add_group(vec (&acc)[1][R][NB], const vec (&part)[2][R][NB], const S* scales, const S* mins,
+                      const float* xsum, int64_t groups, int64_t g) {
+  for (int j = 0; j < NB; j++) {
+    const vec sc = load_scales(scales + g * P, j), m = load_scales(mins + g * P, j);
+    for (int r = 0; r < R; r++) acc[0][r][j] += sc * (part[0][r][j] + part[1][r][j]) + xsum[r * groups + g] * m;
+  }
+}
+
 // int4 codes [K, P / 2] of one panel; scales and mins [K / GROUP, P] (S: float or bfloat16 bits);
 // xsum [R, K / GROUP]. Two sets of group sums (even and odd k) keep two multiply-add chains per
 // vector in flight where one row alone would wait on each.
@@ -123,15 +141,12 @@ template <int R, typename S>
 void chunk_q4(const float* x, const float* xsum, int64_t K, const uint8_t* codes, const S* scales, const S* mins,
               const float* bias, float* out, int64_t N, int64_t n0) {
   constexpr int HALF = NB / 2;  // vectors per nibble half
-  vec acc[R][NB];
-  for (int r = 0; r < R; r++)
-    for (int j = 0; j < NB; j++) acc[r][j] = vec{};
+  vec acc[1][R][NB];
+  zero(acc);
   const int64_t groups = K / GROUP;
   for (int64_t g = 0; g < groups; g++) {
     vec part[2][R][NB];
-    for (int e = 0; e < 2; e++)
-      for (int r = 0; r < R; r++)
-        for (int j = 0; j < NB; j++) part[e][r][j] = vec{};
+    zero(part);
     for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k += 2) {
       for (int e = 0; e < 2; e++) {
         vec w[NB];
@@ -146,13 +161,10 @@ void chunk_q4(const float* x, const float* xsum, int64_t K, const uint8_t* codes
         }
       }
     }
-    for (int j = 0; j < NB; j++) {
-      const vec sc = load_scales(scales + g * P, j), m = load_scales(mins + g * P, j);
-      for (int r = 0; r < R; r++) acc[r][j] += sc * (part[0][r][j] + part[1][r][j]) + xsum[r * groups + g] * m;
-    }
+    add_group(acc, part, scales, mins, xsum, groups, g);
   }
   const int64_t width = std::min<int64_t>(P, N - n0);
-  for (int r = 0; r < R; r++) store(acc[r], nullptr, bias, out + r * N + n0, width, n0);
+  for (int r = 0; r < R; r++) store(acc[0][r], nullptr, bias, out + r * N + n0, width, n0);
 }
 
 
@@ -177,15 +189,12 @@ void chunk_q4_bf16(const uint16_t* x, const float* xsum, int64_t K, const uint8_
                                          0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080,
                                          0x4040, 0x4000, 0x3f80, 0x0000);
   const __m512i low = _mm512_set1_epi16(15);
-  vec acc[R][NB];
-  for (int r = 0; r < R; r++)
-    for (int j = 0; j < NB; j++) acc[r][j] = vec{};
+  vec acc[1][R][NB];
+  zero(acc);
   const int64_t groups = K / GROUP;
   for (int64_t g = 0; g < groups; g++) {
-    __m512 part[2][R][NB];
-    for (int e = 0; e < 2; e++)
-      for (int r = 0; r < R; r++)
-        for (int j = 0; j < NB; j++) part[e][r][j] = _mm512_setzero_ps();
+    vec part[2][R][NB];
+    zero(part);
     for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k += 4) {
       _mm_prefetch((const char*)(codes + k * (P / 2)) + PREFETCH_Q4, _MM_HINT_T0);
       for (int e = 0; e < 2; e++) {
@@ -197,19 +206,15 @@ void chunk_q4_bf16(const uint16_t* x, const float* xsum, int64_t K, const uint8_
           uint32_t pair;
           std::memcpy(&pair, x + r * K + kp, 4);
           const __m512bh xs = (__m512bh)_mm512_set1_epi32((int)pair);
-          part[e][r][0] = _mm512_dpbf16_ps(part[e][r][0], lo, xs);
-          part[e][r][1] = _mm512_dpbf16_ps(part[e][r][1], hi, xs);
+          part[e][r][0] = (vec)_mm512_dpbf16_ps((__m512)part[e][r][0], lo, xs);
+          part[e][r][1] = (vec)_mm512_dpbf16_ps((__m512)part[e][r][1], hi, xs);
         }
       }
     }
-    for (int j = 0; j < NB; j++) {
-      const vec sc = load_scales(scales + g * P, j), m = load_scales(mins + g * P, j);
-      for (int r = 0; r < R; r++)
-        acc[r][j] += sc * ((vec)part[0][r][j] + (vec)part[1][r][j]) + xsum[r * groups + g] * m;
-    }
+    add_group(acc, part, scales, mins, xsum, groups, g);
   }
   const int64_t width = std::min<int64_t>(P, N - n0);
-  for (int r = 0; r < R; r++) store(acc[r], nullptr, bias, out + r * N + n0, width, n0);
+  for (int r = 0; r < R; r++) store(acc[0][r], nullptr, bias, out + r * N + n0, width, n0);
 }
 #endif
 
