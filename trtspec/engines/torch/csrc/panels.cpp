@@ -116,37 +116,39 @@ inline vec load_scales(const uint16_t* p, int j) {
 #endif
 }
 
-// A chunk's accumulators start at zero; each group of int4 inputs adds its two sets of sums
-// scaled, and its min times the rows' sums of that group's inputs (chunk_q4, chunk_q4_bf16)
-template <int R, int E>
-inline void zero(vec (&a)[E][R][NB]) {
-  for (int e = 0; e < E; e++)
-    for (int r = 0; r < R; r++)
-      for (int j = 0; j < NB; j++) a[e][r][j] = vec{};
-}
-
-template <int R, typename S>
-inline void add_group(vec (&acc)[1][R][NB], const vec (&part)[2][R][NB], const S* scales, const S* mins,
-                      const float* xsum, int64_t groups, int64_t g) {
-  for (int j = 0; j < NB; j++) {
-    const vec sc = load_scales(scales + g * P, j), m = load_scales(mins + g * P, j);
-    for (int r = 0; r < R; r++) acc[0][r][j] += sc * (part[0][r][j] + part[1][r][j]) + xsum[r * groups + g] * m;
+// One chunk of R rows through one int4 panel, group by group: ``sums(g, part)`` adds group g's
+// products into two sets of sums (``part``, zeroed), which are then scaled and added with the
+// group's min times the rows' sums of its inputs (xsum [R, K / GROUP]); scales and mins
+// [K / GROUP, P] (S: float or bfloat16 bits).
+template <int R, typename S, typename Sums>
+void by_groups(const float* xsum, int64_t K, const S* scales, const S* mins, const float* bias, float* out,
+               int64_t N, int64_t n0, Sums&& sums) {
+  vec acc[R][NB];
+  for (int r = 0; r < R; r++)
+    for (int j = 0; j < NB; j++) acc[r][j] = vec{};
+  const int64_t groups = K / GROUP;
+  for (int64_t g = 0; g < groups; g++) {
+    vec part[2][R][NB];
+    for (int e = 0; e < 2; e++)
+      for (int r = 0; r < R; r++)
+        for (int j = 0; j < NB; j++) part[e][r][j] = vec{};
+    sums(g, part);
+    for (int j = 0; j < NB; j++) {
+      const vec sc = load_scales(scales + g * P, j), m = load_scales(mins + g * P, j);
+      for (int r = 0; r < R; r++) acc[r][j] += sc * (part[0][r][j] + part[1][r][j]) + xsum[r * groups + g] * m;
+    }
   }
+  const int64_t width = std::min<int64_t>(P, N - n0);
+  for (int r = 0; r < R; r++) store(acc[r], nullptr, bias, out + r * N + n0, width, n0);
 }
 
-// int4 codes [K, P / 2] of one panel; scales and mins [K / GROUP, P] (S: float or bfloat16 bits);
-// xsum [R, K / GROUP]. Two sets of group sums (even and odd k) keep two multiply-add chains per
-// vector in flight where one row alone would wait on each.
+// int4 codes [K, P / 2] of one panel, x float32 [R, K]. Two sets of group sums (even and odd k)
+// keep two multiply-add chains per vector in flight where one row alone would wait on each.
 template <int R, typename S>
 void chunk_q4(const float* x, const float* xsum, int64_t K, const uint8_t* codes, const S* scales, const S* mins,
               const float* bias, float* out, int64_t N, int64_t n0) {
   constexpr int HALF = NB / 2;  // vectors per nibble half
-  vec acc[1][R][NB];
-  zero(acc);
-  const int64_t groups = K / GROUP;
-  for (int64_t g = 0; g < groups; g++) {
-    vec part[2][R][NB];
-    zero(part);
+  by_groups<R>(xsum, K, scales, mins, bias, out, N, n0, [&](int64_t g, vec (&part)[2][R][NB]) {
     for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k += 2) {
       for (int e = 0; e < 2; e++) {
         vec w[NB];
@@ -161,25 +163,21 @@ void chunk_q4(const float* x, const float* xsum, int64_t K, const uint8_t* codes
         }
       }
     }
-    add_group(acc, part, scales, mins, xsum, groups, g);
-  }
-  const int64_t width = std::min<int64_t>(P, N - n0);
-  for (int r = 0; r < R; r++) store(acc[0][r], nullptr, bias, out + r * N + n0, width, n0);
+  });
 }
 
-
 #if defined(__AVX512BF16__)
-// int4 codes of one panel in k pairs [K / 2, P] bytes (byte 2i + e: output i's code at k + e in
-// the low nibble, output i + 16's in the high one), scales and mins as chunk_q4; x bfloat16 [R, K],
-// its pairs read as one 32-bit word. Each pair of codes becomes a bfloat16 pair by a table look-up
-// and one dot-product instruction adds both products exactly (bfloat16 products fit float32), so
-// a k pair costs seven vector instructions for 64 weights, where chunk_q4 spends fourteen.
 // How far ahead of the codes being read their next bytes are asked for: a panel's codes are a
 // few KiB, so the hardware's prefetcher alone waits at each panel's start. Streaming the demo
 // draft's 66 MB of int4 Linears, one row: 3.87 ms without, 3.17 ms at 4 KiB (1 KiB 3.19, 16 KiB
 // 3.55; a quiet 2-core EPYC, all within +-5%).
 constexpr int64_t PREFETCH_Q4 = 4096;
 
+// int4 codes of one panel in k pairs [K / 2, P] bytes (byte 2i + e: output i's code at k + e in
+// the low nibble, output i + 16's in the high one); x bfloat16 [R, K], its pairs read as one
+// 32-bit word. Each pair of codes becomes a bfloat16 pair by a table look-up and one dot-product
+// instruction adds both products exactly (bfloat16 products fit float32), so a k pair costs
+// seven vector instructions for 64 weights, where chunk_q4 spends fourteen.
 template <int R, typename S>
 void chunk_q4_bf16(const uint16_t* x, const float* xsum, int64_t K, const uint8_t* codes, const S* scales,
                    const S* mins, const float* bias, float* out, int64_t N, int64_t n0) {
@@ -189,12 +187,7 @@ void chunk_q4_bf16(const uint16_t* x, const float* xsum, int64_t K, const uint8_
                                          0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080,
                                          0x4040, 0x4000, 0x3f80, 0x0000);
   const __m512i low = _mm512_set1_epi16(15);
-  vec acc[1][R][NB];
-  zero(acc);
-  const int64_t groups = K / GROUP;
-  for (int64_t g = 0; g < groups; g++) {
-    vec part[2][R][NB];
-    zero(part);
+  by_groups<R>(xsum, K, scales, mins, bias, out, N, n0, [&](int64_t g, vec (&part)[2][R][NB]) {
     for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k += 4) {
       _mm_prefetch((const char*)(codes + k * (P / 2)) + PREFETCH_Q4, _MM_HINT_T0);
       for (int e = 0; e < 2; e++) {
@@ -211,10 +204,7 @@ void chunk_q4_bf16(const uint16_t* x, const float* xsum, int64_t K, const uint8_
         }
       }
     }
-    add_group(acc, part, scales, mins, xsum, groups, g);
-  }
-  const int64_t width = std::min<int64_t>(P, N - n0);
-  for (int r = 0; r < R; r++) store(acc[0][r], nullptr, bias, out + r * N + n0, width, n0);
+  });
 }
 #endif
 
